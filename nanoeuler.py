@@ -1,0 +1,1739 @@
+"""
+NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
+written by hand and proven by a float64 gradient check.
+
+    python nanoeuler.py check     # prove every gradient (float64 central differences)
+    python nanoeuler.py train     # train the small model on the embedded corpus
+    python nanoeuler.py chat --model out/small/best.safetensors
+
+The model (../SPEC.md is the contract; checkpoints are safetensors):
+- byte-level BPE tokenizer with GPT-2 style pre-tokenization and chat specials
+- token embedding, no learned positions; RoPE (rotate-half) on q and k
+- pre-norm blocks: RMSNorm -> grouped-query causal attention (Hq query heads
+  share Hkv key/value heads) -> RMSNorm -> SwiGLU MLP, both on a residual stream
+- no biases anywhere; K untied output heads, head k predicts token t+1+k
+  (multi-token prediction), loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)
+- AdamW, warmup + cosine schedule, grad-norm clipping; SFT with response-only
+  loss; KV-cache generation and self-speculative decoding with the MTP heads
+
+What it deliberately leaves out: dropout, mixed precision, gradient
+accumulation across processes, any autograd or framework. The GPU twin of this
+file is nanoeuler_cuda.py; it imports the tokenizer, data and checkpoint code
+from here.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import re
+import signal
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, fields
+
+# Training splits each batch over the cores with threads of its own (see
+# train_step), so BLAS must not start threads too: two layers of threads on two
+# cores made every step twice as slow. Set before numpy loads BLAS.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402  (after the thread settings above, on purpose)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class NanoEulerError(Exception):
+    """A problem the user can fix; main() prints it as one sentence, no traceback."""
+
+
+# -----------------------------------------------------------------------------
+# configuration
+
+@dataclass
+class Config:
+    V: int = 512              # vocabulary size (small 512, big 4096)
+    C: int = 128              # model width (small 128, big 768)
+    Hq: int = 4               # query heads (small 4, big 12)
+    Hkv: int = 2              # key/value heads, shared by Hq/Hkv query heads each (small 2, big 4)
+    L: int = 4                # transformer blocks (small 4, big 16)
+    T: int = 128              # context length (small 128, big 512)
+    F: int = 344              # SwiGLU hidden width = 8C/3 rounded up to a multiple of 8
+    K: int = 4                # output heads; head k predicts token t+1+k (small 4, big 4)
+    mtp_weight: float = 0.5   # weight of the mean extra-head loss
+
+    @property
+    def D(self):
+        """head dimension (small 32, big 64)"""
+        return self.C // self.Hq
+
+    def validate(self):
+        ok = (self.C % self.Hq == 0 and self.Hq % self.Hkv == 0 and self.D % 2 == 0
+              and self.K >= 1 and min(self.V, self.L, self.T, self.F) >= 1)
+        if not ok:
+            raise NanoEulerError(f"config {asdict(self)} is inconsistent: C must divide "
+                                 "into Hq heads of even size, Hq must be a multiple of Hkv")
+        return self
+
+
+PRESETS = {
+    "small": Config(V=512, C=128, Hq=4, Hkv=2, L=4, T=128, F=344, K=4),
+    "big": Config(V=4096, C=768, Hq=12, Hkv=4, L=16, T=512, F=2048, K=4),
+}
+
+
+# -----------------------------------------------------------------------------
+# tokenizer: byte-level BPE
+
+# GPT-2 style pre-tokenization, written for Python's re (which has no \p{L}):
+#   '(?:[sdmt]|ll|ve|re)   English contractions split off their word: "don't" -> "don", "'t"
+#    ?[^\W\d_]+            a run of letters, with at most one space before it
+#    ?\d+                  a run of digits, with at most one space before it
+#    ?(?:[^\s\w]|_)+       a run of other symbols (punctuation, emoji, marks), same
+#   \s+(?!\S)              whitespace, but not its last space when a word follows
+#   \s+                    whatever whitespace is left (at the end of the text)
+# So a space attaches to the word after it (" the" is one piece, not two), and
+# only runs of whitespace make whitespace pieces. Every character falls in one
+# of these classes, so the pieces always add up to the text: encoding is
+# lossless. BPE merges never cross a piece boundary.
+SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
+
+# Special tokens sit right after the 256 bytes at fixed ids, whatever the vocab
+# size; learned merges take the ids from 260 up. Ordinary text never encodes to
+# them: they come only from Tokenizer.special(name).
+SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+FIRST_MERGE_ID = 256 + len(SPECIALS)
+
+
+def merge(ids, pair, new_id):
+    """replace every non-overlapping occurrence of pair in ids, left to right, by new_id"""
+    out, i, n = [], 0, len(ids)
+    a, b = pair
+    while i < n:
+        if i + 1 < n and ids[i] == a and ids[i + 1] == b:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+class Tokenizer:
+    """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
+
+    def __init__(self, merges=()):
+        self.merges = [tuple(p) for p in merges]                     # in the order learned
+        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}
+        self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
+        for a, b in self.merges:
+            self.vocab.append(self.vocab[a] + self.vocab[b])
+        self.cache = {}                                              # piece -> ids
+
+    @property
+    def vocab_size(self):
+        return len(self.vocab)
+
+    def special(self, name):
+        """the id of a special token, e.g. special('<|endoftext|>') == 256"""
+        return 256 + SPECIALS.index(name)
+
+    @classmethod
+    def train(cls, text, vocab_size, progress=True):
+        """learn vocab_size - 260 merges from text.
+
+        Pairs are counted over the distinct pieces, each weighted by how often
+        it occurs, and after each merge only the pieces that held the merged
+        pair are recounted. A heap finds the most frequent pair; its stale
+        entries (counts that have since changed) are skipped when popped.
+        Ties go to the smallest pair of ids, so training is deterministic."""
+        import heapq
+        n_merges = vocab_size - FIRST_MERGE_ID
+        if n_merges < 0:
+            raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
+        pieces = defaultdict(int)
+        for piece in SPLIT_PATTERN.findall(text):
+            pieces[piece] += 1
+        seqs = [list(p.encode("utf-8")) for p in pieces]
+        freqs = list(pieces.values())
+        counts = defaultdict(int)                                    # pair -> weighted count
+        where = defaultdict(set)                                     # pair -> pieces holding it
+        for i, seq in enumerate(seqs):
+            for pair in zip(seq, seq[1:]):
+                counts[pair] += freqs[i]
+                where[pair].add(i)
+        heap = [(-c, pair) for pair, c in counts.items()]
+        heapq.heapify(heap)
+        merges, t0 = [], time.time()
+        while len(merges) < n_merges and heap:
+            neg, pair = heapq.heappop(heap)
+            if counts.get(pair, 0) != -neg:
+                continue                                             # stale entry
+            new_id = FIRST_MERGE_ID + len(merges)
+            merges.append(pair)
+            touched = set()
+            for i in where.pop(pair):
+                seq, f = seqs[i], freqs[i]
+                new = merge(seq, pair, new_id)
+                if len(new) == len(seq):
+                    continue                                         # merged away earlier
+                for p in zip(seq, seq[1:]):
+                    counts[p] -= f
+                    touched.add(p)
+                for p in zip(new, new[1:]):
+                    counts[p] += f
+                    where[p].add(i)
+                    touched.add(p)
+                seqs[i] = new
+            del counts[pair]
+            touched.discard(pair)
+            for p in touched:
+                if counts[p] > 0:
+                    heapq.heappush(heap, (-counts[p], p))
+            if progress and (len(merges) % 64 == 0 or len(merges) == n_merges):
+                print(f"\rtokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
+                      end="", file=sys.stderr, flush=True)
+        if progress and n_merges:
+            print(file=sys.stderr)
+        return cls(merges)
+
+    def encode_piece(self, piece):
+        """one pre-tokenized piece -> ids, applying merges in the order they were learned"""
+        ids = list(piece.encode("utf-8"))
+        ranks = self.ranks
+        while len(ids) >= 2:
+            pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, math.inf))
+            if pair not in ranks:
+                break
+            ids = merge(ids, pair, ranks[pair])
+        return ids
+
+    def encode(self, text):
+        """str -> list of ids; ordinary text only (see special for the others).
+
+        Text repeats its pieces endlessly ("the", " and"), so each distinct piece
+        is encoded once and its ids cached; the rest is dict lookups in C."""
+        from itertools import chain
+        pieces = SPLIT_PATTERN.findall(text)
+        cache = self.cache
+        if len(cache) > 1_000_000:
+            cache.clear()                                            # bound memory on huge corpora
+        for piece in set(pieces).difference(cache):
+            cache[piece] = self.encode_piece(piece)
+        return list(chain.from_iterable(map(cache.__getitem__, pieces)))
+
+    def decode(self, ids):
+        """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self):
+        """(V,) number of UTF-8 bytes of each token, for bits per byte; specials count 0"""
+        n = np.array([len(b) for b in self.vocab], dtype=np.int64)
+        n[256:FIRST_MERGE_ID] = 0
+        return n
+
+    def to_json(self):
+        return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
+                           "specials": {s: self.special(s) for s in SPECIALS},
+                           "merges": [list(p) for p in self.merges]})
+
+    @classmethod
+    def from_json(cls, text):
+        d = json.loads(text)
+        if d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
+            raise ValueError("its special tokens differ from this program's")
+        return cls(d["merges"])
+
+
+# -----------------------------------------------------------------------------
+# data
+
+DATA_DIR = os.path.join(HERE, "data")
+DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
+DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
+
+
+def corpus_files(path):
+    """a text file, or every .txt file under a folder, in sorted order"""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        if not files:
+            raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
+        return files
+    if not os.path.isfile(path):
+        raise NanoEulerError(f"{path} does not exist; pass a UTF-8 text file or a folder of .txt files")
+    return [path]
+
+
+def read_text(path):
+    """the whole file as str, refusing what is not UTF-8 text"""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); "
+                             "convert it, e.g. with iconv -t utf-8") from None
+
+
+def text_chunks(files, chunk_bytes=1 << 20):
+    """yield (text, is_last_of_its_file) in pieces of about chunk_bytes, cut after a newline"""
+    for path in files:
+        with open(path, "rb") as f:
+            rest = b""
+            while True:
+                block = f.read(chunk_bytes)
+                data = rest + block
+                cut = data.rfind(b"\n") + 1 if block else len(data)
+                if cut == 0:                 # a line longer than a chunk: cut after ASCII instead
+                    cut = len(data)
+                    while cut > 0 and data[cut - 1] & 0x80:
+                        cut -= 1
+                rest = data[cut:]
+                try:
+                    text = data[:cut].decode("utf-8")
+                except UnicodeDecodeError:
+                    raise NanoEulerError(f"{path} is not UTF-8 text; convert it, e.g. with iconv -t utf-8") from None
+                if text or not block:
+                    yield text, not block
+                if not block:
+                    break
+
+
+_worker_tokenizer = None
+
+
+def _start_worker(merges):
+    global _worker_tokenizer
+    _worker_tokenizer = Tokenizer(merges)
+
+
+def _encode_chunk(chunk):
+    text, last = chunk
+    return np.array(_worker_tokenizer.encode(text), dtype=np.uint16), len(text.encode("utf-8")), last
+
+
+def tokenize_files(files, tok, progress=True):
+    """files -> one uint16 array with <|endoftext|> after each file; every core, with progress.
+
+    Files are streamed in chunks of about 1 MB cut after a newline. Each chunk is
+    pre-tokenized on its own, which can split a run of blank lines differently
+    from the whole text would, but decoding still gives back exactly the text."""
+    import multiprocessing as mp
+    total = sum(os.path.getsize(f) for f in files)
+    eot = np.array([tok.special("<|endoftext|>")], dtype=np.uint16)
+    parts, done, t0 = [], 0, time.time()
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
+    with ctx.Pool(os.cpu_count() or 1, initializer=_start_worker, initargs=(tok.merges,)) as pool:
+        # imap keeps the chunks in order while every core encodes
+        for ids, nbytes, last in pool.imap(_encode_chunk, text_chunks(files)):
+            parts += [ids, eot] if last else [ids]
+            done += nbytes
+            if progress:
+                print(f"\rtokenizing: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
+                      f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return np.concatenate(parts)
+
+
+def file_digest(files):
+    """sha256 over the names and contents of the corpus files: the cache key"""
+    import hashlib
+    h = hashlib.sha256()
+    for path in files:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def sample_text(files, max_bytes=16 << 20):
+    """the first max_bytes of the corpus, to train the tokenizer on"""
+    texts, n = [], 0
+    for path in files:
+        text = read_text(path)[:max_bytes - n]
+        texts.append(text)
+        n += len(text)
+        if n >= max_bytes:
+            break
+    return "\n".join(texts)
+
+
+def prepare_data(path, vocab_size, cache_dir, progress=True):
+    """corpus -> (tokenizer, tokens): the tokenizer is trained once and the tokens are
+    stored once as uint16 .npy, both cached under cache_dir by the corpus's hash;
+    the tokens come back memory-mapped, so a corpus larger than memory works"""
+    files = corpus_files(path)
+    if vocab_size > 65536:
+        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
+    key = f"{vocab_size}_{file_digest(files)}"
+    os.makedirs(cache_dir, exist_ok=True)
+    tok_path = os.path.join(cache_dir, f"tokenizer_{key}.json")
+    if os.path.exists(tok_path):
+        with open(tok_path) as f:
+            tok = Tokenizer.from_json(f.read())
+    else:
+        text = sample_text(files)
+        if not text.strip():
+            raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
+        tok = Tokenizer.train(text, vocab_size, progress)
+        atomic_write_bytes(tok_path, tok.to_json().encode())
+    tokens_path = os.path.join(cache_dir, f"tokens_{key}.npy")
+    if not os.path.exists(tokens_path):
+        tokens = tokenize_files(files, tok, progress)
+        atomic_write(tokens_path, lambda f: np.save(f, tokens))
+    return tok, np.load(tokens_path, mmap_mode="r")
+
+
+def split_train_val(tokens, rows_len, val_fraction=0.1):
+    """the last val_fraction of the tokens is held out for validation"""
+    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)
+    if len(tokens) - n_val < rows_len + 1:
+        raise NanoEulerError(f"the corpus has only {len(tokens):,} tokens, too few for training rows of "
+                             f"{rows_len} tokens plus a validation part; give it more text")
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def get_batch(tokens, B, rows_len, rng):
+    """B rows of rows_len = T+K consecutive tokens at random offsets -> (B, T+K) int64"""
+    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)
+    return np.stack([tokens[o:o + rows_len] for o in offsets]).astype(np.int64)
+
+
+def fixed_rows(tokens, B, rows_len, max_batches):
+    """evenly spaced validation rows, the same at every evaluation -> list of (B, rows_len)"""
+    n_rows = max(1, min((len(tokens) - 1) // rows_len, B * max_batches))
+    starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
+    return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
+            for i in range(0, n_rows, B)]
+
+
+# -----------------------------------------------------------------------------
+# layers: forward and backward, side by side
+#
+# Every function takes its dtype from its inputs, so training runs them in
+# float32 and the gradient check runs the very same code in float64.
+# x_forward(...) -> out, cache;  x_backward(dout, cache) -> gradients (fresh arrays).
+
+def embedding_forward(idx, tok_emb):
+    """idx (B,T) ints, tok_emb (V,C) -> x (B,T,C)"""
+    return tok_emb[idx], (idx, tok_emb.shape)
+
+
+def embedding_backward(dx, cache):
+    """dx (B,T,C) -> dtok_emb (V,C); rows of repeated tokens add up"""
+    idx, shape = cache
+    dtok_emb = np.zeros(shape, dtype=dx.dtype)
+    np.add.at(dtok_emb, idx.reshape(-1), dx.reshape(-1, shape[1]))
+    return dtok_emb
+
+
+def linear_forward(x, w):
+    """x (..., IN), w (OUT, IN) -> x @ w.T (..., OUT); no bias, as SPEC says"""
+    # flatten to 2-D first: numpy loops over the leading axes of an N-D matmul,
+    # while one (B*T, IN) @ (IN, OUT) is a single large BLAS call, twice as fast
+    out = x.reshape(-1, x.shape[-1]) @ w.T                             # (N,IN) @ (IN,OUT)
+    return out.reshape(*x.shape[:-1], w.shape[0]), (x, w)
+
+
+def linear_backward(dout, cache):
+    """dout (..., OUT) -> dx (..., IN), dw (OUT, IN)"""
+    x, w = cache
+    dout2 = dout.reshape(-1, dout.shape[-1])                          # (N,OUT)
+    dx = (dout2 @ w).reshape(x.shape)                                 # (N,OUT) @ (OUT,IN)
+    dw = dout2.T @ x.reshape(-1, x.shape[-1])                         # (OUT,N) @ (N,IN)
+    return dx, dw
+
+
+def rmsnorm_forward(x, w, eps=1e-5):
+    """x (..., C), w (C,) -> out (..., C) = x / sqrt(mean(x^2) + eps) * w"""
+    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)       # (...,1)
+    return x * rstd * w, (x, w, rstd)
+
+
+def rmsnorm_backward(dout, cache):
+    """dout (..., C) -> dx (..., C), dw (C,)"""
+    x, w, rstd = cache
+    xhat = x * rstd                       # recompute: cheaper than caching another (B,T,C)
+    dw = (dout * xhat).reshape(-1, x.shape[-1]).sum(0)                 # (C,)
+    g = dout * w                          # gradient with respect to xhat
+    # rstd depends on every x of the row, hence the mean term
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx, dw
+
+
+@functools.lru_cache(maxsize=64)
+def rope_table(T, D, pos, dtype):
+    """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
+    freq = 10000.0 ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)  # (D/2,)
+    angle = np.arange(pos, pos + T, dtype=np.float64)[:, None] * freq      # (T, D/2)
+    return (np.cos(angle)[:, None, :].astype(dtype),
+            np.sin(angle)[:, None, :].astype(dtype))
+
+
+def rope_forward(x, pos=0):
+    """x (B,T,H,D) at absolute positions pos.. -> rotated x (B,T,H,D), rotate-half form"""
+    cos, sin = rope_table(x.shape[1], x.shape[3], pos, x.dtype)
+    a, b = np.split(x, 2, axis=-1)                                     # (B,T,H,D/2) each
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1), (cos, sin)
+
+
+def rope_backward(dout, cache):
+    """dout (B,T,H,D) -> dx (B,T,H,D): a rotation, so the backward rotates back"""
+    cos, sin = cache
+    da, db = np.split(dout, 2, axis=-1)
+    # forward was: out = (a cos - b sin, b cos + a sin)
+    return np.concatenate([da * cos + db * sin, db * cos - da * sin], -1)
+
+
+@functools.lru_cache(maxsize=64)
+def causal_mask(Tq, Tk, G, dtype):
+    """additive mask (G*Tq, Tk): 0 where query i (at position Tk-Tq+i) may see key j, else -inf"""
+    i = np.arange(Tq)[:, None] + (Tk - Tq)
+    mask = np.where(np.arange(Tk)[None, :] <= i, 0.0, -np.inf).astype(dtype)
+    return np.tile(mask, (G, 1))
+
+
+def attention_forward(q, k, v):
+    """q (B,Tq,Hq,D), k v (B,Tk,Hkv,D) -> y (B,Tq,Hq,D); causal, grouped-query.
+
+    Query head h reads kv head h // G with G = Hq/Hkv. Instead of repeating k
+    and v G times, the G query heads of one kv head are stacked along the time
+    axis, so one batched matmul per kv head serves all of them. Queries are the
+    last Tq positions of the Tk keys, which is what the KV cache needs."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qg = q.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
+    kt = k.transpose(0, 2, 3, 1)                                      # (B,Hkv,D,Tk)
+    vt = v.transpose(0, 2, 1, 3)                                      # (B,Hkv,Tk,D)
+    att = qg @ kt                             # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
+    att *= 1.0 / math.sqrt(D)
+    att += causal_mask(Tq, Tk, G, q.dtype)
+    att -= att.max(-1, keepdims=True)         # softmax, shifted so exp cannot overflow
+    np.exp(att, out=att)
+    att /= att.sum(-1, keepdims=True)
+    y = att @ vt                              # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
+    y = y.reshape(B, Hkv, G, Tq, D).transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
+    return y, (qg, kt, vt, att)
+
+
+def attention_backward(dy, cache):
+    """dy (B,Tq,Hq,D) -> dq (B,Tq,Hq,D), dk dv (B,Tk,Hkv,D)"""
+    qg, kt, vt, att = cache
+    B, Tq, Hq, D = dy.shape
+    Hkv = kt.shape[1]
+    G = Hq // Hkv
+    dyg = dy.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
+    datt = dyg @ vt.transpose(0, 1, 3, 2)     # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
+    # the G query heads of a kv head sit in one matmul, so their dv and dk add up here
+    dvt = att.transpose(0, 1, 3, 2) @ dyg     # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D) -> (B,Hkv,Tk,D)
+    # softmax backward: ds = att * (datt - sum(datt * att)); masked entries have att = 0
+    ds = datt
+    ds -= (datt * att).sum(-1, keepdims=True)
+    ds *= att
+    ds *= 1.0 / math.sqrt(D)
+    dqg = ds @ kt.transpose(0, 1, 3, 2)       # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
+    dkt = ds.transpose(0, 1, 3, 2) @ qg       # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D) -> (B,Hkv,Tk,D)
+    dq = dqg.reshape(B, Hkv, G, Tq, D).transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
+    return dq, dkt.transpose(0, 2, 1, 3), dvt.transpose(0, 2, 1, 3)
+
+
+def swiglu_forward(gu):
+    """gu (..., 2F) = gate then up -> silu(gate) * up (..., F)"""
+    F = gu.shape[-1] // 2
+    gate, up = gu[..., :F], gu[..., F:]
+    sig = np.multiply(gate, 0.5)
+    np.tanh(sig, out=sig)                    # sigmoid(z) = (1 + tanh(z/2)) / 2: no overflow, SIMD
+    sig += 1.0
+    sig *= 0.5
+    out = gate * sig
+    out *= up
+    return out, (gu, sig)
+
+
+def swiglu_backward(dout, cache):
+    """dout (..., F) -> dgu (..., 2F), gate gradients then up gradients"""
+    gu, sig = cache
+    F = sig.shape[-1]
+    gate, up = gu[..., :F], gu[..., F:]
+    dgu = np.empty_like(gu)
+    silu = gate * sig
+    np.multiply(dout, silu, out=dgu[..., F:])                         # forward was: out = silu * up
+    # d silu / d gate = sig + silu * (1 - sig)
+    dgate = np.subtract(1.0, sig, out=dgu[..., :F])
+    dgate *= silu
+    dgate += sig
+    dgate *= up
+    dgate *= dout
+    return dgu
+
+
+def cross_entropy_forward(logits, targets, n=None):
+    """logits (N,V), targets (N,) ints with -1 = ignore -> mean loss over kept targets.
+
+    n is the number of kept targets to divide by: by default those here, but a
+    micro-batch passes the count of its whole batch, so that micro-batch losses
+    and gradients add up exactly to the batch's. A head whose targets are all
+    ignored contributes 0 (there is nothing to predict)."""
+    N = logits.shape[0]
+    keep = targets >= 0
+    n = max(int(keep.sum()) if n is None else int(n), 1)
+    t = np.where(keep, targets, 0)
+    z = logits - logits.max(-1, keepdims=True)                        # (N,V), shifted
+    probs = np.exp(z)
+    sumexp = probs.sum(-1)                                            # (N,)
+    probs /= sumexp[:, None]
+    nll = np.log(sumexp) - z[np.arange(N), t]                         # (N,)
+    loss = (nll * keep).sum() / n
+    return loss, (probs, t, keep, n)
+
+
+def cross_entropy_backward(dloss, cache):
+    """dloss scalar -> dlogits (N,V) = (softmax - onehot) / n on kept rows, 0 on ignored rows"""
+    probs, t, keep, n = cache
+    dlogits = probs.copy()
+    dlogits[np.arange(len(t)), t] -= 1.0
+    dlogits *= (keep * (dloss / n))[:, None].astype(probs.dtype)
+    return dlogits
+
+
+def mtp_weights(cfg):
+    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight"""
+    return [1.0] + [cfg.mtp_weight / (cfg.K - 1)] * (cfg.K - 1)
+
+
+def mtp_heads_forward(x, heads, targets, cfg, counts=None):
+    """x (N,C), heads (K,V,C), targets (N,K) -> loss, ce (K,), cache; counts: see cross_entropy"""
+    ce, caches = [], []
+    for k in range(cfg.K):
+        logits = x @ heads[k].T                                       # (N,C) @ (C,V) -> (N,V)
+        ce_k, cache_k = cross_entropy_forward(logits, targets[:, k], None if counts is None else counts[k])
+        ce.append(ce_k)
+        caches.append(cache_k)
+    loss = sum(w * c for w, c in zip(mtp_weights(cfg), ce))
+    return loss, np.array(ce), (x, heads, caches, cfg)
+
+
+def mtp_heads_backward(dloss, cache):
+    """dloss scalar -> dx (N,C), dheads (K,V,C); every head adds into the dx they share"""
+    x, heads, caches, cfg = cache
+    dx = np.zeros_like(x)
+    dheads = np.empty_like(heads)
+    for k, w in enumerate(mtp_weights(cfg)):
+        dlogits = cross_entropy_backward(dloss * w, caches[k])       # (N,V)
+        dx += dlogits @ heads[k]                                      # (N,V) @ (V,C)
+        dheads[k] = dlogits.T @ x                                     # (V,N) @ (N,C)
+    return dx, dheads
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+def param_shapes(cfg):
+    """(name, shape) of every tensor, in SPEC order: the checkpoint's layout too"""
+    C, D, F, V = cfg.C, cfg.D, cfg.F, cfg.V
+    shapes = [("tok_emb", (V, C))]
+    for l in range(cfg.L):
+        shapes += [(f"layers.{l}.attn_norm", (C,)),
+                   (f"layers.{l}.wqkv", ((cfg.Hq + 2 * cfg.Hkv) * D, C)),
+                   (f"layers.{l}.wo", (C, cfg.Hq * D)),
+                   (f"layers.{l}.mlp_norm", (C,)),
+                   (f"layers.{l}.w_gate", (F, C)),
+                   (f"layers.{l}.w_up", (F, C)),
+                   (f"layers.{l}.w_down", (C, F))]
+    shapes.append(("final_norm", (C,)))
+    shapes += [(f"heads.{k}", (V, C)) for k in range(cfg.K)]
+    return shapes
+
+
+def num_params(cfg):
+    return sum(math.prod(shape) for _, shape in param_shapes(cfg))
+
+
+def carve(flat, cfg):
+    """flat buffer -> dict of named views into it (no copies), in SPEC order.
+
+    Two extra views serve speed: `heads` (K,V,C) covers all K heads, and
+    `layers.{l}.w_gate_up` (2F,C) covers w_gate and w_up, which sit next to
+    each other, so one matmul does the work of several. They alias the same
+    memory, so gradients written through them land in the SPEC tensors."""
+    views, offset = {}, 0
+    for name, shape in param_shapes(cfg):
+        n = math.prod(shape)
+        views[name] = flat[offset:offset + n].reshape(shape)
+        offset += n
+    first_head = offset - cfg.K * cfg.V * cfg.C
+    views["heads"] = flat[first_head:offset].reshape(cfg.K, cfg.V, cfg.C)
+    for l in range(cfg.L):
+        gate = views[f"layers.{l}.w_gate"]
+        start = gate.ctypes.data - flat.ctypes.data
+        start //= flat.itemsize
+        views[f"layers.{l}.w_gate_up"] = flat[start:start + 2 * cfg.F * cfg.C].reshape(2 * cfg.F, cfg.C)
+    return views
+
+
+def init_params(cfg, seed=1337):
+    """flat float32 buffer with SPEC initialisation: N(0, 0.02), residual outputs scaled down"""
+    rng = np.random.default_rng(seed)
+    flat = np.empty(num_params(cfg), dtype=np.float32)
+    params = carve(flat, cfg)
+    for name, shape in param_shapes(cfg):
+        if len(shape) == 1:
+            params[name][...] = 1.0                                   # norm weights
+        else:
+            # wo and w_down feed the residual stream: 2L of them add up (GPT-2 paper, sec. 2.3)
+            std = 0.02 / math.sqrt(2 * cfg.L) if name.endswith(("wo", "w_down")) else 0.02
+            params[name][...] = rng.normal(0.0, std, size=shape)
+    return flat
+
+
+def block_forward(x, p, cfg, pos=0, kv=None):
+    """x (B,T,C) -> x (B,T,C), cache; p maps short names to this layer's tensors.
+
+    With kv = (k_cache, v_cache) of shape (B,Tmax,Hkv,D), the new keys and values
+    are written at pos.. and attention reads the whole prefix (generation)."""
+    B, T, C = x.shape
+    Hq, Hkv, D, F = cfg.Hq, cfg.Hkv, cfg.D, cfg.F
+    h, c_attn_norm = rmsnorm_forward(x, p["attn_norm"])                # (B,T,C)
+    qkv, c_wqkv = linear_forward(h, p["wqkv"])                         # (B,T,(Hq+2Hkv)*D)
+    q = qkv[..., :Hq * D].reshape(B, T, Hq, D)
+    k = qkv[..., Hq * D:(Hq + Hkv) * D].reshape(B, T, Hkv, D)
+    v = qkv[..., (Hq + Hkv) * D:].reshape(B, T, Hkv, D)
+    q, c_rope_q = rope_forward(q, pos)
+    k, c_rope_k = rope_forward(k, pos)
+    if kv is not None:
+        kv[0][:, pos:pos + T], kv[1][:, pos:pos + T] = k, v
+        k, v = kv[0][:, :pos + T], kv[1][:, :pos + T]
+    y, c_att = attention_forward(q, k, v)                              # (B,T,Hq,D)
+    a, c_wo = linear_forward(y.reshape(B, T, Hq * D), p["wo"])         # (B,T,C)
+    x = x + a                                                          # residual
+    m, c_mlp_norm = rmsnorm_forward(x, p["mlp_norm"])                  # (B,T,C)
+    gu, c_gate_up = linear_forward(m, p["w_gate_up"])                  # (B,T,2F)
+    s, c_swiglu = swiglu_forward(gu)                                   # (B,T,F)
+    d, c_down = linear_forward(s, p["w_down"])                         # (B,T,C)
+    x = x + d                                                          # residual
+    return x, (c_attn_norm, c_wqkv, c_rope_q, c_rope_k, c_att, c_wo,
+               c_mlp_norm, c_gate_up, c_swiglu, c_down)
+
+
+def block_backward(dx, cache, g):
+    """dx (B,T,C) -> dx (B,T,C); adds this layer's parameter gradients into g"""
+    (c_attn_norm, c_wqkv, c_rope_q, c_rope_k, c_att, c_wo,
+     c_mlp_norm, c_gate_up, c_swiglu, c_down) = cache
+    B, T, C = dx.shape
+    ds, dw_down = linear_backward(dx, c_down)
+    g["w_down"] += dw_down
+    dm, dw_gate_up = linear_backward(swiglu_backward(ds, c_swiglu), c_gate_up)
+    g["w_gate_up"] += dw_gate_up
+    dxm, dmlp_norm = rmsnorm_backward(dm, c_mlp_norm)
+    g["mlp_norm"] += dmlp_norm
+    dx = dx + dxm                                     # residual: both paths
+    dy, dwo = linear_backward(dx, c_wo)
+    g["wo"] += dwo
+    dq, dk, dv = attention_backward(dy.reshape(c_att[0].shape[0], T, -1, c_att[0].shape[-1]), c_att)
+    dq = rope_backward(dq, c_rope_q)
+    dk = rope_backward(dk, c_rope_k)
+    dqkv = np.concatenate([dq.reshape(B, T, -1), dk.reshape(B, T, -1), dv.reshape(B, T, -1)], -1)
+    dh, dwqkv = linear_backward(dqkv, c_wqkv)
+    g["wqkv"] += dwqkv
+    dxa, dattn_norm = rmsnorm_backward(dh, c_attn_norm)
+    g["attn_norm"] += dattn_norm
+    return dx + dxa                                   # residual: both paths
+
+
+def layer_params(params, l):
+    """this layer's tensors under their short names"""
+    prefix = f"layers.{l}."
+    return {name[len(prefix):]: t for name, t in params.items() if name.startswith(prefix)}
+
+
+def model_forward(params, cfg, idx, targets, counts=None):
+    """idx (B,T), targets (B,T,K) with -1 = ignore -> loss, ce (K,), cache.
+
+    ce[0] is CE_0, what logs report; loss adds the extra heads (SPEC, Loss).
+    counts (K,): kept targets per head in the whole batch, when this is a part of it."""
+    B, T = idx.shape
+    x, c_emb = embedding_forward(idx, params["tok_emb"])               # (B,T,C)
+    c_blocks = []
+    for l in range(cfg.L):
+        x, c = block_forward(x, layer_params(params, l), cfg)
+        c_blocks.append(c)
+    xf, c_final = rmsnorm_forward(x, params["final_norm"])             # (B,T,C)
+    loss, ce, c_heads = mtp_heads_forward(xf.reshape(B * T, -1), params["heads"],
+                                          targets.reshape(B * T, -1), cfg, counts)
+    return loss, ce, (c_emb, c_blocks, c_final, c_heads, (B, T))
+
+
+def model_backward(grads, cache):
+    """adds d loss / d params into grads (a dict of views into one flat buffer)"""
+    c_emb, c_blocks, c_final, c_heads, (B, T) = cache
+    # go through the forward in reverse; the chain starts at d loss / d loss = 1,
+    # split over the heads by mtp_weights inside mtp_heads_backward
+    dxf, dheads = mtp_heads_backward(1.0, c_heads)
+    grads["heads"] += dheads
+    dx, dfinal_norm = rmsnorm_backward(dxf.reshape(B, T, -1), c_final)
+    grads["final_norm"] += dfinal_norm
+    for l in reversed(range(len(c_blocks))):
+        dx = block_backward(dx, c_blocks[l], layer_params(grads, l))
+    grads["tok_emb"] += embedding_backward(dx, c_emb)
+
+
+def split_rows(rows, T, K):
+    """rows (B, T+K) of tokens -> idx (B,T), targets (B,T,K): head k's target is row[1+k:1+k+T]"""
+    idx = rows[:, :T]
+    targets = np.stack([rows[:, 1 + k:1 + k + T] for k in range(K)], -1)
+    return idx, targets
+
+
+# -----------------------------------------------------------------------------
+# gradient check
+#
+# float64 central differences (five-point stencil, below) against the hand-written
+# backward. Error = |analytic - numeric| / max(1e-6, |analytic| + |numeric|);
+# a tensor passes below 1e-6. Correct layers land near 1e-9; a wrong formula
+# lands near 1. Each layer is checked alone with the scalar sum(out * dout) for
+# a random dout, then the whole model with its real loss.
+
+CHECK_H = 1e-3
+CHECK_TOL = 1e-6
+CHECK_SAMPLES = 32
+
+
+def numeric_grad(f, x, entries, h=CHECK_H):
+    """central difference of the scalar f() with respect to x.flat[entries], x changed in place.
+
+    The five-point stencil's error falls as h^4 instead of h^2, which lets h be
+    large enough that rounding in f stays near 1e-13 (plain (f(x+h)-f(x-h))/2h
+    bottoms out near 1e-7 here, too close to the tolerance)."""
+    grad = np.empty(len(entries))
+    for j, i in enumerate(entries):
+        old = x.flat[i]
+        fs = []
+        for step in (2 * h, h, -h, -2 * h):
+            x.flat[i] = old + step
+            fs.append(f())
+        x.flat[i] = old
+        grad[j] = (-fs[0] + 8 * fs[1] - 8 * fs[2] + fs[3]) / (12 * h)
+    return grad
+
+
+def rel_error(analytic, numeric):
+    return float(np.max(np.abs(analytic - numeric) / np.maximum(1e-6, np.abs(analytic) + np.abs(numeric))))
+
+
+def sample_entries(x, rng, n=CHECK_SAMPLES):
+    """every entry of a small tensor, n random ones of a large tensor"""
+    return np.arange(x.size) if x.size <= n else rng.choice(x.size, n, replace=False)
+
+
+def layer_cases(rng):
+    """(layer name, forward taking the inputs, backward, inputs by name) for each layer"""
+    r = lambda *shape: rng.normal(size=shape)
+    B, T, C, Hq, Hkv, D = 2, 5, 6, 4, 2, 4
+    idx = rng.integers(0, 7, size=(B, T))
+    cfg3 = Config(V=7, C=C, Hq=2, Hkv=1, L=1, T=T, F=8, K=3)
+    targets = rng.integers(0, 7, size=(B * T, 3))
+    targets[[1, 4, 7], [0, 2, 1]] = -1
+    return [
+        ("embedding", lambda tok_emb: embedding_forward(idx, tok_emb),
+         lambda d, c: (embedding_backward(d, c),), {"tok_emb": r(7, C)}),
+        ("linear", linear_forward, linear_backward, {"x": r(B, T, C), "w": r(9, C)}),
+        ("rmsnorm", rmsnorm_forward, rmsnorm_backward, {"x": r(B, T, C), "w": r(C)}),
+        ("rope", lambda x: rope_forward(x, pos=5),             # the offset the KV cache uses
+         lambda d, c: (rope_backward(d, c),), {"x": r(B, T, Hq, D)}),
+        ("attention", attention_forward, attention_backward,
+         {"q": r(B, T, Hq, D), "k": r(B, T, Hkv, D), "v": r(B, T, Hkv, D)}),
+        ("attention/kv", attention_forward, attention_backward,   # 3 queries after 4 cached keys
+         {"q": r(B, 3, Hq, D), "k": r(B, 7, Hkv, D), "v": r(B, 7, Hkv, D)}),
+        ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),
+        ("cross_entropy", lambda logits: cross_entropy_forward(logits, targets[:, 0]),
+         lambda d, c: (cross_entropy_backward(d, c),), {"logits": r(B * T, 7)}),
+        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg3)[::2],
+         mtp_heads_backward, {"x": r(B * T, C), "heads": r(3, 7, C)}),
+    ]
+
+
+def check_layer(name, forward, backward, inputs, rng, report):
+    """compare every input's analytic gradient with central differences of sum(out * dout)"""
+    names = list(inputs)
+    out, _ = forward(*inputs.values())
+    scalar = np.ndim(out) == 0                          # losses are checked as they are
+    dout = 1.0 if scalar else rng.normal(size=np.shape(out))
+    f = lambda: float(np.sum(forward(*inputs.values())[0] * dout))
+    _, cache = forward(*inputs.values())
+    grads = backward(dout, cache)
+    for arg, grad in zip(names, grads):
+        entries = sample_entries(inputs[arg], rng)
+        num = numeric_grad(f, inputs[arg], entries)
+        report(name, "d" + arg, rel_error(grad.flat[entries], num), len(entries), inputs[arg].size)
+
+
+def check_model(cfg, rng, report, B=2):
+    """whole model, float64, real loss with MTP heads and ignored targets"""
+    # weights larger than the init's 0.02, so that every gradient is far above
+    # the ~1e-11 rounding noise of the differences; norm weights near 1
+    flat = rng.normal(0, 0.3, num_params(cfg))
+    params = carve(flat, cfg)
+    for name, shape in param_shapes(cfg):
+        if len(shape) == 1:
+            params[name] += 1.0
+    rows = rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K))
+    idx, targets = split_rows(rows, cfg.T, cfg.K)
+    targets = targets.copy()
+    targets[0, 2, 0] = targets[1, 5, 1] = targets[1, 0, cfg.K - 1] = -1
+    grad_flat = np.zeros_like(flat)
+    loss, ce, cache = model_forward(params, cfg, idx, targets)
+    model_backward(carve(grad_flat, cfg), cache)
+    grads = carve(grad_flat, cfg)
+    f = lambda: model_forward(params, cfg, idx, targets)[0]
+    for name, _ in param_shapes(cfg):
+        entries = sample_entries(params[name], rng)
+        num = numeric_grad(f, params[name], entries)
+        report("model", name, rel_error(grads[name].flat[entries], num), len(entries), params[name].size)
+    return (B, cfg.T, int((targets < 0).sum()))
+
+
+def gradient_check(seed=1337, out=print):
+    """run every check, print one line per tensor; returns True when all pass"""
+    rng = np.random.default_rng(seed)
+    cfg = Config(V=67, C=16, Hq=4, Hkv=2, L=2, T=7, F=48, K=3)
+    out(f"gradient check: float64, central differences h={CHECK_H:g}, seed {seed}, tolerance {CHECK_TOL:g}")
+    out(f"config tiny: V={cfg.V} C={cfg.C} Hq={cfg.Hq} Hkv={cfg.Hkv} D={cfg.D} L={cfg.L} "
+        f"F={cfg.F} K={cfg.K}, B=2 T={cfg.T} (3 targets = -1)")
+    out(f"{'layer':<14} {'tensor':<22} {'max rel err':>11}")
+    worst = [0.0]
+
+    def report(layer, tensor, err, n, size):
+        worst[0] = max(worst[0], err)
+        sampled = f"   ({n} of {size} sampled)" if n < size else ""
+        out(f"{layer:<14} {tensor:<22} {err:>11.1e}   {'OK' if err < CHECK_TOL else 'NOT OK'}{sampled}")
+
+    for name, forward, backward, inputs in layer_cases(rng):
+        check_layer(name, forward, backward, inputs, rng, report)
+    check_model(cfg, rng, report)
+    ok = worst[0] < CHECK_TOL
+    out(f"worst relative error {worst[0]:.1e}")
+    out(f"overall okay: {int(ok)}")
+    return ok
+
+
+# -----------------------------------------------------------------------------
+# optimizer
+
+def decay_mask(cfg):
+    """(P,) 1.0 for matrices, 0.0 for norm weights: weight decay on matrices only"""
+    return np.concatenate([np.full(math.prod(s), float(len(s) == 2), dtype=np.float32)
+                           for _, s in param_shapes(cfg)])
+
+
+def adamw_update(flat, grad, m, v, step, lr, mask, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1):
+    """one AdamW step (Loshchilov & Hutter 2019) on the flat buffers, in place; step counts from 1"""
+    m *= beta1
+    m += (1 - beta1) * grad
+    v *= beta2
+    v += (1 - beta2) * grad * grad
+    denom = np.sqrt(v / (1 - beta2 ** step))
+    denom += eps
+    flat -= (lr / (1 - beta1 ** step)) * m / denom + (lr * weight_decay) * mask * flat
+
+
+def clip_grad_norm(grad, max_norm):
+    """scale grad in place so its global norm is at most max_norm; returns the norm before"""
+    norm = float(np.sqrt(np.dot(grad, grad)))
+    if max_norm > 0 and norm > max_norm:
+        grad *= max_norm / norm
+    return norm
+
+
+def lr_schedule(step, total, lr, warmup, min_ratio=0.1):
+    """linear warmup over `warmup` steps, then cosine decay to min_ratio * lr; step counts from 0"""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
+    """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
+
+    The batch is cut into len(grad_bufs) parts that run in parallel threads, each
+    with a gradient buffer of its own; numpy lets go of the GIL inside its loops
+    and BLAS calls, so both cores work. Every part divides by the whole batch's
+    target counts, so the parts add up exactly, and in a fixed order."""
+    counts = (targets >= 0).sum(axis=(0, 1))                          # (K,)
+    parts = [p for p in np.array_split(np.arange(len(idx)), len(grad_bufs)) if len(p)]
+
+    def run(i):
+        grad_bufs[i][...] = 0.0
+        rows = slice(parts[i][0], parts[i][-1] + 1)
+        loss, ce, cache = model_forward(carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
+        model_backward(carve(grad_bufs[i], cfg), cache)
+        return loss, ce
+
+    results = list(pool.map(run, range(len(parts)))) if pool and len(parts) > 1 else [run(i) for i in range(len(parts))]
+    for buf in grad_bufs[1:len(parts)]:
+        grad_bufs[0] += buf
+    return sum(r[0] for r in results), sum(r[1] for r in results)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+#
+# Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
+# header, then the float32 tensors in SPEC order. The training state (AdamW
+# moments, step, random state) goes in a second safetensors file beside it.
+# Both are written to a .tmp file and renamed, the state first and the model
+# last, so a model file that exists always has its complete state beside it.
+
+def atomic_write(path, write):
+    """write(f) into path.tmp, flush to disk, then rename over path"""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_bytes(path, data):
+    atomic_write(path, lambda f: f.write(data))
+
+
+def write_safetensors(path, tensors, metadata):
+    """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors:
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.size * 4]}
+        offset += t.size * 4
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)                                   # SPEC: pad to 8 bytes
+
+    def write(f):
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for _, t in tensors:
+            f.write(np.ascontiguousarray(t, dtype="<f4").data)
+    atomic_write(path, write)
+
+
+def read_safetensors(path):
+    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file"""
+    if not os.path.isfile(path):
+        raise NanoEulerError(f"{path} does not exist; train one with: python nanoeuler.py train")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else -1
+    try:
+        if not 2 <= n <= size - 8:
+            raise ValueError
+        header = json.loads(raw[8:8 + n])
+        if not isinstance(header, dict):
+            raise ValueError
+    except ValueError:
+        raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
+    metadata = header.pop("__metadata__", {}) or {}
+    data = memoryview(raw)[8 + n:]
+    need = max((h["data_offsets"][1] for h in header.values()), default=0)
+    if len(data) < need:
+        raise NanoEulerError(f"{path} is truncated (expected {need:,} data bytes, found {len(data):,}); "
+                             "use an earlier checkpoint or re-run with --resume")
+    tensors = {}
+    for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        begin, end = h["data_offsets"]
+        if h.get("dtype") != "F32" or end - begin != 4 * math.prod(h["shape"]):
+            raise NanoEulerError(f"{path}: tensor {name} is not float32 of shape {h['shape']}")
+        tensors[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(h["shape"])
+    return tensors, metadata
+
+
+def save_model(path, cfg, flat, tok):
+    """weights only, SPEC order and names, config and tokenizer in the metadata"""
+    params = carve(flat, cfg)
+    meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(asdict(cfg)),
+            "tokenizer": tok.to_json()}
+    write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
+
+
+def load_model(path):
+    """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence"""
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
+        raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
+                             f"version {meta.get('version')!r})")
+    try:
+        known = {f.name for f in fields(Config)}
+        cfg = Config(**{k: v for k, v in json.loads(meta["config"]).items() if k in known}).validate()
+        tok = Tokenizer.from_json(meta["tokenizer"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise NanoEulerError(f"{path} has a broken config or tokenizer in its metadata ({e})") from None
+    want = param_shapes(cfg)
+    if [(n, tuple(t.shape)) for n, t in tensors.items()] != want:
+        raise NanoEulerError(f"{path} holds tensors that do not match its config "
+                             f"({len(tensors)} tensors, SPEC expects {len(want)} for {asdict(cfg)})")
+    if tok.vocab_size != cfg.V:
+        raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
+    flat = np.concatenate([t.reshape(-1) for t in tensors.values()]).astype(np.float32)
+    return cfg, flat, tok
+
+
+def save_checkpoint(out_dir, step, cfg, flat, tok, m, v, state):
+    """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
+    meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
+    write_safetensors(os.path.join(out_dir, f"state_{step:06d}.safetensors"), [("m", m), ("v", v)], meta)
+    path = os.path.join(out_dir, f"model_{step:06d}.safetensors")
+    save_model(path, cfg, flat, tok)
+    return path
+
+
+def latest_checkpoint(out_dir):
+    """the highest step whose model file (written last, so the pair is complete) exists"""
+    steps = [int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))] \
+        if os.path.isdir(out_dir) else []
+    steps = [s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))]
+    return max(steps) if steps else None
+
+
+def load_checkpoint(out_dir, step):
+    """-> cfg, flat, tok, m, v, state dict"""
+    cfg, flat, tok = load_model(os.path.join(out_dir, f"model_{step:06d}.safetensors"))
+    path = os.path.join(out_dir, f"state_{step:06d}.safetensors")
+    tensors, meta = read_safetensors(path)
+    if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or tensors["m"].size != flat.size:
+        raise NanoEulerError(f"{path} is not the training state of its model file")
+    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), json.loads(meta["state"])
+
+
+def prune_checkpoints(out_dir, keep=2):
+    """delete all but the newest `keep` checkpoint pairs (best.safetensors stays)"""
+    steps = sorted(int(m.group(1)) for f in os.listdir(out_dir)
+                   if (m := re.fullmatch(r"model_(\d+)\.safetensors", f)))
+    for s in steps[:-keep]:
+        for kind in ("model", "state"):
+            path = os.path.join(out_dir, f"{kind}_{s:06d}.safetensors")
+            if os.path.exists(path):
+                os.remove(path)
+
+
+# -----------------------------------------------------------------------------
+# training
+
+# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md):
+# PLACEHOLDER_TUNING
+DEFAULT_BATCH = 32
+DEFAULT_LR = 3e-3
+DEFAULT_STEPS = 1000
+
+def evaluate(flat, cfg, batches, token_bytes, pool=None):
+    """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte"""
+    params = carve(flat, cfg)
+
+    def run(batch):
+        idx, targets = batch
+        _, ce, _ = model_forward(params, cfg, idx, targets)
+        t0 = targets[..., 0]
+        kept = t0 >= 0
+        return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()
+
+    results = list(pool.map(run, batches)) if pool else [run(b) for b in batches]
+    nats, nbytes, ntok = (sum(r[i] for r in results) for i in range(3))
+    return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def print_table(rows):
+    """the resolved settings, once, as two aligned columns (llm.c does this)"""
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}} | {v}")
+
+
+def plot_log(csv_path, out=print):
+    """the loss curve: a PNG when matplotlib is installed, else a plot in the terminal"""
+    import csv
+    with open(csv_path) as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    loss = [float(r["loss"]) for r in rows]
+    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+    if not rows:
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        ax.plot(steps, loss, lw=0.8, label="train CE_0")
+        if val:
+            ax.plot(*zip(*val), "o-", label="val CE_0")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (nats per token)")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        png = os.path.splitext(csv_path)[0] + ".png"
+        fig.savefig(png, dpi=120, bbox_inches="tight")
+        out(f"loss curve: {png}")
+    except ImportError:
+        # 60 columns x 12 rows; each column shows the mean training loss of its steps
+        W, H = 60, 12
+        cols = np.array_split(np.array(loss), min(W, len(loss)))
+        means = np.array([c.mean() for c in cols])
+        lo, hi = means.min(), means.max()
+        levels = np.round((means - lo) / max(hi - lo, 1e-9) * (H - 1)).astype(int)
+        out(f"loss curve (train CE_0 against step 1..{steps[-1]}; pip install matplotlib for a PNG)")
+        for h in range(H - 1, -1, -1):
+            label = f"{lo + (hi - lo) * h / (H - 1):6.3f}" if h in (0, H // 2, H - 1) else " " * 6
+            out(label + " |" + "".join("*" if lv == h else " " for lv in levels))
+        out(" " * 7 + "+" + "-" * len(levels))
+
+
+class StopFlag:
+    """Ctrl-C asks the loop to stop after the step in flight and save; a second Ctrl-C stops at once"""
+
+    def __init__(self):
+        self.stop = False
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.stop:
+            raise KeyboardInterrupt
+        self.stop = True
+        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
+              file=sys.stderr)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m, v):
+    """the loop that pretraining and SFT share: log, evaluate, checkpoint, stop cleanly.
+
+    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: fixed list of those.
+    state holds step, rng state and the best validation so far."""
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng()
+    rng.bit_generator.state = state["rng"]
+    mask = decay_mask(cfg)
+    n_threads = max(1, min(args.threads, args.batch))
+    grad_bufs = [np.zeros_like(flat) for _ in range(n_threads)]
+    pool = ThreadPoolExecutor(n_threads) if n_threads > 1 else None
+    token_bytes = tok.token_bytes()
+    csv_path = os.path.join(out_dir, "log.csv")
+    start = state["step"]
+    keep_csv_rows(csv_path, start)
+    csv = open(csv_path, "a")
+    if start == 0:
+        csv.write("step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n")
+    total, width = args.steps, len(str(args.steps))
+    tokens_per_step = args.batch * cfg.T
+    times, t_start, last_path = [], time.time(), None
+
+    def checkpoint(step):
+        nonlocal last_path
+        t0 = time.time()
+        state.update(step=step, rng=rng.bit_generator.state)
+        last_path = save_checkpoint(out_dir, step, cfg, flat, tok, m, v, state)
+        prune_checkpoints(out_dir)
+        print(f"saved  {last_path} (+ state) in {time.time() - t0:.1f} s")
+
+    step = start
+    with StopFlag() as flag:
+        stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
+        while step < stop_at and not flag.stop:
+            t0 = time.perf_counter()
+            lr = lr_schedule(step, total, args.lr, args.warmup)
+            idx, targets = next_batch(rng)
+            loss, ce = loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool)
+            if not np.isfinite(loss):
+                csv.close()
+                where = f"; the last good checkpoint is {last_path}" if last_path else ""
+                raise NanoEulerError(f"the loss became {loss} at step {step + 1}, so training stopped{where}; "
+                                     "lower --lr and resume with --resume")
+            norm = clip_grad_norm(grad_bufs[0], args.clip)
+            adamw_update(flat, grad_bufs[0], m, v, step + 1, lr, mask, weight_decay=args.weight_decay)
+            step += 1
+            dt = time.perf_counter() - t0
+            if step > start + 1:
+                times.append(dt)                          # the first step warms up: left out
+            eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+            print(f"step {step:{width}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
+                  f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | eta {fmt_time(eta)}", flush=True)
+            val_loss = val_bpb = ""
+            if step % args.eval_every == 0 or step == total:
+                val_loss, val_bpb = evaluate(flat, cfg, val_batches, token_bytes, pool)
+                print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
+                      f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
+                if val_loss < state.get("best_val", math.inf):
+                    state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
+                    save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
+                print("sample:", repr(sample_text_for_log(flat, cfg, tok, seed=step)))
+            csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},,"
+                      f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
+            csv.flush()
+            if step % args.save_every == 0 or step == total:
+                checkpoint(step)
+        if step > start and step % args.save_every and step != total:
+            checkpoint(step)                              # stopped early: Ctrl-C or --stop-after
+    csv.close()
+    if pool:
+        pool.shutdown()
+    mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
+    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
+            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
+    print(f"done: {step - start} steps in {fmt_time(time.time() - t_start)}, {mean_ms}; {best}; "
+          f"last checkpoint {last_path}")
+    plot_log(csv_path)
+    return step
+
+
+def keep_csv_rows(csv_path, step):
+    """on resume, drop log rows past the checkpoint's step, so the log matches the run"""
+    if not os.path.exists(csv_path):
+        return
+    with open(csv_path) as f:
+        lines = f.readlines()
+    kept = lines[:1] + [ln for ln in lines[1:] if int(ln.split(",", 1)[0]) <= step]
+    atomic_write_bytes(csv_path, "".join(kept).encode())
+
+
+def sample_text_for_log(flat, cfg, tok, seed, n=48):
+    """a short sample, so the log shows what the model has learned so far"""
+    params = carve(flat, cfg)
+    ids = list(generate(params, cfg, [tok.special("<|endoftext|>")], n, temperature=0.8, top_k=40,
+                        seed=seed))
+    return tok.decode(ids)
+
+
+def start_state(args, seed):
+    return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": vars(args).copy()}
+
+
+def resume_or_init(args, cfg, tok, init_flat):
+    """the newest complete checkpoint under --out with --resume, else a fresh start"""
+    step = latest_checkpoint(args.out) if args.resume else None
+    if args.resume and step is None:
+        print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
+    if step is None:
+        return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
+            start_state(args, args.seed)
+    cfg2, flat, tok2, m, v, state = load_checkpoint(args.out, step)
+    if cfg2 != cfg or tok2.merges != tok.merges:
+        raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
+                             "or tokenizer; pass the same --data and settings, or another --out")
+    print(f"resuming from {os.path.join(args.out, f'model_{step:06d}.safetensors')} at step {step}")
+    return flat, m, v, state
+
+
+def cmd_train(args):
+    """pretraining: tokenizer and tokens (cached), then the loop"""
+    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+    tok, tokens = prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
+    if tok.vocab_size != cfg.V:
+        cfg.V = tok.vocab_size                         # a tiny corpus can run out of pairs to merge
+    train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
+    flat, m, v, state = resume_or_init(args, cfg, tok, lambda: init_params(cfg, args.seed))
+    print_table([("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
+                  " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
+                 ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
+                          f"vocab {tok.vocab_size}"),
+                 ("batch", f"{args.batch} rows x {cfg.T} tokens, {args.threads} threads"),
+                 ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}, "
+                           f"weight decay {args.weight_decay}, clip {args.clip}"),
+                 ("out", args.out)])
+
+    def next_batch(rng):
+        return split_rows(get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
+
+    val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
+                                                                  args.eval_batches)]
+    train_loop(args, cfg, flat, tok, next_batch, val, args.out, state, m, v)
+
+
+# -----------------------------------------------------------------------------
+# generation
+
+def new_kv_cache(cfg, B, dtype=np.float32):
+    """per layer (k, v), each (B, T, Hkv, D): the keys and values seen so far"""
+    return [(np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype), np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype))
+            for _ in range(cfg.L)]
+
+
+def forward_logits(params, cfg, idx, pos, kv, n_heads=1):
+    """idx (B,Tn): new tokens at positions pos.. -> logits (B,Tn,n_heads,V) of heads 0..n_heads-1.
+
+    The keys and values of the new tokens are added to kv, so the prompt is
+    processed once (prefill) and then each step feeds only the new tokens."""
+    B, Tn = idx.shape
+    x = params["tok_emb"][idx]                                         # (B,Tn,C)
+    for l in range(cfg.L):
+        x, _ = block_forward(x, layer_params(params, l), cfg, pos, kv[l])
+    x, _ = rmsnorm_forward(x, params["final_norm"])
+    heads = params["heads"][:n_heads]                                  # (n,V,C)
+    logits = x.reshape(B * Tn, -1) @ heads.reshape(-1, cfg.C).T       # (B*Tn,C) @ (C,n*V)
+    return logits.reshape(B, Tn, n_heads, cfg.V)
+
+
+def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
+    """logits (V,) -> token id: greedy at temperature 0, else sampled from the kept tokens"""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if 0 < top_k < len(z):
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:                                                    # nucleus: smallest set with mass >= top_p
+        order = np.argsort(-p)
+        cut = np.searchsorted(np.cumsum(p[order]), top_p) + 1
+        keep = np.zeros_like(p)
+        keep[order[:cut]] = p[order[:cut]]
+        p = keep / keep.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
+             speculative=False, stop=None, stats=None):
+    """yields new token ids one by one (for streaming), after the prompt ids.
+
+    The context holds T tokens. A longer prompt keeps its last T-1 tokens. When
+    the cache is full, the window slides: the last T/2 tokens are fed again from
+    position 0 (rope positions are relative to the window), then decoding goes on.
+
+    speculative: heads 1..K-1 guess the next K-1 tokens; one forward pass over
+    [last token, guesses] gives head 0's verdict at every position, and guesses
+    are accepted while head 0's own choice (sampled the same way as without
+    speculation) agrees. Every emitted token is head 0's choice given the tokens
+    before it, so greedy output is the same as plain greedy decoding."""
+    rng = np.random.default_rng(seed)
+    tokens = list(prompt)[-(cfg.T - 1):] if prompt else []
+    if not tokens:
+        raise NanoEulerError("the prompt is empty; give at least one token")
+    kv = new_kv_cache(cfg, 1)
+    n_heads = cfg.K if speculative else 1
+    pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
+    while emitted < max_new_tokens:
+        if pos + len(pending) + len(guesses) > cfg.T:      # slide the window
+            pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
+        feed = pending + guesses
+        logits = forward_logits(params, cfg, np.array([feed]), pos, kv, n_heads)[0]   # (Tn,n,V)
+        first = len(pending) - 1                           # logits at feed[first] predict the next token
+        for j in range(len(guesses) + 1):
+            t = sample_token(logits[first + j, 0], rng, temperature, top_k, top_p)
+            tokens.append(t)
+            emitted += 1
+            yield t
+            if t == stop or emitted >= max_new_tokens:
+                return
+            if j == len(guesses) or guesses[j] != t:
+                break
+        if stats is not None:
+            stats["steps"] = stats.get("steps", 0) + 1
+            stats["tokens"] = stats.get("tokens", 0) + j + 1
+        # the cache keeps the fed tokens up to feed[first + j]; the rest are overwritten later
+        pos += first + j + 1
+        pending = [tokens[-1]]
+        guesses = [int(np.argmax(logits[first + j, k])) for k in range(1, n_heads)]
+
+
+# -----------------------------------------------------------------------------
+# supervised fine-tuning and chat
+
+def render_turn(tok, instruction, response=None):
+    """<|user|> instruction <|assistant|> [response <|end|>] -> ids, train_on (1 = a response token)"""
+    ids = [tok.special("<|user|>")] + tok.encode(instruction) + [tok.special("<|assistant|>")]
+    train_on = [0] * len(ids)
+    if response is not None:
+        reply = tok.encode(response) + [tok.special("<|end|>")]
+        ids += reply
+        train_on += [1] * len(reply)
+    return ids, train_on
+
+
+def load_instructions(path):
+    """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
+    -> list of (prompt, response)"""
+    text = read_text(path).strip()
+    try:
+        records = json.loads(text) if text.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        pairs = []
+        for r in records:
+            prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
+            pairs.append((prompt, r["response"] if "response" in r else r["output"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise NanoEulerError(f"{path} is not instruction data: expected JSONL or a JSON list of objects with "
+                             f"instruction, input and response (or output) ({type(e).__name__}: {e})") from None
+    if not pairs:
+        raise NanoEulerError(f"{path} holds no examples")
+    return pairs
+
+
+def sft_rows(tok, pairs, cfg):
+    """each example -> a row of T+K tokens padded with <|endoftext|>, and its mask.
+
+    Targets are -1 (ignored) on the prompt and the padding, so the loss is
+    the response only; examples longer than a row are cut at T+K tokens."""
+    n = cfg.T + cfg.K
+    rows = np.full((len(pairs), n), tok.special("<|endoftext|>"), dtype=np.int64)
+    mask = np.zeros((len(pairs), n), dtype=bool)
+    for i, (prompt, response) in enumerate(pairs):
+        ids, train_on = render_turn(tok, prompt, response)
+        rows[i, :len(ids[:n])] = ids[:n]
+        mask[i, :len(ids[:n])] = train_on[:n]
+    return rows, mask
+
+
+def sft_targets(rows, mask, T, K):
+    """rows, mask (B,T+K) -> idx (B,T), targets (B,T,K) with -1 where the target is not a response token"""
+    idx, targets = split_rows(rows, T, K)
+    _, keep = split_rows(mask, T, K)
+    return idx, np.where(keep, targets, -1)
+
+
+def cmd_sft(args):
+    cfg, flat0, tok = load_model(args.model)
+    pairs = load_instructions(args.data)
+    rows, mask = sft_rows(tok, pairs, cfg)
+    keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
+    rows, mask = rows[keep], mask[keep]
+    n_val = max(1, len(rows) // 20)
+    val_rows, val_mask = rows[-n_val:], mask[-n_val:]
+    rows, mask = rows[:-n_val], mask[:-n_val]
+    flat, m, v, state = resume_or_init(args, cfg, tok, lambda: flat0)
+    print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
+                 ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples, loss on responses only"),
+                 ("batch", f"{args.batch} examples x {cfg.T} tokens, {args.threads} threads"),
+                 ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}"),
+                 ("out", args.out)])
+
+    def next_batch(rng):
+        pick = rng.integers(0, len(rows), size=args.batch)
+        return sft_targets(rows[pick], mask[pick], cfg.T, cfg.K)
+
+    val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
+           for i in range(0, n_val, args.batch)]
+    train_loop(args, cfg, flat, tok, next_batch, val, args.out, state, m, v)
+
+
+def chat_reply(params, cfg, tok, history, args, out):
+    """generate the assistant's turn after history, streaming its text to out; -> reply ids"""
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    end, reply = tok.special("<|end|>"), []
+    for t in generate(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                      args.seed, args.speculative, stop=end):
+        if t == end or t >= 256 and t < FIRST_MERGE_ID:
+            break
+        reply.append(t)
+        out.write(decoder.decode(tok.vocab[t]))
+        out.flush()
+    out.write(decoder.decode(b"", final=True) + "\n")
+    out.flush()
+    return reply
+
+
+def cmd_chat(args):
+    """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D) leaves"""
+    cfg, flat, tok = load_model(args.model)
+    params = carve(flat, cfg)
+    out = sys.stdout
+    interactive = sys.stdin.isatty()
+    print(f"chatting with {args.model} ({num_params(cfg):,} parameters, context {cfg.T} tokens); "
+          "/reset clears the history, /quit or Ctrl-D leaves")
+    history = []
+    try:
+        while True:
+            if interactive:
+                out.write("you> ")
+                out.flush()
+            line = sys.stdin.buffer.readline()
+            if not line:
+                break                                              # Ctrl-D / end of input
+            text = line.decode("utf-8", errors="replace").strip()
+            if not text:
+                continue
+            if text == "/quit":
+                break
+            if text == "/reset":
+                history = []
+                print("(history cleared)")
+                continue
+            ids, _ = render_turn(tok, text)
+            # naive: keeps the whole conversation and re-feeds it each turn; the
+            # oldest tokens are dropped once it outgrows the context
+            history = (history + ids)[-(cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)):]
+            out.write("bot> ")
+            reply = chat_reply(params, cfg, tok, history, args, out)
+            history += reply + [tok.special("<|end|>")]
+    except KeyboardInterrupt:
+        out.write("\n")
+    print("bye")
+
+
+# -----------------------------------------------------------------------------
+# benchmark
+
+def bench_train(cfg, B, threads, steps=10):
+    """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
+    flat = init_params(cfg)
+    m, v, mask = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
+    bufs = [np.zeros_like(flat) for _ in range(threads)]
+    rng = np.random.default_rng(0)
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for step in range(steps + 2):
+            idx, targets = split_rows(rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K)), cfg.T, cfg.K)
+            t0 = time.perf_counter()
+            loss_and_grads(flat, cfg, idx, targets, bufs, pool)
+            clip_grad_norm(bufs[0], 1.0)
+            adamw_update(flat, bufs[0], m, v, step + 1, 1e-3, mask)
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times[2:]))
+
+
+def cmd_bench(args):
+    print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
+    cfg = PRESETS["small"]
+    print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
+    for B in (8, 32):
+        dt = bench_train(cfg, B, args.threads)
+        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s")
+    text_path = os.path.join(DATA_DIR, "gutenberg")
+    text = "\n".join(read_text(f) for f in corpus_files(text_path))
+    print(f"\ntokenizer on the embedded books ({len(text.encode()) / 1e6:.1f} MB, one core)")
+    t0 = time.time()
+    tok = Tokenizer.train(text, 4096, progress=False)
+    print(f"  train vocab 4096: {time.time() - t0:6.1f} s")
+    tok.cache.clear()
+    t0 = time.time()
+    ids = tok.encode(text)
+    dt = time.time() - t0
+    print(f"  encode:           {len(text.encode()) / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
+          f"{len(text.encode()) / len(ids):.2f} bytes per token)")
+    if args.model:
+        cfg, flat, tok = load_model(args.model)
+        what = args.model
+    else:
+        flat, what = init_params(cfg), "random weights (pass --model for a trained one)"
+    params = carve(flat, cfg)
+    prompt = tok.encode("ROMEO:\nWhat say you")
+    n = min(args.max_new_tokens, 4 * cfg.T)
+    print(f"\ngeneration, batch 1, greedy, {n} new tokens, {what}")
+    for spec in (False, True):
+        stats = {}
+        t0 = time.perf_counter()
+        out = list(generate(params, cfg, prompt, n, temperature=0, speculative=spec, stats=stats))
+        dt = time.perf_counter() - t0
+        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens accepted per step" if spec else ""
+        print(f"  {'speculative' if spec else 'plain KV cache':<15} {len(out) / dt:8,.0f} tok/s{extra}")
+
+
+# -----------------------------------------------------------------------------
+# main
+
+def cmd_check(args):
+    if not gradient_check(args.seed):
+        sys.exit(1)
+
+
+def cmd_sample(args):
+    cfg, flat, tok = load_model(args.model)
+    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
+    if len(prompt) > cfg.T - 1:
+        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
+              f"keeping its last {cfg.T - 1}", file=sys.stderr)
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(args.prompt)
+    for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                      args.top_p, args.seed, args.speculative):
+        sys.stdout.write(decoder.decode(tok.vocab[t]))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
+        "--seed", type=int, default=1337, help="random seed of the check")
+
+    def training_flags(sp, steps, batch, lr, warmup, out):
+        g = sp.add_argument_group("run")
+        g.add_argument("--steps", type=int, default=steps, help="optimizer steps in the whole run")
+        g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
+        g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+        g.add_argument("--stop-after", type=int, default=-1, help="stop (and save) after N steps of this run; -1 = off")
+        g.add_argument("--seed", type=int, default=1337, help="seed of the init and the data order")
+        g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads the batch is split over")
+        g = sp.add_argument_group("optimization")
+        g.add_argument("--batch", type=int, default=batch, help="rows of T+K tokens per step")
+        g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+        g.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
+        g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay, matrices only")
+        g.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; -1 = off")
+        g = sp.add_argument_group("evaluation")
+        g.add_argument("--eval-every", type=int, default=100, help="validate and sample every N steps")
+        g.add_argument("--eval-batches", type=int, default=20, help="validation batches")
+        g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+
+    # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
+    sp = sub.add_parser("train", help="pretrain the small model")
+    sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
+    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
+    training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, 100, os.path.join("out", "small"))
+
+    sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
+    sp.add_argument("--model", required=True, help="pretrained .safetensors")
+    sp.add_argument("--data", default=DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
+    training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
+
+    def generation_flags(sp):
+        sp.add_argument("--model", required=True, help=".safetensors model file")
+        sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+        sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
+        sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
+        sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
+        sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+        sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
+
+    sp = sub.add_parser("sample", help="continue a prompt")
+    generation_flags(sp)
+    sp.add_argument("--prompt", default="", help="text to continue")
+    generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
+    sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
+    sp.add_argument("--model", default=None, help="trained model for the generation timings")
+    sp.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for training steps")
+    sp.add_argument("--max-new-tokens", type=int, default=400, help="tokens to generate")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
+                "chat": cmd_chat, "bench": cmd_bench}
+    try:
+        commands[args.command](args)
+    except NanoEulerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
