@@ -1421,7 +1421,7 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     tokens = list(prompt)[-(cfg.T - 1):] if prompt else []
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
-    kv = new_kv_cache(cfg, 1)
+    kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
     n_heads = cfg.K if speculative else 1
     pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
     while emitted < max_new_tokens:

@@ -1,0 +1,584 @@
+"""
+Tests for nanoeuler.py (and, where a GPU or its packages exist, nanoeuler_cuda.py).
+
+    python -m pytest -q test_nanoeuler.py
+
+Tiny configs keep the whole suite to a few minutes on 2 cores.
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+# common test data
+
+AWKWARD = ["", "a", " ", "\n\n\n", "hello world", "don't  stop\tme", "   leading and trailing   ",
+           "naïve café", "日本語のテキスト", "emoji 🎉👍🏽 and flags 🇫🇷", "e\u0301 combining", "NUL\x00byte",
+           "\x01\x02 control", "<|endoftext|> is just text here", "snake_case_name __init__", "x²³ ½",
+           " " * 50 + "x", "mixed 123abc 45.6 -7"]
+TINY = ne.Config(V=300, C=16, Hq=4, Hkv=2, L=2, T=12, F=48, K=3)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """a tokenizer trained on varied text, so merges cross many kinds of byte"""
+    text = open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:60_000]
+    return ne.Tokenizer.train(text + " ".join(AWKWARD) * 3, 400, progress=False)
+
+
+def small_corpus(tmp_path, n_chars=40_000):
+    text = open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:n_chars]
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def run_cli(*args, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), *args], input=stdin,
+                          capture_output=True, timeout=timeout, cwd=HERE)
+
+
+def random_model(cfg, seed=0, std=0.3, dtype=np.float64):
+    """weights large enough that logits are far apart: greedy choices are not near ties"""
+    rng = np.random.default_rng(seed)
+    flat = rng.normal(0, std, ne.num_params(cfg)).astype(dtype)
+    params = ne.carve(flat, cfg)
+    for name, shape in ne.param_shapes(cfg):
+        if len(shape) == 1:
+            params[name][...] = 1.0
+    return flat, params
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+def test_bpe_wikipedia_example():
+    # aaabdaaabac: aa -> Z, then ab -> Y (ties go to the smaller pair), then ZY -> X: XdXac
+    tok = ne.Tokenizer.train("aaabdaaabac", ne.FIRST_MERGE_ID + 3, progress=False)
+    a, b, c, d = 97, 98, 99, 100
+    Z, Y, X = ne.FIRST_MERGE_ID, ne.FIRST_MERGE_ID + 1, ne.FIRST_MERGE_ID + 2
+    assert tok.merges == [(a, a), (a, b), (Z, Y)]
+    assert tok.encode("aaabdaaabac") == [X, d, X, a, c]
+    assert tok.decode([X]) == "aaab"
+
+
+@pytest.mark.parametrize("s", AWKWARD)
+def test_round_trip_awkward(tok, s):
+    assert tok.decode(tok.encode(s)) == s
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=200))
+def test_round_trip_any_text(tok, s):
+    assert tok.decode(tok.encode(s)) == s
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.sampled_from(["\n", " ", "\t", "a", "é", "🎉", "\x00", "\u0301", "_", "'s", "9"]), max_size=300))
+def test_round_trip_runs(tok, parts):
+    s = "".join(parts)
+    assert tok.decode(tok.encode(s)) == s
+
+
+def test_special_tokens(tok):
+    assert [tok.special(s) for s in ne.SPECIALS] == [256, 257, 258, 259]
+    for s in ne.SPECIALS:
+        ids = tok.encode(s)
+        assert not any(256 <= i < ne.FIRST_MERGE_ID for i in ids)   # ordinary text never makes a special
+        assert tok.decode(ids) == s
+        assert tok.decode([tok.special(s)]) == s
+
+
+def test_decode_invalid_utf8_never_raises(tok):
+    assert tok.decode([0xFF, 0xFE, ord("a")]) == "\ufffd\ufffda"
+    assert tok.decode(tok.encode("é")[:1]) in ("\ufffd", "é")
+
+
+def reference_encode(tok, text):
+    """straightforward BPE: per piece, merge the lowest-ranked pair until none is left"""
+    ids = []
+    for piece in ne.SPLIT_PATTERN.findall(text):
+        seq = list(piece.encode("utf-8"))
+        while True:
+            ranked = [(tok.ranks[p], i) for i, p in enumerate(zip(seq, seq[1:])) if p in tok.ranks]
+            if not ranked:
+                break
+            new_id, _ = min(ranked)
+            pair = tok.merges[new_id - ne.FIRST_MERGE_ID]
+            out, i = [], 0
+            while i < len(seq):
+                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
+                    out.append(new_id)
+                    i += 2
+                else:
+                    out.append(seq[i])
+                    i += 1
+            seq = out
+        ids += seq
+    return ids
+
+
+def test_cached_encoder_matches_reference(tok):
+    rng = np.random.default_rng(0)
+    words = ["the", " the", "and", " king", "'s", " thou", "!", "\n", "  ", "é", "🎉", "42", "lord", "ing"]
+    for _ in range(5):
+        text = "".join(rng.choice(words, size=400))
+        tok.cache.clear()
+        first = tok.encode(text)
+        assert first == reference_encode(tok, text)
+        assert tok.encode(text) == first                  # again, now from the cache
+    shakespeare = open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[200_000:230_000]
+    assert tok.encode(shakespeare) == reference_encode(tok, shakespeare)
+
+
+def test_tokenizer_json_round_trip(tok):
+    tok2 = ne.Tokenizer.from_json(tok.to_json())
+    assert tok2.merges == tok.merges and tok2.vocab == tok.vocab
+
+
+def test_tokenize_files_streams_every_file(tmp_path, tok):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("first file\n" * 500 + "no newline at the end", encoding="utf-8")
+    b.write_text("second 🎉 file\n" * 300, encoding="utf-8")
+    ids = ne.tokenize_files([str(a), str(b)], tok, progress=False)
+    assert ids.dtype == np.uint16
+    eot = tok.special("<|endoftext|>")
+    assert tok.decode(ids.tolist()) == a.read_text() + "<|endoftext|>" + b.read_text() + "<|endoftext|>"
+    assert list(ids).count(eot) == 2
+
+
+# -----------------------------------------------------------------------------
+# layers
+
+def naive_attention(q, k, v):
+    """one query head at a time, explicit loops over positions: the definition"""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    y = np.zeros_like(q)
+    for b in range(B):
+        for h in range(Hq):
+            for i in range(T):
+                s = np.array([q[b, i, h] @ k[b, j, h // G] / math.sqrt(D) for j in range(i + 1)])
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                y[b, i, h] = sum(p[j] * v[b, j, h // G] for j in range(i + 1))
+    return y
+
+
+def test_attention_matches_naive_loop():
+    rng = np.random.default_rng(1)
+    q, k, v = rng.normal(size=(2, 9, 6, 4)), rng.normal(size=(2, 9, 2, 4)), rng.normal(size=(2, 9, 2, 4))
+    y, _ = ne.attention_forward(q, k, v)
+    np.testing.assert_allclose(y, naive_attention(q, k, v), rtol=1e-12, atol=1e-12)
+
+
+def test_gqa_with_all_heads_is_multi_head_attention():
+    rng = np.random.default_rng(2)
+    q, k, v = rng.normal(size=(2, 7, 4, 8)), rng.normal(size=(2, 7, 4, 8)), rng.normal(size=(2, 7, 4, 8))
+    y, _ = ne.attention_forward(q, k, v)
+    # plain multi-head attention, head by head
+    for h in range(4):
+        s = q[:, :, h] @ k[:, :, h].transpose(0, 2, 1) / math.sqrt(8)
+        s[:, np.triu(np.ones((7, 7), bool), 1)] = -np.inf
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        np.testing.assert_allclose(y[:, :, h], p @ v[:, :, h], rtol=1e-12, atol=1e-12)
+    # and GQA equals MHA on kv heads repeated by hand
+    k2, v2 = k[:, :, :2], v[:, :, :2]
+    y_gqa, _ = ne.attention_forward(q, k2, v2)
+    y_rep, _ = ne.attention_forward(q, np.repeat(k2, 2, axis=2), np.repeat(v2, 2, axis=2))
+    np.testing.assert_allclose(y_gqa, y_rep, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_offset_equals_slice_of_full_sequence():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 20, 3, 8))
+    full, _ = ne.rope_forward(x)
+    for p in (0, 1, 7, 13):
+        part, _ = ne.rope_forward(x[:, p:p + 5], pos=p)
+        np.testing.assert_allclose(part, full[:, p:p + 5], rtol=1e-12, atol=1e-12)
+    # rotation keeps the norm of every pair
+    np.testing.assert_allclose(np.linalg.norm(full, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-12)
+
+
+def test_rmsnorm_matches_spec_formula():
+    rng = np.random.default_rng(4)
+    x, w = rng.normal(size=(3, 5, 8)), rng.normal(size=8)
+    out, _ = ne.rmsnorm_forward(x, w)
+    np.testing.assert_allclose(out, x / np.sqrt((x ** 2).mean(-1, keepdims=True) + 1e-5) * w, rtol=1e-12)
+
+
+def test_cross_entropy_ignores_minus_one():
+    rng = np.random.default_rng(5)
+    logits, targets = rng.normal(size=(6, 10)), np.array([1, -1, 3, -1, 9, 0])
+    loss, cache = ne.cross_entropy_forward(logits, targets)
+    kept = targets >= 0
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert loss == pytest.approx(-logp[kept, targets[kept]].mean(), rel=1e-12)
+    dlogits = ne.cross_entropy_backward(1.0, cache)
+    assert not dlogits[~kept].any()
+
+
+def test_layers_work_in_float32_and_float64():
+    for dtype in (np.float32, np.float64):
+        x = np.ones((2, 3, 4), dtype)
+        assert ne.rmsnorm_forward(x, np.ones(4, dtype))[0].dtype == dtype
+        assert ne.rope_forward(x.reshape(2, 3, 1, 4))[0].dtype == dtype
+        assert ne.swiglu_forward(x)[0].dtype == dtype
+
+
+# -----------------------------------------------------------------------------
+# model
+
+def test_parameter_counts_of_presets():
+    assert ne.num_params(ne.PRESETS["small"]) == 1_053_824
+    assert ne.num_params(ne.PRESETS["big"]) == 116_417_280
+    assert ne.init_params(ne.PRESETS["small"]).size == 1_053_824
+
+
+def test_init_follows_spec():
+    cfg = ne.PRESETS["small"]
+    params = ne.carve(ne.init_params(cfg), cfg)
+    assert np.all(params["layers.0.attn_norm"] == 1) and np.all(params["final_norm"] == 1)
+    assert params["tok_emb"].std() == pytest.approx(0.02, rel=0.02)
+    assert params["layers.1.wo"].std() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    assert params["layers.1.w_down"].std() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    # the merged views alias the SPEC tensors
+    assert np.shares_memory(params["heads"], params["heads.3"])
+    assert np.array_equal(params["layers.2.w_gate_up"][cfg.F:], params["layers.2.w_up"])
+
+
+def test_gradient_check_passes():
+    lines = []
+    assert ne.gradient_check(out=lines.append)
+    assert lines[-1] == "overall okay: 1"
+    assert sum("OK" in ln for ln in lines) >= 19 + 17       # every model tensor and every layer input
+
+
+def test_check_command_exits_zero():
+    r = run_cli("check")
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"overall okay: 1" in r.stdout
+
+
+@pytest.mark.parametrize("layer", ["rmsnorm_backward", "attention_backward", "swiglu_backward", "rope_backward",
+                                   "linear_backward", "mtp_heads_backward"])
+def test_check_fails_on_a_wrong_backward(layer):
+    # patch one backward to be slightly wrong: the check must notice and exit non-zero
+    code = f"""
+import sys, nanoeuler as ne
+orig = ne.{layer}
+def wrong(*a, **k):
+    out = orig(*a, **k)
+    if isinstance(out, tuple):
+        return (out[0] * 1.001,) + out[1:]
+    return out * 1.001
+ne.{layer} = wrong
+ne.main(["check"])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)
+    assert r.returncode == 1
+    assert b"NOT OK" in r.stdout and b"overall okay: 0" in r.stdout
+
+
+def test_micro_batches_add_up_to_the_batch():
+    cfg = TINY
+    flat, params = random_model(cfg, std=0.1)
+    rng = np.random.default_rng(6)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, size=(5, cfg.T + cfg.K)), cfg.T, cfg.K)
+    targets = targets.copy()
+    targets[0, :4] = -1                                     # uneven masks across parts
+    whole = [np.zeros_like(flat)]
+    loss1, ce1 = ne.loss_and_grads(flat, cfg, idx, targets, whole)
+    parts = [np.zeros_like(flat) for _ in range(3)]
+    loss3, ce3 = ne.loss_and_grads(flat, cfg, idx, targets, parts)
+    assert loss3 == pytest.approx(loss1, rel=1e-12)
+    np.testing.assert_allclose(ce3, ce1, rtol=1e-12)
+    np.testing.assert_allclose(parts[0], whole[0], rtol=1e-9, atol=1e-14)
+
+
+def naive_greedy(params, cfg, prompt, n):
+    """re-runs the whole sequence for every new token: no cache"""
+    ids = list(prompt)
+    for _ in range(n):
+        x = np.array([ids[-cfg.T:]])
+        logits = ne.forward_logits(params, cfg, x, 0, ne.new_kv_cache(cfg, 1, np.float64))
+        ids.append(int(np.argmax(logits[0, -1, 0])))
+    return ids[len(prompt):]
+
+
+def test_kv_cache_generation_equals_full_recompute():
+    cfg = TINY
+    _, params = random_model(cfg)
+    prompt = [5, 17, 42, 3]
+    cached = list(ne.generate(params, cfg, prompt, cfg.T - len(prompt) - 1, temperature=0))
+    assert cached == naive_greedy(params, cfg, prompt, cfg.T - len(prompt) - 1)
+
+
+def test_speculative_greedy_equals_plain_greedy():
+    cfg = TINY
+    for seed in range(4):
+        flat, params = random_model(cfg, seed=seed)
+        # heads that copy head 0 make guesses that are sometimes right, so both
+        # the accept and the reject paths run
+        for k in range(1, cfg.K):
+            params[f"heads.{k}"][...] = params["heads.0"] * (1 + 0.1 * k)
+        prompt = [seed + 1, 7, 7]
+        plain = list(ne.generate(params, cfg, prompt, 40, temperature=0))
+        stats = {}
+        spec = list(ne.generate(params, cfg, prompt, 40, temperature=0, speculative=True, stats=stats))
+        assert spec == plain
+        assert stats["tokens"] == 40 or stats["tokens"] >= stats["steps"]
+
+
+def test_generation_slides_past_the_context():
+    cfg = TINY
+    _, params = random_model(cfg)
+    out = list(ne.generate(params, cfg, list(range(30)), 3 * cfg.T, temperature=0.9, seed=1))
+    assert len(out) == 3 * cfg.T and all(0 <= t < cfg.V for t in out)
+    again = list(ne.generate(params, cfg, list(range(30)), 3 * cfg.T, temperature=0.9, seed=1))
+    assert out == again                                     # a seed makes sampling repeatable
+
+
+def test_sampling_top_k_and_top_p():
+    rng = np.random.default_rng(0)
+    logits = np.array([5.0, 4.0, 1.0, 0.0, -1.0])
+    assert ne.sample_token(logits, rng, temperature=0) == 0
+    assert {ne.sample_token(logits, rng, 1.0, top_k=2) for _ in range(200)} == {0, 1}
+    assert {ne.sample_token(logits, rng, 1.0, top_p=0.5) for _ in range(100)} == {0}
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+
+@pytest.fixture
+def saved_model(tmp_path, tok):
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=4, Hkv=2, L=2, T=12, F=48, K=3)
+    flat = ne.init_params(cfg, seed=3)
+    path = str(tmp_path / "model.safetensors")
+    ne.save_model(path, cfg, flat, tok)
+    return path, cfg, flat
+
+
+def test_checkpoint_round_trip(saved_model, tok):
+    path, cfg, flat = saved_model
+    cfg2, flat2, tok2 = ne.load_model(path)
+    assert cfg2 == cfg and tok2.merges == tok.merges
+    assert flat2.tobytes() == flat.tobytes()
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    assert n % 8 == 0
+    assert list(header)[1:] == [name for name, _ in ne.param_shapes(cfg)]
+    assert header["__metadata__"]["format"] == "nanoeuler" and header["__metadata__"]["version"] == "1"
+
+
+def test_safetensors_library_reads_our_files(saved_model):
+    safetensors = pytest.importorskip("safetensors.numpy")
+    path, cfg, flat = saved_model
+    tensors = safetensors.load_file(path)
+    params = ne.carve(flat, cfg)
+    assert set(tensors) == {name for name, _ in ne.param_shapes(cfg)}
+    for name, _ in ne.param_shapes(cfg):
+        assert tensors[name].dtype == np.float32
+        assert np.array_equal(tensors[name], params[name])
+    # and we read a file the library wrote
+    from safetensors import safe_open
+    with safe_open(path, "np") as f:
+        meta = f.metadata()
+    out = path + ".lib.safetensors"
+    safetensors.save_file({name: tensors[name] for name, _ in ne.param_shapes(cfg)}, out, metadata=meta)
+    cfg2, flat2, _ = ne.load_model(out)
+    assert flat2.tobytes() == flat.tobytes()
+
+
+def test_bad_files_are_refused_with_one_sentence(saved_model, tmp_path):
+    path, cfg, flat = saved_model
+    raw = open(path, "rb").read()
+    cases = {"missing.safetensors": None, "garbage.safetensors": b"this is not a model at all",
+             "truncated.safetensors": raw[:len(raw) - 100], "empty.safetensors": b""}
+    for name, data in cases.items():
+        p = str(tmp_path / name)
+        if data is not None:
+            open(p, "wb").write(data)
+        with pytest.raises(ne.NanoEulerError) as e:
+            ne.load_model(p)
+        assert name in str(e.value) and "\n" not in str(e.value)
+    # tensors that do not match the config
+    tensors, meta = ne.read_safetensors(path)
+    meta = dict(meta, config=json.dumps(dict(json.loads(meta["config"]), C=32)))
+    bad = str(tmp_path / "mismatch.safetensors")
+    ne.write_safetensors(bad, list(tensors.items()), meta)
+    with pytest.raises(ne.NanoEulerError, match="do not match its config"):
+        ne.load_model(bad)
+    # another format
+    other = str(tmp_path / "other.safetensors")
+    ne.write_safetensors(other, list(tensors.items()), dict(meta, format="gpt2"))
+    with pytest.raises(ne.NanoEulerError, match="not a NanoEuler"):
+        ne.load_model(other)
+
+
+def test_cli_error_is_one_line(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 64)
+    r = run_cli("sample", "--model", str(bad), "--prompt", "hi")
+    assert r.returncode == 2
+    err = r.stderr.decode().strip()
+    assert err.count("\n") == 0 and "bad.safetensors" in err and "Traceback" not in err
+
+
+def test_atomic_write_leaves_no_partial_file(tmp_path):
+    path = str(tmp_path / "x.bin")
+    ne.atomic_write_bytes(path, b"old")
+
+    def fail(f):
+        f.write(b"half")
+        raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError):
+        ne.atomic_write(path, fail)
+    assert open(path, "rb").read() == b"old"
+
+
+# -----------------------------------------------------------------------------
+# training
+
+def train_args(out, data, *extra):
+    return ["train", "--data", data, "--out", str(out), "--vocab-size", "300", "--batch", "4",
+            "--eval-every", "4", "--eval-batches", "2", "--save-every", "4", "--warmup", "2", *extra]
+
+
+def test_empty_and_non_utf8_corpus_are_refused(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run_cli(*train_args(tmp_path / "o", str(empty)))
+    assert r.returncode == 2 and b"empty.txt" in r.stderr and b"Traceback" not in r.stderr
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café au lait\n".encode("latin-1") * 100)
+    r = run_cli(*train_args(tmp_path / "o", str(latin)))
+    assert r.returncode == 2 and b"latin1.txt is not UTF-8" in r.stderr
+    r = run_cli(*train_args(tmp_path / "o", str(tmp_path / "nope.txt")))
+    assert r.returncode == 2 and b"nope.txt does not exist" in r.stderr
+
+
+def test_training_lowers_the_loss(tmp_path, capsys):
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--steps", "24", "--lr", "3e-3"))
+    rows = open(tmp_path / "run" / "log.csv").read().splitlines()
+    losses = [float(r.split(",")[1]) for r in rows[1:]]
+    assert len(losses) == 24
+    assert np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3
+    assert os.path.exists(tmp_path / "run" / "best.safetensors")
+    out = capsys.readouterr().out
+    assert "step 24/24 | loss" in out and "tok/s" in out and "val  24/24" in out and "bpb" in out
+
+
+def test_resume_is_bit_identical(tmp_path):
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "straight", data, "--steps", "10"))
+    ne.main(train_args(tmp_path / "split", data, "--steps", "10", "--stop-after", "5"))
+    assert ne.latest_checkpoint(str(tmp_path / "split")) == 5
+    ne.main(train_args(tmp_path / "split", data, "--steps", "10", "--resume"))
+    a = open(tmp_path / "straight" / "model_000010.safetensors", "rb").read()
+    b = open(tmp_path / "split" / "model_000010.safetensors", "rb").read()
+    assert a == b
+    sa = open(tmp_path / "straight" / "state_000010.safetensors", "rb").read()
+    sb = open(tmp_path / "split" / "state_000010.safetensors", "rb").read()
+    assert sa == sb
+
+
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    data = small_corpus(tmp_path)
+    r = run_cli(*train_args(tmp_path / "run", data, "--steps", "40", "--lr", "1e4", "--clip", "-1",
+                            "--warmup", "1", "--save-every", "1"))
+    assert r.returncode == 2, r.stdout.decode()[-2000:]
+    err = r.stderr.decode()
+    assert "training stopped" in err and "Traceback" not in err
+    last = ne.latest_checkpoint(str(tmp_path / "run"))
+    assert last is not None
+    cfg, flat, _ = ne.load_model(str(tmp_path / "run" / f"model_{last:06d}.safetensors"))
+    assert np.isfinite(flat).all()
+
+
+def test_ctrl_c_saves_a_checkpoint(tmp_path):
+    data = small_corpus(tmp_path)
+    cmd = [sys.executable, "-u", os.path.join(HERE, "nanoeuler.py"),
+           *train_args(tmp_path / "run", data, "--steps", "100000", "--save-every", "100000")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    for line in proc.stdout:
+        if line.startswith(b"step") and b"/100000" in line and int(line.split()[1].split(b"/")[0]) >= 3:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    step = ne.latest_checkpoint(str(tmp_path / "run"))
+    assert step is not None and step >= 3
+    assert f"model_{step:06d}.safetensors".encode() in out
+
+
+def test_sample_command_is_greedy_and_deterministic(tmp_path):
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--steps", "4"))
+    model = str(tmp_path / "run" / "model_000004.safetensors")
+    a = run_cli("sample", "--model", model, "--prompt", "KING:", "--temperature", "0", "--max-new-tokens", "20")
+    b = run_cli("sample", "--model", model, "--prompt", "KING:", "--temperature", "0", "--max-new-tokens", "20")
+    assert a.returncode == 0 and a.stdout == b.stdout and a.stdout.startswith(b"KING:")
+
+
+# -----------------------------------------------------------------------------
+# SFT and chat
+
+def test_sft_masks_everything_but_the_response(tok):
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=4, Hkv=2, L=1, T=40, F=48, K=2)
+    rows, mask = ne.sft_rows(tok, [("Say hi", "hi there")], cfg)
+    idx, targets = ne.sft_targets(rows, mask, cfg.T, cfg.K)
+    reply = tok.encode("hi there") + [tok.special("<|end|>")]
+    kept = targets[0, :, 0][targets[0, :, 0] >= 0].tolist()
+    assert kept == reply                                    # head 0 learns exactly the reply
+    prompt_len = len(tok.encode("Say hi")) + 2
+    assert (targets[0, :prompt_len - 1, 0] == -1).all()
+    assert (targets[0, prompt_len - 1 + len(reply):, :] == -1).all()   # padding
+
+
+def test_instruction_formats(tmp_path):
+    jl = tmp_path / "a.jsonl"
+    jl.write_text('{"instruction": "Add", "input": "1 and 2", "response": "3"}\n'
+                  '{"instruction": "Hi", "input": "", "response": "Hello"}\n')
+    assert ne.load_instructions(str(jl)) == [("Add\n\n1 and 2", "3"), ("Hi", "Hello")]
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "Hi", "input": "", "output": "Hello"}]))
+    assert ne.load_instructions(str(alpaca)) == [("Hi", "Hello")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "x"}\n')
+    with pytest.raises(ne.NanoEulerError, match="bad.jsonl"):
+        ne.load_instructions(str(bad))
+
+
+def test_sft_then_chat_end_to_end(tmp_path):
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "pre", data, "--steps", "4"))
+    model = str(tmp_path / "pre" / "model_000004.safetensors")
+    r = run_cli("sft", "--model", model, "--steps", "4", "--batch", "4", "--out", str(tmp_path / "sft"),
+                "--eval-every", "4", "--eval-batches", "1", "--save-every", "4")
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"loss on responses only" in r.stdout
+    chat_model = str(tmp_path / "sft" / "model_000004.safetensors")
+    stdin = b"hello there\n\n   \n/reset\n\xff\xfe not utf-8 \xc3\n" + b"x" * 2000 + b"\n/quit\nnever read\n"
+    r = run_cli("chat", "--model", chat_model, "--max-new-tokens", "8", "--seed", "1", stdin=stdin)
+    assert r.returncode == 0, r.stderr.decode()
+    out = r.stdout.decode()
+    assert out.count("bot> ") == 3 and "(history cleared)" in out and out.rstrip().endswith("bye")
+    r = run_cli("chat", "--model", chat_model, "--max-new-tokens", "4", stdin=b"hi\n")   # ends with Ctrl-D
+    assert r.returncode == 0 and r.stdout.decode().rstrip().endswith("bye")
