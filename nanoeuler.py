@@ -1073,13 +1073,14 @@ def load_model(path):
         tok = Tokenizer.from_json(meta["tokenizer"])
     except (KeyError, TypeError, ValueError) as e:
         raise NanoEulerError(f"{path} has a broken config or tokenizer in its metadata ({e})") from None
-    want = param_shapes(cfg)
-    if [(n, tuple(t.shape)) for n, t in tensors.items()] != want:
+    # we write tensors in SPEC order; other writers may order them otherwise
+    want = dict(param_shapes(cfg))
+    if {n: tuple(t.shape) for n, t in tensors.items()} != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
                              f"({len(tensors)} tensors, SPEC expects {len(want)} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
-    flat = np.concatenate([t.reshape(-1) for t in tensors.values()]).astype(np.float32)
+    flat = np.concatenate([tensors[name].reshape(-1) for name in want]).astype(np.float32)
     return cfg, flat, tok
 
 
@@ -1257,12 +1258,9 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
             lr = lr_schedule(step, total, args.lr, args.warmup)
             idx, targets = next_batch(rng)
             loss, ce = loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool)
-            if not np.isfinite(loss):
-                csv.close()
-                where = f"; the last good checkpoint is {last_path}" if last_path else ""
-                raise NanoEulerError(f"the loss became {loss} at step {step + 1}, so training stopped{where}; "
-                                     "lower --lr and resume with --resume")
             norm = clip_grad_norm(grad_bufs[0], args.clip)
+            if not (np.isfinite(loss) and np.isfinite(norm)):
+                stop_on_nan("loss" if not np.isfinite(loss) else "gradient norm", loss, step + 1, last_path)
             adamw_update(flat, grad_bufs[0], m, v, step + 1, lr, mask, weight_decay=args.weight_decay)
             step += 1
             dt = time.perf_counter() - t0
@@ -1274,6 +1272,8 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
             val_loss = val_bpb = ""
             if step % args.eval_every == 0 or step == total:
                 val_loss, val_bpb = evaluate(flat, cfg, val_batches, token_bytes, pool)
+                if not np.isfinite(val_loss):
+                    stop_on_nan("validation loss", val_loss, step, last_path)
                 print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
                       f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
                 if val_loss < state.get("best_val", math.inf):
@@ -1297,6 +1297,13 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
           f"last checkpoint {last_path}")
     plot_log(csv_path)
     return step
+
+
+def stop_on_nan(what, value, step, last_path):
+    """the run diverged: stop, keeping the last good checkpoint (nothing newer was saved)"""
+    where = f"; the last good checkpoint is {last_path}" if last_path else "; no checkpoint was saved yet"
+    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped{where}; "
+                         "lower --lr and continue with --resume")
 
 
 def keep_csv_rows(csv_path, step):
@@ -1425,8 +1432,9 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     n_heads = cfg.K if speculative else 1
     pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
     while emitted < max_new_tokens:
-        if pos + len(pending) + len(guesses) > cfg.T:      # slide the window
+        if pos + len(pending) > cfg.T:                     # slide the window
             pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
+        guesses = guesses[:cfg.T - pos - len(pending)]     # slide exactly when plain decoding would
         feed = pending + guesses
         logits = forward_logits(params, cfg, np.array([feed]), pos, kv, n_heads)[0]   # (Tn,n,V)
         first = len(pending) - 1                           # logits at feed[first] predict the next token

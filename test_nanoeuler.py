@@ -265,7 +265,7 @@ def test_gradient_check_passes():
     lines = []
     assert ne.gradient_check(out=lines.append)
     assert lines[-1] == "overall okay: 1"
-    assert sum("OK" in ln for ln in lines) >= 19 + 17       # every model tensor and every layer input
+    assert sum(" OK" in ln for ln in lines) == 19 + 16       # every model tensor and every layer input
 
 
 def test_check_command_exits_zero():
@@ -329,19 +329,31 @@ def test_kv_cache_generation_equals_full_recompute():
 
 
 def test_speculative_greedy_equals_plain_greedy():
-    cfg = TINY
-    for seed in range(4):
-        flat, params = random_model(cfg, seed=seed)
-        # heads that copy head 0 make guesses that are sometimes right, so both
-        # the accept and the reject paths run
-        for k in range(1, cfg.K):
-            params[f"heads.{k}"][...] = params["heads.0"] * (1 + 0.1 * k)
-        prompt = [seed + 1, 7, 7]
-        plain = list(ne.generate(params, cfg, prompt, 40, temperature=0))
+    # A model whose next token depends mostly on the current one: blocks add
+    # only a little noise, head 0 maps token t to f(t) for a permutation f, and
+    # head k predicts f^(k+1)(t), so the guesses are usually right. Head 2 is
+    # wrong for a third of the tokens, so the reject path runs too.
+    cfg = ne.Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=20, F=48, K=4)
+    rng = np.random.default_rng(7)
+    flat = rng.normal(0, 0.01, ne.num_params(cfg))
+    params = ne.carve(flat, cfg)
+    for name, shape in ne.param_shapes(cfg):
+        if len(shape) == 1:
+            params[name][...] = 1.0
+    params["tok_emb"][...] = np.eye(cfg.V, cfg.C)
+    f = rng.permutation(cfg.V)
+    nxt = np.arange(cfg.V)
+    for k in range(cfg.K):
+        nxt = f[nxt]                                        # f^(k+1)
+        params[f"heads.{k}"][...] = 0
+        params[f"heads.{k}"][nxt, np.arange(cfg.V)] = 30.0
+    params["heads.2"][:, : cfg.V // 3] = rng.normal(0, 30.0, (cfg.V, cfg.V // 3))
+    for prompt in ([1], [3, 5, 7], [i % cfg.V for i in range(cfg.T + 5)]):
+        plain = list(ne.generate(params, cfg, prompt, 60, temperature=0))
         stats = {}
-        spec = list(ne.generate(params, cfg, prompt, 40, temperature=0, speculative=True, stats=stats))
-        assert spec == plain
-        assert stats["tokens"] == 40 or stats["tokens"] >= stats["steps"]
+        spec = list(ne.generate(params, cfg, prompt, 60, temperature=0, speculative=True, stats=stats))
+        assert spec == plain                                # across two window slides, too
+        assert 1.3 < stats["tokens"] / stats["steps"] < cfg.K
 
 
 def test_generation_slides_past_the_context():
@@ -494,9 +506,11 @@ def test_resume_is_bit_identical(tmp_path):
     a = open(tmp_path / "straight" / "model_000010.safetensors", "rb").read()
     b = open(tmp_path / "split" / "model_000010.safetensors", "rb").read()
     assert a == b
-    sa = open(tmp_path / "straight" / "state_000010.safetensors", "rb").read()
-    sb = open(tmp_path / "split" / "state_000010.safetensors", "rb").read()
-    assert sa == sb
+    ta, ma = ne.read_safetensors(str(tmp_path / "straight" / "state_000010.safetensors"))
+    tb, mb = ne.read_safetensors(str(tmp_path / "split" / "state_000010.safetensors"))
+    assert ta["m"].tobytes() == tb["m"].tobytes() and ta["v"].tobytes() == tb["v"].tobytes()
+    sa, sb = json.loads(ma["state"]), json.loads(mb["state"])
+    assert sa["rng"] == sb["rng"] and sa["step"] == sb["step"] == 10
 
 
 def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
