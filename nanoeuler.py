@@ -26,6 +26,7 @@ import argparse
 import functools
 import json
 import math
+import operator
 import os
 import re
 import signal
@@ -34,6 +35,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
+from itertools import chain, repeat
 
 # Training splits each batch over the cores with threads of its own (see
 # train_step), so BLAS must not start threads too: two layers of threads on two
@@ -111,9 +113,8 @@ FIRST_MERGE_ID = 256 + len(SPECIALS)
 def merge(ids, pair, new_id):
     """replace every non-overlapping occurrence of pair in ids, left to right, by new_id"""
     out, i, n = [], 0, len(ids)
-    a, b = pair
     while i < n:
-        if i + 1 < n and ids[i] == a and ids[i + 1] == b:
+        if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
             out.append(new_id)
             i += 2
         else:
@@ -128,6 +129,7 @@ class Tokenizer:
     def __init__(self, merges=()):
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}
+        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}   # for encode_piece
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
@@ -201,22 +203,27 @@ class Tokenizer:
         return cls(merges)
 
     def encode_piece(self, piece):
-        """one pre-tokenized piece -> ids, applying merges in the order they were learned"""
-        ids = list(piece.encode("utf-8"))
-        ranks = self.ranks
-        while len(ids) >= 2:
-            pair = min(zip(ids, ids[1:]), key=lambda p: ranks.get(p, math.inf))
-            if pair not in ranks:
+        """one pre-tokenized piece -> ids, merging the pair learned first until none is left.
+
+        The ids are held as the characters of a str, chr(id), so that ranking the
+        pairs (a dict lookup per 2-char str) and merging them (str.replace:
+        non-overlapping, left to right, exactly like merge()) run in C."""
+        s = piece.encode("utf-8").decode("latin-1")        # one char per byte: chr(byte)
+        rank, never = self.pair_ranks.get, repeat(math.inf)
+        while len(s) >= 2:
+            # a merge's new id is its rank: ids grow with each merge learned
+            new_id = min(map(rank, map(operator.add, s, s[1:]), never))
+            if new_id == math.inf:
                 break
-            ids = merge(ids, pair, ranks[pair])
-        return ids
+            a, b = self.merges[new_id - FIRST_MERGE_ID]
+            s = s.replace(chr(a) + chr(b), chr(new_id))
+        return list(map(ord, s))
 
     def encode(self, text):
         """str -> list of ids; ordinary text only (see special for the others).
 
         Text repeats its pieces endlessly ("the", " and"), so each distinct piece
         is encoded once and its ids cached; the rest is dict lookups in C."""
-        from itertools import chain
         pieces = SPLIT_PATTERN.findall(text)
         cache = self.cache
         if len(cache) > 1_000_000:
@@ -736,7 +743,8 @@ def block_backward(dx, cache, g):
     dx = dx + dxm                                     # residual: both paths
     dy, dwo = linear_backward(dx, c_wo)
     g["wo"] += dwo
-    dq, dk, dv = attention_backward(dy.reshape(c_att[0].shape[0], T, -1, c_att[0].shape[-1]), c_att)
+    D = c_att[0].shape[-1]                            # head dim, from the cached q
+    dq, dk, dv = attention_backward(dy.reshape(B, T, -1, D), c_att)
     dq = rope_backward(dq, c_rope_q)
     dk = rope_backward(dk, c_rope_k)
     dqkv = np.concatenate([dq.reshape(B, T, -1), dk.reshape(B, T, -1), dv.reshape(B, T, -1)], -1)
@@ -1618,23 +1626,26 @@ def cmd_bench(args):
     for B in (8, 32):
         dt = bench_train(cfg, B, args.threads)
         print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s")
-    text_path = os.path.join(DATA_DIR, "gutenberg")
-    text = "\n".join(read_text(f) for f in corpus_files(text_path))
-    print(f"\ntokenizer on the embedded books ({len(text.encode()) / 1e6:.1f} MB, one core)")
+    files = corpus_files(os.path.join(DATA_DIR, "gutenberg")) + [DEFAULT_CORPUS]
+    text = "\n".join(read_text(f) for f in files)
+    nbytes = len(text.encode())
+    print(f"\ntokenizer on the embedded books and Shakespeare ({nbytes / 1e6:.1f} MB, one core)")
     t0 = time.time()
     tok = Tokenizer.train(text, 4096, progress=False)
-    print(f"  train vocab 4096: {time.time() - t0:6.1f} s")
-    tok.cache.clear()
-    t0 = time.time()
-    ids = tok.encode(text)
-    dt = time.time() - t0
-    print(f"  encode:           {len(text.encode()) / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
-          f"{len(text.encode()) / len(ids):.2f} bytes per token)")
+    print(f"  train vocab 4096:       {time.time() - t0:6.1f} s")
+    for cache in ("empty", "warm"):
+        if cache == "empty":
+            tok.cache.clear()
+        t0 = time.time()
+        ids = tok.encode(text)
+        dt = time.time() - t0
+        print(f"  encode, {cache} cache:    {nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
+              f"{nbytes / len(ids):.2f} bytes per token)")
     if args.model:
         cfg, flat, tok = load_model(args.model)
         what = args.model
     else:
-        flat, what = init_params(cfg), "random weights (pass --model for a trained one)"
+        flat, tok, what = init_params(cfg), Tokenizer(), "random weights (pass --model for a trained one)"
     params = carve(flat, cfg)
     prompt = tok.encode("ROMEO:\nWhat say you")
     n = min(args.max_new_tokens, 4 * cfg.T)

@@ -596,3 +596,20 @@ def test_sft_then_chat_end_to_end(tmp_path):
     assert out.count("bot> ") == 3 and "(history cleared)" in out and out.rstrip().endswith("bye")
     r = run_cli("chat", "--model", chat_model, "--max-new-tokens", "4", stdin=b"hi\n")   # ends with Ctrl-D
     assert r.returncode == 0 and r.stdout.decode().rstrip().endswith("bye")
+
+
+# -----------------------------------------------------------------------------
+# get_data.sh
+
+def test_get_data_strips_gutenberg_boilerplate(tmp_path):
+    raw = ("\ufeffThe Project Gutenberg eBook of Test\r\nlicence text\r\n"
+           "*** START OF THIS PROJECT GUTENBERG EBOOK\r\nTEST BOOK ***\r\n\r\n"
+           "Produced by Someone\r\nand others\r\n\r\nChapter 1\r\nIt was a dark night.   \r\n\r\n"
+           "End of the Project Gutenberg EBook of Test\r\n\r\n"
+           "            *** END OF THIS PROJECT GUTENBERG EBOOK TEST BOOK ***\r\nmore licence\r\n")
+    src, dst = tmp_path / "raw.txt", tmp_path / "clean.txt"
+    src.write_bytes(raw.encode("utf-8"))
+    r = subprocess.run(["bash", os.path.join(HERE, "get_data.sh"), "strip", str(src), str(dst)],
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr.decode()
+    assert dst.read_text(encoding="utf-8") == "Chapter 1\nIt was a dark night.\n"
