@@ -519,8 +519,7 @@ def attention_forward(q, k, v):
     qg = q.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
     kt = k.transpose(0, 2, 3, 1)                                      # (B,Hkv,D,Tk)
     vt = v.transpose(0, 2, 1, 3)                                      # (B,Hkv,Tk,D)
-    att = qg @ kt                             # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
-    att *= 1.0 / math.sqrt(D)
+    att = (qg * (1.0 / math.sqrt(D))) @ kt    # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
     att += causal_mask(Tq, Tk, G, q.dtype)
     att -= att.max(-1, keepdims=True)         # softmax, shifted so exp cannot overflow
     np.exp(att, out=att)
@@ -544,9 +543,10 @@ def attention_backward(dy, cache):
     ds = datt
     ds -= (datt * att).sum(-1, keepdims=True)
     ds *= att
-    ds *= 1.0 / math.sqrt(D)
+    # forward was: att = softmax((q / sqrt(D)) @ k.T); the scale goes on the smaller side
     dqg = ds @ kt.transpose(0, 1, 3, 2)       # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
-    dkt = ds.transpose(0, 1, 3, 2) @ qg       # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D) -> (B,Hkv,Tk,D)
+    dqg *= 1.0 / math.sqrt(D)
+    dkt = ds.transpose(0, 1, 3, 2) @ (qg * (1.0 / math.sqrt(D)))   # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D)
     dq = dqg.reshape(B, Hkv, G, Tq, D).transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
     return dq, dkt.transpose(0, 2, 1, 3), dvt.transpose(0, 2, 1, 3)
 
@@ -559,18 +559,16 @@ def swiglu_forward(gu):
     np.tanh(sig, out=sig)                    # sigmoid(z) = (1 + tanh(z/2)) / 2: no overflow, SIMD
     sig += 1.0
     sig *= 0.5
-    out = gate * sig
-    out *= up
-    return out, (gu, sig)
+    silu = gate * sig                        # kept: the backward needs it too
+    return silu * up, (gu, sig, silu)
 
 
 def swiglu_backward(dout, cache):
     """dout (..., F) -> dgu (..., 2F), gate gradients then up gradients"""
-    gu, sig = cache
+    gu, sig, silu = cache
     F = sig.shape[-1]
-    gate, up = gu[..., :F], gu[..., F:]
+    up = gu[..., F:]
     dgu = np.empty_like(gu)
-    silu = gate * sig
     np.multiply(dout, silu, out=dgu[..., F:])                         # forward was: out = silu * up
     # d silu / d gate = sig + silu * (1 - sig)
     dgate = np.subtract(1.0, sig, out=dgu[..., :F])
@@ -593,10 +591,11 @@ def cross_entropy_forward(logits, targets, n=None):
     n = max(int(keep.sum()) if n is None else int(n), 1)
     t = np.where(keep, targets, 0)
     z = logits - logits.max(-1, keepdims=True)                        # (N,V), shifted
-    probs = np.exp(z)
+    z_t = z[np.arange(N), t]                                          # (N,) the targets' logits
+    probs = np.exp(z, out=z)                                          # z is not needed after this
     sumexp = probs.sum(-1)                                            # (N,)
     probs /= sumexp[:, None]
-    nll = np.log(sumexp) - z[np.arange(N), t]                         # (N,)
+    nll = np.log(sumexp) - z_t                                        # (N,)
     loss = (nll * keep).sum() / n
     return loss, (probs, t, keep, n)
 
@@ -604,7 +603,9 @@ def cross_entropy_forward(logits, targets, n=None):
 def cross_entropy_backward(dloss, cache):
     """dloss scalar -> dlogits (N,V) = (softmax - onehot) / n on kept rows, 0 on ignored rows"""
     probs, t, keep, n = cache
-    dlogits = probs.copy()
+    # NOTE: turns the cached probs into dlogits in place (saves a copy of an
+    # (N,V) array), so call it once per forward, as the model backward does
+    dlogits = probs
     dlogits[np.arange(len(t)), t] -= 1.0
     dlogits *= (keep * (dloss / n))[:, None].astype(probs.dtype)
     return dlogits
@@ -941,14 +942,28 @@ def decay_mask(cfg):
 
 
 def adamw_update(flat, grad, m, v, step, lr, mask, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1):
-    """one AdamW step (Loshchilov & Hutter 2019) on the flat buffers, in place; step counts from 1"""
+    """one AdamW step (Loshchilov & Hutter 2019) on flat buffers, in place; step counts from 1.
+
+    p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * mask * p), written
+    with in-place operations: each line is one pass over the buffers."""
     m *= beta1
     m += (1 - beta1) * grad
     v *= beta2
     v += (1 - beta2) * grad * grad
-    denom = np.sqrt(v / (1 - beta2 ** step))
+    flat *= 1.0 - (lr * weight_decay) * mask                      # decoupled weight decay
+    denom = np.sqrt(v)
+    denom *= 1.0 / math.sqrt(1 - beta2 ** step)                    # bias corrections
     denom += eps
-    flat -= (lr / (1 - beta1 ** step)) * m / denom + (lr * weight_decay) * mask * flat
+    np.divide(m, denom, out=denom)
+    denom *= lr / (1 - beta1 ** step)
+    flat -= denom
+
+
+def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
+    """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
+    bounds = np.linspace(0, flat.size, n + 1).astype(int)
+    slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    list(pool.map(lambda s: adamw_update(flat[s], grad[s], m[s], v[s], step, lr, mask[s], **kw), slices))
 
 
 def clip_grad_norm(grad, max_norm):
@@ -1238,7 +1253,7 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
     mask = decay_mask(cfg)
     n_threads = max(1, min(args.threads, args.batch))
     grad_bufs = [np.zeros_like(flat) for _ in range(n_threads)]
-    pool = ThreadPoolExecutor(n_threads) if n_threads > 1 else None
+    pool = ThreadPoolExecutor(n_threads)
     token_bytes = tok.token_bytes()
     csv_path = os.path.join(out_dir, "log.csv")
     start = state["step"]
@@ -1269,7 +1284,8 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
             norm = clip_grad_norm(grad_bufs[0], args.clip)
             if not (np.isfinite(loss) and np.isfinite(norm)):
                 stop_on_nan("loss" if not np.isfinite(loss) else "gradient norm", loss, step + 1, last_path)
-            adamw_update(flat, grad_bufs[0], m, v, step + 1, lr, mask, weight_decay=args.weight_decay)
+            adamw_update_parallel(pool, n_threads, flat, grad_bufs[0], m, v, step + 1, lr, mask,
+                                  weight_decay=args.weight_decay)
             step += 1
             dt = time.perf_counter() - t0
             if step > start + 1:
@@ -1296,8 +1312,7 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
         if step > start and step % args.save_every and step != total:
             checkpoint(step)                              # stopped early: Ctrl-C or --stop-after
     csv.close()
-    if pool:
-        pool.shutdown()
+    pool.shutdown()
     mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
@@ -1601,7 +1616,7 @@ def cmd_chat(args):
 # -----------------------------------------------------------------------------
 # benchmark
 
-def bench_train(cfg, B, threads, steps=10):
+def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
     flat = init_params(cfg)
     m, v, mask = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
@@ -1614,7 +1629,7 @@ def bench_train(cfg, B, threads, steps=10):
             t0 = time.perf_counter()
             loss_and_grads(flat, cfg, idx, targets, bufs, pool)
             clip_grad_norm(bufs[0], 1.0)
-            adamw_update(flat, bufs[0], m, v, step + 1, 1e-3, mask)
+            adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, mask)
             times.append(time.perf_counter() - t0)
     return float(np.median(times[2:]))
 
