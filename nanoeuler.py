@@ -1107,7 +1107,7 @@ def load_model(path):
     return cfg, flat, tok
 
 
-def save_checkpoint(out_dir, step, cfg, flat, tok, m, v, state):
+def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
     """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
     meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
     write_safetensors(os.path.join(out_dir, f"state_{step:06d}.safetensors"), [("m", m), ("v", v)], meta)
@@ -1242,18 +1242,50 @@ class StopFlag:
         signal.signal(signal.SIGINT, self.previous)
 
 
-def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m, v):
-    """the loop that pretraining and SFT share: log, evaluate, checkpoint, stop cleanly.
+class CPUEngine:
+    """what train_loop asks of an engine: one update, an evaluation, and the weights
+    and moments on the host for checkpoints. nanoeuler_cuda.py has a GPU one."""
 
-    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: fixed list of those.
+    def __init__(self, cfg, flat, m, v, args):
+        self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
+        self.clip, self.weight_decay = args.clip, args.weight_decay
+        self.mask = decay_mask(cfg)
+        self.n_threads = max(1, min(args.threads, args.batch))
+        self.grad_bufs = [np.zeros_like(flat) for _ in range(self.n_threads)]
+        self.pool = ThreadPoolExecutor(self.n_threads)
+
+    def step(self, idx, targets, lr, step):
+        """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
+        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool)
+        norm = clip_grad_norm(self.grad_bufs[0], self.clip)
+        if np.isfinite(loss) and np.isfinite(norm):
+            adamw_update_parallel(self.pool, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
+                                  step, lr, self.mask, weight_decay=self.weight_decay)
+        return loss, ce, norm
+
+    def evaluate(self, batches, token_bytes):
+        return evaluate(self.flat, self.cfg, batches, token_bytes, self.pool)
+
+    def host_weights(self):
+        """flat params, m, v as float32 numpy arrays"""
+        return self.flat, self.m, self.v
+
+    def mfu(self, dt):
+        return None                                       # only the GPU log shows MFU
+
+    def close(self):
+        self.pool.shutdown()
+
+
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
+    evaluate, checkpoint, stop cleanly.
+
+    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
     state holds step, rng state and the best validation so far."""
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng()
     rng.bit_generator.state = state["rng"]
-    mask = decay_mask(cfg)
-    n_threads = max(1, min(args.threads, args.batch))
-    grad_bufs = [np.zeros_like(flat) for _ in range(n_threads)]
-    pool = ThreadPoolExecutor(n_threads)
     token_bytes = tok.token_bytes()
     csv_path = os.path.join(out_dir, "log.csv")
     start = state["step"]
@@ -1269,7 +1301,7 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
         nonlocal last_path
         t0 = time.time()
         state.update(step=step, rng=rng.bit_generator.state)
-        last_path = save_checkpoint(out_dir, step, cfg, flat, tok, m, v, state)
+        last_path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
         prune_checkpoints(out_dir)
         print(f"saved  {last_path} (+ state) in {time.time() - t0:.1f} s")
 
@@ -1280,31 +1312,31 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
             t0 = time.perf_counter()
             lr = lr_schedule(step, total, args.lr, args.warmup)
             idx, targets = next_batch(rng)
-            loss, ce = loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool)
-            norm = clip_grad_norm(grad_bufs[0], args.clip)
+            loss, ce, norm = engine.step(idx, targets, lr, step + 1)
             if not (np.isfinite(loss) and np.isfinite(norm)):
                 stop_on_nan("loss" if not np.isfinite(loss) else "gradient norm", loss, step + 1, last_path)
-            adamw_update_parallel(pool, n_threads, flat, grad_bufs[0], m, v, step + 1, lr, mask,
-                                  weight_decay=args.weight_decay)
             step += 1
             dt = time.perf_counter() - t0
             if step > start + 1:
                 times.append(dt)                          # the first step warms up: left out
             eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+            mfu = engine.mfu(dt)
             print(f"step {step:{width}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
-                  f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | eta {fmt_time(eta)}", flush=True)
+                  f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | " +
+                  (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
             val_loss = val_bpb = ""
             if step % args.eval_every == 0 or step == total:
-                val_loss, val_bpb = evaluate(flat, cfg, val_batches, token_bytes, pool)
+                val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
                 if not np.isfinite(val_loss):
                     stop_on_nan("validation loss", val_loss, step, last_path)
                 print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
                       f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
                 if val_loss < state.get("best_val", math.inf):
                     state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-                    save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
-                print("sample:", repr(sample_text_for_log(flat, cfg, tok, seed=step)))
-            csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},,"
+                    save_model(os.path.join(out_dir, "best.safetensors"), cfg, engine.host_weights()[0], tok)
+                print("sample:", repr(sample_text_for_log(engine.host_weights()[0], cfg, tok, seed=step)))
+            csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
+                      f"{'' if mfu is None else f'{mfu:.4f}'},"
                       f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
             csv.flush()
             if step % args.save_every == 0 or step == total:
@@ -1312,7 +1344,7 @@ def train_loop(args, cfg, flat, tok, next_batch, val_batches, out_dir, state, m,
         if step > start and step % args.save_every and step != total:
             checkpoint(step)                              # stopped early: Ctrl-C or --stop-after
     csv.close()
-    pool.shutdown()
+    engine.close()
     mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
@@ -1389,7 +1421,7 @@ def cmd_train(args):
 
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
                                                                   args.eval_batches)]
-    train_loop(args, cfg, flat, tok, next_batch, val, args.out, state, m, v)
+    train_loop(args, cfg, tok, CPUEngine(cfg, flat, m, v, args), next_batch, val, args.out, state)
 
 
 # -----------------------------------------------------------------------------
@@ -1555,7 +1587,7 @@ def cmd_sft(args):
 
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
            for i in range(0, n_val, args.batch)]
-    train_loop(args, cfg, flat, tok, next_batch, val, args.out, state, m, v)
+    train_loop(args, cfg, tok, CPUEngine(cfg, flat, m, v, args), next_batch, val, args.out, state)
 
 
 def chat_reply(params, cfg, tok, history, args, out):

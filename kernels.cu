@@ -1,0 +1,236 @@
+/*
+NanoEuler's elementwise and reduction kernels, the GPU twins of the numpy layers
+in nanoeuler.py (same names: rmsnorm_forward there, rmsnorm_forward_kernel here,
+rmsnorm_forward the launcher in nanoeuler_cuda.py). Matrix products are not here:
+they go through cuBLAS. Attention is in flash_attn.cu.
+
+Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
+(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32.
+All kernels are extern "C" so their names survive compilation unmangled.
+
+Gradient rule: parameter gradients +=, activation gradients =, except where a
+kernel adds into the residual stream's gradient, which it says (+=).
+Launch geometry is written above each kernel.
+*/
+
+// NVRTC compiles without the C headers, so infinity is spelled out in its bits
+#define INFINITY __int_as_float(0x7f800000)
+
+// -----------------------------------------------------------------------------
+// helpers
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, offset));
+    return v;
+}
+
+// every thread of the block gets the total; blockDim.x a multiple of 32, at most 1024
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    v = warp_sum(v);
+    __syncthreads();                      // partial may still be read by a previous call
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < blockDim.x / 32 ? partial[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    v = lane < blockDim.x / 32 ? partial[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+// -----------------------------------------------------------------------------
+// embedding
+
+// one thread per output element; grid = ceil(N*C / block)
+extern "C" __global__ void embedding_forward_kernel(float* x, const int* idx, const float* tok_emb, int N, int C) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)N * C) return;
+    int n = i / C, c = i % C;
+    x[i] = tok_emb[(long)idx[n] * C + c];
+}
+
+// one thread per dx element; rows of a repeated token meet in atomicAdd (so the
+// order of the additions, and the last bits, can vary from run to run)
+extern "C" __global__ void embedding_backward_kernel(float* dtok_emb, const int* idx, const float* dx, int N, int C) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)N * C) return;
+    int n = i / C, c = i % C;
+    atomicAdd(&dtok_emb[(long)idx[n] * C + c], dx[i]);
+}
+
+// -----------------------------------------------------------------------------
+// rmsnorm
+
+// one warp per row; grid = ceil(N / warps per block)
+extern "C" __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* x, const float* w,
+                                                  int N, int C) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const float* xr = x + (long)row * C;
+    float ss = 0.0f;
+    for (int c = lane; c < C; c += 32) ss += xr[c] * xr[c];
+    float r = 1.0f / sqrtf(warp_sum(ss) / C + 1e-5f);
+    for (int c = lane; c < C; c += 32) out[(long)row * C + c] = xr[c] * r * w[c];
+    if (lane == 0) rstd[row] = r;
+}
+
+// one warp per row, rows in a grid-stride loop; dw summed per block in shared
+// memory (C floats of dynamic shared memory), then added to the global dw.
+// dx += : the residual stream's gradient takes both paths.
+extern "C" __global__ void rmsnorm_backward_kernel(float* dx, float* dw, const float* dout, const float* x,
+                                                   const float* w, const float* rstd, int N, int C) {
+    extern __shared__ float dw_block[];
+    for (int c = threadIdx.x; c < C; c += blockDim.x) dw_block[c] = 0.0f;
+    __syncthreads();
+    int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+    for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
+        const float* xr = x + (long)row * C;
+        const float* dr = dout + (long)row * C;
+        float r = rstd[row], dot = 0.0f;
+        for (int c = lane; c < C; c += 32) dot += dr[c] * w[c] * xr[c] * r;   // sum of g * xhat
+        dot = warp_sum(dot) / C;
+        for (int c = lane; c < C; c += 32) {
+            float xhat = xr[c] * r;
+            dx[(long)row * C + c] += r * (dr[c] * w[c] - xhat * dot);
+            atomicAdd(&dw_block[c], dr[c] * xhat);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(&dw[c], dw_block[c]);
+}
+
+// -----------------------------------------------------------------------------
+// rope
+
+// rotate-half RoPE in place on the first n_heads heads of each row of qkv (the q
+// and k heads); cos/sin tables (positions, D/2) come from nanoeuler.rope_table.
+// The backward is the rotation by the opposite angle: the same code with -sin.
+// one thread per (row, head, pair); grid = ceil(N*n_heads*D/2 / block)
+__device__ void rope(float* qkv, const float* cos, const float* sin, int N, int T, int n_heads, int D,
+                     int stride, int pos, float sign) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int half = D / 2;
+    if (i >= (long)N * n_heads * half) return;
+    int p = i % half, h = (i / half) % n_heads;
+    long n = i / ((long)half * n_heads);
+    int t = pos + n % T;
+    float c = cos[t * half + p], s = sign * sin[t * half + p];
+    float* x = qkv + n * stride + h * D;
+    float a = x[p], b = x[p + half];
+    x[p] = a * c - b * s;
+    x[p + half] = b * c + a * s;
+}
+
+extern "C" __global__ void rope_forward_kernel(float* qkv, const float* cos, const float* sin, int N, int T,
+                                               int n_heads, int D, int stride, int pos) {
+    rope(qkv, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);
+}
+
+extern "C" __global__ void rope_backward_kernel(float* dqkv, const float* cos, const float* sin, int N, int T,
+                                                int n_heads, int D, int stride, int pos) {
+    rope(dqkv, cos, sin, N, T, n_heads, D, stride, pos, -1.0f);
+}
+
+// -----------------------------------------------------------------------------
+// swiglu
+
+// gu (N, 2F) holds gate then up; one thread per output; grid = ceil(N*F / block)
+extern "C" __global__ void swiglu_forward_kernel(float* out, const float* gu, int N, int F) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)N * F) return;
+    long n = i / F, f = i % F;
+    float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
+    out[i] = gate / (1.0f + expf(-gate)) * up;
+}
+
+extern "C" __global__ void swiglu_backward_kernel(float* dgu, const float* dout, const float* gu, int N, int F) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)N * F) return;
+    long n = i / F, f = i % F;
+    float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
+    float sig = 1.0f / (1.0f + expf(-gate)), silu = gate * sig;
+    dgu[n * 2 * F + f] = dout[i] * up * (sig + silu * (1.0f - sig));   // d silu / d gate
+    dgu[n * 2 * F + F + f] = dout[i] * silu;
+}
+
+// -----------------------------------------------------------------------------
+// residual
+
+// out = x + a; one thread per element; grid = ceil(n / block)
+extern "C" __global__ void residual_forward_kernel(float* out, const float* x, const float* a, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = x[i] + a[i];
+}
+
+// -----------------------------------------------------------------------------
+// cross entropy over the K heads
+
+// Fused softmax + loss + gradient, in place: logits (K, N, V) come in, and
+// d loss / d logits go out in the same memory, so the probabilities are never
+// stored. targets (N, K), -1 = ignored; dscale[k] = weight of head k / its count
+// of kept targets (SPEC: loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)).
+// losses (K, N): -log p(target) per row, 0 where ignored.
+// one block of 256 threads per (row, head); grid = N*K
+extern "C" __global__ void cross_entropy_forward_kernel(float* logits, float* losses, const int* targets,
+                                                        const float* dscale, int N, int V, int K) {
+    int n = blockIdx.x % N, k = blockIdx.x / N;
+    float* row = logits + ((long)k * N + n) * V;
+    int t = targets[n * K + k];
+    float m = -INFINITY;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, row[v]);
+    m = block_max(m);
+    float sum = 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(row[v] - m);
+    float lse = m + logf(block_sum(sum));
+    float target_logit = t >= 0 ? row[t] : 0.0f;
+    __syncthreads();                      // everyone has read row[t] before it is overwritten
+    if (threadIdx.x == 0) losses[(long)k * N + n] = t >= 0 ? lse - target_logit : 0.0f;
+    float scale = t >= 0 ? dscale[k] : 0.0f;
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        row[v] = (expf(row[v] - lse) - (v == t ? 1.0f : 0.0f)) * scale;
+}
+
+// -----------------------------------------------------------------------------
+// adamw
+
+// AdamW on the flat buffers, as nanoeuler.adamw_update; decay is 1 for matrices,
+// 0 for norm weights; grad_scale applies the grad-norm clip.
+// one thread per parameter; grid = ceil(n / block)
+extern "C" __global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, const float* decay,
+                                        long n, float lr, float beta1, float beta2, float bias1, float bias2,
+                                        float eps, float weight_decay, float grad_scale) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = grads[i] * grad_scale;
+    float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    float p = params[i] * (1.0f - lr * weight_decay * decay[i]);       // decoupled weight decay
+    params[i] = p - lr / bias1 * mi / (sqrtf(vi / bias2) + eps);
+}
+
+// sum of squares of the gradients, one partial sum per block (the host adds the
+// partials: deterministic, and the step syncs for the loss anyway)
+// grid-stride loop; grid = a few blocks per SM
+extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, long n) {
+    float s = 0.0f;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        s += grads[i] * grads[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
