@@ -1730,42 +1730,44 @@ def cmd_sample(args):
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 
+def add_training_flags(sp, steps, batch, lr, warmup, out):
+    """the flags train and sft share (and nanoeuler_cuda.py's train)"""
+    g = sp.add_argument_group("run")
+    g.add_argument("--steps", type=int, default=steps, help="optimizer steps in the whole run")
+    g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    g.add_argument("--stop-after", type=int, default=-1, help="stop (and save) after N steps of this run; -1 = off")
+    g.add_argument("--seed", type=int, default=1337, help="seed of the init and the data order")
+    g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads the batch is split over")
+    g = sp.add_argument_group("optimization")
+    g.add_argument("--batch", type=int, default=batch, help="rows of T+K tokens per step")
+    g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+    g.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay, matrices only")
+    g.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; -1 = off")
+    g = sp.add_argument_group("evaluation")
+    g.add_argument("--eval-every", type=int, default=100, help="validate and sample every N steps")
+    g.add_argument("--eval-batches", type=int, default=20, help="validation batches")
+    g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
         "--seed", type=int, default=1337, help="random seed of the check")
 
-    def training_flags(sp, steps, batch, lr, warmup, out):
-        g = sp.add_argument_group("run")
-        g.add_argument("--steps", type=int, default=steps, help="optimizer steps in the whole run")
-        g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
-        g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-        g.add_argument("--stop-after", type=int, default=-1, help="stop (and save) after N steps of this run; -1 = off")
-        g.add_argument("--seed", type=int, default=1337, help="seed of the init and the data order")
-        g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads the batch is split over")
-        g = sp.add_argument_group("optimization")
-        g.add_argument("--batch", type=int, default=batch, help="rows of T+K tokens per step")
-        g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
-        g.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
-        g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay, matrices only")
-        g.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; -1 = off")
-        g = sp.add_argument_group("evaluation")
-        g.add_argument("--eval-every", type=int, default=100, help="validate and sample every N steps")
-        g.add_argument("--eval-batches", type=int, default=20, help="validation batches")
-        g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
-
     # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
     sp = sub.add_parser("train", help="pretrain the small model")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
-    training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, 100, os.path.join("out", "small"))
+    add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, 100, os.path.join("out", "small"))
 
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
     sp.add_argument("--data", default=DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
-    training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
+    add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
 
     def generation_flags(sp):
         sp.add_argument("--model", required=True, help=".safetensors model file")

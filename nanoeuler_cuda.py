@@ -110,3 +110,766 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
         os.makedirs(cache_dir, exist_ok=True)
         ne.atomic_write_bytes(path, cubins[name])
     return cubins
+
+
+# -----------------------------------------------------------------------------
+# CUDA plumbing
+
+cu = None                                      # cuda.bindings.driver, once init_gpu ran
+gpu = None                                     # the one GPU this program drives
+
+
+def check(result, what):
+    """cuda-python calls return (CUresult, *outputs): raise one sentence naming what failed"""
+    err = result[0]
+    if int(err):
+        _, name = cu.cuGetErrorName(err)
+        name = name.decode() if isinstance(name, bytes) else str(err)
+        if "OUT_OF_MEMORY" in name:
+            raise NanoEulerError(f"out of GPU memory in {what}; lower --batch")
+        raise NanoEulerError(f"CUDA error {name} in {what}")
+    return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+class DeviceArray:
+    """float32 or int32 memory on the GPU: a pointer, a shape, copies to and from numpy"""
+
+    def __init__(self, shape, dtype=np.float32, ptr=None, owner=None):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.size = math.prod(self.shape)
+        self.nbytes = self.size * self.dtype.itemsize
+        self.owner = owner                     # a view keeps the memory it points into alive
+        if ptr is None:
+            self.ptr = int(check(cu.cuMemAlloc(max(self.nbytes, 4)), f"cuMemAlloc of {self.nbytes:,} bytes"))
+            self.owned = True
+        else:
+            self.ptr, self.owned = ptr, False
+
+    def __del__(self):
+        if getattr(self, "owned", False) and cu is not None:
+            cu.cuMemFree(self.ptr)
+
+    def view(self, offset, shape):
+        """the elements from offset on, as an array of shape (no copy)"""
+        return DeviceArray(shape, self.dtype, self.ptr + offset * self.dtype.itemsize, owner=self)
+
+    def upload(self, a):
+        a = np.ascontiguousarray(a, dtype=self.dtype)
+        assert a.size == self.size, (a.shape, self.shape)
+        check(cu.cuMemcpyHtoDAsync(self.ptr, a.ctypes.data, self.nbytes, gpu.stream), "cuMemcpyHtoDAsync")
+        gpu.sync("a copy to the GPU")          # before the numpy array can go away
+        return self
+
+    def download(self):
+        out = np.empty(self.shape, self.dtype)
+        check(cu.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, self.nbytes, gpu.stream), "cuMemcpyDtoHAsync")
+        gpu.sync("a copy from the GPU")
+        return out
+
+    def fill_bits(self, bits):
+        """every 32-bit element set to a bit pattern: 0 is zero, 0x7FC00000 is NaN"""
+        check(cu.cuMemsetD32Async(self.ptr, bits, self.size, gpu.stream), "cuMemsetD32Async")
+        return self
+
+    def zero(self):
+        return self.fill_bits(0)
+
+
+def to_gpu(a, dtype=np.float32):
+    return DeviceArray(np.shape(a), dtype).upload(a)
+
+
+class GPU:
+    """the device, its context and stream, the compiled kernels and cuBLAS"""
+
+    def __init__(self, precision="fp32"):
+        global cu
+        cu, _ = import_cuda()
+        try:
+            check(cu.cuInit(0), "cuInit")
+            n = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        except RuntimeError as e:                            # libcuda missing: no driver
+            if isinstance(e, NanoEulerError):
+                raise
+            raise NanoEulerError("no NVIDIA driver was found, so there is no GPU to run on; "
+                                 "nanoeuler.py runs the same model on the CPU") from None
+        if not n:
+            raise NanoEulerError("no NVIDIA GPU was found; nanoeuler.py runs the same model on the CPU")
+        self.dev = check(cu.cuDeviceGet(0), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        # a real stream, not the legacy NULL one: every copy is Async on it
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        attr = cu.CUdevice_attribute
+        major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.dev), "attr")
+        minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.dev), "attr")
+        self.sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.dev), "attr")
+        self.name = check(cu.cuDeviceGetName(256, self.dev), "cuDeviceGetName").split(b"\0")[0].decode()
+        self.arch = f"{major}{minor}"
+        self.modules = [check(cu.cuModuleLoadData(cubin), f"loading {name}")
+                        for name, cubin in compile_kernels(self.arch).items()]
+        self.functions, self.last_kernel = {}, None
+        self.precision = precision
+        self.cublas = Cublas(self.stream)
+
+    def function(self, name):
+        if name not in self.functions:
+            for module in self.modules:
+                err, f = cu.cuModuleGetFunction(module, name.encode())
+                if not int(err):
+                    self.functions[name] = f
+                    break
+            else:
+                raise NanoEulerError(f"kernel {name} is in neither {SOURCES[0]} nor {SOURCES[1]}")
+        return self.functions[name]
+
+    def launch(self, name, grid, block, *args, shared=0):
+        """args are ctypes values (see P, I, L, F below); kept alive for the call"""
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        grid = grid if isinstance(grid, tuple) else (grid, 1, 1)
+        self.last_kernel = name
+        check(cu.cuLaunchKernel(self.function(name), *grid, block, 1, 1, shared, self.stream,
+                                ctypes.addressof(params), 0), f"launching {name}")
+
+    def sync(self, what="the GPU's work"):
+        where = f" (during or before kernel {self.last_kernel})" if self.last_kernel else ""
+        check(cu.cuStreamSynchronize(self.stream), what + where)
+
+
+def P(a):
+    """a device pointer argument"""
+    return ctypes.c_void_p(a.ptr if isinstance(a, DeviceArray) else int(a))
+
+
+I, L, F = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+
+
+def init_gpu(precision="fp32"):
+    global gpu
+    if gpu is None:
+        gpu = GPU(precision)
+    gpu.precision = precision
+    return gpu
+
+
+# -----------------------------------------------------------------------------
+# kernel launchers (same order and names as kernels.cu and flash_attn.cu)
+
+def embedding_forward(x, idx, tok_emb, N, C):
+    block = 256
+    gpu.launch("embedding_forward_kernel", ceil_div(N * C, block), block, P(x), P(idx), P(tok_emb), I(N), I(C))
+
+
+def embedding_backward(dtok_emb, idx, dx, N, C):
+    block = 256
+    gpu.launch("embedding_backward_kernel", ceil_div(N * C, block), block, P(dtok_emb), P(idx), P(dx), I(N), I(C))
+
+
+def rmsnorm_forward(out, rstd, x, w, N, C):
+    block = 256                                              # 8 rows per block, a warp each
+    gpu.launch("rmsnorm_forward_kernel", ceil_div(N, block // 32), block, P(out), P(rstd), P(x), P(w), I(N), I(C))
+
+
+def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C):
+    block = 256
+    grid = min(ceil_div(N, block // 32), 4 * gpu.sms)        # few blocks: each adds its dw once
+    gpu.launch("rmsnorm_backward_kernel", grid, block, P(dx), P(dw), P(dout), P(x), P(w), P(rstd), I(N), I(C),
+               shared=4 * C)
+
+
+def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    block = 256
+    gpu.launch("rope_forward_kernel", ceil_div(N * n_heads * D // 2, block), block, P(qkv), P(cos), P(sin),
+               I(N), I(T), I(n_heads), I(D), I(stride), I(pos))
+
+
+def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    block = 256
+    gpu.launch("rope_backward_kernel", ceil_div(N * n_heads * D // 2, block), block, P(dqkv), P(cos), P(sin),
+               I(N), I(T), I(n_heads), I(D), I(stride), I(pos))
+
+
+def swiglu_forward(out, gu, N, F_):
+    block = 256
+    gpu.launch("swiglu_forward_kernel", ceil_div(N * F_, block), block, P(out), P(gu), I(N), I(F_))
+
+
+def swiglu_backward(dgu, dout, gu, N, F_):
+    block = 256
+    gpu.launch("swiglu_backward_kernel", ceil_div(N * F_, block), block, P(dgu), P(dout), P(gu), I(N), I(F_))
+
+
+def residual_forward(out, x, a, n):
+    block = 256
+    gpu.launch("residual_forward_kernel", ceil_div(n, block), block, P(out), P(x), P(a), L(n))
+
+
+def cross_entropy_forward(logits, losses, targets, dscale, N, V, K):
+    block = 256
+    gpu.launch("cross_entropy_forward_kernel", N * K, block, P(logits), P(losses), P(targets), P(dscale),
+               I(N), I(V), I(K))
+
+
+def adamw(params, grads, m, v, decay, n, lr, step, grad_scale, beta1=0.9, beta2=0.95, eps=1e-8,
+          weight_decay=0.1):
+    block = 512
+    gpu.launch("adamw_kernel", ceil_div(n, block), block, P(params), P(grads), P(m), P(v), P(decay), L(n),
+               F(lr), F(beta1), F(beta2), F(1 - beta1 ** step), F(1 - beta2 ** step), F(eps), F(weight_decay),
+               F(grad_scale))
+
+
+def grad_norm(partial, grads, n):
+    """-> the global L2 norm of grads (syncs: the host adds the per-block partial sums)"""
+    block = 512
+    grid = partial.size
+    gpu.launch("grad_norm_kernel", grid, block, P(partial), P(grads), L(n))
+    return float(np.sqrt(partial.download().astype(np.float64).sum()))
+
+
+def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
+    gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(y), P(lse), P(qkv), I(T),
+               I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+
+
+def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
+    block = 256
+    gpu.launch("attention_backward_delta_kernel", ceil_div(B * Hq * T, block), block, P(delta), P(dy), P(y),
+               I(B), I(T), I(Hq), I(D))
+    scale = F(1 / math.sqrt(D))
+    gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 32), Hkv, B), 32, P(dqkv), P(qkv), P(dy),
+               P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
+    gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(dqkv), P(qkv), P(dy),
+               P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
+
+
+# -----------------------------------------------------------------------------
+# matmuls (cuBLAS)
+#
+# cuBLAS is column-major; our arrays are row-major. A row-major (r, c) array is,
+# byte for byte, a column-major (c, r) array: its transpose. So for a row-major
+# out = op(a) @ op(b), ask cuBLAS for out.T = op(b).T @ op(a).T: swap the two
+# operands and swap M and N. Nothing is copied or transposed.
+
+CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
+CUDA_R_32F, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 0, 68, 77, -1
+
+
+class Cublas:
+    def __init__(self, stream, workspace_bytes=32 << 20):
+        import cuda.pathfinder as pf
+        try:
+            lib = ctypes.CDLL(pf.load_nvidia_dynamic_lib("cublas").abs_path)
+        except Exception:
+            raise NanoEulerError("cuBLAS was not found: pip install nvidia-cublas (see requirements-cuda.txt)") \
+                from None
+        vp, ci = ctypes.c_void_p, ctypes.c_int
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, vp, ci, ci, vp, vp, ci, ci, ci, ci]
+        lib.cublasGetStatusName.argtypes, lib.cublasGetStatusName.restype = [ci], ctypes.c_char_p
+        self.lib, handle = lib, vp()
+        self.check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
+        self.handle = handle.value
+        self.check(lib.cublasSetStream_v2(self.handle, int(stream)), "cublasSetStream")
+        self.workspace = DeviceArray((workspace_bytes // 4,))  # ours, so graph capture needs no allocation
+        self.check(lib.cublasSetWorkspace_v2(self.handle, self.workspace.ptr, workspace_bytes), "cublasSetWorkspace")
+        self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+
+    def check(self, status, what):
+        if status:
+            raise NanoEulerError(f"cuBLAS error {self.lib.cublasGetStatusName(status).decode()} in {what}")
+
+    def gemm(self, out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
+        """row-major out (M,N) = op(a) @ op(b), or += with accumulate"""
+        lda = M if trans_a else K                            # row-major leading dimensions
+        ldb = K if trans_b else N
+        compute = CUBLAS_COMPUTE_32F_FAST_TF32 if gpu.precision == "tf32" else CUBLAS_COMPUTE_32F
+        beta = self.one if accumulate else self.zero
+        self.check(self.lib.cublasGemmEx(
+            self.handle, CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
+            N, M, K, ctypes.addressof(self.one), b.ptr, CUDA_R_32F, ldb, a.ptr, CUDA_R_32F, lda,
+            ctypes.addressof(beta), out.ptr, CUDA_R_32F, N, compute, CUBLAS_GEMM_DEFAULT), f"a {M}x{N}x{K} matmul")
+
+
+def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
+    gpu.cublas.gemm(out, a, b, M, N, K, trans_a, trans_b, accumulate)
+
+
+# -----------------------------------------------------------------------------
+# the model on the GPU
+
+class GPUModel:
+    """parameters, gradients, AdamW moments (one allocation each, carved into the
+    SPEC tensors as nanoeuler.carve does) and the activations of one batch of B rows"""
+
+    def __init__(self, cfg, B, flat=None, m=None, v=None):
+        self.cfg, self.B, self.N = cfg, B, B * cfg.T
+        P_ = num_params(cfg)
+        self.flat = DeviceArray((P_,)).upload(ne.init_params(cfg) if flat is None else flat)
+        self.grads = DeviceArray((P_,)).zero()
+        self.m = DeviceArray((P_,)).upload(np.zeros(P_, np.float32) if m is None else m)
+        self.v = DeviceArray((P_,)).upload(np.zeros(P_, np.float32) if v is None else v)
+        self.decay = to_gpu(ne.decay_mask(cfg))
+        self.params, self.dparams = self.carve(self.flat), self.carve(self.grads)
+        cos, sin = ne.rope_table(cfg.T, cfg.D, 0, np.float32)
+        self.cos, self.sin = to_gpu(cos), to_gpu(sin)               # (T, D/2) each
+        self.partial = DeviceArray((2 * gpu.sms,))
+        self.allocate_activations()
+
+    def carve(self, buf):
+        views, offset = {}, 0
+        for name, shape in param_shapes(self.cfg):
+            views[name] = buf.view(offset, shape)
+            offset += math.prod(shape)
+        for l in range(self.cfg.L):                                  # w_gate then w_up: one (2F, C) matmul
+            gate = views[f"layers.{l}.w_gate"]
+            views[f"layers.{l}.w_gate_up"] = DeviceArray((2 * self.cfg.F, self.cfg.C), ptr=gate.ptr, owner=buf)
+        return views
+
+    def allocate_activations(self):
+        """what the backward reads, per layer, plus a few scratch buffers reused by every layer"""
+        cfg, N, B = self.cfg, self.N, self.B
+        C, QKV, HD, F_ = cfg.C, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D, cfg.F
+        new = lambda *shape: DeviceArray(shape)
+        self.x = [new(N, C) for _ in range(cfg.L + 1)]               # the residual stream into each layer
+        self.h, self.m_ = [new(N, C) for _ in range(cfg.L)], [new(N, C) for _ in range(cfg.L)]
+        self.rstd_attn, self.rstd_mlp = [new(N) for _ in range(cfg.L)], [new(N) for _ in range(cfg.L)]
+        self.qkv, self.y = [new(N, QKV) for _ in range(cfg.L)], [new(N, HD) for _ in range(cfg.L)]
+        self.lse = [new(B, cfg.Hq, cfg.T) for _ in range(cfg.L)]
+        self.x_mid = [new(N, C) for _ in range(cfg.L)]
+        self.gu, self.s = [new(N, 2 * F_) for _ in range(cfg.L)], [new(N, F_) for _ in range(cfg.L)]
+        self.xf, self.rstd_final = new(N, C), new(N)
+        self.logits, self.losses = new(cfg.K, N, cfg.V), new(cfg.K, N)
+        self.idx, self.targets = DeviceArray((N,), np.int32), DeviceArray((N, cfg.K), np.int32)
+        self.dscale = DeviceArray((cfg.K,))
+        # scratch for the backward: each layer overwrites what the layer after it used
+        self.dx, self.dxf, self.dh = new(N, C), new(N, C), new(N, C)
+        self.ds, self.dgu, self.dy = new(N, F_), new(N, 2 * F_), new(N, HD)
+        self.dqkv, self.delta = new(N, QKV), new(B, cfg.Hq, cfg.T)
+
+    def forward(self, idx, targets=None):
+        """idx (B,T), targets (B,T,K) -> loss, ce (K,). The fused cross entropy leaves
+        d loss / d logits in self.logits, ready for backward. Without targets it
+        stops at the logits, (K, B*T, V) in self.logits."""
+        cfg, T = self.cfg, self.cfg.T
+        C, D, F_, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
+        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
+        B = idx.shape[0]                                   # up to self.B: a last, smaller batch fits too
+        N = self.n_tokens = B * T
+        self.idx.view(0, (N,)).upload(idx.reshape(-1).astype(np.int32))
+        p = self.params
+        embedding_forward(self.x[0], self.idx, p["tok_emb"], N, C)
+        for l in range(cfg.L):
+            w = lambda name: p[f"layers.{l}.{name}"]
+            rmsnorm_forward(self.h[l], self.rstd_attn[l], self.x[l], w("attn_norm"), N, C)
+            matmul(self.qkv[l], self.h[l], w("wqkv"), N, QKV, C, trans_b=True)
+            rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
+            attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
+            matmul(self.dxf, self.y[l], w("wo"), N, C, HD, trans_b=True)       # dxf: scratch here
+            residual_forward(self.x_mid[l], self.x[l], self.dxf, N * C)
+            rmsnorm_forward(self.m_[l], self.rstd_mlp[l], self.x_mid[l], w("mlp_norm"), N, C)
+            matmul(self.gu[l], self.m_[l], w("w_gate_up"), N, 2 * F_, C, trans_b=True)
+            swiglu_forward(self.s[l], self.gu[l], N, F_)
+            matmul(self.dxf, self.s[l], w("w_down"), N, C, F_, trans_b=True)
+            residual_forward(self.x[l + 1], self.x_mid[l], self.dxf, N * C)
+        rmsnorm_forward(self.xf, self.rstd_final, self.x[cfg.L], p["final_norm"], N, C)
+        for k in range(K):
+            matmul(self.logits.view(k * N * V, (N, V)), self.xf, p[f"heads.{k}"], N, V, C, trans_b=True)
+        if targets is None:
+            return None
+        self.targets.view(0, (N, K)).upload(targets.reshape(N, K).astype(np.int32))
+        counts = (targets >= 0).sum(axis=(0, 1))
+        weights = np.array(ne.mtp_weights(cfg))
+        self.dscale.upload(weights / np.maximum(counts, 1))
+        cross_entropy_forward(self.logits, self.losses, self.targets, self.dscale, N, V, K)
+        ce = self.losses.view(0, (K, N)).download().astype(np.float64).sum(1) / np.maximum(counts, 1)
+        return float((weights * ce).sum()), ce
+
+    def backward(self):
+        """adds d loss / d params into self.grads; mirrors forward in reverse"""
+        cfg, T = self.cfg, self.cfg.T
+        N = self.n_tokens
+        B = N // T
+        C, D, F_, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
+        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
+        p, g = self.params, self.dparams
+        # the chain starts in self.logits: the fused cross entropy wrote d loss / d logits there
+        for k in range(K):
+            dlogits = self.logits.view(k * N * V, (N, V))
+            matmul(self.dxf, dlogits, p[f"heads.{k}"], N, C, V, accumulate=k > 0)   # every head adds
+            matmul(g[f"heads.{k}"], dlogits, self.xf, V, C, N, trans_a=True, accumulate=True)
+        self.dx.zero()
+        rmsnorm_backward(self.dx, g["final_norm"], self.dxf, self.x[cfg.L], p["final_norm"], self.rstd_final, N, C)
+        for l in reversed(range(cfg.L)):
+            w = lambda name: p[f"layers.{l}.{name}"]
+            dw = lambda name: g[f"layers.{l}.{name}"]
+            # forward was: x[l+1] = x_mid + s @ w_down.T
+            matmul(self.ds, self.dx, w("w_down"), N, F_, C)
+            matmul(dw("w_down"), self.dx, self.s[l], C, F_, N, trans_a=True, accumulate=True)
+            swiglu_backward(self.dgu, self.ds, self.gu[l], N, F_)
+            matmul(self.dh, self.dgu, w("w_gate_up"), N, C, 2 * F_)
+            matmul(dw("w_gate_up"), self.dgu, self.m_[l], 2 * F_, C, N, trans_a=True, accumulate=True)
+            # dx += : the residual stream's gradient takes both paths
+            rmsnorm_backward(self.dx, dw("mlp_norm"), self.dh, self.x_mid[l], w("mlp_norm"), self.rstd_mlp[l], N, C)
+            # forward was: x_mid = x[l] + y @ wo.T
+            matmul(self.dy, self.dx, w("wo"), N, HD, C)
+            matmul(dw("wo"), self.dx, self.y[l], C, HD, N, trans_a=True, accumulate=True)
+            attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta,
+                               B, T, cfg.Hq, cfg.Hkv, D)
+            rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
+            matmul(self.dh, self.dqkv, w("wqkv"), N, C, QKV)
+            matmul(dw("wqkv"), self.dqkv, self.h[l], QKV, C, N, trans_a=True, accumulate=True)
+            rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C)
+        embedding_backward(g["tok_emb"], self.idx, self.dx, N, C)
+
+    def update(self, lr, step, clip, weight_decay):
+        """grad-norm clip and AdamW; -> the norm before clipping"""
+        norm = grad_norm(self.partial, self.grads, self.grads.size)
+        scale = clip / norm if clip > 0 and norm > clip else 1.0
+        if np.isfinite(norm):
+            adamw(self.flat, self.grads, self.m, self.v, self.decay, self.flat.size, lr, step, scale,
+                  weight_decay=weight_decay)
+        return norm
+
+
+# -----------------------------------------------------------------------------
+# check
+#
+# Every kernel against the numpy layer it mirrors, computed in float64 from the
+# same float32 inputs; outputs are poisoned with NaN before each launch, so a
+# kernel that skips an element fails. Error = norm(gpu - ref) / norm(ref).
+# Then the whole model: loss and every parameter gradient against nanoeuler.py
+# in float64 on the same weights and batch.
+
+NAN_BITS = 0x7FC00000
+TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2}
+
+
+def rel_diff(got, ref):
+    return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_kernels(rng, report):
+    f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    f64 = lambda a: a.astype(np.float64)
+    poisoned = lambda *shape: DeviceArray(shape).fill_bits(NAN_BITS)
+    B, T, C, V, F_, K = 3, 100, 96, 200, 160, 3                  # T: not a multiple of any tile
+    N = B * T
+    # embedding
+    idx, tok_emb, dx = rng.integers(0, V, (B, T)), f32(V, C), f32(N, C)
+    x = poisoned(N, C)
+    embedding_forward(x, to_gpu(idx, np.int32), to_gpu(tok_emb), N, C)
+    report("embedding_forward", rel_diff(x.download(), ne.embedding_forward(idx, f64(tok_emb))[0].reshape(N, C)))
+    start = f32(V, C)                                              # parameter gradients add up: +=
+    d = to_gpu(start)
+    embedding_backward(d, to_gpu(idx, np.int32), to_gpu(dx), N, C)
+    report("embedding_backward", rel_diff(d.download(), start + ne.embedding_backward(f64(dx), (idx, (V, C)))))
+    # rmsnorm
+    x, w, dout = f32(N, C), f32(C), f32(N, C)
+    out, rstd = poisoned(N, C), poisoned(N)
+    rmsnorm_forward(out, rstd, to_gpu(x), to_gpu(w), N, C)
+    ref, cache = ne.rmsnorm_forward(f64(x), f64(w))
+    report("rmsnorm_forward", rel_diff(out.download(), ref))
+    dx0, dw0 = f32(N, C), f32(C)
+    dxg, dwg = to_gpu(dx0), to_gpu(dw0)
+    rmsnorm_backward(dxg, dwg, to_gpu(dout), to_gpu(x), to_gpu(w), rstd, N, C)
+    rdx, rdw = ne.rmsnorm_backward(f64(dout), cache)
+    report("rmsnorm_backward dx", rel_diff(dxg.download() - dx0, rdx))
+    report("rmsnorm_backward dw", rel_diff(dwg.download() - dw0, rdw))
+    # rope, in place on the q and k heads of a qkv buffer, at an offset position
+    Hq, Hkv, D = 4, 2, 32
+    QKV = (Hq + 2 * Hkv) * D
+    qkv, pos = f32(N, QKV), 7
+    cos, sin = (to_gpu(t) for t in ne.rope_table(T + pos, D, 0, np.float32))
+    q = to_gpu(qkv)
+    rope_forward(q, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
+    heads = qkv[:, :(Hq + Hkv) * D].reshape(B, T, Hq + Hkv, D)
+    ref = ne.rope_forward(f64(heads), pos)[0].reshape(N, -1)
+    got = q.download()
+    report("rope_forward", rel_diff(got[:, :(Hq + Hkv) * D], ref))
+    report("rope_forward leaves v", float(np.any(got[:, (Hq + Hkv) * D:] != qkv[:, (Hq + Hkv) * D:])))
+    q = to_gpu(qkv)
+    rope_backward(q, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
+    ref = ne.rope_backward(f64(heads), ne.rope_forward(f64(heads), pos)[1]).reshape(N, -1)
+    report("rope_backward", rel_diff(q.download()[:, :(Hq + Hkv) * D], ref))
+    # swiglu
+    gu, dout = f32(N, 2 * F_) * 3, f32(N, F_)
+    out = poisoned(N, F_)
+    swiglu_forward(out, to_gpu(gu), N, F_)
+    ref, cache = ne.swiglu_forward(f64(gu))
+    report("swiglu_forward", rel_diff(out.download(), ref))
+    dgu = poisoned(N, 2 * F_)
+    swiglu_backward(dgu, to_gpu(dout), to_gpu(gu), N, F_)
+    report("swiglu_backward", rel_diff(dgu.download(), ne.swiglu_backward(f64(dout), cache)))
+    # residual
+    a, b = f32(N, C), f32(N, C)
+    out = poisoned(N, C)
+    residual_forward(out, to_gpu(a), to_gpu(b), N * C)
+    report("residual_forward", rel_diff(out.download(), f64(a) + b))
+    # cross entropy over K heads, some targets ignored
+    logits, targets = f32(K, N, V) * 2, rng.integers(0, V, (N, K))
+    targets[rng.random((N, K)) < 0.2] = -1
+    counts = (targets >= 0).sum(0)
+    weights = np.array([1.0, 0.25, 0.25])
+    lg, losses = to_gpu(logits), poisoned(K, N)
+    cross_entropy_forward(lg, losses, to_gpu(targets, np.int32), to_gpu(weights / counts), N, V, K)
+    got_loss = losses.download().astype(np.float64).sum(1) / counts
+    got_d = lg.download()
+    for k in range(K):
+        ref_loss, cache = ne.cross_entropy_forward(f64(logits[k]), targets[:, k])
+        report(f"cross_entropy head {k} loss", abs(got_loss[k] - ref_loss) / ref_loss)
+        report(f"cross_entropy head {k} dlogits", rel_diff(got_d[k], ne.cross_entropy_backward(weights[k], cache)))
+    # attention, grouped-query, T not a multiple of the tiles
+    for D, Hq, Hkv in ((32, 4, 2), (64, 3, 1), (16, 2, 2)):
+        QKV = (Hq + 2 * Hkv) * D
+        qkv, dy = f32(N, QKV), f32(N, Hq * D)
+        q = f64(qkv[:, :Hq * D]).reshape(B, T, Hq, D)
+        k = f64(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(B, T, Hkv, D)
+        v = f64(qkv[:, (Hq + Hkv) * D:]).reshape(B, T, Hkv, D)
+        ref, cache = ne.attention_forward(q, k, v)
+        y, lse, qkv_g = poisoned(N, Hq * D), poisoned(B, Hq, T), to_gpu(qkv)
+        attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
+        report(f"attention_forward D={D} G={Hq // Hkv}", rel_diff(y.download(), ref.reshape(N, -1)))
+        dq, dk, dv = ne.attention_backward(f64(dy).reshape(B, T, Hq, D), cache)
+        dqkv = poisoned(N, QKV)
+        attention_backward(dqkv, to_gpu(dy), qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
+        got = dqkv.download()
+        report(f"attention_backward D={D} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
+        report(f"attention_backward D={D} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
+        report(f"attention_backward D={D} dv", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
+    # adamw and the gradient norm
+    n = 100_003
+    p, g_, m, v = f32(n), f32(n), f32(n) * 0.1, np.abs(f32(n)) * 0.1
+    decay = (rng.random(n) < 0.7).astype(np.float32)
+    pg, mg, vg = to_gpu(p), to_gpu(m), to_gpu(v)
+    adamw(pg, to_gpu(g_), mg, vg, to_gpu(decay), n, 1e-2, 3, 0.5, weight_decay=0.1)
+    rp, rm, rv = f64(p), f64(m), f64(v)
+    ne.adamw_update(rp, f64(g_) * 0.5, rm, rv, 3, 1e-2, f64(decay), weight_decay=0.1)
+    report("adamw params", rel_diff(pg.download(), rp))
+    report("adamw moments", max(rel_diff(mg.download(), rm), rel_diff(vg.download(), rv)))
+    report("grad_norm", abs(grad_norm(DeviceArray((64,)), to_gpu(g_), n) - np.linalg.norm(f64(g_))) /
+           np.linalg.norm(f64(g_)))
+
+
+def check_model(rng, report, precision):
+    """loss and every parameter gradient against nanoeuler.py in float64"""
+    cfg = Config(V=96, C=64, Hq=2, Hkv=1, L=2, T=40, F=176, K=3)
+    B = 3
+    flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
+    flat += rng.normal(0, 0.05, flat.size).astype(np.float32)      # norm weights off 1, larger weights
+    rows = rng.integers(0, cfg.V, (B, cfg.T + cfg.K))
+    idx, targets = ne.split_rows(rows, cfg.T, cfg.K)
+    targets = targets.copy()
+    targets[0, :5, 0] = targets[2, 10:20] = -1
+    loss_ref, ce_ref, cache = ne.model_forward(ne.carve(flat.astype(np.float64), cfg), cfg, idx, targets)
+    grads_ref = np.zeros(flat.size)
+    ne.model_backward(ne.carve(grads_ref, cfg), cache)
+    init_gpu(precision)
+    model = GPUModel(cfg, B, flat)
+    loss, ce = model.forward(idx, targets)
+    model.backward()
+    report(f"model {precision} loss", abs(loss - loss_ref) / abs(loss_ref))
+    got, ref = ne.carve(model.grads.download(), cfg), ne.carve(grads_ref, cfg)
+    for name, _ in param_shapes(cfg):
+        report(f"model {precision} d{name}", rel_diff(got[name], ref[name]))
+
+
+def cmd_check(args):
+    init_gpu("fp32")
+    print(f"GPU check on {gpu.name} (sm_{gpu.arch}): kernels and model against nanoeuler.py in float64")
+    print(f"{'what':<40} {'rel err':>9}")
+    rng = np.random.default_rng(args.seed)
+    failed = []
+
+    def reporter(tol):
+        def report(what, err):
+            ok = err < tol                                         # NaN fails too
+            failed.extend([] if ok else [what])
+            print(f"{what:<40} {err:9.1e}   {'OK' if ok else 'NOT OK'}")
+        return report
+
+    check_kernels(rng, reporter(TOLERANCE["fp32"]))
+    for precision in ("fp32", "tf32"):
+        check_model(rng, reporter(TOLERANCE[precision]), precision)
+    print(f"overall okay: {int(not failed)}")
+    if failed:
+        sys.exit(1)
+
+
+# -----------------------------------------------------------------------------
+# training
+
+PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495}, "H200": {"fp32": 67, "tf32": 495},
+               "A100": {"fp32": 19.5, "tf32": 156}}        # dense, from the vendors' datasheets
+
+
+def flops_per_token(cfg):
+    """6 per weight of every matmul (forward + backward), plus causal attention's two matmuls"""
+    matmul_params = num_params(cfg) - cfg.V * cfg.C - (2 * cfg.L + 1) * cfg.C      # no lookup, no norms
+    return 6 * matmul_params + 6 * cfg.L * cfg.Hq * cfg.D * cfg.T      # 12 L Hq D T, halved by the mask
+
+
+class GPUEngine:
+    """nanoeuler.train_loop's engine, on the GPU"""
+
+    def __init__(self, cfg, flat, m, v, args):
+        self.cfg, self.args = cfg, args
+        self.model = GPUModel(cfg, args.batch, flat, m, v)
+        peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
+        self.peak = peak[gpu.precision] * 1e12 if peak else None
+        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T
+
+    def step(self, idx, targets, lr, step):
+        self.model.grads.zero()
+        loss, ce = self.model.forward(idx, targets)
+        if not np.isfinite(loss):
+            return loss, ce, float("nan")
+        self.model.backward()
+        norm = self.model.update(lr, step, self.args.clip, self.args.weight_decay)
+        return loss, ce, norm
+
+    def evaluate(self, batches, token_bytes):
+        nats = nbytes = ntok = 0.0
+        for idx, targets in batches:
+            _, ce = self.model.forward(idx, targets)
+            t0 = targets[..., 0]
+            kept = t0 >= 0
+            nats, nbytes, ntok = nats + ce[0] * kept.sum(), nbytes + token_bytes[t0[kept]].sum(), ntok + kept.sum()
+        return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
+
+    def host_weights(self):
+        return self.model.flat.download(), self.model.m.download(), self.model.v.download()
+
+    def mfu(self, dt):
+        return self.flops_per_step / dt / self.peak if self.peak else None
+
+    def close(self):
+        gpu.sync()
+
+
+def cmd_train(args):
+    if args.model_size not in PRESETS:
+        raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
+    init_gpu(args.precision)
+    cfg = PRESETS[args.model_size]
+    cfg = Config(**{**ne.asdict(cfg), "V": args.vocab_size or cfg.V}).validate()
+    tok, tokens = ne.prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
+    cfg.V = tok.vocab_size
+    train_tokens, val_tokens = ne.split_train_val(tokens, cfg.T + cfg.K)
+    flat, m, v, state = ne.resume_or_init(args, cfg, tok, lambda: ne.init_params(cfg, args.seed))
+    engine = GPUEngine(cfg, flat, m, v, args)
+    ne.print_table([("device", f"{gpu.name}, sm_{gpu.arch}, {gpu.sms} SMs, {args.precision} matmuls, "
+                               f"peak {engine.peak / 1e12 if engine.peak else '?'} TFLOP/s"),
+                    ("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
+                     " ".join(f"{k}={v}" for k, v in ne.asdict(cfg).items())),
+                    ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens"),
+                    ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
+                    ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}"),
+                    ("out", args.out)])
+
+    def next_batch(rng):
+        return ne.split_rows(ne.get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
+
+    val = [ne.split_rows(rows, cfg.T, cfg.K) for rows in ne.fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
+                                                                        args.eval_batches)]
+    ne.train_loop(args, cfg, tok, engine, next_batch, val, args.out, state)
+
+
+def cmd_sample(args):
+    """greedy or sampled continuation; naive: re-runs the whole window for every token"""
+    init_gpu(args.precision)
+    cfg, flat, tok = ne.load_model(args.model)
+    model = GPUModel(cfg, 1, flat)
+    ids = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
+    rng = np.random.default_rng(args.seed)
+    out = []
+    for _ in range(args.max_new_tokens):
+        window = (ids + out)[-cfg.T:]
+        idx = np.zeros((1, cfg.T), np.int64)
+        idx[0, :len(window)] = window
+        model.forward(idx)
+        logits = model.logits.view(0, (cfg.T, cfg.V)).download()   # head 0
+        out.append(ne.sample_token(logits[len(window) - 1], rng, args.temperature, args.top_k, args.top_p))
+    print(args.prompt + tok.decode(out))
+
+
+# -----------------------------------------------------------------------------
+# benchmark
+
+def cmd_bench(args):
+    """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up"""
+    init_gpu(args.precision)
+    cfg = PRESETS[args.model_size]
+    engine = GPUEngine(cfg, ne.init_params(cfg), None, None, args)
+    rng = np.random.default_rng(0)
+    print(f"{gpu.name}, {args.model_size} model ({num_params(cfg):,} parameters), batch {args.batch} x {cfg.T}, "
+          f"{args.precision} matmuls")
+    times = []
+    for step in range(args.steps + 3):
+        idx, targets = ne.split_rows(rng.integers(0, cfg.V, (args.batch, cfg.T + cfg.K)), cfg.T, cfg.K)
+        gpu.sync()
+        t0 = time.perf_counter()
+        engine.step(idx, targets, 1e-4, step + 1)
+        gpu.sync()
+        times.append(time.perf_counter() - t0)
+    dt = float(np.median(times[3:]))
+    mfu = engine.mfu(dt)
+    print(f"  {dt * 1e3:8.1f} ms/step  {args.batch * cfg.T / dt:10,.0f} tok/s" +
+          (f"  mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+
+
+# -----------------------------------------------------------------------------
+# main
+
+def build_parser():
+    import argparse
+    p = argparse.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on one NVIDIA GPU")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
+        "--seed", type=int, default=1337, help="seed of the random inputs")
+    sp = sub.add_parser("train", help="train a model (big by default) on the GPU")
+    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
+    sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
+                    help="UTF-8 text file or folder of .txt files (default: the embedded books)")
+    sp.add_argument("--vocab-size", type=int, default=0, help="BPE vocabulary; 0 = the preset's V")
+    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32"], help="matmul precision")
+    ne.add_training_flags(sp, 2000, 16, 6e-4, 100, os.path.join("out", "big"))
+    sp = sub.add_parser("bench", help="time training steps")
+    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
+    sp.add_argument("--batch", type=int, default=16, help="rows of T+K tokens per step")
+    sp.add_argument("--steps", type=int, default=10, help="timed steps")
+    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32"], help="matmul precision")
+    sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
+    sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
+    sp = sub.add_parser("sample", help="continue a prompt on the GPU")
+    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp.add_argument("--prompt", default="", help="text to continue")
+    sp.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
+    sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
+    sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
+    sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
+    sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    sp.add_argument("--precision", default="fp32", choices=["fp32", "tf32"], help="matmul precision")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample}
+    try:
+        commands[args.command](args)
+    except NanoEulerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

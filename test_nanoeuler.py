@@ -613,3 +613,91 @@ def test_get_data_strips_gutenberg_boilerplate(tmp_path):
                        capture_output=True, timeout=60)
     assert r.returncode == 0, r.stderr.decode()
     assert dst.read_text(encoding="utf-8") == "Chapter 1\nIt was a dark night.\n"
+
+
+# -----------------------------------------------------------------------------
+# GPU
+
+def have_module(name):
+    import importlib.util
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def gpu_available():
+    if not have_module("cuda.bindings"):
+        return False
+    try:
+        from cuda.bindings import driver
+        err, = driver.cuInit(0)
+        return int(err) == 0 and driver.cuDeviceGetCount()[1] > 0
+    except Exception:
+        return False
+
+
+needs_nvrtc = pytest.mark.skipif(not have_module("cuda.bindings"), reason="cuda-python is not installed "
+                                 "(pip install -r requirements-dev.txt)")
+needs_gpu = pytest.mark.skipif(not gpu_available(), reason="no NVIDIA GPU and driver on this machine")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["80", "89", "90"])
+def test_nvrtc_compiles_every_kernel(arch, tmp_path):
+    import nanoeuler_cuda as nc
+    cubins = nc.compile_kernels(arch, str(tmp_path))
+    assert set(cubins) == set(nc.SOURCES)
+    for name, cubin in cubins.items():
+        assert cubin[:4] == b"\x7fELF", name                   # a CUBIN is an ELF file
+    again = nc.compile_kernels(arch, str(tmp_path))            # now from the disk cache
+    assert again == cubins and len(os.listdir(tmp_path)) == 2
+
+
+@needs_nvrtc
+def test_nvrtc_error_names_file_and_line(tmp_path, monkeypatch):
+    import nanoeuler_cuda as nc
+    with pytest.raises(ne.NanoEulerError, match=r"broken\.cu\(3\): error"):
+        nc.nvrtc_compile("broken.cu", "// a kernel\n\nextern \"C\" __global__ void k() { undefined_thing(); }\n",
+                         "90")
+
+
+def test_every_launched_kernel_exists_in_the_sources():
+    import re
+    src = "".join(open(os.path.join(HERE, f)).read() for f in ("kernels.cu", "flash_attn.cu"))
+    defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?(\w+)\(', src))
+    for d in re.findall(r"^INSTANTIATE\((\d+)\)", src, re.M):
+        defined |= {n.replace("##D", d) for n in re.findall(r"(\w+_kernel_##D)", src)}
+    py = open(os.path.join(HERE, "nanoeuler_cuda.py")).read()
+    launched = set(re.findall(r'gpu\.launch\(f?"(\w+?)(?:_\{D\})?"', py))
+    for name in launched:
+        assert name in defined or any(n.startswith(name + "_") for n in defined), name
+    # and the numpy layer of each kernel family exists under the same name
+    for family in ("embedding", "rmsnorm", "rope", "swiglu", "attention"):
+        assert hasattr(ne, f"{family}_forward") and hasattr(ne, f"{family}_backward")
+        assert f"{family}_forward_kernel" in src
+
+
+def test_flops_per_token_of_big_model():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    cfg = ne.PRESETS["big"]
+    matmul_params = 116_417_280 - 4096 * 768 - 33 * 768
+    assert nc.flops_per_token(cfg) == 6 * matmul_params + 6 * 16 * 12 * 64 * 512
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+@needs_nvrtc
+def test_gpu_engine_without_a_gpu_says_so():
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler_cuda.py"), "check"], capture_output=True,
+                       timeout=120)
+    assert r.returncode == 2
+    err = r.stderr.decode().strip()
+    assert "nanoeuler.py runs the same model on the CPU" in err and "Traceback" not in err
+
+
+@needs_gpu
+def test_gpu_check_passes():
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler_cuda.py"), "check"], capture_output=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout.decode()[-3000:]
+    assert b"overall okay: 1" in r.stdout
