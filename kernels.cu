@@ -5,7 +5,8 @@ rmsnorm_forward the launcher in nanoeuler_cuda.py). Matrix products are not here
 they go through cuBLAS. Attention is in flash_attn.cu.
 
 Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
-(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32.
+(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32,
+except to_bf16_kernel, which feeds the bf16 matmuls.
 All kernels are extern "C" so their names survive compilation unmangled.
 
 Gradient rule: parameter gradients +=, activation gradients =, except where a
@@ -202,6 +203,19 @@ extern "C" __global__ void cross_entropy_forward_kernel(float* logits, float* lo
     float scale = t >= 0 ? dscale[k] : 0.0f;
     for (int v = threadIdx.x; v < V; v += blockDim.x)
         row[v] = (expf(row[v] - lse) - (v == t ? 1.0f : 0.0f)) * scale;
+}
+
+// -----------------------------------------------------------------------------
+// bf16
+
+// float32 -> bfloat16 bits, rounded to nearest even: the inputs of the bf16
+// matmuls (cuBLAS multiplies them on tensor cores and accumulates in fp32)
+// one thread per element; grid = ceil(n / block)
+extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, long n) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    unsigned int bits = __float_as_uint(in[i]);
+    out[i] = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
 }
 
 // -----------------------------------------------------------------------------

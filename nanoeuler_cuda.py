@@ -13,14 +13,17 @@ and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
 the other way round.
 
 Precision: --precision fp32 (exact fp32 matmuls), tf32 (matmuls on tensor cores
-with 10-bit mantissas, fp32 everywhere else). Weights, gradients and optimizer
-state are fp32 throughout.
+with 10-bit mantissas) or bf16 (matmul inputs rounded to bfloat16, products
+summed in fp32). Everything else, weights, gradients, optimizer state and the
+activations kept for the backward, is fp32 in every mode.
 
-What it leaves out, for now: bf16 activations, CUDA graphs, and several GPUs.
+What it leaves out, for now: bf16 activations, tensor cores in attention,
+CUDA graphs, and several GPUs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers and cuBLAS wheels) and an NVIDIA driver.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import math
@@ -232,12 +235,46 @@ class GPU:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         grid = grid if isinstance(grid, tuple) else (grid, 1, 1)
         self.last_kernel = name
-        check(cu.cuLaunchKernel(self.function(name), *grid, block, 1, 1, shared, self.stream,
-                                ctypes.addressof(params), 0), f"launching {name}")
+        with self.timed(name):
+            check(cu.cuLaunchKernel(self.function(name), *grid, block, 1, 1, shared, self.stream,
+                                    ctypes.addressof(params), 0), f"launching {name}")
+
+    # bench --profile: a pair of CUDA events around every kernel and matmul, summed by name
+    profile = None
+
+    def timed(self, name):
+        return EventTimer(self, name) if self.profile is not None else contextlib.nullcontext()
+
+    def profile_report(self):
+        """-> {name: (calls, total ms)} of what ran since profile was set to []"""
+        self.sync()
+        totals = {}
+        for name, a, b in self.profile:
+            calls, ms = totals.get(name, (0, 0.0))
+            totals[name] = (calls + 1, ms + check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime"))
+            cu.cuEventDestroy(a)
+            cu.cuEventDestroy(b)
+        self.profile = None
+        return totals
 
     def sync(self, what="the GPU's work"):
         where = f" (during or before kernel {self.last_kernel})" if self.last_kernel else ""
         check(cu.cuStreamSynchronize(self.stream), what + where)
+
+
+class EventTimer:
+    """records a CUDA event before and after what it wraps, for GPU.profile"""
+
+    def __init__(self, gpu_, name):
+        self.gpu, self.name = gpu_, name
+
+    def __enter__(self):
+        self.events = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
+        check(cu.cuEventRecord(self.events[0], self.gpu.stream), "cuEventRecord")
+
+    def __exit__(self, *exc):
+        check(cu.cuEventRecord(self.events[1], self.gpu.stream), "cuEventRecord")
+        self.gpu.profile.append((self.name, *self.events))
 
 
 def P(a):
@@ -314,6 +351,11 @@ def cross_entropy_forward(logits, losses, targets, dscale, N, V, K):
                I(N), I(V), I(K))
 
 
+def to_bf16(out, x, n):
+    block = 256
+    gpu.launch("to_bf16_kernel", ceil_div(n, block), block, P(out), P(x), L(n))
+
+
 def adamw(params, grads, m, v, decay, n, lr, step, grad_scale, beta1=0.9, beta2=0.95, eps=1e-8,
           weight_decay=0.1):
     block = 512
@@ -340,7 +382,7 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     gpu.launch("attention_backward_delta_kernel", ceil_div(B * Hq * T, block), block, P(delta), P(dy), P(y),
                I(B), I(T), I(Hq), I(D))
     scale = F(1 / math.sqrt(D))
-    gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 32), Hkv, B), 32, P(dqkv), P(qkv), P(dy),
+    gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, P(dqkv), P(qkv), P(dy),
                P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
     gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(dqkv), P(qkv), P(dy),
                P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
@@ -355,7 +397,8 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
 # operands and swap M and N. Nothing is copied or transposed.
 
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
-CUDA_R_32F, CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 0, 68, 77, -1
+CUDA_R_32F, CUDA_R_16BF = 0, 14
+CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 68, 77, -1
 
 
 class Cublas:
@@ -379,6 +422,7 @@ class Cublas:
         self.workspace = DeviceArray((workspace_bytes // 4,))  # ours, so graph capture needs no allocation
         self.check(lib.cublasSetWorkspace_v2(self.handle, self.workspace.ptr, workspace_bytes), "cublasSetWorkspace")
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        self.bf16 = [None, None]               # scratch for the two operands of a bf16 matmul
 
     def check(self, status, what):
         if status:
@@ -389,11 +433,23 @@ class Cublas:
         lda = M if trans_a else K                            # row-major leading dimensions
         ldb = K if trans_b else N
         compute = CUBLAS_COMPUTE_32F_FAST_TF32 if gpu.precision == "tf32" else CUBLAS_COMPUTE_32F
+        dtype = CUDA_R_16BF if gpu.precision == "bf16" else CUDA_R_32F
+        if dtype == CUDA_R_16BF:                             # bf16 inputs, fp32 output and accumulation
+            a, b = self.to_bf16(0, a, M * K), self.to_bf16(1, b, K * N)
         beta = self.one if accumulate else self.zero
-        self.check(self.lib.cublasGemmEx(
-            self.handle, CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
-            N, M, K, ctypes.addressof(self.one), b.ptr, CUDA_R_32F, ldb, a.ptr, CUDA_R_32F, lda,
-            ctypes.addressof(beta), out.ptr, CUDA_R_32F, N, compute, CUBLAS_GEMM_DEFAULT), f"a {M}x{N}x{K} matmul")
+        with gpu.timed(f"matmul {'T' if trans_a else 'N'}{'T' if trans_b else 'N'}"):
+            self.check(self.lib.cublasGemmEx(
+                self.handle, CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
+                N, M, K, ctypes.addressof(self.one), b.ptr, dtype, ldb, a.ptr, dtype, lda,
+                ctypes.addressof(beta), out.ptr, CUDA_R_32F, N, compute, CUBLAS_GEMM_DEFAULT),
+                f"a {M}x{N}x{K} matmul")
+
+    def to_bf16(self, i, x, n):
+        """x (fp32) rounded into bf16 scratch buffer i, grown as needed"""
+        if self.bf16[i] is None or self.bf16[i].size < n:
+            self.bf16[i] = DeviceArray((n,), np.uint16)
+        to_bf16(self.bf16[i], x, n)
+        return self.bf16[i]
 
 
 def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
@@ -547,7 +603,7 @@ class GPUModel:
 # in float64 on the same weights and batch.
 
 NAN_BITS = 0x7FC00000
-TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2}
+TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 1e-2}
 
 
 def rel_diff(got, ref):
@@ -694,7 +750,7 @@ def cmd_check(args):
         return report
 
     check_kernels(rng, reporter(TOLERANCE["fp32"]))
-    for precision in ("fp32", "tf32"):
+    for precision in ("fp32", "tf32", "bf16"):
         check_model(rng, reporter(TOLERANCE[precision]), precision)
     print(f"overall okay: {int(not failed)}")
     if failed:
@@ -704,8 +760,8 @@ def cmd_check(args):
 # -----------------------------------------------------------------------------
 # training
 
-PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495}, "H200": {"fp32": 67, "tf32": 495},
-               "A100": {"fp32": 19.5, "tf32": 156}}        # dense, from the vendors' datasheets
+PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495, "bf16": 989}, "H200": {"fp32": 67, "tf32": 495, "bf16": 989},
+               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312}}        # dense, from the vendors' datasheets
 
 
 def flops_per_token(cfg):
@@ -821,6 +877,13 @@ def cmd_bench(args):
     mfu = engine.mfu(dt)
     print(f"  {dt * 1e3:8.1f} ms/step  {args.batch * cfg.T / dt:10,.0f} tok/s" +
           (f"  mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+    if args.profile:
+        gpu.profile = []
+        engine.step(idx, targets, 1e-4, args.steps + 4)
+        totals = gpu.profile_report()
+        print(f"  one step, GPU time by kernel (CUDA events; {sum(ms for _, ms in totals.values()):.1f} ms in all)")
+        for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+            print(f"    {name:<36} {calls:4d} calls {ms:8.2f} ms")
 
 
 # -----------------------------------------------------------------------------
@@ -837,13 +900,14 @@ def build_parser():
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
                     help="UTF-8 text file or folder of .txt files (default: the embedded books)")
     sp.add_argument("--vocab-size", type=int, default=0, help="BPE vocabulary; 0 = the preset's V")
-    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32"], help="matmul precision")
+    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     ne.add_training_flags(sp, 2000, 16, 6e-4, 100, os.path.join("out", "big"))
     sp = sub.add_parser("bench", help="time training steps")
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--batch", type=int, default=16, help="rows of T+K tokens per step")
     sp.add_argument("--steps", type=int, default=10, help="timed steps")
-    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32"], help="matmul precision")
+    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
     sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
     sp = sub.add_parser("sample", help="continue a prompt on the GPU")
@@ -854,7 +918,7 @@ def build_parser():
     sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
     sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
     sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    sp.add_argument("--precision", default="fp32", choices=["fp32", "tf32"], help="matmul precision")
+    sp.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     return p
 
 
