@@ -110,6 +110,20 @@ SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 FIRST_MERGE_ID = 256 + len(SPECIALS)
 
 
+_last_progress = [0.0]
+
+
+def progress_line(text, done=False):
+    """one progress line on stderr: redrawn in place on a terminal; in a log file,
+    a new line at most every 2 seconds and at the end"""
+    now = time.time()
+    if sys.stderr.isatty():
+        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
+    elif done or now - _last_progress[0] >= 2.0:
+        print(text, file=sys.stderr, flush=True)
+        _last_progress[0] = now
+
+
 def merge(ids, pair, new_id):
     """replace every non-overlapping occurrence of pair in ids, left to right, by new_id"""
     out, i, n = [], 0, len(ids)
@@ -195,11 +209,9 @@ class Tokenizer:
             for p in touched:
                 if counts[p] > 0:
                     heapq.heappush(heap, (-counts[p], p))
-            if progress and (len(merges) % 64 == 0 or len(merges) == n_merges):
-                print(f"\rtokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
-                      end="", file=sys.stderr, flush=True)
-        if progress and n_merges:
-            print(file=sys.stderr)
+            if progress:
+                progress_line(f"tokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
+                              done=len(merges) == n_merges)
         return cls(merges)
 
     def encode_piece(self, piece):
@@ -340,10 +352,8 @@ def tokenize_files(files, tok, progress=True):
             parts += [ids, eot] if last else [ids]
             done += nbytes
             if progress:
-                print(f"\rtokenizing: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
-                      f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+                progress_line(f"tokenizing: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
+                              f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", done=done == total)
     return np.concatenate(parts)
 
 
@@ -444,7 +454,9 @@ def linear_forward(x, w):
     """x (..., IN), w (OUT, IN) -> x @ w.T (..., OUT); no bias, as SPEC says"""
     # flatten to 2-D first: numpy loops over the leading axes of an N-D matmul,
     # while one (B*T, IN) @ (IN, OUT) is a single large BLAS call, twice as fast
-    out = x.reshape(-1, x.shape[-1]) @ w.T                             # (N,IN) @ (IN,OUT)
+    x2 = x.reshape(-1, x.shape[-1])
+    # a few rows (speculative decoding): OpenBLAS computes w @ x.T twice as fast
+    out = (w @ x2.T).T if 1 < len(x2) <= 8 else x2 @ w.T               # (N,IN) @ (IN,OUT)
     return out.reshape(*x.shape[:-1], w.shape[0]), (x, w)
 
 
@@ -459,7 +471,7 @@ def linear_backward(dout, cache):
 
 def rmsnorm_forward(x, w, eps=1e-5):
     """x (..., C), w (C,) -> out (..., C) = x / sqrt(mean(x^2) + eps) * w"""
-    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)       # (...,1)
+    rstd = 1.0 / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1] + eps)   # (...,1)
     return x * rstd * w, (x, w, rstd)
 
 
@@ -474,31 +486,38 @@ def rmsnorm_backward(dout, cache):
     return dx, dw
 
 
-@functools.lru_cache(maxsize=64)
 def rope_table(T, D, pos, dtype):
     """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
+    n = 1 << (pos + T - 1).bit_length()                # one table per power of two, sliced
+    cos, sin = rope_table_upto(n, D, dtype)
+    return cos[pos:pos + T], sin[pos:pos + T]
+
+
+@functools.lru_cache(maxsize=16)
+def rope_table_upto(n, D, dtype):
     freq = 10000.0 ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)  # (D/2,)
-    angle = np.arange(pos, pos + T, dtype=np.float64)[:, None] * freq      # (T, D/2)
-    return (np.cos(angle)[:, None, :].astype(dtype),
-            np.sin(angle)[:, None, :].astype(dtype))
+    angle = np.arange(n, dtype=np.float64)[:, None] * freq                 # (n, D/2), in float64
+    return np.cos(angle)[:, None, :].astype(dtype), np.sin(angle)[:, None, :].astype(dtype)
 
 
 def rope_forward(x, pos=0):
     """x (B,T,H,D) at absolute positions pos.. -> rotated x (B,T,H,D), rotate-half form"""
     cos, sin = rope_table(x.shape[1], x.shape[3], pos, x.dtype)
-    a, b = np.split(x, 2, axis=-1)                                     # (B,T,H,D/2) each
+    h = x.shape[-1] // 2
+    a, b = x[..., :h], x[..., h:]                                      # (B,T,H,D/2) each
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1), (cos, sin)
 
 
 def rope_backward(dout, cache):
     """dout (B,T,H,D) -> dx (B,T,H,D): a rotation, so the backward rotates back"""
     cos, sin = cache
-    da, db = np.split(dout, 2, axis=-1)
+    h = dout.shape[-1] // 2
+    da, db = dout[..., :h], dout[..., h:]
     # forward was: out = (a cos - b sin, b cos + a sin)
     return np.concatenate([da * cos + db * sin, db * cos - da * sin], -1)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=2048)                      # decoding meets every (Tq, Tk) up to T
 def causal_mask(Tq, Tk, G, dtype):
     """additive mask (G*Tq, Tk): 0 where query i (at position Tk-Tq+i) may see key j, else -inf"""
     i = np.arange(Tq)[:, None] + (Tk - Tq)
@@ -710,11 +729,10 @@ def block_forward(x, p, cfg, pos=0, kv=None):
     Hq, Hkv, D, F = cfg.Hq, cfg.Hkv, cfg.D, cfg.F
     h, c_attn_norm = rmsnorm_forward(x, p["attn_norm"])                # (B,T,C)
     qkv, c_wqkv = linear_forward(h, p["wqkv"])                         # (B,T,(Hq+2Hkv)*D)
-    q = qkv[..., :Hq * D].reshape(B, T, Hq, D)
-    k = qkv[..., Hq * D:(Hq + Hkv) * D].reshape(B, T, Hkv, D)
+    # q and k heads rotate together: one rope call for both
+    qk, c_rope = rope_forward(qkv[..., :(Hq + Hkv) * D].reshape(B, T, Hq + Hkv, D), pos)
+    q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                # (B,T,Hq,D), (B,T,Hkv,D)
     v = qkv[..., (Hq + Hkv) * D:].reshape(B, T, Hkv, D)
-    q, c_rope_q = rope_forward(q, pos)
-    k, c_rope_k = rope_forward(k, pos)
     if kv is not None:
         kv[0][:, pos:pos + T], kv[1][:, pos:pos + T] = k, v
         k, v = kv[0][:, :pos + T], kv[1][:, :pos + T]
@@ -726,14 +744,12 @@ def block_forward(x, p, cfg, pos=0, kv=None):
     s, c_swiglu = swiglu_forward(gu)                                   # (B,T,F)
     d, c_down = linear_forward(s, p["w_down"])                         # (B,T,C)
     x = x + d                                                          # residual
-    return x, (c_attn_norm, c_wqkv, c_rope_q, c_rope_k, c_att, c_wo,
-               c_mlp_norm, c_gate_up, c_swiglu, c_down)
+    return x, (c_attn_norm, c_wqkv, c_rope, c_att, c_wo, c_mlp_norm, c_gate_up, c_swiglu, c_down)
 
 
 def block_backward(dx, cache, g):
     """dx (B,T,C) -> dx (B,T,C); adds this layer's parameter gradients into g"""
-    (c_attn_norm, c_wqkv, c_rope_q, c_rope_k, c_att, c_wo,
-     c_mlp_norm, c_gate_up, c_swiglu, c_down) = cache
+    c_attn_norm, c_wqkv, c_rope, c_att, c_wo, c_mlp_norm, c_gate_up, c_swiglu, c_down = cache
     B, T, C = dx.shape
     ds, dw_down = linear_backward(dx, c_down)
     g["w_down"] += dw_down
@@ -746,9 +762,8 @@ def block_backward(dx, cache, g):
     g["wo"] += dwo
     D = c_att[0].shape[-1]                            # head dim, from the cached q
     dq, dk, dv = attention_backward(dy.reshape(B, T, -1, D), c_att)
-    dq = rope_backward(dq, c_rope_q)
-    dk = rope_backward(dk, c_rope_k)
-    dqkv = np.concatenate([dq.reshape(B, T, -1), dk.reshape(B, T, -1), dv.reshape(B, T, -1)], -1)
+    dqk = rope_backward(np.concatenate([dq, dk], axis=2), c_rope)     # (B,T,Hq+Hkv,D)
+    dqkv = np.concatenate([dqk.reshape(B, T, -1), dv.reshape(B, T, -1)], -1)
     dh, dwqkv = linear_backward(dqkv, c_wqkv)
     g["wqkv"] += dwqkv
     dxa, dattn_norm = rmsnorm_backward(dh, c_attn_norm)
@@ -1282,12 +1297,14 @@ class CPUEngine:
         self.pool.shutdown()
 
 
-def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
     evaluate, checkpoint, stop cleanly.
 
     next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
-    state holds step, rng state and the best validation so far."""
+    state holds step, rng state and the best validation so far. The log's samples
+    continue sample_prompt (ids; default: the start of a document)."""
+    sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     os.makedirs(out_dir, exist_ok=True)
     rng = np.random.default_rng()
     rng.bit_generator.state = state["rng"]
@@ -1339,7 +1356,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
                 if val_loss < state.get("best_val", math.inf):
                     state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
                     save_model(os.path.join(out_dir, "best.safetensors"), cfg, engine.host_weights()[0], tok)
-                print("sample:", repr(sample_text_for_log(engine.host_weights()[0], cfg, tok, seed=step)))
+                print("sample:", repr(sample_text_for_log(engine.host_weights()[0], cfg, tok, sample_prompt,
+                                                          seed=step)))
             csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
                       f"{'' if mfu is None else f'{mfu:.4f}'},"
                       f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
@@ -1376,12 +1394,12 @@ def keep_csv_rows(csv_path, step):
     atomic_write_bytes(csv_path, "".join(kept).encode())
 
 
-def sample_text_for_log(flat, cfg, tok, seed, n=48):
+def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far"""
     params = carve(flat, cfg)
-    ids = list(generate(params, cfg, [tok.special("<|endoftext|>")], n, temperature=0.8, top_k=40,
-                        seed=seed))
-    return tok.decode(ids)
+    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
+                        stop=tok.special("<|end|>")))
+    return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
 def start_state(args, seed):
@@ -1438,19 +1456,19 @@ def new_kv_cache(cfg, B, dtype=np.float32):
             for _ in range(cfg.L)]
 
 
-def forward_logits(params, cfg, idx, pos, kv, n_heads=1):
-    """idx (B,Tn): new tokens at positions pos.. -> logits (B,Tn,n_heads,V) of heads 0..n_heads-1.
+def forward_logits(params, cfg, idx, pos, kv, layers=None):
+    """idx (B,Tn): new tokens at positions pos.. -> head 0's logits (B,Tn,V) and the
+    final-normed hidden state (B,Tn,C), from which the other heads' logits follow.
 
     The keys and values of the new tokens are added to kv, so the prompt is
-    processed once (prefill) and then each step feeds only the new tokens."""
-    B, Tn = idx.shape
+    processed once (prefill) and then each step feeds only the new tokens.
+    layers: layer_params of every layer, when the caller keeps them between calls."""
+    layers = layers or [layer_params(params, l) for l in range(cfg.L)]
     x = params["tok_emb"][idx]                                         # (B,Tn,C)
     for l in range(cfg.L):
-        x, _ = block_forward(x, layer_params(params, l), cfg, pos, kv[l])
+        x, _ = block_forward(x, layers[l], cfg, pos, kv[l])
     x, _ = rmsnorm_forward(x, params["final_norm"])
-    heads = params["heads"][:n_heads]                                  # (n,V,C)
-    logits = x.reshape(B * Tn, -1) @ heads.reshape(-1, cfg.C).T       # (B*Tn,C) @ (C,n*V)
-    return logits.reshape(B, Tn, n_heads, cfg.V)
+    return linear_forward(x, params["heads.0"])[0], x                  # (B,Tn,C) @ (C,V)
 
 
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
@@ -1472,7 +1490,7 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
 
 
 def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
-             speculative=False, stop=None, stats=None):
+             speculative=False, stop=None, stats=None, drafts=None):
     """yields new token ids one by one (for streaming), after the prompt ids.
 
     The context holds T tokens. A longer prompt keeps its last T-1 tokens. When
@@ -1483,23 +1501,27 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     [last token, guesses] gives head 0's verdict at every position, and guesses
     are accepted while head 0's own choice (sampled the same way as without
     speculation) agrees. Every emitted token is head 0's choice given the tokens
-    before it, so greedy output is the same as plain greedy decoding."""
+    before it, so greedy output is the same as plain greedy decoding. drafts
+    limits the guesses to heads 1..drafts: the later heads guess worse, and on
+    these CPUs a pass over 2 tokens costs less than one over 4."""
     rng = np.random.default_rng(seed)
     tokens = list(prompt)[-(cfg.T - 1):] if prompt else []
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
     kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
-    n_heads = cfg.K if speculative else 1
+    layers = [layer_params(params, l) for l in range(cfg.L)]
+    n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
+    drafters = params["heads"][1:1 + n_drafts].reshape(-1, cfg.C)     # (drafts*V, C)
     pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
     while emitted < max_new_tokens:
         if pos + len(pending) > cfg.T:                     # slide the window
             pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
         guesses = guesses[:cfg.T - pos - len(pending)]     # slide exactly when plain decoding would
         feed = pending + guesses
-        logits = forward_logits(params, cfg, np.array([feed]), pos, kv, n_heads)[0]   # (Tn,n,V)
+        logits, x = forward_logits(params, cfg, np.array([feed]), pos, kv, layers)   # (1,Tn,V), (1,Tn,C)
         first = len(pending) - 1                           # logits at feed[first] predict the next token
         for j in range(len(guesses) + 1):
-            t = sample_token(logits[first + j, 0], rng, temperature, top_k, top_p)
+            t = sample_token(logits[0, first + j], rng, temperature, top_k, top_p)
             tokens.append(t)
             emitted += 1
             yield t
@@ -1513,7 +1535,8 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
         # the cache keeps the fed tokens up to feed[first + j]; the rest are overwritten later
         pos += first + j + 1
         pending = [tokens[-1]]
-        guesses = [int(np.argmax(logits[first + j, k])) for k in range(1, n_heads)]
+        if speculative and n_drafts:                       # heads 1..drafts at the last accepted position
+            guesses = (drafters @ x[0, first + j]).reshape(n_drafts, cfg.V).argmax(-1).tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -1592,7 +1615,8 @@ def cmd_sft(args):
 
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
            for i in range(0, n_val, args.batch)]
-    train_loop(args, cfg, tok, CPUEngine(cfg, flat, m, v, args), next_batch, val, args.out, state)
+    prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
+    train_loop(args, cfg, tok, CPUEngine(cfg, flat, m, v, args), next_batch, val, args.out, state, prompt)
 
 
 def chat_reply(params, cfg, tok, history, args, out):
@@ -1601,7 +1625,7 @@ def chat_reply(params, cfg, tok, history, args, out):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end, reply = tok.special("<|end|>"), []
     for t in generate(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.speculative, stop=end):
+                      args.seed, args.speculative, stop=end, drafts=args.drafts):
         if t == end or t >= 256 and t < FIRST_MERGE_ID:
             break
         reply.append(t)
@@ -1632,6 +1656,8 @@ def cmd_chat(args):
             text = line.decode("utf-8", errors="replace").strip()
             if not text:
                 continue
+            if not interactive:
+                out.write(f"you> {text}\n")             # a transcript reads like the terminal would
             if text == "/quit":
                 break
             if text == "/reset":
@@ -1702,13 +1728,15 @@ def cmd_bench(args):
     prompt = tok.encode("ROMEO:\nWhat say you")
     n = min(args.max_new_tokens, 4 * cfg.T)
     print(f"\ngeneration, batch 1, greedy, {n} new tokens, {what}")
-    for spec in (False, True):
+    for drafts in [0] + list(range(cfg.K - 1, 0, -1)):
         stats = {}
         t0 = time.perf_counter()
-        out = list(generate(params, cfg, prompt, n, temperature=0, speculative=spec, stats=stats))
+        out = list(generate(params, cfg, prompt, n, temperature=0, speculative=drafts > 0, stats=stats,
+                            drafts=drafts))
         dt = time.perf_counter() - t0
-        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens accepted per step" if spec else ""
-        print(f"  {'speculative' if spec else 'plain KV cache':<15} {len(out) / dt:8,.0f} tok/s{extra}")
+        name = f"speculative, {drafts} draft{'s' if drafts > 1 else ''}" if drafts else "plain KV cache"
+        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens accepted per step" if drafts else ""
+        print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
 
 
 # -----------------------------------------------------------------------------
@@ -1729,7 +1757,7 @@ def cmd_sample(args):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                      args.top_p, args.seed, args.speculative):
+                      args.top_p, args.seed, args.speculative, drafts=args.drafts):
         sys.stdout.write(decoder.decode(tok.vocab[t]))
         sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
@@ -1782,6 +1810,8 @@ def build_parser():
         sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
         sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
         sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
+        sp.add_argument("--drafts", type=int, default=None, help="with --speculative: draft with heads 1..N "
+                        "(default all K-1)")
 
     sp = sub.add_parser("sample", help="continue a prompt")
     generation_flags(sp)

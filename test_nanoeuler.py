@@ -315,8 +315,8 @@ def naive_greedy(params, cfg, prompt, n):
     ids = list(prompt)
     for _ in range(n):
         x = np.array([ids[-cfg.T:]])
-        logits = ne.forward_logits(params, cfg, x, 0, ne.new_kv_cache(cfg, 1, np.float64))
-        ids.append(int(np.argmax(logits[0, -1, 0])))
+        logits, _ = ne.forward_logits(params, cfg, x, 0, ne.new_kv_cache(cfg, 1, np.float64))
+        ids.append(int(np.argmax(logits[0, -1])))
     return ids[len(prompt):]
 
 
@@ -350,10 +350,12 @@ def test_speculative_greedy_equals_plain_greedy():
     params["heads.2"][:, : cfg.V // 3] = rng.normal(0, 30.0, (cfg.V, cfg.V // 3))
     for prompt in ([1], [3, 5, 7], [i % cfg.V for i in range(cfg.T + 5)]):
         plain = list(ne.generate(params, cfg, prompt, 60, temperature=0))
-        stats = {}
-        spec = list(ne.generate(params, cfg, prompt, 60, temperature=0, speculative=True, stats=stats))
-        assert spec == plain                                # across two window slides, too
-        assert 1.3 < stats["tokens"] / stats["steps"] < cfg.K
+        for drafts in (None, 1, 2):
+            stats = {}
+            spec = list(ne.generate(params, cfg, prompt, 60, temperature=0, speculative=True, stats=stats,
+                                    drafts=drafts))
+            assert spec == plain                            # across two window slides, too
+            assert 1.3 < stats["tokens"] / stats["steps"] <= 1 + (drafts or cfg.K - 1)
 
 
 def test_generation_slides_past_the_context():
