@@ -36,6 +36,20 @@ Tiles: 64 query rows per block; keys loaded 32 at a time into shared memory,
 // -----------------------------------------------------------------------------
 // forward
 
+// keys and values k0..k0+BC-1 of kv head kvh into shared memory (zeros past T),
+// between two barriers; the BR threads of the block share the copy
+template <int D>
+__device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, int k0, int T, int stride,
+                             int Hq, int Hkv, int kvh) {
+    __syncthreads();                      // the previous tile is no longer read
+    for (int e = threadIdx.x; e < BC * D; e += BR) {
+        int r = e / D, d = e % D, j = k0 + r;
+        ks[r][d] = j < T ? base[(long)j * stride + (Hq + kvh) * D + d] : 0.0f;
+        vs[r][d] = j < T ? base[(long)j * stride + (Hq + Hkv + kvh) * D + d] : 0.0f;
+    }
+    __syncthreads();
+}
+
 // grid = (ceil(T / BR), Hq, B); block = BR threads, one per query row
 template <int D>
 __device__ void attention_forward(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
@@ -52,13 +66,7 @@ __device__ void attention_forward(float* y, float* lse, const float* qkv, int T,
     float m = -INFINITY, l = 0.0f;
     int last = min(T - 1, blockIdx.x * BR + BR - 1);              // causal: no key past the last query
     for (int k0 = 0; k0 <= last; k0 += BC) {
-        __syncthreads();
-        for (int e = threadIdx.x; e < BC * D; e += BR) {
-            int r = e / D, d = e % D, j = k0 + r;
-            ks[r][d] = j < T ? base[(long)j * stride + (Hq + kvh) * D + d] : 0.0f;
-            vs[r][d] = j < T ? base[(long)j * stride + (Hq + Hkv + kvh) * D + d] : 0.0f;
-        }
-        __syncthreads();
+        load_kv_tile<D>(ks, vs, base, k0, T, stride, Hq, Hkv, kvh);
         if (i >= T || k0 > i) continue;
         float s[BC], m_tile = m;
         for (int r = 0; r < BC; r++) {
@@ -184,13 +192,7 @@ __device__ void attention_backward_dq(float* dqkv, const float* qkv, const float
     float delta_i = i < T ? delta[((long)b * Hq + h) * T + i] : 0.0f;
     int last = min(T - 1, blockIdx.x * BR + BR - 1);
     for (int k0 = 0; k0 <= last; k0 += BC) {
-        __syncthreads();
-        for (int e = threadIdx.x; e < BC * D; e += BR) {
-            int r = e / D, d = e % D, j = k0 + r;
-            ks[r][d] = j < T ? base[(long)j * stride + (Hq + kvh) * D + d] : 0.0f;
-            vs[r][d] = j < T ? base[(long)j * stride + (Hq + Hkv + kvh) * D + d] : 0.0f;
-        }
-        __syncthreads();
+        load_kv_tile<D>(ks, vs, base, k0, T, stride, Hq, Hkv, kvh);
         if (i >= T) continue;
         for (int r = 0; r < BC && k0 + r <= i; r++) {
             float s = 0.0f, dp = 0.0f;

@@ -1824,18 +1824,23 @@ def build_parser():
     return p
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
-    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench}
+def run_command(command, args):
+    """run a subcommand; a NanoEulerError becomes one sentence on stderr and exit code 2"""
     try:
-        commands[args.command](args)
+        command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
+                "chat": cmd_chat, "bench": cmd_bench}
+    run_command(commands[args.command], args)
 
 
 if __name__ == "__main__":

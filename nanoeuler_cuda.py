@@ -925,14 +925,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample}
-    try:
-        commands[args.command](args)
-    except NanoEulerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    ne.run_command(commands[args.command], args)
 
 
 if __name__ == "__main__":
