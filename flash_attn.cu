@@ -209,6 +209,293 @@ __device__ void attention_backward_dq(float* dqkv, const float* qkv, const float
 }
 
 // -----------------------------------------------------------------------------
+// tensor cores: the same three passes with tf32 mma.sync (m16n8k8)
+//
+// For --precision tf32 and bf16. Each warp owns 16 rows; scores, softmax and
+// accumulators stay in the mma fragments' registers, whose layout the PTX ISA
+// fixes (lane = 4 g + t):  A (16x8, row-major): a0 = A[g][t], a1 = A[g+8][t],
+// a2 = A[g][t+4], a3 = A[g+8][t+4];  B (8x8): b0 = B[t][g], b1 = B[t+4][g];
+// C (16x8): c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1].
+// A row's values sit in the 4 lanes of one g, so row reductions are two
+// shuffles. Every loop over fragments is unrolled, so that they stay in
+// registers (an array indexed at run time would go to local memory). A score tile goes through shared memory once, from the C layout
+// into the A layout, on its way into the second product.
+
+#define MMA_ROWS 16   // rows per warp
+#define BK 32         // keys (or queries) per shared-memory tile
+
+__device__ __forceinline__ unsigned tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// d += a b on tensor cores: a (16x8) and b (8x8) in tf32, d (16x8) in fp32
+__device__ __forceinline__ void mma_tf32(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ float group_max(float v) {          // over the 4 lanes of a row
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+
+__device__ __forceinline__ float group_sum(float v) {
+    v += __shfl_xor_sync(0xffffffff, v, 1);
+    return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+// A fragments of rows r0.. of a row-major global matrix (row stride ld), all D/8 steps
+template <int D>
+__device__ void load_a_rows(unsigned (*a)[4], const float* m, long ld, int r0, int T, float scale) {
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    #pragma unroll
+    for (int kk = 0; kk < D / 8; kk++) {
+        int c = kk * 8 + t;
+        a[kk][0] = tf32(r0 + g < T ? m[(r0 + g) * ld + c] * scale : 0.0f);
+        a[kk][1] = tf32(r0 + g + 8 < T ? m[(r0 + g + 8) * ld + c] * scale : 0.0f);
+        a[kk][2] = tf32(r0 + g < T ? m[(r0 + g) * ld + c + 4] * scale : 0.0f);
+        a[kk][3] = tf32(r0 + g + 8 < T ? m[(r0 + g + 8) * ld + c + 4] * scale : 0.0f);
+    }
+}
+
+// c (16 x 8n) = a (16 x D) @ rows.T, where rows is a shared (8n x D) tf32 tile: scores
+template <int D, int N>
+__device__ void mma_rows_t(float (*c)[4], unsigned (*a)[4], const float* rows, int ld) {
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    #pragma unroll
+    for (int nt = 0; nt < N / 8; nt++) {
+        c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+        #pragma unroll
+        for (int kk = 0; kk < D / 8; kk++) {
+            unsigned b[2] = {__float_as_uint(rows[(nt * 8 + g) * ld + kk * 8 + t]),
+                             __float_as_uint(rows[(nt * 8 + g) * ld + kk * 8 + t + 4])};
+            mma_tf32(c[nt], a[kk], b);
+        }
+    }
+}
+
+// acc (16 x D) += p (16 x N, C layout, staged through this warp's shared scratch) @ m (shared N x D, tf32)
+template <int D, int N>
+__device__ void mma_p_m(float (*acc)[4], float (*p)[4], float* scratch, const float* m, int ld) {
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    #pragma unroll
+    for (int nt = 0; nt < N / 8; nt++) {                       // C layout -> shared, rows of N + 4
+        scratch[g * (N + 4) + nt * 8 + 2 * t] = __uint_as_float(tf32(p[nt][0]));
+        scratch[g * (N + 4) + nt * 8 + 2 * t + 1] = __uint_as_float(tf32(p[nt][1]));
+        scratch[(g + 8) * (N + 4) + nt * 8 + 2 * t] = __uint_as_float(tf32(p[nt][2]));
+        scratch[(g + 8) * (N + 4) + nt * 8 + 2 * t + 1] = __uint_as_float(tf32(p[nt][3]));
+    }
+    __syncwarp();
+    #pragma unroll
+    for (int kk = 0; kk < N / 8; kk++) {
+        const float* sc = scratch;
+        unsigned a[4] = {__float_as_uint(sc[g * (N + 4) + kk * 8 + t]), __float_as_uint(sc[(g + 8) * (N + 4) + kk * 8 + t]),
+                         __float_as_uint(sc[g * (N + 4) + kk * 8 + t + 4]),
+                         __float_as_uint(sc[(g + 8) * (N + 4) + kk * 8 + t + 4])};
+        #pragma unroll
+        for (int nt = 0; nt < D / 8; nt++) {
+            unsigned b[2] = {__float_as_uint(m[(kk * 8 + t) * ld + nt * 8 + g]),
+                             __float_as_uint(m[(kk * 8 + t + 4) * ld + nt * 8 + g])};
+            mma_tf32(acc[nt], a, b);
+        }
+    }
+    __syncwarp();                                               // scratch is free again
+}
+
+// rows r..r+BK-1 of the heads at column offset col of a (T, stride) matrix into a
+// shared (BK, D+4) tile, zeros past T, scaled and already rounded to tf32 (so the
+// mma loops read operands without converting them); between two barriers
+template <int D>
+__device__ void load_tile(float* tile, const float* m, long stride, int col, int r, int T, float scale) {
+    __syncthreads();
+    // float4 loads: a quarter of the load instructions, whose latency is what these kernels wait on
+    for (int e = 4 * threadIdx.x; e < BK * D; e += 4 * blockDim.x) {
+        int i = e / D, d = e % D;
+        float4 x = r + i < T ? *(const float4*)&m[(long)(r + i) * stride + col + d] : make_float4(0, 0, 0, 0);
+        float* out = &tile[i * (D + 4) + d];
+        out[0] = __uint_as_float(tf32(x.x * scale));
+        out[1] = __uint_as_float(tf32(x.y * scale));
+        out[2] = __uint_as_float(tf32(x.z * scale));
+        out[3] = __uint_as_float(tf32(x.w * scale));
+    }
+    __syncthreads();
+}
+
+// grid = (ceil(T / 64), Hq, B); block = 128 threads, 4 warps of 16 query rows
+template <int D>
+__device__ void attention_forward_mma(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv,
+                                      float scale) {
+    __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
+    int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv), warp = threadIdx.x / 32;
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int r0 = blockIdx.x * 64 + warp * MMA_ROWS;                // this warp's first query row
+    long stride = (Hq + 2 * Hkv) * D;
+    const float* base = qkv + (long)b * T * stride;
+    unsigned qa[D / 8][4];
+    load_a_rows<D>(qa, base + h * D, stride, r0, T, scale);
+    float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    int last = min(T - 1, blockIdx.x * 64 + 63);
+    for (int k0 = 0; k0 <= last; k0 += BK) {
+        load_tile<D>(ks, base, stride, (Hq + kvh) * D, k0, T, 1.0f);
+        load_tile<D>(vs, base, stride, (Hq + Hkv + kvh) * D, k0, T, 1.0f);
+        if (k0 > r0 + MMA_ROWS - 1) continue;                   // the whole warp is before these keys
+        float s[BK / 8][4];
+        mma_rows_t<D, BK>(s, qa, ks, D + 4);
+        float mt[2] = {m[0], m[1]};
+        #pragma unroll
+        for (int nt = 0; nt < BK / 8; nt++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
+                if (col > row || col >= T) s[nt][i] = -INFINITY;  // causal mask, and keys past T
+                mt[i >> 1] = fmaxf(mt[i >> 1], s[nt][i]);
+            }
+        float correction[2], sum[2] = {0.0f, 0.0f};
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            mt[r] = group_max(mt[r]);
+            correction[r] = expf(m[r] - mt[r]);                   // rescale what came before
+        }
+        #pragma unroll
+        for (int nt = 0; nt < BK / 8; nt++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                s[nt][i] = expf(s[nt][i] - mt[i >> 1]);
+                sum[i >> 1] += s[nt][i];
+            }
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            l[r] = l[r] * correction[r] + group_sum(sum[r]);
+            m[r] = mt[r];
+        }
+        #pragma unroll
+        for (int nt = 0; nt < D / 8; nt++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) o[nt][i] *= correction[i >> 1];
+        mma_p_m<D, BK>(o, s, scratch[warp], vs, D + 4);
+    }
+    #pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = r0 + g + 8 * (i >> 1);
+            if (row < T) y[((long)b * T + row) * Hq * D + h * D + nt * 8 + 2 * t + (i & 1)] = o[nt][i] / l[i >> 1];
+        }
+    #pragma unroll
+    for (int r = 0; r < 2; r++)
+        if (t == 0 && r0 + g + 8 * r < T) lse[((long)b * Hq + h) * T + r0 + g + 8 * r] = m[r] + logf(l[r]);
+}
+
+// dq for 16 query rows per warp: dq = scale * sum over keys of p (dp - delta) k
+// grid = (ceil(T / 64), Hq, B); block = 128 threads
+template <int D>
+__device__ void attention_backward_dq_mma(float* dqkv, const float* qkv, const float* dy, const float* lse,
+                                          const float* delta, int T, int Hq, int Hkv, float scale) {
+    __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
+    int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv), warp = threadIdx.x / 32;
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int r0 = blockIdx.x * 64 + warp * MMA_ROWS;
+    long stride = (Hq + 2 * Hkv) * D;
+    const float* base = qkv + (long)b * T * stride;
+    unsigned qa[D / 8][4], dya[D / 8][4];
+    load_a_rows<D>(qa, base + h * D, stride, r0, T, scale);
+    load_a_rows<D>(dya, dy + (long)b * T * Hq * D + h * D, (long)Hq * D, r0, T, 1.0f);
+    float lse_r[2], delta_r[2], dq[D / 8][4] = {};
+    #pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = r0 + g + 8 * r;
+        lse_r[r] = row < T ? lse[((long)b * Hq + h) * T + row] : 0.0f;
+        delta_r[r] = row < T ? delta[((long)b * Hq + h) * T + row] : 0.0f;
+    }
+    int last = min(T - 1, blockIdx.x * 64 + 63);
+    for (int k0 = 0; k0 <= last; k0 += BK) {
+        load_tile<D>(ks, base, stride, (Hq + kvh) * D, k0, T, 1.0f);
+        load_tile<D>(vs, base, stride, (Hq + Hkv + kvh) * D, k0, T, 1.0f);
+        if (k0 > r0 + MMA_ROWS - 1) continue;
+        float s[BK / 8][4], dp[BK / 8][4];
+        mma_rows_t<D, BK>(s, qa, ks, D + 4);
+        mma_rows_t<D, BK>(dp, dya, vs, D + 4);
+        #pragma unroll
+        for (int nt = 0; nt < BK / 8; nt++)
+            #pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
+                float p = col > row || col >= T || row >= T ? 0.0f : expf(s[nt][i] - lse_r[i >> 1]);
+                s[nt][i] = p * (dp[nt][i] - delta_r[i >> 1]);     // ds, the softmax backward
+            }
+        mma_p_m<D, BK>(dq, s, scratch[warp], ks, D + 4);
+    }
+    #pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = r0 + g + 8 * (i >> 1);
+            if (row < T) dqkv[((long)b * T + row) * stride + h * D + nt * 8 + 2 * t + (i & 1)] = dq[nt][i] * scale;
+        }
+}
+
+// dk and dv for 16 keys per warp (64 per block) of one kv head, summed over its G
+// query heads: with st = k q.T (keys as rows), pt = exp(st - lse), dst = pt (v dy.T - delta):
+// dv = pt dy and dk = dst (q scale)
+// grid = (ceil(T / 64), Hkv, B); block = 128 threads
+template <int D>
+__device__ void attention_backward_dkv_mma(float* dqkv, const float* qkv, const float* dy, const float* lse,
+                                           const float* delta, int T, int Hq, int Hkv, float scale) {
+    __shared__ float qs[BK * (D + 4)], dys[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
+    __shared__ float lse_s[BK], delta_s[BK];
+    int b = blockIdx.z, kvh = blockIdx.y, G = Hq / Hkv, warp = threadIdx.x / 32;
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int r0 = blockIdx.x * 64 + warp * MMA_ROWS;                // this warp's first key
+    long stride = (Hq + 2 * Hkv) * D;
+    const float* base = qkv + (long)b * T * stride;
+    unsigned ka[D / 8][4], va[D / 8][4];
+    load_a_rows<D>(ka, base + (Hq + kvh) * D, stride, r0, T, 1.0f);
+    load_a_rows<D>(va, base + (Hq + Hkv + kvh) * D, stride, r0, T, 1.0f);
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    for (int h = kvh * G; h < (kvh + 1) * G; h++) {
+        for (int q0 = blockIdx.x * 64; q0 < T; q0 += BK) {          // causal: queries from the block's first key
+            load_tile<D>(qs, base, stride, h * D, q0, T, scale);
+            load_tile<D>(dys, dy + (long)b * T * Hq * D, (long)Hq * D, h * D, q0, T, 1.0f);
+            if (threadIdx.x < BK) {
+                int i = q0 + threadIdx.x;
+                lse_s[threadIdx.x] = i < T ? lse[((long)b * Hq + h) * T + i] : 0.0f;
+                delta_s[threadIdx.x] = i < T ? delta[((long)b * Hq + h) * T + i] : 0.0f;
+            }
+            __syncthreads();
+            if (q0 + BK - 1 < r0) continue;                        // every query before this warp's keys
+            float st[BK / 8][4], dpt[BK / 8][4];
+            mma_rows_t<D, BK>(st, ka, qs, D + 4);
+            mma_rows_t<D, BK>(dpt, va, dys, D + 4);
+            #pragma unroll
+            for (int nt = 0; nt < BK / 8; nt++)
+                #pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int key = r0 + g + 8 * (i >> 1), c = nt * 8 + 2 * t + (i & 1), query = q0 + c;
+                    float p = query < key || query >= T ? 0.0f : expf(st[nt][i] - lse_s[c]);
+                    st[nt][i] = p;
+                    dpt[nt][i] = p * (dpt[nt][i] - delta_s[c]);
+                }
+            mma_p_m<D, BK>(dv, st, scratch[warp], dys, D + 4);
+            mma_p_m<D, BK>(dk, dpt, scratch[warp], qs, D + 4);        // qs holds q * scale already
+        }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int key = r0 + g + 8 * (i >> 1), d = nt * 8 + 2 * t + (i & 1);
+            if (key >= T) continue;
+            float* out = dqkv + ((long)b * T + key) * stride;
+            out[(Hq + kvh) * D + d] = dk[nt][i];
+            out[(Hq + Hkv + kvh) * D + d] = dv[nt][i];
+        }
+}
+
+// -----------------------------------------------------------------------------
 // entry points, one set per head dimension D
 
 extern "C" __global__ void attention_backward_delta_kernel(float* delta, const float* dy, const float* y, int B,
@@ -232,7 +519,26 @@ extern "C" __global__ void attention_backward_delta_kernel(float* delta, const f
         attention_backward_dq<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                                 \
     }
 
+#define INSTANTIATE_MMA(D)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) attention_forward_mma_kernel_##D(                         \
+        float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {                          \
+        attention_forward_mma<D>(y, lse, qkv, T, Hq, Hkv, scale);                                               \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_mma_kernel_##D(                    \
+        float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
+        int Hkv, float scale) {                                                                                 \
+        attention_backward_dkv_mma<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                            \
+    }                                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_mma_kernel_##D(                     \
+        float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
+        int Hkv, float scale) {                                                                                 \
+        attention_backward_dq_mma<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                             \
+    }
+
 INSTANTIATE(16)
 INSTANTIATE(32)
 INSTANTIATE(64)
 
+INSTANTIATE_MMA(16)
+INSTANTIATE_MMA(32)
+INSTANTIATE_MMA(64)

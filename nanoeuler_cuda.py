@@ -373,19 +373,26 @@ def grad_norm(partial, grads, n):
 
 
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
-    gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(y), P(lse), P(qkv), I(T),
-               I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    # fp32: one thread per query row on CUDA cores, exact; tf32 and bf16: tensor cores
+    if gpu.precision == "fp32":
+        gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(y), P(lse), P(qkv), I(T),
+                   I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    else:
+        gpu.launch(f"attention_forward_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, P(y), P(lse), P(qkv),
+                   I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
 
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     block = 256
     gpu.launch("attention_backward_delta_kernel", ceil_div(B * Hq * T, block), block, P(delta), P(dy), P(y),
                I(B), I(T), I(Hq), I(D))
-    scale = F(1 / math.sqrt(D))
-    gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, P(dqkv), P(qkv), P(dy),
-               P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
-    gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(dqkv), P(qkv), P(dy),
-               P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
+    args = (P(dqkv), P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    if gpu.precision == "fp32":
+        gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *args)
+        gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, *args)
+    else:
+        gpu.launch(f"attention_backward_dkv_mma_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *args)
+        gpu.launch(f"attention_backward_dq_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
 
 
 # -----------------------------------------------------------------------------
@@ -680,24 +687,6 @@ def check_kernels(rng, report):
         ref_loss, cache = ne.cross_entropy_forward(f64(logits[k]), targets[:, k])
         report(f"cross_entropy head {k} loss", abs(got_loss[k] - ref_loss) / ref_loss)
         report(f"cross_entropy head {k} dlogits", rel_diff(got_d[k], ne.cross_entropy_backward(weights[k], cache)))
-    # attention, grouped-query, T not a multiple of the tiles
-    for D, Hq, Hkv in ((32, 4, 2), (64, 3, 1), (16, 2, 2)):
-        QKV = (Hq + 2 * Hkv) * D
-        qkv, dy = f32(N, QKV), f32(N, Hq * D)
-        q = f64(qkv[:, :Hq * D]).reshape(B, T, Hq, D)
-        k = f64(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(B, T, Hkv, D)
-        v = f64(qkv[:, (Hq + Hkv) * D:]).reshape(B, T, Hkv, D)
-        ref, cache = ne.attention_forward(q, k, v)
-        y, lse, qkv_g = poisoned(N, Hq * D), poisoned(B, Hq, T), to_gpu(qkv)
-        attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
-        report(f"attention_forward D={D} G={Hq // Hkv}", rel_diff(y.download(), ref.reshape(N, -1)))
-        dq, dk, dv = ne.attention_backward(f64(dy).reshape(B, T, Hq, D), cache)
-        dqkv = poisoned(N, QKV)
-        attention_backward(dqkv, to_gpu(dy), qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
-        got = dqkv.download()
-        report(f"attention_backward D={D} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
-        report(f"attention_backward D={D} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
-        report(f"attention_backward D={D} dv", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
     # adamw and the gradient norm
     n = 100_003
     p, g_, m, v = f32(n), f32(n), f32(n) * 0.1, np.abs(f32(n)) * 0.1
@@ -710,6 +699,33 @@ def check_kernels(rng, report):
     report("adamw moments", max(rel_diff(mg.download(), rm), rel_diff(vg.download(), rv)))
     report("grad_norm", abs(grad_norm(DeviceArray((64,)), to_gpu(g_), n) - np.linalg.norm(f64(g_))) /
            np.linalg.norm(f64(g_)))
+
+
+def check_attention(rng, report):
+    """both attention paths: CUDA cores in fp32, tensor cores in tf32 (and bf16)"""
+    f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    f64 = lambda a: a.astype(np.float64)
+    poisoned = lambda *shape: DeviceArray(shape).fill_bits(NAN_BITS)
+    B, T = 3, 100                                              # T: not a multiple of any tile
+    N = B * T
+    for D, Hq, Hkv in ((32, 4, 2), (64, 3, 1), (16, 2, 2)):
+        QKV = (Hq + 2 * Hkv) * D
+        qkv, dy = f32(N, QKV), f32(N, Hq * D)
+        q = f64(qkv[:, :Hq * D]).reshape(B, T, Hq, D)
+        k = f64(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(B, T, Hkv, D)
+        v = f64(qkv[:, (Hq + Hkv) * D:]).reshape(B, T, Hkv, D)
+        ref, cache = ne.attention_forward(q, k, v)
+        y, lse, qkv_g = poisoned(N, Hq * D), poisoned(B, Hq, T), to_gpu(qkv)
+        attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
+        what = f"attention {gpu.precision} D={D} G={Hq // Hkv}"
+        report(f"{what} forward", rel_diff(y.download(), ref.reshape(N, -1)))
+        dq, dk, dv = ne.attention_backward(f64(dy).reshape(B, T, Hq, D), cache)
+        dqkv = poisoned(N, QKV)
+        attention_backward(dqkv, to_gpu(dy), qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
+        got = dqkv.download()
+        report(f"{what} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
+        report(f"{what} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
+        report(f"{what} dv", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
 
 
 def check_model(rng, report, precision):
@@ -750,6 +766,9 @@ def cmd_check(args):
         return report
 
     check_kernels(rng, reporter(TOLERANCE["fp32"]))
+    for precision in ("fp32", "tf32"):
+        init_gpu(precision)
+        check_attention(rng, reporter(TOLERANCE[precision]))
     for precision in ("fp32", "tf32", "bf16"):
         check_model(rng, reporter(TOLERANCE[precision]), precision)
     print(f"overall okay: {int(not failed)}")
