@@ -13,13 +13,15 @@ an online softmax so that the (T x T) attention matrix is never stored
 
 Layout: qkv is (B, T, (Hq + 2 Hkv) D) row-major, as the wqkv matmul writes it:
 q heads, then k heads, then v heads. y is (B, T, Hq D); lse and delta (B, Hq, T).
-Everything is fp32 on CUDA cores (no tensor cores yet). In the forward and the
-dq kernel one thread owns one query row, its accumulators in registers. In
-the dk/dv kernel two threads share a key row, each owning every other one of
-its D dims (the pair reads neighbouring words of shared memory: different
-banks), so that k, v, dk and dv fit in registers; the halves of each dot
-product meet in one shuffle. That layout made dk/dv 1.6x faster on an H200,
-but the forward and dq 1.1-1.3x slower, so they keep one thread per row.
+Two versions of the three passes:
+- fp32 (--precision fp32), exact, on CUDA cores. In the forward and the dq
+  kernel one thread owns one query row, its accumulators in registers. In the
+  dk/dv kernel two threads share a key row, each owning every other one of its
+  D dims (neighbouring words of shared memory: different banks); the halves of
+  each dot product meet in one shuffle.
+- tensor cores (--precision tf32 and bf16): the same passes with tf32
+  mma.sync, a warp per 16 rows; see "tensor cores" below. On an H200, for the
+  big model: 13 ms of attention per step against 43 ms on CUDA cores.
 D is a template parameter, instantiated for 16, 32 and 64 at the bottom (128
 would need more than the 48 KB of shared memory a block gets without opting in).
 

@@ -12,13 +12,14 @@ tokenizer, the data pipeline, the checkpoint files and the training loop's log
 and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
 the other way round.
 
-Precision: --precision fp32 (exact fp32 matmuls), tf32 (matmuls on tensor cores
-with 10-bit mantissas) or bf16 (matmul inputs rounded to bfloat16, products
-summed in fp32). Everything else, weights, gradients, optimizer state and the
-activations kept for the backward, is fp32 in every mode.
+Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
+(matmuls and attention on tensor cores with 10-bit mantissas, the default) or
+bf16 (matmul inputs rounded to bfloat16, products summed in fp32; attention as
+tf32). Weights, gradients, optimizer state and the activations kept for the
+backward are fp32 in every mode.
 
-What it leaves out, for now: bf16 activations, tensor cores in attention,
-CUDA graphs, and several GPUs.
+What it leaves out, for now: bf16 activations (the bf16 mode converts every
+matmul input, 10 ms a step), CUDA graphs, and several GPUs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers and cuBLAS wheels) and an NVIDIA driver.
 """
@@ -353,7 +354,7 @@ def cross_entropy_forward(logits, losses, targets, dscale, N, V, K):
 
 def to_bf16(out, x, n):
     block = 256
-    gpu.launch("to_bf16_kernel", ceil_div(n, block), block, P(out), P(x), L(n))
+    gpu.launch("to_bf16_kernel", ceil_div(n, 4 * block), block, P(out), P(x), L(n))
 
 
 def adamw(params, grads, m, v, decay, n, lr, step, grad_scale, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -452,7 +453,10 @@ class Cublas:
                 f"a {M}x{N}x{K} matmul")
 
     def to_bf16(self, i, x, n):
-        """x (fp32) rounded into bf16 scratch buffer i, grown as needed"""
+        """x (fp32) rounded into bf16 scratch buffer i, grown as needed; a weight
+        carries its own bf16 twin (GPUModel refreshes them after each update)"""
+        if getattr(x, "bf16", None) is not None:
+            return x.bf16
         if self.bf16[i] is None or self.bf16[i].size < n:
             self.bf16[i] = DeviceArray((n,), np.uint16)
         to_bf16(self.bf16[i], x, n)
@@ -479,6 +483,11 @@ class GPUModel:
         self.v = DeviceArray((P_,)).upload(np.zeros(P_, np.float32) if v is None else v)
         self.decay = to_gpu(ne.decay_mask(cfg))
         self.params, self.dparams = self.carve(self.flat), self.carve(self.grads)
+        # bf16 copies of the weights for the bf16 matmuls, made once per update, not per matmul
+        self.flat16 = DeviceArray((P_,), np.uint16)
+        for name, view16 in self.carve(self.flat16).items():
+            self.params[name].bf16 = view16
+        self.refresh_bf16()
         cos, sin = ne.rope_table(cfg.T, cfg.D, 0, np.float32)
         self.cos, self.sin = to_gpu(cos), to_gpu(sin)               # (T, D/2) each
         self.partial = DeviceArray((2 * gpu.sms,))
@@ -491,8 +500,12 @@ class GPUModel:
             offset += math.prod(shape)
         for l in range(self.cfg.L):                                  # w_gate then w_up: one (2F, C) matmul
             gate = views[f"layers.{l}.w_gate"]
-            views[f"layers.{l}.w_gate_up"] = DeviceArray((2 * self.cfg.F, self.cfg.C), ptr=gate.ptr, owner=buf)
+            views[f"layers.{l}.w_gate_up"] = DeviceArray((2 * self.cfg.F, self.cfg.C), buf.dtype, gate.ptr, buf)
         return views
+
+    def refresh_bf16(self):
+        if gpu.precision == "bf16":
+            to_bf16(self.flat16, self.flat, self.flat.size)
 
     def allocate_activations(self):
         """what the backward reads, per layer, plus a few scratch buffers reused by every layer"""
@@ -597,6 +610,7 @@ class GPUModel:
         if np.isfinite(norm):
             adamw(self.flat, self.grads, self.m, self.v, self.decay, self.flat.size, lr, step, scale,
                   weight_decay=weight_decay)
+            self.refresh_bf16()
         return norm
 
 
