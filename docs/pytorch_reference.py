@@ -1,0 +1,99 @@
+"""
+The NanoEuler big model in PyTorch, only to measure what nanoeuler_cuda.py is
+compared against (BENCHMARKS.md). Not part of NanoEuler: nothing imports it.
+
+    python docs/pytorch_reference.py [--compile] [--precision bf16|tf32] [--batch 16]
+
+Same model as SPEC.md (RMSNorm, RoPE, GQA, SwiGLU, K untied heads, mtp_weight),
+AdamW (fused), bf16 autocast or tf32, the step timed after warm-up.
+"""
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+V, C, Hq, Hkv, L, T, FF, K, MTP = 4096, 768, 12, 4, 16, 512, 2048, 4, 0.5
+D = C // Hq
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = torch.nn.RMSNorm(C, eps=1e-5), torch.nn.RMSNorm(C, eps=1e-5)
+        self.wqkv = torch.nn.Linear(C, (Hq + 2 * Hkv) * D, bias=False)
+        self.wo = torch.nn.Linear(Hq * D, C, bias=False)
+        self.w_gate_up = torch.nn.Linear(C, 2 * FF, bias=False)
+        self.w_down = torch.nn.Linear(FF, C, bias=False)
+
+    def forward(self, x, cos, sin):
+        B = x.shape[0]
+        q, k, v = self.wqkv(self.attn_norm(x)).split([Hq * D, Hkv * D, Hkv * D], -1)
+        q, k, v = (t.view(B, T, -1, D).transpose(1, 2) for t in (q, k, v))
+        q, k = (torch.cat([t[..., :D // 2] * cos - t[..., D // 2:] * sin,
+                           t[..., D // 2:] * cos + t[..., :D // 2] * sin], -1) for t in (q, k))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        gate, up = self.w_gate_up(self.mlp_norm(x)).chunk(2, -1)
+        return x + self.w_down(F.silu(gate) * up)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok_emb = torch.nn.Embedding(V, C)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(L))
+        self.final_norm = torch.nn.RMSNorm(C, eps=1e-5)
+        self.heads = torch.nn.Linear(C, K * V, bias=False)            # K untied heads, one matmul
+        freq = 10000.0 ** (-torch.arange(0, D // 2) * 2.0 / D)
+        angle = torch.arange(T)[:, None] * freq
+        self.register_buffer("cos", angle.cos())
+        self.register_buffer("sin", angle.sin())
+
+    def forward(self, idx, targets):
+        x = self.tok_emb(idx)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        logits = self.heads(self.final_norm(x)).view(*idx.shape, K, V).float()
+        ce = [F.cross_entropy(logits[:, :, k].reshape(-1, V), targets[:, :, k].reshape(-1), ignore_index=-1)
+              for k in range(K)]
+        return ce[0] + MTP * sum(ce[1:]) / (K - 1)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "tf32"])
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=20)
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    model = Model().cuda()
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    step_model = torch.compile(model) if args.compile else model
+    rows = torch.randint(0, V, (args.batch, T + K), device="cuda")
+    idx = rows[:, :T]
+    targets = torch.stack([rows[:, 1 + k:1 + k + T] for k in range(K)], -1)
+    times = []
+    for step in range(args.steps + 5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16, enabled=args.precision == "bf16"):
+            loss = step_model(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    dt = sorted(times[5:])[len(times[5:]) // 2]
+    print(f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}, {n:,} parameters, "
+          f"{'compiled' if args.compile else 'eager'}, {args.precision}, batch {args.batch} x {T}: "
+          f"{dt * 1e3:.1f} ms/step, {args.batch * T / dt:,.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
