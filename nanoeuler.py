@@ -45,6 +45,23 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402  (after the thread settings above, on purpose)
 
+
+def keep_freed_memory():
+    """numpy makes a fresh array for every result. Above 128 KB glibc maps new
+    pages from the OS for each one and unmaps them on free, and those page
+    faults cost a fifth of a training step (measured: 18.8 -> 15.4 ms per row).
+    So keep arrays up to 32 MB on the heap, and keep freed heap memory."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)                     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
+        libc.mallopt(-1, 1 << 30)                      # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass                                           # not glibc: nothing to tune
+
+
+keep_freed_memory()
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -611,22 +628,23 @@ def cross_entropy_forward(logits, targets, n=None):
     t = np.where(keep, targets, 0)
     z = logits - logits.max(-1, keepdims=True)                        # (N,V), shifted
     z_t = z[np.arange(N), t]                                          # (N,) the targets' logits
-    probs = np.exp(z, out=z)                                          # z is not needed after this
-    sumexp = probs.sum(-1)                                            # (N,)
-    probs /= sumexp[:, None]
+    expz = np.exp(z, out=z)                                           # z is not needed after this
+    sumexp = expz.sum(-1)                                             # (N,)
     nll = np.log(sumexp) - z_t                                        # (N,)
     loss = (nll * keep).sum() / n
-    return loss, (probs, t, keep, n)
+    # the softmax is expz / sumexp; the backward folds that division into its scaling
+    return loss, (expz, sumexp, t, keep, n)
 
 
 def cross_entropy_backward(dloss, cache):
     """dloss scalar -> dlogits (N,V) = (softmax - onehot) / n on kept rows, 0 on ignored rows"""
-    probs, t, keep, n = cache
-    # NOTE: turns the cached probs into dlogits in place (saves a copy of an
+    expz, sumexp, t, keep, n = cache
+    # NOTE: turns the cached exp(z) into dlogits in place (saves a copy of an
     # (N,V) array), so call it once per forward, as the model backward does
-    dlogits = probs
-    dlogits[np.arange(len(t)), t] -= 1.0
-    dlogits *= (keep * (dloss / n))[:, None].astype(probs.dtype)
+    scale = keep * (dloss / n)                                        # (N,)
+    dlogits = expz
+    dlogits *= (scale / sumexp)[:, None].astype(expz.dtype)           # softmax * scale
+    dlogits[np.arange(len(t)), t] -= scale.astype(expz.dtype)         # minus onehot * scale
     return dlogits
 
 
