@@ -160,11 +160,13 @@ class Tokenizer:
     def __init__(self, merges=()):
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}
-        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}   # for encode_piece
+        # for encode_piece: each pair as a 2-char str, and what str.replace puts in its place
+        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}
+        self.replacements = [(chr(a) + chr(b), chr(r)) for (a, b), r in self.ranks.items()]
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
-        self.cache = {}                                              # piece -> ids
+        self.cache = {}                                              # piece -> tuple of ids
 
     @property
     def vocab_size(self):
@@ -238,15 +240,14 @@ class Tokenizer:
         pairs (a dict lookup per 2-char str) and merging them (str.replace:
         non-overlapping, left to right, exactly like merge()) run in C."""
         s = piece.encode("utf-8").decode("latin-1")        # one char per byte: chr(byte)
-        rank, never = self.pair_ranks.get, repeat(math.inf)
+        rank, never, replace = self.pair_ranks.get, repeat(math.inf), self.replacements
         while len(s) >= 2:
             # a merge's new id is its rank: ids grow with each merge learned
             new_id = min(map(rank, map(operator.add, s, s[1:]), never))
             if new_id == math.inf:
                 break
-            a, b = self.merges[new_id - FIRST_MERGE_ID]
-            s = s.replace(chr(a) + chr(b), chr(new_id))
-        return list(map(ord, s))
+            s = s.replace(*replace[new_id - FIRST_MERGE_ID])
+        return tuple(map(ord, s))
 
     def encode(self, text):
         """str -> list of ids; ordinary text only (see special for the others).
