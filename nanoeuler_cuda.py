@@ -13,13 +13,13 @@ and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
 the other way round.
 
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
-(matmuls and attention on tensor cores with 10-bit mantissas, the default) or
-bf16 (matmul inputs rounded to bfloat16, products summed in fp32; attention as
-tf32). Weights, gradients, optimizer state and the activations kept for the
+(matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
+default for train and bench: matmul inputs rounded to bfloat16, products summed
+in fp32; attention as tf32). Weights, gradients, optimizer state and the activations kept for the
 backward are fp32 in every mode.
 
-What it leaves out, for now: bf16 activations (the bf16 mode converts every
-matmul input, 10 ms a step), CUDA graphs, and several GPUs.
+What it leaves out, for now: bf16 activations (the bf16 mode rounds each matmul
+input once, in a pass of its own), CUDA graphs, and several GPUs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers and cuBLAS wheels) and an NVIDIA driver.
 """
@@ -507,6 +507,18 @@ class GPUModel:
         if gpu.precision == "bf16":
             to_bf16(self.flat16, self.flat, self.flat.size)
 
+    def round_bf16(self, x, twin=None):
+        """bf16 mode: x rounded once into a bf16 twin that every matmul reading x
+        uses (the forward's activations are read again by the backward's dW
+        products); called again wherever x changes. A no-op otherwise."""
+        if gpu.precision != "bf16":
+            return
+        if twin is None:
+            twin = getattr(x, "twin16", None) or DeviceArray(x.shape, np.uint16)
+            x.twin16 = twin
+        to_bf16(twin, x, x.size)
+        x.bf16 = twin
+
     def allocate_activations(self):
         """what the backward reads, per layer, plus a few scratch buffers reused by every layer"""
         cfg, N, B = self.cfg, self.N, self.B
@@ -527,6 +539,7 @@ class GPUModel:
         self.dx, self.dxf, self.dh = new(N, C), new(N, C), new(N, C)
         self.ds, self.dgu, self.dy = new(N, F_), new(N, 2 * F_), new(N, HD)
         self.dqkv, self.delta = new(N, QKV), new(B, cfg.Hq, cfg.T)
+        self.dlogits16 = DeviceArray((N, cfg.V), np.uint16) if gpu.precision == "bf16" else None
 
     def forward(self, idx, targets=None):
         """idx (B,T), targets (B,T,K) -> loss, ce (K,). The fused cross entropy leaves
@@ -543,17 +556,22 @@ class GPUModel:
         for l in range(cfg.L):
             w = lambda name: p[f"layers.{l}.{name}"]
             rmsnorm_forward(self.h[l], self.rstd_attn[l], self.x[l], w("attn_norm"), N, C)
+            self.round_bf16(self.h[l])
             matmul(self.qkv[l], self.h[l], w("wqkv"), N, QKV, C, trans_b=True)
             rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
+            self.round_bf16(self.y[l])
             matmul(self.dxf, self.y[l], w("wo"), N, C, HD, trans_b=True)       # dxf: scratch here
             residual_forward(self.x_mid[l], self.x[l], self.dxf, N * C)
             rmsnorm_forward(self.m_[l], self.rstd_mlp[l], self.x_mid[l], w("mlp_norm"), N, C)
+            self.round_bf16(self.m_[l])
             matmul(self.gu[l], self.m_[l], w("w_gate_up"), N, 2 * F_, C, trans_b=True)
             swiglu_forward(self.s[l], self.gu[l], N, F_)
+            self.round_bf16(self.s[l])
             matmul(self.dxf, self.s[l], w("w_down"), N, C, F_, trans_b=True)
             residual_forward(self.x[l + 1], self.x_mid[l], self.dxf, N * C)
         rmsnorm_forward(self.xf, self.rstd_final, self.x[cfg.L], p["final_norm"], N, C)
+        self.round_bf16(self.xf)
         for k in range(K):
             matmul(self.logits.view(k * N * V, (N, V)), self.xf, p[f"heads.{k}"], N, V, C, trans_b=True)
         if targets is None:
@@ -577,6 +595,7 @@ class GPUModel:
         # the chain starts in self.logits: the fused cross entropy wrote d loss / d logits there
         for k in range(K):
             dlogits = self.logits.view(k * N * V, (N, V))
+            self.round_bf16(dlogits, self.dlogits16)
             matmul(self.dxf, dlogits, p[f"heads.{k}"], N, C, V, accumulate=k > 0)   # every head adds
             matmul(g[f"heads.{k}"], dlogits, self.xf, V, C, N, trans_a=True, accumulate=True)
         self.dx.zero()
@@ -585,19 +604,23 @@ class GPUModel:
             w = lambda name: p[f"layers.{l}.{name}"]
             dw = lambda name: g[f"layers.{l}.{name}"]
             # forward was: x[l+1] = x_mid + s @ w_down.T
+            self.round_bf16(self.dx)
             matmul(self.ds, self.dx, w("w_down"), N, F_, C)
             matmul(dw("w_down"), self.dx, self.s[l], C, F_, N, trans_a=True, accumulate=True)
             swiglu_backward(self.dgu, self.ds, self.gu[l], N, F_)
+            self.round_bf16(self.dgu)
             matmul(self.dh, self.dgu, w("w_gate_up"), N, C, 2 * F_)
             matmul(dw("w_gate_up"), self.dgu, self.m_[l], 2 * F_, C, N, trans_a=True, accumulate=True)
             # dx += : the residual stream's gradient takes both paths
             rmsnorm_backward(self.dx, dw("mlp_norm"), self.dh, self.x_mid[l], w("mlp_norm"), self.rstd_mlp[l], N, C)
             # forward was: x_mid = x[l] + y @ wo.T
+            self.round_bf16(self.dx)                                 # dx has changed: round it again
             matmul(self.dy, self.dx, w("wo"), N, HD, C)
             matmul(dw("wo"), self.dx, self.y[l], C, HD, N, trans_a=True, accumulate=True)
             attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta,
                                B, T, cfg.Hq, cfg.Hkv, D)
             rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
+            self.round_bf16(self.dqkv)
             matmul(self.dh, self.dqkv, w("wqkv"), N, C, QKV)
             matmul(dw("wqkv"), self.dqkv, self.h[l], QKV, C, N, trans_a=True, accumulate=True)
             rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C)
@@ -933,13 +956,13 @@ def build_parser():
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
                     help="UTF-8 text file or folder of .txt files (default: the embedded books)")
     sp.add_argument("--vocab-size", type=int, default=0, help="BPE vocabulary; 0 = the preset's V")
-    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     ne.add_training_flags(sp, 2000, 16, 6e-4, 100, os.path.join("out", "big"))
     sp = sub.add_parser("bench", help="time training steps")
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--batch", type=int, default=16, help="rows of T+K tokens per step")
     sp.add_argument("--steps", type=int, default=10, help="timed steps")
-    sp.add_argument("--precision", default="tf32", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
     sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
