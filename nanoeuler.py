@@ -6,7 +6,7 @@ written by hand and proven by a float64 gradient check.
     python nanoeuler.py train     # train the small model on the embedded corpus
     python nanoeuler.py chat --model out/small/best.safetensors
 
-The model (../SPEC.md is the contract; checkpoints are safetensors):
+The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 - byte-level BPE tokenizer with GPT-2 style pre-tokenization and chat specials
 - token embedding, no learned positions; RoPE (rotate-half) on q and k
 - pre-norm blocks: RMSNorm -> grouped-query causal attention (Hq query heads
