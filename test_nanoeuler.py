@@ -544,6 +544,16 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path):
     assert f"model_{step:06d}.safetensors".encode() in out
 
 
+def test_prompt_longer_than_the_context_keeps_its_end(tmp_path):
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--steps", "2", "--save-every", "2"))
+    model = str(tmp_path / "run" / "model_000002.safetensors")
+    r = run_cli("sample", "--model", model, "--prompt", "to be or not to be " * 100, "--max-new-tokens", "5",
+                "--speculative")
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"longer than the context" in r.stderr and b"keeping its last" in r.stderr
+
+
 def test_sample_command_is_greedy_and_deterministic(tmp_path):
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--steps", "4"))
