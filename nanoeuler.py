@@ -399,7 +399,7 @@ def sample_text(files, max_bytes=16 << 20):
     return "\n".join(texts)
 
 
-def prepare_data(path, vocab_size, cache_dir, progress=True):
+def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True):
     """corpus -> (tokenizer, tokens): the tokenizer is trained once and the tokens are
     stored once as uint16 .npy, both cached under cache_dir by the corpus's hash;
     the tokens come back memory-mapped, so a corpus larger than memory works"""
@@ -421,8 +421,18 @@ def prepare_data(path, vocab_size, cache_dir, progress=True):
     tokens_path = os.path.join(cache_dir, f"tokens_{key}.npy")
     if not os.path.exists(tokens_path):
         tokens = tokenize_files(files, tok, progress)
-        atomic_write(tokens_path, lambda f: np.save(f, tokens))
-    return tok, np.load(tokens_path, mmap_mode="r")
+        tmp = tokens_path[:-len(".npy")] + ".tmp.npy"     # np.save adds .npy to other names
+        np.save(tmp, tokens)
+        os.replace(tmp, tokens_path)
+    try:
+        return tok, np.load(tokens_path, mmap_mode="r")
+    except Exception as e:                             # a damaged cache file: make it once more
+        if not retry:
+            raise NanoEulerError(f"{tokens_path} cannot be read ({type(e).__name__}); delete it and run again") \
+                from None
+        print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
+        os.remove(tokens_path)
+        return prepare_data(path, vocab_size, cache_dir, progress, retry=False)
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):

@@ -78,8 +78,11 @@ def nvrtc_compile(name, source, arch):
     if err:
         raise NanoEulerError(f"NVRTC could not create a program for {name} ({err})")
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+    # subtle: NVRTC writes into the buffers we pass, so they must be fresh bytearrays.
+    # b" " * size for size 1 is Python's one cached b" ", and writing its NUL
+    # terminator there turned every later space in the process into "\x00".
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = b" " * size
+    log = bytearray(size)
     nvrtc.nvrtcGetProgramLog(prog, log)
     log = log.decode(errors="replace").strip("\x00 \n")
     if err:
@@ -87,10 +90,10 @@ def nvrtc_compile(name, source, arch):
         first = next((ln for ln in log.splitlines() if "error" in ln), log[:200])
         raise NanoEulerError(f"NVRTC could not compile {first.strip()} (sm_{arch}); the full log:\n{log}")
     _, size = nvrtc.nvrtcGetCUBINSize(prog)
-    cubin = b" " * size
+    cubin = bytearray(size)
     nvrtc.nvrtcGetCUBIN(prog, cubin)
     nvrtc.nvrtcDestroyProgram(prog)
-    return cubin
+    return bytes(cubin)
 
 
 def compile_kernels(arch, cache_dir=CACHE_DIR):

@@ -487,6 +487,15 @@ def test_empty_and_non_utf8_corpus_are_refused(tmp_path):
     assert r.returncode == 2 and b"nope.txt does not exist" in r.stderr
 
 
+def test_damaged_token_cache_is_rebuilt(tmp_path):
+    data = small_corpus(tmp_path)
+    tok, tokens = ne.prepare_data(data, 300, str(tmp_path / "cache"), progress=False)
+    path = next(p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokens_"))
+    path.write_bytes(b"\x00" * 64 + path.read_bytes()[64:])          # a broken header
+    tok2, tokens2 = ne.prepare_data(data, 300, str(tmp_path / "cache"), progress=False)
+    assert np.array_equal(tokens, tokens2)
+
+
 def test_training_lowers_the_loss(tmp_path, capsys):
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--steps", "24", "--lr", "3e-3"))
@@ -664,6 +673,8 @@ def test_nvrtc_compiles_every_kernel(arch, tmp_path):
         assert cubin[:4] == b"\x7fELF", name                   # a CUBIN is an ELF file
     again = nc.compile_kernels(arch, str(tmp_path))            # now from the disk cache
     assert again == cubins and len(os.listdir(tmp_path)) == 2
+    # NVRTC writes into the buffers it is given: they must not be Python's shared b" "
+    assert " ".encode()[0] == 32 and "a b".split() == ["a", "b"]
 
 
 @needs_nvrtc
