@@ -1,11 +1,13 @@
 """
-The NanoEuler big model in PyTorch, only to measure what nanoeuler_cuda.py is
-compared against (BENCHMARKS.md). Not part of NanoEuler: nothing imports it.
+The NanoEuler model in PyTorch, only to measure what nanoeuler.py and
+nanoeuler_cuda.py are compared against (BENCHMARKS.md). Not part of NanoEuler:
+nothing imports it, and it needs PyTorch.
 
-    python docs/pytorch_reference.py [--compile] [--precision bf16|tf32] [--batch 16]
+    python docs/pytorch_reference.py [--compile] [--precision bf16|tf32] [--batch 16]     # big, GPU
+    python docs/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8
 
 Same model as SPEC.md (RMSNorm, RoPE, GQA, SwiGLU, K untied heads, mtp_weight),
-AdamW (fused), bf16 autocast or tf32, the step timed after warm-up.
+AdamW, bf16 autocast, tf32 or fp32, the step timed after warm-up.
 """
 
 import argparse
@@ -15,7 +17,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-V, C, Hq, Hkv, L, T, FF, K, MTP = 4096, 768, 12, 4, 16, 512, 2048, 4, 0.5
+PRESETS = {"big": (4096, 768, 12, 4, 16, 512, 2048), "small": (512, 128, 4, 2, 4, 128, 344)}
+V, C, Hq, Hkv, L, T, FF = PRESETS["big"]
+K, MTP = 4, 0.5
 D = C // Hq
 
 
@@ -63,34 +67,44 @@ class Model(torch.nn.Module):
 
 
 def main():
+    global V, C, Hq, Hkv, L, T, FF, D
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--precision", default="bf16", choices=["bf16", "tf32"])
+    p.add_argument("--precision", default="bf16", choices=["bf16", "tf32", "fp32"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--model", default="big", choices=sorted(PRESETS))
+    p.add_argument("--device", default="cuda")
     args = p.parse_args()
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    model = Model().cuda()
+    V, C, Hq, Hkv, L, T, FF = PRESETS[args.model]
+    D = C // Hq
+    dev = args.device
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision != "fp32"
+    model = Model().to(dev)
     n = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
+                            fused=dev == "cuda")
     step_model = torch.compile(model) if args.compile else model
-    rows = torch.randint(0, V, (args.batch, T + K), device="cuda")
+    rows = torch.randint(0, V, (args.batch, T + K), device=dev)
     idx = rows[:, :T]
     targets = torch.stack([rows[:, 1 + k:1 + k + T] for k in range(K)], -1)
     times = []
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     for step in range(args.steps + 5):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", torch.bfloat16, enabled=args.precision == "bf16"):
+        with torch.autocast(dev, torch.bfloat16, enabled=args.precision == "bf16"):
             loss = step_model(idx, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     dt = sorted(times[5:])[len(times[5:]) // 2]
-    print(f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}, {n:,} parameters, "
+    name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"PyTorch {torch.__version__}, {name}, {n:,} parameters, "
           f"{'compiled' if args.compile else 'eager'}, {args.precision}, batch {args.batch} x {T}: "
           f"{dt * 1e3:.1f} ms/step, {args.batch * T / dt:,.0f} tok/s")
 
