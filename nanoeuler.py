@@ -755,7 +755,7 @@ def block_forward(x, p, cfg, pos=0, kv=None):
     With kv = (k_cache, v_cache) of shape (B,Tmax,Hkv,D), the new keys and values
     are written at pos.. and attention reads the whole prefix (generation)."""
     B, T, C = x.shape
-    Hq, Hkv, D, F = cfg.Hq, cfg.Hkv, cfg.D, cfg.F
+    Hq, Hkv, D = cfg.Hq, cfg.Hkv, cfg.D
     h, c_attn_norm = rmsnorm_forward(x, p["attn_norm"])                # (B,T,C)
     qkv, c_wqkv = linear_forward(h, p["wqkv"])                         # (B,T,(Hq+2Hkv)*D)
     # q and k heads rotate together: one rope call for both

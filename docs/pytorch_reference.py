@@ -11,7 +11,6 @@ AdamW, bf16 autocast, tf32 or fp32, the step timed after warm-up.
 """
 
 import argparse
-import math
 import time
 
 import torch
