@@ -160,9 +160,7 @@ class Tokenizer:
     def __init__(self, merges=()):
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}
-        # for encode_piece: each pair as a 2-char str, and what str.replace puts in its place
-        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}
-        self.replacements = [(chr(a) + chr(b), chr(r)) for (a, b), r in self.ranks.items()]
+        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}   # for encode_piece
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
@@ -236,17 +234,25 @@ class Tokenizer:
     def encode_piece(self, piece):
         """one pre-tokenized piece -> ids, merging the pair learned first until none is left.
 
-        The ids are held as the characters of a str, chr(id), so that ranking the
-        pairs (a dict lookup per 2-char str) and merging them (str.replace:
-        non-overlapping, left to right, exactly like merge()) run in C."""
+        The ids are held as the characters of a str, chr(id), so that ranking a
+        pair is one dict lookup of a 2-char str. ranks[i] is the rank of the pair
+        at i; a merge changes only its two neighbours, so only they are looked
+        up again. The leftmost lowest pair goes first, and a pair that occurs
+        twice is found again next round: the same result as merge()."""
         s = piece.encode("utf-8").decode("latin-1")        # one char per byte: chr(byte)
-        rank, never, replace = self.pair_ranks.get, repeat(math.inf), self.replacements
-        while len(s) >= 2:
-            # a merge's new id is its rank: ids grow with each merge learned
-            new_id = min(map(rank, map(operator.add, s, s[1:]), never))
-            if new_id == math.inf:
+        rank, inf = self.pair_ranks.get, math.inf
+        ranks = list(map(rank, map(operator.add, s, s[1:]), repeat(inf)))
+        while ranks:
+            new_id = min(ranks)                            # a merge's new id is its rank
+            if new_id == inf:
                 break
-            s = s.replace(*replace[new_id - FIRST_MERGE_ID])
+            i = ranks.index(new_id)
+            s = s[:i] + chr(new_id) + s[i + 2:]
+            del ranks[i]
+            if i < len(ranks):
+                ranks[i] = rank(s[i:i + 2], inf)
+            if i > 0:
+                ranks[i - 1] = rank(s[i - 1:i + 1], inf)
         return tuple(map(ord, s))
 
     def encode(self, text):
