@@ -327,6 +327,20 @@ __device__ void load_tile(float* tile, const float* m, long stride, int col, int
     __syncthreads();
 }
 
+// write a warp's accumulator c (16 x D, C layout) to rows r0.. of a row-major global
+// matrix out (row stride ld), row r scaled by f[r >= r0 + 8], rows past T skipped
+template <int D>
+__device__ void store_rows(float* out, long ld, int r0, int T, float (*c)[4], const float* f) {
+    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    #pragma unroll
+    for (int nt = 0; nt < D / 8; nt++)
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = r0 + g + 8 * (i >> 1);
+            if (row < T) out[row * ld + nt * 8 + 2 * t + (i & 1)] = c[nt][i] * f[i >> 1];
+        }
+}
+
 // grid = (ceil(T / 64), Hq, B); block = 128 threads, 4 warps of 16 query rows
 template <int D>
 __device__ void attention_forward_mma(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv,
@@ -380,13 +394,8 @@ __device__ void attention_forward_mma(float* y, float* lse, const float* qkv, in
             for (int i = 0; i < 4; i++) o[nt][i] *= correction[i >> 1];
         mma_p_m<D, BK>(o, s, scratch[warp], vs, D + 4);
     }
-    #pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-        #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int row = r0 + g + 8 * (i >> 1);
-            if (row < T) y[((long)b * T + row) * Hq * D + h * D + nt * 8 + 2 * t + (i & 1)] = o[nt][i] / l[i >> 1];
-        }
+    float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
+    store_rows<D>(y + (long)b * T * Hq * D + h * D, (long)Hq * D, r0, T, o, inv_l);
     #pragma unroll
     for (int r = 0; r < 2; r++)
         if (t == 0 && r0 + g + 8 * r < T) lse[((long)b * Hq + h) * T + r0 + g + 8 * r] = m[r] + logf(l[r]);
@@ -431,13 +440,8 @@ __device__ void attention_backward_dq_mma(float* dqkv, const float* qkv, const f
             }
         mma_p_m<D, BK>(dq, s, scratch[warp], ks, D + 4);
     }
-    #pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-        #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int row = r0 + g + 8 * (i >> 1);
-            if (row < T) dqkv[((long)b * T + row) * stride + h * D + nt * 8 + 2 * t + (i & 1)] = dq[nt][i] * scale;
-        }
+    float scales[2] = {scale, scale};
+    store_rows<D>(dqkv + (long)b * T * stride + h * D, stride, r0, T, dq, scales);
 }
 
 // dk and dv for 16 keys per warp (64 per block) of one kv head, summed over its G
@@ -485,16 +489,9 @@ __device__ void attention_backward_dkv_mma(float* dqkv, const float* qkv, const 
             mma_p_m<D, BK>(dk, dpt, scratch[warp], qs, D + 4);        // qs holds q * scale already
         }
     }
-    #pragma unroll
-    for (int nt = 0; nt < D / 8; nt++)
-        #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            int key = r0 + g + 8 * (i >> 1), d = nt * 8 + 2 * t + (i & 1);
-            if (key >= T) continue;
-            float* out = dqkv + ((long)b * T + key) * stride;
-            out[(Hq + kvh) * D + d] = dk[nt][i];
-            out[(Hq + Hkv + kvh) * D + d] = dv[nt][i];
-        }
+    float ones[2] = {1.0f, 1.0f};
+    store_rows<D>(dqkv + (long)b * T * stride + (Hq + kvh) * D, stride, r0, T, dk, ones);
+    store_rows<D>(dqkv + (long)b * T * stride + (Hq + Hkv + kvh) * D, stride, r0, T, dv, ones);
 }
 
 // -----------------------------------------------------------------------------
@@ -505,42 +502,29 @@ extern "C" __global__ void attention_backward_delta_kernel(float* delta, const f
     attention_backward_delta(delta, dy, y, B, T, Hq, D);
 }
 
-#define INSTANTIATE(D)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_##D(                             \
+// the three passes of one version (V: nothing for CUDA cores, _mma for tensor cores) at head dim D;
+// FWD and DQ are the forward's and dq's block sizes
+#define ATTENTION_KERNELS(V, D, FWD, DQ)                                                                        \
+    extern "C" __global__ void __launch_bounds__(FWD) attention_forward##V##_kernel_##D(                        \
         float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {                          \
-        attention_forward<D>(y, lse, qkv, T, Hq, Hkv, scale);                                                   \
+        attention_forward##V<D>(y, lse, qkv, T, Hq, Hkv, scale);                                                \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_##D(                        \
+    extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv##V##_kernel_##D(                   \
         float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
         int Hkv, float scale) {                                                                                 \
-        attention_backward_dkv<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                                \
+        attention_backward_dkv##V<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                             \
     }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_##D(                         \
+    extern "C" __global__ void __launch_bounds__(DQ) attention_backward_dq##V##_kernel_##D(                     \
         float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
         int Hkv, float scale) {                                                                                 \
-        attention_backward_dq<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                                 \
+        attention_backward_dq##V<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                              \
     }
 
-#define INSTANTIATE_MMA(D)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) attention_forward_mma_kernel_##D(                         \
-        float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {                          \
-        attention_forward_mma<D>(y, lse, qkv, T, Hq, Hkv, scale);                                               \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_mma_kernel_##D(                    \
-        float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
-        int Hkv, float scale) {                                                                                 \
-        attention_backward_dkv_mma<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                            \
-    }                                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_mma_kernel_##D(                     \
-        float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
-        int Hkv, float scale) {                                                                                 \
-        attention_backward_dq_mma<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                             \
-    }
+#define INSTANTIATE(D)                  \
+    ATTENTION_KERNELS(, D, BR, BR)      \
+    ATTENTION_KERNELS(_mma, D, 128, 128)
 
 INSTANTIATE(16)
 INSTANTIATE(32)
 INSTANTIATE(64)
 
-INSTANTIATE_MMA(16)
-INSTANTIATE_MMA(32)
-INSTANTIATE_MMA(64)

@@ -225,7 +225,7 @@ extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, 
 // AdamW on the flat buffers, as nanoeuler.adamw_update; decay is 1 for matrices,
 // 0 for norm weights; grad_scale applies the grad-norm clip.
 // one thread per parameter; grid = ceil(n / block)
-extern "C" __global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, const float* decay,
+extern "C" __global__ void adamw_update_kernel(float* params, const float* grads, float* m, float* v, const float* decay,
                                         long n, float lr, float beta1, float beta2, float bias1, float bias2,
                                         float eps, float weight_decay, float grad_scale) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;

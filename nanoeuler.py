@@ -377,7 +377,9 @@ def tokenize_files(files, tok, progress=True):
             done += nbytes
             if progress:
                 progress_line(f"tokenizing: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
-                              f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", done=done == total)
+                              f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", done=False)
+    if progress:
+        progress_line(f"tokenizing: done, {total / 1e6:.1f} MB in {time.time() - t0:.1f} s", done=True)
     return np.concatenate(parts)
 
 
@@ -427,9 +429,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True):
     tokens_path = os.path.join(cache_dir, f"tokens_{key}.npy")
     if not os.path.exists(tokens_path):
         tokens = tokenize_files(files, tok, progress)
-        tmp = tokens_path[:-len(".npy")] + ".tmp.npy"     # np.save adds .npy to other names
-        np.save(tmp, tokens)
-        os.replace(tmp, tokens_path)
+        atomic_write(tokens_path, lambda f: np.save(f, tokens))
     try:
         return tok, np.load(tokens_path, mmap_mode="r")
     except Exception as e:                             # a damaged cache file: make it once more
@@ -1216,13 +1216,13 @@ DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
 DEFAULT_WARMUP = 30
 
-def evaluate(flat, cfg, batches, token_bytes, pool=None):
-    """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte"""
-    params = carve(flat, cfg)
+def evaluate(ce_of, batches, token_bytes, pool=None):
+    """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte;
+    ce_of(idx, targets) -> ce (K,) is the engine's forward pass"""
 
     def run(batch):
         idx, targets = batch
-        _, ce, _ = model_forward(params, cfg, idx, targets)
+        ce = ce_of(idx, targets)
         t0 = targets[..., 0]
         kept = t0 >= 0
         return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()
@@ -1326,7 +1326,13 @@ class CPUEngine:
         return loss, ce, norm
 
     def evaluate(self, batches, token_bytes):
-        return evaluate(self.flat, self.cfg, batches, token_bytes, self.pool)
+        params = carve(self.flat, self.cfg)
+        return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
+                        batches, token_bytes, self.pool)
+
+    def host_params(self):
+        """flat params as a float32 numpy array"""
+        return self.flat
 
     def host_weights(self):
         """flat params, m, v as float32 numpy arrays"""
@@ -1395,11 +1401,11 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                     stop_on_nan("validation loss", val_loss, step, last_path)
                 print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
                       f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
+                flat = engine.host_params()                # one copy for both, and no moments
                 if val_loss < state.get("best_val", math.inf):
                     state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-                    save_model(os.path.join(out_dir, "best.safetensors"), cfg, engine.host_weights()[0], tok)
-                print("sample:", repr(sample_text_for_log(engine.host_weights()[0], cfg, tok, sample_prompt,
-                                                          seed=step)))
+                    save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
+                print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
             csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
                       f"{'' if mfu is None else f'{mfu:.4f}'},"
                       f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
@@ -1464,19 +1470,21 @@ def resume_or_init(args, cfg, tok, init_flat):
     return flat, m, v, state
 
 
-def cmd_train(args):
-    """pretraining: tokenizer and tokens (cached), then the loop"""
-    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+def pretrain(args, cfg, make_engine, describe):
+    """tokenizer and tokens (cached), validation rows, then the loop; both engines train
+    through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
+    engine's lines of the settings table"""
     tok, tokens = prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
-    if tok.vocab_size != cfg.V:
-        cfg.V = tok.vocab_size                         # a tiny corpus can run out of pairs to merge
+    cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: init_params(cfg, args.seed))
-    print_table([("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
+    engine = make_engine(cfg, flat, m, v)
+    print_table(describe(engine) +
+                [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
                   " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
                  ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
                           f"vocab {tok.vocab_size}"),
-                 ("batch", f"{args.batch} rows x {cfg.T} tokens, {args.threads} threads"),
+                 ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
                  ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}, "
                            f"weight decay {args.weight_decay}, clip {args.clip}"),
                  ("out", args.out)])
@@ -1486,7 +1494,13 @@ def cmd_train(args):
 
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
                                                                   args.eval_batches)]
-    train_loop(args, cfg, tok, CPUEngine(cfg, flat, m, v, args), next_batch, val, args.out, state)
+    train_loop(args, cfg, tok, engine, next_batch, val, args.out, state)
+
+
+def cmd_train(args):
+    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+    pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
+             lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
 
 
 # -----------------------------------------------------------------------------

@@ -360,10 +360,10 @@ def to_bf16(out, x, n):
     gpu.launch("to_bf16_kernel", ceil_div(n, 4 * block), block, P(out), P(x), L(n))
 
 
-def adamw(params, grads, m, v, decay, n, lr, step, grad_scale, beta1=0.9, beta2=0.95, eps=1e-8,
+def adamw_update(params, grads, m, v, decay, n, lr, step, grad_scale, beta1=0.9, beta2=0.95, eps=1e-8,
           weight_decay=0.1):
     block = 512
-    gpu.launch("adamw_kernel", ceil_div(n, block), block, P(params), P(grads), P(m), P(v), P(decay), L(n),
+    gpu.launch("adamw_update_kernel", ceil_div(n, block), block, P(params), P(grads), P(m), P(v), P(decay), L(n),
                F(lr), F(beta1), F(beta2), F(1 - beta1 ** step), F(1 - beta2 ** step), F(eps), F(weight_decay),
                F(grad_scale))
 
@@ -478,6 +478,9 @@ class GPUModel:
     SPEC tensors as nanoeuler.carve does) and the activations of one batch of B rows"""
 
     def __init__(self, cfg, B, flat=None, m=None, v=None):
+        if cfg.D not in HEAD_DIMS:
+            raise NanoEulerError(f"head dim D = C/Hq = {cfg.D} has no attention kernel; flash_attn.cu is "
+                                 f"instantiated for D in {HEAD_DIMS}")
         self.cfg, self.B, self.N = cfg, B, B * cfg.T
         P_ = num_params(cfg)
         self.flat = DeviceArray((P_,)).upload(ne.init_params(cfg) if flat is None else flat)
@@ -634,7 +637,7 @@ class GPUModel:
         norm = grad_norm(self.partial, self.grads, self.grads.size)
         scale = clip / norm if clip > 0 and norm > clip else 1.0
         if np.isfinite(norm):
-            adamw(self.flat, self.grads, self.m, self.v, self.decay, self.flat.size, lr, step, scale,
+            adamw_update(self.flat, self.grads, self.m, self.v, self.decay, self.flat.size, lr, step, scale,
                   weight_decay=weight_decay)
             self.refresh_bf16()
         return norm
@@ -732,7 +735,7 @@ def check_kernels(rng, report):
     p, g_, m, v = f32(n), f32(n), f32(n) * 0.1, np.abs(f32(n)) * 0.1
     decay = (rng.random(n) < 0.7).astype(np.float32)
     pg, mg, vg = to_gpu(p), to_gpu(m), to_gpu(v)
-    adamw(pg, to_gpu(g_), mg, vg, to_gpu(decay), n, 1e-2, 3, 0.5, weight_decay=0.1)
+    adamw_update(pg, to_gpu(g_), mg, vg, to_gpu(decay), n, 1e-2, 3, 0.5, weight_decay=0.1)
     rp, rm, rv = f64(p), f64(m), f64(v)
     ne.adamw_update(rp, f64(g_) * 0.5, rm, rv, 3, 1e-2, f64(decay), weight_decay=0.1)
     report("adamw params", rel_diff(pg.download(), rp))
@@ -849,13 +852,10 @@ class GPUEngine:
         return loss, ce, norm
 
     def evaluate(self, batches, token_bytes):
-        nats = nbytes = ntok = 0.0
-        for idx, targets in batches:
-            _, ce = self.model.forward(idx, targets)
-            t0 = targets[..., 0]
-            kept = t0 >= 0
-            nats, nbytes, ntok = nats + ce[0] * kept.sum(), nbytes + token_bytes[t0[kept]].sum(), ntok + kept.sum()
-        return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
+        return ne.evaluate(lambda idx, targets: self.model.forward(idx, targets)[1], batches, token_bytes)
+
+    def host_params(self):
+        return self.model.flat.download()
 
     def host_weights(self):
         return self.model.flat.download(), self.model.m.download(), self.model.v.download()
@@ -871,28 +871,10 @@ def cmd_train(args):
     if args.model_size not in PRESETS:
         raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
     init_gpu(args.precision)
-    cfg = PRESETS[args.model_size]
-    cfg = Config(**{**ne.asdict(cfg), "V": args.vocab_size or cfg.V}).validate()
-    tok, tokens = ne.prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
-    cfg.V = tok.vocab_size
-    train_tokens, val_tokens = ne.split_train_val(tokens, cfg.T + cfg.K)
-    flat, m, v, state = ne.resume_or_init(args, cfg, tok, lambda: ne.init_params(cfg, args.seed))
-    engine = GPUEngine(cfg, flat, m, v, args)
-    ne.print_table([("device", f"{gpu.name}, sm_{gpu.arch}, {gpu.sms} SMs, {args.precision} matmuls, "
-                               f"peak {engine.peak / 1e12 if engine.peak else '?'} TFLOP/s"),
-                    ("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
-                     " ".join(f"{k}={v}" for k, v in ne.asdict(cfg).items())),
-                    ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens"),
-                    ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
-                    ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}"),
-                    ("out", args.out)])
-
-    def next_batch(rng):
-        return ne.split_rows(ne.get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
-
-    val = [ne.split_rows(rows, cfg.T, cfg.K) for rows in ne.fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
-                                                                        args.eval_batches)]
-    ne.train_loop(args, cfg, tok, engine, next_batch, val, args.out, state)
+    cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
+    ne.pretrain(args, cfg.validate(), lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
+                lambda engine: [("device", f"{gpu.name}, sm_{gpu.arch}, {gpu.sms} SMs, {args.precision} matmuls, "
+                                           f"peak {engine.peak / 1e12 if engine.peak else '?'} TFLOP/s")])
 
 
 def cmd_sample(args):
