@@ -1470,10 +1470,11 @@ def resume_or_init(args, cfg, tok, init_flat):
     return flat, m, v, state
 
 
-def pretrain(args, cfg, make_engine, describe):
+def pretrain(args, cfg, make_engine, describe, loop=None):
     """tokenizer and tokens (cached), validation rows, then the loop; both engines train
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
-    engine's lines of the settings table"""
+    engine's lines of the settings table; loop: train_loop (nanoeuler_cuda.py's
+    ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
     tok, tokens = prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
@@ -1494,7 +1495,7 @@ def pretrain(args, cfg, make_engine, describe):
 
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
                                                                   args.eval_batches)]
-    train_loop(args, cfg, tok, engine, next_batch, val, args.out, state)
+    (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
 
 
 def cmd_train(args):

@@ -29,6 +29,8 @@ import ctypes
 import hashlib
 import math
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -190,23 +192,31 @@ def to_gpu(a, dtype=np.float32):
     return DeviceArray(np.shape(a), dtype).upload(a)
 
 
+def count_gpus():
+    """-> how many GPUs the driver sees (at least 1), or one sentence on why there are none"""
+    global cu
+    cu, _ = import_cuda()
+    try:
+        check(cu.cuInit(0), "cuInit")
+        n = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+    except RuntimeError as e:                            # libcuda missing: no driver
+        if isinstance(e, NanoEulerError):
+            raise
+        raise NanoEulerError("no NVIDIA driver was found, so there is no GPU to run on; "
+                             "nanoeuler.py runs the same model on the CPU") from None
+    if not n:
+        raise NanoEulerError("no NVIDIA GPU was found; nanoeuler.py runs the same model on the CPU")
+    return n
+
+
 class GPU:
     """the device, its context and stream, the compiled kernels and cuBLAS"""
 
-    def __init__(self, precision="fp32"):
-        global cu
-        cu, _ = import_cuda()
-        try:
-            check(cu.cuInit(0), "cuInit")
-            n = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
-        except RuntimeError as e:                            # libcuda missing: no driver
-            if isinstance(e, NanoEulerError):
-                raise
-            raise NanoEulerError("no NVIDIA driver was found, so there is no GPU to run on; "
-                                 "nanoeuler.py runs the same model on the CPU") from None
-        if not n:
-            raise NanoEulerError("no NVIDIA GPU was found; nanoeuler.py runs the same model on the CPU")
-        self.dev = check(cu.cuDeviceGet(0), "cuDeviceGet")
+    def __init__(self, precision="fp32", device=0):
+        n = count_gpus()
+        if device >= n:
+            raise NanoEulerError(f"there is no GPU {device}: this machine has {n}; lower --gpus")
+        self.dev = check(cu.cuDeviceGet(device), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.dev), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         # a real stream, not the legacy NULL one: every copy is Async on it
@@ -289,10 +299,10 @@ def P(a):
 I, L, F = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
-def init_gpu(precision="fp32"):
+def init_gpu(precision="fp32", device=0):
     global gpu
     if gpu is None:
-        gpu = GPU(precision)
+        gpu = GPU(precision, device)
     gpu.precision = precision
     return gpu
 
@@ -473,21 +483,41 @@ def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
 # -----------------------------------------------------------------------------
 # the model on the GPU
 
+def grad_buckets(cfg):
+    """{part: (lo, hi)}: the slices of the flat gradient that the backward finishes one
+    after another, "heads" (with final_norm), layers L-1 .. 0, "tok_emb"; on several
+    GPUs each is summed over the ranks as soon as it is done"""
+    start, offset = {}, 0
+    for name, shape in param_shapes(cfg):
+        start[name], offset = offset, offset + math.prod(shape)
+    ends = [start[f"layers.{l}.attn_norm"] for l in range(cfg.L)] + [start["final_norm"], offset]
+    return {"heads": (ends[-2], offset), **{l: (ends[l], ends[l + 1]) for l in reversed(range(cfg.L))},
+            "tok_emb": (0, ends[0])}
+
+
 class GPUModel:
     """parameters, gradients, AdamW moments (one allocation each, carved into the
-    SPEC tensors as nanoeuler.carve does) and the activations of one batch of B rows"""
+    SPEC tensors as nanoeuler.carve does) and the activations of one batch of B rows.
 
-    def __init__(self, cfg, B, flat=None, m=None, v=None):
+    With shards > 1 (ZeRO-1, several GPUs) this rank keeps the moments of its
+    1/shards of the flat parameters only, and update() changes only that part;
+    the flat buffers are padded to a multiple of shards for NCCL's all-gather."""
+
+    def __init__(self, cfg, B, flat=None, m=None, v=None, shards=1, shard=0):
         if cfg.D not in HEAD_DIMS:
             raise NanoEulerError(f"head dim D = C/Hq = {cfg.D} has no attention kernel; flash_attn.cu is "
                                  f"instantiated for D in {HEAD_DIMS}")
         self.cfg, self.B, self.N = cfg, B, B * cfg.T
-        P_ = num_params(cfg)
-        self.flat = DeviceArray((P_,)).upload(ne.init_params(cfg) if flat is None else flat)
-        self.grads = DeviceArray((P_,)).zero()
-        self.m = DeviceArray((P_,)).upload(np.zeros(P_, np.float32) if m is None else m)
-        self.v = DeviceArray((P_,)).upload(np.zeros(P_, np.float32) if v is None else v)
-        self.decay = to_gpu(ne.decay_mask(cfg))
+        self.n_params = P_ = num_params(cfg)
+        chunk = ceil_div(P_, shards)
+        self.lo, self.hi = shard * chunk, (shard + 1) * chunk        # this rank's part of the moments
+        padded = lambda a: np.pad(a, (0, chunk * shards - P_))
+        self.flat = DeviceArray((chunk * shards,)).upload(padded(ne.init_params(cfg) if flat is None else flat))
+        self.grads = DeviceArray((chunk * shards,)).zero()
+        zeros = np.zeros(P_, np.float32)
+        self.m = DeviceArray((chunk,)).upload(padded(zeros if m is None else m)[self.lo:self.hi])
+        self.v = DeviceArray((chunk,)).upload(padded(zeros if v is None else v)[self.lo:self.hi])
+        self.decay = to_gpu(padded(ne.decay_mask(cfg)))
         self.params, self.dparams = self.carve(self.flat), self.carve(self.grads)
         # bf16 copies of the weights for the bf16 matmuls, made once per update, not per matmul
         self.flat16 = DeviceArray((P_,), np.uint16)
@@ -498,6 +528,12 @@ class GPUModel:
         self.cos, self.sin = to_gpu(cos), to_gpu(sin)               # (T, D/2) each
         self.partial = DeviceArray((2 * gpu.sms,))
         self.allocate_activations()
+        self.buckets, self.on_grads = grad_buckets(cfg), None
+
+    def grads_done(self, bucket):
+        """the backward has finished this part of the gradients (see grad_buckets)"""
+        if self.on_grads:
+            self.on_grads(*self.buckets[bucket])
 
     def carve(self, buf):
         views, offset = {}, 0
@@ -511,7 +547,7 @@ class GPUModel:
 
     def refresh_bf16(self):
         if gpu.precision == "bf16":
-            to_bf16(self.flat16, self.flat, self.flat.size)
+            to_bf16(self.flat16, self.flat, self.n_params)
 
     def round_bf16(self, x, twin=None):
         """bf16 mode: x rounded once into a bf16 twin that every matmul reading x
@@ -547,10 +583,12 @@ class GPUModel:
         self.dqkv, self.delta = new(N, QKV), new(B, cfg.Hq, cfg.T)
         self.dlogits16 = DeviceArray((N, cfg.V), np.uint16) if gpu.precision == "bf16" else None
 
-    def forward(self, idx, targets=None):
+    def forward(self, idx, targets=None, counts=None):
         """idx (B,T), targets (B,T,K) -> loss, ce (K,). The fused cross entropy leaves
         d loss / d logits in self.logits, ready for backward. Without targets it
-        stops at the logits, (K, B*T, V) in self.logits."""
+        stops at the logits, (K, B*T, V) in self.logits. counts (K,): the targets of
+        the whole batch when these rows are a part of it (several GPUs), so that
+        the parts' losses and gradients add up to the whole batch's."""
         cfg, T = self.cfg, self.cfg.T
         C, D, F_, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
@@ -583,7 +621,7 @@ class GPUModel:
         if targets is None:
             return None
         self.targets.view(0, (N, K)).upload(targets.reshape(N, K).astype(np.int32))
-        counts = (targets >= 0).sum(axis=(0, 1))
+        counts = (targets >= 0).sum(axis=(0, 1)) if counts is None else counts
         weights = np.array(ne.mtp_weights(cfg))
         self.dscale.upload(weights / np.maximum(counts, 1))
         cross_entropy_forward(self.logits, self.losses, self.targets, self.dscale, N, V, K)
@@ -606,6 +644,7 @@ class GPUModel:
             matmul(g[f"heads.{k}"], dlogits, self.xf, V, C, N, trans_a=True, accumulate=True)
         self.dx.zero()
         rmsnorm_backward(self.dx, g["final_norm"], self.dxf, self.x[cfg.L], p["final_norm"], self.rstd_final, N, C)
+        self.grads_done("heads")
         for l in reversed(range(cfg.L)):
             w = lambda name: p[f"layers.{l}.{name}"]
             dw = lambda name: g[f"layers.{l}.{name}"]
@@ -630,16 +669,20 @@ class GPUModel:
             matmul(self.dh, self.dqkv, w("wqkv"), N, C, QKV)
             matmul(dw("wqkv"), self.dqkv, self.h[l], QKV, C, N, trans_a=True, accumulate=True)
             rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C)
+            self.grads_done(l)
         embedding_backward(g["tok_emb"], self.idx, self.dx, N, C)
+        self.grads_done("tok_emb")
 
     def update(self, lr, step, clip, weight_decay):
-        """grad-norm clip and AdamW; -> the norm before clipping"""
+        """grad-norm clip and AdamW on this rank's part of the parameters (all of
+        them on one GPU); -> the norm before clipping. refresh_bf16() follows,
+        once every rank's part is in place."""
         norm = grad_norm(self.partial, self.grads, self.grads.size)
         scale = clip / norm if clip > 0 and norm > clip else 1.0
         if np.isfinite(norm):
-            adamw_update(self.flat, self.grads, self.m, self.v, self.decay, self.flat.size, lr, step, scale,
-                  weight_decay=weight_decay)
-            self.refresh_bf16()
+            part = lambda a: a.view(self.lo, (self.hi - self.lo,))
+            adamw_update(part(self.flat), part(self.grads), self.m, self.v, part(self.decay), self.hi - self.lo,
+                         lr, step, scale, weight_decay=weight_decay)
         return norm
 
 
@@ -835,12 +878,14 @@ def flops_per_token(cfg):
 class GPUEngine:
     """nanoeuler.train_loop's engine, on the GPU"""
 
-    def __init__(self, cfg, flat, m, v, args):
+    def __init__(self, cfg, flat, m, v, args, rank=0, world=1):
         self.cfg, self.args = cfg, args
-        self.model = GPUModel(cfg, args.batch, flat, m, v)
+        rows = shard_rows(args.batch, world, rank)
+        zero = getattr(args, "zero", False)
+        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if zero else 1, rank if zero else 0)
         peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
         self.peak = peak[gpu.precision] * 1e12 if peak else None
-        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T
+        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T / world    # this GPU's share
 
     def step(self, idx, targets, lr, step):
         self.model.grads.zero()
@@ -849,16 +894,21 @@ class GPUEngine:
             return loss, ce, float("nan")
         self.model.backward()
         norm = self.model.update(lr, step, self.args.clip, self.args.weight_decay)
+        self.model.refresh_bf16()
         return loss, ce, norm
 
     def evaluate(self, batches, token_bytes):
-        return ne.evaluate(lambda idx, targets: self.model.forward(idx, targets)[1], batches, token_bytes)
+        def ce_of(idx, targets):                       # in parts of B rows: B/N of the batch on N GPUs
+            counts, B = (targets >= 0).sum(axis=(0, 1)), self.model.B
+            return sum(self.model.forward(idx[i:i + B], targets[i:i + B], counts)[1] for i in range(0, len(idx), B))
+        return ne.evaluate(ce_of, batches, token_bytes)
 
     def host_params(self):
-        return self.model.flat.download()
+        return self.model.flat.view(0, (self.model.n_params,)).download()
 
     def host_weights(self):
-        return self.model.flat.download(), self.model.m.download(), self.model.v.download()
+        n = self.model.n_params
+        return self.host_params(), self.model.m.download()[:n], self.model.v.download()[:n]
 
     def mfu(self, dt):
         return self.flops_per_step / dt / self.peak if self.peak else None
@@ -867,14 +917,257 @@ class GPUEngine:
         gpu.sync()
 
 
+# -----------------------------------------------------------------------------
+# several GPUs: data parallel over NCCL
+#
+# One process per GPU, each this program with NANOEULER_RANK set (launch_ranks
+# starts them). Every rank draws the same global batch (same seed, same random
+# state) and runs only its own rows, dividing by the whole batch's target
+# counts: so the ranks' gradients sum to the one-GPU gradient, and NCCL's
+# all-reduce sums them, a layer at a time on a second stream while the backward
+# goes on with the layers below. Rank 0 runs nanoeuler.train_loop (log,
+# evaluation, checkpoints); the others follow() what it broadcasts.
+# --zero (ZeRO-1): each rank keeps AdamW's moments for 1/N of the parameters and
+# updates only those; an all-gather then gives every rank all the parameters.
+
+NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
+STEP, GATHER, STOP = 1, 2, 3                   # what rank 0 tells the others
+nccl = None                                    # libnccl through ctypes, once load_nccl ran
+
+
+class NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+def load_nccl():
+    global nccl
+    if nccl is None:
+        # NVLink multicast (NVLS) off, before NCCL reads its settings: on a host whose GPUs
+        # others share it can put them out of service; the ranks inherit this too
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        import cuda.pathfinder as pf
+        try:
+            lib = ctypes.CDLL(pf.load_nvidia_dynamic_lib("nccl").abs_path)
+        except Exception:
+            raise NanoEulerError("--gpus needs NCCL: pip install nvidia-nccl-cu13 (see requirements-cuda.txt)") \
+                from None
+        vp, ci, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [ci], ctypes.c_char_p
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(NcclUniqueId)]
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), ci, NcclUniqueId, ci]
+        lib.ncclAllReduce.argtypes = [vp, vp, sz, ci, ci, vp, vp]
+        lib.ncclBroadcast.argtypes = [vp, vp, sz, ci, ci, vp, vp]
+        lib.ncclAllGather.argtypes = [vp, vp, sz, ci, vp, vp]
+        lib.ncclCommDestroy.argtypes = [vp]
+        nccl = lib
+    return nccl
+
+
+def nccl_check(status, what):
+    if status:
+        raise NanoEulerError(f"NCCL error in {what}: {nccl.ncclGetErrorString(status).decode()}")
+
+
+def nccl_unique_id():
+    """the 128 bytes every rank needs to find the others, as hex (made by the launcher)"""
+    uid = NcclUniqueId()
+    nccl_check(load_nccl().ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+    return bytes(uid).hex()
+
+
+class Comm:
+    """one rank's NCCL communicator: sums, broadcasts and gathers of DeviceArrays, in place"""
+
+    def __init__(self, unique_id, world, rank):
+        load_nccl()
+        comm, uid = ctypes.c_void_p(), NcclUniqueId.from_buffer_copy(bytes.fromhex(unique_id))
+        nccl_check(nccl.ncclCommInitRank(ctypes.byref(comm), world, uid, rank), f"ncclCommInitRank ({rank} of {world})")
+        self.comm, self.rank = comm.value, rank
+
+    @staticmethod
+    def dtype(a):
+        return NCCL_FLOAT64 if a.dtype == np.float64 else NCCL_FLOAT32
+
+    def all_reduce(self, a, stream):
+        nccl_check(nccl.ncclAllReduce(a.ptr, a.ptr, a.size, self.dtype(a), NCCL_SUM, self.comm, int(stream)),
+                   f"ncclAllReduce of {a.size:,} numbers")
+
+    def broadcast(self, a, stream):
+        nccl_check(nccl.ncclBroadcast(a.ptr, a.ptr, a.size, self.dtype(a), 0, self.comm, int(stream)), "ncclBroadcast")
+
+    def all_gather(self, part, whole, stream):
+        """whole = every rank's part, one after another (part may be rank's own slice of whole)"""
+        nccl_check(nccl.ncclAllGather(part.ptr, whole.ptr, part.size, self.dtype(part), self.comm, int(stream)),
+                   f"ncclAllGather of {whole.size:,} numbers")
+
+    def close(self):
+        nccl.ncclCommDestroy(self.comm)
+
+
+def shard_rows(B, world, rank):
+    """the rows of a batch of B that rank runs: contiguous, as even as can be"""
+    if B < world:
+        raise NanoEulerError(f"a batch of {B} rows cannot be shared by {world} GPUs; raise --batch")
+    return slice(rank * B // world, (rank + 1) * B // world)
+
+
+class DataParallelEngine(GPUEngine):
+    """GPUEngine as rank `rank` of `world`; see the section's comment"""
+
+    def __init__(self, cfg, flat, m, v, args, rank, world):
+        self.rank, self.world, self.zero = rank, world, args.zero
+        self.comm = Comm(os.environ["NANOEULER_NCCL_ID"], world, rank)
+        super().__init__(cfg, flat, m, v, args, rank, world)
+        self.comm_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        self.ready, self.reduced = (check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(2))
+        self.order = DeviceArray((3,), np.float64)                # command, lr, step
+        self.ce = DeviceArray((cfg.K,), np.float64)
+        self.model.on_grads = self.all_reduce_grads
+
+    def command(self, *order):
+        """rank 0: tell the others what comes next; the others: wait for it -> (command, lr, step)"""
+        if self.rank == 0:
+            self.order.upload(np.array(order + (0,) * (3 - len(order)), np.float64))
+        self.comm.broadcast(self.order, gpu.stream)
+        return self.order.download()
+
+    def all_reduce_grads(self, lo, hi):
+        """the backward has finished grads[lo:hi]: sum them over the ranks, on the second stream"""
+        check(cu.cuEventRecord(self.ready, gpu.stream), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(self.comm_stream, self.ready, 0), "cuStreamWaitEvent")
+        self.comm.all_reduce(self.model.grads.view(lo, (hi - lo,)), self.comm_stream)
+
+    def step(self, idx, targets, lr, step):
+        if self.rank == 0:
+            self.command(STEP, lr, step)
+        counts = (targets >= 0).sum(axis=(0, 1))            # of the whole batch
+        rows = shard_rows(len(idx), self.world, self.rank)
+        self.model.grads.zero()
+        _, ce = self.model.forward(idx[rows], targets[rows], counts)
+        ce = self.ce.upload(ce)
+        self.comm.all_reduce(ce, gpu.stream)
+        ce = ce.download()                                  # the whole batch's, the same on every rank
+        loss = float(np.dot(ne.mtp_weights(self.cfg), ce))
+        if not np.isfinite(loss):
+            return loss, ce, float("nan")
+        self.model.backward()                               # which starts the all-reduces
+        check(cu.cuEventRecord(self.reduced, self.comm_stream), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(gpu.stream, self.reduced, 0), "cuStreamWaitEvent")
+        norm = self.model.update(lr, step, self.args.clip, self.args.weight_decay)
+        if self.zero:                                       # each rank's updated part, to every rank
+            m = self.model
+            self.comm.all_gather(m.flat.view(m.lo, (m.hi - m.lo,)), m.flat, gpu.stream)
+        self.model.refresh_bf16()
+        return loss, ce, norm
+
+    def gather_moments(self):
+        """ZeRO: every rank's part of m and v, whole, on the host (the gradients' buffer,
+        free between steps, holds them on the way)"""
+        m, n = self.model, self.model.n_params
+        moments = []
+        for part in (m.m, m.v):
+            self.comm.all_gather(part, m.grads, gpu.stream)
+            moments.append(m.grads.view(0, (n,)).download())
+        return moments
+
+    def host_weights(self):
+        if not self.zero:
+            return super().host_weights()
+        self.command(GATHER)
+        return (self.host_params(), *self.gather_moments())
+
+    def close(self):
+        if self.rank == 0:
+            self.command(STOP)
+        gpu.sync()
+        self.comm.close()
+
+
+def follow(engine, next_batch, rng):
+    """ranks 1..N-1, in place of nanoeuler.train_loop: do what rank 0 says until it says stop"""
+    while True:
+        command, lr, step = engine.command()
+        if command == STEP:
+            loss, _, norm = engine.step(*next_batch(rng), lr, int(step))
+            if not (np.isfinite(loss) and np.isfinite(norm)):
+                return                                      # rank 0 saw the same and says why
+        elif command == GATHER:
+            engine.gather_moments()
+        else:
+            break
+    engine.close()
+
+
+def launch_ranks(argv, world, program=os.path.abspath(__file__)):
+    """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
+    Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
+    which saves a checkpoint and tells the others to stop. If a rank fails,
+    the rest are stopped: they would wait for it for ever."""
+    if world > count_gpus():
+        raise NanoEulerError(f"--gpus {world}, but this machine has {count_gpus()} GPU(s)")
+    env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
+           "NCCL_NVLS_ENABLE": "0"}
+    procs = [subprocess.Popen([sys.executable, program, *argv],
+                              env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
+                              stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: procs[0].send_signal(signal.SIGINT))
+    culprit = None                                           # the first rank to fail
+    try:
+        while culprit is None and procs[0].poll() is None:
+            culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
+            time.sleep(0.1)
+        culprit = 0 if culprit is None and procs[0].returncode else culprit
+        deadline = time.time() + (30 if culprit is None else 0)   # the others had their STOP
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.01, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if culprit == 0:
+        sys.exit(procs[0].returncode)                        # rank 0 has said why
+    if culprit:
+        raise NanoEulerError(f"GPU {culprit}'s process stopped with exit code {procs[culprit].returncode} "
+                             "(its message is above), so every rank stopped; resume with --resume")
+
+
+def rank_and_world():
+    """(rank, world) of this process: (0, 0) when it is the only one, without NCCL"""
+    return int(os.environ.get("NANOEULER_RANK", 0)), int(os.environ.get("NANOEULER_WORLD", 0))
+
+
 def cmd_train(args):
     if args.model_size not in PRESETS:
         raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
-    init_gpu(args.precision)
     cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
-    ne.pretrain(args, cfg.validate(), lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
-                lambda engine: [("device", f"{gpu.name}, sm_{gpu.arch}, {gpu.sms} SMs, {args.precision} matmuls, "
-                                           f"peak {engine.peak / 1e12 if engine.peak else '?'} TFLOP/s")])
+    rank, world = rank_and_world()
+    if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
+        ne.prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
+        return launch_ranks(args.argv, args.gpus)
+    init_gpu(args.precision, rank)
+    if world:
+        make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
+    else:
+        make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
+
+    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+        rng = np.random.default_rng()
+        rng.bit_generator.state = state["rng"]
+        follow(engine, next_batch, rng)
+
+    ne.pretrain(args, cfg.validate(), make_engine,
+                lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
+                                           f"{args.precision} matmuls, peak "
+                                           f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +
+                                           (", data parallel over NCCL" + (", ZeRO-1" if args.zero else "")
+                                            if world else ""))],
+                loop=ne.train_loop if rank == 0 else follow_rank0)
 
 
 def cmd_sample(args):
@@ -900,15 +1193,26 @@ def cmd_sample(args):
 
 def cmd_bench(args):
     """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up"""
-    init_gpu(args.precision)
+    rank, world = rank_and_world()
+    if args.gpus and not world:
+        return launch_ranks(args.argv, args.gpus)
+    init_gpu(args.precision, rank)
     cfg = PRESETS[args.model_size]
-    engine = GPUEngine(cfg, ne.init_params(cfg), None, None, args)
-    rng = np.random.default_rng(0)
-    print(f"{gpu.name}, {args.model_size} model ({num_params(cfg):,} parameters), batch {args.batch} x {cfg.T}, "
-          f"{args.precision} matmuls")
+    engine = (DataParallelEngine(cfg, ne.init_params(cfg), None, None, args, rank, world) if world else
+              GPUEngine(cfg, ne.init_params(cfg), None, None, args))
+    rng = np.random.default_rng(0)                     # the same batches on every rank
+
+    def next_batch(rng):
+        return ne.split_rows(rng.integers(0, cfg.V, (args.batch, cfg.T + cfg.K)), cfg.T, cfg.K)
+
+    if rank:
+        return follow(engine, next_batch, rng)
+    print(f"{gpu.name} x {max(world, 1)}, {args.model_size} model ({num_params(cfg):,} parameters), "
+          f"batch {args.batch} x {cfg.T}, {args.precision} matmuls" +
+          (f", data parallel over NCCL{', ZeRO-1' if args.zero else ''}" if world else ""))
     times = []
     for step in range(args.steps + 3):
-        idx, targets = ne.split_rows(rng.integers(0, cfg.V, (args.batch, cfg.T + cfg.K)), cfg.T, cfg.K)
+        idx, targets = next_batch(rng)
         gpu.sync()
         t0 = time.perf_counter()
         engine.step(idx, targets, 1e-4, step + 1)
@@ -920,15 +1224,23 @@ def cmd_bench(args):
           (f"  mfu {100 * mfu:.1f}%" if mfu is not None else ""))
     if args.profile:
         gpu.profile = []
-        engine.step(idx, targets, 1e-4, args.steps + 4)
+        engine.step(*next_batch(rng), 1e-4, args.steps + 4)
         totals = gpu.profile_report()
         print(f"  one step, GPU time by kernel (CUDA events; {sum(ms for _, ms in totals.values()):.1f} ms in all)")
         for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
             print(f"    {name:<36} {calls:4d} calls {ms:8.2f} ms")
+    engine.close()
 
 
 # -----------------------------------------------------------------------------
 # main
+
+def add_gpus_flags(sp):
+    sp.add_argument("--gpus", type=int, default=0,
+                    help="data parallel over N GPUs through NCCL, one process each (--batch is the whole "
+                         "batch); 0 = this process on one GPU, without NCCL")
+    sp.add_argument("--zero", action="store_true", help="with --gpus: shard AdamW's moments (ZeRO-1)")
+
 
 def build_parser():
     import argparse
@@ -946,12 +1258,14 @@ def build_parser():
     # embedded books (25 s on an H200; validation was still falling at step 300, 1.9
     # bits per byte); for more, bring more text (get_data.sh) and raise --steps
     ne.add_training_flags(sp, 600, 16, 6e-4, 100, os.path.join("out", "big"))
+    add_gpus_flags(sp)
     sp = sub.add_parser("bench", help="time training steps")
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--batch", type=int, default=16, help="rows of T+K tokens per step")
     sp.add_argument("--steps", type=int, default=10, help="timed steps")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
+    add_gpus_flags(sp)
     sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
     sp = sub.add_parser("sample", help="continue a prompt on the GPU")
@@ -968,6 +1282,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample}
     ne.run_command(commands[args.command], args)
 

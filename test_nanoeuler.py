@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -727,3 +728,154 @@ def test_gpu_check_passes():
                        timeout=600)
     assert r.returncode == 0, r.stdout.decode()[-3000:]
     assert b"overall okay: 1" in r.stdout
+
+
+# -----------------------------------------------------------------------------
+# several GPUs: what runs without them (row shards, gradient parts, the launcher)
+
+def test_shard_rows_cover_the_batch_once():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    for B in range(1, 20):
+        for world in range(1, min(B, 8) + 1):
+            shards = [nc.shard_rows(B, world, r) for r in range(world)]
+            assert [i for s in shards for i in range(B)[s]] == list(range(B))
+            assert max(s.stop - s.start for s in shards) - min(s.stop - s.start for s in shards) <= 1
+    with pytest.raises(ne.NanoEulerError, match="raise --batch"):
+        nc.shard_rows(3, 4, 0)
+
+
+def test_row_shards_with_whole_batch_counts_sum_to_the_whole_gradient():
+    # the principle of the data-parallel engine, checked in float64 on the CPU model:
+    # each rank divides by the whole batch's target counts, so losses and gradients add up
+    nc = pytest.importorskip("nanoeuler_cuda")
+    cfg = ne.Config(V=64, C=32, Hq=2, Hkv=1, L=2, T=16, F=88, K=3)
+    rng = np.random.default_rng(0)
+    flat = ne.init_params(cfg).astype(np.float64)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (5, cfg.T + cfg.K)), cfg.T, cfg.K)
+    targets = targets.copy()
+    targets[1, :7] = -1                                        # masked targets, as SFT has
+    counts = (targets >= 0).sum(axis=(0, 1))
+    loss, ce, cache = ne.model_forward(ne.carve(flat, cfg), cfg, idx, targets)
+    whole = np.zeros_like(flat)
+    ne.model_backward(ne.carve(whole, cfg), cache)
+    for world in (2, 3):
+        summed, ce_sum = np.zeros_like(flat), 0
+        for r in range(world):
+            rows = nc.shard_rows(len(idx), world, r)
+            _, ce_r, cache = ne.model_forward(ne.carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
+            ne.model_backward(ne.carve(summed, cfg), cache)
+            ce_sum = ce_sum + ce_r
+        assert np.allclose(ce_sum, ce, rtol=1e-13, atol=0)
+        assert np.allclose(summed, whole, rtol=1e-10, atol=1e-15)
+
+
+def test_grad_buckets_cover_the_gradient_in_backward_order():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    for cfg in (ne.PRESETS["small"], ne.PRESETS["big"]):
+        buckets = nc.grad_buckets(cfg)
+        spans = list(buckets.values())
+        assert list(buckets) == ["heads", *reversed(range(cfg.L)), "tok_emb"]
+        assert spans[0][1] == ne.num_params(cfg) and spans[-1][0] == 0
+        assert all(a[0] == b[1] for a, b in zip(spans, spans[1:]))          # contiguous, no gaps
+        offset = 0
+        for name, shape in ne.param_shapes(cfg):                             # each tensor in its part
+            part = name.split(".")[1] if name.startswith("layers.") else name
+            lo, hi = buckets[int(part)] if part.isdigit() else buckets["tok_emb" if part == "tok_emb" else "heads"]
+            assert lo <= offset and offset + math.prod(shape) <= hi, name
+            offset += math.prod(shape)
+
+
+RANK_SCRIPT = """
+import os, sys, time
+rank, world = int(os.environ["NANOEULER_RANK"]), int(os.environ["NANOEULER_WORLD"])
+assert os.environ["NCCL_NVLS_ENABLE"] == "0" and len(os.environ["NANOEULER_NCCL_ID"]) == 256
+open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(f"{rank} of {world}")
+fail = {int(r): int(code) for r, code in (a.split("=") for a in sys.argv[2:])}
+if rank in fail:
+    print(f"rank {rank} fails", file=sys.stderr)
+    sys.exit(fail[rank])
+time.sleep(0 if not fail else 60)
+"""
+
+
+@pytest.fixture
+def fake_ranks(tmp_path, monkeypatch):
+    nc = pytest.importorskip("nanoeuler_cuda")
+    monkeypatch.setattr(nc, "count_gpus", lambda: 3)
+    monkeypatch.setattr(nc, "nccl_unique_id", lambda: "ab" * 128)
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    return lambda *fail, world=3: nc.launch_ranks([str(tmp_path), *fail], world, program=str(script))
+
+
+def test_launcher_starts_one_process_per_gpu(fake_ranks, tmp_path):
+    assert fake_ranks() is None
+    assert sorted(p.read_text() for p in tmp_path.glob("rank*") if p.suffix == "") == \
+        ["0 of 3", "1 of 3", "2 of 3"]
+
+
+def test_launcher_stops_every_rank_when_one_fails(fake_ranks):
+    t0 = time.time()
+    with pytest.raises(ne.NanoEulerError, match="GPU 2's process stopped with exit code 3"):
+        fake_ranks("2=3")                                      # ranks 0 and 1 would wait for ever
+    assert time.time() - t0 < 20
+
+
+def test_launcher_exits_with_rank_0s_code(fake_ranks):
+    with pytest.raises(SystemExit) as e:
+        fake_ranks("0=4")
+    assert e.value.code == 4
+
+
+def test_launcher_refuses_more_gpus_than_there_are(fake_ranks):
+    with pytest.raises(ne.NanoEulerError, match="--gpus 4, but this machine has 3"):
+        fake_ranks(world=4)
+
+
+def test_nccl_unique_id_round_trips():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    if not have_module("nvidia.nccl"):
+        pytest.skip("NCCL is not installed (pip install nvidia-nccl-cu13; only --gpus needs it)")
+    uid = nc.nccl_unique_id()
+    assert len(uid) == 256 and uid != nc.nccl_unique_id()
+    assert bytes(nc.NcclUniqueId.from_buffer_copy(bytes.fromhex(uid))).hex() == uid
+
+
+def gpu_count():
+    if not gpu_available():
+        return 0
+    from cuda.bindings import driver
+    return driver.cuDeviceGetCount()[1]
+
+
+def train_losses(tmp_path, name, *flags):
+    out = tmp_path / name
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler_cuda.py"), "train", "big", "--steps", "20",
+                        "--batch", "8", "--eval-batches", "1", "--warmup", "5", "--out", str(out), *flags],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, (r.stdout.decode()[-2000:], r.stderr.decode()[-2000:])
+    rows = [line.split(",") for line in (out / "log.csv").read_text().splitlines()[1:]]
+    return np.array([float(row[1]) for row in rows]), out
+
+
+@pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("precision, tol", [("fp32", 1e-5), ("bf16", 1e-3)])
+def test_data_parallel_matches_one_gpu(tmp_path, precision, tol):
+    one, _ = train_losses(tmp_path, "one", "--precision", precision)
+    two, _ = train_losses(tmp_path, "two", "--precision", precision, "--gpus", "2")
+    zero, out = train_losses(tmp_path, "zero", "--precision", precision, "--gpus", "2", "--zero")
+    print(f"{precision}: worst relative loss difference over 20 steps, 2 GPUs "
+          f"{np.max(np.abs(two / one - 1)):.1e}, with ZeRO-1 {np.max(np.abs(zero / one - 1)):.1e}")
+    assert len(one) == 20 and one[-1] < one[0] - 1
+    assert np.allclose(two, one, rtol=tol, atol=0) and np.allclose(zero, one, rtol=tol, atol=0)
+    if precision == "fp32":                                    # one rank through NCCL, and a ZeRO resume
+        rank1, _ = train_losses(tmp_path, "rank1", "--precision", precision, "--gpus", "1")
+        assert np.allclose(rank1, one, rtol=tol, atol=0)
+        train_losses(tmp_path, "resumed", "--precision", precision, "--gpus", "2", "--zero", "--stop-after", "10")
+        resumed, out2 = train_losses(tmp_path, "resumed", "--precision", precision, "--gpus", "2", "--zero",
+                                     "--resume")
+        assert np.allclose(resumed, zero, rtol=tol, atol=0)
+        _, _, _, m, v, _ = ne.load_checkpoint(str(out), 20)     # ZeRO gathered the moments whole
+        _, _, _, m2, v2, _ = ne.load_checkpoint(str(out2), 20)
+        for a, b in ((m, m2), (v, v2)):
+            assert np.linalg.norm(a) > 0 and np.linalg.norm(b - a) / np.linalg.norm(a) < 1e-4
