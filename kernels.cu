@@ -64,13 +64,18 @@ extern "C" __global__ void embedding_forward_kernel(float* x, const int* idx, co
     x[i] = tok_emb[(long)idx[n] * C + c];
 }
 
-// one thread per dx element; rows of a repeated token meet in atomicAdd (so the
-// order of the additions, and the last bits, can vary from run to run)
-extern "C" __global__ void embedding_backward_kernel(float* dtok_emb, const int* idx, const float* dx, int N, int C) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long)N * C) return;
-    int n = i / C, c = i % C;
-    atomicAdd(&dtok_emb[(long)idx[n] * C + c], dx[i]);
+// one block per distinct token u: the rows where it occurs, order[starts[u]] ..
+// order[starts[u+1]-1] (nanoeuler_cuda.token_rows lists them), added up in that
+// order. No atomics, so the sum has the same bits every run.
+extern "C" __global__ void embedding_backward_kernel(float* dtok_emb, const int* idx, const int* order,
+                                                     const int* starts, const float* dx, int C) {
+    int first = starts[blockIdx.x], last = starts[blockIdx.x + 1];
+    long token = idx[order[first]];
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int j = first; j < last; j++) sum += dx[(long)order[j] * C + c];
+        dtok_emb[token * C + c] += sum;
+    }
 }
 
 // -----------------------------------------------------------------------------
@@ -89,15 +94,17 @@ extern "C" __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const
     if (lane == 0) rstd[row] = r;
 }
 
-// one warp per row, rows in a grid-stride loop; dw summed per block in shared
-// memory (C floats of dynamic shared memory), then added to the global dw.
+// one warp per row, rows in a grid-stride loop. dw: each warp adds up its rows'
+// share in a row of shared memory of its own (warps x C floats, dynamic), the
+// block adds its warps in order into partial[block], and rmsnorm_backward_dw_kernel
+// adds the blocks in order: no atomics, so dw has the same bits every run.
 // dx += : the residual stream's gradient takes both paths.
-extern "C" __global__ void rmsnorm_backward_kernel(float* dx, float* dw, const float* dout, const float* x,
+extern "C" __global__ void rmsnorm_backward_kernel(float* dx, float* partial, const float* dout, const float* x,
                                                    const float* w, const float* rstd, int N, int C) {
-    extern __shared__ float dw_block[];
-    for (int c = threadIdx.x; c < C; c += blockDim.x) dw_block[c] = 0.0f;
-    __syncthreads();
+    extern __shared__ float dw_warp[];
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+    float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
+    for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
         const float* xr = x + (long)row * C;
         const float* dr = dout + (long)row * C;
@@ -107,11 +114,24 @@ extern "C" __global__ void rmsnorm_backward_kernel(float* dx, float* dw, const f
         for (int c = lane; c < C; c += 32) {
             float xhat = xr[c] * r;
             dx[(long)row * C + c] += r * (dr[c] * w[c] - xhat * dot);
-            atomicAdd(&dw_block[c], dr[c] * xhat);
+            dw_mine[c] += dr[c] * xhat;
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) atomicAdd(&dw[c], dw_block[c]);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + c];
+        partial[(long)blockIdx.x * C + c] = sum;
+    }
+}
+
+// dw[c] += the blocks' partial sums, in block order; one thread per c
+extern "C" __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* partial, int blocks, int C) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int b = 0; b < blocks; b++) sum += partial[(long)b * C + c];
+    dw[c] += sum;
 }
 
 // -----------------------------------------------------------------------------

@@ -271,6 +271,12 @@ class GPU:
         self.profile = None
         return totals
 
+    def scratch(self, n):
+        """n floats of scratch memory, shared by every kernel that needs some (one stream: one at a time)"""
+        if getattr(self, "_scratch", None) is None or self._scratch.size < n:
+            self._scratch = DeviceArray((n,))
+        return self._scratch
+
     def sync(self, what="the GPU's work"):
         where = f" (during or before kernel {self.last_kernel})" if self.last_kernel else ""
         check(cu.cuStreamSynchronize(self.stream), what + where)
@@ -315,9 +321,17 @@ def embedding_forward(x, idx, tok_emb, N, C):
     gpu.launch("embedding_forward_kernel", ceil_div(N * C, block), block, P(x), P(idx), P(tok_emb), I(N), I(C))
 
 
-def embedding_backward(dtok_emb, idx, dx, N, C):
-    block = 256
-    gpu.launch("embedding_backward_kernel", ceil_div(N * C, block), block, P(dtok_emb), P(idx), P(dx), I(N), I(C))
+def token_rows(idx):
+    """idx (N,) -> order, starts: the rows of each distinct token, for the embedding's
+    backward: order[starts[u]:starts[u+1]] are the rows of the u-th distinct token"""
+    order = np.argsort(idx, kind="stable")
+    ids = idx[order]
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    return order.astype(np.int32), np.r_[starts, len(idx)].astype(np.int32)
+
+
+def embedding_backward(dtok_emb, idx, order, starts, dx, n_distinct, C):
+    gpu.launch("embedding_backward_kernel", n_distinct, 128, P(dtok_emb), P(idx), P(order), P(starts), P(dx), I(C))
 
 
 def rmsnorm_forward(out, rstd, x, w, N, C):
@@ -327,9 +341,11 @@ def rmsnorm_forward(out, rstd, x, w, N, C):
 
 def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C):
     block = 256
-    grid = min(ceil_div(N, block // 32), 4 * gpu.sms)        # few blocks: each adds its dw once
-    gpu.launch("rmsnorm_backward_kernel", grid, block, P(dx), P(dw), P(dout), P(x), P(w), P(rstd), I(N), I(C),
-               shared=4 * C)
+    grid = min(ceil_div(N, block // 32), 4 * gpu.sms)        # few blocks: few partial sums of dw
+    partial = gpu.scratch(grid * C)
+    gpu.launch("rmsnorm_backward_kernel", grid, block, P(dx), P(partial), P(dout), P(x), P(w), P(rstd), I(N), I(C),
+               shared=4 * C * block // 32)
+    gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 128), 128, P(dw), P(partial), I(grid), I(C))
 
 
 def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
@@ -576,6 +592,7 @@ class GPUModel:
         self.xf, self.rstd_final = new(N, C), new(N)
         self.logits, self.losses = new(cfg.K, N, cfg.V), new(cfg.K, N)
         self.idx, self.targets = DeviceArray((N,), np.int32), DeviceArray((N, cfg.K), np.int32)
+        self.order, self.starts = DeviceArray((N,), np.int32), DeviceArray((N + 1,), np.int32)   # token_rows
         self.dscale = DeviceArray((cfg.K,))
         # scratch for the backward: each layer overwrites what the layer after it used
         self.dx, self.dxf, self.dh = new(N, C), new(N, C), new(N, C)
@@ -595,6 +612,10 @@ class GPUModel:
         B = idx.shape[0]                                   # up to self.B: a last, smaller batch fits too
         N = self.n_tokens = B * T
         self.idx.view(0, (N,)).upload(idx.reshape(-1).astype(np.int32))
+        order, starts = token_rows(idx.reshape(-1))
+        self.order.view(0, (N,)).upload(order)
+        self.starts.view(0, (len(starts),)).upload(starts)
+        self.n_distinct = len(starts) - 1
         p = self.params
         embedding_forward(self.x[0], self.idx, p["tok_emb"], N, C)
         for l in range(cfg.L):
@@ -670,7 +691,7 @@ class GPUModel:
             matmul(dw("wqkv"), self.dqkv, self.h[l], QKV, C, N, trans_a=True, accumulate=True)
             rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C)
             self.grads_done(l)
-        embedding_backward(g["tok_emb"], self.idx, self.dx, N, C)
+        embedding_backward(g["tok_emb"], self.idx, self.order, self.starts, self.dx, self.n_distinct, C)
         self.grads_done("tok_emb")
 
     def update(self, lr, step, clip, weight_decay):
@@ -716,7 +737,9 @@ def check_kernels(rng, report):
     report("embedding_forward", rel_diff(x.download(), ne.embedding_forward(idx, f64(tok_emb))[0].reshape(N, C)))
     start = f32(V, C)                                              # parameter gradients add up: +=
     d = to_gpu(start)
-    embedding_backward(d, to_gpu(idx, np.int32), to_gpu(dx), N, C)
+    order, starts = token_rows(idx.reshape(-1))
+    embedding_backward(d, to_gpu(idx, np.int32), to_gpu(order, np.int32), to_gpu(starts, np.int32), to_gpu(dx),
+                       len(starts) - 1, C)
     report("embedding_backward", rel_diff(d.download(), start + ne.embedding_backward(f64(dx), (idx, (V, C)))))
     # rmsnorm
     x, w, dout = f32(N, C), f32(C), f32(N, C)
