@@ -1,10 +1,11 @@
 """
-NanoEuler on one NVIDIA GPU: the model of nanoeuler.py, with its kernels in
+NanoEuler on NVIDIA GPUs: the model of nanoeuler.py, with its kernels in
 kernels.cu and flash_attn.cu compiled at run time by NVRTC, and every matrix
 product in cuBLAS, called through ctypes. No framework.
 
     python nanoeuler_cuda.py check        # every kernel against numpy, then the whole model
     python nanoeuler_cuda.py train big    # train the 116M model (SPEC big) on one GPU
+    python nanoeuler_cuda.py train big --gpus 2 --batch 32    # or data parallel on several
     python nanoeuler_cuda.py bench        # tokens/s and MFU of training steps
 
 It shares with nanoeuler.py (imported, not copied): Config and the presets, the
@@ -18,10 +19,11 @@ default for train and bench: matmul inputs rounded to bfloat16, products summed
 in fp32; attention as tf32). Weights, gradients, optimizer state and the activations kept for the
 backward are fp32 in every mode.
 
+No kernel uses atomics, so a run is the same bits every time.
 What it leaves out, for now: bf16 activations (the bf16 mode rounds each matmul
-input once, in a pass of its own), CUDA graphs, and several GPUs.
+input once, in a pass of its own) and CUDA graphs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
-headers and cuBLAS wheels) and an NVIDIA driver.
+headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
 
 import contextlib
