@@ -164,7 +164,7 @@ class Tokenizer:
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
-        self.cache = {}                                              # piece -> tuple of ids
+        self.cache = {}                                              # piece -> str of chr(id)
 
     @property
     def vocab_size(self):
@@ -232,14 +232,14 @@ class Tokenizer:
         return cls(merges)
 
     def encode_piece(self, piece):
-        """one pre-tokenized piece -> ids, merging the pair learned first until none is left.
+        """one pre-tokenized piece -> its ids as a str, one character chr(id) per id,
+        merging the pair learned first until none is left.
 
-        The ids are held as the characters of a str, chr(id), so that ranking a
-        pair is one dict lookup of a 2-char str. ranks[i] is the rank of the pair
-        at i; a merge changes only its two neighbours, so only they are looked
-        up again. The leftmost lowest pair goes first, and a pair that occurs
-        twice is found again next round: the same result as merge()."""
-        s = piece.encode("utf-8").decode("latin-1")        # one char per byte: chr(byte)
+        Ranking a pair is then one dict lookup of a 2-char str. ranks[i] is the
+        rank of the pair at i; a merge changes only its two neighbours, so only
+        they are looked up again. The leftmost lowest pair goes first, and a pair
+        that occurs twice is found again next round: the same result as merge()."""
+        s = piece if piece.isascii() else piece.encode("utf-8").decode("latin-1")   # one char per byte
         rank, inf = self.pair_ranks.get, math.inf
         ranks = list(map(rank, map(operator.add, s, s[1:]), repeat(inf)))
         while ranks:
@@ -253,20 +253,22 @@ class Tokenizer:
                 ranks[i] = rank(s[i:i + 2], inf)
             if i > 0:
                 ranks[i - 1] = rank(s[i - 1:i + 1], inf)
-        return tuple(map(ord, s))
+        return s
 
     def encode(self, text):
         """str -> list of ids; ordinary text only (see special for the others).
 
         Text repeats its pieces endlessly ("the", " and"), so each distinct piece
-        is encoded once and its ids cached; the rest is dict lookups in C."""
+        is encoded once and its ids cached, as a str of chr(id); joining those
+        strs and reading them back as 32-bit numbers is all C."""
         pieces = SPLIT_PATTERN.findall(text)
         cache = self.cache
         if len(cache) > 1_000_000:
             cache.clear()                                            # bound memory on huge corpora
-        for piece in set(pieces).difference(cache):
-            cache[piece] = self.encode_piece(piece)
-        return list(chain.from_iterable(map(cache.__getitem__, pieces)))
+        new = set(pieces).difference(cache)
+        cache.update(zip(new, map(self.encode_piece, new)))
+        ids = "".join(map(cache.__getitem__, pieces)).encode("utf-32-le", "surrogatepass")
+        return np.frombuffer(ids, np.uint32).tolist()
 
     def decode(self, ids):
         """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
