@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from itertools import chain, repeat
+from itertools import repeat
 
 # Training splits each batch over the cores with threads of its own (see
 # train_step), so BLAS must not start threads too: two layers of threads on two
@@ -1208,11 +1208,13 @@ def prune_checkpoints(out_dir, keep=2):
 # training
 
 # Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md):
-# 32 rows of 128 tokens keep both cores busy (13k tok/s against 10k at 8 rows);
-# 16 rows reached the same loss in the same time. lr 3e-3 beat 6e-3 after the
-# first minute; a short warmup (30 steps) gets going sooner. 1000 steps (about
-# 5.5 minutes) reach 2.13 bits per byte; past that the small model overfits
+# 32 rows of 128 tokens keep both cores busy; lr 3e-3 beat 6e-3 after the first
+# minute; a short warmup (30 steps) gets going sooner. 1000 steps (about 5.5
+# minutes) reach 2.14 bits per byte; past that the small model overfits
 # tinyshakespeare (its 520k training tokens are seen 8 times by step 1000).
+# 4000 steps of 8 rows at lr 2e-3 end the same (2.146) in more time; but when
+# time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows
+# at lr 2e-3 reach 2.25, 32 rows at 3e-3 only 2.31.
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
@@ -1365,9 +1367,11 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     csv = open(csv_path, "a")
     if start == 0:
         csv.write("step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n")
-    total, width = args.steps, len(str(args.steps))
+    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    width = len(str(total))
     tokens_per_step = args.batch * cfg.T
     times, t_start, last_path = [], time.time(), None
+    plan_now = getattr(args, "minutes", 0) > 0 and "planned_steps" not in state
 
     def checkpoint(step):
         nonlocal last_path
@@ -1376,6 +1380,20 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         last_path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
         prune_checkpoints(out_dir)
         print(f"saved  {last_path} (+ state) in {time.time() - t0:.1f} s")
+
+    def validate(step):
+        """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet"""
+        val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
+        if not np.isfinite(val_loss):
+            stop_on_nan("validation loss", val_loss, step, last_path)
+        print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
+              f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
+        flat = engine.host_params()                    # one copy for both, and no moments
+        if val_loss < state.get("best_val", math.inf):
+            state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
+            save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
+        print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
+        return val_loss, val_bpb
 
     step = start
     with StopFlag() as flag:
@@ -1397,17 +1415,13 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                   f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | " +
                   (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
             val_loss = val_bpb = ""
-            if step % args.eval_every == 0 or step == total:
-                val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
-                if not np.isfinite(val_loss):
-                    stop_on_nan("validation loss", val_loss, step, last_path)
-                print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
-                      f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
-                flat = engine.host_params()                # one copy for both, and no moments
-                if val_loss < state.get("best_val", math.inf):
-                    state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-                    save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
-                print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
+            if plan_now and step == start + PLAN_AFTER or step % args.eval_every == 0 or step == total:
+                t_eval = time.time()
+                val_loss, val_bpb = validate(step)
+                if plan_now and step == start + PLAN_AFTER:
+                    total = plan_steps(args, step, np.mean(times), time.time() - t_eval, time.time() - t_start)
+                    state["planned_steps"], width, plan_now = total, len(str(total)), False
+                    stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
             csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
                       f"{'' if mfu is None else f'{mfu:.4f}'},"
                       f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
@@ -1425,6 +1439,23 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
           f"last checkpoint {last_path}")
     plot_log(csv_path)
     return step
+
+
+PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
+
+
+def plan_steps(args, step, step_time, eval_time, elapsed):
+    """--minutes: how many steps, evaluations included, end the run on time. Set
+    within the warmup (while the learning rate does not depend on the total),
+    once, and kept in the training state, so a resumed run keeps the plan."""
+    left = args.minutes * 60 - elapsed
+    total = step + max(1, int(left / (step_time + eval_time / args.eval_every)))
+    print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
+          f"{eval_time:.1f} s an evaluation every {args.eval_every})")
+    if args.warmup < step:
+        print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
+              "so far followed --steps's schedule")
+    return total
 
 
 def stop_on_nan(what, value, step, last_path):
@@ -1472,6 +1503,9 @@ def resume_or_init(args, cfg, tok, init_flat):
     return flat, m, v, state
 
 
+EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
+
+
 def pretrain(args, cfg, make_engine, describe, loop=None):
     """tokenizer and tokens (cached), validation rows, then the loop; both engines train
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
@@ -1495,7 +1529,7 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
     def next_batch(rng):
         return split_rows(get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
 
-    val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, args.batch, cfg.T + cfg.K,
+    val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
                                                                   args.eval_batches)]
     (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
 
@@ -1826,6 +1860,8 @@ def add_training_flags(sp, steps, batch, lr, warmup, out):
     """the flags train and sft share (and nanoeuler_cuda.py's train)"""
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type=int, default=steps, help="optimizer steps in the whole run")
+    g.add_argument("--minutes", type=float, default=0,
+                   help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     g.add_argument("--stop-after", type=int, default=-1, help="stop (and save) after N steps of this run; -1 = off")
@@ -1839,7 +1875,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out):
     g.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; -1 = off")
     g = sp.add_argument_group("evaluation")
     g.add_argument("--eval-every", type=int, default=100, help="validate and sample every N steps")
-    g.add_argument("--eval-batches", type=int, default=20, help="validation batches")
+    g.add_argument("--eval-batches", type=int, default=20, help="validation batches (pretraining: of 32 rows)")
     g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
 
 

@@ -11,6 +11,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -506,6 +507,22 @@ def test_training_lowers_the_loss(tmp_path, capsys):
     assert os.path.exists(tmp_path / "run" / "best.safetensors")
     out = capsys.readouterr().out
     assert "step 24/24 | loss" in out and "tok/s" in out and "val  24/24" in out and "bpb" in out
+
+
+def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys):
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.1", "--warmup", "25", "--stop-after", "30",
+                       "--eval-every", "1000"))
+    out = capsys.readouterr().out
+    planned = int(re.search(r"plan \| ([\d,]+) steps in 0.1 minutes", out).group(1).replace(",", ""))
+    assert planned > 30 and re.search(rf"step +21/{planned} \|", out) and re.search(r"step +20/1000 \|", out)
+    cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 30)
+    assert state["planned_steps"] == planned
+    # resumed with other --minutes: the plan stands, and the run ends on it
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume", "--eval-every", "1000"))
+    out = capsys.readouterr().out
+    assert "plan |" not in out and f"step {planned}/{planned} |" in out
+    assert ne.latest_checkpoint(str(tmp_path / "run")) == planned
 
 
 def test_resume_is_bit_identical(tmp_path):
