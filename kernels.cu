@@ -5,8 +5,10 @@ rmsnorm_forward the launcher in nanoeuler_cuda.py). Matrix products are not here
 they go through cuBLAS. Attention is in flash_attn.cu.
 
 Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
-(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32,
-except to_bf16_kernel, which feeds the bf16 matmuls.
+(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32.
+For the bf16 matmuls, a kernel whose output feeds one also writes that output
+rounded to bf16 into an out16 twin (nullptr: none, in fp32 and tf32 modes), so no
+pass of its own re-reads it; to_bf16_kernel rounds whatever else is needed.
 All kernels are extern "C" so their names survive compilation unmangled.
 
 Gradient rule: parameter gradients +=, activation gradients =, except where a
@@ -19,6 +21,12 @@ Launch geometry is written above each kernel.
 
 // -----------------------------------------------------------------------------
 // helpers
+
+// float32 -> bfloat16 bits, rounded to nearest even
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned int bits = __float_as_uint(x);
+    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
@@ -82,15 +90,19 @@ extern "C" __global__ void embedding_backward_kernel(float* dtok_emb, const int*
 // rmsnorm
 
 // one warp per row; grid = ceil(N / warps per block)
-extern "C" __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const float* x, const float* w,
-                                                  int N, int C) {
+extern "C" __global__ void rmsnorm_forward_kernel(float* out, unsigned short* out16, float* rstd, const float* x,
+                                                  const float* w, int N, int C) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     const float* xr = x + (long)row * C;
     float ss = 0.0f;
     for (int c = lane; c < C; c += 32) ss += xr[c] * xr[c];
     float r = 1.0f / sqrtf(warp_sum(ss) / C + 1e-5f);
-    for (int c = lane; c < C; c += 32) out[(long)row * C + c] = xr[c] * r * w[c];
+    for (int c = lane; c < C; c += 32) {
+        float o = xr[c] * r * w[c];
+        out[(long)row * C + c] = o;
+        if (out16) out16[(long)row * C + c] = bf16_bits(o);
+    }
     if (lane == 0) rstd[row] = r;
 }
 
@@ -99,8 +111,9 @@ extern "C" __global__ void rmsnorm_forward_kernel(float* out, float* rstd, const
 // block adds its warps in order into partial[block], and rmsnorm_backward_dw_kernel
 // adds the blocks in order: no atomics, so dw has the same bits every run.
 // dx += : the residual stream's gradient takes both paths.
-extern "C" __global__ void rmsnorm_backward_kernel(float* dx, float* partial, const float* dout, const float* x,
-                                                   const float* w, const float* rstd, int N, int C) {
+extern "C" __global__ void rmsnorm_backward_kernel(float* dx, unsigned short* dx16, float* partial,
+                                                   const float* dout, const float* x, const float* w,
+                                                   const float* rstd, int N, int C) {
     extern __shared__ float dw_warp[];
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
     float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
@@ -113,7 +126,9 @@ extern "C" __global__ void rmsnorm_backward_kernel(float* dx, float* partial, co
         dot = warp_sum(dot) / C;
         for (int c = lane; c < C; c += 32) {
             float xhat = xr[c] * r;
-            dx[(long)row * C + c] += r * (dr[c] * w[c] - xhat * dot);
+            float d = dx[(long)row * C + c] + r * (dr[c] * w[c] - xhat * dot);
+            dx[(long)row * C + c] = d;
+            if (dx16) dx16[(long)row * C + c] = bf16_bits(d);
             dw_mine[c] += dr[c] * xhat;
         }
     }
@@ -170,22 +185,29 @@ extern "C" __global__ void rope_backward_kernel(float* dqkv, const float* cos, c
 // swiglu
 
 // gu (N, 2F) holds gate then up; one thread per output; grid = ceil(N*F / block)
-extern "C" __global__ void swiglu_forward_kernel(float* out, const float* gu, int N, int F) {
+extern "C" __global__ void swiglu_forward_kernel(float* out, unsigned short* out16, const float* gu, int N, int F) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
     float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
     out[i] = gate / (1.0f + expf(-gate)) * up;
+    if (out16) out16[i] = bf16_bits(out[i]);
 }
 
-extern "C" __global__ void swiglu_backward_kernel(float* dgu, const float* dout, const float* gu, int N, int F) {
+extern "C" __global__ void swiglu_backward_kernel(float* dgu, unsigned short* dgu16, const float* dout, const float* gu,
+                                                  int N, int F) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
     float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
     float sig = 1.0f / (1.0f + expf(-gate)), silu = gate * sig;
-    dgu[n * 2 * F + f] = dout[i] * up * (sig + silu * (1.0f - sig));   // d silu / d gate
-    dgu[n * 2 * F + F + f] = dout[i] * silu;
+    float dgate = dout[i] * up * (sig + silu * (1.0f - sig)), dup = dout[i] * silu;   // d silu / d gate
+    dgu[n * 2 * F + f] = dgate;
+    dgu[n * 2 * F + F + f] = dup;
+    if (dgu16) {
+        dgu16[n * 2 * F + f] = bf16_bits(dgate);
+        dgu16[n * 2 * F + F + f] = bf16_bits(dup);
+    }
 }
 
 // -----------------------------------------------------------------------------
@@ -201,13 +223,15 @@ extern "C" __global__ void residual_forward_kernel(float* out, const float* x, c
 // cross entropy over the K heads
 
 // Fused softmax + loss + gradient, in place: logits (K, N, V) come in, and
-// d loss / d logits go out in the same memory, so the probabilities are never
-// stored. targets (N, K), -1 = ignored; dscale[k] = weight of head k / its count
+// d loss / d logits go out in the same memory (or, when dlogits16 is given, only
+// to it, in bf16: the backward's matmuls read nothing else), so the
+// probabilities are never stored. targets (N, K), -1 = ignored; dscale[k] = weight of head k / its count
 // of kept targets (SPEC: loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)).
 // losses (K, N): -log p(target) per row, 0 where ignored.
 // one block of 256 threads per (row, head); grid = N*K
-extern "C" __global__ void cross_entropy_forward_kernel(float* logits, float* losses, const int* targets,
-                                                        const float* dscale, int N, int V, int K) {
+extern "C" __global__ void cross_entropy_forward_kernel(float* logits, unsigned short* dlogits16, float* losses,
+                                                        const int* targets, const float* dscale, int N, int V,
+                                                        int K) {
     int n = blockIdx.x % N, k = blockIdx.x / N;
     float* row = logits + ((long)k * N + n) * V;
     int t = targets[n * K + k];
@@ -221,22 +245,24 @@ extern "C" __global__ void cross_entropy_forward_kernel(float* logits, float* lo
     __syncthreads();                      // everyone has read row[t] before it is overwritten
     if (threadIdx.x == 0) losses[(long)k * N + n] = t >= 0 ? lse - target_logit : 0.0f;
     float scale = t >= 0 ? dscale[k] : 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        row[v] = (expf(row[v] - lse) - (v == t ? 1.0f : 0.0f)) * scale;
+    unsigned short* row16 = dlogits16 ? dlogits16 + ((long)k * N + n) * V : nullptr;
+    for (int v = threadIdx.x; v < V; v += blockDim.x) {
+        float d = (expf(row[v] - lse) - (v == t ? 1.0f : 0.0f)) * scale;
+        if (row16) row16[v] = bf16_bits(d);
+        else row[v] = d;
+    }
 }
 
 // -----------------------------------------------------------------------------
 // bf16
 
-// float32 -> bfloat16 bits, rounded to nearest even: the inputs of the bf16
-// matmuls (cuBLAS multiplies them on tensor cores and accumulates in fp32)
+// float32 -> bfloat16, rounded to nearest even: the inputs of the bf16 matmuls
+// (cuBLAS multiplies them on tensor cores and accumulates in fp32) that no
+// kernel wrote in bf16 itself: the weights after each update, attention's y and dqkv
 // four elements per thread (a quarter of the threads, the same bytes); grid = ceil(n / (4 block))
 extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, long n) {
     long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
-    for (long j = i; j < i + 4 && j < n; j++) {
-        unsigned int bits = __float_as_uint(in[j]);
-        out[j] = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    }
+    for (long j = i; j < i + 4 && j < n; j++) out[j] = bf16_bits(in[j]);
 }
 
 // -----------------------------------------------------------------------------

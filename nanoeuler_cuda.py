@@ -149,6 +149,8 @@ def ceil_div(a, b):
 class DeviceArray:
     """float32 or int32 memory on the GPU: a pointer, a shape, copies to and from numpy"""
 
+    bf16 = None                                # bf16 mode: the array rounded to bf16, read by the matmuls
+
     def __init__(self, shape, dtype=np.float32, ptr=None, owner=None):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
         self.size = math.prod(self.shape)
@@ -300,8 +302,8 @@ class EventTimer:
 
 
 def P(a):
-    """a device pointer argument"""
-    return ctypes.c_void_p(a.ptr if isinstance(a, DeviceArray) else int(a))
+    """a device pointer argument (None: nullptr)"""
+    return ctypes.c_void_p(a.ptr if isinstance(a, DeviceArray) else int(a or 0))
 
 
 I, L, F = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
@@ -338,15 +340,16 @@ def embedding_backward(dtok_emb, idx, order, starts, dx, n_distinct, C):
 
 def rmsnorm_forward(out, rstd, x, w, N, C):
     block = 256                                              # 8 rows per block, a warp each
-    gpu.launch("rmsnorm_forward_kernel", ceil_div(N, block // 32), block, P(out), P(rstd), P(x), P(w), I(N), I(C))
+    gpu.launch("rmsnorm_forward_kernel", ceil_div(N, block // 32), block, P(out), P(out.bf16), P(rstd), P(x), P(w),
+               I(N), I(C))
 
 
 def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C):
     block = 256
     grid = min(ceil_div(N, block // 32), 4 * gpu.sms)        # few blocks: few partial sums of dw
     partial = gpu.scratch(grid * C)
-    gpu.launch("rmsnorm_backward_kernel", grid, block, P(dx), P(partial), P(dout), P(x), P(w), P(rstd), I(N), I(C),
-               shared=4 * C * block // 32)
+    gpu.launch("rmsnorm_backward_kernel", grid, block, P(dx), P(dx.bf16), P(partial), P(dout), P(x), P(w), P(rstd),
+               I(N), I(C), shared=4 * C * block // 32)
     gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 128), 128, P(dw), P(partial), I(grid), I(C))
 
 
@@ -364,12 +367,13 @@ def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
 
 def swiglu_forward(out, gu, N, F_):
     block = 256
-    gpu.launch("swiglu_forward_kernel", ceil_div(N * F_, block), block, P(out), P(gu), I(N), I(F_))
+    gpu.launch("swiglu_forward_kernel", ceil_div(N * F_, block), block, P(out), P(out.bf16), P(gu), I(N), I(F_))
 
 
 def swiglu_backward(dgu, dout, gu, N, F_):
     block = 256
-    gpu.launch("swiglu_backward_kernel", ceil_div(N * F_, block), block, P(dgu), P(dout), P(gu), I(N), I(F_))
+    gpu.launch("swiglu_backward_kernel", ceil_div(N * F_, block), block, P(dgu), P(dgu.bf16), P(dout), P(gu), I(N),
+               I(F_))
 
 
 def residual_forward(out, x, a, n):
@@ -378,9 +382,10 @@ def residual_forward(out, x, a, n):
 
 
 def cross_entropy_forward(logits, losses, targets, dscale, N, V, K):
+    """with logits.bf16, d loss / d logits go there only, in bf16"""
     block = 256
-    gpu.launch("cross_entropy_forward_kernel", N * K, block, P(logits), P(losses), P(targets), P(dscale),
-               I(N), I(V), I(K))
+    gpu.launch("cross_entropy_forward_kernel", N * K, block, P(logits), P(logits.bf16), P(losses), P(targets),
+               P(dscale), I(N), I(V), I(K))
 
 
 def to_bf16(out, x, n):
@@ -567,40 +572,42 @@ class GPUModel:
         if gpu.precision == "bf16":
             to_bf16(self.flat16, self.flat, self.n_params)
 
-    def round_bf16(self, x, twin=None):
-        """bf16 mode: x rounded once into a bf16 twin that every matmul reading x
-        uses (the forward's activations are read again by the backward's dW
-        products); called again wherever x changes. A no-op otherwise."""
-        if gpu.precision != "bf16":
-            return
-        if twin is None:
-            twin = getattr(x, "twin16", None) or DeviceArray(x.shape, np.uint16)
-            x.twin16 = twin
-        to_bf16(twin, x, x.size)
-        x.bf16 = twin
+    def twin(self, x):
+        """bf16 mode: give x a bf16 twin, which the kernel that writes x fills too and
+        every matmul reading x uses (the forward's activations are read again by
+        the backward's dW products). -> x"""
+        if gpu.precision == "bf16":
+            x.bf16 = DeviceArray(x.shape, np.uint16)
+        return x
+
+    def round_bf16(self, x):
+        """bf16 mode: x rounded into its twin, for the matmul inputs whose kernels
+        do not write bf16 themselves (attention's y, dqkv). A no-op otherwise."""
+        if x.bf16 is not None:
+            to_bf16(x.bf16, x, x.size)
 
     def allocate_activations(self):
         """what the backward reads, per layer, plus a few scratch buffers reused by every layer"""
         cfg, N, B = self.cfg, self.N, self.B
         C, QKV, HD, F_ = cfg.C, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D, cfg.F
         new = lambda *shape: DeviceArray(shape)
+        new2 = lambda *shape: self.twin(DeviceArray(shape))          # a matmul input: with a bf16 twin
         self.x = [new(N, C) for _ in range(cfg.L + 1)]               # the residual stream into each layer
-        self.h, self.m_ = [new(N, C) for _ in range(cfg.L)], [new(N, C) for _ in range(cfg.L)]
+        self.h, self.m_ = [new2(N, C) for _ in range(cfg.L)], [new2(N, C) for _ in range(cfg.L)]
         self.rstd_attn, self.rstd_mlp = [new(N) for _ in range(cfg.L)], [new(N) for _ in range(cfg.L)]
-        self.qkv, self.y = [new(N, QKV) for _ in range(cfg.L)], [new(N, HD) for _ in range(cfg.L)]
+        self.qkv, self.y = [new(N, QKV) for _ in range(cfg.L)], [new2(N, HD) for _ in range(cfg.L)]
         self.lse = [new(B, cfg.Hq, cfg.T) for _ in range(cfg.L)]
         self.x_mid = [new(N, C) for _ in range(cfg.L)]
-        self.gu, self.s = [new(N, 2 * F_) for _ in range(cfg.L)], [new(N, F_) for _ in range(cfg.L)]
-        self.xf, self.rstd_final = new(N, C), new(N)
-        self.logits, self.losses = new(cfg.K, N, cfg.V), new(cfg.K, N)
+        self.gu, self.s = [new(N, 2 * F_) for _ in range(cfg.L)], [new2(N, F_) for _ in range(cfg.L)]
+        self.xf, self.rstd_final = new2(N, C), new(N)
+        self.logits, self.losses = new2(cfg.K, N, cfg.V), new(cfg.K, N)   # logits' twin: d loss / d logits
         self.idx, self.targets = DeviceArray((N,), np.int32), DeviceArray((N, cfg.K), np.int32)
         self.order, self.starts = DeviceArray((N,), np.int32), DeviceArray((N + 1,), np.int32)   # token_rows
         self.dscale = DeviceArray((cfg.K,))
         # scratch for the backward: each layer overwrites what the layer after it used
-        self.dx, self.dxf, self.dh = new(N, C), new(N, C), new(N, C)
-        self.ds, self.dgu, self.dy = new(N, F_), new(N, 2 * F_), new(N, HD)
-        self.dqkv, self.delta = new(N, QKV), new(B, cfg.Hq, cfg.T)
-        self.dlogits16 = DeviceArray((N, cfg.V), np.uint16) if gpu.precision == "bf16" else None
+        self.dx, self.dxf, self.dh = new2(N, C), new(N, C), new(N, C)
+        self.ds, self.dgu, self.dy = new(N, F_), new2(N, 2 * F_), new(N, HD)
+        self.dqkv, self.delta = new2(N, QKV), new(B, cfg.Hq, cfg.T)
 
     def forward(self, idx, targets=None, counts=None):
         """idx (B,T), targets (B,T,K) -> loss, ce (K,). The fused cross entropy leaves
@@ -622,8 +629,7 @@ class GPUModel:
         embedding_forward(self.x[0], self.idx, p["tok_emb"], N, C)
         for l in range(cfg.L):
             w = lambda name: p[f"layers.{l}.{name}"]
-            rmsnorm_forward(self.h[l], self.rstd_attn[l], self.x[l], w("attn_norm"), N, C)
-            self.round_bf16(self.h[l])
+            rmsnorm_forward(self.h[l], self.rstd_attn[l], self.x[l], w("attn_norm"), N, C)   # and h's bf16 twin
             matmul(self.qkv[l], self.h[l], w("wqkv"), N, QKV, C, trans_b=True)
             rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
@@ -631,14 +637,11 @@ class GPUModel:
             matmul(self.dxf, self.y[l], w("wo"), N, C, HD, trans_b=True)       # dxf: scratch here
             residual_forward(self.x_mid[l], self.x[l], self.dxf, N * C)
             rmsnorm_forward(self.m_[l], self.rstd_mlp[l], self.x_mid[l], w("mlp_norm"), N, C)
-            self.round_bf16(self.m_[l])
             matmul(self.gu[l], self.m_[l], w("w_gate_up"), N, 2 * F_, C, trans_b=True)
             swiglu_forward(self.s[l], self.gu[l], N, F_)
-            self.round_bf16(self.s[l])
             matmul(self.dxf, self.s[l], w("w_down"), N, C, F_, trans_b=True)
             residual_forward(self.x[l + 1], self.x_mid[l], self.dxf, N * C)
         rmsnorm_forward(self.xf, self.rstd_final, self.x[cfg.L], p["final_norm"], N, C)
-        self.round_bf16(self.xf)
         for k in range(K):
             matmul(self.logits.view(k * N * V, (N, V)), self.xf, p[f"heads.{k}"], N, V, C, trans_b=True)
         if targets is None:
@@ -660,9 +663,11 @@ class GPUModel:
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         p, g = self.params, self.dparams
         # the chain starts in self.logits: the fused cross entropy wrote d loss / d logits there
+        # (in bf16 mode: in its bf16 twin only)
         for k in range(K):
             dlogits = self.logits.view(k * N * V, (N, V))
-            self.round_bf16(dlogits, self.dlogits16)
+            if self.logits.bf16 is not None:
+                dlogits.bf16 = self.logits.bf16.view(k * N * V, (N, V))
             matmul(self.dxf, dlogits, p[f"heads.{k}"], N, C, V, accumulate=k > 0)   # every head adds
             matmul(g[f"heads.{k}"], dlogits, self.xf, V, C, N, trans_a=True, accumulate=True)
         self.dx.zero()
@@ -671,18 +676,15 @@ class GPUModel:
         for l in reversed(range(cfg.L)):
             w = lambda name: p[f"layers.{l}.{name}"]
             dw = lambda name: g[f"layers.{l}.{name}"]
-            # forward was: x[l+1] = x_mid + s @ w_down.T
-            self.round_bf16(self.dx)
+            # forward was: x[l+1] = x_mid + s @ w_down.T (dx's twin: written by rmsnorm_backward)
             matmul(self.ds, self.dx, w("w_down"), N, F_, C)
             matmul(dw("w_down"), self.dx, self.s[l], C, F_, N, trans_a=True, accumulate=True)
             swiglu_backward(self.dgu, self.ds, self.gu[l], N, F_)
-            self.round_bf16(self.dgu)
             matmul(self.dh, self.dgu, w("w_gate_up"), N, C, 2 * F_)
             matmul(dw("w_gate_up"), self.dgu, self.m_[l], 2 * F_, C, N, trans_a=True, accumulate=True)
             # dx += : the residual stream's gradient takes both paths
             rmsnorm_backward(self.dx, dw("mlp_norm"), self.dh, self.x_mid[l], w("mlp_norm"), self.rstd_mlp[l], N, C)
             # forward was: x_mid = x[l] + y @ wo.T
-            self.round_bf16(self.dx)                                 # dx has changed: round it again
             matmul(self.dy, self.dx, w("wo"), N, HD, C)
             matmul(dw("wo"), self.dx, self.y[l], C, HD, N, trans_a=True, accumulate=True)
             attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta,
@@ -722,6 +724,27 @@ NAN_BITS = 0x7FC00000
 TOLERANCE = {"fp32": 1e-5, "tf32": 1e-2, "bf16": 1e-2}
 
 
+def bf16_round(a):
+    """float32 -> the float32 value of its bf16 rounding (to nearest even), as the kernels round"""
+    bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    return (((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
+def from_bf16(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def with_twin(a):
+    """a DeviceArray given a bf16 twin, poisoned, for checking the kernels that fill one"""
+    a.bf16 = DeviceArray(a.shape, np.uint16).fill_bits(0xFFFFFFFF)     # two bf16 NaNs per 32 bits
+    return a
+
+
+def twin_error(a):
+    """how far a's bf16 twin is from a rounded to bf16: 0 when the kernel wrote it right"""
+    return rel_diff(from_bf16(a.bf16.download()), bf16_round(a.download()))
+
+
 def rel_diff(got, ref):
     return float(np.linalg.norm(np.asarray(got, np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
 
@@ -745,16 +768,18 @@ def check_kernels(rng, report):
     report("embedding_backward", rel_diff(d.download(), start + ne.embedding_backward(f64(dx), (idx, (V, C)))))
     # rmsnorm
     x, w, dout = f32(N, C), f32(C), f32(N, C)
-    out, rstd = poisoned(N, C), poisoned(N)
+    out, rstd = with_twin(poisoned(N, C)), poisoned(N)
     rmsnorm_forward(out, rstd, to_gpu(x), to_gpu(w), N, C)
     ref, cache = ne.rmsnorm_forward(f64(x), f64(w))
     report("rmsnorm_forward", rel_diff(out.download(), ref))
+    report("rmsnorm_forward bf16 twin", twin_error(out))
     dx0, dw0 = f32(N, C), f32(C)
-    dxg, dwg = to_gpu(dx0), to_gpu(dw0)
+    dxg, dwg = with_twin(to_gpu(dx0)), to_gpu(dw0)
     rmsnorm_backward(dxg, dwg, to_gpu(dout), to_gpu(x), to_gpu(w), rstd, N, C)
     rdx, rdw = ne.rmsnorm_backward(f64(dout), cache)
     report("rmsnorm_backward dx", rel_diff(dxg.download() - dx0, rdx))
     report("rmsnorm_backward dw", rel_diff(dwg.download() - dw0, rdw))
+    report("rmsnorm_backward dx bf16 twin", twin_error(dxg))
     # rope, in place on the q and k heads of a qkv buffer, at an offset position
     Hq, Hkv, D = 4, 2, 32
     QKV = (Hq + 2 * Hkv) * D
@@ -773,13 +798,15 @@ def check_kernels(rng, report):
     report("rope_backward", rel_diff(q.download()[:, :(Hq + Hkv) * D], ref))
     # swiglu
     gu, dout = f32(N, 2 * F_) * 3, f32(N, F_)
-    out = poisoned(N, F_)
+    out = with_twin(poisoned(N, F_))
     swiglu_forward(out, to_gpu(gu), N, F_)
     ref, cache = ne.swiglu_forward(f64(gu))
     report("swiglu_forward", rel_diff(out.download(), ref))
-    dgu = poisoned(N, 2 * F_)
+    report("swiglu_forward bf16 twin", twin_error(out))
+    dgu = with_twin(poisoned(N, 2 * F_))
     swiglu_backward(dgu, to_gpu(dout), to_gpu(gu), N, F_)
     report("swiglu_backward", rel_diff(dgu.download(), ne.swiglu_backward(f64(dout), cache)))
+    report("swiglu_backward bf16 twin", twin_error(dgu))
     # residual
     a, b = f32(N, C), f32(N, C)
     out = poisoned(N, C)
@@ -798,6 +825,13 @@ def check_kernels(rng, report):
         ref_loss, cache = ne.cross_entropy_forward(f64(logits[k]), targets[:, k])
         report(f"cross_entropy head {k} loss", abs(got_loss[k] - ref_loss) / ref_loss)
         report(f"cross_entropy head {k} dlogits", rel_diff(got_d[k], ne.cross_entropy_backward(weights[k], cache)))
+    lg = with_twin(to_gpu(logits))                    # bf16 mode: d logits go to the twin only
+    cross_entropy_forward(lg, losses, to_gpu(targets, np.int32), to_gpu(weights / counts), N, V, K)
+    report("cross_entropy dlogits bf16 twin", rel_diff(from_bf16(lg.bf16.download()), bf16_round(got_d)))
+    report("cross_entropy leaves logits (twin)", float(np.any(lg.download() != logits)))
+    x16 = DeviceArray((N, C), np.uint16).fill_bits(0xFFFFFFFF)
+    to_bf16(x16, to_gpu(x), N * C)
+    report("to_bf16", rel_diff(from_bf16(x16.download()), bf16_round(x)))
     # adamw and the gradient norm
     n = 100_003
     p, g_, m, v = f32(n), f32(n), f32(n) * 0.1, np.abs(f32(n)) * 0.1

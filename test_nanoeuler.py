@@ -722,6 +722,18 @@ def test_every_launched_kernel_exists_in_the_sources():
         assert any(n.startswith(f"{family}_forward_kernel") for n in defined)
 
 
+def test_bf16_round_is_round_to_nearest_even():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    one = 1.0
+    halfway, above = one + 2.0 ** -8, one + 1.5 * 2.0 ** -8              # bf16 keeps 7 bits after the point
+    got = nc.bf16_round(np.array([one, halfway, above, -above, 3 * 2.0 ** -8 + 1], np.float32))
+    assert got.tolist() == [1.0, 1.0, 1 + 2.0 ** -7, -(1 + 2.0 ** -7), 1 + 2.0 ** -6]
+    x = np.random.default_rng(0).normal(size=10000).astype(np.float32)
+    r = nc.bf16_round(x)
+    assert np.all(r.view(np.uint32) & 0xFFFF == 0) and np.max(np.abs(r / x - 1)) <= 2.0 ** -8
+    assert np.array_equal(nc.from_bf16((r.view(np.uint32) >> 16).astype(np.uint16)), r)
+
+
 def test_flops_per_token_of_big_model():
     nc = pytest.importorskip("nanoeuler_cuda")
     cfg = ne.PRESETS["big"]
