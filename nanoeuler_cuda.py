@@ -184,8 +184,11 @@ class DeviceArray:
         return out
 
     def fill_bits(self, bits):
-        """every 32-bit element set to a bit pattern: 0 is zero, 0x7FC00000 is NaN"""
-        check(cu.cuMemsetD32Async(self.ptr, bits, self.size, gpu.stream), "cuMemsetD32Async")
+        """every element set to a bit pattern: 0 is zero, 0x7FC00000 a float32 NaN, 0xFFFF a bf16 one"""
+        if self.dtype.itemsize == 2:
+            check(cu.cuMemsetD16Async(self.ptr, bits, self.size, gpu.stream), "cuMemsetD16Async")
+        else:
+            check(cu.cuMemsetD32Async(self.ptr, bits, self.size, gpu.stream), "cuMemsetD32Async")
         return self
 
     def zero(self):
@@ -736,7 +739,7 @@ def from_bf16(bits):
 
 def with_twin(a):
     """a DeviceArray given a bf16 twin, poisoned, for checking the kernels that fill one"""
-    a.bf16 = DeviceArray(a.shape, np.uint16).fill_bits(0xFFFFFFFF)     # two bf16 NaNs per 32 bits
+    a.bf16 = DeviceArray(a.shape, np.uint16).fill_bits(0xFFFF)          # bf16 NaNs
     return a
 
 
@@ -829,7 +832,7 @@ def check_kernels(rng, report):
     cross_entropy_forward(lg, losses, to_gpu(targets, np.int32), to_gpu(weights / counts), N, V, K)
     report("cross_entropy dlogits bf16 twin", rel_diff(from_bf16(lg.bf16.download()), bf16_round(got_d)))
     report("cross_entropy leaves logits (twin)", float(np.any(lg.download() != logits)))
-    x16 = DeviceArray((N, C), np.uint16).fill_bits(0xFFFFFFFF)
+    x16 = DeviceArray((N, C), np.uint16).fill_bits(0xFFFF)
     to_bf16(x16, to_gpu(x), N * C)
     report("to_bf16", rel_diff(from_bf16(x16.download()), bf16_round(x)))
     # adamw and the gradient norm
