@@ -1414,7 +1414,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                   f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | " +
                   (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
             val_loss = val_bpb = ""
-            if plan_now and step == start + PLAN_AFTER or step % args.eval_every == 0 or step == total:
+            if (plan_now and step == start + PLAN_AFTER) or step % args.eval_every == 0 or step == total:
                 t_eval = time.time()
                 val_loss, val_bpb = validate(step)
                 if plan_now and step == start + PLAN_AFTER:
@@ -1546,6 +1546,7 @@ def new_kv_cache(cfg, B, dtype=np.float32):
     """per layer (k, v), each (B, T, Hkv, D): the keys and values seen so far"""
     return [(np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype), np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype))
             for _ in range(cfg.L)]
+
 
 def forward_logits(params, cfg, idx, pos, kv, layers=None):
     """idx (B,Tn): new tokens at positions pos.. -> head 0's logits (B,Tn,V) and the
