@@ -16,12 +16,13 @@ the other way round.
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
 default for train and bench: matmul inputs rounded to bfloat16, products summed
-in fp32; attention as tf32). Weights, gradients, optimizer state and the activations kept for the
-backward are fp32 in every mode.
+in fp32; attention as tf32). Weights, gradients, optimizer state and the
+activations kept for the backward are fp32 in every mode; in bf16 mode each
+matmul input also has a bf16 twin, which the kernel that makes the input
+writes alongside (a rounding pass only for the weights, attention's y and dqkv).
 
 No kernel uses atomics, so a run is the same bits every time.
-What it leaves out, for now: bf16 activations (the bf16 mode rounds each matmul
-input once, in a pass of its own) and CUDA graphs.
+What it leaves out, for now: bf16 attention and CUDA graphs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
