@@ -96,18 +96,20 @@ __device__ void attention_forward(float* y, float* lse, const float* qkv, int T,
 // backward
 
 // delta = rowsum(dy * y), the softmax backward's correction term
-// one thread per (b, h, query row); grid = ceil(B*Hq*T / block)
+// one warp per (b, query row, head), in memory order, so a warp reads one
+// contiguous row of D floats and neighbouring warps the next heads' rows;
+// grid = ceil(B*T*Hq / warps per block)
 __device__ void attention_backward_delta(float* delta, const float* dy, const float* y, int B, int T, int Hq,
                                          int D) {
-    long e = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (e >= (long)B * Hq * T) return;
-    int i = e % T, h = (e / T) % Hq;
-    long b = e / ((long)T * Hq);
-    const float* dyr = dy + (b * T + i) * Hq * D + h * D;
-    const float* yr = y + (b * T + i) * Hq * D + h * D;
+    long e = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;   // (b * T + i) * Hq + h
+    int lane = threadIdx.x % 32;
+    if (e >= (long)B * T * Hq) return;
+    int h = e % Hq, i = (e / Hq) % T;
+    long b = e / ((long)Hq * T);
     float s = 0.0f;
-    for (int d = 0; d < D; d++) s += dyr[d] * yr[d];
-    delta[e] = s;
+    for (int d = lane; d < D; d += 32) s += dy[e * D + d] * y[e * D + d];
+    for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
+    if (lane == 0) delta[(b * Hq + h) * T + i] = s;
 }
 
 // dk and dv for 64 keys of one kv head, summed over its G query heads and every

@@ -425,7 +425,7 @@ def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     block = 256
-    gpu.launch("attention_backward_delta_kernel", ceil_div(B * Hq * T, block), block, P(delta), P(dy), P(y),
+    gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, P(delta), P(dy), P(y),
                I(B), I(T), I(Hq), I(D))
     args = (P(dqkv), P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
     if gpu.precision == "fp32":
