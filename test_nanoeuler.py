@@ -311,6 +311,22 @@ def test_micro_batches_add_up_to_the_batch():
     np.testing.assert_allclose(parts[0], whole[0], rtol=1e-9, atol=1e-14)
 
 
+def test_decoding_forward_equals_the_training_forward():
+    # forward_logits is block_forward's math written for one sequence with a KV
+    # cache: fed in three pieces (prefill, 1 token, 3 tokens) it must give the
+    # logits of the whole sequence through the layers the gradient check proves
+    cfg = TINY
+    _, params = random_model(cfg)
+    ids = np.random.default_rng(3).integers(0, cfg.V, (1, 10))
+    x = params["tok_emb"][ids]
+    for l in range(cfg.L):
+        x, _ = ne.block_forward(x, ne.layer_params(params, l), cfg)
+    ref = ne.rmsnorm_forward(x, params["final_norm"])[0] @ params["heads.0"].T
+    kv = ne.new_kv_cache(cfg, 1, np.float64)
+    got = [ne.forward_logits(params, cfg, ids[:, a:b], a, kv)[0] for a, b in ((0, 6), (6, 7), (7, 10))]
+    np.testing.assert_allclose(np.concatenate(got, 1), ref, rtol=1e-12, atol=1e-12)
+
+
 def naive_greedy(params, cfg, prompt, n):
     """re-runs the whole sequence for every new token: no cache"""
     ids = list(prompt)
