@@ -1200,8 +1200,10 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
                              "(its message is above), so every rank stopped; resume with --resume")
 
 
-def rank_and_world():
+def rank_and_world(args):
     """(rank, world) of this process: (0, 0) when it is the only one, without NCCL"""
+    if args.zero and not args.gpus:
+        raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
     return int(os.environ.get("NANOEULER_RANK", 0)), int(os.environ.get("NANOEULER_WORLD", 0))
 
 
@@ -1209,7 +1211,7 @@ def cmd_train(args):
     if args.model_size not in PRESETS:
         raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
     cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
-    rank, world = rank_and_world()
+    rank, world = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         ne.prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
         return launch_ranks(args.argv, args.gpus)
@@ -1256,7 +1258,7 @@ def cmd_sample(args):
 
 def cmd_bench(args):
     """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up"""
-    rank, world = rank_and_world()
+    rank, world = rank_and_world(args)
     if args.gpus and not world:
         return launch_ranks(args.argv, args.gpus)
     init_gpu(args.precision, rank)

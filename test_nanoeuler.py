@@ -877,6 +877,12 @@ def test_launcher_refuses_more_gpus_than_there_are(fake_ranks):
         fake_ranks(world=4)
 
 
+def test_zero_without_gpus_is_refused():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    with pytest.raises(ne.NanoEulerError, match="give --gpus N"):
+        nc.cmd_train(nc.build_parser().parse_args(["train", "big", "--zero"]))
+
+
 def test_nccl_unique_id_round_trips():
     nc = pytest.importorskip("nanoeuler_cuda")
     if not have_module("nvidia.nccl"):
