@@ -40,6 +40,14 @@ Tiles: 64 query rows per block; keys loaded 32 at a time into shared memory,
 
 // keys and values k0..k0+BC-1 of kv head kvh into shared memory (zeros past T),
 // between two barriers; the BR threads of the block share the copy
+// float32 -> bfloat16 bits, rounded to nearest even (as kernels.cu's bf16_bits): in
+// bf16 mode the kernels that write y and dv write their bf16 copies too (out16),
+// which the bf16 matmuls read; nullptr otherwise
+__device__ __forceinline__ unsigned short bf16_bits(float x) {
+    unsigned int bits = __float_as_uint(x);
+    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+}
+
 template <int D>
 __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, int k0, int T, int stride,
                              int Hq, int Hkv, int kvh) {
@@ -54,7 +62,8 @@ __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, 
 
 // grid = (ceil(T / BR), Hq, B); block = BR threads, one per query row
 template <int D>
-__device__ void attention_forward(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+__device__ void attention_forward(float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv,
+                                  float scale) {
     __shared__ float ks[BC][D], vs[BC][D];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv);
     int i = blockIdx.x * BR + threadIdx.x;
@@ -88,7 +97,11 @@ __device__ void attention_forward(float* y, float* lse, const float* qkv, int T,
         m = m_tile;
     }
     if (i >= T) return;
-    for (int d = 0; d < D; d++) y[((long)b * T + i) * Hq * D + h * D + d] = o[d] / l;
+    for (int d = 0; d < D; d++) {
+        long e = ((long)b * T + i) * Hq * D + h * D + d;
+        y[e] = o[d] / l;
+        if (y16) y16[e] = bf16_bits(y[e]);
+    }
     lse[((long)b * Hq + h) * T + i] = m + logf(l);
 }
 
@@ -120,8 +133,8 @@ __device__ void attention_backward_delta(float* delta, const float* dy, const fl
 // rows are loaded into shared memory and read by every thread.
 // grid = (ceil(T / 64), Hkv, B); block = 128 threads, two per key row
 template <int D>
-__device__ void attention_backward_dkv(float* dqkv, const float* qkv, const float* dy, const float* lse,
-                                       const float* delta, int T, int Hq, int Hkv, float scale) {
+__device__ void attention_backward_dkv(float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy,
+                                       const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
     constexpr int KEYS = 64, HALF = D / 2;
     __shared__ float qs[BC][D], dys[BC][D], lse_s[BC], delta_s[BC];
     int b = blockIdx.z, kvh = blockIdx.y, G = Hq / Hkv;
@@ -169,10 +182,11 @@ __device__ void attention_backward_dkv(float* dqkv, const float* qkv, const floa
         }
     }
     if (j >= T) return;
-    float* out = dqkv + ((long)b * T + j) * stride;
+    long row = ((long)b * T + j) * stride;
     for (int e = 0; e < HALF; e++) {
-        out[(Hq + kvh) * D + 2 * e + half] = dk[e];
-        out[(Hq + Hkv + kvh) * D + 2 * e + half] = dv[e];
+        dqkv[row + (Hq + kvh) * D + 2 * e + half] = dk[e];
+        dqkv[row + (Hq + Hkv + kvh) * D + 2 * e + half] = dv[e];
+        if (dqkv16) dqkv16[row + (Hq + Hkv + kvh) * D + 2 * e + half] = bf16_bits(dv[e]);   // dk: after rope
     }
 }
 
@@ -330,23 +344,28 @@ __device__ void load_tile(float* tile, const float* m, long stride, int col, int
 }
 
 // write a warp's accumulator c (16 x D, C layout) to rows r0.. of a row-major global
-// matrix out (row stride ld), row r scaled by f[r >= r0 + 8], rows past T skipped
+// matrix out (row stride ld), and its bf16 copy to out16 unless that is nullptr,
+// row r scaled by f[r >= r0 + 8], rows past T skipped
 template <int D>
-__device__ void store_rows(float* out, long ld, int r0, int T, float (*c)[4], const float* f) {
+__device__ void store_rows(float* out, unsigned short* out16, long ld, int r0, int T, float (*c)[4], const float* f) {
     int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
     #pragma unroll
     for (int nt = 0; nt < D / 8; nt++)
         #pragma unroll
         for (int i = 0; i < 4; i++) {
             int row = r0 + g + 8 * (i >> 1);
-            if (row < T) out[row * ld + nt * 8 + 2 * t + (i & 1)] = c[nt][i] * f[i >> 1];
+            long e = row * ld + nt * 8 + 2 * t + (i & 1);
+            if (row < T) {
+                out[e] = c[nt][i] * f[i >> 1];
+                if (out16) out16[e] = bf16_bits(out[e]);
+            }
         }
 }
 
 // grid = (ceil(T / 64), Hq, B); block = 128 threads, 4 warps of 16 query rows
 template <int D>
-__device__ void attention_forward_mma(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv,
-                                      float scale) {
+__device__ void attention_forward_mma(float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq,
+                                      int Hkv, float scale) {
     __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv), warp = threadIdx.x / 32;
     int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
@@ -397,7 +416,8 @@ __device__ void attention_forward_mma(float* y, float* lse, const float* qkv, in
         mma_p_m<D, BK>(o, s, scratch[warp], vs, D + 4);
     }
     float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
-    store_rows<D>(y + (long)b * T * Hq * D + h * D, (long)Hq * D, r0, T, o, inv_l);
+    long y0 = (long)b * T * Hq * D + h * D;
+    store_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0, T, o, inv_l);
     #pragma unroll
     for (int r = 0; r < 2; r++)
         if (t == 0 && r0 + g + 8 * r < T) lse[((long)b * Hq + h) * T + r0 + g + 8 * r] = m[r] + logf(l[r]);
@@ -443,7 +463,7 @@ __device__ void attention_backward_dq_mma(float* dqkv, const float* qkv, const f
         mma_p_m<D, BK>(dq, s, scratch[warp], ks, D + 4);
     }
     float scales[2] = {scale, scale};
-    store_rows<D>(dqkv + (long)b * T * stride + h * D, stride, r0, T, dq, scales);
+    store_rows<D>(dqkv + (long)b * T * stride + h * D, nullptr, stride, r0, T, dq, scales);   // bf16: after rope
 }
 
 // dk and dv for 16 keys per warp (64 per block) of one kv head, summed over its G
@@ -451,8 +471,9 @@ __device__ void attention_backward_dq_mma(float* dqkv, const float* qkv, const f
 // dv = pt dy and dk = dst (q scale)
 // grid = (ceil(T / 64), Hkv, B); block = 128 threads
 template <int D>
-__device__ void attention_backward_dkv_mma(float* dqkv, const float* qkv, const float* dy, const float* lse,
-                                           const float* delta, int T, int Hq, int Hkv, float scale) {
+__device__ void attention_backward_dkv_mma(float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy,
+                                           const float* lse, const float* delta, int T, int Hq, int Hkv,
+                                           float scale) {
     __shared__ float qs[BK * (D + 4)], dys[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
     __shared__ float lse_s[BK], delta_s[BK];
     int b = blockIdx.z, kvh = blockIdx.y, G = Hq / Hkv, warp = threadIdx.x / 32;
@@ -492,8 +513,9 @@ __device__ void attention_backward_dkv_mma(float* dqkv, const float* qkv, const 
         }
     }
     float ones[2] = {1.0f, 1.0f};
-    store_rows<D>(dqkv + (long)b * T * stride + (Hq + kvh) * D, stride, r0, T, dk, ones);
-    store_rows<D>(dqkv + (long)b * T * stride + (Hq + Hkv + kvh) * D, stride, r0, T, dv, ones);
+    long k0 = (long)b * T * stride + (Hq + kvh) * D, v0 = (long)b * T * stride + (Hq + Hkv + kvh) * D;
+    store_rows<D>(dqkv + k0, nullptr, stride, r0, T, dk, ones);                     // dk's bf16: after rope
+    store_rows<D>(dqkv + v0, dqkv16 ? dqkv16 + v0 : nullptr, stride, r0, T, dv, ones);
 }
 
 // -----------------------------------------------------------------------------
@@ -508,13 +530,13 @@ extern "C" __global__ void attention_backward_delta_kernel(float* delta, const f
 // FWD and DQ are the forward's and dq's block sizes
 #define ATTENTION_KERNELS(V, D, FWD, DQ)                                                                        \
     extern "C" __global__ void __launch_bounds__(FWD) attention_forward##V##_kernel_##D(                        \
-        float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {                          \
-        attention_forward##V<D>(y, lse, qkv, T, Hq, Hkv, scale);                                                \
+        float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {     \
+        attention_forward##V<D>(y, y16, lse, qkv, T, Hq, Hkv, scale);                                           \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv##V##_kernel_##D(                   \
-        float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \
-        int Hkv, float scale) {                                                                                 \
-        attention_backward_dkv##V<D>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);                             \
+        float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse,               \
+        const float* delta, int T, int Hq, int Hkv, float scale) {                                              \
+        attention_backward_dkv##V<D>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);                     \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(DQ) attention_backward_dq##V##_kernel_##D(                     \
         float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq,    \

@@ -156,8 +156,8 @@ extern "C" __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* pa
 // and k heads); cos/sin tables (positions, D/2) come from nanoeuler.rope_table.
 // The backward is the rotation by the opposite angle: the same code with -sin.
 // one thread per (row, head, pair); grid = ceil(N*n_heads*D/2 / block)
-__device__ void rope(float* qkv, const float* cos, const float* sin, int N, int T, int n_heads, int D,
-                     int stride, int pos, float sign) {
+__device__ void rope(float* qkv, unsigned short* qkv16, const float* cos, const float* sin, int N, int T,
+                     int n_heads, int D, int stride, int pos, float sign) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     int half = D / 2;
     if (i >= (long)N * n_heads * half) return;
@@ -165,20 +165,25 @@ __device__ void rope(float* qkv, const float* cos, const float* sin, int N, int 
     long n = i / ((long)half * n_heads);
     int t = pos + n % T;
     float c = cos[t * half + p], s = sign * sin[t * half + p];
-    float* x = qkv + n * stride + h * D;
-    float a = x[p], b = x[p + half];
-    x[p] = a * c - b * s;
-    x[p + half] = b * c + a * s;
+    long e = n * stride + h * D + p;
+    float a = qkv[e], b = qkv[e + half];
+    qkv[e] = a * c - b * s;
+    qkv[e + half] = b * c + a * s;
+    if (qkv16) {
+        qkv16[e] = bf16_bits(qkv[e]);
+        qkv16[e + half] = bf16_bits(qkv[e + half]);
+    }
 }
 
 extern "C" __global__ void rope_forward_kernel(float* qkv, const float* cos, const float* sin, int N, int T,
                                                int n_heads, int D, int stride, int pos) {
-    rope(qkv, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);
+    rope(qkv, nullptr, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);
 }
 
-extern "C" __global__ void rope_backward_kernel(float* dqkv, const float* cos, const float* sin, int N, int T,
-                                                int n_heads, int D, int stride, int pos) {
-    rope(dqkv, cos, sin, N, T, n_heads, D, stride, pos, -1.0f);
+// and, in bf16 mode, the bf16 copy of the rotated dq and dk (attention's dk/dv kernel writes dv's)
+extern "C" __global__ void rope_backward_kernel(float* dqkv, unsigned short* dqkv16, const float* cos, const float* sin,
+                                                int N, int T, int n_heads, int D, int stride, int pos) {
+    rope(dqkv, dqkv16, cos, sin, N, T, n_heads, D, stride, pos, -1.0f);
 }
 
 // -----------------------------------------------------------------------------
@@ -258,7 +263,7 @@ extern "C" __global__ void cross_entropy_forward_kernel(float* logits, unsigned 
 
 // float32 -> bfloat16, rounded to nearest even: the inputs of the bf16 matmuls
 // (cuBLAS multiplies them on tensor cores and accumulates in fp32) that no
-// kernel wrote in bf16 itself: the weights after each update, attention's y and dqkv
+// kernel wrote in bf16 itself: the weights after each update
 // four elements per thread (a quarter of the threads, the same bytes); grid = ceil(n / (4 block))
 extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, long n) {
     long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);

@@ -364,9 +364,10 @@ def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
 
 
 def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    """and dq, dk's bf16 twin (attention_backward writes dv's)"""
     block = 256
-    gpu.launch("rope_backward_kernel", ceil_div(N * n_heads * D // 2, block), block, P(dqkv), P(cos), P(sin),
-               I(N), I(T), I(n_heads), I(D), I(stride), I(pos))
+    gpu.launch("rope_backward_kernel", ceil_div(N * n_heads * D // 2, block), block, P(dqkv), P(dqkv.bf16), P(cos),
+               P(sin), I(N), I(T), I(n_heads), I(D), I(stride), I(pos))
 
 
 def swiglu_forward(out, gu, N, F_):
@@ -415,25 +416,25 @@ def grad_norm(partial, grads, n):
 
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
     # fp32: one thread per query row on CUDA cores, exact; tf32 and bf16: tensor cores
+    args = (P(y), P(y.bf16), P(lse), P(qkv), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
     if gpu.precision == "fp32":
-        gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(y), P(lse), P(qkv), I(T),
-                   I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+        gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, *args)
     else:
-        gpu.launch(f"attention_forward_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, P(y), P(lse), P(qkv),
-                   I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+        gpu.launch(f"attention_forward_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
 
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     block = 256
     gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, P(delta), P(dy), P(y),
                I(B), I(T), I(Hq), I(D))
-    args = (P(dqkv), P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    args = (P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    dkv_args = (P(dqkv), P(dqkv.bf16), *args)                        # and dv's bf16 twin
     if gpu.precision == "fp32":
-        gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *args)
-        gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, *args)
+        gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *dkv_args)
+        gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(dqkv), *args)
     else:
-        gpu.launch(f"attention_backward_dkv_mma_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *args)
-        gpu.launch(f"attention_backward_dq_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
+        gpu.launch(f"attention_backward_dkv_mma_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *dkv_args)
+        gpu.launch(f"attention_backward_dq_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, P(dqkv), *args)
 
 
 # -----------------------------------------------------------------------------
@@ -577,18 +578,14 @@ class GPUModel:
             to_bf16(self.flat16, self.flat, self.n_params)
 
     def twin(self, x):
-        """bf16 mode: give x a bf16 twin, which the kernel that writes x fills too and
+        """bf16 mode: give x a bf16 twin, which the kernels that write x fill too and
         every matmul reading x uses (the forward's activations are read again by
-        the backward's dW products). -> x"""
+        the backward's dW products); only the weights take a rounding pass of
+        their own (refresh_bf16). -> x"""
         if gpu.precision == "bf16":
             x.bf16 = DeviceArray(x.shape, np.uint16)
         return x
 
-    def round_bf16(self, x):
-        """bf16 mode: x rounded into its twin, for the matmul inputs whose kernels
-        do not write bf16 themselves (attention's y, dqkv). A no-op otherwise."""
-        if x.bf16 is not None:
-            to_bf16(x.bf16, x, x.size)
 
     def allocate_activations(self):
         """what the backward reads, per layer, plus a few scratch buffers reused by every layer"""
@@ -637,7 +634,6 @@ class GPUModel:
             matmul(self.qkv[l], self.h[l], w("wqkv"), N, QKV, C, trans_b=True)
             rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
-            self.round_bf16(self.y[l])
             matmul(self.dxf, self.y[l], w("wo"), N, C, HD, trans_b=True)       # dxf: scratch here
             residual_forward(self.x_mid[l], self.x[l], self.dxf, N * C)
             rmsnorm_forward(self.m_[l], self.rstd_mlp[l], self.x_mid[l], w("mlp_norm"), N, C)
@@ -694,7 +690,6 @@ class GPUModel:
             attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta,
                                B, T, cfg.Hq, cfg.Hkv, D)
             rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
-            self.round_bf16(self.dqkv)
             matmul(self.dh, self.dqkv, w("wqkv"), N, C, QKV)
             matmul(dw("wqkv"), self.dqkv, self.h[l], QKV, C, N, trans_a=True, accumulate=True)
             rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C)
@@ -796,10 +791,12 @@ def check_kernels(rng, report):
     got = q.download()
     report("rope_forward", rel_diff(got[:, :(Hq + Hkv) * D], ref))
     report("rope_forward leaves v", float(np.any(got[:, (Hq + Hkv) * D:] != qkv[:, (Hq + Hkv) * D:])))
-    q = to_gpu(qkv)
+    q = with_twin(to_gpu(qkv))
     rope_backward(q, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
     ref = ne.rope_backward(f64(heads), ne.rope_forward(f64(heads), pos)[1]).reshape(N, -1)
-    report("rope_backward", rel_diff(q.download()[:, :(Hq + Hkv) * D], ref))
+    got = q.download()[:, :(Hq + Hkv) * D]
+    report("rope_backward", rel_diff(got, ref))
+    report("rope_backward bf16 twin", rel_diff(from_bf16(q.bf16.download())[:, :(Hq + Hkv) * D], bf16_round(got)))
     # swiglu
     gu, dout = f32(N, 2 * F_) * 3, f32(N, F_)
     out = with_twin(poisoned(N, F_))
@@ -864,17 +861,20 @@ def check_attention(rng, report):
         k = f64(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(B, T, Hkv, D)
         v = f64(qkv[:, (Hq + Hkv) * D:]).reshape(B, T, Hkv, D)
         ref, cache = ne.attention_forward(q, k, v)
-        y, lse, qkv_g = poisoned(N, Hq * D), poisoned(B, Hq, T), to_gpu(qkv)
+        y, lse, qkv_g = with_twin(poisoned(N, Hq * D)), poisoned(B, Hq, T), to_gpu(qkv)
         attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
         what = f"attention {gpu.precision} D={D} G={Hq // Hkv}"
         report(f"{what} forward", rel_diff(y.download(), ref.reshape(N, -1)))
+        report(f"{what} forward bf16 twin", twin_error(y))
         dq, dk, dv = ne.attention_backward(f64(dy).reshape(B, T, Hq, D), cache)
-        dqkv = poisoned(N, QKV)
+        dqkv = with_twin(poisoned(N, QKV))
         attention_backward(dqkv, to_gpu(dy), qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
         got = dqkv.download()
         report(f"{what} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
         report(f"{what} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
         report(f"{what} dv", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
+        got16 = from_bf16(dqkv.bf16.download())                   # dv's twin here; dq and dk's: rope_backward
+        report(f"{what} dv bf16 twin", rel_diff(got16[:, (Hq + Hkv) * D:], bf16_round(got[:, (Hq + Hkv) * D:])))
 
 
 def check_model(rng, report, precision):
