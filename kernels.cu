@@ -8,7 +8,9 @@ Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
 (-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32.
 For the bf16 matmuls, a kernel whose output feeds one also writes that output
 rounded to bf16 into an out16 twin (nullptr: none, in fp32 and tf32 modes), so no
-pass of its own re-reads it; to_bf16_kernel rounds whatever else is needed.
+pass of its own re-reads it; where only matmuls read the output (rmsnorm_forward,
+swiglu both ways, the cross entropy), it writes the twin alone. to_bf16_kernel
+rounds the weights.
 All kernels are extern "C" so their names survive compilation unmangled.
 
 Gradient rule: parameter gradients +=, activation gradients =, except where a
@@ -100,8 +102,8 @@ extern "C" __global__ void rmsnorm_forward_kernel(float* out, unsigned short* ou
     float r = 1.0f / sqrtf(warp_sum(ss) / C + 1e-5f);
     for (int c = lane; c < C; c += 32) {
         float o = xr[c] * r * w[c];
-        out[(long)row * C + c] = o;
-        if (out16) out16[(long)row * C + c] = bf16_bits(o);
+        if (out16) out16[(long)row * C + c] = bf16_bits(o);        // only matmuls read it
+        else out[(long)row * C + c] = o;
     }
     if (lane == 0) rstd[row] = r;
 }
@@ -195,8 +197,9 @@ extern "C" __global__ void swiglu_forward_kernel(float* out, unsigned short* out
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
     float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
-    out[i] = gate / (1.0f + expf(-gate)) * up;
-    if (out16) out16[i] = bf16_bits(out[i]);
+    float o = gate / (1.0f + expf(-gate)) * up;
+    if (out16) out16[i] = bf16_bits(o);                            // only matmuls read it
+    else out[i] = o;
 }
 
 extern "C" __global__ void swiglu_backward_kernel(float* dgu, unsigned short* dgu16, const float* dout, const float* gu,
@@ -207,11 +210,12 @@ extern "C" __global__ void swiglu_backward_kernel(float* dgu, unsigned short* dg
     float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
     float sig = 1.0f / (1.0f + expf(-gate)), silu = gate * sig;
     float dgate = dout[i] * up * (sig + silu * (1.0f - sig)), dup = dout[i] * silu;   // d silu / d gate
-    dgu[n * 2 * F + f] = dgate;
-    dgu[n * 2 * F + F + f] = dup;
-    if (dgu16) {
+    if (dgu16) {                                                   // only matmuls read it
         dgu16[n * 2 * F + f] = bf16_bits(dgate);
         dgu16[n * 2 * F + F + f] = bf16_bits(dup);
+    } else {
+        dgu[n * 2 * F + f] = dgate;
+        dgu[n * 2 * F + F + f] = dup;
     }
 }
 

@@ -581,7 +581,8 @@ class GPUModel:
         """bf16 mode: give x a bf16 twin, which the kernels that write x fill too and
         every matmul reading x uses (the forward's activations are read again by
         the backward's dW products); only the weights take a rounding pass of
-        their own (refresh_bf16). -> x"""
+        their own (refresh_bf16). Where nothing but matmuls reads x (h, m, xf, s,
+        dgu, d logits), its kernel writes the twin alone. -> x"""
         if gpu.precision == "bf16":
             x.bf16 = DeviceArray(x.shape, np.uint16)
         return x
@@ -739,9 +740,11 @@ def with_twin(a):
     return a
 
 
-def twin_error(a):
-    """how far a's bf16 twin is from a rounded to bf16: 0 when the kernel wrote it right"""
-    return rel_diff(from_bf16(a.bf16.download()), bf16_round(a.download()))
+def twin_error(a, ref=None):
+    """how far a's bf16 twin is from ref (default: a) rounded to bf16: 0 when the kernel
+    wrote it right. ref: the kernel's fp32 output from a run without the twin, for
+    the kernels that write only the twin when there is one"""
+    return rel_diff(from_bf16(a.bf16.download()), bf16_round(a.download() if ref is None else ref))
 
 
 def rel_diff(got, ref):
@@ -767,11 +770,13 @@ def check_kernels(rng, report):
     report("embedding_backward", rel_diff(d.download(), start + ne.embedding_backward(f64(dx), (idx, (V, C)))))
     # rmsnorm
     x, w, dout = f32(N, C), f32(C), f32(N, C)
-    out, rstd = with_twin(poisoned(N, C)), poisoned(N)
+    out, rstd = poisoned(N, C), poisoned(N)
     rmsnorm_forward(out, rstd, to_gpu(x), to_gpu(w), N, C)
     ref, cache = ne.rmsnorm_forward(f64(x), f64(w))
     report("rmsnorm_forward", rel_diff(out.download(), ref))
-    report("rmsnorm_forward bf16 twin", twin_error(out))
+    out16 = with_twin(poisoned(N, C))                              # bf16 mode: the twin only
+    rmsnorm_forward(out16, poisoned(N), to_gpu(x), to_gpu(w), N, C)
+    report("rmsnorm_forward bf16 twin", twin_error(out16, out.download()))
     dx0, dw0 = f32(N, C), f32(C)
     dxg, dwg = with_twin(to_gpu(dx0)), to_gpu(dw0)
     rmsnorm_backward(dxg, dwg, to_gpu(dout), to_gpu(x), to_gpu(w), rstd, N, C)
@@ -799,15 +804,17 @@ def check_kernels(rng, report):
     report("rope_backward bf16 twin", rel_diff(from_bf16(q.bf16.download())[:, :(Hq + Hkv) * D], bf16_round(got)))
     # swiglu
     gu, dout = f32(N, 2 * F_) * 3, f32(N, F_)
-    out = with_twin(poisoned(N, F_))
+    out, out16 = poisoned(N, F_), with_twin(poisoned(N, F_))
     swiglu_forward(out, to_gpu(gu), N, F_)
+    swiglu_forward(out16, to_gpu(gu), N, F_)
     ref, cache = ne.swiglu_forward(f64(gu))
     report("swiglu_forward", rel_diff(out.download(), ref))
-    report("swiglu_forward bf16 twin", twin_error(out))
-    dgu = with_twin(poisoned(N, 2 * F_))
+    report("swiglu_forward bf16 twin", twin_error(out16, out.download()))
+    dgu, dgu16 = poisoned(N, 2 * F_), with_twin(poisoned(N, 2 * F_))
     swiglu_backward(dgu, to_gpu(dout), to_gpu(gu), N, F_)
+    swiglu_backward(dgu16, to_gpu(dout), to_gpu(gu), N, F_)
     report("swiglu_backward", rel_diff(dgu.download(), ne.swiglu_backward(f64(dout), cache)))
-    report("swiglu_backward bf16 twin", twin_error(dgu))
+    report("swiglu_backward bf16 twin", twin_error(dgu16, dgu.download()))
     # residual
     a, b = f32(N, C), f32(N, C)
     out = poisoned(N, C)
