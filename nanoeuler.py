@@ -1571,8 +1571,8 @@ def forward_logits(params, cfg, idx, pos, kv, weights=None):
     takes 15% less time than through block_forward. weights: decode_weights,
     when the caller keeps them between calls."""
     layers, head = weights or decode_weights(params, cfg)
-    dtype, (Tn, Hq, Hkv, D) = params["tok_emb"].dtype, (idx.shape[1], cfg.Hq, cfg.Hkv, cfg.D)
-    G, half, Tk = Hq // Hkv, D // 2, pos + Tn
+    Tn, Hq, Hkv, D = idx.shape[1], cfg.Hq, cfg.Hkv, cfg.D
+    G, half, Tk, dtype = Hq // Hkv, D // 2, pos + Tn, params["tok_emb"].dtype
     cos, sin = rope_table(Tn, D, pos, dtype)                           # (Tn,1,D/2)
     mask = causal_mask(Tn, Tk, G, dtype) if Tn > 1 else 0.0            # one query sees every key
     x = params["tok_emb"][idx[0]]                                      # (Tn,C)
