@@ -145,6 +145,15 @@ def test_cached_encoder_matches_reference(tok):
     assert tok.encode(shakespeare) == reference_encode(tok, shakespeare)
 
 
+def test_ids_in_the_surrogate_range_encode():
+    # the encoder carries ids as the characters chr(id) of a str; ids 0xD800-0xDFFF are
+    # surrogates, which a vocabulary of up to 65,536 reaches (the uint16 token cache)
+    k = 0xD900 - ne.FIRST_MERGE_ID                                 # the merge whose id is 0xD900
+    others = [(a, b) for a in range(1, 256) for b in range(1, 256) if (a, b) != (ord("a"), ord("b"))]
+    tok = ne.Tokenizer(others[:k] + [(ord("a"), ord("b"))])
+    assert tok.encode("ab\nab") == [0xD900, 10, 0xD900] and tok.decode([0xD900, 10, 0xD900]) == "ab\nab"
+
+
 def test_tokenizer_json_round_trip(tok):
     tok2 = ne.Tokenizer.from_json(tok.to_json())
     assert tok2.merges == tok.merges and tok2.vocab == tok.vocab
