@@ -256,7 +256,11 @@ class Tokenizer:
         return s
 
     def encode(self, text):
-        """str -> list of ids; ordinary text only (see special for the others).
+        """str -> list of ids; ordinary text only (see special for the others)"""
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text):
+        """str -> ids as a uint32 array (what tokenizing a corpus wants).
 
         Text repeats its pieces endlessly ("the", " and"), so each distinct piece
         is encoded once and its ids cached, as a str of chr(id); joining those
@@ -268,7 +272,7 @@ class Tokenizer:
         new = set(pieces).difference(cache)
         cache.update(zip(new, map(self.encode_piece, new)))
         ids = "".join(map(cache.__getitem__, pieces)).encode("utf-32-le", "surrogatepass")
-        return np.frombuffer(ids, np.uint32).tolist()
+        return np.frombuffer(ids, np.uint32)
 
     def decode(self, ids):
         """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
@@ -358,7 +362,7 @@ def _start_worker(merges):
 
 def _encode_chunk(chunk):
     text, last = chunk
-    return np.array(_worker_tokenizer.encode(text), dtype=np.uint16), len(text.encode("utf-8")), last
+    return _worker_tokenizer.encode_array(text).astype(np.uint16), len(text.encode("utf-8")), last
 
 
 def tokenize_files(files, tok, progress=True):
