@@ -1352,6 +1352,21 @@ class CPUEngine:
         self.pool.shutdown()
 
 
+def data_cache(out_dir):
+    """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by runs)"""
+    return os.path.join(out_dir, "..", "cache")
+
+
+def saved_rng(state):
+    """the data order's random generator, where the training state left it"""
+    rng = np.random.default_rng()
+    rng.bit_generator.state = state["rng"]
+    return rng
+
+
+PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
+
+
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
     evaluate, checkpoint, stop cleanly.
@@ -1361,8 +1376,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     continue sample_prompt (ids; default: the start of a document)."""
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     os.makedirs(out_dir, exist_ok=True)
-    rng = np.random.default_rng()
-    rng.bit_generator.state = state["rng"]
+    rng = saved_rng(state)
     token_bytes = tok.token_bytes()
     csv_path = os.path.join(out_dir, "log.csv")
     start = state["step"]
@@ -1444,9 +1458,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     return step
 
 
-PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
-
-
 def plan_steps(args, step, step_time, eval_time, elapsed):
     """--minutes: how many steps, evaluations included, end the run on time. Set
     within the warmup (while the learning rate does not depend on the total),
@@ -1514,7 +1525,7 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
     engine's lines of the settings table; loop: train_loop (nanoeuler_cuda.py's
     ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
-    tok, tokens = prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
+    tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: init_params(cfg, args.seed))

@@ -494,9 +494,9 @@ class Cublas:
                 f"a {M}x{N}x{K} matmul")
 
     def to_bf16(self, i, x, n):
-        """x (fp32) rounded into bf16 scratch buffer i, grown as needed; a weight
-        carries its own bf16 twin (GPUModel refreshes them after each update)"""
-        if getattr(x, "bf16", None) is not None:
+        """x's bf16 twin when it has one (weights and GPUModel's matmul inputs do),
+        else x (fp32) rounded into bf16 scratch buffer i, grown as needed"""
+        if x.bf16 is not None:
             return x.bf16
         if self.bf16[i] is None or self.bf16[i].size < n:
             self.bf16[i] = DeviceArray((n,), np.uint16)
@@ -593,23 +593,23 @@ class GPUModel:
         cfg, N, B = self.cfg, self.N, self.B
         C, QKV, HD, F_ = cfg.C, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D, cfg.F
         new = lambda *shape: DeviceArray(shape)
-        new2 = lambda *shape: self.twin(DeviceArray(shape))          # a matmul input: with a bf16 twin
+        matmul_in = lambda *shape: self.twin(DeviceArray(shape))     # a matmul input: with a bf16 twin
         self.x = [new(N, C) for _ in range(cfg.L + 1)]               # the residual stream into each layer
-        self.h, self.m_ = [new2(N, C) for _ in range(cfg.L)], [new2(N, C) for _ in range(cfg.L)]
+        self.h, self.m_ = [matmul_in(N, C) for _ in range(cfg.L)], [matmul_in(N, C) for _ in range(cfg.L)]
         self.rstd_attn, self.rstd_mlp = [new(N) for _ in range(cfg.L)], [new(N) for _ in range(cfg.L)]
-        self.qkv, self.y = [new(N, QKV) for _ in range(cfg.L)], [new2(N, HD) for _ in range(cfg.L)]
+        self.qkv, self.y = [new(N, QKV) for _ in range(cfg.L)], [matmul_in(N, HD) for _ in range(cfg.L)]
         self.lse = [new(B, cfg.Hq, cfg.T) for _ in range(cfg.L)]
         self.x_mid = [new(N, C) for _ in range(cfg.L)]
-        self.gu, self.s = [new(N, 2 * F_) for _ in range(cfg.L)], [new2(N, F_) for _ in range(cfg.L)]
-        self.xf, self.rstd_final = new2(N, C), new(N)
-        self.logits, self.losses = new2(cfg.K, N, cfg.V), new(cfg.K, N)   # logits' twin: d loss / d logits
+        self.gu, self.s = [new(N, 2 * F_) for _ in range(cfg.L)], [matmul_in(N, F_) for _ in range(cfg.L)]
+        self.xf, self.rstd_final = matmul_in(N, C), new(N)
+        self.logits, self.losses = matmul_in(cfg.K, N, cfg.V), new(cfg.K, N)   # logits' twin: d loss / d logits
         self.idx, self.targets = DeviceArray((N,), np.int32), DeviceArray((N, cfg.K), np.int32)
         self.order, self.starts = DeviceArray((N,), np.int32), DeviceArray((N + 1,), np.int32)   # token_rows
         self.dscale = DeviceArray((cfg.K,))
         # scratch for the backward: each layer overwrites what the layer after it used
-        self.dx, self.dxf, self.dh = new2(N, C), new(N, C), new(N, C)
-        self.ds, self.dgu, self.dy = new(N, F_), new2(N, 2 * F_), new(N, HD)
-        self.dqkv, self.delta = new2(N, QKV), new(B, cfg.Hq, cfg.T)
+        self.dx, self.dxf, self.dh = matmul_in(N, C), new(N, C), new(N, C)
+        self.ds, self.dgu, self.dy = new(N, F_), matmul_in(N, 2 * F_), new(N, HD)
+        self.dqkv, self.delta = matmul_in(N, QKV), new(B, cfg.Hq, cfg.T)
 
     def forward(self, idx, targets=None, counts=None):
         """idx (B,T), targets (B,T,K) -> loss, ce (K,). The fused cross entropy leaves
@@ -951,8 +951,9 @@ class GPUEngine:
     def __init__(self, cfg, flat, m, v, args, rank=0, world=1):
         self.cfg, self.args = cfg, args
         rows = shard_rows(args.batch, world, rank)
-        zero = getattr(args, "zero", False)
-        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if zero else 1, rank if zero else 0)
+        self.zero = args.zero
+        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if self.zero else 1,
+                              rank if self.zero else 0)
         peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
         self.peak = peak[gpu.precision] * 1e12 if peak else None
         self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T / world    # this GPU's share
@@ -1085,7 +1086,7 @@ class DataParallelEngine(GPUEngine):
     """GPUEngine as rank `rank` of `world`; see the section's comment"""
 
     def __init__(self, cfg, flat, m, v, args, rank, world):
-        self.rank, self.world, self.zero = rank, world, args.zero
+        self.rank, self.world = rank, world
         self.comm = Comm(os.environ["NANOEULER_NCCL_ID"], world, rank)
         super().__init__(cfg, flat, m, v, args, rank, world)
         self.comm_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
@@ -1174,8 +1175,9 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
     which saves a checkpoint and tells the others to stop. If a rank fails,
     the rest are stopped: they would wait for it for ever."""
-    if world > count_gpus():
-        raise NanoEulerError(f"--gpus {world}, but this machine has {count_gpus()} GPU(s)")
+    n = count_gpus()
+    if world > n:
+        raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
     env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
            "NCCL_NVLS_ENABLE": "0"}
     procs = [subprocess.Popen([sys.executable, program, *argv],
@@ -1208,7 +1210,8 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
 
 
 def rank_and_world(args):
-    """(rank, world) of this process: (0, 0) when it is the only one, without NCCL"""
+    """(rank, world) of this process: (0, 0) when it is the only one, without NCCL.
+    Refuses --zero without --gpus, before anything starts."""
     if args.zero and not args.gpus:
         raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
     return int(os.environ.get("NANOEULER_RANK", 0)), int(os.environ.get("NANOEULER_WORLD", 0))
@@ -1220,7 +1223,7 @@ def cmd_train(args):
     cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
     rank, world = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
-        ne.prepare_data(args.data, cfg.V, os.path.join(args.out, "..", "cache"))
+        ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
         return launch_ranks(args.argv, args.gpus)
     init_gpu(args.precision, rank)
     if world:
@@ -1229,9 +1232,7 @@ def cmd_train(args):
         make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
 
     def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
-        rng = np.random.default_rng()
-        rng.bit_generator.state = state["rng"]
-        follow(engine, next_batch, rng)
+        follow(engine, next_batch, ne.saved_rng(state))
 
     ne.pretrain(args, cfg.validate(), make_engine,
                 lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
@@ -1316,7 +1317,7 @@ def add_gpus_flags(sp):
 
 def build_parser():
     import argparse
-    p = argparse.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on one NVIDIA GPU")
+    p = argparse.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
         "--seed", type=int, default=1337, help="seed of the random inputs")

@@ -689,15 +689,20 @@ def have_module(name):
         return False
 
 
-def gpu_available():
+def gpu_count():
+    """how many GPUs the driver sees; 0 without cuda-python, a driver or a GPU"""
     if not have_module("cuda.bindings"):
-        return False
+        return 0
     try:
         from cuda.bindings import driver
         err, = driver.cuInit(0)
-        return int(err) == 0 and driver.cuDeviceGetCount()[1] > 0
+        return driver.cuDeviceGetCount()[1] if int(err) == 0 else 0
     except Exception:
-        return False
+        return 0
+
+
+def gpu_available():
+    return gpu_count() > 0
 
 
 needs_nvrtc = pytest.mark.skipif(not have_module("cuda.bindings"), reason="cuda-python is not installed "
@@ -899,13 +904,6 @@ def test_nccl_unique_id_round_trips():
     uid = nc.nccl_unique_id()
     assert len(uid) == 256 and uid != nc.nccl_unique_id()
     assert bytes(nc.NcclUniqueId.from_buffer_copy(bytes.fromhex(uid))).hex() == uid
-
-
-def gpu_count():
-    if not gpu_available():
-        return 0
-    from cuda.bindings import driver
-    return driver.cuDeviceGetCount()[1]
 
 
 def train_losses(tmp_path, name, *flags):
