@@ -1,42 +1,185 @@
 #!/usr/bin/env bash
-# Real corpora for users with internet. NanoEuler trains offline on its
-# embedded corpus (data/); this script fetches more text for bigger runs.
-#
-#   bash get_data.sh books       # ~40 Project Gutenberg books -> data/books/*.txt (~25 MB)
-#   bash get_data.sh shakespeare # tinyshakespeare again, from char-rnn (the embedded copy is identical)
-#   bash get_data.sh strip IN OUT  # strip the Gutenberg header/footer of one raw file (used by books)
-#
-# Then: python nanoeuler.py train --data data/books
-#       python nanoeuler_cuda.py train big --data data/books
-set -euo pipefail
-cd "$(dirname "$0")"
+# Real corpora for users with internet. NanoEuler trains offline on its embedded
+# corpus (data/); this script fetches more text for bigger runs. Every target skips
+# what is already complete, writes through temporary files (nothing partial is left,
+# Ctrl-C included), ends with a one-line summary, and on a failure says what failed
+# in one sentence and exits 1. Usage: see usage() below, or run it without arguments.
+set -uo pipefail   # no -e: every failure is caught where it happens and told in one sentence
 
-# Project Gutenberg numbers of well-known public-domain books in English
-BOOKS="1342 98 2701 11 1661 120 35 46 84 1080 174 345 768 1260 2542 4300 5200 6130 1952 16 \
-       158 1400 219 2591 3207 36 43 514 730 1184 996 2600 1232 205 135 145 28054 244 55 1497"
+HERE=$(cd "$(dirname "$0")" && pwd)
+DATA=${NANOEULER_DATA_DIR:-$HERE/data}
+GUTENBERG_URL=${NANOEULER_GUTENBERG_URL:-https://www.gutenberg.org/cache/epub}
+FINEWEB_URL=${NANOEULER_FINEWEB_URL:-https://huggingface.co/datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT}
+ALPACA_URL=${NANOEULER_ALPACA_URL:-https://raw.githubusercontent.com/tatsu-lab/stanford_alpaca/main/alpaca_data.json}
+PAUSE=${NANOEULER_PAUSE:-2}               # seconds between two Gutenberg requests (their robot policy asks for it)
+SHARD=${NANOEULER_WEB_SHARD:-100M}        # web text per shard file
+PY=${NANOEULER_PYTHON:-python3}
+
+usage() {
+    cat <<'EOF'
+usage: bash get_data.sh TARGET
+
+  books        about 95 public-domain books from Project Gutenberg -> data/books/<name>.txt
+  web [SIZE]   SIZE of FineWeb-Edu text, default 1G (e.g. 300M, 2.5G) -> data/web/web_00000.txt ...
+               (needs DuckDB: pip install -r requirements-data.txt)
+  alpaca       Stanford Alpaca's 52K instructions -> data/alpaca_data.json
+               (CC BY-NC 4.0: for non-commercial use; never commit it)
+  all          books, web (1G) and alpaca
+  strip IN OUT strip the Project Gutenberg header and licence from one raw book
+
+then: python nanoeuler.py train --data data/books        (or data/web)
+      python nanoeuler.py sft --model FILE --data data/alpaca_data.json
+
+Each source can be pointed elsewhere: NANOEULER_GUTENBERG_URL, NANOEULER_FINEWEB_URL,
+NANOEULER_ALPACA_URL; the output folder with NANOEULER_DATA_DIR; the pause between
+books (seconds) with NANOEULER_PAUSE; the book list with NANOEULER_BOOKS="ID:name ...".
+EOF
+}
+
+# Project Gutenberg numbers and file names of well-known public-domain books in English
+BOOKS_DEFAULT="
+1342:pride_and_prejudice 161:sense_and_sensibility 158:emma 105:persuasion 141:mansfield_park
+121:northanger_abbey 98:a_tale_of_two_cities 1400:great_expectations 730:oliver_twist
+46:a_christmas_carol 766:david_copperfield 1023:bleak_house 786:hard_times 580:the_pickwick_papers
+700:the_old_curiosity_shop 963:little_dorrit 967:nicholas_nickleby 2554:crime_and_punishment
+28054:the_brothers_karamazov 2638:the_idiot 600:notes_from_underground 2600:war_and_peace
+1399:anna_karenina 2701:moby_dick 100:complete_works_of_shakespeare 768:wuthering_heights
+1260:jane_eyre 145:middlemarch 550:silas_marner 6688:the_mill_on_the_floss 507:adam_bede
+110:tess_of_the_durbervilles 153:jude_the_obscure 143:the_mayor_of_casterbridge
+122:the_return_of_the_native 76:adventures_of_huckleberry_finn 74:the_adventures_of_tom_sawyer
+86:a_connecticut_yankee_in_king_arthurs_court 1837:the_prince_and_the_pauper
+3176:the_innocents_abroad 11:alice_in_wonderland 12:through_the_looking_glass 16:peter_pan
+55:the_wonderful_wizard_of_oz 45:anne_of_green_gables 113:the_secret_garden 514:little_women
+236:the_jungle_book 271:black_beauty 2591:grimms_fairy_tales 1661:adventures_of_sherlock_holmes
+244:a_study_in_scarlet 2097:the_sign_of_the_four 2852:the_hound_of_the_baskervilles
+120:treasure_island 43:dr_jekyll_and_mr_hyde 84:frankenstein 345:dracula
+174:the_picture_of_dorian_gray 209:the_turn_of_the_screw 1952:the_yellow_wallpaper
+35:the_time_machine 36:the_war_of_the_worlds 5230:the_invisible_man
+159:the_island_of_doctor_moreau 103:around_the_world_in_eighty_days
+164:twenty_thousand_leagues_under_the_sea 1184:the_count_of_monte_cristo 1257:the_three_musketeers
+135:les_miserables 60:the_scarlet_pimpernel 82:ivanhoe 996:don_quixote 521:robinson_crusoe
+829:gullivers_travels 25344:the_scarlet_letter 215:the_call_of_the_wild 219:heart_of_darkness
+64317:the_great_gatsby 4300:ulysses 2814:dubliners 4217:a_portrait_of_the_artist_as_a_young_man
+5200:metamorphosis 2542:a_dolls_house 1322:leaves_of_grass 6130:the_iliad 1727:the_odyssey
+1497:the_republic 2680:meditations 1232:the_prince 3207:leviathan 205:walden
+1228:on_the_origin_of_species 23:narrative_of_the_life_of_frederick_douglass 1080:a_modest_proposal
+"
+
+say() { printf '%s\n' "$*"; }
+fail() { printf 'get_data.sh: %s\n' "$*" >&2; }
+show() { local p=$1; printf '%s' "${p#"$PWD"/}"; }           # a path as the user would type it
+mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB", b / 1e6 }'; }
+human() { awk -v b="$1" 'BEGIN { if (b >= 1e9) printf "%.2f GB", b / 1e9; else printf "%.1f MB", b / 1e6 }'; }
+file_size() { wc -c < "$1" | tr -d ' '; }
+
+# SIZE like 300M, 1G, 2.5G, 500K or a plain byte count -> bytes (decimal units, as disks count)
+parse_size() {
+    local s=$1 num unit
+    [[ $s =~ ^([0-9]+([.][0-9]+)?)([kKmMgGtT]?)[bB]?$ ]] || return 1
+    num=${BASH_REMATCH[1]}
+    unit=$(printf '%s' "${BASH_REMATCH[3]}" | tr 'kmgt' 'KMGT')
+    awk -v n="$num" -v u="$unit" 'BEGIN {
+        m = (u == "K") ? 1e3 : (u == "M") ? 1e6 : (u == "G") ? 1e9 : (u == "T") ? 1e12 : 1
+        v = n * m; if (v < 1) exit 1; printf "%.0f\n", v }'
+}
+
+TMP=""
+cleanup() { if [ -n "$TMP" ]; then rm -rf "$TMP"; fi; }
+trap cleanup EXIT
+trap 'fail "interrupted; nothing partial was kept (a parquet download resumes where it stopped)"; exit 130' INT TERM
+
+make_tmp() {   # one scratch folder inside the data folder, so a finished file moves into place atomically
+    [ -n "$TMP" ] && return 0
+    mkdir -p "$DATA" || { fail "cannot create $(show "$DATA"); set NANOEULER_DATA_DIR to a writable folder"; exit 1; }
+    TMP=$(mktemp -d "$DATA/.get_data.XXXXXX") || { fail "cannot write in $(show "$DATA"); set NANOEULER_DATA_DIR to a writable folder"; exit 1; }
+}
+
+need_python() {
+    command -v "$PY" >/dev/null 2>&1 && return 0
+    fail "$PY is not installed; it is the Python that runs nanoeuler.py (set NANOEULER_PYTHON to another)"
+    exit 1
+}
+
+FETCHER=${NANOEULER_FETCHER:-}
+if [ -z "$FETCHER" ]; then
+    if command -v curl >/dev/null 2>&1; then FETCHER=curl; elif command -v wget >/dev/null 2>&1; then FETCHER=wget; fi
+fi
+
+# fetch URL OUT [resume]: download URL into OUT. On failure it sets FETCH_ERR (a phrase for
+# the one-sentence report), FETCH_NET=1 when the host itself cannot be reached (no point in
+# asking it again for the next file) and FETCH_CODE to the HTTP status (000 without one).
+fetch() {
+    local url=$1 out=$2 resume=${3:-} host rc err
+    host=${url#*://}; host=${host%%/*}
+    FETCH_ERR="" FETCH_NET=0 FETCH_CODE=000
+    err="$TMP/fetch.err"
+    if [ "$FETCHER" = curl ]; then
+        local args=(-sS -L --fail --connect-timeout 20 --speed-limit 1 --speed-time 60 --retry 3 -o "$out" -w '%{http_code}')
+        [ -n "$resume" ] && args+=(-C -)
+        FETCH_CODE=$(curl "${args[@]}" "$url" 2>"$err"); rc=$?
+        [ "$rc" -eq 0 ] && return 0
+        case $rc in
+            6)  FETCH_NET=1; FETCH_ERR="no network: cannot resolve $host" ;;
+            7)  FETCH_NET=1
+                if grep -qi unreachable "$err"; then FETCH_ERR="no network: $host is unreachable"
+                else FETCH_ERR="$host does not answer (connection refused)"; fi ;;
+            28) FETCH_NET=1; FETCH_ERR="$host does not answer (timed out)" ;;
+            22) FETCH_ERR="$host answered HTTP $FETCH_CODE for $url" ;;
+            18) FETCH_ERR="the download from $host broke off; run again to resume" ;;
+            23) FETCH_ERR="cannot write $(show "$out") (disk full?)" ;;
+            35|51|53|54|58|59|60|77|80|83|90|91) FETCH_NET=1; FETCH_ERR="TLS error talking to $host ($(head -c 200 "$err" | tr '\n' ' '))" ;;
+            *)  FETCH_ERR="curl failed for $url (exit $rc: $(head -c 200 "$err" | tr '\n' ' '))" ;;
+        esac
+        return 1
+    elif [ "$FETCHER" = wget ]; then
+        local args=(-nv --tries=3 --timeout=60 -O "$out")
+        [ -n "$resume" ] && args=(-nv --tries=3 --timeout=60 -c -O "$out")
+        wget "${args[@]}" "$url" 2>"$err"; rc=$?
+        [ "$rc" -eq 0 ] && return 0
+        local code; code=$(grep -o 'ERROR [0-9][0-9][0-9]' "$err" | tail -n 1 | tr -dc '0-9')
+        if [ -n "$code" ]; then FETCH_CODE=$code; FETCH_ERR="$host answered HTTP $code for $url"
+        elif grep -qi 'resolv' "$err"; then FETCH_NET=1; FETCH_ERR="no network: cannot resolve $host"
+        elif grep -qi 'unreachable' "$err"; then FETCH_NET=1; FETCH_ERR="no network: $host is unreachable"
+        elif grep -qi 'refused' "$err"; then FETCH_NET=1; FETCH_ERR="$host does not answer (connection refused)"
+        elif grep -qi 'timed out' "$err"; then FETCH_NET=1; FETCH_ERR="$host does not answer (timed out)"
+        else FETCH_ERR="wget failed for $url (exit $rc: $(head -c 200 "$err" | tr '\n' ' '))"; fi
+        return 1
+    fi
+    FETCH_NET=1; FETCH_ERR="neither curl nor wget is installed (e.g. apt-get install curl)"
+    return 1
+}
 
 strip_gutenberg() {
-    # the procedure of data/SOURCES.md: drop BOM and CR, keep what lies between the
-    # START and END markers (a marker may wrap onto the next line), drop a trailing
-    # "End of the Project Gutenberg..." line and a leading "Produced by" paragraph
-    python3 - "$1" "$2" <<'EOF'
-import re, sys
+    # drop BOM and CR, keep what lies between the START and END markers (THE or THIS,
+    # maybe indented, maybe wrapped onto the next line), drop a trailing "End of the
+    # Project Gutenberg..." line and a leading "Produced by" paragraph
+    "$PY" - "$1" "$2" <<'EOF'
+import os, re, sys
 src, dst = sys.argv[1], sys.argv[2]
-text = open(src, encoding="utf-8", errors="replace").read().lstrip("\ufeff").replace("\r\n", "\n")
-lines = text.split("\n")
-start_re = re.compile(r"^\s*\*\*\*\s*START OF (THE|THIS) PROJECT GUTENBERG EBOOK", re.I)
-end_re = re.compile(r"^\s*\*\*\*\s*END OF (THE|THIS) PROJECT GUTENBERG EBOOK", re.I)
+try:
+    with open(src, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+except OSError as e:
+    sys.exit(f"cannot read {src} ({e.strerror})")
+lines = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+marker = r"^\s*\*\*\*\s*{} OF (THE|THIS) PROJECT GUTENBERG E-?BOOK"
+start_re, end_re = re.compile(marker.format("START"), re.I), re.compile(marker.format("END"), re.I)
 start = next((i for i, l in enumerate(lines) if start_re.match(l)), None)
 if start is None:
-    sys.exit(f"{src}: no Project Gutenberg START marker found")
-while not lines[start].rstrip().endswith("***") and start + 1 < len(lines):
-    start += 1                                  # the marker wraps onto the next line
+    sys.exit(f"{src} has no '*** START OF THE PROJECT GUTENBERG EBOOK' line (not a Gutenberg text?)")
+# the marker may wrap: its closing *** is on one of the next two lines (never look further)
+for j in range(start, min(start + 3, len(lines))):
+    if lines[j].rstrip().endswith("***") and (j == start or lines[j].strip()):
+        start = j
+        break
 end = next((i for i in range(start + 1, len(lines)) if end_re.match(lines[i])), len(lines))
 body = [l.rstrip() for l in lines[start + 1:end]]
 while body and not body[-1]:
     body.pop()
-if body and re.match(r"^\s*End of (the )?Project Gutenberg", body[-1], re.I):
-    body.pop()
+ends = [i for i in range(max(0, len(body) - 3), len(body))
+        if re.match(r"^\s*End of (the |this )?Project Gutenberg", body[i], re.I)]
+if ends:
+    del body[ends[0]:]                          # "End of the Project Gutenberg EBook of ..." (maybe wrapped)
 while body and not body[0]:
     body.pop(0)
 if body and body[0].startswith("Produced by"):
@@ -46,33 +189,230 @@ while body and not body[0]:
     body.pop(0)
 while body and not body[-1]:
     body.pop()
-open(dst, "w", encoding="utf-8").write("\n".join(body) + "\n")
+if not body:
+    sys.exit(f"{src} holds no text between its START and END markers")
+with open(dst + ".tmp", "w", encoding="utf-8") as f:
+    f.write("\n".join(body) + "\n")
+os.replace(dst + ".tmp", dst)
 EOF
 }
 
-case "${1:-}" in
-books)
-    mkdir -p data/books
-    for n in $BOOKS; do
-        out="data/books/pg$n.txt"
-        [ -s "$out" ] && continue
-        echo "fetching Project Gutenberg #$n"
-        curl -fsSL "https://www.gutenberg.org/cache/epub/$n/pg$n.txt" -o "/tmp/pg$n.raw" \
-            || { echo "  could not fetch #$n, skipping"; continue; }
-        strip_gutenberg "/tmp/pg$n.raw" "$out"
-        rm -f "/tmp/pg$n.raw"
+# -----------------------------------------------------------------------------
+# books
+
+do_books() {
+    local list=${NANOEULER_BOOKS:-$BOOKS_DEFAULT} dir="$DATA/books" entry id name out
+    local n=0 fetched=0 skipped=0 bytes=0 first=1 failures=() stopped=""
+    for entry in $list; do
+        id=${entry%%:*}; name=${entry#*:}
+        if ! [[ $id =~ ^[0-9]+$ && $name =~ ^[A-Za-z0-9_.-]+$ ]]; then
+            fail "NANOEULER_BOOKS entry '$entry' is not ID:name (e.g. 1342:pride_and_prejudice)"
+            exit 2
+        fi
     done
-    du -sh data/books
-    ;;
-shakespeare)
-    curl -fsSL https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt \
-        -o data/tinyshakespeare.txt
+    need_python; make_tmp
+    mkdir -p "$dir" || { fail "cannot create $(show "$dir")"; return 1; }
+    for entry in $list; do
+        id=${entry%%:*}; name=${entry#*:}; out="$dir/$name.txt"
+        n=$((n + 1))
+        if [ -s "$out" ]; then
+            skipped=$((skipped + 1)); bytes=$((bytes + $(file_size "$out"))); continue
+        fi
+        if [ -n "$stopped" ]; then continue; fi
+        if [ "$first" = 0 ] && [ "$PAUSE" != 0 ]; then sleep "$PAUSE"; fi
+        first=0
+        say "fetching Project Gutenberg #$id ($name)"
+        if ! fetch "$GUTENBERG_URL/$id/pg$id.txt" "$TMP/pg$id.raw"; then
+            if [ "$FETCH_NET" = 1 ]; then stopped=$FETCH_ERR; else failures+=("#$id $name: $FETCH_ERR"); fi
+            continue
+        fi
+        if ! strip_gutenberg "$TMP/pg$id.raw" "$TMP/$name.txt" 2>"$TMP/strip.err"; then
+            failures+=("#$id $name: $(tail -n 1 "$TMP/strip.err")")
+            continue
+        fi
+        mv -f "$TMP/$name.txt" "$out" || { fail "cannot write $(show "$out")"; return 1; }
+        rm -f "$TMP/pg$id.raw"
+        fetched=$((fetched + 1)); bytes=$((bytes + $(file_size "$out")))
+    done
+    say "fetched $fetched of $n books ($skipped already there), $(mb "$bytes") in $(show "$dir")"
+    if [ -n "$stopped" ]; then
+        fail "books: $stopped, so $((n - fetched - skipped)) books were not fetched; run again when it answers"
+        return 1
+    elif [ ${#failures[@]} -gt 0 ]; then
+        local joined; joined=$(printf '%s; ' "${failures[@]}")
+        fail "books: ${#failures[@]} failed (${joined%; }); run again to retry them"
+        return 1
+    fi
+}
+
+# -----------------------------------------------------------------------------
+# web
+
+# parquet -> text shards of the document format (each document, then "\n<|endoftext|>\n"),
+# appended to the shards already in STAGE until WANT bytes are written; prints the new total
+convert_parquet() {
+    "$PY" - "$@" <<'EOF'
+import glob, os, sys
+try:
+    import duckdb
+except ImportError:
+    sys.exit(3)
+pq, stage, want, shard = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+MARK = "<|endoftext|>"
+shards = sorted(glob.glob(os.path.join(stage, "web_*.txt")))
+total = sum(os.path.getsize(p) for p in shards)
+if not shards:
+    shards.append(os.path.join(stage, "web_00000.txt"))
+path = shards[-1]
+size = os.path.getsize(path) if os.path.exists(path) else 0
+try:
+    con = duckdb.connect()
+    cur = con.execute("SELECT text FROM read_parquet(?)", [pq])  # a streaming read: memory stays small
+except duckdb.Error as e:
+    msg = str(e).strip().splitlines()[0][:200]
+    sys.exit(f"{pq} cannot be read as parquet with a text column ({msg}); delete it and run again")
+out = open(path, "ab")
+try:
+    while total < want:
+        rows = cur.fetchmany(2048)
+        if not rows:
+            break
+        for (text,) in rows:
+            while text and MARK in text:       # removing one may join two halves into a new one
+                text = text.replace(MARK, "")
+            if not text:
+                continue
+            doc = (text + "\n" + MARK + "\n").encode("utf-8", "replace")
+            if size >= shard:                  # documents never straddle two shards
+                out.close()
+                path = os.path.join(stage, f"web_{len(shards):05d}.txt")
+                shards.append(path)
+                out, size = open(path, "ab"), 0
+            out.write(doc)
+            size += len(doc)
+            total += len(doc)
+            if total >= want:
+                break
+except KeyboardInterrupt:
+    sys.exit(130)
+finally:
+    out.close()
+print(total)
+EOF
+}
+
+do_web() {
+    local want shard_bytes dir="$DATA/web" cache="$DATA/.cache/fineweb" stage i=0 name pq total=0 ndone=0 short="" rc
+    want=$(parse_size "${1:-1G}") || { fail "web: SIZE '${1:-}' is not a size like 300M or 1G"; exit 2; }
+    shard_bytes=$(parse_size "$SHARD") || { fail "NANOEULER_WEB_SHARD '$SHARD' is not a size like 100M"; exit 2; }
+    if [ -f "$dir/.complete" ]; then
+        local had asked shards
+        read -r asked had shards < "$dir/.complete"
+        if [ "${asked:-0}" -ge "$want" ] 2>/dev/null; then
+            say "$(show "$dir") already holds $(human "$had") of web text in $shards shards (asked for $(human "$want")), skipped"
+            return 0
+        fi
+    fi
+    need_python
+    if ! "$PY" -c 'import duckdb' 2>/dev/null; then
+        fail "web: DuckDB is missing for $PY; install it with: pip install -r requirements-data.txt"
+        return 1
+    fi
+    make_tmp
+    stage="$TMP/web"
+    mkdir -p "$cache" "$stage" || { fail "cannot create $(show "$cache")"; return 1; }
+    while [ "$total" -lt "$want" ]; do
+        name=$(printf '%03d_00000.parquet' "$i"); pq="$cache/$name"
+        if [ ! -s "$pq" ]; then
+            say "fetching FineWeb-Edu $name"
+            if ! fetch "$FINEWEB_URL/$name" "$pq.part" resume; then
+                if [ "$FETCH_CODE" = 416 ]; then   # a complete .part whose rename was interrupted
+                    rm -f "$pq.part"; fetch "$FINEWEB_URL/$name" "$pq.part" resume
+                fi
+            fi
+            if [ -n "$FETCH_ERR" ]; then
+                if [ "$FETCH_CODE" = 404 ] && [ "$i" -gt 0 ]; then short=1; break; fi   # the sample has no more files
+                fail "web: $FETCH_ERR"
+                return 1
+            fi
+            mv -f "$pq.part" "$pq" || { fail "cannot write $(show "$pq")"; return 1; }
+        fi
+        say "converting $name"
+        total=$(convert_parquet "$pq" "$stage" "$want" "$shard_bytes" 2>"$TMP/convert.err"); rc=$?
+        if [ "$rc" -ne 0 ]; then
+            [ "$rc" = 130 ] && exit 130
+            fail "web: $(tail -n 1 "$TMP/convert.err")"
+            return 1
+        fi
+        ndone=$((ndone + 1)); i=$((i + 1))
+    done
+    local nshards; nshards=$(find "$stage" -name 'web_*.txt' | wc -l | tr -d ' ')
+    printf '%s %s %s\n' "$want" "$total" "$nshards" > "$stage/.complete"
+    # swap the finished folder in whole: data/web is either the old corpus or the new one
+    rm -rf "$dir.old"
+    if [ -d "$dir" ]; then mv "$dir" "$dir.old" || { fail "cannot replace $(show "$dir")"; return 1; }; fi
+    mv "$stage" "$dir" || { fail "cannot write $(show "$dir")"; return 1; }
+    rm -rf "$dir.old"
+    if [ -z "${NANOEULER_KEEP_PARQUET:-}" ]; then rm -rf "$cache"; rmdir "$DATA/.cache" 2>/dev/null; fi
+    say "wrote $(human "$total") of web text in $nshards shards in $(show "$dir") from $ndone parquet files${short:+ (the source has no more files)}"
+}
+
+# -----------------------------------------------------------------------------
+# alpaca
+
+ALPACA_NOTE="Stanford Alpaca is CC BY-NC 4.0: for non-commercial use only; it is downloaded for you and never committed (.gitignore keeps it out)"
+
+count_alpaca() {   # prints the number of records, or fails with one sentence if it is not Alpaca JSON
+    "$PY" - "$1" "$2" <<'EOF'
+import json, sys
+path, url = sys.argv[1], sys.argv[2]
+try:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, list) or not data or not all(
+            isinstance(r, dict) and "instruction" in r and "output" in r for r in data):
+        raise ValueError("not a list of {instruction, input, output} records")
+except (ValueError, UnicodeDecodeError) as e:
+    sys.exit(f"what {url} sent is not Alpaca JSON ({str(e)[:120]})")
+print(len(data))
+EOF
+}
+
+do_alpaca() {
+    local out="$DATA/alpaca_data.json" n
+    need_python
+    if [ -s "$out" ]; then
+        say "$(show "$out") is already there, skipped. $ALPACA_NOTE."
+        return 0
+    fi
+    make_tmp
+    say "fetching Stanford Alpaca"
+    if ! fetch "$ALPACA_URL" "$TMP/alpaca.json"; then fail "alpaca: $FETCH_ERR"; return 1; fi
+    n=$(count_alpaca "$TMP/alpaca.json" "$ALPACA_URL" 2>"$TMP/alpaca.err") || { fail "alpaca: $(tail -n 1 "$TMP/alpaca.err")"; return 1; }
+    mv -f "$TMP/alpaca.json" "$out" || { fail "cannot write $(show "$out")"; return 1; }
+    say "fetched $n instructions, $(mb "$(file_size "$out")") in $(show "$out"). $ALPACA_NOTE."
+}
+
+# -----------------------------------------------------------------------------
+
+case "${1:-}" in
+books)  do_books ;;
+web)    [ $# -le 2 ] || { usage >&2; exit 2; }; do_web "${2:-1G}" ;;
+alpaca) do_alpaca ;;
+all)
+    rc=0
+    do_books || rc=1
+    do_web 1G || rc=1
+    do_alpaca || rc=1
+    exit $rc
     ;;
 strip)
-    strip_gutenberg "$2" "$3"
+    [ $# -eq 3 ] || { usage >&2; exit 2; }
+    need_python
+    strip_gutenberg "$2" "$3" || exit 1
     ;;
 *)
-    sed -n '2,12p' "$0"
-    exit 1
+    usage >&2
+    exit 2
     ;;
 esac

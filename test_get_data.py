@@ -1,0 +1,509 @@
+"""get_data.sh, offline: every download comes from a fixture server on 127.0.0.1.
+
+The expected files are written out by hand (books, Alpaca) or built from the data-file
+contract in COMMON terms (web: each document, then "\\n<|endoftext|>\\n", in order, until
+SIZE bytes are written), never read back from the script's own output.
+"""
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "get_data.sh")
+EOT = "<|endoftext|>"
+
+
+# -----------------------------------------------------------------------------
+# the fixture server
+
+class Server:
+    """serves files from a dict {path: bytes}; 404 for the rest; honours Range (curl -C -);
+    a path in `stall` sends half its body and then hangs until the test ends"""
+
+    def __init__(self):
+        self.files, self.requests, self.stall = {}, [], set()
+        self.stalled = threading.Event()
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                outer.requests.append((self.path, self.headers.get("Range")))
+                body = outer.files.get(self.path)
+                if body is None:
+                    self.send_error(404, "Not Found")
+                    return
+                start, status = 0, 200
+                rng = self.headers.get("Range")
+                if rng and rng.startswith("bytes=") and rng.endswith("-"):
+                    start = int(rng[6:-1])
+                    if start >= len(body):
+                        self.send_error(416, "Range Not Satisfiable")
+                        return
+                    status = 206
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body) - start))
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+                self.end_headers()
+                if self.path in outer.stall:
+                    self.wfile.write(body[start:start + (len(body) - start) // 2])
+                    self.wfile.flush()
+                    outer.stalled.set()
+                    outer.release.wait(30)
+                    return
+                self.wfile.write(body[start:])
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def closed_port_url():
+    """a URL on 127.0.0.1 where nothing listens (bound, then closed)"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def env_for(tmp_path, url, **extra):
+    env = dict(os.environ)
+    env.update(NANOEULER_DATA_DIR=str(tmp_path / "data"), NANOEULER_PAUSE="0",
+               NANOEULER_GUTENBERG_URL=url + "/epub", NANOEULER_FINEWEB_URL=url + "/10BT",
+               NANOEULER_ALPACA_URL=url + "/alpaca_data.json")
+    env.update(extra)
+    return env
+
+
+def run(args, env, timeout=60):
+    r = subprocess.run(["bash", SCRIPT, *args], env=env, capture_output=True, timeout=timeout)
+    return r.returncode, r.stdout.decode(), r.stderr.decode()
+
+
+def leftovers(data):
+    """scratch files or folders a run must not leave behind"""
+    return [p for p in os.listdir(data) if p.startswith(".get_data.") or p.endswith((".tmp", ".old"))]
+
+
+# -----------------------------------------------------------------------------
+# raw Gutenberg books, one per marker style, and what must be left of each
+
+LICENCE_HEAD = ("The Project Gutenberg eBook of {t}\n\n"
+                "This ebook is for the use of anyone anywhere in the United States and\n"
+                "most other parts of the world at no cost.\n\nTitle: {t}\n\nLanguage: English\n\n")
+LICENCE_TAIL = ("\n\nUpdated editions will replace the previous one--the old editions will\n"
+                "be renamed.\n\n*** START: FULL LICENSE ***\n\nSection 1. General Terms of Use\n")
+
+BOOKS = {
+    # modern: THE, LF, marker on one line
+    "1342": ("pride_and_prejudice",
+             LICENCE_HEAD.format(t="Pride and Prejudice")
+             + "*** START OF THE PROJECT GUTENBERG EBOOK PRIDE AND PREJUDICE ***\n\n\n\n"
+             + "Chapter 1\n\nIt is a truth universally acknowledged.\n\n\n\n"
+             + "*** END OF THE PROJECT GUTENBERG EBOOK PRIDE AND PREJUDICE ***" + LICENCE_TAIL,
+             "Chapter 1\n\nIt is a truth universally acknowledged.\n"),
+    # older: THIS, indented markers, CRLF, a BOM, a "Produced by" paragraph, an "End of" line
+    "98": ("a_tale_of_two_cities",
+           ("\ufeff" + LICENCE_HEAD.format(t="A Tale of Two Cities")
+            + "    *** START OF THIS PROJECT GUTENBERG EBOOK A TALE OF TWO CITIES ***\n\n"
+            + "Produced by Judith Boss\nand David Widger\n\n\n"
+            + "A TALE OF TWO CITIES\n\nIt was the best of times,   \nit was the worst of times.\n\n"
+            + "End of the Project Gutenberg EBook of A Tale of Two Cities, by Charles Dickens\n\n"
+            + "   *** END OF THIS PROJECT GUTENBERG EBOOK A TALE OF TWO CITIES ***"
+            + LICENCE_TAIL).replace("\n", "\r\n"),
+           "A TALE OF TWO CITIES\n\nIt was the best of times,\nit was the worst of times.\n"),
+    # the START marker wraps onto a second line (and the END one too), LF
+    "2701": ("moby_dick",
+             LICENCE_HEAD.format(t="Moby Dick; Or, The Whale")
+             + "*** START OF THE PROJECT GUTENBERG EBOOK MOBY DICK; OR, THE\nWHALE ***\n\n"
+             + "CHAPTER 1. Loomings.\n\nCall me Ishmael.\n"
+             + "*** END OF THE PROJECT GUTENBERG EBOOK MOBY DICK; OR, THE\nWHALE ***" + LICENCE_TAIL,
+             "CHAPTER 1. Loomings.\n\nCall me Ishmael.\n"),
+    # THIS, E-BOOK, wrapped and indented, CRLF without BOM, "End of Project Gutenberg's" wrapped
+    "11": ("alice_in_wonderland",
+           (LICENCE_HEAD.format(t="Alice's Adventures in Wonderland")
+            + "  *** START OF THIS PROJECT GUTENBERG E-BOOK ALICE'S ADVENTURES IN\n"
+            + "  WONDERLAND ***\n\nCHAPTER I. Down the Rabbit-Hole\n\nAlice was beginning to get very tired.\n\n"
+            + "End of Project Gutenberg's Alice's Adventures in Wonderland, by\nLewis Carroll\n\n"
+            + "*** END OF THIS PROJECT GUTENBERG E-BOOK ALICE'S ADVENTURES IN WONDERLAND ***"
+            + LICENCE_TAIL).replace("\n", "\r\n"),
+           "CHAPTER I. Down the Rabbit-Hole\n\nAlice was beginning to get very tired.\n"),
+}
+
+
+def serve_books(server, ids):
+    for i in ids:
+        server.files[f"/epub/{i}/pg{i}.txt"] = BOOKS[i][1].encode("utf-8")
+    return " ".join(f"{i}:{BOOKS[i][0]}" for i in ids)
+
+
+# -----------------------------------------------------------------------------
+# the script itself
+
+def test_bash_syntax():
+    r = subprocess.run(["bash", "-n", SCRIPT], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+
+
+@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed (apt-get install shellcheck)")
+def test_shellcheck():
+    r = subprocess.run(["shellcheck", SCRIPT], capture_output=True)
+    assert r.returncode == 0, r.stdout.decode()
+
+
+def test_no_argument_prints_usage_not_code(tmp_path):
+    for args in ([], ["nonsense"], ["web", "1G", "extra"]):
+        rc, out, err = run(args, env_for(tmp_path, "http://127.0.0.1:9"))
+        assert rc == 2
+        assert err.startswith("usage: bash get_data.sh TARGET")
+        for target in ("books", "web [SIZE]", "alpaca", "all"):
+            assert target in err
+        assert "#!" not in err and "set -" not in err and "fi\n" not in err
+    assert not (tmp_path / "data").exists()
+
+
+def test_default_book_list_has_95_distinct_books():
+    r = subprocess.run(["bash", "-c", f'eval "$(sed -n \'/^BOOKS_DEFAULT=/,/^"$/p\' {SCRIPT})"; echo $BOOKS_DEFAULT'],
+                       capture_output=True, text=True)
+    entries = r.stdout.split()
+    ids = [e.split(":")[0] for e in entries]
+    names = [e.split(":")[1] for e in entries]
+    assert len(entries) == 95 and len(set(ids)) == 95 and len(set(names)) == 95
+    # the 40 of the first version of the script stay, and the embedded books keep their names
+    for i in "1342 98 2701 11 1661 120 35 46 84 1080 174 345 768 1260 2542 4300 5200 6130 1952 16 \
+              158 1400 219 2591 3207 36 43 514 730 1184 996 2600 1232 205 135 145 28054 244 55 1497".split():
+        assert i in ids
+    for f in os.listdir(os.path.join(HERE, "data", "gutenberg")):
+        assert f[:-4] in names
+
+
+def test_strip_command(tmp_path):
+    src, dst = tmp_path / "raw.txt", tmp_path / "clean.txt"
+    for name, raw, want in BOOKS.values():
+        src.write_bytes(raw.encode("utf-8"))
+        r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
+        assert r.returncode == 0, r.stderr.decode()
+        assert dst.read_bytes() == want.encode("utf-8"), name
+    src.write_text("no markers here\n")
+    r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
+    assert r.returncode == 1 and "START OF THE PROJECT GUTENBERG EBOOK" in r.stderr.decode()
+    assert len(r.stderr.decode().strip().splitlines()) == 1
+
+
+# -----------------------------------------------------------------------------
+# books
+
+def test_books_every_marker_style_then_skips_what_is_there(tmp_path, server):
+    listing = serve_books(server, ["1342", "98", "2701", "11"])
+    env = env_for(tmp_path, server.url, NANOEULER_BOOKS=listing)
+    rc, out, err = run(["books"], env)
+    assert rc == 0, err
+    books = tmp_path / "data" / "books"
+    total = 0
+    for name, _, want in BOOKS.values():
+        assert (books / f"{name}.txt").read_bytes() == want.encode("utf-8"), name
+        total += len(want.encode("utf-8"))
+    assert sorted(os.listdir(books)) == sorted(f"{n}.txt" for n, _, _ in BOOKS.values())
+    assert out.splitlines()[-1] == f"fetched 4 of 4 books (0 already there), {total / 1e6:.1f} MB in {books}"
+    assert err == "" and leftovers(tmp_path / "data") == []
+
+    server.requests.clear()
+    rc, out, err = run(["books"], env)
+    assert rc == 0 and server.requests == []
+    assert out.splitlines() == [f"fetched 0 of 4 books (4 already there), {total / 1e6:.1f} MB in {books}"]
+
+
+def test_books_pause_between_requests(tmp_path, server):
+    # a fake sleep on PATH records the pauses, so the test does not wait or time anything
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "sleeps"
+    (bindir / "sleep").write_text(f'#!/bin/sh\necho "$1" >> {log}\n')
+    (bindir / "sleep").chmod(0o755)
+    listing = serve_books(server, ["1342", "98", "2701"])
+    env = env_for(tmp_path, server.url, NANOEULER_BOOKS=listing, NANOEULER_PAUSE="1.5",
+                  PATH=f"{bindir}:{os.environ['PATH']}")
+    rc, out, err = run(["books"], env)
+    assert rc == 0, err
+    assert log.read_text().split() == ["1.5", "1.5"]             # between requests, not before the first
+    log.unlink()
+    (tmp_path / "data" / "books" / "moby_dick.txt").unlink()
+    rc, out, err = run(["books"], env)                           # two skipped, one fetched: no pause
+    assert rc == 0 and not log.exists()
+    assert out.splitlines()[-1].startswith("fetched 1 of 3 books (2 already there)")
+
+
+def test_books_404_is_one_sentence_and_the_rest_is_fetched(tmp_path, server):
+    listing = serve_books(server, ["1342"]) + " 999999:not_a_book"
+    rc, out, err = run(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing))
+    assert rc == 1
+    assert (tmp_path / "data" / "books" / "pride_and_prejudice.txt").exists()
+    assert not (tmp_path / "data" / "books" / "not_a_book.txt").exists()
+    assert out.splitlines()[-1].startswith("fetched 1 of 2 books (0 already there)")
+    lines = err.strip().splitlines()
+    assert len(lines) == 1
+    assert "#999999 not_a_book" in lines[0] and "HTTP 404" in lines[0] and "run again" in lines[0]
+    assert leftovers(tmp_path / "data") == []
+
+
+def test_books_not_a_gutenberg_text(tmp_path, server):
+    server.files["/epub/5/pg5.txt"] = b"<html>a login page</html>\n"
+    rc, out, err = run(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS="5:odd"))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "#5 odd" in err and "START" in err
+    assert os.listdir(tmp_path / "data" / "books") == []
+
+
+def test_books_host_not_there_stops_at_once(tmp_path):
+    listing = " ".join(f"{i}:{BOOKS[i][0]}" for i in BOOKS)
+    rc, out, err = run(["books"], env_for(tmp_path, closed_port_url(), NANOEULER_BOOKS=listing))
+    assert rc == 1
+    assert out.count("fetching") == 1                            # one try, not one per book
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "does not answer" in lines[0] and "4 books were not fetched" in lines[0]
+    assert "curl:" not in err
+    assert os.listdir(tmp_path / "data" / "books") == [] and leftovers(tmp_path / "data") == []
+
+
+@pytest.mark.skipif(shutil.which("wget") is None, reason="wget is not installed")
+def test_books_through_wget(tmp_path, server):
+    listing = serve_books(server, ["2701"]) + " 999999:not_a_book"
+    rc, out, err = run(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing, NANOEULER_FETCHER="wget"))
+    assert rc == 1 and "HTTP 404" in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "data" / "books" / "moby_dick.txt").read_text() == BOOKS["2701"][2]
+    rc, out, err = run(["books"], env_for(tmp_path, closed_port_url(), NANOEULER_BOOKS="1:x", NANOEULER_FETCHER="wget"))
+    assert rc == 1 and "does not answer" in err
+
+
+def test_books_ctrl_c_leaves_nothing_partial(tmp_path, server):
+    listing = serve_books(server, ["1342", "98"])
+    server.stall.add("/epub/98/pg98.txt")
+    p = subprocess.Popen(["bash", SCRIPT, "books"], env=env_for(tmp_path, server.url, NANOEULER_BOOKS=listing),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert server.stalled.wait(20)
+    os.killpg(p.pid, signal.SIGINT)                              # what Ctrl-C sends: the whole group
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 130
+    assert "interrupted" in err.decode()
+    assert os.listdir(tmp_path / "data" / "books") == ["pride_and_prejudice.txt"]
+    assert leftovers(tmp_path / "data") == []
+
+
+# -----------------------------------------------------------------------------
+# web
+
+try:
+    import duckdb
+except ImportError:
+    duckdb = None
+needs_duckdb = pytest.mark.skipif(duckdb is None, reason="duckdb is not installed (pip install -r requirements-dev.txt)")
+
+DOCS_0 = ["First document.\nWith two lines.", "Zweites Dokument: Größe, café, 日本語.",
+          None, "", "a <|endoftext|> marker inside", "nested <|endo<|endoftext|>ftext|> marker"]
+DOCS_1 = ["third file, " + "x" * 150, "tail " * 40, "never reached"]
+
+
+def write_parquet(path, docs, other_column=True):
+    con = duckdb.connect()
+    con.execute("CREATE TABLE t (id INTEGER, text VARCHAR, score DOUBLE)")
+    con.executemany("INSERT INTO t VALUES (?, ?, ?)", [(i, d, 3.5) for i, d in enumerate(docs)])
+    cols = "id, text, score" if other_column else "id"
+    con.execute(f"COPY (SELECT {cols} FROM t ORDER BY id) TO '{path}' (FORMAT parquet)")
+    con.close()
+    return path.read_bytes()
+
+
+def expected_web(docs, size):
+    """the corpus the contract asks for: documents in order, marker removed, each followed by
+    \\n<|endoftext|>\\n, empty ones left out, stopping after the document that reaches size"""
+    out = b""
+    for d in docs:
+        if d is None:
+            continue
+        while EOT in d:
+            d = d.replace(EOT, "")
+        if not d:
+            continue
+        out += (d + "\n" + EOT + "\n").encode("utf-8")
+        if len(out) >= size:
+            break
+    return out
+
+
+@pytest.fixture
+def fineweb(server, tmp_path):
+    server.files["/10BT/000_00000.parquet"] = write_parquet(tmp_path / "a.parquet", DOCS_0)
+    server.files["/10BT/001_00000.parquet"] = write_parquet(tmp_path / "b.parquet", DOCS_1)
+    return server
+
+
+def read_shards(web):
+    names = sorted(n for n in os.listdir(web) if n.endswith(".txt"))
+    return names, [(web / n).read_bytes() for n in names]
+
+
+@needs_duckdb
+def test_web_two_parquet_files_into_shards_then_skips(tmp_path, fineweb):
+    want = expected_web(DOCS_0 + DOCS_1, 400)
+    assert b"never reached" not in want and b"tail" in want        # SIZE ends inside the second file
+    env = env_for(tmp_path, fineweb.url, NANOEULER_WEB_SHARD="100")
+    rc, out, err = run(["web", "400"], env)
+    assert rc == 0, err
+    web = tmp_path / "data" / "web"
+    names, shards = read_shards(web)
+    assert b"".join(shards) == want
+    # a new shard starts once the current one holds 100 bytes; no document straddles two
+    docs = [d + b"\n" + EOT.encode() + b"\n" for d in want.split(b"\n" + EOT.encode() + b"\n")[:-1]]
+    expect_shards, cur = [], b""
+    for d in docs:
+        if len(cur) >= 100:
+            expect_shards.append(cur)
+            cur = b""
+        cur += d
+    expect_shards.append(cur)
+    assert shards == expect_shards and names == [f"web_{i:05d}.txt" for i in range(len(shards))]
+    assert out.splitlines()[-1] == (f"wrote {len(want) / 1e6:.1f} MB of web text in {len(shards)} shards "
+                                    f"in {web} from 2 parquet files")
+    assert not (tmp_path / "data" / ".cache").exists() and leftovers(tmp_path / "data") == []
+    assert [p for p, _ in fineweb.requests] == ["/10BT/000_00000.parquet", "/10BT/001_00000.parquet"]
+
+    fineweb.requests.clear()
+    rc, out, err = run(["web", "400"], env)
+    assert rc == 0 and fineweb.requests == [] and "skipped" in out
+    rc, out, err = run(["web", "300"], env)                          # less than what is there: skipped too
+    assert rc == 0 and fineweb.requests == [] and "skipped" in out
+    assert read_shards(web)[1] == shards
+
+
+@needs_duckdb
+def test_web_default_shard_and_source_running_out(tmp_path, fineweb):
+    rc, out, err = run(["web", "1M"], env_for(tmp_path, fineweb.url))
+    assert rc == 0, err
+    names, shards = read_shards(tmp_path / "data" / "web")
+    assert names == ["web_00000.txt"] and shards[0] == expected_web(DOCS_0 + DOCS_1, 10**6)
+    assert "(the source has no more files)" in out
+
+
+@needs_duckdb
+def test_web_resumes_a_partial_parquet_download(tmp_path, fineweb):
+    body = fineweb.files["/10BT/000_00000.parquet"]
+    cache = tmp_path / "data" / ".cache" / "fineweb"
+    cache.mkdir(parents=True)
+    (cache / "000_00000.parquet.part").write_bytes(body[:300])
+    rc, out, err = run(["web", "60"], env_for(tmp_path, fineweb.url))
+    assert rc == 0, err
+    assert fineweb.requests == [("/10BT/000_00000.parquet", "bytes=300-")]
+    assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0, 60)]
+
+
+@needs_duckdb
+def test_web_larger_size_replaces_the_corpus(tmp_path, fineweb):
+    env = env_for(tmp_path, fineweb.url)
+    assert run(["web", "60"], env)[0] == 0
+    rc, out, err = run(["web", "0.3K"], env)
+    assert rc == 0, err
+    assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0 + DOCS_1, 300)]
+
+
+@needs_duckdb
+def test_web_failures_are_one_sentence(tmp_path, server):
+    data = tmp_path / "data"
+    # the first file is missing: 404
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "HTTP 404" in err
+    assert not (data / "web").exists() and leftovers(data) == []
+    # no server
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, closed_port_url()))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "does not answer" in err
+    # not parquet
+    server.files["/10BT/000_00000.parquet"] = b"<html>not parquet</html>"
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "delete it and run again" in err
+    assert not (data / "web").exists() and leftovers(data) == []
+    # parquet without a text column
+    shutil.rmtree(data / ".cache")
+    server.files["/10BT/000_00000.parquet"] = write_parquet(tmp_path / "c.parquet", ["x"], other_column=False)
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "text" in err
+    # bad SIZE
+    rc, out, err = run(["web", "lots"], env_for(tmp_path, server.url))
+    assert rc == 2 and err.strip() == "get_data.sh: web: SIZE 'lots' is not a size like 300M or 1G"
+
+
+def test_web_without_duckdb_says_how_to_install_it(tmp_path, server):
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    (fake / "duckdb.py").write_text("raise ImportError('no duckdb here')\n")
+    server.files["/10BT/000_00000.parquet"] = b"PAR1"
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url, PYTHONPATH=str(fake)))
+    assert rc == 1
+    assert err.strip().splitlines() == [
+        "get_data.sh: web: DuckDB is missing for python3; install it with: pip install -r requirements-data.txt"]
+    assert server.requests == []                                    # checked before downloading gigabytes
+
+
+# -----------------------------------------------------------------------------
+# alpaca
+
+ALPACA = [{"instruction": "Give three tips for staying healthy.", "input": "",
+           "output": "1. Eat well.\n2. Move.\n3. Sleep."},
+          {"instruction": "Translate to French.", "input": "Good morning", "output": "Bonjour"}]
+
+
+def test_alpaca_fetched_once_with_its_licence(tmp_path, server):
+    raw = json.dumps(ALPACA, indent=4).encode()
+    server.files["/alpaca_data.json"] = raw
+    env = env_for(tmp_path, server.url)
+    rc, out, err = run(["alpaca"], env)
+    assert rc == 0, err
+    path = tmp_path / "data" / "alpaca_data.json"
+    assert path.read_bytes() == raw
+    assert out.splitlines()[-1].startswith(f"fetched 2 instructions, {len(raw) / 1e6:.1f} MB in {path}.")
+    assert "CC BY-NC 4.0" in out and "never committed" in out
+    server.requests.clear()
+    rc, out, err = run(["alpaca"], env)
+    assert rc == 0 and server.requests == [] and "skipped" in out and "CC BY-NC 4.0" in out
+    with open(os.path.join(HERE, ".gitignore")) as f:
+        assert "data/alpaca_data.json" in f.read().split()
+
+
+def test_alpaca_failures(tmp_path, server):
+    data = tmp_path / "data"
+    rc, out, err = run(["alpaca"], env_for(tmp_path, server.url))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "HTTP 404" in err
+    server.files["/alpaca_data.json"] = b"<html>rate limited</html>"
+    rc, out, err = run(["alpaca"], env_for(tmp_path, server.url))
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "not Alpaca JSON" in err
+    assert not (data / "alpaca_data.json").exists() and leftovers(data) == []
+
+
+def test_all_reports_each_failure_and_exits_nonzero(tmp_path):
+    rc, out, err = run(["all"], env_for(tmp_path, closed_port_url(), NANOEULER_BOOKS="1342:pride_and_prejudice"))
+    assert rc == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 3 and all("does not answer" in line for line in lines)
+    assert [line.split(":")[1].strip() for line in lines] == ["books", "web", "alpaca"]
