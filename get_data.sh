@@ -119,7 +119,7 @@ fetch() {
         FETCH_CODE=$(curl "${args[@]}" "$url" 2>"$err"); rc=$?
         [ "$rc" -eq 0 ] && return 0
         case $rc in
-            6)  FETCH_NET=1; FETCH_ERR="no network: cannot resolve $host" ;;
+            6)  FETCH_NET=1; FETCH_ERR="cannot resolve $host (no network, or a wrong host name)" ;;
             7)  FETCH_NET=1
                 if grep -qi unreachable "$err"; then FETCH_ERR="no network: $host is unreachable"
                 else FETCH_ERR="$host does not answer (connection refused)"; fi ;;
@@ -138,7 +138,7 @@ fetch() {
         [ "$rc" -eq 0 ] && return 0
         local code; code=$(grep -o 'ERROR [0-9][0-9][0-9]' "$err" | tail -n 1 | tr -dc '0-9')
         if [ -n "$code" ]; then FETCH_CODE=$code; FETCH_ERR="$host answered HTTP $code for $url"
-        elif grep -qi 'resolv' "$err"; then FETCH_NET=1; FETCH_ERR="no network: cannot resolve $host"
+        elif grep -qi 'resolv' "$err"; then FETCH_NET=1; FETCH_ERR="cannot resolve $host (no network, or a wrong host name)"
         elif grep -qi 'unreachable' "$err"; then FETCH_NET=1; FETCH_ERR="no network: $host is unreachable"
         elif grep -qi 'refused' "$err"; then FETCH_NET=1; FETCH_ERR="$host does not answer (connection refused)"
         elif grep -qi 'timed out' "$err"; then FETCH_NET=1; FETCH_ERR="$host does not answer (timed out)"
@@ -267,7 +267,10 @@ path = shards[-1]
 size = os.path.getsize(path) if os.path.exists(path) else 0
 try:
     con = duckdb.connect()
-    cur = con.execute("SELECT text FROM read_parquet(?)", [pq])  # a streaming read: memory stays small
+    # one thread reads ahead little: peak memory stays near 250 MB whatever SIZE is
+    con.execute("SET threads = 1")
+    con.execute("SET memory_limit = '1GB'")
+    cur = con.execute("SELECT text FROM read_parquet(?)", [pq])
 except duckdb.Error as e:
     msg = str(e).strip().splitlines()[0][:200]
     sys.exit(f"{pq} cannot be read as parquet with a text column ({msg}); delete it and run again")
@@ -331,6 +334,8 @@ do_web() {
                 fi
             fi
             if [ -n "$FETCH_ERR" ]; then
+                [ -s "$pq.part" ] || rm -f "$pq.part"                               # keep only a resumable start
+                rmdir "$cache" "$DATA/.cache" 2>/dev/null
                 if [ "$FETCH_CODE" = 404 ] && [ "$i" -gt 0 ]; then short=1; break; fi   # the sample has no more files
                 fail "web: $FETCH_ERR"
                 return 1
@@ -354,7 +359,8 @@ do_web() {
     mv "$stage" "$dir" || { fail "cannot write $(show "$dir")"; return 1; }
     rm -rf "$dir.old"
     if [ -z "${NANOEULER_KEEP_PARQUET:-}" ]; then rm -rf "$cache"; rmdir "$DATA/.cache" 2>/dev/null; fi
-    say "wrote $(human "$total") of web text in $nshards shards in $(show "$dir") from $ndone parquet files${short:+ (the source has no more files)}"
+    local s1=s s2=s; [ "$nshards" = 1 ] && s1=""; [ "$ndone" = 1 ] && s2=""
+    say "wrote $(human "$total") of web text in $nshards shard$s1 in $(show "$dir") from $ndone parquet file$s2${short:+ (the source has no more files)}"
 }
 
 # -----------------------------------------------------------------------------
