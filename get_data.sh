@@ -316,6 +316,10 @@ do_web() {
             return 0
         fi
     fi
+    if [ -d "$dir" ] && [ ! -f "$dir/.complete" ] && [ -n "$(ls -A "$dir")" ]; then
+        fail "web: $(show "$dir") holds files that get_data.sh did not write; move them away first"
+        return 1
+    fi
     need_python
     if ! "$PY" -c 'import duckdb' 2>/dev/null; then
         fail "web: DuckDB is missing for $PY; install it with: pip install -r requirements-data.txt"

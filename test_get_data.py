@@ -429,6 +429,35 @@ def test_web_larger_size_replaces_the_corpus(tmp_path, fineweb):
     assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0 + DOCS_1, 300)]
 
 
+def test_web_ctrl_c_keeps_only_the_resumable_download(tmp_path, server):
+    body = bytes(range(256)) * 40
+    server.files["/10BT/000_00000.parquet"] = body
+    server.stall.add("/10BT/000_00000.parquet")
+    p = subprocess.Popen(["bash", SCRIPT, "web", "1K"], env=env_for(tmp_path, server.url),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    assert server.stalled.wait(20)
+    part_path = tmp_path / "data" / ".cache" / "fineweb" / "000_00000.parquet.part"
+    deadline = time.monotonic() + 20                             # wait for curl to write what it got
+    while not (part_path.exists() and part_path.stat().st_size > 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 130 and "interrupted" in err.decode()
+    data = tmp_path / "data"
+    assert sorted(os.listdir(data)) == [".cache"] and not (data / "web").exists()
+    part = part_path.read_bytes()
+    assert 0 < len(part) < len(body) and body.startswith(part)   # what came, kept for curl -C -
+
+
+def test_web_leaves_a_folder_it_did_not_write_alone(tmp_path, server):
+    web = tmp_path / "data" / "web"
+    web.mkdir(parents=True)
+    (web / "mine.txt").write_text("my own corpus\n")
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
+    assert rc == 1 and "did not write" in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(web) == ["mine.txt"] and server.requests == []
+
+
 @needs_duckdb
 def test_web_failures_are_one_sentence(tmp_path, server):
     data = tmp_path / "data"
