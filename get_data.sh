@@ -100,7 +100,7 @@ need_python() {
     exit 1
 }
 
-FETCHER=${NANOEULER_FETCHER:-}
+FETCHER=${NANOEULER_FETCHER:-}           # curl when installed, else wget; NANOEULER_FETCHER=wget picks wget
 if [ -z "$FETCHER" ]; then
     if command -v curl >/dev/null 2>&1; then FETCHER=curl; elif command -v wget >/dev/null 2>&1; then FETCHER=wget; fi
 fi
@@ -117,6 +117,7 @@ fetch() {
         local args=(-sS -L --fail --connect-timeout 20 --speed-limit 1 --speed-time 60 --retry 3 -o "$out" -w '%{http_code}')
         [ -n "$resume" ] && args+=(-C -)
         FETCH_CODE=$(curl "${args[@]}" "$url" 2>"$err"); rc=$?
+        FETCH_CODE=${FETCH_CODE: -3}                       # the last attempt's status when curl retried
         [ "$rc" -eq 0 ] && return 0
         case $rc in
             6)  FETCH_NET=1; FETCH_ERR="cannot resolve $host (no network, or a wrong host name)" ;;

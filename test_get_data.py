@@ -409,12 +409,15 @@ def test_web_default_shard_and_source_running_out(tmp_path, fineweb):
 
 
 @needs_duckdb
-def test_web_resumes_a_partial_parquet_download(tmp_path, fineweb):
+@pytest.mark.parametrize("fetcher", ["curl", "wget"])
+def test_web_resumes_a_partial_parquet_download(tmp_path, fineweb, fetcher):
+    if shutil.which(fetcher) is None:
+        pytest.skip(f"{fetcher} is not installed")
     body = fineweb.files["/10BT/000_00000.parquet"]
     cache = tmp_path / "data" / ".cache" / "fineweb"
     cache.mkdir(parents=True)
     (cache / "000_00000.parquet.part").write_bytes(body[:300])
-    rc, out, err = run(["web", "60"], env_for(tmp_path, fineweb.url))
+    rc, out, err = run(["web", "60"], env_for(tmp_path, fineweb.url, NANOEULER_FETCHER=fetcher))
     assert rc == 0, err
     assert fineweb.requests == [("/10BT/000_00000.parquet", "bytes=300-")]
     assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0, 60)]
