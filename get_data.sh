@@ -150,6 +150,12 @@ fetch() {
     return 1
 }
 
+need_fetcher() {
+    case $FETCHER in curl|wget) command -v "$FETCHER" >/dev/null 2>&1 && return 0 ;; esac
+    fail "${FETCHER:-curl} is not installed; install curl or wget (e.g. apt-get install curl)"
+    exit 1
+}
+
 strip_gutenberg() {
     # drop BOM and CR, keep what lies between the START and END markers (THE or THIS,
     # maybe indented, maybe wrapped onto the next line), drop a trailing "End of the
@@ -211,7 +217,7 @@ do_books() {
             exit 2
         fi
     done
-    need_python; make_tmp
+    need_python; need_fetcher; make_tmp
     mkdir -p "$dir" || { fail "cannot create $(show "$dir")"; return 1; }
     for entry in $list; do
         id=${entry%%:*}; name=${entry#*:}; out="$dir/$name.txt"
@@ -326,7 +332,7 @@ do_web() {
         fail "web: DuckDB is missing for $PY; install it with: pip install -r requirements-data.txt"
         return 1
     fi
-    make_tmp
+    need_fetcher; make_tmp
     stage="$TMP/web"
     mkdir -p "$cache" "$stage" || { fail "cannot create $(show "$cache")"; return 1; }
     while [ "$total" -lt "$want" ]; do
@@ -396,7 +402,7 @@ do_alpaca() {
         say "$(show "$out") is already there, skipped. $ALPACA_NOTE."
         return 0
     fi
-    make_tmp
+    need_fetcher; make_tmp
     say "fetching Stanford Alpaca"
     if ! fetch "$ALPACA_URL" "$TMP/alpaca.json"; then fail "alpaca: $FETCH_ERR"; return 1; fi
     n=$(count_alpaca "$TMP/alpaca.json" "$ALPACA_URL" 2>"$TMP/alpaca.err") || { fail "alpaca: $(tail -n 1 "$TMP/alpaca.err")"; return 1; }

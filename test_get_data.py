@@ -299,6 +299,12 @@ def test_books_through_wget(tmp_path, server):
     assert rc == 1 and "does not answer" in err
 
 
+def test_no_curl_nor_wget(tmp_path):
+    rc, out, err = run(["books"], env_for(tmp_path, "http://127.0.0.1:9", NANOEULER_FETCHER="no-such-fetcher"))
+    assert rc == 1 and err.strip() == ("get_data.sh: no-such-fetcher is not installed; "
+                                       "install curl or wget (e.g. apt-get install curl)")
+
+
 def test_books_ctrl_c_leaves_nothing_partial(tmp_path, server):
     listing = serve_books(server, ["1342", "98"])
     server.stall.add("/epub/98/pg98.txt")
