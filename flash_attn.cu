@@ -602,10 +602,10 @@ __device__ __forceinline__ void cp_async16(unsigned short* dst, const unsigned s
                  "r"(valid ? 16 : 0));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>   // wait until at most N groups of copies are still in flight
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // start copying rows r0..r0+TILE-1 of a row-major bf16 matrix (row stride ld, m
 // pointing at the head's first column) into a shared (TILE, D+PAD) tile, zeros past T
