@@ -55,6 +55,13 @@ __device__ __forceinline__ unsigned short bf16_bits(float x) {
     return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
 }
 
+// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 template <int D>
 __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, int k0, int T, int stride,
                              int Hq, int Hkv, int kvh) {
@@ -129,13 +136,14 @@ __device__ void attention_backward_delta(float* delta, unsigned short* dy16, con
     int h = e % Hq, i = (e / Hq) % T;
     long b = e / ((long)Hq * T);
     float s = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-        float g = dy[e * D + d];
+    for (int d = 2 * lane; d < D; d += 64) {                         // D is even: pairs, one load each
+        float2 g = *(const float2*)&dy[e * D + d], o = *(const float2*)&y[e * D + d];
         if (dy16) {
-            dy16[e * D + d] = bf16_bits(g);
-            g = __uint_as_float((unsigned)dy16[e * D + d] << 16);
+            unsigned two = pack_bf16(g.x, g.y);
+            *(unsigned*)&dy16[e * D + d] = two;
+            g = make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xFFFF0000u));
         }
-        s += g * y[e * D + d];
+        s += g.x * o.x + g.y * o.y;
     }
     for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
     if (lane == 0) delta[(b * Hq + h) * T + i] = s;
@@ -565,13 +573,6 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
 #define PAD 8         // bf16 elements of padding per shared row
 #define LOG2E 1.4426950408889634f
 
-// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // d (16x8, fp32) += a (16x16, bf16) b (16x8, bf16)
 __device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -633,38 +634,53 @@ __device__ void load_a_bf16(unsigned (*a)[4], const unsigned short* m, long ld, 
     }
 }
 
-// c (16 x TILE) = a (16 x D) @ tile.T: scores of a warp's 16 rows against a shared tile's TILE rows
-template <int D>
-__device__ void mma_a_tile_t(float (*c)[4], unsigned (*a)[4], unsigned short (*tile)[D + PAD]) {
+// c (16 x TILE) = a (16 x D) @ tile.T, for each of MT m-tiles of 16 rows: scores of
+// a warp's rows against a shared tile's TILE rows; each B fragment serves every m-tile
+template <int D, int MT>
+__device__ void mma_a_tile_t(float (*c)[TILE / 8][4], unsigned (*a)[D / 16][4], unsigned short (*tile)[D + PAD]) {
     int lane = threadIdx.x % 32;
     #pragma unroll
-    for (int nt = 0; nt < TILE / 8; nt++) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+    for (int mt = 0; mt < MT; mt++)
+        #pragma unroll
+        for (int nt = 0; nt < TILE / 8; nt++) c[mt][nt][0] = c[mt][nt][1] = c[mt][nt][2] = c[mt][nt][3] = 0.0f;
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++)
         #pragma unroll
         for (int np = 0; np < TILE / 16; np++) {                  // two n-tiles (16 tile rows) per ldmatrix
             unsigned b[4];
             ldmatrix_x4(b, &tile[np * 16 + (lane & 7) + (lane >> 4) * 8][kk * 16 + ((lane >> 3) & 1) * 8]);
-            mma_bf16(c[2 * np], a[kk], b[0], b[1]);
-            mma_bf16(c[2 * np + 1], a[kk], b[2], b[3]);
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16(c[mt][2 * np], a[mt][kk], b[0], b[1]);
+                mma_bf16(c[mt][2 * np + 1], a[mt][kk], b[2], b[3]);
+            }
         }
 }
 
-// acc (16 x D) += p (16 x TILE, C layout, fp32) @ tile: p rounded to bf16 in
-// registers into the A layout (see above), the tile read with ldmatrix .trans
-template <int D>
-__device__ void mma_c_tile(float (*acc)[4], float (*p)[4], unsigned short (*tile)[D + PAD]) {
+// acc (16 x D) += p (16 x TILE, C layout, fp32) @ tile, for each of MT m-tiles: p
+// rounded to bf16 in registers into the A layout (see above), the tile read with ldmatrix .trans
+template <int D, int MT>
+__device__ void mma_c_tile(float (*acc)[D / 8][4], float (*p)[TILE / 8][4], unsigned short (*tile)[D + PAD]) {
     int lane = threadIdx.x % 32;
     #pragma unroll
     for (int kk = 0; kk < TILE / 16; kk++) {
-        unsigned a[4] = {pack_bf16(p[2 * kk][0], p[2 * kk][1]), pack_bf16(p[2 * kk][2], p[2 * kk][3]),
-                         pack_bf16(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_bf16(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+        unsigned a[MT][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+            a[mt][0] = pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+        }
         #pragma unroll
         for (int np = 0; np < D / 16; np++) {
             unsigned b[4];
             ldmatrix_x4_trans(b, &tile[kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][np * 16 + (lane >> 4) * 8]);
-            mma_bf16(acc[2 * np], a, b[0], b[1]);
-            mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                mma_bf16(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_bf16(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
         }
     }
 }
@@ -688,26 +704,32 @@ __device__ void store_c_rows(float* out, unsigned short* out16, long ld, int r0,
     }
 }
 
-// y and lse for 64 query rows of one query head, 16 per warp, walking the key
-// tiles up to the diagonal with the online softmax of attention_forward
-// grid = (Hq, B, ceil(T / 64)), the last query tiles (most keys) first; block = 128 threads
-template <int D>
+// y and lse for 64 MT query rows of one query head, 16 MT per warp (MT m-tiles
+// of 16 rows, which share every B fragment read from shared memory), walking the
+// key tiles up to the diagonal with the online softmax of attention_forward
+// grid = (Hq, B, ceil(T / (64 MT))), the last query tiles (most keys) first; block = 128 threads
+template <int D, int MT>
 __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse, const unsigned short* qkv16, int T,
                                        int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
-    int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * TILE;
+    int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * 64 * MT;
     int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
-    int r0 = q0 + warp * 16;                                       // this warp's first query row
+    int r0 = q0 + warp * 16 * MT;                                  // this warp's first query row
     long stride = (long)(Hq + 2 * Hkv) * D;
     const unsigned short* base = qkv16 + (long)b * T * stride;
     const unsigned short *kbase = base + (Hq + kvh) * D, *vbase = base + (Hq + Hkv + kvh) * D;
-    int tiles = min(T - 1, q0 + TILE - 1) / TILE + 1;              // causal: no key past the block's last query
+    int tiles = min(T - 1, q0 + 64 * MT - 1) / TILE + 1;           // causal: no key past the block's last query
     load_tile_async<D>(ks[0], kbase, stride, 0, T);
     load_tile_async<D>(vs[0], vbase, stride, 0, T);
     cp_async_commit();
-    unsigned qa[D / 16][4];
-    load_a_bf16<D>(qa, base + h * D, stride, r0, T);
-    float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};   // l: this lane's part
+    unsigned qa[MT][D / 16][4];
+    float o[MT][D / 8][4] = {}, m[MT][2], l[MT][2];               // l: this lane's part of the row sums
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        load_a_bf16<D>(qa[mt], base + h * D, stride, r0 + 16 * mt, T);
+        m[mt][0] = m[mt][1] = -INFINITY;
+        l[mt][0] = l[mt][1] = 0.0f;
+    }
     const float scale2 = scale * LOG2E;
     for (int j = 0; j < tiles; j++) {
         int cur = j & 1, k0 = j * TILE;
@@ -720,52 +742,60 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (k0 <= r0 + 15) {                                       // else every key is after this warp's rows
-            float s[TILE / 8][4];
-            mma_a_tile_t<D>(s, qa, ks[cur]);
-            if (k0 + TILE - 1 > r0)                                // the diagonal: mask keys after the query
+        if (k0 <= r0 + 16 * MT - 1) {                              // else every key is after this warp's rows
+            float s[MT][TILE / 8][4];
+            mma_a_tile_t<D, MT>(s, qa, ks[cur]);
+            #pragma unroll
+            for (int mt = 0; mt < MT; mt++) {
+                int row = r0 + 16 * mt + g;                        // and row + 8
+                if (k0 + TILE - 1 > r0 + 16 * mt)                  // the diagonal: mask keys after the query
+                    #pragma unroll
+                    for (int nt = 0; nt < TILE / 8; nt++)
+                        #pragma unroll
+                        for (int i = 0; i < 4; i++)
+                            if (k0 + nt * 8 + 2 * t + (i & 1) > row + 8 * (i >> 1)) s[mt][nt][i] = -INFINITY;
+                float mx[2] = {m[mt][0], m[mt][1]}, correction[2], ms[2];
                 #pragma unroll
                 for (int nt = 0; nt < TILE / 8; nt++)
                     #pragma unroll
-                    for (int i = 0; i < 4; i++)
-                        if (k0 + nt * 8 + 2 * t + (i & 1) > r0 + g + 8 * (i >> 1)) s[nt][i] = -INFINITY;
-            float mt[2] = {m[0], m[1]}, correction[2], ms[2];
-            #pragma unroll
-            for (int nt = 0; nt < TILE / 8; nt++)
+                    for (int i = 0; i < 4; i++) mx[i >> 1] = fmaxf(mx[i >> 1], s[mt][nt][i]);
                 #pragma unroll
-                for (int i = 0; i < 4; i++) mt[i >> 1] = fmaxf(mt[i >> 1], s[nt][i]);
-            #pragma unroll
-            for (int r = 0; r < 2; r++) {                          // key 0 is in the first tile: mt is finite
-                mt[r] = group_max(mt[r]);
-                correction[r] = exp2f((m[r] - mt[r]) * scale2);     // rescale what came before
-                m[r] = mt[r];
-                ms[r] = mt[r] * scale2;
-                l[r] *= correction[r];
-            }
-            #pragma unroll
-            for (int nt = 0; nt < TILE / 8; nt++)
-                #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    s[nt][i] = exp2f(fmaf(s[nt][i], scale2, -ms[i >> 1]));
-                    l[i >> 1] += s[nt][i];
+                for (int r = 0; r < 2; r++) {                      // key 0 is in the first tile: mx is finite
+                    mx[r] = group_max(mx[r]);
+                    correction[r] = exp2f((m[mt][r] - mx[r]) * scale2);   // rescale what came before
+                    m[mt][r] = mx[r];
+                    ms[r] = mx[r] * scale2;
+                    l[mt][r] *= correction[r];
                 }
-            #pragma unroll
-            for (int nt = 0; nt < D / 8; nt++)
                 #pragma unroll
-                for (int i = 0; i < 4; i++) o[nt][i] *= correction[i >> 1];
-            mma_c_tile<D>(o, s, vs[cur]);
+                for (int nt = 0; nt < TILE / 8; nt++)
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        s[mt][nt][i] = exp2f(fmaf(s[mt][nt][i], scale2, -ms[i >> 1]));
+                        l[mt][i >> 1] += s[mt][nt][i];
+                    }
+                #pragma unroll
+                for (int nt = 0; nt < D / 8; nt++)
+                    #pragma unroll
+                    for (int i = 0; i < 4; i++) o[mt][nt][i] *= correction[i >> 1];
+            }
+            mma_c_tile<D, MT>(o, s, vs[cur]);
         }
         __syncthreads();                                           // before the next copy overwrites it
     }
-    float inv_l[2];
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] = group_sum(l[r]);
-        inv_l[r] = 1.0f / l[r];
-        if (t == 0 && r0 + g + 8 * r < T) lse[((long)b * Hq + h) * T + r0 + g + 8 * r] = m[r] * scale + logf(l[r]);
-    }
     long y0 = (long)b * T * Hq * D + h * D;
-    store_c_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0, T, o, inv_l);
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        float inv_l[2];
+        #pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int row = r0 + 16 * mt + g + 8 * r;
+            l[mt][r] = group_sum(l[mt][r]);
+            inv_l[r] = 1.0f / l[mt][r];
+            if (t == 0 && row < T) lse[((long)b * Hq + h) * T + row] = m[mt][r] * scale + logf(l[mt][r]);
+        }
+        store_c_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0 + 16 * mt, T, o[mt], inv_l);
+    }
 }
 
 // dq for 64 query rows of one query head, 16 per warp: with s = q k.T, p = exp(scale s - lse),
@@ -809,8 +839,8 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
         __syncthreads();
         if (k0 <= r0 + 15) {
             float s[TILE / 8][4], dp[TILE / 8][4];
-            mma_a_tile_t<D>(s, qa, ks[cur]);
-            mma_a_tile_t<D>(dp, dya, vs[cur]);
+            mma_a_tile_t<D, 1>(&s, &qa, ks[cur]);
+            mma_a_tile_t<D, 1>(&dp, &dya, vs[cur]);
             bool diagonal = k0 + TILE - 1 > r0;
             #pragma unroll
             for (int nt = 0; nt < TILE / 8; nt++)
@@ -820,7 +850,7 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
                     if (diagonal && k0 + nt * 8 + 2 * t + (i & 1) > r0 + g + 8 * (i >> 1)) p = 0.0f;
                     s[nt][i] = p * (dp[nt][i] - delta_r[i >> 1]);   // ds, the softmax backward
                 }
-            mma_c_tile<D>(dq, s, ks[cur]);
+            mma_c_tile<D, 1>(&dq, &s, ks[cur]);
         }
         __syncthreads();
     }
@@ -873,8 +903,8 @@ __device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16,
         }
         __syncthreads();
         float st[TILE / 8][4], dpt[TILE / 8][4];
-        mma_a_tile_t<D>(st, ka, qs[cur]);
-        mma_a_tile_t<D>(dpt, va, dys[cur]);
+        mma_a_tile_t<D, 1>(&st, &ka, qs[cur]);
+        mma_a_tile_t<D, 1>(&dpt, &va, dys[cur]);
         bool edge = q0 < r0 + 16 || q0 + TILE > T;                 // the diagonal, or queries past T
         #pragma unroll
         for (int nt = 0; nt < TILE / 8; nt++)
@@ -886,8 +916,8 @@ __device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16,
                 st[nt][i] = p;
                 dpt[nt][i] = p * (dpt[nt][i] - delta_s[cur][c]);
             }
-        mma_c_tile<D>(dv, st, dys[cur]);
-        mma_c_tile<D>(dk, dpt, qs[cur]);
+        mma_c_tile<D, 1>(&dv, &st, dys[cur]);
+        mma_c_tile<D, 1>(&dk, &dpt, qs[cur]);
         __syncthreads();
     }
     float ones[2] = {1.0f, 1.0f}, scales[2] = {scale, scale};
@@ -1009,7 +1039,7 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_ker
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_kernel_64(
     float* y, unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
-    attention_forward_bf16<64>(y, y16, lse, qkv16, T, Hq, Hkv, scale);
+    attention_forward_bf16<64, 2>(y, y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_bf16_kernel_64(

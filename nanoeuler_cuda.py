@@ -358,9 +358,11 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C):
 
 
 def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    """and, when qkv has a bf16 twin, the twin of every head: rotated q and k, then v"""
     block = 256
-    gpu.launch("rope_forward_kernel", ceil_div(N * n_heads * D // 2, block), block, P(qkv), P(cos), P(sin),
-               I(N), I(T), I(n_heads), I(D), I(stride), I(pos))
+    n_copied = stride // D - n_heads if qkv.bf16 is not None else 0
+    gpu.launch("rope_forward_kernel", ceil_div(N * (n_heads + n_copied) * D // 2, block), block, P(qkv),
+               P(qkv.bf16), P(cos), P(sin), I(N), I(T), I(n_heads), I(n_copied), I(D), I(stride), I(pos))
 
 
 def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
@@ -425,12 +427,11 @@ def attention_path(D):
 
 
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
-    """bf16: the kernel reads qkv's bf16 twin, filled here from the rotated qkv"""
+    """bf16: the kernel reads qkv's bf16 twin, which rope_forward writes"""
     scale = F(1 / math.sqrt(D))
     path = attention_path(D)
     if path == "bf16":
-        to_bf16(qkv.bf16, qkv, B * T * (Hq + 2 * Hkv) * D)
-        gpu.launch("attention_forward_bf16_kernel_64", (Hq, B, ceil_div(T, 64)), 128, P(y), P(y.bf16), P(lse),
+        gpu.launch("attention_forward_bf16_kernel_64", (Hq, B, ceil_div(T, 128)), 128, P(y), P(y.bf16), P(lse),
                    P(qkv.bf16), I(T), I(Hq), I(Hkv), scale)
         return
     args = (P(y), P(y.bf16), P(lse), P(qkv), I(T), I(Hq), I(Hkv), scale)
@@ -823,6 +824,9 @@ def check_kernels(rng, report):
     got = q.download()
     report("rope_forward", rel_diff(got[:, :(Hq + Hkv) * D], ref))
     report("rope_forward leaves v", float(np.any(got[:, (Hq + Hkv) * D:] != qkv[:, (Hq + Hkv) * D:])))
+    q16 = with_twin(to_gpu(qkv))                                   # bf16 mode: the twin of q, k and v
+    rope_forward(q16, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
+    report("rope_forward bf16 twin, v too", twin_error(q16, got))
     q = with_twin(to_gpu(qkv))
     rope_backward(q, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
     ref = ne.rope_backward(f64(heads), ne.rope_forward(f64(heads), pos)[1]).reshape(N, -1)
@@ -905,6 +909,7 @@ def check_attention(rng, report):
         v = f64(inputs(qkv[:, (Hq + Hkv) * D:])).reshape(B, T, Hkv, D)
         ref, cache = ne.attention_forward(q, k, v)
         y, lse, qkv_g = with_twin(poisoned(N, Hq * D)), poisoned(B, Hq, T), with_twin(to_gpu(qkv))
+        to_bf16(qkv_g.bf16, qkv_g, qkv.size)                       # in the model rope_forward writes it
         attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
         what = f"attention {path} D={D} G={Hq // Hkv}"
         report(f"{what} forward", rel_diff(y.download(), ref.reshape(N, -1)))
@@ -1305,7 +1310,7 @@ def cmd_sample(args):
 def time_attention(model, reps=20):
     """-> (forward, forward + backward) of attention alone on layer 0's buffers, in
     microseconds, the mean of reps runs between two CUDA events (comparable to
-    PyTorch's scaled_dot_product_attention: the bf16 passes' qkv rounding included)"""
+    PyTorch's scaled_dot_product_attention, which is also given q, k, v in bf16)"""
     cfg, B = model.cfg, model.B
     forward = lambda: attention_forward(model.y[0], model.lse[0], model.qkv[0], B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
     backward = lambda: attention_backward(model.dqkv, model.dy, model.qkv[0], model.y[0], model.lse[0], model.delta,
