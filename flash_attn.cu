@@ -597,10 +597,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const unsigned sh
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(row)));
 }
 
-// 16 bytes global -> shared without passing through registers; zeros when !valid
+// 16 (or 4) bytes global -> shared without passing through registers; zeros when !valid
 __device__ __forceinline__ void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
                  "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 4 : 0));
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -880,12 +885,13 @@ __device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16,
         int h = kvh * G + step / qtiles, q0 = k0 + step % qtiles * TILE;
         load_tile_async<D>(qs[buf], base + h * D, stride, q0, T);
         load_tile_async<D>(dys[buf], dybase + h * D, (long)Hq * D, q0, T);
-        cp_async_commit();
-        if (threadIdx.x < TILE) {                                  // read after the barrier that follows
+        if (threadIdx.x < TILE) {
             int i = q0 + threadIdx.x;
-            lse_s[buf][threadIdx.x] = i < T ? lse[((long)b * Hq + h) * T + i] * LOG2E : 0.0f;
-            delta_s[buf][threadIdx.x] = i < T ? delta[((long)b * Hq + h) * T + i] : 0.0f;
+            long e = ((long)b * Hq + h) * T + (i < T ? i : 0);
+            cp_async4(&lse_s[buf][threadIdx.x], lse + e, i < T);
+            cp_async4(&delta_s[buf][threadIdx.x], delta + e, i < T);
         }
+        cp_async_commit();
     };
     load(0, 0);
     unsigned ka[D / 16][4], va[D / 16][4];
@@ -911,7 +917,7 @@ __device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16,
             #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int c = nt * 8 + 2 * t + (i & 1), query = q0 + c, key = r0 + g + 8 * (i >> 1);
-                float p = exp2f(fmaf(st[nt][i], scale2, -lse_s[cur][c]));
+                float p = exp2f(fmaf(st[nt][i], scale2, -lse_s[cur][c] * LOG2E));
                 if (edge && (query < key || query >= T)) p = 0.0f;
                 st[nt][i] = p;
                 dpt[nt][i] = p * (dpt[nt][i] - delta_s[cur][c]);
