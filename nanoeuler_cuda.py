@@ -431,7 +431,7 @@ def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
     scale = F(1 / math.sqrt(D))
     path = attention_path(D)
     if path == "bf16":
-        gpu.launch("attention_forward_bf16_kernel_64", (Hq, B, ceil_div(T, 128)), 128, P(y), P(y.bf16), P(lse),
+        gpu.launch("attention_forward_bf16_kernel_64", (Hq, B, ceil_div(T, 64)), 128, P(y), P(y.bf16), P(lse),
                    P(qkv.bf16), I(T), I(Hq), I(Hkv), scale)
         return
     args = (P(y), P(y.bf16), P(lse), P(qkv), I(T), I(Hq), I(Hkv), scale)
