@@ -548,9 +548,10 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
 // For --precision bf16 at D = 64 (the big model; other D take the tf32 path).
 // Inputs are bf16: qkv16, the bf16 twin of qkv (rotated q and k, then v), and
 // dy16, dy's twin, which attention_backward_delta writes. Each warp owns 16 rows
-// (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 and walks the
-// other side in tiles of 64 rows, copied into shared memory by cp.async two
-// tiles deep (the next tile is on its way while this one is multiplied).
+// (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
+// and dq follow the block size) and walks the other side in tiles of 64 rows,
+// copied into shared memory by cp.async two tiles deep (the next tile is on its
+// way while this one is multiplied).
 //
 // Fragments, as the PTX ISA fixes them for m16n8k16 (lane = 4 g + t; two bf16
 // to a register, the lower column in the lower half):
@@ -569,7 +570,7 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
 // fma per score. Scores are s = q.k of the bf16 inputs, summed in fp32; p and
 // ds are rounded to bf16 on their way into the second product.
 
-#define TILE 64       // rows per block, and rows per shared-memory tile
+#define TILE 64       // rows per shared-memory tile, and keys per block in the dk/dv pass
 #define PAD 8         // bf16 elements of padding per shared row
 #define LOG2E 1.4426950408889634f
 
