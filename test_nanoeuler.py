@@ -735,7 +735,7 @@ def test_nvrtc_error_names_file_and_line(tmp_path, monkeypatch):
 def test_every_launched_kernel_exists_in_the_sources():
     import re
     src = "".join(open(os.path.join(HERE, f)).read() for f in ("kernels.cu", "flash_attn.cu"))
-    defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?(\w+)\(', src))
+    defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(', src))
     assert "##" not in src                                      # entry points written out, no names pasted
     for version in ("", "_tf32"):                               # each pass at every head dim (HEAD_DIMS)
         for d in (16, 32, 64):
