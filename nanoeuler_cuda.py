@@ -16,8 +16,9 @@ the other way round.
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
 default for train and bench: matmul inputs rounded to bfloat16, products summed
-in fp32; attention in bf16 on tensor cores at head dim 64, else as tf32). Weights, gradients, optimizer state and the
-activations kept for the backward are fp32 in every mode; in bf16 mode each
+in fp32; attention in bf16 on tensor cores at head dim 64, else as tf32).
+Weights, gradients, optimizer state and the activations kept for the backward
+are fp32 in every mode; in bf16 mode each
 matmul input also has a bf16 twin, which the kernel that makes the input
 writes alongside (a rounding pass only for the weights, attention's y and dqkv).
 
@@ -443,7 +444,7 @@ def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     """dqkv = d loss / d qkv (before rope's backward) and dv's bf16 twin; bf16: reads
-    qkv's twin, which attention_forward wrote, and dy's, which the delta kernel writes"""
+    qkv's twin, which rope_forward wrote, and dy's, which the delta kernel writes"""
     block, path = 256, attention_path(D)
     gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, P(delta),
                P(dy.bf16 if path == "bf16" else None), P(dy), P(y), I(B), I(T), I(Hq), I(D))
