@@ -18,9 +18,9 @@ Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 default for train and bench: matmul inputs rounded to bfloat16, products summed
 in fp32; attention in bf16 on tensor cores at head dim 64, else as tf32).
 Weights, gradients, optimizer state and the activations kept for the backward
-are fp32 in every mode; in bf16 mode each
-matmul input also has a bf16 twin, which the kernel that makes the input
-writes alongside (a rounding pass only for the weights, attention's y and dqkv).
+are fp32 in every mode; in bf16 mode each matmul input (and attention's qkv
+and dy) also has a bf16 twin, which the kernel that makes it writes alongside:
+only the weights take a rounding pass of their own.
 
 No kernel uses atomics, so a run is the same bits every time.
 What it leaves out, for now: CUDA graphs.
