@@ -157,35 +157,41 @@ extern "C" __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* pa
 // rotate-half RoPE in place on the first n_heads heads of each row of qkv (the q
 // and k heads); cos/sin tables (positions, D/2) come from nanoeuler.rope_table.
 // The backward is the rotation by the opposite angle: the same code with -sin.
-// one thread per (row, head, pair); grid = ceil(N*n_heads*D/2 / block)
+// With qkv16 (bf16 mode) it writes the bf16 copy of the rotated heads too, and
+// of the n_copied heads after them as they are (the forward's v heads, so that
+// attention's bf16 passes find all of q, k, v rounded without a pass of their own).
+// one thread per (row, head, pair); grid = ceil(N*(n_heads+n_copied)*D/2 / block)
 __device__ void rope(float* qkv, unsigned short* qkv16, const float* cos, const float* sin, int N, int T,
-                     int n_heads, int D, int stride, int pos, float sign) {
+                     int n_heads, int n_copied, int D, int stride, int pos, float sign) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    int half = D / 2;
-    if (i >= (long)N * n_heads * half) return;
-    int p = i % half, h = (i / half) % n_heads;
-    long n = i / ((long)half * n_heads);
-    int t = pos + n % T;
-    float c = cos[t * half + p], s = sign * sin[t * half + p];
+    int half = D / 2, heads = n_heads + n_copied;
+    if (i >= (long)N * heads * half) return;
+    int p = i % half, h = (i / half) % heads;
+    long n = i / ((long)half * heads);
     long e = n * stride + h * D + p;
     float a = qkv[e], b = qkv[e + half];
-    qkv[e] = a * c - b * s;
-    qkv[e + half] = b * c + a * s;
+    if (h < n_heads) {
+        int t = pos + n % T;
+        float c = cos[t * half + p], s = sign * sin[t * half + p];
+        float ra = a * c - b * s, rb = b * c + a * s;
+        qkv[e] = a = ra;
+        qkv[e + half] = b = rb;
+    }
     if (qkv16) {
-        qkv16[e] = bf16_bits(qkv[e]);
-        qkv16[e + half] = bf16_bits(qkv[e + half]);
+        qkv16[e] = bf16_bits(a);
+        qkv16[e + half] = bf16_bits(b);
     }
 }
 
-extern "C" __global__ void rope_forward_kernel(float* qkv, const float* cos, const float* sin, int N, int T,
-                                               int n_heads, int D, int stride, int pos) {
-    rope(qkv, nullptr, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);
+extern "C" __global__ void rope_forward_kernel(float* qkv, unsigned short* qkv16, const float* cos, const float* sin,
+                                               int N, int T, int n_heads, int n_copied, int D, int stride, int pos) {
+    rope(qkv, qkv16, cos, sin, N, T, n_heads, n_copied, D, stride, pos, 1.0f);
 }
 
 // and, in bf16 mode, the bf16 copy of the rotated dq and dk (attention's dk/dv kernel writes dv's)
 extern "C" __global__ void rope_backward_kernel(float* dqkv, unsigned short* dqkv16, const float* cos, const float* sin,
                                                 int N, int T, int n_heads, int D, int stride, int pos) {
-    rope(dqkv, dqkv16, cos, sin, N, T, n_heads, D, stride, pos, -1.0f);
+    rope(dqkv, dqkv16, cos, sin, N, T, n_heads, 0, D, stride, pos, -1.0f);
 }
 
 // -----------------------------------------------------------------------------

@@ -16,13 +16,14 @@ the other way round.
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
 default for train and bench: matmul inputs rounded to bfloat16, products summed
-in fp32; attention as tf32). Weights, gradients, optimizer state and the
-activations kept for the backward are fp32 in every mode; in bf16 mode each
-matmul input also has a bf16 twin, which the kernel that makes the input
-writes alongside (a rounding pass only for the weights, attention's y and dqkv).
+in fp32; attention in bf16 on tensor cores at head dim 64, else as tf32).
+Weights, gradients, optimizer state and the activations kept for the backward
+are fp32 in every mode; in bf16 mode each matmul input (and attention's qkv
+and dy) also has a bf16 twin, which the kernel that makes it writes alongside:
+only the weights take a rounding pass of their own.
 
 No kernel uses atomics, so a run is the same bits every time.
-What it leaves out, for now: bf16 attention and CUDA graphs.
+What it leaves out, for now: CUDA graphs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
@@ -358,9 +359,11 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C):
 
 
 def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    """and, when qkv has a bf16 twin, the twin of every head: rotated q and k, then v"""
     block = 256
-    gpu.launch("rope_forward_kernel", ceil_div(N * n_heads * D // 2, block), block, P(qkv), P(cos), P(sin),
-               I(N), I(T), I(n_heads), I(D), I(stride), I(pos))
+    n_copied = stride // D - n_heads if qkv.bf16 is not None else 0
+    gpu.launch("rope_forward_kernel", ceil_div(N * (n_heads + n_copied) * D // 2, block), block, P(qkv),
+               P(qkv.bf16), P(cos), P(sin), I(N), I(T), I(n_heads), I(n_copied), I(D), I(stride), I(pos))
 
 
 def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
@@ -414,27 +417,52 @@ def grad_norm(partial, grads, n):
     return float(np.sqrt(partial.download().astype(np.float64).sum()))
 
 
+BF16_HEAD_DIMS = (64,)                         # flash_attn.cu's bf16 passes; other D take the tf32 ones
+
+
+def attention_path(D):
+    """which of flash_attn.cu's versions runs: fp32 (CUDA cores, exact), tf32 or bf16 (tensor cores)"""
+    if gpu.precision == "bf16" and D in BF16_HEAD_DIMS:
+        return "bf16"
+    return "fp32" if gpu.precision == "fp32" else "tf32"
+
+
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
-    # fp32: one thread per query row on CUDA cores, exact; tf32 and bf16: tensor cores
-    args = (P(y), P(y.bf16), P(lse), P(qkv), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
-    if gpu.precision == "fp32":
+    """bf16: the kernel reads qkv's bf16 twin, which rope_forward writes"""
+    scale = F(1 / math.sqrt(D))
+    path = attention_path(D)
+    if path == "bf16":
+        gpu.launch("attention_forward_bf16_kernel_64", (Hq, B, ceil_div(T, 64)), 128, P(y), P(y.bf16), P(lse),
+                   P(qkv.bf16), I(T), I(Hq), I(Hkv), scale)
+        return
+    args = (P(y), P(y.bf16), P(lse), P(qkv), I(T), I(Hq), I(Hkv), scale)
+    if path == "fp32":                                                # one thread per query row
         gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, *args)
     else:
-        gpu.launch(f"attention_forward_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
+        gpu.launch(f"attention_forward_tf32_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
 
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
-    block = 256
-    gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, P(delta), P(dy), P(y),
-               I(B), I(T), I(Hq), I(D))
-    args = (P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    """dqkv = d loss / d qkv (before rope's backward) and dv's bf16 twin; bf16: reads
+    qkv's twin, which rope_forward wrote, and dy's, which the delta kernel writes"""
+    block, path = 256, attention_path(D)
+    gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, P(delta),
+               P(dy.bf16 if path == "bf16" else None), P(dy), P(y), I(B), I(T), I(Hq), I(D))
+    scale = F(1 / math.sqrt(D))
+    if path == "bf16":
+        args = (P(qkv.bf16), P(dy.bf16), P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
+        gpu.launch("attention_backward_dkv_bf16_kernel_64", (Hkv, B, ceil_div(T, 64)), 128, P(dqkv),
+                   P(dqkv.bf16), *args)
+        gpu.launch("attention_backward_dq_bf16_kernel_64", (Hq, B, ceil_div(T, 64)), 128, P(dqkv), *args)
+        return
+    args = (P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), scale)
     dkv_args = (P(dqkv), P(dqkv.bf16), *args)                        # and dv's bf16 twin
-    if gpu.precision == "fp32":
+    if path == "fp32":
         gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *dkv_args)
         gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, P(dqkv), *args)
     else:
-        gpu.launch(f"attention_backward_dkv_mma_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *dkv_args)
-        gpu.launch(f"attention_backward_dq_mma_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, P(dqkv), *args)
+        gpu.launch(f"attention_backward_dkv_tf32_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *dkv_args)
+        gpu.launch(f"attention_backward_dq_tf32_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, P(dqkv), *args)
 
 
 # -----------------------------------------------------------------------------
@@ -597,7 +625,8 @@ class GPUModel:
         self.x = [new(N, C) for _ in range(cfg.L + 1)]               # the residual stream into each layer
         self.h, self.m_ = [matmul_in(N, C) for _ in range(cfg.L)], [matmul_in(N, C) for _ in range(cfg.L)]
         self.rstd_attn, self.rstd_mlp = [new(N) for _ in range(cfg.L)], [new(N) for _ in range(cfg.L)]
-        self.qkv, self.y = [new(N, QKV) for _ in range(cfg.L)], [matmul_in(N, HD) for _ in range(cfg.L)]
+        # qkv's and dy's bf16 twins are read by attention's bf16 passes, not by matmuls
+        self.qkv, self.y = [matmul_in(N, QKV) for _ in range(cfg.L)], [matmul_in(N, HD) for _ in range(cfg.L)]
         self.lse = [new(B, cfg.Hq, cfg.T) for _ in range(cfg.L)]
         self.x_mid = [new(N, C) for _ in range(cfg.L)]
         self.gu, self.s = [new(N, 2 * F_) for _ in range(cfg.L)], [matmul_in(N, F_) for _ in range(cfg.L)]
@@ -608,7 +637,7 @@ class GPUModel:
         self.dscale = DeviceArray((cfg.K,))
         # scratch for the backward: each layer overwrites what the layer after it used
         self.dx, self.dxf, self.dh = matmul_in(N, C), new(N, C), new(N, C)
-        self.ds, self.dgu, self.dy = new(N, F_), matmul_in(N, 2 * F_), new(N, HD)
+        self.ds, self.dgu, self.dy = new(N, F_), matmul_in(N, 2 * F_), matmul_in(N, HD)
         self.dqkv, self.delta = matmul_in(N, QKV), new(B, cfg.Hq, cfg.T)
 
     def forward(self, idx, targets=None, counts=None):
@@ -796,6 +825,9 @@ def check_kernels(rng, report):
     got = q.download()
     report("rope_forward", rel_diff(got[:, :(Hq + Hkv) * D], ref))
     report("rope_forward leaves v", float(np.any(got[:, (Hq + Hkv) * D:] != qkv[:, (Hq + Hkv) * D:])))
+    q16 = with_twin(to_gpu(qkv))                                   # bf16 mode: the twin of q, k and v
+    rope_forward(q16, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
+    report("rope_forward bf16 twin, v too", twin_error(q16, got))
     q = with_twin(to_gpu(qkv))
     rope_backward(q, cos, sin, N, T, Hq + Hkv, D, QKV, pos)
     ref = ne.rope_backward(f64(heads), ne.rope_forward(f64(heads), pos)[1]).reshape(N, -1)
@@ -855,38 +887,50 @@ def check_kernels(rng, report):
 
 
 def check_attention(rng, report):
-    """both attention paths: CUDA cores in fp32, tensor cores in tf32 (and bf16)"""
+    """the attention path of gpu.precision at each head dim: CUDA cores in fp32, tensor
+    cores in tf32, and in bf16 the bf16 passes where flash_attn.cu has them (D = 64).
+
+    The bf16 passes are given q, k, v and dy rounded to bf16, so their reference is
+    the float64 attention of those same rounded inputs, and the error left is the
+    kernel's own: p and ds rounded to bf16 (a relative 2^-9 at most) on their way
+    into the second products, which averages down over the keys to a few 1e-3 of
+    the output's norm. The bar, TOLERANCE["bf16"] = 1e-2, sits above that, while a
+    wrong fragment, mask or tile gives errors of order 1."""
     f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
     f64 = lambda a: a.astype(np.float64)
     poisoned = lambda *shape: DeviceArray(shape).fill_bits(NAN_BITS)
     B, T = 3, 100                                              # T: not a multiple of any tile
     N = B * T
     for D, Hq, Hkv in ((32, 4, 2), (64, 3, 1), (16, 2, 2)):
-        QKV = (Hq + 2 * Hkv) * D
+        QKV, path = (Hq + 2 * Hkv) * D, attention_path(D)
+        inputs = bf16_round if path == "bf16" else (lambda a: a)   # what the kernel reads
         qkv, dy = f32(N, QKV), f32(N, Hq * D)
-        q = f64(qkv[:, :Hq * D]).reshape(B, T, Hq, D)
-        k = f64(qkv[:, Hq * D:(Hq + Hkv) * D]).reshape(B, T, Hkv, D)
-        v = f64(qkv[:, (Hq + Hkv) * D:]).reshape(B, T, Hkv, D)
+        q = f64(inputs(qkv[:, :Hq * D])).reshape(B, T, Hq, D)
+        k = f64(inputs(qkv[:, Hq * D:(Hq + Hkv) * D])).reshape(B, T, Hkv, D)
+        v = f64(inputs(qkv[:, (Hq + Hkv) * D:])).reshape(B, T, Hkv, D)
         ref, cache = ne.attention_forward(q, k, v)
-        y, lse, qkv_g = with_twin(poisoned(N, Hq * D)), poisoned(B, Hq, T), to_gpu(qkv)
+        y, lse, qkv_g = with_twin(poisoned(N, Hq * D)), poisoned(B, Hq, T), with_twin(to_gpu(qkv))
+        to_bf16(qkv_g.bf16, qkv_g, qkv.size)                       # in the model rope_forward writes it
         attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
-        what = f"attention {gpu.precision} D={D} G={Hq // Hkv}"
+        what = f"attention {path} D={D} G={Hq // Hkv}"
         report(f"{what} forward", rel_diff(y.download(), ref.reshape(N, -1)))
         report(f"{what} forward bf16 twin", twin_error(y))
-        dq, dk, dv = ne.attention_backward(f64(dy).reshape(B, T, Hq, D), cache)
-        dqkv = with_twin(poisoned(N, QKV))
-        attention_backward(dqkv, to_gpu(dy), qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
+        dq, dk, dv = ne.attention_backward(f64(inputs(dy)).reshape(B, T, Hq, D), cache)
+        dqkv, dy_g = with_twin(poisoned(N, QKV)), with_twin(to_gpu(dy))
+        attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
         got = dqkv.download()
         report(f"{what} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
         report(f"{what} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
         report(f"{what} dv", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
         got16 = from_bf16(dqkv.bf16.download())                   # dv's twin here; dq and dk's: rope_backward
         report(f"{what} dv bf16 twin", rel_diff(got16[:, (Hq + Hkv) * D:], bf16_round(got[:, (Hq + Hkv) * D:])))
+        if path == "bf16":
+            report(f"{what} qkv and dy bf16 twins", max(twin_error(qkv_g), twin_error(dy_g)))
 
 
 def check_model(rng, report, precision):
     """loss and every parameter gradient against nanoeuler.py in float64"""
-    cfg = Config(V=96, C=64, Hq=2, Hkv=1, L=2, T=40, F=176, K=3)
+    cfg = Config(V=96, C=128, Hq=2, Hkv=1, L=2, T=80, F=344, K=3)   # D = 64: bf16 attention; T > one tile
     B = 3
     flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
     flat += rng.normal(0, 0.05, flat.size).astype(np.float32)      # norm weights off 1, larger weights
@@ -922,7 +966,7 @@ def cmd_check(args):
         return report
 
     check_kernels(rng, reporter(TOLERANCE["fp32"]))
-    for precision in ("fp32", "tf32"):
+    for precision in ("fp32", "tf32", "bf16"):
         init_gpu(precision)
         check_attention(rng, reporter(TOLERANCE[precision]))
     for precision in ("fp32", "tf32", "bf16"):
@@ -1264,6 +1308,31 @@ def cmd_sample(args):
 # -----------------------------------------------------------------------------
 # benchmark
 
+def time_attention(model, reps=20):
+    """-> (forward, forward + backward) of attention alone on layer 0's buffers, in
+    microseconds, the mean of reps runs between two CUDA events (comparable to
+    PyTorch's scaled_dot_product_attention, which is also given q, k, v in bf16)"""
+    cfg, B = model.cfg, model.B
+    forward = lambda: attention_forward(model.y[0], model.lse[0], model.qkv[0], B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
+    backward = lambda: attention_backward(model.dqkv, model.dy, model.qkv[0], model.y[0], model.lse[0], model.delta,
+                                          B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
+    times = []
+    for passes in ([forward], [forward, backward]):
+        for f in passes:                                             # warm-up
+            f()
+        events = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
+        check(cu.cuEventRecord(events[0], gpu.stream), "cuEventRecord")
+        for _ in range(reps):
+            for f in passes:
+                f()
+        check(cu.cuEventRecord(events[1], gpu.stream), "cuEventRecord")
+        gpu.sync()
+        times.append(1e3 * check(cu.cuEventElapsedTime(*events), "cuEventElapsedTime") / reps)
+        for e in events:
+            cu.cuEventDestroy(e)
+    return times
+
+
 def cmd_bench(args):
     """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up"""
     rank, world = rank_and_world(args)
@@ -1302,6 +1371,9 @@ def cmd_bench(args):
         print(f"  one step, GPU time by kernel (CUDA events; {sum(ms for _, ms in totals.values()):.1f} ms in all)")
         for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
             print(f"    {name:<36} {calls:4d} calls {ms:8.2f} ms")
+        forward, both = time_attention(engine.model)
+        print(f"  attention of one layer (B={engine.model.B}, T={cfg.T}, {cfg.Hq} query and {cfg.Hkv} kv heads, "
+              f"D={cfg.D}, {attention_path(cfg.D)}): forward {forward:.1f} us, forward+backward {both:.1f} us")
     engine.close()
 
 

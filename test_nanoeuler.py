@@ -735,13 +735,11 @@ def test_nvrtc_error_names_file_and_line(tmp_path, monkeypatch):
 def test_every_launched_kernel_exists_in_the_sources():
     import re
     src = "".join(open(os.path.join(HERE, f)).read() for f in ("kernels.cu", "flash_attn.cu"))
-    defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\w+\) )?(\w+)\(', src))
-    # flash_attn.cu's macros: ATTENTION_KERNELS(V, D, ...) once per version V, INSTANTIATE(D) per head dim
-    passes = re.findall(r"(attention_\w+?)##V##_kernel_##D", src)
-    versions = re.findall(r"^\s+ATTENTION_KERNELS\((\w*), D,", src, re.M)
-    for d in re.findall(r"^INSTANTIATE\((\d+)\)", src, re.M):
-        defined |= {f"{p}{v}_kernel_{d}" for p in passes for v in versions}
-    assert len(passes) == 3 and len(versions) == 2
+    defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(', src))
+    assert "##" not in src                                      # entry points written out, no names pasted
+    for version in ("", "_tf32"):                               # each pass at every head dim (HEAD_DIMS)
+        for d in (16, 32, 64):
+            assert {f"attention_{p}{version}_kernel_{d}" for p in ("forward", "backward_dkv", "backward_dq")} <= defined
     py = open(os.path.join(HERE, "nanoeuler_cuda.py")).read()
     launched = set(re.findall(r'gpu\.launch\(f?"(\w+?)(?:_\{D\})?"', py))
     for name in launched:

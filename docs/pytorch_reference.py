@@ -3,11 +3,17 @@ The NanoEuler model in PyTorch, only to measure what nanoeuler.py and
 nanoeuler_cuda.py are compared against (BENCHMARKS.md). Not part of NanoEuler:
 nothing imports it, and it needs PyTorch.
 
-    python docs/pytorch_reference.py [--compile] [--precision bf16|tf32] [--batch 16]     # big, GPU
+    python docs/pytorch_reference.py [--compile [reduce-overhead]] [--precision bf16|tf32] [--batch 16]   # big, GPU
+    python docs/pytorch_reference.py --attention --batch 16     # scaled_dot_product_attention alone
     python docs/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8
 
 Same model as SPEC.md (RMSNorm, RoPE, GQA, SwiGLU, K untied heads, mtp_weight),
-AdamW, bf16 autocast, tf32 or fp32, the step timed after warm-up.
+AdamW, bf16 autocast, tf32 or fp32, the step timed after warm-up. --compile
+compiles the model's forward and loss (and so their backward) with
+torch.compile; --compile reduce-overhead also replays them as CUDA graphs.
+--attention times causal GQA attention of one layer (forward, and forward +
+backward) in bf16 at the model's shape, what nanoeuler_cuda.py bench --profile
+prints for its own kernels.
 """
 
 import argparse
@@ -65,10 +71,34 @@ class Model(torch.nn.Module):
         return ce[0] + MTP * sum(ce[1:]) / (K - 1)
 
 
+def time_attention(batch, dev, reps=50):
+    """per layer: causal GQA scaled_dot_product_attention forward, and forward + backward, in bf16"""
+    q = torch.randn(batch, Hq, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, Hkv, T, D, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dy = torch.randn(batch, Hq, T, D, device=dev, dtype=torch.bfloat16)
+    forward = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    result = []
+    for step in (forward, lambda: forward().backward(dy)):
+        for _ in range(3):
+            step()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        result.append(1e3 * start.elapsed_time(end) / reps)
+    print(f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}, scaled_dot_product_attention, bf16, "
+          f"B={batch}, T={T}, {Hq} query and {Hkv} kv heads, D={D}, causal: forward {result[0]:.1f} us, "
+          f"forward+backward {result[1]:.1f} us")
+
+
 def main():
     global V, C, Hq, Hkv, L, T, FF, D
     p = argparse.ArgumentParser()
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", nargs="?", const="default", choices=["default", "reduce-overhead"],
+                   help="torch.compile the forward and loss, in this mode (reduce-overhead: CUDA graphs)")
+    p.add_argument("--attention", action="store_true", help="time only SDPA attention of one layer")
     p.add_argument("--precision", default="bf16", choices=["bf16", "tf32", "fp32"])
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=20)
@@ -78,13 +108,15 @@ def main():
     V, C, Hq, Hkv, L, T, FF = PRESETS[args.model]
     D = C // Hq
     dev = args.device
+    if args.attention:
+        return time_attention(args.batch, dev)
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.precision != "fp32"
     model = Model().to(dev)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=dev == "cuda")
-    step_model = torch.compile(model) if args.compile else model
+    step_model = torch.compile(model, mode=args.compile) if args.compile else model
     rows = torch.randint(0, V, (args.batch, T + K), device=dev)
     idx = rows[:, :T]
     targets = torch.stack([rows[:, 1 + k:1 + k + T] for k in range(K)], -1)
@@ -93,6 +125,8 @@ def main():
     for step in range(args.steps + 5):
         sync()
         t0 = time.perf_counter()
+        if args.compile == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()        # the last step's graph outputs may be overwritten
         with torch.autocast(dev, torch.bfloat16, enabled=args.precision == "bf16"):
             loss = step_model(idx, targets)
         loss.backward()
@@ -104,7 +138,7 @@ def main():
     dt = sorted(times[5:])[len(times[5:]) // 2]
     name = torch.cuda.get_device_name() if dev == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"PyTorch {torch.__version__}, {name}, {n:,} parameters, "
-          f"{'compiled' if args.compile else 'eager'}, {args.precision}, batch {args.batch} x {T}: "
+          f"{'compiled (' + args.compile + ')' if args.compile else 'eager'}, {args.precision}, batch {args.batch} x {T}: "
           f"{dt * 1e3:.1f} ms/step, {args.batch * T / dt:,.0f} tok/s")
 
 
