@@ -304,3 +304,219 @@ extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, 
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
+
+// -----------------------------------------------------------------------------
+// decoding (nanoeuler.py's generation section; nanoeuler_cuda.py's GPUDecoder)
+//
+// One decoding step feeds R rows: the last token, and in speculative decoding the
+// drafts after it, at positions *pos .. *pos+R-1. pos, the token ids and a step
+// counter live in GPU memory and the kernels update them, so one captured CUDA
+// graph per R replays every step and only the chosen ids go to the host.
+// Each row is computed the same way whatever R is (no sum runs across rows), so a
+// verifying pass over several rows gives the bits of one-row steps: speculative
+// greedy output equals plain greedy output in every precision.
+// The weights are fp32 or bf16 (W), the activations and the KV cache fp32.
+
+#define DECODE_MAX_ROWS 8       // R at most; nanoeuler_cuda.DECODE_MAX_ROWS
+
+// what decode_matvec's blocks build in shared memory from `in` (R rows) before the product
+#define IN_PLAIN 0              // in (R, In) itself
+#define IN_RMSNORM 1            // rmsnorm(in) * norm_w, in (R, In): the norm fused into the next product
+#define IN_SWIGLU 2             // silu(gate) * up, in (R, 2 In) holding gate then up: swiglu fused too
+
+__device__ __forceinline__ void unpack16(uint4 raw, float* w, const float*) {        // 4 fp32
+    w[0] = __uint_as_float(raw.x); w[1] = __uint_as_float(raw.y);
+    w[2] = __uint_as_float(raw.z); w[3] = __uint_as_float(raw.w);
+}
+
+__device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned short*) {   // 8 bf16
+    unsigned int u[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int i = 0; i < 4; i++) {
+        w[2 * i] = __uint_as_float(u[i] << 16);
+        w[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+    }
+}
+
+// out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
+// as MODE says. A decoding step reads every weight once, so this is bound by memory:
+// one warp per output, its lanes reading 16 bytes of the weight row at a time,
+// each weight used for all R rows. accumulate: out += (the residual add fused in).
+// In must be a multiple of 16 / sizeof(W) and w's rows 16-byte aligned.
+// block 128 (4 outputs), grid = ceil(Out / 4); shared memory R * In floats.
+template <typename W, int MODE>
+__device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
+                              int ld_out, int accumulate) {
+    extern __shared__ float xs[];
+    for (int r = 0; r < R; r++) {
+        float* x = xs + r * In;
+        if (MODE == IN_SWIGLU) {
+            const float* gu = in + (long)r * 2 * In;
+            for (int i = threadIdx.x; i < In; i += blockDim.x) {
+                float gate = gu[i];
+                x[i] = gate / (1.0f + expf(-gate)) * gu[In + i];
+            }
+        } else if (MODE == IN_RMSNORM) {
+            const float* xr = in + (long)r * In;
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < In; i += blockDim.x) ss += xr[i] * xr[i];
+            float rs = 1.0f / sqrtf(block_sum(ss) / In + 1e-5f);
+            for (int i = threadIdx.x; i < In; i += blockDim.x) x[i] = xr[i] * rs * norm_w[i];
+        } else {
+            for (int i = threadIdx.x; i < In; i += blockDim.x) x[i] = in[(long)r * In + i];
+        }
+    }
+    __syncthreads();
+    int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (o >= Out) return;
+    const int E = 16 / sizeof(W);                                  // weights per 16-byte load
+    const uint4* row = (const uint4*)(w + (long)o * In);
+    float acc[DECODE_MAX_ROWS];
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int c = lane; c < In / E; c += 32) {
+        float wf[8];
+        unpack16(row[c], wf, w);
+#pragma unroll
+        for (int r = 0; r < DECODE_MAX_ROWS; r++) {
+            if (r >= R) break;
+            const float* x = xs + r * In + c * E;
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[r] += wf[e] * x[e];
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0) out[(long)r * ld_out + o] = (accumulate ? out[(long)r * ld_out + o] : 0.0f) + s;
+    }
+}
+
+#define DECODE_MATVEC(NAME, MODE, WNAME, WT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) decode_matvec_##NAME##_##WNAME##_kernel(                 \
+        float* out, const float* in, const WT* w, const float* norm_w, int R, int In, int Out, int ld_out,     \
+        int accumulate) {                                                                                      \
+        decode_matvec<WT, MODE>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);                           \
+    }
+DECODE_MATVEC(plain, IN_PLAIN, f32, float)
+DECODE_MATVEC(rmsnorm, IN_RMSNORM, f32, float)
+DECODE_MATVEC(swiglu, IN_SWIGLU, f32, float)
+DECODE_MATVEC(plain, IN_PLAIN, bf16, unsigned short)
+DECODE_MATVEC(rmsnorm, IN_RMSNORM, bf16, unsigned short)
+DECODE_MATVEC(swiglu, IN_SWIGLU, bf16, unsigned short)
+
+// rope and the cache write together: rows r < R of qkv (R, (Hq+2Hkv)*D) sit at positions
+// *pos + r; their q and k heads are rotated in place (rope_forward's rotate-half, cos/sin
+// tables (T, D/2)), then their k and v heads are copied into k_cache and v_cache (T, Hkv, D).
+// one thread per (row, head, pair); grid = ceil(R*(Hq+2Hkv)*D/2 / block)
+extern "C" __global__ void rope_cache_write_kernel(float* qkv, float* k_cache, float* v_cache, const float* cos,
+                                                   const float* sin, const int* pos, int R, int Hq, int Hkv, int D) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int half = D / 2, H = Hq + 2 * Hkv;
+    if (i >= (long)R * H * half) return;
+    int p = i % half, h = (i / half) % H, r = i / ((long)half * H);
+    int t = *pos + r;
+    float* e = qkv + (long)r * H * D + h * D + p;
+    float a = e[0], b = e[half];
+    if (h < Hq + Hkv) {
+        float c = cos[t * half + p], s = sin[t * half + p];
+        float a2 = a * c - b * s, b2 = b * c + a * s;
+        a = a2;
+        b = b2;
+        e[0] = a;
+        e[half] = b;
+    }
+    if (h >= Hq) {
+        float* cache = h < Hq + Hkv ? k_cache + (h - Hq) * D : v_cache + (h - Hq - Hkv) * D;
+        cache += (long)t * Hkv * D + p;
+        cache[0] = a;
+        cache[half] = b;
+    }
+}
+
+// one query row against the cache, causal, grouped-query: y[r, h] = softmax(q k.T / sqrt(D)) v
+// over the keys at positions 0 .. *pos + r of kv head h / (Hq/Hkv). q is the (rotated) row r
+// of qkv. Scores: the warps take the keys in turn, lanes over D; then the softmax over
+// them in shared memory; then y: thread (d, part) adds part's share of the keys, and the
+// parts are added in order. No sum depends on R (see above).
+// one block of 128 threads per (query head, row), 128 % D == 0; grid = (Hq, R);
+// shared memory (D + T + 128) floats, T the cache's length
+extern "C" __global__ void attention_decode_kernel(float* y, const float* qkv, const float* k_cache,
+                                                   const float* v_cache, const int* pos, int Hq, int Hkv, int D,
+                                                   int T, float scale) {
+    extern __shared__ float sh[];
+    float *q = sh, *s = sh + D, *part_sum = sh + D + T;
+    int h = blockIdx.x, r = blockIdx.y, kvh = h / (Hq / Hkv), H = Hq + 2 * Hkv;
+    int n = *pos + r + 1;                                          // keys this row sees
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) q[d] = qkv[(long)r * H * D + h * D + d] * scale;
+    __syncthreads();
+    for (int t = warp; t < n; t += warps) {
+        const float* k = k_cache + ((long)t * Hkv + kvh) * D;
+        float dot = 0.0f;
+        for (int d = lane; d < D; d += 32) dot += q[d] * k[d];
+        dot = warp_sum(dot);
+        if (lane == 0) s[t] = dot;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, s[t]);
+    m = block_max(m);
+    float sum = 0.0f;
+    for (int t = threadIdx.x; t < n; t += blockDim.x) {
+        float e = expf(s[t] - m);
+        s[t] = e;
+        sum += e;
+    }
+    sum = block_sum(sum);                                          // its barriers publish s[] too
+    int parts = blockDim.x / D, d = threadIdx.x % D, part = threadIdx.x / D;
+    float acc = 0.0f;
+    for (int t = part; t < n; t += parts) acc += s[t] * v_cache[((long)t * Hkv + kvh) * D + d];
+    part_sum[part * D + d] = acc;
+    __syncthreads();
+    if (part == 0) {
+        float total = 0.0f;
+        for (int k = 0; k < parts; k++) total += part_sum[k * D + d];
+        y[(long)r * Hq * D + h * D + d] = total / sum;
+    }
+}
+
+// the index of the largest logit of each row of (rows, V), the first one on ties (as
+// np.argmax); one block of 256 threads per row
+extern "C" __global__ void argmax_kernel(int* out, const float* logits, int V) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* row = logits + (long)blockIdx.x * V;
+    float bv = -INFINITY;
+    int bi = 0x7FFFFFFF;
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        if (row[v] > bv) bv = row[v], bi = v;                      // strided: each thread's first best
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffff, bv, offset);
+        int oi = __shfl_xor_sync(0xffffffff, bi, offset);
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < blockDim.x / 32; k++)
+            if (best_v[k] > bv || (best_v[k] == bv && best_i[k] < bi)) bv = best_v[k], bi = best_i[k];
+        out[blockIdx.x] = bi == 0x7FFFFFFF ? 0 : bi;               // all NaN: token 0
+    }
+}
+
+// nanoeuler.generate's acceptance rule, on the GPU, after a pass over the R fed rows ids[0..R-1]
+// (the last token, then the drafts): amax (R, n_heads) holds head 0's choice and the draft
+// heads' guesses at every row. Row j's choice is kept while the draft fed after it agreed,
+// so j+1 tokens are emitted, into ring[*counter % ring_size] = (j+1, tokens...); then the
+// next feed is the last choice and the guesses made at its row, and pos moves by j+1.
+// one thread; grid 1
+extern "C" __global__ void speculative_accept_kernel(int* ids, int* pos, int* counter, int* ring, const int* amax,
+                                                     int R, int n_heads, int ring_size) {
+    int j = 0;
+    while (j < R - 1 && ids[1 + j] == amax[j * n_heads]) j++;
+    int* entry = ring + (*counter % ring_size) * (1 + DECODE_MAX_ROWS);
+    entry[0] = j + 1;
+    for (int i = 0; i <= j; i++) entry[1 + i] = amax[i * n_heads];
+    for (int k = 0; k < n_heads; k++) ids[k] = amax[j * n_heads + k];
+    *pos += j + 1;
+    *counter += 1;
+}
