@@ -1697,10 +1697,13 @@ def cmd_chat(args):
 # benchmark
 
 def cmd_bench(args):
-    """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up"""
+    """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up;
+    then decoding speed (bench_decoding)"""
     rank, world = rank_and_world(args)
     if args.gpus and not world:
         return launch_ranks(args.argv, args.gpus)
+    if args.decode_only:
+        return bench_decoding(args)
     init_gpu(args.precision, rank)
     cfg = PRESETS[args.model_size]
     engine = (DataParallelEngine(cfg, ne.init_params(cfg), None, None, args, rank, world) if world else
@@ -1735,6 +1738,60 @@ def cmd_bench(args):
         for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
             print(f"    {name:<36} {calls:4d} calls {ms:8.2f} ms")
     engine.close()
+    if not world:
+        del engine
+        bench_decoding(args)
+
+
+BENCH_PROMPT = "ROMEO:\nWhat say you"
+
+
+def bench_decoding(args):
+    """batch-1 decoding: plain greedy and speculative tokens/s (the median of 3 runs of
+    --max-new-tokens after a warm-up, BENCH_PROMPT's first 16 tokens at most, the window
+    sliding past T as it must), prefill of a 500-token prompt, on --model or on random
+    weights of the preset"""
+    if args.model:
+        cfg, flat, tok = ne.load_model(args.model)
+        prompt, what = tok.encode(BENCH_PROMPT)[:16], args.model
+    else:
+        cfg = PRESETS[args.model_size]
+        flat, what = ne.init_params(cfg), f"random weights of {args.model_size} (give --model for a trained one)"
+        prompt = list(range(16))
+    n = args.max_new_tokens
+    for precision in args.decode_precision.split(","):
+        dec = GPUDecoder(cfg, flat, precision)
+        print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
+              f"{n} new tokens (median of 3 after a warm-up), {what}")
+
+        def timed(speculative, drafts):
+            times = []
+            for _ in range(4):
+                stats = {}
+                gpu.sync()
+                t0 = time.perf_counter()
+                out = list(generate(dec, cfg, prompt, n, temperature=0, speculative=speculative, stats=stats,
+                                    drafts=drafts))
+                times.append(time.perf_counter() - t0)
+            return out, float(np.median(times[1:])), stats
+
+        plain, dt, _ = timed(False, None)
+        print(f"  {'plain KV cache':<26} {len(plain) / dt:8,.0f} tok/s  ({dt * 1e3 / len(plain):.3f} ms/token)")
+        for drafts in range(1, min(cfg.K, max_rows(cfg))):
+            spec, dt_s, stats = timed(True, drafts)
+            same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(plain))
+            default = " (default)" if drafts == DEFAULT_DRAFTS else ""
+            print(f"  {f'speculative, {drafts} draft' + 's' * (drafts > 1) + default:<26} {len(spec) / dt_s:8,.0f} "
+                  f"tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, {dt / dt_s:.2f}x plain, "
+                  f"same as plain for {same} of {len(plain)} tokens")
+        long = (prompt * (500 // len(prompt) + 1))[:min(500, cfg.T)]
+        times = []
+        for _ in range(11):
+            gpu.sync()
+            t0 = time.perf_counter()
+            dec.wait(dec.prefill(long, 1))
+            times.append(time.perf_counter() - t0)
+        print(f"  prefill of {len(long)} tokens {np.median(times[1:]) * 1e3:8.2f} ms (median of 10 after a warm-up)")
 
 
 # -----------------------------------------------------------------------------
@@ -1770,6 +1827,10 @@ def build_parser():
     sp.add_argument("--steps", type=int, default=10, help="timed steps")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
+    sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
+    sp.add_argument("--max-new-tokens", type=int, default=500, help="decoding: tokens to generate")
+    sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
+    sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
     add_gpus_flags(sp)
     sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
