@@ -337,16 +337,41 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
     }
 }
 
+// acc[r] += the 16 bytes of weights in raw . x[r * In ..] for the rows r < R
+template <typename W>
+__device__ __forceinline__ void matvec_chunk(float* acc, uint4 raw, const float* x, int In, int R, const W* tag) {
+    const int E = 16 / sizeof(W);
+    float wf[8];
+    unpack16(raw, wf, tag);
+#pragma unroll
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) {
+        if (r >= R) break;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[r] += wf[e] * x[r * In + e];
+    }
+}
+
 // out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
 // as MODE says. A decoding step reads every weight once, so this is bound by memory:
-// one warp per output, its lanes reading 16 bytes of the weight row at a time,
-// each weight used for all R rows. accumulate: out += (the residual add fused in).
+// one warp per output, its lanes reading 16 bytes of the weight row at a time (PRE
+// loads in flight), each weight used for all R rows. accumulate: out += (the residual add fused in).
 // In must be a multiple of 16 / sizeof(W) and w's rows 16-byte aligned.
 // block 128 (4 outputs), grid = ceil(Out / 4); shared memory R * In floats.
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate) {
     extern __shared__ float xs[];
+    int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    bool active = o < Out;
+    const int E = 16 / sizeof(W), chunks = In / E;                 // E weights per 16-byte load
+    const uint4* row = (const uint4*)(w + (long)(active ? o : 0) * In);
+    // the lane's first PRE loads of the weight row are issued before the input is built, so
+    // they are on their way while the block computes the norm (or swiglu)
+    const int PRE = 4;
+    uint4 pre[PRE];
+#pragma unroll
+    for (int u = 0; u < PRE; u++)
+        if (active && lane + 32 * u < chunks) pre[u] = row[lane + 32 * u];
     for (int r = 0; r < R; r++) {
         float* x = xs + r * In;
         if (MODE == IN_SWIGLU) {
@@ -366,22 +391,21 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
         }
     }
     __syncthreads();
-    int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (o >= Out) return;
-    const int E = 16 / sizeof(W);                                  // weights per 16-byte load
-    const uint4* row = (const uint4*)(w + (long)o * In);
+    if (!active) return;
     float acc[DECODE_MAX_ROWS];
     for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
-    for (int c = lane; c < In / E; c += 32) {
-        float wf[8];
-        unpack16(row[c], wf, w);
+    // chunks lane, lane + 32, ... in this order (the prefetched ones first), whatever R
 #pragma unroll
-        for (int r = 0; r < DECODE_MAX_ROWS; r++) {
-            if (r >= R) break;
-            const float* x = xs + r * In + c * E;
+    for (int u = 0; u < PRE; u++)
+        if (lane + 32 * u < chunks) matvec_chunk(acc, pre[u], xs + (lane + 32 * u) * E, In, R, w);
+    for (int c0 = lane + 32 * PRE; c0 < chunks; c0 += 32 * PRE) {
+        uint4 raw[PRE];
 #pragma unroll
-            for (int e = 0; e < E; e++) acc[r] += wf[e] * x[e];
-        }
+        for (int u = 0; u < PRE; u++)
+            if (c0 + 32 * u < chunks) raw[u] = row[c0 + 32 * u];
+#pragma unroll
+        for (int u = 0; u < PRE; u++)
+            if (c0 + 32 * u < chunks) matvec_chunk(acc, raw[u], xs + (c0 + 32 * u) * E, In, R, w);
     }
     for (int r = 0; r < R; r++) {
         float s = warp_sum(acc[r]);
@@ -402,79 +426,112 @@ DECODE_MATVEC(plain, IN_PLAIN, bf16, unsigned short)
 DECODE_MATVEC(rmsnorm, IN_RMSNORM, bf16, unsigned short)
 DECODE_MATVEC(swiglu, IN_SWIGLU, bf16, unsigned short)
 
-// rope and the cache write together: rows r < R of qkv (R, (Hq+2Hkv)*D) sit at positions
-// *pos + r; their q and k heads are rotated in place (rope_forward's rotate-half, cos/sin
-// tables (T, D/2)), then their k and v heads are copied into k_cache and v_cache (T, Hkv, D).
-// one thread per (row, head, pair); grid = ceil(R*(Hq+2Hkv)*D/2 / block)
-extern "C" __global__ void rope_cache_write_kernel(float* qkv, float* k_cache, float* v_cache, const float* cos,
-                                                   const float* sin, const int* pos, int R, int Hq, int Hkv, int D) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    int half = D / 2, H = Hq + 2 * Hkv;
-    if (i >= (long)R * H * half) return;
-    int p = i % half, h = (i / half) % H, r = i / ((long)half * H);
-    int t = *pos + r;
-    float* e = qkv + (long)r * H * D + h * D + p;
-    float a = e[0], b = e[half];
-    if (h < Hq + Hkv) {
-        float c = cos[t * half + p], s = sin[t * half + p];
-        float a2 = a * c - b * s, b2 = b * c + a * s;
-        a = a2;
-        b = b2;
-        e[0] = a;
-        e[half] = b;
-    }
-    if (h >= Hq) {
-        float* cache = h < Hq + Hkv ? k_cache + (h - Hq) * D : v_cache + (h - Hq - Hkv) * D;
-        cache += (long)t * Hkv * D + p;
-        cache[0] = a;
-        cache[half] = b;
-    }
+// rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
+// each operation rounded on its own (no fused multiply-add), so a key rotated here while
+// it is still in qkv has the bits of the same key rotated when it was written to the cache
+__device__ __forceinline__ void rope_pair(float& a, float& b, float c, float s) {
+    float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    float b2 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    a = a2;
+    b = b2;
 }
 
-// one query row against the cache, causal, grouped-query: y[r, h] = softmax(q k.T / sqrt(D)) v
-// over the keys at positions 0 .. *pos + r of kv head h / (Hq/Hkv). q is the (rotated) row r
-// of qkv. Scores: the warps take the keys in turn, lanes over D; then the softmax over
-// them in shared memory; then y: thread (d, part) adds part's share of the keys, and the
-// parts are added in order. No sum depends on R (see above).
-// one block of 128 threads per (query head, row), 128 % D == 0; grid = (Hq, R);
-// shared memory (D + T + 128) floats, T the cache's length
-extern "C" __global__ void attention_decode_kernel(float* y, const float* qkv, const float* k_cache,
-                                                   const float* v_cache, const int* pos, int Hq, int Hkv, int D,
-                                                   int T, float scale) {
+// Attention of one query row over the cache, causal, grouped-query, with rope and the cache
+// write fused in: y[r, h] = softmax(q k.T / sqrt(D)) v over the keys at positions 0 .. *pos + r
+// of kv head h / (Hq/Hkv), q being head h of row r of qkv (R, (Hq+2Hkv)*D) as the product
+// left it, rotated here for position *pos + r. Keys before *pos come from k_cache and
+// v_cache (T, Hkv, D); keys from *pos on are this pass's rows of qkv, rotated as they are
+// read; the first query head of each kv head writes row r's rotated k, and v, into the cache
+// at *pos + r (no block reads the cache there in this pass). A prefill is a pass with *pos = 0.
+// The warps take the keys 32 at a time (a lane per key for the scores, then the lanes over D
+// for the values), with an online softmax (running max and sum); their partial results are
+// added in warp order at the end. No sum depends on R, so rows computed in one pass have the
+// bits of rows computed one pass each.
+// one block of 256 threads per (query head, row); grid = (Hq, R); D a multiple of 8, at most
+// 128; shared memory (D + 2 * 8 + 8 * D) floats
+extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, float* v_cache, const float* qkv,
+                                                   const float* cos, const float* sin, const int* pos, int Hq,
+                                                   int Hkv, int D, float scale) {
     extern __shared__ float sh[];
-    float *q = sh, *s = sh + D, *part_sum = sh + D + T;
-    int h = blockIdx.x, r = blockIdx.y, kvh = h / (Hq / Hkv), H = Hq + 2 * Hkv;
-    int n = *pos + r + 1;                                          // keys this row sees
     int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) q[d] = qkv[(long)r * H * D + h * D + d] * scale;
-    __syncthreads();
-    for (int t = warp; t < n; t += warps) {
-        const float* k = k_cache + ((long)t * Hkv + kvh) * D;
-        float dot = 0.0f;
-        for (int d = lane; d < D; d += 32) dot += q[d] * k[d];
-        dot = warp_sum(dot);
-        if (lane == 0) s[t] = dot;
+    float *q = sh, *warp_m = sh + D, *warp_l = warp_m + warps, *warp_acc = warp_l + warps;
+    int h = blockIdx.x, r = blockIdx.y, G = Hq / Hkv, kvh = h / G, H = Hq + 2 * Hkv, half = D / 2;
+    int p0 = *pos, t_row = p0 + r, n = t_row + 1;                  // n: keys this row sees
+    const float* row = qkv + (long)r * H * D;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a = row[h * D + i], b = row[h * D + half + i];
+        rope_pair(a, b, cos[t_row * half + i], sin[t_row * half + i]);
+        q[i] = a * scale;
+        q[half + i] = b * scale;
+    }
+    if (h % G == 0) {
+        long e = ((long)t_row * Hkv + kvh) * D;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float a = row[(Hq + kvh) * D + i], b = row[(Hq + kvh) * D + half + i];
+            rope_pair(a, b, cos[t_row * half + i], sin[t_row * half + i]);
+            k_cache[e + i] = a;
+            k_cache[e + half + i] = b;
+            v_cache[e + i] = row[(Hq + Hkv + kvh) * D + i];
+            v_cache[e + half + i] = row[(Hq + Hkv + kvh) * D + half + i];
+        }
     }
     __syncthreads();
-    float m = -INFINITY;
-    for (int t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, s[t]);
-    m = block_max(m);
-    float sum = 0.0f;
-    for (int t = threadIdx.x; t < n; t += blockDim.x) {
-        float e = expf(s[t] - m);
-        s[t] = e;
-        sum += e;
+    float m = -INFINITY, l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // lane's d: lane + 32 k
+    for (int t0 = warp * 32; t0 < n; t0 += warps * 32) {
+        int t = t0 + lane;
+        float s = -INFINITY;
+        if (t < n) {
+            bool fresh = t >= p0;
+            const float* k = fresh ? qkv + (long)(t - p0) * H * D + (Hq + kvh) * D : k_cache + ((long)t * Hkv + kvh) * D;
+            float dot = 0.0f;
+#pragma unroll 8
+            for (int i = 0; i < half; i += 4) {                    // the loads of 8 iterations in flight
+                float4 a = *(const float4*)(k + i), b = *(const float4*)(k + half + i);
+                if (fresh) {
+                    float4 c = *(const float4*)(cos + t * half + i), sn = *(const float4*)(sin + t * half + i);
+                    rope_pair(a.x, b.x, c.x, sn.x);
+                    rope_pair(a.y, b.y, c.y, sn.y);
+                    rope_pair(a.z, b.z, c.z, sn.z);
+                    rope_pair(a.w, b.w, c.w, sn.w);
+                }
+                dot += q[i] * a.x + q[i + 1] * a.y + q[i + 2] * a.z + q[i + 3] * a.w;
+                dot += q[half + i] * b.x + q[half + i + 1] * b.y + q[half + i + 2] * b.z + q[half + i + 3] * b.w;
+            }
+            s = dot;
+        }
+        float m_new = fmaxf(m, warp_max(s));                       // finite: key t0 < n is in the chunk
+        float corr = expf(m - m_new);                              // 0 at the first chunk
+        float p = t < n ? expf(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[k] *= corr;
+        int last = min(32, n - t0);
+#pragma unroll 8
+        for (int j = 0; j < last; j++) {
+            float pj = __shfl_sync(0xffffffff, p, j);
+            int tj = t0 + j;
+            const float* v = tj >= p0 ? qkv + (long)(tj - p0) * H * D + (Hq + Hkv + kvh) * D
+                                      : v_cache + ((long)tj * Hkv + kvh) * D;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (lane + 32 * k < D) acc[k] += pj * v[lane + 32 * k];
+        }
+        m = m_new;
     }
-    sum = block_sum(sum);                                          // its barriers publish s[] too
-    int parts = blockDim.x / D, d = threadIdx.x % D, part = threadIdx.x / D;
-    float acc = 0.0f;
-    for (int t = part; t < n; t += parts) acc += s[t] * v_cache[((long)t * Hkv + kvh) * D + d];
-    part_sum[part * D + d] = acc;
+    if (lane == 0) warp_m[warp] = m, warp_l[warp] = l;
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        if (lane + 32 * k < D) warp_acc[warp * D + lane + 32 * k] = acc[k];
     __syncthreads();
-    if (part == 0) {
-        float total = 0.0f;
-        for (int k = 0; k < parts; k++) total += part_sum[k * D + d];
-        y[(long)r * Hq * D + h * D + d] = total / sum;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float M = -INFINITY, num = 0.0f, den = 0.0f;
+        for (int w = 0; w < warps; w++) M = fmaxf(M, warp_m[w]);
+        for (int w = 0; w < warps; w++) {                          // warps without keys: m = -inf, weight 0
+            float f = expf(warp_m[w] - M);
+            num += f * warp_acc[w * D + d];
+            den += f * warp_l[w];
+        }
+        y[(long)r * Hq * D + h * D + d] = num / den;
     }
 }
 

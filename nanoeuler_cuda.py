@@ -1372,8 +1372,8 @@ def cmd_train(args):
 #
 # GPUDecoder holds the weights for decoding (bf16, or fp32 with --precision fp32),
 # a KV cache and the buffers of one step. The prompt is pre-filled in one pass
-# (cuBLAS products over all its rows, as in training; the cache written as rope
-# rotates the keys); then each step feeds R rows, the last token and in
+# (cuBLAS products over all its rows, as in training; attention and the cache
+# write by the decode kernel over all the rows); then each step feeds R rows, the last token and in
 # speculative decoding the drafts after it, through the decode kernels of
 # kernels.cu: a memory-bound matrix-vector product per weight with the norm,
 # swiglu or residual add fused in, rope and the cache write in one kernel, one
@@ -1384,6 +1384,11 @@ def cmd_train(args):
 # crosses to the host is each step's chosen ids, which the accept kernel
 # writes straight into page-locked host memory (a ring the host reads behind
 # the GPU, LOOKAHEAD steps ahead at most).
+# A step is 6 kernels a layer: the qkv product with the attention norm fused in,
+# attention with rope and the cache write fused in, the wo product adding into
+# the residual stream, the gate/up product with the MLP norm fused in, the down
+# product reading swiglu of gate/up and adding into the residual; and 4 more
+# (embedding, heads with the final norm, argmax, acceptance).
 
 DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
@@ -1399,15 +1404,11 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
                I(In), I(Out), I(ld_out or Out), I(int(accumulate)), shared=4 * R * In)
 
 
-def rope_cache_write(qkv, k_cache, v_cache, cos, sin, pos, R, Hq, Hkv, D):
-    block = 256
-    gpu.launch("rope_cache_write_kernel", ceil_div(R * (Hq + 2 * Hkv) * D // 2, block), block, P(qkv), P(k_cache),
-               P(v_cache), P(cos), P(sin), P(pos), I(R), I(Hq), I(Hkv), I(D))
-
-
-def attention_decode(y, qkv, k_cache, v_cache, pos, R, Hq, Hkv, D, T):
-    gpu.launch("attention_decode_kernel", (Hq, R, 1), 128, P(y), P(qkv), P(k_cache), P(v_cache), P(pos), I(Hq),
-               I(Hkv), I(D), I(T), F(1 / math.sqrt(D)), shared=4 * (D + T + 128))
+def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D):
+    """and rope, and the cache write of the R rows' keys and values (see the kernel)"""
+    warps = 8
+    gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
+               P(sin), P(pos), I(Hq), I(Hkv), I(D), F(1 / math.sqrt(D)), shared=4 * (D + 2 * warps + warps * D))
 
 
 def argmax(out, logits, rows, V):
@@ -1440,8 +1441,9 @@ def max_rows(cfg):
 
 def decode_check_sizes(cfg):
     """the decode kernels read weight rows 16 bytes at a time and split attention's block by D"""
-    if cfg.C % 8 or cfg.F % 8 or 128 % cfg.D or cfg.T < 2:
-        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8 and a head dim dividing 128 "
+    if cfg.C % 8 or cfg.F % 8 or cfg.D % 8 or cfg.D > 128 or cfg.T < 2:
+        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8 and a head dim that is a multiple of 8 "
+                             f"up to 128 "
                              f"(this model: C={cfg.C}, F={cfg.F}, D={cfg.D}); nanoeuler.py samples it on the CPU")
 
 
@@ -1493,8 +1495,8 @@ class GPUDecoder:
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
             decode_matvec(qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm")
-            rope_cache_write(qkv, self.k_cache[l], self.v_cache[l], self.cos, self.sin, pos, R, cfg.Hq, cfg.Hkv, D)
-            attention_decode(y, qkv, self.k_cache[l], self.v_cache[l], pos, R, cfg.Hq, cfg.Hkv, D, cfg.T)
+            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, pos, R, cfg.Hq, cfg.Hkv,
+                             D)
             decode_matvec(x, y, lw("wo"), None, R, HD, C, accumulate=True)
             decode_matvec(gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm")
             decode_matvec(x, gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True)
@@ -1551,10 +1553,8 @@ class GPUDecoder:
             w = lambda name: p[f"layers.{l}.{name}"]
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
             matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
-            rope_cache_write(self.p_qkv, self.k_cache[l], self.v_cache[l], self.cos, self.sin, self.pos, n,
-                             cfg.Hq, cfg.Hkv, D)
-            attention_decode(self.p_y, self.p_qkv, self.k_cache[l], self.v_cache[l], self.pos, n, cfg.Hq, cfg.Hkv,
-                             D, cfg.T)
+            attention_decode(self.p_y, self.k_cache[l], self.v_cache[l], self.p_qkv, self.cos, self.sin, self.pos,
+                             n, cfg.Hq, cfg.Hkv, D)
             matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
@@ -1746,6 +1746,30 @@ def cmd_bench(args):
 BENCH_PROMPT = "ROMEO:\nWhat say you"
 
 
+def profile_decoding(dec, prompt, replays=100):
+    """GPU time of a plain step (one row) replayed from its graph, and by kernel when launched one by one"""
+    dec.wait(dec.prefill(prompt, 1))
+    dec.wait(dec.launch_step(1, 1))                     # captured now if it was not yet
+    a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+    check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
+    for _ in range(replays):
+        check(cu.cuGraphLaunch(dec.graphs[1, 1], gpu.stream), "cuGraphLaunch")
+    check(cu.cuEventRecord(b, gpu.stream), "cuEventRecord")
+    gpu.sync()
+    dec.passes += replays                               # the replays' accept kernels counted too
+    us = check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") * 1e3 / replays
+    dec.wait(dec.prefill(prompt, 1))
+    gpu.profile = []
+    dec.step(1, 1)
+    totals = gpu.profile_report()
+    calls = sum(c for c, _ in totals.values())
+    print(f"  one step at position {len(prompt) + 1}: {us:.1f} us of GPU time replayed from its graph ({calls} "
+          f"kernels); launched one by one, by kernel (CUDA events; {sum(ms for _, ms in totals.values()) * 1e3:.0f} "
+          f"us in all):")
+    for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
+
+
 def bench_decoding(args):
     """batch-1 decoding: plain greedy and speculative tokens/s (the median of 3 runs of
     --max-new-tokens after a warm-up, BENCH_PROMPT's first 16 tokens at most, the window
@@ -1784,6 +1808,8 @@ def bench_decoding(args):
             print(f"  {f'speculative, {drafts} draft' + 's' * (drafts > 1) + default:<26} {len(spec) / dt_s:8,.0f} "
                   f"tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, {dt / dt_s:.2f}x plain, "
                   f"same as plain for {same} of {len(plain)} tokens")
+        if args.profile:
+            profile_decoding(dec, prompt)
         long = (prompt * (500 // len(prompt) + 1))[:min(500, cfg.T)]
         times = []
         for _ in range(11):
