@@ -6,7 +6,9 @@ product in cuBLAS, called through ctypes. No framework.
     python nanoeuler_cuda.py check        # every kernel against numpy, then the whole model
     python nanoeuler_cuda.py train big    # train the 116M model (SPEC big) on one GPU
     python nanoeuler_cuda.py train big --gpus 2 --batch 32    # or data parallel on several
-    python nanoeuler_cuda.py bench        # tokens/s and MFU of training steps
+    python nanoeuler_cuda.py bench        # tokens/s and MFU of training steps, then decoding speed
+    python nanoeuler_cuda.py sft --model out/big/best.safetensors      # fine-tune on instructions
+    python nanoeuler_cuda.py chat --model out/sft/best.safetensors [--speculative]
 
 It shares with nanoeuler.py (imported, not copied): Config and the presets, the
 tokenizer, the data pipeline, the checkpoint files and the training loop's log
@@ -22,7 +24,8 @@ matmul input also has a bf16 twin, which the kernel that makes the input
 writes alongside (a rounding pass only for the weights, attention's y and dqkv).
 
 No kernel uses atomics, so a run is the same bits every time.
-What it leaves out, for now: bf16 attention and CUDA graphs.
+Decoding (sample, chat) keeps a KV cache and replays each step from a CUDA graph
+(the decoding section). What training leaves out, for now: bf16 attention and CUDA graphs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
