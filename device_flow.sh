@@ -16,7 +16,7 @@ t python nanoeuler_cuda.py chat --model $M --seed 1 --max-new-tokens 80 < /tmp/c
 t python nanoeuler_cuda.py sample --model out/big/best.safetensors --prompt "ROMEO:" --temperature 0 --max-new-tokens 60 2>&1 | tee -a $O/flow.log
 t python nanoeuler_cuda.py bench --decode-only --profile --model $M --decode-precision bf16,fp32 2>&1 | tee $O/bench.log
 t python nanoeuler_cuda.py bench --decode-only --model out/big/best.safetensors 2>&1 | tee -a $O/bench.log
-t python nanoeuler_cuda.py bench --decode-only 2>&1 | tee -a $O/bench.log
 t python docs/pytorch_reference.py --decode 2>&1 | tail -3 | tee -a $O/bench.log
 t timeout 150 python docs/pytorch_reference.py --decode --compile 2>&1 | tail -3 | tee -a $O/bench.log
 t python nanoeuler_cuda.py bench --decode-only --model $M 2>&1 | tee -a $O/bench.log
+cp out/big/log.csv $O/train_log.csv; cp out/sft/log.csv $O/sft_log.csv
