@@ -11,8 +11,10 @@ tests the kernels themselves on a GPU.
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
 import importlib.util
+import io
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -42,7 +44,7 @@ class StandInDecoder:
 
     def __init__(self, params, cfg):
         self.params, self.cfg = params, cfg
-        self.kv = ne.new_kv_cache(cfg, 1, np.float64)
+        self.kv = ne.new_kv_cache(cfg, 1, params["tok_emb"].dtype)
         self.ids, self.pos, self.passes, self.entries = [], 0, 0, {}
         self.unread, self.most_unread, self.log = 0, 0, []
 
@@ -204,6 +206,28 @@ def test_cmd_sft_hands_its_batches_to_the_given_engine(tmp_path, monkeypatch):
     # every row starts with <|user|>, a prompt: its first targets are ignored (-1)
     assert np.all(idx[:, 0] == ne.Tokenizer().special("<|user|>")) and np.all(targets[:, 0] == -1)
     assert np.all((targets >= 0).any(axis=(1, 2)))                       # and each has a response
+
+
+def test_chat_runs_nanoeuler_repl_with_the_gpu_generate(tmp_path, monkeypatch, capsys):
+    tok = ne.Tokenizer()
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=2, Hkv=1, L=1, T=64, F=48, K=3)
+    model = str(tmp_path / "m.safetensors")
+    flat = np.random.default_rng(3).normal(0, 0.3, ne.num_params(cfg)).astype(np.float32)
+    ne.save_model(model, cfg, flat, tok)
+    transcripts = []
+    for speculative in (False, True):
+        for gpu in (False, True):
+            argv = ["chat", "--model", model, "--temperature", "0", "--max-new-tokens", "20"]
+            args = (nc if gpu else ne).build_parser().parse_args(argv + ["--speculative"] * speculative)
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello there\n/reset\nhi\n/quit\n")))
+            if gpu:                                        # the GPU's generate, on the stand-in decoder
+                ne.cmd_chat(args, make_params=lambda cfg_, flat_: StandInDecoder(ne.carve(flat_, cfg_), cfg_),
+                            gen=nc.generate)
+            else:
+                ne.cmd_chat(args)
+            transcripts.append(capsys.readouterr().out)
+    assert transcripts[0] == transcripts[1] == transcripts[2] == transcripts[3]
+    assert "(history cleared)" in transcripts[0] and transcripts[0].count("bot> ") == 2
 
 
 needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cuda") is None,

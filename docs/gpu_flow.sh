@@ -1,5 +1,5 @@
 #!/bin/bash
-# one device run: check, the whole flow (train big -> sft -> chat), decoding bench with PyTorch's in the same run
+# one device run, from the repository root (bash docs/gpu_flow.sh; $OUT: where the logs go): check, the whole flow (train big -> sft -> chat), decoding bench with PyTorch's in the same run
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}
 t() { local s=$EPOCHREALTIME; "$@"; local rc=$?; echo "[timing] $* : $(awk "BEGIN{print $EPOCHREALTIME - $s}") s (rc $rc)"; return $rc; }
