@@ -1581,11 +1581,6 @@ class GPUDecoder:
         self.pos.upload(np.array([pos], np.int32))
 
 
-def new_kv_cache(cfg, flat, precision="bf16"):
-    """the GPU twin of nanoeuler.new_kv_cache: a GPUDecoder holds the cache with the weights"""
-    return GPUDecoder(cfg, flat, precision)
-
-
 def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
              speculative=False, stop=None, stats=None, drafts=None):
     """nanoeuler.generate on the GPU, the same arguments with a GPUDecoder for params:
