@@ -1766,8 +1766,9 @@ def chat_reply(params, cfg, tok, history, args, out, gen=None):
     import codecs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end, reply = tok.special("<|end|>"), []
-    for t in (gen or generate)(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.speculative, stop=end, drafts=args.drafts):
+    gen = gen or generate
+    for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                 args.seed, args.speculative, stop=end, drafts=args.drafts):
         if t == end or t >= 256 and t < FIRST_MERGE_ID:
             break
         reply.append(t)
