@@ -310,3 +310,276 @@ extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, 
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
+
+// -----------------------------------------------------------------------------
+// decoding (nanoeuler.py's generation section; nanoeuler_cuda.py's GPUDecoder)
+//
+// One decoding step feeds R rows: the last token, and in speculative decoding the
+// drafts after it, at positions *pos .. *pos+R-1. pos, the token ids and a step
+// counter live in GPU memory and the kernels update them, so one captured CUDA
+// graph per R replays every step and only the chosen ids go to the host.
+// Each row is computed the same way whatever R is (no sum runs across rows), so a
+// verifying pass over several rows gives the bits of one-row steps: speculative
+// greedy output equals plain greedy output in every precision.
+// The weights are fp32 or bf16 (W), the activations and the KV cache fp32.
+
+#define DECODE_MAX_ROWS 8       // R at most; nanoeuler_cuda.DECODE_MAX_ROWS
+
+// what decode_matvec's blocks build in shared memory from `in` (R rows) before the product
+#define IN_PLAIN 0              // in (R, In) itself
+#define IN_RMSNORM 1            // rmsnorm(in) * norm_w, in (R, In): the norm fused into the next product
+#define IN_SWIGLU 2             // silu(gate) * up, in (R, 2 In) holding gate then up: swiglu fused too
+
+__device__ __forceinline__ void unpack16(uint4 raw, float* w, const float*) {        // 4 fp32
+    w[0] = __uint_as_float(raw.x); w[1] = __uint_as_float(raw.y);
+    w[2] = __uint_as_float(raw.z); w[3] = __uint_as_float(raw.w);
+}
+
+__device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned short*) {   // 8 bf16
+    unsigned int u[4] = {raw.x, raw.y, raw.z, raw.w};
+    for (int i = 0; i < 4; i++) {
+        w[2 * i] = __uint_as_float(u[i] << 16);
+        w[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+    }
+}
+
+// acc[r] += the 16 bytes of weights in raw . x[r * In ..] for the rows r < R
+template <typename W>
+__device__ __forceinline__ void matvec_chunk(float* acc, uint4 raw, const float* x, int In, int R, const W* tag) {
+    const int E = 16 / sizeof(W);
+    float wf[8];
+    unpack16(raw, wf, tag);
+#pragma unroll
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) {
+        if (r >= R) break;
+#pragma unroll
+        for (int e = 0; e < E; e++) acc[r] += wf[e] * x[r * In + e];
+    }
+}
+
+// out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
+// as MODE says. A decoding step reads every weight once, so this is bound by memory:
+// one warp per output, its lanes reading 16 bytes of the weight row at a time (PRE
+// loads in flight), each weight used for all R rows. accumulate: out += (the residual add fused in).
+// In must be a multiple of 16 / sizeof(W) and w's rows 16-byte aligned.
+// block 128 (4 outputs), grid = ceil(Out / 4); shared memory R * In floats.
+template <typename W, int MODE>
+__device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
+                              int ld_out, int accumulate) {
+    extern __shared__ float xs[];
+    int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    bool active = o < Out;
+    const int E = 16 / sizeof(W), chunks = In / E;                 // E weights per 16-byte load
+    const uint4* row = (const uint4*)(w + (long)(active ? o : 0) * In);
+    // the lane's first PRE loads of the weight row are issued before the input is built, so
+    // they are on their way while the block computes the norm (or swiglu)
+    const int PRE = 4;
+    uint4 pre[PRE];
+#pragma unroll
+    for (int u = 0; u < PRE; u++)
+        if (active && lane + 32 * u < chunks) pre[u] = row[lane + 32 * u];
+    for (int r = 0; r < R; r++) {
+        float* x = xs + r * In;
+        if (MODE == IN_SWIGLU) {
+            const float* gu = in + (long)r * 2 * In;
+            for (int i = threadIdx.x; i < In; i += blockDim.x) {
+                float gate = gu[i];
+                x[i] = gate / (1.0f + expf(-gate)) * gu[In + i];
+            }
+        } else if (MODE == IN_RMSNORM) {
+            const float* xr = in + (long)r * In;
+            float ss = 0.0f;
+            for (int i = threadIdx.x; i < In; i += blockDim.x) ss += xr[i] * xr[i];
+            float rs = 1.0f / sqrtf(block_sum(ss) / In + 1e-5f);
+            for (int i = threadIdx.x; i < In; i += blockDim.x) x[i] = xr[i] * rs * norm_w[i];
+        } else {
+            for (int i = threadIdx.x; i < In; i += blockDim.x) x[i] = in[(long)r * In + i];
+        }
+    }
+    __syncthreads();
+    if (!active) return;
+    float acc[DECODE_MAX_ROWS];
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
+    // chunks lane, lane + 32, ... in this order (the prefetched ones first), whatever R
+#pragma unroll
+    for (int u = 0; u < PRE; u++)
+        if (lane + 32 * u < chunks) matvec_chunk(acc, pre[u], xs + (lane + 32 * u) * E, In, R, w);
+    for (int c0 = lane + 32 * PRE; c0 < chunks; c0 += 32 * PRE) {
+        uint4 raw[PRE];
+#pragma unroll
+        for (int u = 0; u < PRE; u++)
+            if (c0 + 32 * u < chunks) raw[u] = row[c0 + 32 * u];
+#pragma unroll
+        for (int u = 0; u < PRE; u++)
+            if (c0 + 32 * u < chunks) matvec_chunk(acc, raw[u], xs + (c0 + 32 * u) * E, In, R, w);
+    }
+    for (int r = 0; r < R; r++) {
+        float s = warp_sum(acc[r]);
+        if (lane == 0) out[(long)r * ld_out + o] = (accumulate ? out[(long)r * ld_out + o] : 0.0f) + s;
+    }
+}
+
+#define DECODE_MATVEC(NAME, MODE, WNAME, WT)                                                                   \
+    extern "C" __global__ void __launch_bounds__(128) decode_matvec_##NAME##_##WNAME##_kernel(                 \
+        float* out, const float* in, const WT* w, const float* norm_w, int R, int In, int Out, int ld_out,     \
+        int accumulate) {                                                                                      \
+        decode_matvec<WT, MODE>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);                           \
+    }
+DECODE_MATVEC(plain, IN_PLAIN, f32, float)
+DECODE_MATVEC(rmsnorm, IN_RMSNORM, f32, float)
+DECODE_MATVEC(swiglu, IN_SWIGLU, f32, float)
+DECODE_MATVEC(plain, IN_PLAIN, bf16, unsigned short)
+DECODE_MATVEC(rmsnorm, IN_RMSNORM, bf16, unsigned short)
+DECODE_MATVEC(swiglu, IN_SWIGLU, bf16, unsigned short)
+
+// rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
+// each operation rounded on its own (no fused multiply-add), so a key rotated here while
+// it is still in qkv has the bits of the same key rotated when it was written to the cache
+__device__ __forceinline__ void rope_pair(float& a, float& b, float c, float s) {
+    float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    float b2 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    a = a2;
+    b = b2;
+}
+
+// Attention of one query row over the cache, causal, grouped-query, with rope and the cache
+// write fused in: y[r, h] = softmax(q k.T / sqrt(D)) v over the keys at positions 0 .. *pos + r
+// of kv head h / (Hq/Hkv), q being head h of row r of qkv (R, (Hq+2Hkv)*D) as the product
+// left it, rotated here for position *pos + r. Keys before *pos come from k_cache and
+// v_cache (T, Hkv, D); keys from *pos on are this pass's rows of qkv, rotated as they are
+// read; the first query head of each kv head writes row r's rotated k, and v, into the cache
+// at *pos + r (no block reads the cache there in this pass). A prefill is a pass with *pos = 0.
+// The warps take the keys 32 at a time (a lane per key for the scores, then the lanes over D
+// for the values), with an online softmax (running max and sum); their partial results are
+// added in warp order at the end. No sum depends on R, so rows computed in one pass have the
+// bits of rows computed one pass each.
+// one block of 256 threads per (query head, row); grid = (Hq, R); D a multiple of 8, at most
+// 128; shared memory (D + 2 * 8 + 8 * D) floats
+extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, float* v_cache, const float* qkv,
+                                                   const float* cos, const float* sin, const int* pos, int Hq,
+                                                   int Hkv, int D, float scale) {
+    extern __shared__ float sh[];
+    int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float *q = sh, *warp_m = sh + D, *warp_l = warp_m + warps, *warp_acc = warp_l + warps;
+    int h = blockIdx.x, r = blockIdx.y, G = Hq / Hkv, kvh = h / G, H = Hq + 2 * Hkv, half = D / 2;
+    int p0 = *pos, t_row = p0 + r, n = t_row + 1;                  // n: keys this row sees
+    const float* row = qkv + (long)r * H * D;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float a = row[h * D + i], b = row[h * D + half + i];
+        rope_pair(a, b, cos[t_row * half + i], sin[t_row * half + i]);
+        q[i] = a * scale;
+        q[half + i] = b * scale;
+    }
+    if (h % G == 0) {
+        long e = ((long)t_row * Hkv + kvh) * D;
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float a = row[(Hq + kvh) * D + i], b = row[(Hq + kvh) * D + half + i];
+            rope_pair(a, b, cos[t_row * half + i], sin[t_row * half + i]);
+            k_cache[e + i] = a;
+            k_cache[e + half + i] = b;
+            v_cache[e + i] = row[(Hq + Hkv + kvh) * D + i];
+            v_cache[e + half + i] = row[(Hq + Hkv + kvh) * D + half + i];
+        }
+    }
+    __syncthreads();
+    float m = -INFINITY, l = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};   // lane's d: lane + 32 k
+    for (int t0 = warp * 32; t0 < n; t0 += warps * 32) {
+        int t = t0 + lane;
+        float s = -INFINITY;
+        if (t < n) {
+            bool fresh = t >= p0;
+            const float* k = fresh ? qkv + (long)(t - p0) * H * D + (Hq + kvh) * D : k_cache + ((long)t * Hkv + kvh) * D;
+            float dot = 0.0f;
+#pragma unroll 8
+            for (int i = 0; i < half; i += 4) {                    // the loads of 8 iterations in flight
+                float4 a = *(const float4*)(k + i), b = *(const float4*)(k + half + i);
+                if (fresh) {
+                    float4 c = *(const float4*)(cos + t * half + i), sn = *(const float4*)(sin + t * half + i);
+                    rope_pair(a.x, b.x, c.x, sn.x);
+                    rope_pair(a.y, b.y, c.y, sn.y);
+                    rope_pair(a.z, b.z, c.z, sn.z);
+                    rope_pair(a.w, b.w, c.w, sn.w);
+                }
+                dot += q[i] * a.x + q[i + 1] * a.y + q[i + 2] * a.z + q[i + 3] * a.w;
+                dot += q[half + i] * b.x + q[half + i + 1] * b.y + q[half + i + 2] * b.z + q[half + i + 3] * b.w;
+            }
+            s = dot;
+        }
+        float m_new = fmaxf(m, warp_max(s));                       // finite: key t0 < n is in the chunk
+        float corr = expf(m - m_new);                              // 0 at the first chunk
+        float p = t < n ? expf(s - m_new) : 0.0f;
+        l = l * corr + warp_sum(p);
+#pragma unroll
+        for (int k = 0; k < 4; k++) acc[k] *= corr;
+        int last = min(32, n - t0);
+#pragma unroll 8
+        for (int j = 0; j < last; j++) {
+            float pj = __shfl_sync(0xffffffff, p, j);
+            int tj = t0 + j;
+            const float* v = tj >= p0 ? qkv + (long)(tj - p0) * H * D + (Hq + Hkv + kvh) * D
+                                      : v_cache + ((long)tj * Hkv + kvh) * D;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                if (lane + 32 * k < D) acc[k] += pj * v[lane + 32 * k];
+        }
+        m = m_new;
+    }
+    if (lane == 0) warp_m[warp] = m, warp_l[warp] = l;
+#pragma unroll
+    for (int k = 0; k < 4; k++)
+        if (lane + 32 * k < D) warp_acc[warp * D + lane + 32 * k] = acc[k];
+    __syncthreads();
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float M = -INFINITY, num = 0.0f, den = 0.0f;
+        for (int w = 0; w < warps; w++) M = fmaxf(M, warp_m[w]);
+        for (int w = 0; w < warps; w++) {                          // warps without keys: m = -inf, weight 0
+            float f = expf(warp_m[w] - M);
+            num += f * warp_acc[w * D + d];
+            den += f * warp_l[w];
+        }
+        y[(long)r * Hq * D + h * D + d] = num / den;
+    }
+}
+
+// the index of the largest logit of each row of (rows, V), the first one on ties (as
+// np.argmax); one block of 256 threads per row
+extern "C" __global__ void argmax_kernel(int* out, const float* logits, int V) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    const float* row = logits + (long)blockIdx.x * V;
+    float bv = -INFINITY;
+    int bi = 0x7FFFFFFF;
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        if (row[v] > bv) bv = row[v], bi = v;                      // strided: each thread's first best
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffff, bv, offset);
+        int oi = __shfl_xor_sync(0xffffffff, bi, offset);
+        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    }
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < blockDim.x / 32; k++)
+            if (best_v[k] > bv || (best_v[k] == bv && best_i[k] < bi)) bv = best_v[k], bi = best_i[k];
+        out[blockIdx.x] = bi == 0x7FFFFFFF ? 0 : bi;               // all NaN: token 0
+    }
+}
+
+// nanoeuler.generate's acceptance rule, on the GPU, after a pass over the R fed rows ids[0..R-1]
+// (the last token, then the drafts): amax (R, n_heads) holds head 0's choice and the draft
+// heads' guesses at every row. Row j's choice is kept while the draft fed after it agreed,
+// so j+1 tokens are emitted, into ring[*counter % ring_size] = (j+1, tokens...); then the
+// next feed is the last choice and the guesses made at its row, and pos moves by j+1.
+// one thread; grid 1
+extern "C" __global__ void speculative_accept_kernel(int* ids, int* pos, int* counter, int* ring, const int* amax,
+                                                     int R, int n_heads, int ring_size) {
+    int j = 0;
+    while (j < R - 1 && ids[1 + j] == amax[j * n_heads]) j++;
+    int* entry = ring + (*counter % ring_size) * (1 + DECODE_MAX_ROWS);
+    entry[0] = j + 1;
+    for (int i = 0; i <= j; i++) entry[1 + i] = amax[i * n_heads];
+    for (int k = 0; k < n_heads; k++) ids[k] = amax[j * n_heads + k];
+    *pos += j + 1;
+    *counter += 1;
+}

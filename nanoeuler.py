@@ -1732,7 +1732,8 @@ def sft_targets(rows, mask, T, K):
     return idx, np.where(keep, targets, -1)
 
 
-def cmd_sft(args):
+def cmd_sft(args, make_engine=None, engine=None):
+    """make_engine(cfg, flat, m, v), engine (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
@@ -1744,7 +1745,7 @@ def cmd_sft(args):
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: flat0)
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                  ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples, loss on responses only"),
-                 ("batch", f"{args.batch} examples x {cfg.T} tokens, {args.threads} threads"),
+                 ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or f'{args.threads} threads'}"),
                  ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}"),
                  ("out", args.out)])
 
@@ -1755,16 +1756,19 @@ def cmd_sft(args):
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
            for i in range(0, n_val, args.batch)]
     prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
-    train_loop(args, cfg, tok, CPUEngine(cfg, flat, m, v, args), next_batch, val, args.out, state, prompt)
+    engine = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
+    train_loop(args, cfg, tok, engine, next_batch, val, args.out, state, prompt)
 
 
-def chat_reply(params, cfg, tok, history, args, out):
-    """generate the assistant's turn after history, streaming its text to out; -> reply ids"""
+def chat_reply(params, cfg, tok, history, args, out, gen=None):
+    """generate the assistant's turn after history, streaming its text to out; -> reply ids.
+    gen: generate's twin (nanoeuler_cuda.generate, with its decoder for params)"""
     import codecs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end, reply = tok.special("<|end|>"), []
-    for t in generate(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.speculative, stop=end, drafts=args.drafts):
+    gen = gen or generate
+    for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                 args.seed, args.speculative, stop=end, drafts=args.drafts):
         if t == end or t >= 256 and t < FIRST_MERGE_ID:
             break
         reply.append(t)
@@ -1775,10 +1779,11 @@ def chat_reply(params, cfg, tok, history, args, out):
     return reply
 
 
-def cmd_chat(args):
-    """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D) leaves"""
+def cmd_chat(args, make_params=None, gen=None):
+    """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D) leaves.
+    make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder and generate"""
     cfg, flat, tok = load_model(args.model)
-    params = carve(flat, cfg)
+    params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
     out = sys.stdout
     interactive = sys.stdin.isatty()
     print(f"chatting with {args.model} ({num_params(cfg):,} parameters, context {cfg.T} tokens); "
@@ -1808,7 +1813,7 @@ def cmd_chat(args):
             # oldest tokens are dropped once it outgrows the context
             history = (history + ids)[-(cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)):]
             out.write("bot> ")
-            reply = chat_reply(params, cfg, tok, history, args, out)
+            reply = chat_reply(params, cfg, tok, history, args, out, gen)
             history += reply + [tok.special("<|end|>")]
     except KeyboardInterrupt:
         out.write("\n")

@@ -6,7 +6,9 @@ product in cuBLAS, called through ctypes. No framework.
     python nanoeuler_cuda.py check        # every kernel against numpy, then the whole model
     python nanoeuler_cuda.py train big    # train the 116M model (SPEC big) on one GPU
     python nanoeuler_cuda.py train big --gpus 2 --batch 32    # or data parallel on several
-    python nanoeuler_cuda.py bench        # tokens/s and MFU of training steps
+    python nanoeuler_cuda.py bench        # tokens/s and MFU of training steps, then decoding speed
+    python nanoeuler_cuda.py sft --model out/big/best.safetensors      # fine-tune on instructions
+    python nanoeuler_cuda.py chat --model out/sft/best.safetensors [--speculative]
 
 It shares with nanoeuler.py (imported, not copied): Config and the presets, the
 tokenizer, the data pipeline, the checkpoint files and the training loop's log
@@ -23,7 +25,8 @@ and dy) also has a bf16 twin, which the kernel that makes it writes alongside:
 only the weights take a rounding pass of their own.
 
 No kernel uses atomics, so a run is the same bits every time.
-What it leaves out, for now: CUDA graphs.
+Decoding (sample, chat) keeps a KV cache and replays each step from a CUDA graph
+(the decoding section). What training leaves out, for now: CUDA graphs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
@@ -951,6 +954,127 @@ def check_model(rng, report, precision):
         report(f"model {precision} d{name}", rel_diff(got[name], ref[name]))
 
 
+# Decoding: GPUDecoder's logits after a prefill and after single-token and
+# several-row passes against nanoeuler.forward_logits's own KV-cache decoding in
+# float64. fp32 decoding is held to the kernels' bar. bf16 decoding is compared
+# with the float64 model whose matrices are rounded to bf16 as the decoder's are;
+# what is left is the prefill's cuBLAS products, which round their activations to
+# bf16 as well (2^-9 relative each, a few hundred of them summed per output, over
+# both layers and into the cache the later steps read): a few 1e-3 measured,
+# so 2e-2 flags a real fault (a wrong row or head gives errors near 1).
+DECODE_TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def bf16_matrices(flat, cfg):
+    """flat with every matrix the decoder reads in bf16 rounded so (not tok_emb, not the norms)"""
+    out = flat.astype(np.float64)
+    views = ne.carve(out, cfg)
+    for name, shape in param_shapes(cfg):
+        if len(shape) == 2 and name != "tok_emb":
+            views[name][...] = bf16_round(views[name].astype(np.float32))
+    return out
+
+
+def margin_model(cfg, rng):
+    """nanoeuler's speculative test model: the next token depends mostly on the current one
+    (head k maps t to f^(k+1)(t) with large margins, the blocks add a little noise), so
+    the drafts are often right; head 2 is noisy for a third of the tokens, so drafts
+    are rejected too"""
+    flat = rng.normal(0, 0.01, num_params(cfg))
+    params = ne.carve(flat, cfg)
+    for name, shape in param_shapes(cfg):
+        if len(shape) == 1:
+            params[name][...] = 1.0
+    params["tok_emb"][...] = np.eye(cfg.V, cfg.C)
+    f, nxt = rng.permutation(cfg.V), np.arange(cfg.V)
+    for k in range(cfg.K):
+        nxt = f[nxt]
+        params[f"heads.{k}"][...] = 0
+        params[f"heads.{k}"][nxt, np.arange(cfg.V)] = 30.0
+    params["heads.2"][:, :cfg.V // 3] = rng.normal(0, 30.0, (cfg.V, cfg.V // 3))
+    return flat.astype(np.float32)
+
+
+def check_decoding(rng, report, precision):
+    """prefill + steps against nanoeuler.forward_logits; speculative == plain greedy"""
+    cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
+    flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
+    flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
+    ref_flat = bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64)
+    params, V = ne.carve(ref_flat, cfg), cfg.V
+    dec = GPUDecoder(cfg, flat, precision)
+    kv = ne.new_kv_cache(cfg, 1, np.float64)
+    ids = rng.integers(0, V, 24).tolist()
+    what = f"decode {precision}"
+    dec.wait(dec.prefill(ids[:12], 1))
+    ref = ne.forward_logits(params, cfg, np.array([ids[:12]]), 0, kv)[0][0, -1]
+    report(f"{what} prefill (12 tokens) logits", rel_diff(dec.logits.view(0, (V,)).download(), ref))
+    singles = []
+    for pos in range(12, 16):                                  # four one-token steps
+        dec.set_feed([ids[pos]], pos)
+        dec.wait(dec.launch_step(1, 1))
+        singles.append(dec.logits.view(0, (V,)).download())
+        ref = ne.forward_logits(params, cfg, np.array([ids[pos:pos + 1]]), pos, kv)[0][0, -1]
+        report(f"{what} step at {pos} logits", rel_diff(singles[-1], ref))
+    dec.set_feed(ids[16:19], 16)                               # a pass over three rows (a verifying pass)
+    dec.wait(dec.launch_step(3, 1))
+    rows = dec.logits.view(0, (3, V)).download()
+    ref = ne.forward_logits(params, cfg, np.array([ids[16:19]]), 16, kv)[0][0]
+    report(f"{what} 3-row pass at 16 logits", rel_diff(rows, ref))
+    dec.set_feed(ids[12:15], 12)                               # rows of a pass == one-row steps, bit for bit
+    dec.wait(dec.launch_step(3, 1))
+    report(f"{what} 3-row pass == 1-row steps", float(np.any(dec.logits.view(0, (3, V)).download() != singles[:3])))
+    # greedy: speculative == plain, over several window slides, on a model with clear margins
+    mcfg = Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=20, F=48, K=4)
+    mflat = margin_model(mcfg, np.random.default_rng(7))
+    mdec, mparams = GPUDecoder(mcfg, mflat, precision), ne.carve(mflat.astype(np.float64), mcfg)
+    for prompt in ([1], [3, 5, 7], [i % mcfg.V for i in range(mcfg.T + 5)]):
+        plain = list(generate(mdec, mcfg, prompt, 3 * mcfg.T, temperature=0))
+        cpu = list(ne.generate(mparams, mcfg, prompt, 3 * mcfg.T, temperature=0))
+        report(f"{what} greedy == nanoeuler.py, {len(prompt)}-token prompt", float(plain != cpu))
+        for drafts in (None, 1, 2):
+            stats = {}
+            spec = list(generate(mdec, mcfg, prompt, 3 * mcfg.T, temperature=0, speculative=True, stats=stats,
+                                 drafts=drafts))
+            report(f"{what} speculative ({drafts or mcfg.K - 1} drafts) == plain", float(spec != plain))
+            report(f"{what}   tokens per pass {stats['tokens'] / stats['steps']:.2f} > 1.3",
+                   float(stats["tokens"] / stats["steps"] <= 1.3))
+    # the random model too: bits equal, whatever the margins (rows are computed alike)
+    plain = list(generate(dec, cfg, ids[:5], 3 * cfg.T, temperature=0))
+    spec = list(generate(dec, cfg, ids[:5], 3 * cfg.T, temperature=0, speculative=True))
+    report(f"{what} random model: speculative == plain", float(spec != plain))
+    if precision == "fp32":                                    # sampling: the host's path, same seed as the CPU
+        got = list(generate(mdec, mcfg, [3, 5], 2 * mcfg.T, temperature=1.5, seed=3, speculative=True, drafts=2))
+        ref = list(ne.generate(mparams, mcfg, [3, 5], 2 * mcfg.T, temperature=1.5, seed=3, speculative=True,
+                               drafts=2))
+        report(f"{what} sampled (seed 3) == nanoeuler.py", float(got != ref))
+
+
+def check_sft(rng, report, precision):
+    """the GPU model's loss and gradients on SFT rows (targets -1 on the prompt and the
+    padding, a head with no target at all in a row) against nanoeuler.py in float64"""
+    cfg = Config(V=96, C=64, Hq=2, Hkv=1, L=2, T=40, F=176, K=3)
+    B = 3
+    flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
+    flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
+    rows = rng.integers(0, cfg.V, (B, cfg.T + cfg.K))
+    mask = np.zeros(rows.shape, bool)
+    mask[0, 8:30] = mask[1, 20:] = mask[2, 2:5] = True              # response spans; row 2 mostly padding
+    idx, targets = ne.sft_targets(rows, mask, cfg.T, cfg.K)
+    loss_ref, _, cache = ne.model_forward(ne.carve(flat.astype(np.float64), cfg), cfg, idx, targets)
+    grads_ref = np.zeros(flat.size)
+    ne.model_backward(ne.carve(grads_ref, cfg), cache)
+    init_gpu(precision)
+    model = GPUModel(cfg, B, flat)
+    loss, _ = model.forward(idx, targets)
+    model.backward()
+    report(f"sft {precision} loss ({(targets >= 0).sum()} of {targets.size} targets kept)",
+           abs(loss - loss_ref) / abs(loss_ref))
+    got, ref = ne.carve(model.grads.download(), cfg), ne.carve(grads_ref, cfg)
+    worst = max(param_shapes(cfg), key=lambda ns: rel_diff(got[ns[0]], ref[ns[0]]))[0]
+    report(f"sft {precision} gradients (worst: d{worst})", rel_diff(got[worst], ref[worst]))
+
+
 def cmd_check(args):
     init_gpu("fp32")
     print(f"GPU check on {gpu.name} (sm_{gpu.arch}): kernels and model against nanoeuler.py in float64")
@@ -971,6 +1095,9 @@ def cmd_check(args):
         check_attention(rng, reporter(TOLERANCE[precision]))
     for precision in ("fp32", "tf32", "bf16"):
         check_model(rng, reporter(TOLERANCE[precision]), precision)
+    for precision in ("fp32", "bf16"):
+        check_sft(rng, reporter(TOLERANCE[precision]), precision)
+        check_decoding(rng, reporter(DECODE_TOLERANCE[precision]), precision)
     print(f"overall okay: {int(not failed)}")
     if failed:
         sys.exit(1)
@@ -1287,22 +1414,325 @@ def cmd_train(args):
                 loop=ne.train_loop if rank == 0 else follow_rank0)
 
 
+# -----------------------------------------------------------------------------
+# decoding: nanoeuler.py's generation section on the GPU
+#
+# GPUDecoder holds the weights for decoding (bf16, or fp32 with --precision fp32),
+# a KV cache and the buffers of one step. The prompt is pre-filled in one pass
+# (cuBLAS products over all its rows, as in training; attention and the cache
+# write by the decode kernel over all the rows); then each step feeds R rows, the last token and in
+# speculative decoding the drafts after it, through the decode kernels of
+# kernels.cu: a memory-bound matrix-vector product per weight with the norm,
+# swiglu or residual add fused in, rope and the cache write in one kernel, one
+# attention kernel over the cache, head 0 and the draft heads in one product,
+# argmax and the acceptance rule on the GPU. The step reads its position and
+# token ids from GPU memory and updates them itself, so it is captured once
+# per R as a CUDA graph and replayed; in greedy mode the only thing that
+# crosses to the host is each step's chosen ids, which the accept kernel
+# writes straight into page-locked host memory (a ring the host reads behind
+# the GPU, LOOKAHEAD steps ahead at most).
+# A step is 6 kernels a layer: the qkv product with the attention norm fused in,
+# attention with rope and the cache write fused in, the wo product adding into
+# the residual stream, the gate/up product with the MLP norm fused in, the down
+# product reading swiglu of gate/up and adding into the residual; and 4 more
+# (embedding, heads with the final norm, argmax, acceptance).
+
+DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
+RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
+LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
+DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured here)
+
+
+def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None):
+    """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
+    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16)"""
+    kind = "bf16" if w.dtype == np.uint16 else "f32"
+    gpu.launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 4), 128, P(out), P(x), P(w), P(norm_w), I(R),
+               I(In), I(Out), I(ld_out or Out), I(int(accumulate)), shared=4 * R * In)
+
+
+def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D):
+    """and rope, and the cache write of the R rows' keys and values (see the kernel)"""
+    warps = 8
+    gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
+               P(sin), P(pos), I(Hq), I(Hkv), I(D), F(1 / math.sqrt(D)), shared=4 * (D + 2 * warps + warps * D))
+
+
+def argmax(out, logits, rows, V):
+    gpu.launch("argmax_kernel", rows, 256, P(out), P(logits), I(V))
+
+
+def speculative_accept(ids, pos, counter, ring, amax, R, n_heads):
+    gpu.launch("speculative_accept_kernel", 1, 1, P(ids), P(pos), P(counter), P(ring), P(amax), I(R), I(n_heads),
+               I(RING))
+
+
+class HostRing:
+    """page-locked host memory that kernels write into directly (mapped): the chosen ids"""
+
+    def __init__(self, n):
+        self.host = check(cu.cuMemHostAlloc(4 * n, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self.ptr = int(check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
+        self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(int(self.host)))
+        self.array[:] = 0
+
+    def __del__(self):
+        if cu is not None:
+            cu.cuMemFreeHost(self.host)
+
+
+def max_rows(cfg):
+    """rows a decoding step can feed: the matvec kernel keeps them in 48 KiB of shared memory"""
+    return min(DECODE_MAX_ROWS, 48 * 1024 // (4 * max(cfg.C, cfg.F, cfg.Hq * cfg.D)))
+
+
+def decode_check_sizes(cfg):
+    """the decode kernels read weight rows 16 bytes at a time and split attention's block by D"""
+    if cfg.C % 8 or cfg.F % 8 or cfg.D % 8 or cfg.D > 128 or cfg.T < 2:
+        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8 and a head dim that is a multiple of 8 "
+                             f"up to 128 "
+                             f"(this model: C={cfg.C}, F={cfg.F}, D={cfg.D}); nanoeuler.py samples it on the CPU")
+
+
+class GPUDecoder:
+    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above)"""
+
+    def __init__(self, cfg, flat, precision="bf16"):
+        decode_check_sizes(cfg)
+        init_gpu(precision)
+        self.cfg, self.precision = cfg, precision
+        C, D, F_, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
+        QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
+        n = num_params(cfg)
+        self.flat = to_gpu(flat)
+        self.params = GPUModel.carve(self, self.flat)                 # the SPEC tensors, w_gate_up too
+        self.weights = self.params                                     # what the step's products read
+        if precision == "bf16":                                        # bf16 copies: half the bytes per step
+            self.flat16 = DeviceArray((n,), np.uint16)
+            to_bf16(self.flat16, self.flat, n)
+            self.weights = GPUModel.carve(self, self.flat16)
+            for name, w16 in self.weights.items():
+                self.params[name].bf16 = w16                           # prefill's cuBLAS products read them
+        self.heads = self.weights["heads.0"].view(0, (cfg.K * V, C))   # heads 0..K-1 lie one after another
+        cos, sin = ne.rope_table(T, D, 0, np.float32)
+        self.cos, self.sin = to_gpu(cos), to_gpu(sin)
+        self.k_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        # the prefill's activations (T rows) and the step's (R rows)
+        self.p_ids, self.p_x, self.p_h = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
+        self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
+        self.p_gu, self.p_s, self.p_tmp = DeviceArray((T, 2 * F_)), DeviceArray((T, F_)), DeviceArray((T, C))
+        self.ids, self.x, self.qkv = DeviceArray((R,), np.int32), DeviceArray((R, C)), DeviceArray((R, QKV))
+        self.y, self.gu = DeviceArray((R, HD)), DeviceArray((R, 2 * F_))
+        self.logits, self.amax = DeviceArray((R, cfg.K * V)), DeviceArray((R, cfg.K), np.int32)
+        self.pos, self.counter = DeviceArray((1,), np.int32).zero(), DeviceArray((1,), np.int32).zero()
+        self.ring = HostRing(RING * (1 + DECODE_MAX_ROWS))
+        self.passes = 0                                                # accept kernels queued: == *counter
+        no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
+        self.graphs = {}                                               # (R, n_heads) -> executable graph
+
+    def layers(self, x, R, pos, scratch):
+        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
+        cfg, w = self.cfg, self.weights
+        C, D, F_ = cfg.C, cfg.D, cfg.F
+        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
+        qkv, y, gu = scratch
+        for l in range(cfg.L):
+            lw = lambda name: w[f"layers.{l}.{name}"]
+            norm = lambda name: self.params[f"layers.{l}.{name}"]
+            decode_matvec(qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm")
+            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, pos, R, cfg.Hq, cfg.Hkv,
+                             D)
+            decode_matvec(x, y, lw("wo"), None, R, HD, C, accumulate=True)
+            decode_matvec(gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm")
+            decode_matvec(x, gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True)
+
+    def tail(self, x, R, n_heads):
+        """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
+        cfg = self.cfg
+        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm")
+        argmax(self.amax, self.logits, R * n_heads, cfg.V)
+        speculative_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, R, n_heads)
+        self.passes += 1
+
+    def step(self, R, n_heads):
+        """one decoding pass over the R fed ids at *pos (see the kernels)"""
+        embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
+        self.layers(self.x, R, self.pos, (self.qkv, self.y, self.gu))
+        self.tail(self.x, R, n_heads)
+
+    def launch_step(self, R, n_heads):
+        """step() replayed from its CUDA graph (captured on first use); -> its ring entry"""
+        key = (R, n_heads)
+        if key not in self.graphs:
+            passes = self.passes
+            check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+                  "cuStreamBeginCapture")
+            try:
+                self.step(R, n_heads)
+            finally:
+                graph = check(cu.cuStreamEndCapture(gpu.stream), "cuStreamEndCapture (capturing a decoding step)")
+            self.graphs[key] = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+            self.passes = passes                                       # captured, not run
+        check(cu.cuGraphLaunch(self.graphs[key], gpu.stream), "cuGraphLaunch")
+        self.passes += 1
+        return self.record()
+
+    def record(self):
+        entry = (self.passes - 1) % RING
+        check(cu.cuEventRecord(self.events[entry], gpu.stream), "cuEventRecord")
+        return entry
+
+    def prefill(self, tokens, n_heads):
+        """tokens at positions 0..n-1, in one pass (cuBLAS products over the n rows); the
+        tail at the last row as after a step -> its ring entry"""
+        cfg, p = self.cfg, self.params
+        n, C, D, F_ = len(tokens), cfg.C, cfg.D, cfg.F
+        gpu.precision = self.precision                                 # cuBLAS's, for this decoder
+        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
+        self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
+        self.pos.upload(np.zeros(1, np.int32))
+        x = self.p_x
+        embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
+        for l in range(cfg.L):
+            w = lambda name: p[f"layers.{l}.{name}"]
+            rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
+            matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
+            attention_decode(self.p_y, self.k_cache[l], self.v_cache[l], self.p_qkv, self.cos, self.sin, self.pos,
+                             n, cfg.Hq, cfg.Hkv, D)
+            matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
+            residual_forward(x, x, self.p_tmp, n * C)
+            rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
+            matmul(self.p_gu, self.p_h, w("w_gate_up"), n, 2 * F_, C, trans_b=True)
+            swiglu_forward(self.p_s, self.p_gu, n, F_)
+            matmul(self.p_tmp, self.p_s, w("w_down"), n, C, F_, trans_b=True)
+            residual_forward(x, x, self.p_tmp, n * C)
+        self.pos.upload(np.array([n - 1], np.int32))                   # the tail's row; accept moves it to n
+        self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
+        return self.record()
+
+    def wait(self, entry):
+        """-> the ids that pass `entry` chose (its ring entry), once it is done"""
+        check(cu.cuEventSynchronize(self.events[entry]), "the GPU's decoding step")
+        e = self.ring.array[entry * (1 + DECODE_MAX_ROWS):(entry + 1) * (1 + DECODE_MAX_ROWS)]
+        return [int(t) for t in e[1:1 + e[0]]]
+
+    def set_feed(self, ids, pos):
+        """sampling: the host's choice of the next feed and position, in place of the argmax's"""
+        self.ids.view(0, (len(ids),)).upload(np.asarray(ids, np.int32))
+        self.pos.upload(np.array([pos], np.int32))
+
+
+def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
+             speculative=False, stop=None, stats=None, drafts=None):
+    """nanoeuler.generate on the GPU, the same arguments with a GPUDecoder for params:
+    yields new token ids one by one, after the prompt ids, with the same window
+    slide (the last T/2 tokens fed again from position 0 when the cache is full)
+    and the same speculative acceptance rule (every emitted token is head 0's
+    choice), so greedy output is plain greedy output.
+
+    Greedy: the GPU chooses and accepts, the host reads the chosen ids up to
+    LOOKAHEAD passes behind it, queueing a pass only while it surely fits in the
+    window (each pass moves the position by 1 to R); near the end of the window
+    it waits, and feeds fewer drafts exactly where nanoeuler.generate does.
+    Sampling: after each pass the host reads the rows' logits of head 0,
+    samples as nanoeuler.generate does and sets the next feed itself."""
+    rng = np.random.default_rng(seed)
+    T = cfg.T
+    tokens = list(prompt)[-(T - 1):] if prompt else []
+    if not tokens:
+        raise NanoEulerError("the prompt is empty; give at least one token")
+    n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
+    n_drafts = min(n_drafts, max_rows(cfg) - 1)
+    n_heads = 1 + n_drafts if speculative else 1
+    greedy = temperature <= 0
+    lookahead = LOOKAHEAD if greedy else 1
+    queue = []                                  # passes in flight: (ring entry, rows fed; 0 = a prefill)
+    feed = list(tokens)                         # sampling: what the oldest pass in flight was fed
+    pos, emitted = 0, 0                         # pos: where the next pass after the queue's starts, at least
+    queue.append((decoder.prefill(tokens, n_heads), 0))
+    pos = len(tokens)
+    while True:
+        # queue passes while the furthest the position can be leaves room for n_heads rows
+        while len(queue) < lookahead:
+            reach = pos + sum(rows for _, rows in queue)
+            if reach + n_heads <= T:
+                queue.append((decoder.launch_step(n_heads, n_heads), n_heads))
+            elif queue:
+                break                                                  # near the end: wait for the queue
+            elif pos + 1 <= T:                                         # fewer drafts, as the CPU feeds
+                queue.append((decoder.launch_step(T - pos, n_heads), T - pos))
+            else:                                                      # the cache is full: slide
+                queue.append((decoder.prefill(tokens[-(T // 2):], n_heads), 0))
+                feed, pos = tokens[-(T // 2):], T // 2
+        entry, rows = queue.pop(0)
+        if greedy:
+            chosen = decoder.wait(entry)
+        else:
+            decoder.wait(entry)
+            R = max(rows, 1)
+            logits = decoder.logits.view(0, (R, n_heads * cfg.V)).download()[:, :cfg.V]
+            amax = decoder.amax.view(0, (R, n_heads)).download()
+            guesses = feed[1:rows]
+            chosen = []
+            for j in range(len(guesses) + 1):
+                chosen.append(ne.sample_token(logits[j], rng, temperature, top_k, top_p))
+                if j == len(guesses) or guesses[j] != chosen[-1]:
+                    break
+        if rows:
+            pos += len(chosen)
+        if stats is not None:
+            stats["steps"] = stats.get("steps", 0) + 1
+            stats["tokens"] = stats.get("tokens", 0) + len(chosen)
+        for t in chosen:
+            tokens.append(t)
+            emitted += 1
+            yield t
+            if t == stop or emitted >= max_new_tokens:
+                return
+        if not greedy:
+            feed = [chosen[-1]] + amax[len(chosen) - 1 if rows else 0, 1:].tolist()
+            decoder.set_feed(feed, pos)
+
+
+def load_decoder(path, precision):
+    cfg, flat, tok = ne.load_model(path)
+    return GPUDecoder(cfg, flat, precision), cfg, tok
+
+
 def cmd_sample(args):
-    """greedy or sampled continuation; naive: re-runs the whole window for every token"""
+    """continue a prompt, streaming; as nanoeuler.py's sample"""
+    decoder, cfg, tok = load_decoder(args.model, args.precision)
+    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
+    if len(prompt) > cfg.T - 1:
+        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
+              f"keeping its last {cfg.T - 1}", file=sys.stderr)
+    import codecs
+    decoder_utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    sys.stdout.write(args.prompt)
+    for t in generate(decoder, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                      args.seed, args.speculative, drafts=args.drafts):
+        sys.stdout.write(decoder_utf8.decode(tok.vocab[t]))
+        sys.stdout.flush()
+    sys.stdout.write(decoder_utf8.decode(b"", final=True) + "\n")
+
+
+# -----------------------------------------------------------------------------
+# supervised fine-tuning and chat (nanoeuler.py's, with the GPU engine and decoder)
+
+def cmd_sft(args):
+    """nanoeuler.py sft (same template, data reader, masks, validation and checkpoints) on the GPU"""
+    args.zero = False
     init_gpu(args.precision)
-    cfg, flat, tok = ne.load_model(args.model)
-    model = GPUModel(cfg, 1, flat)
-    ids = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
-    rng = np.random.default_rng(args.seed)
-    out = []
-    for _ in range(args.max_new_tokens):
-        window = (ids + out)[-cfg.T:]
-        idx = np.zeros((1, cfg.T), np.int64)
-        idx[0, :len(window)] = window
-        model.forward(idx)
-        logits = model.logits.view(0, (cfg.T, cfg.V)).download()   # head 0
-        out.append(ne.sample_token(logits[len(window) - 1], rng, args.temperature, args.top_k, args.top_p))
-    print(args.prompt + tok.decode(out))
+    ne.cmd_sft(args, make_engine=lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
+               engine=f"{gpu.name}, sm_{gpu.arch}, {args.precision} matmuls")
+
+
+def cmd_chat(args):
+    """nanoeuler.py chat's REPL (/reset, /quit, Ctrl-D), generating on the GPU"""
+    ne.cmd_chat(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
 
 
 # -----------------------------------------------------------------------------
@@ -1334,10 +1764,13 @@ def time_attention(model, reps=20):
 
 
 def cmd_bench(args):
-    """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up"""
+    """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up;
+    then decoding speed (bench_decoding)"""
     rank, world = rank_and_world(args)
     if args.gpus and not world:
         return launch_ranks(args.argv, args.gpus)
+    if args.decode_only:
+        return bench_decoding(args)
     init_gpu(args.precision, rank)
     cfg = PRESETS[args.model_size]
     engine = (DataParallelEngine(cfg, ne.init_params(cfg), None, None, args, rank, world) if world else
@@ -1375,6 +1808,86 @@ def cmd_bench(args):
         print(f"  attention of one layer (B={engine.model.B}, T={cfg.T}, {cfg.Hq} query and {cfg.Hkv} kv heads, "
               f"D={cfg.D}, {attention_path(cfg.D)}): forward {forward:.1f} us, forward+backward {both:.1f} us")
     engine.close()
+    if not world:
+        del engine
+        bench_decoding(args)
+
+
+BENCH_PROMPT = "ROMEO:\nWhat say you"
+
+
+def profile_decoding(dec, prompt, replays=100):
+    """GPU time of a plain step (one row) replayed from its graph, and by kernel when launched one by one"""
+    dec.wait(dec.prefill(prompt, 1))
+    dec.wait(dec.launch_step(1, 1))                     # captured now if it was not yet
+    a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+    check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
+    for _ in range(replays):
+        check(cu.cuGraphLaunch(dec.graphs[1, 1], gpu.stream), "cuGraphLaunch")
+    check(cu.cuEventRecord(b, gpu.stream), "cuEventRecord")
+    gpu.sync()
+    dec.passes += replays                               # the replays' accept kernels counted too
+    us = check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") * 1e3 / replays
+    dec.wait(dec.prefill(prompt, 1))
+    gpu.profile = []
+    dec.step(1, 1)
+    totals = gpu.profile_report()
+    calls = sum(c for c, _ in totals.values())
+    print(f"  one step at position {len(prompt) + 1}: {us:.1f} us of GPU time replayed from its graph ({calls} "
+          f"kernels); launched one by one, by kernel (CUDA events; {sum(ms for _, ms in totals.values()) * 1e3:.0f} "
+          f"us in all):")
+    for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
+
+
+def bench_decoding(args):
+    """batch-1 decoding: plain greedy and speculative tokens/s (the median of 3 runs of
+    --max-new-tokens after a warm-up, BENCH_PROMPT's first 16 tokens at most, the window
+    sliding past T as it must), prefill of a 500-token prompt, on --model or on random
+    weights of the preset"""
+    if args.model:
+        cfg, flat, tok = ne.load_model(args.model)
+        prompt, what = tok.encode(BENCH_PROMPT)[:16], args.model
+    else:
+        cfg = PRESETS[args.model_size]
+        flat, what = ne.init_params(cfg), f"random weights of {args.model_size} (give --model for a trained one)"
+        prompt = list(range(16))
+    n = args.max_new_tokens
+    for precision in args.decode_precision.split(","):
+        dec = GPUDecoder(cfg, flat, precision)
+        print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
+              f"{n} new tokens (median of 3 after a warm-up), {what}")
+
+        def timed(speculative, drafts):
+            times = []
+            for _ in range(4):
+                stats = {}
+                gpu.sync()
+                t0 = time.perf_counter()
+                out = list(generate(dec, cfg, prompt, n, temperature=0, speculative=speculative, stats=stats,
+                                    drafts=drafts))
+                times.append(time.perf_counter() - t0)
+            return out, float(np.median(times[1:])), stats
+
+        plain, dt, _ = timed(False, None)
+        print(f"  {'plain KV cache':<26} {len(plain) / dt:8,.0f} tok/s  ({dt * 1e3 / len(plain):.3f} ms/token)")
+        for drafts in range(1, min(cfg.K, max_rows(cfg))):
+            spec, dt_s, stats = timed(True, drafts)
+            same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(plain))
+            default = " (default)" if drafts == DEFAULT_DRAFTS else ""
+            print(f"  {f'speculative, {drafts} draft' + 's' * (drafts > 1) + default:<26} {len(spec) / dt_s:8,.0f} "
+                  f"tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, {dt / dt_s:.2f}x plain, "
+                  f"same as plain for {same} of {len(plain)} tokens")
+        if args.profile:
+            profile_decoding(dec, prompt)
+        long = (prompt * (500 // len(prompt) + 1))[:min(500, cfg.T)]
+        times = []
+        for _ in range(11):
+            gpu.sync()
+            t0 = time.perf_counter()
+            dec.wait(dec.prefill(long, 1))
+            times.append(time.perf_counter() - t0)
+        print(f"  prefill of {len(long)} tokens {np.median(times[1:]) * 1e3:8.2f} ms (median of 10 after a warm-up)")
 
 
 # -----------------------------------------------------------------------------
@@ -1410,25 +1923,44 @@ def build_parser():
     sp.add_argument("--steps", type=int, default=10, help="timed steps")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
+    sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
+    sp.add_argument("--max-new-tokens", type=int, default=500, help="decoding: tokens to generate")
+    sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
+    sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
     add_gpus_flags(sp)
     sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
-    sp = sub.add_parser("sample", help="continue a prompt on the GPU")
-    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
+    sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
+    sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
+
+    def generation_flags(sp):
+        sp.add_argument("--model", required=True, help=".safetensors model file")
+        sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+        sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
+        sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
+        sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
+        sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+        sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
+        sp.add_argument("--drafts", type=int, default=DEFAULT_DRAFTS,
+                        help="with --speculative: draft with heads 1..N (at most K-1)")
+        sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                        help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
+
+    sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
+    generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue")
-    sp.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
-    sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
-    sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
-    sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
-    sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    sp.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
-    commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample}
+    commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
+                "chat": cmd_chat}
     ne.run_command(commands[args.command], args)
 
 

@@ -6,6 +6,7 @@ nothing imports it, and it needs PyTorch.
     python docs/pytorch_reference.py [--compile [reduce-overhead]] [--precision bf16|tf32] [--batch 16]   # big, GPU
     python docs/pytorch_reference.py --attention --batch 16     # scaled_dot_product_attention alone
     python docs/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8
+    python docs/pytorch_reference.py --decode [--compile]    # batch-1 greedy decoding with a KV cache
 
 Same model as SPEC.md (RMSNorm, RoPE, GQA, SwiGLU, K untied heads, mtp_weight),
 AdamW, bf16 autocast, tf32 or fp32, the step timed after warm-up. --compile
@@ -14,6 +15,9 @@ torch.compile; --compile reduce-overhead also replays them as CUDA graphs.
 --attention times causal GQA attention of one layer (forward, and forward +
 backward) in bf16 at the model's shape, what nanoeuler_cuda.py bench --profile
 prints for its own kernels.
+--decode: greedy decoding at batch 1 with a static KV cache, weights in bf16 (as
+nanoeuler_cuda.py's decoder), one token per step; --compile compiles the step
+with mode="reduce-overhead" (CUDA graphs), as gpt-fast does.
 """
 
 import argparse
@@ -93,6 +97,66 @@ def time_attention(batch, dev, reps=50):
           f"forward+backward {result[1]:.1f} us")
 
 
+class Decoder(torch.nn.Module):
+    """Model's weights with a static KV cache (L, 1, Hkv, T, D); step() feeds one token at pos"""
+
+    def __init__(self, model, dtype):
+        super().__init__()
+        self.model = model
+        shape = (L, 1, Hkv, T, D)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype))
+
+    def forward(self, tok, pos):                   # tok (1,), pos (1,) long tensors on the GPU
+        m = self.model
+        x = m.tok_emb(tok)[None]                   # (1,1,C)
+        cos, sin = m.cos[pos].to(x.dtype), m.sin[pos].to(x.dtype)   # (1,D/2)
+        mask = (torch.arange(T, device=tok.device) <= pos)[None, None, None]   # (1,1,1,T)
+        for l, layer in enumerate(m.layers):
+            q, k, v = layer.wqkv(layer.attn_norm(x)).split([Hq * D, Hkv * D, Hkv * D], -1)
+            q, k, v = (t.view(1, 1, -1, D).transpose(1, 2) for t in (q, k, v))
+            q, k = (torch.cat([t[..., :D // 2] * cos - t[..., D // 2:] * sin,
+                               t[..., D // 2:] * cos + t[..., :D // 2] * sin], -1) for t in (q, k))
+            self.k_cache[l][:, :, pos] = k
+            self.v_cache[l][:, :, pos] = v
+            y = F.scaled_dot_product_attention(q, self.k_cache[l], self.v_cache[l], attn_mask=mask, enable_gqa=True)
+            x = x + layer.wo(y.transpose(1, 2).reshape(1, 1, -1))
+            gate, up = layer.w_gate_up(layer.mlp_norm(x)).chunk(2, -1)
+            x = x + layer.w_down(F.silu(gate) * up)
+        logits = F.linear(m.final_norm(x), m.heads.weight[:V])      # head 0
+        return logits.argmax(-1).view(1)
+
+
+def decode(args):
+    """tokens/s of greedy decoding, 16-token prompt fed one token at a time, then new tokens to
+    the end of the window (T - 16; no slide), the median of 3 runs after a warm-up"""
+    dev, dtype = "cuda", torch.bfloat16 if args.precision == "bf16" else torch.float32
+    torch.backends.cuda.matmul.allow_tf32 = args.precision == "tf32"
+    model = Model().to(dev).to(dtype).eval()
+    dec = Decoder(model, dtype).to(dev)
+    step = torch.compile(dec, mode="reduce-overhead", fullgraph=True) if args.compile else dec
+    prompt = list(range(16))
+    n = min(args.new_tokens, T - len(prompt))
+    times = []
+    with torch.no_grad():
+        for run in range(4):
+            t0 = time.perf_counter()
+            for i, t in enumerate(prompt):
+                nxt = step(torch.tensor([t], device=dev), torch.tensor([i], device=dev))
+            out = []
+            for i in range(len(prompt), len(prompt) + n):
+                t = int(nxt.item())
+                out.append(t)
+                nxt = step(torch.tensor([t], device=dev), torch.tensor([i], device=dev))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+    dt = sorted(times[1:])[1]
+    print(f"PyTorch {torch.__version__}, {torch.cuda.get_device_name()}, decoding batch 1, "
+          f"{'compiled (reduce-overhead: CUDA graphs)' if args.compile else 'eager'}, {args.precision} weights, "
+          f"{len(prompt)}-token prompt + {n} new tokens: {(len(prompt) + n) / dt:,.0f} tok/s "
+          f"({dt * 1e3 / (len(prompt) + n):.3f} ms/token)")
+
+
 def main():
     global V, C, Hq, Hkv, L, T, FF, D
     p = argparse.ArgumentParser()
@@ -104,9 +168,13 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model", default="big", choices=sorted(PRESETS))
     p.add_argument("--device", default="cuda")
+    p.add_argument("--decode", action="store_true", help="time batch-1 greedy decoding with a KV cache instead")
+    p.add_argument("--new-tokens", type=int, default=500, help="--decode: new tokens (at most T - 16)")
     args = p.parse_args()
     V, C, Hq, Hkv, L, T, FF = PRESETS[args.model]
     D = C // Hq
+    if args.decode:
+        return decode(args)
     dev = args.device
     if args.attention:
         return time_attention(args.batch, dev)

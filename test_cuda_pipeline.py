@@ -1,0 +1,243 @@
+"""
+Tests of nanoeuler_cuda.py's SFT, decoding and chat that run without a GPU:
+generate's host loop (passes queued ahead, the window slide, fewer drafts near
+the window's end, sampling) against nanoeuler.generate through a stand-in for
+GPUDecoder that computes each pass with nanoeuler.forward_logits and applies
+the acceptance rule of speculative_accept_kernel; the NVRTC compile of the
+decode kernels; the sft and chat command lines. `python nanoeuler_cuda.py check`
+tests the kernels themselves on a GPU.
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import importlib.util
+import io
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import nanoeuler_cuda as nc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class HostArray:
+    """what generate reads of a DeviceArray: view(offset, shape).download()"""
+
+    def __init__(self, a):
+        self.a = np.asarray(a)
+
+    def view(self, offset, shape):
+        return HostArray(self.a.reshape(-1)[offset:offset + math.prod(shape)].reshape(shape))
+
+    def download(self):
+        return self.a.copy()
+
+
+class StandInDecoder:
+    """GPUDecoder's contract, computed at once on the host: each pass is nanoeuler.forward_logits
+    over the fed ids at the device's pos, then the accept kernel's rule updates ids and pos.
+    Passes are checked to stay inside the window and to be at most LOOKAHEAD unread."""
+
+    def __init__(self, params, cfg):
+        self.params, self.cfg = params, cfg
+        self.kv = ne.new_kv_cache(cfg, 1, params["tok_emb"].dtype)
+        self.ids, self.pos, self.passes, self.entries = [], 0, 0, {}
+        self.unread, self.most_unread, self.log = 0, 0, []
+
+    def run(self, feed, pos, n_heads):
+        T = self.cfg.T
+        assert 1 <= len(feed) and pos + len(feed) <= T, (pos, feed)
+        logits, x = ne.forward_logits(self.params, self.cfg, np.array([feed]), pos, self.kv)
+        heads = self.params["heads"][:n_heads]                              # (n_heads, V, C)
+        rows = np.concatenate([logits[0][:, None], np.einsum("kvc,rc->rkv", heads[1:], x[0])], 1)
+        return rows                                                         # (R, n_heads, V)
+
+    def finish(self, rows, feed, pos, n_heads):
+        amax = rows.argmax(-1)                                              # (R, n_heads)
+        j = 0
+        while j < len(feed) - 1 and feed[1 + j] == amax[j, 0]:
+            j += 1
+        self.logits, self.amax = HostArray(rows.reshape(len(rows), -1)), HostArray(amax)
+        self.entries[self.passes % nc.RING] = amax[:j + 1, 0].tolist()
+        self.ids, self.pos = amax[j].tolist(), pos + j + 1
+        self.passes += 1
+        self.unread += 1
+        self.most_unread = max(self.most_unread, self.unread)
+        return (self.passes - 1) % nc.RING
+
+    def prefill(self, tokens, n_heads):
+        self.log.append(("prefill", len(tokens)))
+        rows = self.run(list(tokens), 0, n_heads)[-1:]
+        return self.finish(rows, [tokens[-1]], len(tokens) - 1, n_heads)
+
+    def launch_step(self, R, n_heads):
+        self.log.append(("step", R))
+        assert R <= n_heads <= nc.DECODE_MAX_ROWS
+        feed = self.ids[:R]
+        return self.finish(self.run(feed, self.pos, n_heads), feed, self.pos, n_heads)
+
+    def wait(self, entry):
+        self.unread -= 1
+        return self.entries[entry]
+
+    def set_feed(self, ids, pos):
+        self.ids, self.pos = list(ids), pos
+
+
+def margin_model(cfg, seed=7):
+    """nanoeuler's speculative test model (see nanoeuler_cuda.margin_model), float64"""
+    return ne.carve(nc.margin_model(cfg, np.random.default_rng(seed)).astype(np.float64), cfg)
+
+
+CFG = ne.Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=20, F=48, K=4)
+
+
+@pytest.mark.parametrize("prompt", [[1], [3, 5, 7], [i % 24 for i in range(25)]])
+def test_greedy_host_loop_equals_cpu_generate_across_slides(prompt):
+    params = margin_model(CFG)
+    want = list(ne.generate(params, CFG, prompt, 3 * CFG.T, temperature=0))
+    for speculative, drafts in ((False, None), (True, None), (True, 1), (True, 2)):
+        dec = StandInDecoder(params, CFG)
+        stats = {}
+        got = list(nc.generate(dec, CFG, prompt, 3 * CFG.T, temperature=0, speculative=speculative,
+                               stats=stats, drafts=drafts))
+        assert got == want, (speculative, drafts)
+        assert 1 < dec.most_unread <= nc.LOOKAHEAD                # it did read behind the passes
+        assert sum(kind == "prefill" for kind, _ in dec.log) >= 3  # the prompt and two slides at least
+        if speculative:
+            assert stats["tokens"] / stats["steps"] > 1.3
+            # near the end of the window a pass feeds fewer drafts, as nanoeuler.generate does
+            assert any(kind == "step" and R < 1 + (drafts or CFG.K - 1) for kind, R in dec.log)
+
+
+def test_slide_keeps_the_last_half_window():
+    params = margin_model(CFG)
+    prompt = [2, 4, 6]
+    dec = StandInDecoder(params, CFG)
+    out = list(nc.generate(dec, CFG, prompt, CFG.T + 5, temperature=0))
+    # the window is full after T - 3 new tokens: the next pass feeds the last T/2 tokens
+    # again from position 0 (one prefill of T/2 rows)
+    assert ("prefill", CFG.T // 2) in dec.log
+    assert dec.log[0] == ("prefill", 3) and len(out) == CFG.T + 5
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_sampling_follows_the_cpu_with_the_same_seed(speculative):
+    params = margin_model(CFG)
+    for seed in (1, 2):
+        want = list(ne.generate(params, CFG, [3, 5], 2 * CFG.T, temperature=1.5, top_k=8, seed=seed,
+                                speculative=speculative, drafts=2))
+        dec = StandInDecoder(params, CFG)
+        got = list(nc.generate(dec, CFG, [3, 5], 2 * CFG.T, temperature=1.5, top_k=8, seed=seed,
+                               speculative=speculative, drafts=2))
+        assert got == want
+        assert dec.most_unread == 1                               # sampling: one pass at a time
+
+
+def test_stop_token_and_max_new_tokens():
+    params = margin_model(CFG)
+    want = list(ne.generate(params, CFG, [1], 30, temperature=0))
+    stop = want[7]
+    got = list(nc.generate(StandInDecoder(params, CFG), CFG, [1], 30, temperature=0, stop=stop))
+    assert got == want[:want.index(stop) + 1]
+    assert len(list(nc.generate(StandInDecoder(params, CFG), CFG, [1], 5, temperature=0, speculative=True))) == 5
+
+
+def test_empty_prompt_is_refused():
+    with pytest.raises(ne.NanoEulerError, match="prompt is empty"):
+        list(nc.generate(StandInDecoder(margin_model(CFG), CFG), CFG, [], 5, temperature=0))
+
+
+def test_decoding_sizes():
+    big = ne.PRESETS["big"]
+    assert nc.max_rows(big) == 6                                   # 48 KiB / (4 bytes x F=2048)
+    nc.decode_check_sizes(big)
+    nc.decode_check_sizes(ne.PRESETS["small"])
+    with pytest.raises(ne.NanoEulerError, match="C and F multiples of 8"):
+        nc.decode_check_sizes(ne.Config(V=50, C=36, Hq=4, Hkv=2, L=1, T=8, F=96, K=2))
+
+
+def test_bf16_matrices_rounds_only_what_the_decoder_reads_in_bf16():
+    cfg = ne.Config(V=30, C=16, Hq=2, Hkv=1, L=1, T=8, F=48, K=2)
+    flat = np.random.default_rng(0).normal(0, 1, ne.num_params(cfg)).astype(np.float32)
+    got, src = ne.carve(nc.bf16_matrices(flat, cfg), cfg), ne.carve(flat, cfg)
+    assert np.array_equal(got["tok_emb"], src["tok_emb"]) and np.array_equal(got["final_norm"], src["final_norm"])
+    w = got["layers.0.wqkv"]
+    assert not np.array_equal(w, src["layers.0.wqkv"])
+    assert np.all(w.astype(np.float32).view(np.uint32) & 0xFFFF == 0)           # 8 mantissa bits left
+    assert np.max(np.abs(w - src["layers.0.wqkv"]) / np.abs(src["layers.0.wqkv"])) <= 2.0 ** -8
+
+
+def test_sft_and_chat_flags_match_the_cpu_commands():
+    gpu_args = nc.build_parser().parse_args(["sft", "--model", "m.safetensors"])
+    cpu_args = ne.build_parser().parse_args(["sft", "--model", "m.safetensors"])
+    for name, value in vars(cpu_args).items():
+        if name not in ("threads",):
+            assert getattr(gpu_args, name) == value, name
+    assert gpu_args.precision == "bf16"
+    chat = nc.build_parser().parse_args(["chat", "--model", "m.safetensors", "--speculative"])
+    cpu_chat = ne.build_parser().parse_args(["chat", "--model", "m.safetensors", "--speculative"])
+    for name, value in vars(cpu_chat).items():
+        if name != "drafts":
+            assert getattr(chat, name) == value, name
+    assert chat.drafts == nc.DEFAULT_DRAFTS and chat.precision == "bf16"
+
+
+def test_cmd_sft_hands_its_batches_to_the_given_engine(tmp_path, monkeypatch):
+    cfg = ne.Config(V=ne.Tokenizer().vocab_size, C=16, Hq=2, Hkv=1, L=1, T=64, F=48, K=2)
+    model = str(tmp_path / "m.safetensors")
+    ne.save_model(model, cfg, ne.init_params(cfg), ne.Tokenizer())
+    args = ne.build_parser().parse_args(["sft", "--model", model, "--out", str(tmp_path / "sft"), "--batch", "4"])
+    seen = {}
+
+    def loop(args, cfg, tok, engine, next_batch, val, out_dir, state, prompt):
+        seen["engine"], seen["batch"] = engine, next_batch(np.random.default_rng(0))
+
+    monkeypatch.setattr(ne, "train_loop", loop)
+    made = object()
+    ne.cmd_sft(args, make_engine=lambda cfg_, flat, m, v: made, engine="a GPU")
+    assert seen["engine"] is made
+    idx, targets = seen["batch"]
+    assert idx.shape == (4, cfg.T) and targets.shape == (4, cfg.T, cfg.K)
+    # every row starts with <|user|>, a prompt: its first targets are ignored (-1)
+    assert np.all(idx[:, 0] == ne.Tokenizer().special("<|user|>")) and np.all(targets[:, 0] == -1)
+    assert np.all((targets >= 0).any(axis=(1, 2)))                       # and each has a response
+
+
+def test_chat_runs_nanoeuler_repl_with_the_gpu_generate(tmp_path, monkeypatch, capsys):
+    tok = ne.Tokenizer()
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=2, Hkv=1, L=1, T=64, F=48, K=3)
+    model = str(tmp_path / "m.safetensors")
+    flat = np.random.default_rng(3).normal(0, 0.3, ne.num_params(cfg)).astype(np.float32)
+    ne.save_model(model, cfg, flat, tok)
+    transcripts = []
+    for speculative in (False, True):
+        for gpu in (False, True):
+            argv = ["chat", "--model", model, "--temperature", "0", "--max-new-tokens", "20"]
+            args = (nc if gpu else ne).build_parser().parse_args(argv + ["--speculative"] * speculative)
+            monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello there\n/reset\nhi\n/quit\n")))
+            if gpu:                                        # the GPU's generate, on the stand-in decoder
+                ne.cmd_chat(args, make_params=lambda cfg_, flat_: StandInDecoder(ne.carve(flat_, cfg_), cfg_),
+                            gen=nc.generate)
+            else:
+                ne.cmd_chat(args)
+            transcripts.append(capsys.readouterr().out)
+    assert transcripts[0] == transcripts[1] == transcripts[2] == transcripts[3]
+    assert "(history cleared)" in transcripts[0] and transcripts[0].count("bot> ") == 2
+
+
+needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cuda") is None,
+                                 reason="cuda-python is not installed (pip install -r requirements-dev.txt)")
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_the_decode_kernels(tmp_path):
+    cubin = nc.compile_kernels("90", str(tmp_path))["kernels.cu"]
+    names = ["attention_decode_kernel", "argmax_kernel", "speculative_accept_kernel"]
+    names += [f"decode_matvec_{mode}_{w}_kernel" for mode in ("plain", "rmsnorm", "swiglu") for w in ("f32", "bf16")]
+    for name in names:
+        assert name.encode() in cubin, name                         # extern "C": the name is in the CUBIN
