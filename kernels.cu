@@ -419,18 +419,31 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     }
 }
 
-#define DECODE_MATVEC(NAME, MODE, WNAME, WT)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128) decode_matvec_##NAME##_##WNAME##_kernel(                 \
-        float* out, const float* in, const WT* w, const float* norm_w, int R, int In, int Out, int ld_out,     \
-        int accumulate) {                                                                                      \
-        decode_matvec<WT, MODE>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);                           \
-    }
-DECODE_MATVEC(plain, IN_PLAIN, f32, float)
-DECODE_MATVEC(rmsnorm, IN_RMSNORM, f32, float)
-DECODE_MATVEC(swiglu, IN_SWIGLU, f32, float)
-DECODE_MATVEC(plain, IN_PLAIN, bf16, unsigned short)
-DECODE_MATVEC(rmsnorm, IN_RMSNORM, bf16, unsigned short)
-DECODE_MATVEC(swiglu, IN_SWIGLU, bf16, unsigned short)
+// the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
+extern "C" __global__ void __launch_bounds__(128) decode_matvec_plain_f32_kernel(
+    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
+    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) decode_matvec_rmsnorm_f32_kernel(
+    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
+    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) decode_matvec_swiglu_f32_kernel(
+    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
+    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) decode_matvec_plain_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
+    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) decode_matvec_rmsnorm_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
+    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) decode_matvec_swiglu_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
+    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+}
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
 // each operation rounded on its own (no fused multiply-add), so a key rotated here while
