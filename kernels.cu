@@ -343,104 +343,102 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
     }
 }
 
-// acc[r] += the 16 bytes of weights in raw . x[r * In ..] for the rows r < R
-template <typename W>
-__device__ __forceinline__ void matvec_chunk(float* acc, uint4 raw, const float* x, int In, int R, const W* tag) {
-    const int E = 16 / sizeof(W);
-    float wf[8];
-    unpack16(raw, wf, tag);
+// the E inputs of chunk c (elements c*E ..) of row r as MODE builds them: in itself, in * norm_w
+// (the norm's 1/rms multiplies the whole sum at the end) or silu(gate) * up; and ss += in^2
+// for the norm. 16-byte loads: In a multiple of 8, the rows and norm_w 16-byte aligned.
+template <int MODE, int E>
+__device__ __forceinline__ void matvec_input(float* v, float& ss, const float* in, const float* norm_w, int In, int r,
+                                             int c) {
 #pragma unroll
-    for (int r = 0; r < DECODE_MAX_ROWS; r++) {
-        if (r >= R) break;
-#pragma unroll
-        for (int e = 0; e < E; e++) acc[r] += wf[e] * x[r * In + e];
+    for (int e = 0; e < E; e += 4) {
+        if (MODE == IN_SWIGLU) {
+            const float* gu = in + (long)r * 2 * In + c * E + e;
+            float4 g = *(const float4*)gu, u = *(const float4*)(gu + In);
+            v[e] = g.x / (1.0f + expf(-g.x)) * u.x;
+            v[e + 1] = g.y / (1.0f + expf(-g.y)) * u.y;
+            v[e + 2] = g.z / (1.0f + expf(-g.z)) * u.z;
+            v[e + 3] = g.w / (1.0f + expf(-g.w)) * u.w;
+        } else {
+            float4 x = *(const float4*)(in + (long)r * In + c * E + e);
+            v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
+            if (MODE == IN_RMSNORM) {
+                ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+                float4 n = *(const float4*)(norm_w + c * E + e);
+                v[e] *= n.x, v[e + 1] *= n.y, v[e + 2] *= n.z, v[e + 3] *= n.w;
+            }
+        }
     }
 }
 
 // out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
-// as MODE says. A decoding step reads every weight once, so this is bound by memory:
-// one warp per output, its lanes reading 16 bytes of the weight row at a time (PRE
-// loads in flight), each weight used for all R rows. accumulate: out += (the residual add fused in).
-// In must be a multiple of 16 / sizeof(W) and w's rows 16-byte aligned.
-// block 128 (4 outputs), grid = ceil(Out / 4); shared memory R * In floats.
+// as MODE says. A decoding step reads every weight once, so this is bound by memory
+// latency: one warp per output, no shared memory and no block barrier; each lane reads
+// its 16-byte chunks of the weight row (U loads in flight) and the matching elements
+// of each row's input, so the lanes' chunks cover the input once and the norm's sum of
+// squares is a warp sum; each weight is used for all R rows. accumulate: out += (the
+// residual add fused in). Each row's sums run in the same order whatever R.
+// block 256 (8 outputs), grid = ceil(Out / 8)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate) {
-    extern __shared__ float xs[];
     int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    bool active = o < Out;
-    const int E = 16 / sizeof(W), chunks = In / E;                 // E weights per 16-byte load
-    const uint4* row = (const uint4*)(w + (long)(active ? o : 0) * In);
-    // the lane's first PRE loads of the weight row are issued before the input is built, so
-    // they are on their way while the block computes the norm (or swiglu)
-    const int PRE = 4;
-    uint4 pre[PRE];
+    if (o >= Out) return;
+    const int E = 16 / sizeof(W), U = 4, chunks = In / E;          // E weights per 16-byte load
+    const uint4* row = (const uint4*)(w + (long)o * In);
+    float acc[DECODE_MAX_ROWS], ss[DECODE_MAX_ROWS];
 #pragma unroll
-    for (int u = 0; u < PRE; u++)
-        if (active && lane + 32 * u < chunks) pre[u] = row[lane + 32 * u];
-    for (int r = 0; r < R; r++) {
-        float* x = xs + r * In;
-        if (MODE == IN_SWIGLU) {
-            const float* gu = in + (long)r * 2 * In;
-            for (int i = threadIdx.x; i < In; i += blockDim.x) {
-                float gate = gu[i];
-                x[i] = gate / (1.0f + expf(-gate)) * gu[In + i];
-            }
-        } else if (MODE == IN_RMSNORM) {
-            const float* xr = in + (long)r * In;
-            float ss = 0.0f;
-            for (int i = threadIdx.x; i < In; i += blockDim.x) ss += xr[i] * xr[i];
-            float rs = 1.0f / sqrtf(block_sum(ss) / In + 1e-5f);
-            for (int i = threadIdx.x; i < In; i += blockDim.x) x[i] = xr[i] * rs * norm_w[i];
-        } else {
-            for (int i = threadIdx.x; i < In; i += blockDim.x) x[i] = in[(long)r * In + i];
-        }
-    }
-    __syncthreads();
-    if (!active) return;
-    float acc[DECODE_MAX_ROWS];
-    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
-    // chunks lane, lane + 32, ... in this order (the prefetched ones first), whatever R
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = ss[r] = 0.0f;
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 raw[U];
 #pragma unroll
-    for (int u = 0; u < PRE; u++)
-        if (lane + 32 * u < chunks) matvec_chunk(acc, pre[u], xs + (lane + 32 * u) * E, In, R, w);
-    for (int c0 = lane + 32 * PRE; c0 < chunks; c0 += 32 * PRE) {
-        uint4 raw[PRE];
-#pragma unroll
-        for (int u = 0; u < PRE; u++)
+        for (int u = 0; u < U; u++)
             if (c0 + 32 * u < chunks) raw[u] = row[c0 + 32 * u];
 #pragma unroll
-        for (int u = 0; u < PRE; u++)
-            if (c0 + 32 * u < chunks) matvec_chunk(acc, raw[u], xs + (c0 + 32 * u) * E, In, R, w);
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            float wf[8], v[8];
+            unpack16(raw[u], wf, w);
+#pragma unroll
+            for (int r = 0; r < DECODE_MAX_ROWS; r++) {
+                if (r >= R) break;
+                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c);
+#pragma unroll
+                for (int e = 0; e < E; e++) acc[r] += wf[e] * v[e];
+            }
+        }
     }
-    for (int r = 0; r < R; r++) {
+#pragma unroll
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) {
+        if (r >= R) break;
         float s = warp_sum(acc[r]);
+        if (MODE == IN_RMSNORM) s *= 1.0f / sqrtf(warp_sum(ss[r]) / In + 1e-5f);
         if (lane == 0) out[(long)r * ld_out + o] = (accumulate ? out[(long)r * ld_out + o] : 0.0f) + s;
     }
 }
 
 // the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
-extern "C" __global__ void __launch_bounds__(128) decode_matvec_plain_f32_kernel(
+extern "C" __global__ void __launch_bounds__(256) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
     decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(128) decode_matvec_rmsnorm_f32_kernel(
+extern "C" __global__ void __launch_bounds__(256) decode_matvec_rmsnorm_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
     decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(128) decode_matvec_swiglu_f32_kernel(
+extern "C" __global__ void __launch_bounds__(256) decode_matvec_swiglu_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
     decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(128) decode_matvec_plain_bf16_kernel(
+extern "C" __global__ void __launch_bounds__(256) decode_matvec_plain_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
     decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(128) decode_matvec_rmsnorm_bf16_kernel(
+extern "C" __global__ void __launch_bounds__(256) decode_matvec_rmsnorm_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
     decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(128) decode_matvec_swiglu_bf16_kernel(
+extern "C" __global__ void __launch_bounds__(256) decode_matvec_swiglu_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
     decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
 }
@@ -554,39 +552,48 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
     }
 }
 
-// the index of the largest logit of each row of (rows, V), the first one on ties (as
-// np.argmax); one block of 256 threads per row
-extern "C" __global__ void argmax_kernel(int* out, const float* logits, int V) {
+// the argmax of every row of logits (R * n_heads, V) (the first index on ties, as np.argmax)
+// into amax (R, n_heads): head 0's choice and the draft heads' guesses at each fed row;
+// then nanoeuler.generate's acceptance rule over the R fed rows ids[0..R-1] (the last
+// token, then the drafts): row j's choice is kept while the draft fed after it agreed, so
+// j+1 tokens are emitted, into ring[*counter % ring_size] = (j+1, tokens...); the next
+// feed is the last choice and the guesses made at its row, and pos moves by j+1.
+// one block of 1024 threads: 4 groups of 256 take the rows 4 at a time; thread 0 accepts
+extern "C" __global__ void __launch_bounds__(1024) argmax_accept_kernel(int* ids, int* pos, int* counter, int* ring,
+                                                                        int* amax, const float* logits, int V, int R,
+                                                                        int n_heads, int ring_size) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
-    const float* row = logits + (long)blockIdx.x * V;
-    float bv = -INFINITY;
-    int bi = 0x7FFFFFFF;
-    for (int v = threadIdx.x; v < V; v += blockDim.x)
-        if (row[v] > bv) bv = row[v], bi = v;                      // strided: each thread's first best
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffff, bv, offset);
-        int oi = __shfl_xor_sync(0xffffffff, bi, offset);
-        if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+    int group = threadIdx.x / 256, t = threadIdx.x % 256, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int rows = R * n_heads;
+    for (int base = 0; base < rows; base += 4) {                   // the same trip count for every thread
+        int row_i = base + group;
+        float bv = -INFINITY;
+        int bi = 0x7FFFFFFF;
+        if (row_i < rows) {
+            const float* row = logits + (long)row_i * V;
+#pragma unroll 4
+            for (int v = t; v < V; v += 256)
+                if (row[v] > bv) bv = row[v], bi = v;              // strided: each thread's first best
+        }
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffff, bv, offset);
+            int oi = __shfl_xor_sync(0xffffffff, bi, offset);
+            if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+        }
+        if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
+        __syncthreads();
+        if (t == 0 && row_i < rows) {
+            for (int k = 1; k < 8; k++) {
+                float ov = best_v[warp + k];
+                int oi = best_i[warp + k];
+                if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+            }
+            amax[row_i] = bi == 0x7FFFFFFF ? 0 : bi;               // all NaN: token 0
+        }
+        __syncthreads();
     }
-    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    if (lane == 0) best_v[warp] = bv, best_i[warp] = bi;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int k = 1; k < blockDim.x / 32; k++)
-            if (best_v[k] > bv || (best_v[k] == bv && best_i[k] < bi)) bv = best_v[k], bi = best_i[k];
-        out[blockIdx.x] = bi == 0x7FFFFFFF ? 0 : bi;               // all NaN: token 0
-    }
-}
-
-// nanoeuler.generate's acceptance rule, on the GPU, after a pass over the R fed rows ids[0..R-1]
-// (the last token, then the drafts): amax (R, n_heads) holds head 0's choice and the draft
-// heads' guesses at every row. Row j's choice is kept while the draft fed after it agreed,
-// so j+1 tokens are emitted, into ring[*counter % ring_size] = (j+1, tokens...); then the
-// next feed is the last choice and the guesses made at its row, and pos moves by j+1.
-// one thread; grid 1
-extern "C" __global__ void speculative_accept_kernel(int* ids, int* pos, int* counter, int* ring, const int* amax,
-                                                     int R, int n_heads, int ring_size) {
+    if (threadIdx.x != 0) return;
     int j = 0;
     while (j < R - 1 && ids[1 + j] == amax[j * n_heads]) j++;
     int* entry = ring + (*counter % ring_size) * (1 + DECODE_MAX_ROWS);

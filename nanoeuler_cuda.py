@@ -1434,8 +1434,8 @@ def cmd_train(args):
 # A step is 6 kernels a layer: the qkv product with the attention norm fused in,
 # attention with rope and the cache write fused in, the wo product adding into
 # the residual stream, the gate/up product with the MLP norm fused in, the down
-# product reading swiglu of gate/up and adding into the residual; and 4 more
-# (embedding, heads with the final norm, argmax, acceptance).
+# product reading swiglu of gate/up and adding into the residual; and 3 more
+# (embedding, heads with the final norm, argmax with the acceptance rule).
 
 DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
@@ -1447,8 +1447,8 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
     """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
     or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16)"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
-    gpu.launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 4), 128, P(out), P(x), P(w), P(norm_w), I(R),
-               I(In), I(Out), I(ld_out or Out), I(int(accumulate)), shared=4 * R * In)
+    gpu.launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8), 256, P(out), P(x), P(w), P(norm_w), I(R),
+               I(In), I(Out), I(ld_out or Out), I(int(accumulate)))
 
 
 def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D):
@@ -1458,13 +1458,9 @@ def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D):
                P(sin), P(pos), I(Hq), I(Hkv), I(D), F(1 / math.sqrt(D)), shared=4 * (D + 2 * warps + warps * D))
 
 
-def argmax(out, logits, rows, V):
-    gpu.launch("argmax_kernel", rows, 256, P(out), P(logits), I(V))
-
-
-def speculative_accept(ids, pos, counter, ring, amax, R, n_heads):
-    gpu.launch("speculative_accept_kernel", 1, 1, P(ids), P(pos), P(counter), P(ring), P(amax), I(R), I(n_heads),
-               I(RING))
+def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads):
+    gpu.launch("argmax_accept_kernel", 1, 1024, P(ids), P(pos), P(counter), P(ring), P(amax), P(logits), I(V), I(R),
+               I(n_heads), I(RING))
 
 
 class HostRing:
@@ -1482,8 +1478,8 @@ class HostRing:
 
 
 def max_rows(cfg):
-    """rows a decoding step can feed: the matvec kernel keeps them in 48 KiB of shared memory"""
-    return min(DECODE_MAX_ROWS, 48 * 1024 // (4 * max(cfg.C, cfg.F, cfg.Hq * cfg.D)))
+    """rows a decoding step can feed"""
+    return DECODE_MAX_ROWS
 
 
 def decode_check_sizes(cfg):
@@ -1552,8 +1548,7 @@ class GPUDecoder:
         """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
         cfg = self.cfg
         decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm")
-        argmax(self.amax, self.logits, R * n_heads, cfg.V)
-        speculative_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, R, n_heads)
+        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads)
         self.passes += 1
 
     def step(self, R, n_heads):
