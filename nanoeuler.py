@@ -34,6 +34,7 @@ import re
 import signal
 import sys
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -1536,7 +1537,9 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         return val_loss, val_bpb
 
     step = start
-    with StopFlag() as flag:
+    with StopFlag() as flag, warnings.catch_warnings():
+        # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
+        warnings.simplefilter("ignore", RuntimeWarning)
         stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
         while step < stop_at and not flag.stop:
             t0 = clock()
