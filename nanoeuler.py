@@ -1284,8 +1284,8 @@ def lock_out(out_dir):
             f.seek(0)
             holder = f.read().strip() or "?"
             f.close()
-            if holder == str(os.getppid()):
-                return None
+            if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
+                return None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
             raise NanoEulerError(f"{out_dir} is in use by another training run (pid {holder}); wait for it "
                                  "to end, or train into another --out") from None
         try:

@@ -144,6 +144,24 @@ def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus,
     assert ne.latest_checkpoint(str(out)) == step + 2 and not (out / ne.LOCK_NAME).exists()
 
 
+def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
+    # nanoeuler_cuda.py --gpus N: the launcher holds --out (run_command), then starts one
+    # process per GPU, which run_command again; those, and only those, share its lock
+    code = "import sys, nanoeuler as ne\ntry:\n    print(ne.lock_out(sys.argv[1]))\nexcept ne.NanoEulerError as e:\n" \
+           "    print(e)"
+
+    def child(**env):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, cwd=HERE,
+                           env={**os.environ, **env}, timeout=60)
+        return r.stdout.decode().strip()
+    monkeypatch.delenv("NANOEULER_RANK", raising=False)
+    with ne.claim_out(str(tmp_path), resume=False):
+        assert child(NANOEULER_RANK="1") == "None"
+        assert child() == (f"{tmp_path} is in use by another training run (pid {os.getpid()}); wait for it "
+                           "to end, or train into another --out")
+    assert not (tmp_path / ne.LOCK_NAME).exists()
+
+
 WRITER = """
 import sys
 import nanoeuler as ne
