@@ -23,6 +23,8 @@ from here.
 """
 
 import argparse
+import contextlib
+import errno
 import functools
 import json
 import math
@@ -32,6 +34,7 @@ import re
 import signal
 import sys
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -1077,13 +1080,22 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
 # last, so a model file that exists always has its complete state beside it.
 
 def atomic_write(path, write):
-    """write(f) into path.tmp, flush to disk, then rename over path"""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """write(f) into path.<pid>.tmp, flush to disk, then rename over path. The pid
+    keeps two writers from sharing a temp file; a failed write removes its temp
+    file (a full disk stays no fuller) and names path, not the temp file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.errno:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
 
 
 def atomic_write_bytes(path, data):
@@ -1178,12 +1190,18 @@ def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
     return path
 
 
-def latest_checkpoint(out_dir):
-    """the highest step whose model file (written last, so the pair is complete) exists"""
+def checkpoint_steps(out_dir):
+    """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
     steps = [int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))] \
         if os.path.isdir(out_dir) else []
-    steps = [s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))]
-    return max(steps) if steps else None
+    return sorted((s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))),
+                  reverse=True)
+
+
+def latest_checkpoint(out_dir):
+    """the highest step with a complete pair of files, or None"""
+    steps = checkpoint_steps(out_dir)
+    return steps[0] if steps else None
 
 
 def load_checkpoint(out_dir, step):
@@ -1193,7 +1211,39 @@ def load_checkpoint(out_dir, step):
     tensors, meta = read_safetensors(path)
     if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or tensors["m"].size != flat.size:
         raise NanoEulerError(f"{path} is not the training state of its model file")
-    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), json.loads(meta["state"])
+    try:
+        state = json.loads(meta["state"])
+        if state["step"] != step or not isinstance(state["rng"], dict):
+            raise ValueError(f"it says step {state['step']}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
+    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
+
+
+def newest_readable_checkpoint(out_dir):
+    """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
+    when there is no pair. Newer pairs that do not read (a truncated file, a state
+    that is not JSON) are renamed to *.broken, so that neither a later --resume nor
+    the pruning takes them for checkpoints, each with one line saying why."""
+    skipped = []                                       # (step, why) of the newer pairs that do not read
+    for step in checkpoint_steps(out_dir):
+        try:
+            loaded = load_checkpoint(out_dir, step)
+        except NanoEulerError as e:
+            # read_safetensors's advice ("re-run with --resume") is what brought us here: keep only what is wrong
+            skipped.append((step, str(e).split("; ")[0]))
+            continue
+        for bad, why in skipped:
+            for kind in ("model", "state"):
+                path = os.path.join(out_dir, f"{kind}_{bad:06d}.safetensors")
+                os.replace(path, path + ".broken")
+            print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
+                  f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
+        return step, loaded
+    if skipped:
+        raise NanoEulerError(f"--resume: no checkpoint in {out_dir} can be read (the newest: {skipped[0][1]}); "
+                             "train afresh with another --out")
+    return None
 
 
 def prune_checkpoints(out_dir, keep=2):
@@ -1205,6 +1255,72 @@ def prune_checkpoints(out_dir, keep=2):
             path = os.path.join(out_dir, f"{kind}_{s:06d}.safetensors")
             if os.path.exists(path):
                 os.remove(path)
+
+
+# One run per folder. A second trainer on a folder that is training refuses at
+# once (train.lock), and a run into a folder that holds another run's files
+# continues it (--resume) or refuses: two runs' logs, best models and pruning
+# never mix. run_command holds the folder for train and sft from start to end.
+
+LOCK_NAME = "train.lock"
+RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
+
+
+def lock_out(out_dir):
+    """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
+    it for us. flock: the kernel lets go of it when its process ends, however it ends,
+    so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
+    the file is there to name the holder."""
+    try:
+        import fcntl
+    except ImportError:                                # not POSIX: no lock
+        return None
+    path = os.path.join(out_dir, LOCK_NAME)
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
+                return None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
+            raise NanoEulerError(f"{out_dir} is in use by another training run (pid {holder}); wait for it "
+                                 "to end, or train into another --out") from None
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()                                      # its holder removed it as we opened it: once more
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+@contextlib.contextmanager
+def claim_out(out_dir, resume):
+    """hold out_dir for one run: the lock, then refuse another run's folder without --resume"""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
+    os.makedirs(out_dir, exist_ok=True)
+    lock = lock_out(out_dir)
+    try:
+        if lock:                                       # temp files of killed writers: nobody else writes here
+            for f in os.listdir(out_dir):
+                if re.fullmatch(r".+\.\d+\.tmp", f):
+                    os.remove(os.path.join(out_dir, f))
+        if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
+            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
+                                 "another --out")
+        yield
+    finally:
+        if lock:
+            os.remove(lock.name)                       # while still locked: see lock_out's samestat
+            lock.close()
 
 
 # -----------------------------------------------------------------------------
@@ -1291,24 +1407,28 @@ def plot_log(csv_path, out=print):
 
 
 class StopFlag:
-    """Ctrl-C asks the loop to stop after the step in flight and save; a second Ctrl-C stops at once"""
+    """Ctrl-C (SIGINT) or SIGTERM (what a scheduler or `docker stop` sends) asks the loop to
+    stop after the step in flight and save; a second one stops at once"""
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self):
         self.stop = False
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGINT, self.handle)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
         return self
 
     def handle(self, signum, frame):
         if self.stop:
             raise KeyboardInterrupt
         self.stop = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
+        name = self.SIGNALS[signum]
+        print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
               file=sys.stderr)
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
 
 
 class CPUEngine:
@@ -1367,44 +1487,48 @@ def saved_rng(state):
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 
 
-def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None):
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
+               clock=time.perf_counter):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
     evaluate, checkpoint, stop cleanly.
 
     next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
     state holds step, rng state and the best validation so far. The log's samples
-    continue sample_prompt (ids; default: the start of a document)."""
+    continue sample_prompt (ids; default: the start of a document). clock: seconds,
+    for the timings and --minutes's plan (a test passes a fake one)."""
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
+    start = state["step"]
+    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    if start >= total:
+        engine.close()
+        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint "
+              f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
+        return start
     os.makedirs(out_dir, exist_ok=True)
     rng = saved_rng(state)
     token_bytes = tok.token_bytes()
     csv_path = os.path.join(out_dir, "log.csv")
-    start = state["step"]
-    keep_csv_rows(csv_path, start)
-    csv = open(csv_path, "a")
-    if start == 0:
-        csv.write("step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n")
-    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    csv = open_log(csv_path, start)
     width = len(str(total))
     tokens_per_step = args.batch * cfg.T
-    times, t_start, last_path = [], time.time(), None
+    times, t_start, last_path = [], clock(), None
     plan_now = getattr(args, "minutes", 0) > 0 and "planned_steps" not in state
 
     def checkpoint(step):
         nonlocal last_path
-        t0 = time.time()
+        t0 = clock()
         state.update(step=step, rng=rng.bit_generator.state)
         last_path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
         prune_checkpoints(out_dir)
-        print(f"saved  {last_path} (+ state) in {time.time() - t0:.1f} s")
+        print(f"saved  {last_path} (+ state) in {clock() - t0:.1f} s")
 
     def validate(step):
         """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet"""
         val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
         if not np.isfinite(val_loss):
-            stop_on_nan("validation loss", val_loss, step, last_path)
+            stop_on_nan("validation loss", val_loss, step, out_dir)
         print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
-              f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
+              f"{len(val_batches)} batches | {fmt_time(clock() - t_start)} elapsed")
         flat = engine.host_params()                    # one copy for both, and no moments
         if val_loss < state.get("best_val", math.inf):
             state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
@@ -1413,17 +1537,20 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         return val_loss, val_bpb
 
     step = start
-    with StopFlag() as flag:
+    with StopFlag() as flag, warnings.catch_warnings():
+        # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
+        warnings.simplefilter("ignore", RuntimeWarning)
         stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
         while step < stop_at and not flag.stop:
-            t0 = time.perf_counter()
+            t0 = clock()
             lr = lr_schedule(step, total, args.lr, args.warmup)
             idx, targets = next_batch(rng)
             loss, ce, norm = engine.step(idx, targets, lr, step + 1)
             if not (np.isfinite(loss) and np.isfinite(norm)):
-                stop_on_nan("loss" if not np.isfinite(loss) else "gradient norm", loss, step + 1, last_path)
+                what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
+                stop_on_nan(what, value, step + 1, out_dir, made_by=step)
             step += 1
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if step > start + 1:
                 times.append(dt)                          # the first step warms up: left out
             eta = (total - step) * (np.mean(times[-50:]) if times else dt)
@@ -1433,10 +1560,10 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                   (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
             val_loss = val_bpb = ""
             if (plan_now and step == start + PLAN_AFTER) or step % args.eval_every == 0 or step == total:
-                t_eval = time.time()
+                t_eval = clock()
                 val_loss, val_bpb = validate(step)
                 if plan_now and step == start + PLAN_AFTER:
-                    total = plan_steps(args, step, np.mean(times), time.time() - t_eval, time.time() - t_start)
+                    total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
                     state["planned_steps"], width, plan_now = total, len(str(total)), False
                     stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
             csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
@@ -1446,13 +1573,13 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
             if step % args.save_every == 0 or step == total:
                 checkpoint(step)
         if step > start and step % args.save_every and step != total:
-            checkpoint(step)                              # stopped early: Ctrl-C or --stop-after
+            checkpoint(step)                              # stopped early: a signal or --stop-after
     csv.close()
     engine.close()
     mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {step - start} steps in {fmt_time(time.time() - t_start)}, {mean_ms}; {best}; "
+    print(f"done: {step - start} steps in {fmt_time(clock() - t_start)}, {mean_ms}; {best}; "
           f"last checkpoint {last_path}")
     plot_log(csv_path)
     return step
@@ -1472,21 +1599,39 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
     return total
 
 
-def stop_on_nan(what, value, step, last_path):
-    """the run diverged: stop, keeping the last good checkpoint (nothing newer was saved)"""
-    where = f"; the last good checkpoint is {last_path}" if last_path else "; no checkpoint was saved yet"
-    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped{where}; "
-                         "lower --lr and continue with --resume")
+def stop_on_nan(what, value, step, out_dir, made_by=None):
+    """the run diverged at `step`: stop, naming the newest checkpoint whose weights went on
+    to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
+    if one was saved, is removed (resuming from it meets the same value at once), while
+    every older checkpoint was followed by a finite step."""
+    removed = ""
+    if made_by is not None and os.path.exists(os.path.join(out_dir, f"model_{made_by:06d}.safetensors")):
+        for kind in ("model", "state"):                   # model first: a state alone is no checkpoint
+            os.remove(os.path.join(out_dir, f"{kind}_{made_by:06d}.safetensors"))
+        removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
+    good = latest_checkpoint(out_dir)
+    if good is None:
+        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
+                             f"checkpoint{removed}; lower --lr and start again with --resume")
+    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
+                         f"is {os.path.join(out_dir, f'model_{good:06d}.safetensors')}{removed}; lower --lr and "
+                         "continue from it with --resume")
 
 
-def keep_csv_rows(csv_path, step):
-    """on resume, drop log rows past the checkpoint's step, so the log matches the run"""
-    if not os.path.exists(csv_path):
-        return
-    with open(csv_path) as f:
-        lines = f.readlines()
-    kept = lines[:1] + [ln for ln in lines[1:] if int(ln.split(",", 1)[0]) <= step]
-    atomic_write_bytes(csv_path, "".join(kept).encode())
+LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
+
+
+def open_log(csv_path, step):
+    """log.csv with the header and the rows up to step, open to append: a resumed run
+    drops the rows past its checkpoint (and any half-written line), a fresh run starts
+    it anew, so the log always matches the run"""
+    rows = []
+    if step > 0 and os.path.exists(csv_path):
+        with open(csv_path) as f:
+            rows = [ln for ln in f if ln.endswith("\n") and ln.split(",", 1)[0].isdigit()
+                    and int(ln.split(",", 1)[0]) <= step]
+    atomic_write_bytes(csv_path, (LOG_HEADER + "".join(rows)).encode())
+    return open(csv_path, "a")
 
 
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
@@ -1503,13 +1648,13 @@ def start_state(args, seed):
 
 def resume_or_init(args, cfg, tok, init_flat):
     """the newest complete checkpoint under --out with --resume, else a fresh start"""
-    step = latest_checkpoint(args.out) if args.resume else None
-    if args.resume and step is None:
+    found = newest_readable_checkpoint(args.out) if args.resume else None
+    if args.resume and found is None:
         print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
-    if step is None:
+    if found is None:
         return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
             start_state(args, args.seed)
-    cfg2, flat, tok2, m, v, state = load_checkpoint(args.out, step)
+    step, (cfg2, flat, tok2, m, v, state) = found
     if cfg2 != cfg or tok2.merges != tok.merges:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
                              "or tokenizer; pass the same --data and settings, or another --out")
@@ -1811,7 +1956,11 @@ def cmd_chat(args, make_params=None, gen=None):
             ids, _ = render_turn(tok, text)
             # naive: keeps the whole conversation and re-feeds it each turn; the
             # oldest tokens are dropped once it outgrows the context
-            history = (history + ids)[-(cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)):]
+            room = cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)        # what the reply leaves
+            if len(ids) > room:
+                print(f"note: the question is {len(ids)} tokens, longer than the context of {cfg.T} leaves "
+                      f"beside the reply; keeping its last {room}", file=sys.stderr)
+            history = (history + ids)[-room:]
             out.write("bot> ")
             reply = chat_reply(params, cfg, tok, history, args, out, gen)
             history += reply + [tok.special("<|end|>")]
@@ -1975,16 +2124,36 @@ def build_parser():
     return p
 
 
+def os_error_sentence(e):
+    """an OSError (a full disk, a read-only file system, ...) as one sentence naming the file"""
+    advice = {errno.ENOSPC: "the disk is full; free some space, or train into another --out",
+              errno.EDQUOT: "the disk quota is used up; free some space, or train into another --out",
+              errno.EROFS: "the file system is read-only; train into another --out",
+              errno.EACCES: "permission denied; check its permissions"}
+    what = advice.get(e.errno, f"{e.strerror or e}".lower())
+    return f"{e.filename}: {what}" if e.filename else what
+
+
 def run_command(command, args):
-    """run a subcommand; a NanoEulerError becomes one sentence on stderr and exit code 2"""
+    """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
+    and exit code 2. train and sft hold their --out folder while they run (claim_out)."""
     try:
-        command(args)
+        with claim_out(args.out, args.resume) if hasattr(args, "out") else contextlib.nullcontext():
+            command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # the reader of our output went away (sample | head): stop quietly; stdout now
+        # goes nowhere, so Python's own flush at exit cannot fail again (Python's docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except OSError as e:
+        print(f"error: {os_error_sentence(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None):

@@ -1344,8 +1344,9 @@ def follow(engine, next_batch, rng):
 def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
-    which saves a checkpoint and tells the others to stop. If a rank fails,
-    the rest are stopped: they would wait for it for ever."""
+    which saves a checkpoint and tells the others to stop (SIGTERM too). If a
+    rank fails, the rest are stopped: they would wait for it for ever. The
+    launcher holds --out's lock (run_command); the ranks, its children, share it."""
     n = count_gpus()
     if world > n:
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
@@ -1354,7 +1355,8 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     procs = [subprocess.Popen([sys.executable, program, *argv],
                               env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
                               stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: procs[0].send_signal(signal.SIGINT))
+    previous = {sig: signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}             # rank 0 saves, then stops the others
     culprit = None                                           # the first rank to fail
     try:
         while culprit is None and procs[0].poll() is None:
@@ -1368,7 +1370,8 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for p in procs:
             if p.poll() is None:
                 p.kill()

@@ -8,6 +8,7 @@ Tiny configs keep the whole suite to a few minutes on 2 cores.
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import functools
 import json
 import math
 import os
@@ -534,12 +535,27 @@ def test_training_lowers_the_loss(tmp_path, capsys):
     assert "step 24/24 | loss" in out and "tok/s" in out and "val  24/24" in out and "bpb" in out
 
 
-def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys):
+def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, monkeypatch):
+    # a fake clock that moves only when the engine works (a step 1/16 s, an evaluation
+    # 2 s), so the plan does not depend on how fast this machine is today
+    now = [0.0]
+
+    def taking(seconds, work):
+        def timed(*args, **kwargs):
+            now[0] += seconds
+            return work(*args, **kwargs)
+        return timed
+    monkeypatch.setattr(ne.CPUEngine, "step", taking(1 / 16, ne.CPUEngine.step))
+    monkeypatch.setattr(ne.CPUEngine, "evaluate", taking(2.0, ne.CPUEngine.evaluate))
+    monkeypatch.setattr(ne, "train_loop", functools.partial(ne.train_loop, clock=lambda: now[0]))
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.1", "--warmup", "25", "--stop-after", "30",
                        "--eval-every", "1000"))
     out = capsys.readouterr().out
-    planned = int(re.search(r"plan \| ([\d,]+) steps in 0.1 minutes", out).group(1).replace(",", ""))
+    # by hand: 20 steps and one evaluation spent 20/16 + 2 of the 6 s; each step to come
+    # costs 1/16 s and a thousandth of an evaluation
+    planned = 20 + int((6 - (20 / 16 + 2)) / (1 / 16 + 2 / 1000))
+    assert f"plan | {planned} steps in 0.1 minutes (62.5 ms a step, 2.0 s an evaluation every 1000)" in out
     assert planned > 30 and re.search(rf"step +21/{planned} \|", out) and re.search(r"step +20/1000 \|", out)
     cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 30)
     assert state["planned_steps"] == planned
