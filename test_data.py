@@ -11,6 +11,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 import json
 import os
 import signal
+import string
 import subprocess
 import sys
 import threading
@@ -111,12 +112,14 @@ def test_a_long_run_is_cut_at_the_bound():
 
 
 def test_encoding_a_word_without_spaces_is_linear(monkeypatch):
-    # count the work: every merge round walks its sequence once. Unbounded BPE
-    # does about n rounds of n steps on a word of n bytes: twice the word, four
-    # times the work. With the bound, twice the work.
-    rng = np.random.default_rng(0)
-    word = "".join(rng.choice(list("abcdefghij"), 64_000))
-    tok = ne.Tokenizer.train(word[:20_000], 400, progress=False)
+    # A word of letters whose every other pair is a merge of its own: BPE merges
+    # one pair a round, about n/2 rounds over a word of n bytes. Count the work
+    # (each round's merge walks its sequence once): unbounded, twice the word
+    # is about four times the work; cut into parts of 128 bytes, twice.
+    letters = [ord(c) for c in string.ascii_letters]
+    pairs = [(a, b) for a in letters for b in letters]
+    pairs = [pairs[i] for i in np.random.default_rng(0).permutation(len(pairs))]
+    word = bytes(x for pair in pairs for x in pair).decode()         # 5,408 letters
     steps = [0]
     merge = ne.merge
 
@@ -124,14 +127,16 @@ def test_encoding_a_word_without_spaces_is_linear(monkeypatch):
         steps[0] += len(ids)
         return merge(ids, pair, new_id)
     monkeypatch.setattr(ne, "merge", counting_merge)
-    work = []
-    for n in (16_000, 32_000, 64_000):
+
+    def work(tok, n):
         steps[0] = 0
         tok.cache.clear()
-        tok.encode(word[:n])
-        work.append(steps[0])
-    assert work[0] > 100_000                                  # the merges do apply
-    assert 1.8 < work[1] / work[0] < 2.2 and 1.8 < work[2] / work[1] < 2.2
+        assert tok.decode(tok.encode(word[:n])) == word[:n]
+        return steps[0]
+    bounded = [work(ne.Tokenizer(pairs, 128), n) for n in (1000, 2000, 4000)]
+    assert 1.8 < bounded[1] / bounded[0] < 2.2 and 1.8 < bounded[2] / bounded[1] < 2.2
+    unbounded = [work(ne.Tokenizer(pairs, 10**9), n) for n in (2000, 4000)]
+    assert unbounded[1] / unbounded[0] > 3                  # what the count sees without the bound
 
 
 def test_the_bound_is_saved_with_the_tokenizer(tmp_path):
