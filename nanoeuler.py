@@ -488,8 +488,8 @@ def encoded_chunks(files, tok, workers):
             future, nbytes = pending.popleft()
             yield future.result(), nbytes
     except BrokenProcessPool:
-        raise NanoEulerError("a tokenizing worker process died (out of memory?); run again, "
-                             "with fewer processes if it happens again") from None
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
     finally:
         pool.shutdown(cancel_futures=True)             # lets the running chunks finish: at most a second
 
@@ -499,6 +499,10 @@ def progress_text(done, total, seconds):
     rate = done / max(seconds, 1e-9)
     left = fmt_time((total - done) / rate) if rate > 0 else "?"
     return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def available_cores():
@@ -513,6 +517,9 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
         workers = available_cores() if total >= POOL_MIN_BYTES else 1
     done, n_tokens, t0 = 0, 0, time.time()
     chunks = encoded_chunks(files, tok, workers)
+    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
+    # midway and leaving its workers behind
+    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         for ids, nbytes in chunks:
             write(ids)
@@ -522,6 +529,7 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
                 progress_line(progress_text(done, total, time.time() - t0))
     finally:
         chunks.close()                                 # stops the workers now, also on Ctrl-C
+        signal.signal(signal.SIGTERM, sigterm)
     if progress:
         progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
                       f"{n_tokens:,} tokens", done=True)
@@ -603,7 +611,8 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers
         tok = Tokenizer.train(text, vocab_size, progress)
         del text
         atomic_write_bytes(tok_path, tok.to_json().encode())
-    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]}.npy")
+    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
+    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
     if not os.path.exists(tokens_path):
         write_tokens(tokens_path, files, tok, workers, progress)
     try:
@@ -2165,8 +2174,8 @@ def run_command(command, args):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    commands = {"check": cmd_check, "train": cmd_train, "prepare": cmd_prepare, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench}
+    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
+                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
     run_command(commands[args.command], args)
 
 

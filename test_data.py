@@ -305,7 +305,8 @@ if __name__ == "__main__":
 """
 
 
-def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     corpus = tmp_path / "c.txt"
     corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read(), encoding="utf-8")   # 1.1 MB: 5 chunks
     started = tmp_path / "started"
@@ -320,7 +321,10 @@ def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path):
         while not started.exists() and p.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         assert started.exists(), p.communicate()[1].decode()
-        os.killpg(p.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(p.pid, signal.SIGINT)                  # a terminal's Ctrl-C: every process of the job
+        else:
+            os.kill(p.pid, signal.SIGTERM)                   # docker stop, a scheduler: the main process
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
