@@ -134,8 +134,8 @@ MAX_PIECE_BYTES = 128
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 FIRST_MERGE_ID = 256 + len(SPECIALS)
 
-# The encoder caches the ids of each distinct piece; a tokenizing worker clears
-# its cache when it holds this many (about 25 MB), so memory stays bounded.
+# The encoder caches the ids of each distinct piece and clears the cache when
+# it holds this many (about 35 MB), so a worker's memory stays bounded.
 CACHE_PIECES = 100_000
 
 
@@ -179,6 +179,19 @@ def cut_piece(piece, max_bytes):
     return parts
 
 
+def count_pieces(text, max_bytes):
+    """{piece as bytes: how often it occurs} over the text's pre-tokenized pieces,
+    those longer than max_bytes cut as encoding cuts them"""
+    words = defaultdict(int)
+    for m in SPLIT_PATTERN.finditer(text):               # finditer: no list of every piece in memory
+        words[m.group()] += 1
+    pieces = defaultdict(int)
+    for word, n in words.items():
+        for part in cut_piece(word, max_bytes):
+            pieces[part] += n
+    return pieces
+
+
 class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
@@ -214,13 +227,7 @@ class Tokenizer:
         n_merges = vocab_size - FIRST_MERGE_ID
         if n_merges < 0:
             raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
-        words = defaultdict(int)                                     # each distinct piece, and how often
-        for m in SPLIT_PATTERN.finditer(text):
-            words[m.group()] += 1
-        pieces = defaultdict(int)                                    # the same, cut to the bound, as bytes
-        for word, n in words.items():
-            for part in cut_piece(word, max_piece_bytes):
-                pieces[part] += n
+        pieces = count_pieces(text, max_piece_bytes)
         seqs = [list(p) for p in pieces]
         freqs = list(pieces.values())
         counts = defaultdict(int)                                    # pair -> weighted count
@@ -282,7 +289,7 @@ class Tokenizer:
         """str -> list of ids; ordinary text only (see special for the others).
 
         Text repeats its pieces endlessly ("the", " and"), so each distinct piece
-        is merged once and its ids cached (pieces within the bound only)."""
+        is merged once and its ids cached (long pieces are not kept)."""
         if len(self.cache) > CACHE_PIECES:
             self.cache.clear()
         ids, cache = [], self.cache
