@@ -597,6 +597,18 @@ def sample_text(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
+def cached_tokenizer(path):
+    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained again)"""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return Tokenizer.from_json(f.read())
+    except (ValueError, KeyError, TypeError) as e:     # JSONDecodeError is a ValueError
+        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
+        return None
+
+
 def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
     """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
     and the tokens written once, both cached under cache_dir by the corpus's
@@ -608,15 +620,12 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers
     corpus = file_digest(files)
     os.makedirs(cache_dir, exist_ok=True)
     tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
-    if os.path.exists(tok_path):
-        with open(tok_path) as f:
-            tok = Tokenizer.from_json(f.read())
-    else:
+    tok = cached_tokenizer(tok_path)
+    if tok is None:
         text = sample_text(files)
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
-        del text
         atomic_write_bytes(tok_path, tok.to_json().encode())
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")

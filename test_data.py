@@ -262,6 +262,10 @@ def test_prepared_tokens_are_memory_mapped_and_keyed_by_corpus_and_tokenizer(tmp
     (tmp_path / "cache" / tok_file).write_text(fewer.to_json())
     tok2, tokens2 = ne.prepare_data(str(corpus), 300, cache, progress=False)
     assert tok2.merges == fewer.merges and tokens2.tolist() == expected_tokens(fewer, [str(corpus)])
+    # a damaged tokenizer file: trained again
+    (tmp_path / "cache" / tok_file).write_text('{"merges": [[1')
+    tok4, tokens4 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    assert tok4.merges == tok.merges and np.array_equal(tokens4, tokens)
     # a changed corpus: both again
     corpus.write_text("something else entirely " * 500, encoding="utf-8")
     tok3, tokens3 = ne.prepare_data(str(corpus), 300, cache, progress=False)
