@@ -357,9 +357,6 @@ def corpus_files(path):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
         if not files:
             raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
-        for f in files:
-            if not os.path.isfile(f):
-                raise NanoEulerError(f"{f} is a link to nothing; remove it or point it at a text file")
         return files
     if not os.path.isfile(path):
         raise NanoEulerError(f"{path} does not exist; pass a UTF-8 text file or a folder of .txt files")

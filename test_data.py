@@ -236,14 +236,6 @@ def test_progress_says_mb_done_speed_and_time_left():
     assert ne.progress_text(300e6, 1000e6, 10.0) == "tokenizing: 300/1,000 MB, 30.0 MB/s, 0m23s left"
 
 
-def test_a_broken_link_in_the_data_folder_is_named(tmp_path):
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "a.txt").write_text("hello")
-    os.symlink(str(tmp_path / "gone.txt"), str(tmp_path / "d" / "b.txt"))
-    with pytest.raises(ne.NanoEulerError, match="b.txt is a link to nothing"):
-        ne.corpus_files(str(tmp_path / "d"))
-
-
 # -----------------------------------------------------------------------------
 # the cache, memory-mapped, and the split
 
