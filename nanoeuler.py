@@ -2142,7 +2142,7 @@ def build_parser():
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
-    sp.add_argument("--workers", type=int, default=None, help="processes that encode (default: every core)")
+    sp.add_argument("--workers", type=int, default=None, help="processes that encode (default: every core; one for a corpus under 4 MB)")
 
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
