@@ -446,9 +446,15 @@ _worker_tokenizer = None
 
 def _start_worker(merges, max_piece_bytes):
     """in each worker process: build the tokenizer once, and leave Ctrl-C to the
-    main process, which stops the workers (they were started with it blocked)"""
+    main process, which stops the workers (they were started with it blocked).
+    Should the main process be killed outright (kill -9, out of memory), the
+    worker exits too rather than wait for work forever."""
+    import multiprocessing
+    import threading
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main_process = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
     _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
 
 

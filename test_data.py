@@ -301,26 +301,46 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
+def start_slow_prepare(tmp_path):
+    """`prepare` on 2 workers that take a second a chunk, in a process group of its
+    own (a terminal's Ctrl-C reaches every process of the job); returns once a
+    worker is encoding"""
     corpus = tmp_path / "c.txt"
     corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read(), encoding="utf-8")   # 1.1 MB: 5 chunks
     started = tmp_path / "started"
     driver = tmp_path / "driver.py"
     driver.write_text(SLOW_WORKERS.format(here=HERE, started=str(started)))
-    # its own process group, as a terminal's Ctrl-C reaches every process of the job
     p = subprocess.Popen([sys.executable, str(driver), "prepare", "--data", str(corpus), "--vocab-size", "270",
                           "--out", str(tmp_path / "out" / "run"), "--workers", "2"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while not started.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if not started.exists():
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(p.communicate()[1].decode())
+    return p
+
+
+def assert_group_ends(p):
+    for _ in range(100):
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGKILL)
+    pytest.fail("a worker process outlived its run")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
+    p = start_slow_prepare(tmp_path)
+    if how == "ctrl-c":
+        os.killpg(p.pid, signal.SIGINT)                      # a terminal's Ctrl-C: every process of the job
+    else:
+        os.kill(p.pid, signal.SIGTERM)                       # docker stop, a scheduler: the main process
     try:
-        deadline = time.time() + 120
-        while not started.exists() and p.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        assert started.exists(), p.communicate()[1].decode()
-        if how == "ctrl-c":
-            os.killpg(p.pid, signal.SIGINT)                  # a terminal's Ctrl-C: every process of the job
-        else:
-            os.kill(p.pid, signal.SIGTERM)                   # docker stop, a scheduler: the main process
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
@@ -332,11 +352,12 @@ def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     assert err.count("interrupted") == 1
     cache = tmp_path / "out" / "cache"
     assert not [f for f in os.listdir(cache) if f.startswith("tokens_")]          # no partial token file
-    for _ in range(100):                                     # and the workers are gone
-        try:
-            os.killpg(p.pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail("a worker process outlived the interrupted run")
+    assert_group_ends(p)
+
+
+def test_workers_end_when_the_main_process_is_killed(tmp_path):
+    p = start_slow_prepare(tmp_path)
+    os.kill(p.pid, signal.SIGKILL)                           # out of memory, kill -9: no clean-up runs
+    p.wait(timeout=60)
+    assert_group_ends(p)
+    assert not [f for f in os.listdir(tmp_path / "out" / "cache") if f.endswith(".npy")]   # only a .tmp
