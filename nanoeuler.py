@@ -380,9 +380,9 @@ def decode_text(data, path, offset):
 
 def chunk_end(data):
     """where to end a chunk of a file's bytes: before the last space that follows
-    a visible ASCII character and precedes an ASCII letter ("said| the"). Both
-    the pre-tokenizer's pieces and the documents end there, so encoding chunk
-    by chunk gives exactly the tokens of encoding each whole document.
+    a visible ASCII character and precedes an ASCII letter ("said| the"). No
+    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
+    chunk by chunk gives exactly the tokens of encoding each whole document.
     Text with no such place in its last 64 KB (Chinese, say) is cut at a
     character, outside any <|endoftext|> line: its pieces at the cut may come
     out differently, and decoding still gives back the text."""
