@@ -383,24 +383,24 @@ def chunk_end(data):
     a visible ASCII character and precedes an ASCII letter ("said| the"). No
     pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
     chunk by chunk gives exactly the tokens of encoding each whole document.
-    Text with no such place in its last 64 KB (Chinese, say) is cut at a
-    character, outside any <|endoftext|> line: its pieces at the cut may come
-    out differently, and decoding still gives back the text."""
+    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
+    newline, or at a character, never inside an <|endoftext|> line: its pieces
+    at the cut may come out differently, and decoding still gives back the text."""
+    window = max(0, len(data) - (64 << 10))
     i = len(data)
-    while (i := data.rfind(b" ", max(0, len(data) - (64 << 10)), i)) > 0:
+    while (i := data.rfind(b" ", window, i)) > 0:
         if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
             return i
+    i = data.rfind(b"\n", window)
+    if i >= 0:                                         # before the newline; after it if it ends a marker line
+        return i + 1 if data[:i].endswith(DOC_MARKER) else i
     end = len(data)
-    for k in range(len(DOC_MARKER), 0, -1):            # a marker the next block may complete
+    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
         if data.endswith(DOC_MARKER[:k]):
-            end -= k
-            break
-    if data[:end].endswith(b"\n"):                     # and the newline a marker may follow
+            return end - k
+    end -= 1                                           # the block may end inside a character:
+    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
         end -= 1
-    if end == len(data):                               # the block may end inside a character:
-        end -= 1                                       # leave its last one to the next chunk
-        while end > 0 and data[end] & 0xC0 == 0x80:
-            end -= 1
     return end
 
 

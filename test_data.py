@@ -10,6 +10,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 
 import json
 import os
+import re
 import signal
 import string
 import subprocess
@@ -199,6 +200,28 @@ def test_tokens_on_disk_are_the_encoding_of_the_documents(tmp_path, tok, monkeyp
     assert tokens[:len(exact)].tolist() == exact
     assert tok.decode(tokens.tolist()) == tok.decode(want)
     assert tokens.tolist().count(EOT) == want.count(EOT) == 1 + 18 + 2
+
+
+PARTS = st.one_of(st.sampled_from(["\n<|endoftext|>\n", "<|endoftext|>", " the", " word", "said", "\n", " ",
+                                    "日本語", "é", "x y", "<|end"]), st.text(max_size=12))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(PARTS, max_size=40), st.integers(8, 64))
+def test_chunks_keep_every_document_and_all_the_text(tok, tmp_path_factory, parts, chunk_bytes):
+    text = "".join(parts)
+    path = tmp_path_factory.mktemp("c") / "f.txt"
+    path.write_bytes(text.encode("utf-8"))
+    docs = re.split(r"\n?<\|endoftext\|>\n?", text)         # the contract: split on the marker
+    ends_with_marker = re.search(r"<\|endoftext\|>\n?$", text) and not text.endswith("\n\n")
+    want = "<|endoftext|>".join(docs) + ("" if ends_with_marker or not text else "<|endoftext|>")
+    old, ne.CHUNK_BYTES = ne.CHUNK_BYTES, chunk_bytes           # tiny chunks: cuts everywhere
+    try:
+        ids = [i for chunk in ne.text_chunks([str(path)]) for i in ne.encode_chunk(tok, *chunk).tolist()]
+    finally:
+        ne.CHUNK_BYTES = old
+    assert tok.decode(ids) == want
+    assert ids.count(EOT) == want.count("<|endoftext|>")
 
 
 def test_workers_give_the_same_tokens_and_are_not_forked(tmp_path, tok, monkeypatch):
