@@ -28,7 +28,6 @@ import errno
 import functools
 import json
 import math
-import operator
 import os
 import re
 import signal
@@ -123,11 +122,24 @@ PRESETS = {
 # lossless. BPE merges never cross a piece boundary.
 SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
 
+# A piece longer than this many bytes (300,000 letters without a space, a long
+# run of spaces) is cut into parts of at most this many bytes, never inside a
+# character, and each part is merged on its own. BPE over a piece of n bytes
+# takes up to n rounds of n steps; with the bound, encoding is linear in the
+# text. Ordinary text has no longer piece (the embedded books' longest is a
+# 70-byte run of spaces). The bound is saved with the tokenizer; a tokenizer
+# saved without one gets this value.
+MAX_PIECE_BYTES = 128
+
 # Special tokens sit right after the 256 bytes at fixed ids, whatever the vocab
 # size; learned merges take the ids from 260 up. Ordinary text never encodes to
 # them: they come only from Tokenizer.special(name).
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 FIRST_MERGE_ID = 256 + len(SPECIALS)
+
+# The encoder caches the ids of each distinct piece and clears the cache when
+# it holds this many (about 35 MB), so a worker's memory stays bounded.
+CACHE_PIECES = 100_000
 
 
 _last_progress = [0.0]
@@ -157,17 +169,45 @@ def merge(ids, pair, new_id):
     return out
 
 
+def cut_piece(piece, max_bytes):
+    """a piece's UTF-8 bytes in parts of at most max_bytes (>= 4), each part whole characters"""
+    data = piece.encode("utf-8")
+    parts, start = [], 0
+    while start < len(data):
+        end = min(start + max_bytes, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:      # 0b10xxxxxx continues a character
+            end -= 1
+        parts.append(data[start:end])
+        start = end
+    return parts
+
+
+def count_pieces(text, max_bytes):
+    """{piece as bytes: how often it occurs} over the text's pre-tokenized pieces,
+    those longer than max_bytes cut as encoding cuts them"""
+    words = defaultdict(int)
+    for m in SPLIT_PATTERN.finditer(text):               # finditer: no list of every piece in memory
+        words[m.group()] += 1
+    pieces = defaultdict(int)
+    for word, n in words.items():
+        for part in cut_piece(word, max_bytes):
+            pieces[part] += n
+    return pieces
+
+
 class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
-    def __init__(self, merges=()):
+    def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
+        if not (isinstance(max_piece_bytes, int) and max_piece_bytes >= 4):
+            raise ValueError(f"its piece bound {max_piece_bytes!r} is not a whole number of at least 4 bytes")
         self.merges = [tuple(p) for p in merges]                     # in the order learned
-        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}
-        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}   # for encode_piece
+        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
+        self.max_piece_bytes = max_piece_bytes
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
-        self.cache = {}                                              # piece -> str of chr(id)
+        self.cache = {}                                              # piece -> its ids
 
     @property
     def vocab_size(self):
@@ -178,7 +218,7 @@ class Tokenizer:
         return 256 + SPECIALS.index(name)
 
     @classmethod
-    def train(cls, text, vocab_size, progress=True):
+    def train(cls, text, vocab_size, progress=True, max_piece_bytes=MAX_PIECE_BYTES):
         """learn vocab_size - 260 merges from text.
 
         Pairs are counted over the distinct pieces, each weighted by how often
@@ -190,10 +230,8 @@ class Tokenizer:
         n_merges = vocab_size - FIRST_MERGE_ID
         if n_merges < 0:
             raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
-        pieces = defaultdict(int)
-        for piece in SPLIT_PATTERN.findall(text):
-            pieces[piece] += 1
-        seqs = [list(p.encode("utf-8")) for p in pieces]
+        pieces = count_pieces(text, max_piece_bytes)
+        seqs = [list(p) for p in pieces]
         freqs = list(pieces.values())
         counts = defaultdict(int)                                    # pair -> weighted count
         where = defaultdict(set)                                     # pair -> pieces holding it
@@ -232,50 +270,40 @@ class Tokenizer:
             if progress:
                 progress_line(f"tokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
                               done=len(merges) == n_merges)
-        return cls(merges)
+        return cls(merges, max_piece_bytes)
 
     def encode_piece(self, piece):
-        """one pre-tokenized piece -> its ids as a str, one character chr(id) per id,
-        merging the pair learned first until none is left.
-
-        Ranking a pair is then one dict lookup of a 2-char str. ranks[i] is the
-        rank of the pair at i; a merge changes only its two neighbours, so only
-        they are looked up again. The leftmost lowest pair goes first, and a pair
-        that occurs twice is found again next round: the same result as merge()."""
-        s = piece if piece.isascii() else piece.encode("utf-8").decode("latin-1")   # one char per byte
-        rank, inf = self.pair_ranks.get, math.inf
-        ranks = list(map(rank, map(operator.add, s, s[1:]), repeat(inf)))
-        while ranks:
-            new_id = min(ranks)                            # a merge's new id is its rank
-            if new_id == inf:
-                break
-            i = ranks.index(new_id)
-            s = s[:i] + chr(new_id) + s[i + 2:]
-            del ranks[i]
-            if i < len(ranks):
-                ranks[i] = rank(s[i:i + 2], inf)
-            if i > 0:
-                ranks[i - 1] = rank(s[i - 1:i + 1], inf)
-        return s
+        """one pre-tokenized piece -> its ids, as minbpe does it: among the pairs of
+        neighbours, merge the one learned first (everywhere it occurs), and repeat
+        until no pair is one that was learned. Each part of a long piece on its own."""
+        ids = []
+        for part in cut_piece(piece, self.max_piece_bytes):
+            seq = list(part)
+            while len(seq) >= 2:
+                # the pair learned first is the one with the lowest new id; unlearned pairs rank inf
+                new_id = min(map(self.ranks.get, zip(seq, seq[1:]), repeat(math.inf)))
+                if new_id == math.inf:
+                    break
+                seq = merge(seq, self.merges[new_id - FIRST_MERGE_ID], new_id)
+            ids += seq
+        return ids
 
     def encode(self, text):
-        """str -> list of ids; ordinary text only (see special for the others)"""
-        return self.encode_array(text).tolist()
-
-    def encode_array(self, text):
-        """str -> ids as a uint32 array (what tokenizing a corpus wants).
+        """str -> list of ids; ordinary text only (see special for the others).
 
         Text repeats its pieces endlessly ("the", " and"), so each distinct piece
-        is encoded once and its ids cached, as a str of chr(id); joining those
-        strs and reading them back as 32-bit numbers is all C."""
-        pieces = SPLIT_PATTERN.findall(text)
-        cache = self.cache
-        if len(cache) > 1_000_000:
-            cache.clear()                                            # bound memory on huge corpora
-        new = set(pieces).difference(cache)
-        cache.update(zip(new, map(self.encode_piece, new)))
-        ids = "".join(map(cache.__getitem__, pieces)).encode("utf-32-le", "surrogatepass")
-        return np.frombuffer(ids, np.uint32)
+        is merged once and its ids cached (long pieces are not kept)."""
+        if len(self.cache) > CACHE_PIECES:
+            self.cache.clear()
+        ids, cache = [], self.cache
+        for piece in SPLIT_PATTERN.findall(text):
+            piece_ids = cache.get(piece)
+            if piece_ids is None:
+                piece_ids = self.encode_piece(piece)
+                if len(piece) <= self.max_piece_bytes:
+                    cache[piece] = piece_ids
+            ids += piece_ids
+        return ids
 
     def decode(self, ids):
         """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
@@ -289,6 +317,7 @@ class Tokenizer:
 
     def to_json(self):
         return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
+                           "max_piece_bytes": self.max_piece_bytes,
                            "specials": {s: self.special(s) for s in SPECIALS},
                            "merges": [list(p) for p in self.merges]})
 
@@ -297,15 +326,32 @@ class Tokenizer:
         d = json.loads(text)
         if d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
             raise ValueError("its special tokens differ from this program's")
-        return cls(d["merges"])
+        return cls(d["merges"], d.get("max_piece_bytes", MAX_PIECE_BYTES))
 
 
 # -----------------------------------------------------------------------------
 # data
+#
+# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh
+# web) holds many documents, each followed by the line <|endoftext|>: the
+# reader splits on that marker and puts the <|endoftext|> token after each
+# document. A file without the marker (a book) is one document.
+#
+# Preparing a corpus: the tokenizer is trained on a sample of it; then the
+# files are read in chunks of 256 KB, encoded on every core, and the tokens
+# written to disk as they come (uint16), so memory stays small whatever the
+# corpus's size. Training reads them memory-mapped, so a corpus larger than
+# memory trains. Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
 DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
+
+DOC_MARKER = b"<|endoftext|>"
+DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
+CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
+SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
+POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 
 
 def corpus_files(path):
@@ -323,73 +369,213 @@ def corpus_files(path):
 def read_text(path):
     """the whole file as str, refusing what is not UTF-8 text"""
     with open(path, "rb") as f:
-        raw = f.read()
+        return decode_text(f.read(), path, 0)
+
+
+def decode_text(data, path, offset):
+    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
     try:
-        return raw.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); "
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
                              "convert it, e.g. with iconv -t utf-8") from None
 
 
-def text_chunks(files, chunk_bytes=1 << 20):
-    """yield (text, is_last_of_its_file) in pieces of about chunk_bytes, cut after a newline"""
+def chunk_end(data):
+    """where to end a chunk of a file's bytes: before the last space that follows
+    a visible ASCII character and precedes an ASCII letter ("said| the"). No
+    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
+    chunk by chunk gives exactly the tokens of encoding each whole document.
+    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
+    newline, or at a character, never inside an <|endoftext|> line: its pieces
+    at the cut may come out differently, and decoding still gives back the text."""
+    window = max(0, len(data) - (64 << 10))
+    i = len(data)
+    while (i := data.rfind(b" ", window, i)) > 0:
+        if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
+            return i
+    i = data.rfind(b"\n", window)
+    if i >= 0:                                         # before the newline; after it if it ends a marker line
+        return i + 1 if data[:i].endswith(DOC_MARKER) else i
+    end = len(data)
+    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
+        if data.endswith(DOC_MARKER[:k]):
+            return end - k
+    end -= 1                                           # the block may end inside a character:
+    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
+        end -= 1
+    return end
+
+
+def text_chunks(files):
+    """yield (path, offset, data, ends_document) for pieces of the files of about
+    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
+    when the file does not end with the marker (a book): its end ends a document."""
     for path in files:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            rest = b""
-            while True:
-                block = f.read(chunk_bytes)
-                data = rest + block
-                cut = data.rfind(b"\n") + 1 if block else len(data)
-                if cut == 0:                 # a line longer than a chunk: cut after ASCII instead
-                    cut = len(data)
-                    while cut > 0 and data[cut - 1] & 0x80:
-                        cut -= 1
-                rest = data[cut:]
-                try:
-                    text = data[:cut].decode("utf-8")
-                except UnicodeDecodeError:
-                    raise NanoEulerError(f"{path} is not UTF-8 text; convert it, e.g. with iconv -t utf-8") from None
-                if text or not block:
-                    yield text, not block
-                if not block:
-                    break
+            f.seek(max(0, size - len(DOC_MARKER) - 1))
+            book = not re.search(rb"<\|endoftext\|>\n?\Z", f.read())
+            f.seek(0)
+            offset, data = 0, b""
+            while block := f.read(CHUNK_BYTES):
+                data += block
+                cut = chunk_end(data)
+                if cut:
+                    yield path, offset, data[:cut], False
+                    offset, data = offset + cut, data[cut:]
+        if size:
+            yield path, offset, data, book
+
+
+def encode_chunk(tok, path, offset, data, ends_document):
+    """one chunk of a file -> its token ids (an array of the token file's dtype),
+    with <|endoftext|> after each document that ends in it"""
+    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
+    ids, eot = [], tok.special("<|endoftext|>")
+    for i, doc in enumerate(docs):
+        ids += tok.encode(doc)
+        if i < len(docs) - 1 or ends_document:
+            ids.append(eot)
+    return np.array(ids, dtype=token_dtype(tok.vocab_size))
+
+
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 _worker_tokenizer = None
 
 
-def _start_worker(merges):
+def _start_worker(merges, max_piece_bytes):
+    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
+    main process, which stops the workers (they were started with it blocked).
+    Should the main process be killed outright (kill -9, out of memory), the
+    worker exits too rather than wait for work forever."""
+    import multiprocessing
+    import threading
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(merges)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main_process = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
+    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
 
 
 def _encode_chunk(chunk):
-    text, last = chunk
-    return _worker_tokenizer.encode_array(text).astype(np.uint16), len(text.encode("utf-8")), last
+    return encode_chunk(_worker_tokenizer, *chunk)
 
 
-def tokenize_files(files, tok, progress=True):
-    """files -> one uint16 array with <|endoftext|> after each file; every core, with progress.
+def encoded_chunks(files, tok, workers):
+    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
+    by `workers` processes (or by this one when workers is 1).
 
-    Files are streamed in chunks of about 1 MB cut after a newline. Each chunk is
-    pre-tokenized on its own, which can split a run of blank lines differently
-    from the whole text would, but decoding still gives back exactly the text."""
-    import multiprocessing as mp
+    The workers are started with spawn, each a fresh interpreter: forking a
+    process that already runs threads (training's, CUDA's) can deadlock the
+    child. At most two chunks per worker are in flight, so the reader never
+    runs ahead of the encoders and memory stays bounded."""
+    if workers <= 1:
+        for chunk in text_chunks(files):
+            yield encode_chunk(tok, *chunk), len(chunk[2])
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                               initargs=(tok.merges, tok.max_piece_bytes))
+    pending = deque()
+    try:
+        for chunk in text_chunks(files):
+            # Ctrl-C reaches every process of the terminal. A worker that submit
+            # starts inherits this mask, so it cannot die of Ctrl-C before
+            # _start_worker ignores it; the signal waits here until the unblock.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            try:
+                pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                future, nbytes = pending.popleft()
+                yield future.result(), nbytes
+        while pending:
+            future, nbytes = pending.popleft()
+            yield future.result(), nbytes
+    except BrokenProcessPool:
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
+    finally:
+        pool.shutdown(cancel_futures=True)             # lets the running chunks finish: at most a second
+
+
+def progress_text(done, total, seconds):
+    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
+    rate = done / max(seconds, 1e-9)
+    left = fmt_time((total - done) / rate) if rate > 0 else "?"
+    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def available_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize_files(files, tok, write, workers=None, progress=True):
+    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
+    -> the number of tokens. Every core works unless the corpus is small."""
     total = sum(os.path.getsize(f) for f in files)
-    eot = np.array([tok.special("<|endoftext|>")], dtype=np.uint16)
-    parts, done, t0 = [], 0, time.time()
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
-    with ctx.Pool(os.cpu_count() or 1, initializer=_start_worker, initargs=(tok.merges,)) as pool:
-        # imap keeps the chunks in order while every core encodes
-        for ids, nbytes, last in pool.imap(_encode_chunk, text_chunks(files)):
-            parts += [ids, eot] if last else [ids]
+    if workers is None:
+        workers = available_cores() if total >= POOL_MIN_BYTES else 1
+    done, n_tokens, t0 = 0, 0, time.time()
+    chunks = encoded_chunks(files, tok, workers)
+    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
+    # midway and leaving its workers behind
+    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for ids, nbytes in chunks:
+            write(ids)
+            n_tokens += len(ids)
             done += nbytes
             if progress:
-                progress_line(f"tokenizing: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
-                              f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", done=False)
+                progress_line(progress_text(done, total, time.time() - t0))
+    finally:
+        chunks.close()                                 # stops the workers now, also on Ctrl-C
+        signal.signal(signal.SIGTERM, sigterm)
     if progress:
-        progress_line(f"tokenizing: done, {total / 1e6:.1f} MB in {time.time() - t0:.1f} s", done=True)
-    return np.concatenate(parts)
+        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
+                      f"{n_tokens:,} tokens", done=True)
+    return n_tokens
+
+
+def npy_header(dtype, n):
+    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
+    import io
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                             "fortran_order": False, "shape": (n,)})
+    return f.getvalue()
+
+
+def write_tokens(path, files, tok, workers=None, progress=True):
+    """tokenize files into the .npy file path as the ids come. The header, which
+    holds their count, is written last into the room left for it. All goes to
+    path.tmp, renamed when complete: an interrupted run leaves no token file."""
+    dtype, tmp = token_dtype(tok.vocab_size), path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.seek(len(npy_header(dtype, 0)))
+            n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+            f.seek(0)
+            f.write(npy_header(dtype, n))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def file_digest(files):
@@ -404,41 +590,53 @@ def file_digest(files):
     return h.hexdigest()[:16]
 
 
-def sample_text(files, max_bytes=16 << 20):
-    """the first max_bytes of the corpus, to train the tokenizer on"""
-    texts, n = [], 0
+def sample_text(files, max_bytes=SAMPLE_BYTES):
+    """what the tokenizer is trained on: at most max_bytes, an equal share from the
+    start of every file, cut as chunks are, its documents joined by newlines"""
+    share, texts = max(max_bytes // len(files), 1), []
     for path in files:
-        text = read_text(path)[:max_bytes - n]
-        texts.append(text)
-        n += len(text)
-        if n >= max_bytes:
-            break
+        with open(path, "rb") as f:
+            data = f.read(share + 1)
+        if len(data) > share:
+            data = data[:chunk_end(data[:share])]
+        texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
     return "\n".join(texts)
 
 
-def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True):
-    """corpus -> (tokenizer, tokens): the tokenizer is trained once and the tokens are
-    stored once as uint16 .npy, both cached under cache_dir by the corpus's hash;
-    the tokens come back memory-mapped, so a corpus larger than memory works"""
+def cached_tokenizer(path):
+    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained again)"""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return Tokenizer.from_json(f.read())
+    except (ValueError, KeyError, TypeError) as e:     # JSONDecodeError is a ValueError
+        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
+        return None
+
+
+def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
+    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
+    and the tokens written once, both cached under cache_dir by the corpus's
+    hash (the tokens also by the tokenizer's)"""
+    import hashlib
     files = corpus_files(path)
     if vocab_size > 65536:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
-    key = f"{vocab_size}_{file_digest(files)}"
+    corpus = file_digest(files)
     os.makedirs(cache_dir, exist_ok=True)
-    tok_path = os.path.join(cache_dir, f"tokenizer_{key}.json")
-    if os.path.exists(tok_path):
-        with open(tok_path) as f:
-            tok = Tokenizer.from_json(f.read())
-    else:
+    tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
+    tok = cached_tokenizer(tok_path)
+    if tok is None:
         text = sample_text(files)
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
         atomic_write_bytes(tok_path, tok.to_json().encode())
-    tokens_path = os.path.join(cache_dir, f"tokens_{key}.npy")
+    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
+    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
     if not os.path.exists(tokens_path):
-        tokens = tokenize_files(files, tok, progress)
-        atomic_write(tokens_path, lambda f: np.save(f, tokens))
+        write_tokens(tokens_path, files, tok, workers, progress)
     try:
         return tok, np.load(tokens_path, mmap_mode="r")
     except Exception as e:                             # a damaged cache file: make it once more
@@ -447,7 +645,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True):
                 from None
         print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
         os.remove(tokens_path)
-        return prepare_data(path, vocab_size, cache_dir, progress, retry=False)
+        return prepare_data(path, vocab_size, cache_dir, progress, False, workers)
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -1693,6 +1891,11 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
     (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
 
 
+def cmd_prepare(args):
+    tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
+    print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
+
+
 def cmd_train(args):
     cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
     pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
@@ -2095,6 +2298,12 @@ def build_parser():
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
     add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, os.path.join("out", "small"))
 
+    sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
+    sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
+    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
+    sp.add_argument("--workers", type=int, default=None, help="processes that encode (default: every core; one for a corpus under 4 MB)")
+
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
     sp.add_argument("--data", default=DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
@@ -2159,7 +2368,7 @@ def run_command(command, args):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench}
+                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
     run_command(commands[args.command], args)
 
 

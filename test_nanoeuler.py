@@ -110,26 +110,33 @@ def test_decode_invalid_utf8_never_raises(tok):
 
 
 def reference_encode(tok, text):
-    """straightforward BPE: per piece, merge the lowest-ranked pair until none is left"""
+    """straightforward BPE: per piece, cut into parts of at most tok.max_piece_bytes
+    (whole characters), merge the lowest-ranked pair until none is left"""
     ids = []
     for piece in ne.SPLIT_PATTERN.findall(text):
-        seq = list(piece.encode("utf-8"))
-        while True:
-            ranked = [(tok.ranks[p], i) for i, p in enumerate(zip(seq, seq[1:])) if p in tok.ranks]
-            if not ranked:
-                break
-            new_id, _ = min(ranked)
-            pair = tok.merges[new_id - ne.FIRST_MERGE_ID]
-            out, i = [], 0
-            while i < len(seq):
-                if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
-                    out.append(new_id)
-                    i += 2
-                else:
-                    out.append(seq[i])
-                    i += 1
-            seq = out
-        ids += seq
+        parts, part = [], b""
+        for ch in piece:
+            if len(part) + len(ch.encode("utf-8")) > tok.max_piece_bytes:
+                parts.append(part)
+                part = b""
+            part += ch.encode("utf-8")
+        for seq in [list(p) for p in parts + [part]]:
+            while True:
+                ranked = [(tok.ranks[p], i) for i, p in enumerate(zip(seq, seq[1:])) if p in tok.ranks]
+                if not ranked:
+                    break
+                new_id, _ = min(ranked)
+                pair = tok.merges[new_id - ne.FIRST_MERGE_ID]
+                out, i = [], 0
+                while i < len(seq):
+                    if i + 1 < len(seq) and (seq[i], seq[i + 1]) == pair:
+                        out.append(new_id)
+                        i += 2
+                    else:
+                        out.append(seq[i])
+                        i += 1
+                seq = out
+            ids += seq
     return ids
 
 
@@ -147,8 +154,9 @@ def test_cached_encoder_matches_reference(tok):
 
 
 def test_ids_in_the_surrogate_range_encode():
-    # the encoder carries ids as the characters chr(id) of a str; ids 0xD800-0xDFFF are
-    # surrogates, which a vocabulary of up to 65,536 reaches (the uint16 token cache)
+    # ids 0xD800-0xDFFF, which a vocabulary of up to 65,536 reaches (the uint16 token
+    # cache), encode and decode like any other (an encoder that held ids as the
+    # characters of a str would meet surrogates there)
     k = 0xD900 - ne.FIRST_MERGE_ID                                 # the merge whose id is 0xD900
     others = [(a, b) for a in range(1, 256) for b in range(1, 256) if (a, b) != (ord("a"), ord("b"))]
     tok = ne.Tokenizer(others[:k] + [(ord("a"), ord("b"))])
@@ -164,8 +172,10 @@ def test_tokenize_files_streams_every_file(tmp_path, tok):
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("first file\n" * 500 + "no newline at the end", encoding="utf-8")
     b.write_text("second 🎉 file\n" * 300, encoding="utf-8")
-    ids = ne.tokenize_files([str(a), str(b)], tok, progress=False)
-    assert ids.dtype == np.uint16
+    parts = []
+    n = ne.tokenize_files([str(a), str(b)], tok, parts.append, progress=False)
+    ids = np.concatenate(parts)
+    assert ids.dtype == np.uint16 and n == len(ids)
     eot = tok.special("<|endoftext|>")
     assert tok.decode(ids.tolist()) == a.read_text() + "<|endoftext|>" + b.read_text() + "<|endoftext|>"
     assert list(ids).count(eot) == 2
