@@ -2345,9 +2345,11 @@ def os_error_sentence(e):
 
 def run_command(command, args):
     """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
-    and exit code 2. train and sft hold their --out folder while they run (claim_out)."""
+    and exit code 2. train and sft hold their --out folder while they run (claim_out);
+    prepare only writes the cache beside it, so it holds nothing."""
     try:
-        with claim_out(args.out, args.resume) if hasattr(args, "out") else contextlib.nullcontext():
+        run = hasattr(args, "out") and hasattr(args, "resume")
+        with claim_out(args.out, args.resume) if run else contextlib.nullcontext():
             command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
