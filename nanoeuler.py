@@ -355,6 +355,10 @@ def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     if os.path.isdir(path):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        for f in [f for f in files if not os.path.isfile(f)]:
+            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
+            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
+            files.remove(f)
         if not files:
             raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
         return files
@@ -1784,14 +1788,23 @@ def render_turn(tok, instruction, response=None):
 def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
+    if not os.path.isfile(path):
+        raise NanoEulerError(f"{path} does not exist; pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).strip()
     try:
         records = json.loads(text) if text.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
         pairs = []
-        for r in records:
+        for i, r in enumerate(records):
+            if not isinstance(r, dict):
+                raise TypeError(f"example {i + 1} is not an object")
+            response = r["response"] if "response" in r else r["output"]
+            for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")),
+                               ("response", response)):
+                if not isinstance(value, str):
+                    raise TypeError(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
             prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-            pairs.append((prompt, r["response"] if "response" in r else r["output"]))
-    except (ValueError, KeyError, TypeError) as e:
+            pairs.append((prompt, response))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise NanoEulerError(f"{path} is not instruction data: expected JSONL or a JSON list of objects with "
                              f"instruction, input and response (or output) ({type(e).__name__}: {e})") from None
     if not pairs:
@@ -1826,6 +1839,14 @@ def cmd_sft(args):
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
     keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
+    if keep.sum() < 2:
+        raise NanoEulerError(f"{args.data} has {int(keep.sum())} example{'' if keep.sum() == 1 else 's'} whose "
+                             f"response starts within the model's context of {cfg.T} tokens (of {len(rows)}); "
+                             "SFT needs at least 2, one of them held out for validation: add examples or "
+                             "shorten the prompts")
+    if not keep.all():
+        print(f"note: {int((~keep).sum())} of {len(rows)} examples are left out: their prompt fills the "
+              f"context of {cfg.T} tokens", file=sys.stderr)
     rows, mask = rows[keep], mask[keep]
     n_val = max(1, len(rows) // 20)
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
@@ -1978,8 +1999,19 @@ def cmd_check(args):
         sys.exit(1)
 
 
+def argv_text(text):
+    """a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
+    as lone surrogates) become U+FFFD, as chat does with its input"""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:                         # a surrogate that no byte made
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
 def cmd_sample(args):
     cfg, flat, tok = load_model(args.model)
+    args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "

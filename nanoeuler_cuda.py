@@ -1245,9 +1245,10 @@ def cmd_train(args):
 
 def cmd_sample(args):
     """greedy or sampled continuation; naive: re-runs the whole window for every token"""
+    cfg, flat, tok = ne.load_model(args.model)       # a bad file is refused before the GPU starts
     init_gpu(args.precision)
-    cfg, flat, tok = ne.load_model(args.model)
     model = GPUModel(cfg, 1, flat)
+    args.prompt = ne.argv_text(args.prompt)                   # bytes that are not UTF-8 become U+FFFD
     ids = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     rng = np.random.default_rng(args.seed)
     out = []
