@@ -475,7 +475,7 @@ def test_greedy_generation_and_the_window_slide(model):
         assert got == ref_greedy(t, CFG, prompt, 2 * CFG.T + 3), prompt
 
 
-def permutation_model(cfg, seed):
+def permutation_model(cfg, seed, noisy=True):
     """head k predicts f^(k+1)(t) for a permutation f, blocks add a little noise: drafts are
     mostly right; head 2 is scrambled for a third of the tokens, so some are rejected"""
     rng = np.random.default_rng(seed)
@@ -490,6 +490,8 @@ def permutation_model(cfg, seed):
         nxt = f[nxt]
         t[f"heads.{k}"][...] = 0
         t[f"heads.{k}"][nxt, np.arange(cfg.V)] = 30.0
+    if not noisy:
+        return t
     t["heads.2"][:, :cfg.V // 3] = rng.normal(0, 30.0, (cfg.V, cfg.V // 3))
     # head 0 too is wrong now and then, so the verdicts are not all f
     t["heads.0"][:, cfg.V // 2:cfg.V] += rng.normal(0, 20.0, (cfg.V, cfg.V - cfg.V // 2))
@@ -587,3 +589,18 @@ def test_train_and_validation_are_disjoint():
     # a corpus barely big enough still keeps a whole row plus its target apart
     train, val = ne.split_train_val(np.arange(40), 13)
     assert len(val) >= 14 and len(train) >= 14
+
+
+def test_drafts_come_from_heads_1_to_n_at_the_last_accepted_token():
+    # head k is exactly f^(k+1): every draft is right, so each pass after the prompt's
+    # emits drafts + 1 tokens, except where the window slide cuts the drafts short
+    cfg = ne.Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=40, F=48, K=4)
+    t = permutation_model(cfg, 8, noisy=False)
+    flat, params = as_params(t, cfg)
+    for drafts in (1, 2, 3):
+        stats = {}
+        got = list(ne.generate(params, cfg, [5], 1 + 8 * (drafts + 1), temperature=0, speculative=True,
+                               drafts=drafts, stats=stats))
+        assert got == ref_greedy(t, cfg, [5], len(got))
+        # (stats count the passes before the last, which ends the generation)
+        assert stats == {"steps": 8, "tokens": 1 + 7 * (drafts + 1)}, drafts
