@@ -1157,61 +1157,67 @@ def write_safetensors(path, tensors, metadata):
     atomic_write(path, write)
 
 
+MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
+
+
 def read_safetensors(path):
     """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
 
-    Every field of the header is checked before it is used, and the tensors must
-    tile the data exactly (no overlaps, no gaps, nothing after them, as the
-    safetensors library demands), so the arrays are views of what the file
-    holds and nothing is allocated beyond the file itself."""
+    The header is read and every field of it checked before the data is read,
+    and the tensors must tile the data exactly (no overlaps, no gaps, nothing
+    after them, as the safetensors library demands), so nothing is allocated
+    beyond the file itself, and that only once its header adds up."""
     if not os.path.isfile(path):
         raise NanoEulerError(f"{path} does not exist; train one with: python nanoeuler.py train")
-    with open(path, "rb") as f:
-        raw = f.read()
-    n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else -1
 
     def bad(problem):
         return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
-    try:
-        if not 2 <= n <= len(raw) - 8:
-            raise ValueError
-        header = json.loads(raw[8:8 + n])
-        if not isinstance(header, dict):
-            raise ValueError
-    except (ValueError, RecursionError):               # UnicodeDecodeError is a ValueError too
-        raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
-    metadata = header.pop("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad("its __metadata__ is not a map of strings")
-    entries = []
-    for name, h in header.items():
-        if not isinstance(h, dict):
-            raise bad(f"the entry of tensor {name} is not a map")
-        shape, offsets = h.get("shape"), h.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"tensor {name} has the shape {shape!r}, not a list of sizes >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-        if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
-            raise bad(f"tensor {name} is not float32 of shape {shape} ({h.get('dtype')!r}, "
-                      f"{offsets[1] - offsets[0]:,} bytes)")
-        entries.append((offsets[0], offsets[1], name, shape))
-    entries.sort()
-    data = memoryview(raw)[8 + n:]
-    need = entries[-1][1] if entries else 0
-    if len(data) < need:
-        raise NanoEulerError(f"{path} is truncated (expected {need:,} data bytes, found {len(data):,}); "
-                             "use an earlier checkpoint or re-run with --resume")
-    end = 0
-    for begin, stop, name, _ in entries:
-        if begin != end:
-            raise bad(f"tensor {name} starts at byte {begin:,} of the data, where "
-                      f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
-        end = stop
-    if len(data) != end:
-        raise bad(f"{len(data) - end:,} bytes follow its last tensor")
-    tensors = {name: np.frombuffer(data[begin:stop], dtype="<f4").reshape(shape)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        n = int.from_bytes(first, "little") if len(first) == 8 else -1
+        try:
+            if not 2 <= n <= min(size - 8, MAX_HEADER):
+                raise ValueError
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError
+        except (ValueError, RecursionError):           # UnicodeDecodeError is a ValueError too
+            raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad("its __metadata__ is not a map of strings")
+        entries = []
+        for name, h in header.items():
+            if not isinstance(h, dict):
+                raise bad(f"the entry of tensor {name} is not a map")
+            shape, offsets = h.get("shape"), h.get("data_offsets")
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                raise bad(f"tensor {name} has the shape {shape!r}, not a list of sizes >= 0")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise bad(f"tensor {name} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+            if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
+                raise bad(f"tensor {name} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                          f"{offsets[1] - offsets[0]:,} bytes)")
+            entries.append((offsets[0], offsets[1], name, shape))
+        entries.sort()
+        end = 0
+        for begin, stop, name, _ in entries:
+            if begin != end:
+                raise bad(f"tensor {name} starts at byte {begin:,} of the data, where "
+                          f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+            end = stop
+        found = size - 8 - n
+        if found < end:
+            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
+                                 "use an earlier checkpoint or re-run with --resume")
+        if found > end:
+            raise bad(f"{found - end:,} bytes follow its last tensor")
+        data = f.read(end)
+    if len(data) != end:                               # the file shrank while we read it
+        raise NanoEulerError(f"{path} changed while it was read; try again")
+    tensors = {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
                for begin, stop, name, shape in entries}
     return tensors, metadata
 
@@ -1246,11 +1252,13 @@ def load_model(path):
         tok = Tokenizer.from_json(meta["tokenizer"])
     except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
+    # counted before the list of shapes is made: a crafted L = 10^18 must not build it
+    n_want = 2 + 7 * cfg.L + cfg.K
+    want = dict(param_shapes(cfg)) if len(tensors) == n_want else {}
     # we write tensors in SPEC order; other writers may order them otherwise
-    want = dict(param_shapes(cfg))
     if {n: tuple(t.shape) for n, t in tensors.items()} != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({len(tensors)} tensors, SPEC expects {len(want)} for {asdict(cfg)})")
+                             f"({len(tensors)} tensors, SPEC expects {n_want} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
     bad = [name for name in want if not np.isfinite(tensors[name]).all()]

@@ -115,6 +115,16 @@ def test_config_that_is_not_a_config_map_is_refused(tmp_path, config, words):
     refused(path, *words)
 
 
+def test_huge_layer_or_head_count_is_refused_without_listing_the_tensors(tmp_path):
+    # L = 10^18 once made load_model build a list of 7 * 10^18 tensor shapes
+    tensors, meta = model_parts()
+    for change in ({"L": 10 ** 18}, {"K": 2 ** 62}):
+        meta["config"] = json.dumps({**ne.asdict(CFG), **change})
+        path = str(tmp_path / "layers.safetensors")
+        ne.write_safetensors(path, tensors, meta)
+        refused(path, "do not match its config")
+
+
 def test_config_missing_from_metadata_is_refused(tmp_path):
     tensors, meta = model_parts()
     del meta["config"]
