@@ -1190,22 +1190,22 @@ def read_safetensors(path):
         entries = []
         for name, h in header.items():
             if not isinstance(h, dict):
-                raise bad(f"the entry of tensor {name} is not a map")
+                raise bad(f"the entry of tensor {name!r} is not a map")
             shape, offsets = h.get("shape"), h.get("data_offsets")
             if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-                raise bad(f"tensor {name} has the shape {shape!r}, not a list of sizes >= 0")
+                raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                     and 0 <= offsets[0] <= offsets[1]):
-                raise bad(f"tensor {name} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+                raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
             if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
-                raise bad(f"tensor {name} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
                           f"{offsets[1] - offsets[0]:,} bytes)")
             entries.append((offsets[0], offsets[1], name, shape))
         entries.sort()
         end = 0
         for begin, stop, name, _ in entries:
             if begin != end:
-                raise bad(f"tensor {name} starts at byte {begin:,} of the data, where "
+                raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
                           f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
             end = stop
         found = size - 8 - n

@@ -206,8 +206,8 @@ def overlap(h, d):
     (lambda h, d: h.update(__metadata__=["format", "nanoeuler"]), ["__metadata__ is not a map"]),
     (lambda h, d: h.update(__metadata__="nanoeuler"), ["__metadata__ is not a map"]),
     (lambda h, d: h["__metadata__"].update(version=1), ["__metadata__ is not a map of strings"]),
-    (lambda h, d: h.update(tok_emb=[0, 1]), ["tok_emb is not a map"]),
-    (overlap, ["final_norm", "previous tensor"]),
+    (lambda h, d: h.update(tok_emb=[0, 1]), ["'tok_emb' is not a map"]),
+    (overlap, ["'final_norm'", "previous tensor"]),
     (lambda h, d: d + b"\0" * 12, ["12 bytes follow"]),
 ])
 def test_crafted_header_is_refused(tmp_path, edit, words):
