@@ -1848,10 +1848,9 @@ def cmd_sft(args):
     rows, mask = sft_rows(tok, pairs, cfg)
     keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
     if keep.sum() < 2:
-        raise NanoEulerError(f"{args.data} has {int(keep.sum())} example{'' if keep.sum() == 1 else 's'} whose "
-                             f"response starts within the model's context of {cfg.T} tokens (of {len(rows)}); "
-                             "SFT needs at least 2, one of them held out for validation: add examples or "
-                             "shorten the prompts")
+        raise NanoEulerError(f"{args.data}: {int(keep.sum())} of its {len(rows)} examples reach their response "
+                             f"within the model's context of {cfg.T} tokens, and SFT needs at least 2 (one is "
+                             "held out for validation); add examples or shorten the prompts")
     if not keep.all():
         print(f"note: {int((~keep).sum())} of {len(rows)} examples are left out: their prompt fills the "
               f"context of {cfg.T} tokens", file=sys.stderr)
@@ -2094,15 +2093,6 @@ def add_training_flags(sp, steps, batch, lr, warmup, out):
     g.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
 
 
-def add_generation_flags(sp, max_new_tokens):
-    """how to sample; sample and chat here and sample in nanoeuler_cuda.py share them"""
-    sp.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens to generate")
-    sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
-    sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
-    sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
-    sp.add_argument("--seed", type=nonnegative_int, default=None, help="seed of the sampler; none = random")
-
-
 def build_parser():
     p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
@@ -2123,7 +2113,11 @@ def build_parser():
 
     def generation_flags(sp):
         sp.add_argument("--model", required=True, help=".safetensors model file")
-        add_generation_flags(sp, 200)
+        sp.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate")
+        sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+        sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+        sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
+        sp.add_argument("--seed", type=nonnegative_int, default=None, help="seed of the sampler; none = random")
         sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
         # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
         # 2 and 3 are seldom right, and their tokens make every verifying pass dearer

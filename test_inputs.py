@@ -364,14 +364,14 @@ def test_sft_example_that_is_not_text(model, tmp_path, capsys, sft_data, record,
 
 def test_sft_single_example(model, tmp_path, capsys, sft_data):
     msg = sft_error(model, sft_data([{"instruction": "Hi", "response": "Hello"}]), tmp_path, capsys)
-    assert "data.jsonl has 1 example" in msg and "at least 2" in msg
+    assert "data.jsonl: 1 of its 1 examples" in msg and "at least 2" in msg
 
 
 def test_sft_every_prompt_longer_than_the_context(model, tmp_path, capsys, sft_data):
     long = "a long question " * 20                            # far beyond T = 8 tokens
     data = sft_data([{"instruction": long, "response": "yes"}] * 5)
     msg = sft_error(model, data, tmp_path, capsys)
-    assert "0 examples" in msg and "context of 8 tokens" in msg
+    assert "0 of its 5 examples" in msg and "context of 8 tokens" in msg
 
 
 def test_sft_errors_from_the_command_line(model, tmp_path):
