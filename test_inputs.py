@@ -323,6 +323,21 @@ def test_a_changed_byte_of_a_model_gives_one_clear_error_or_loads(model, where, 
     only_nanoeuler_errors(path)
 
 
+SPECIALS = {s: 256 + i for i, s in enumerate(ne.SPECIALS)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(merges=st.lists(st.lists(st.integers(-2, 300), min_size=1, max_size=3), max_size=40) | json_values)
+def test_arbitrary_merges_give_a_valueerror_or_a_working_tokenizer(merges):
+    try:
+        tok = ne.Tokenizer.from_json(json.dumps({"specials": SPECIALS, "merges": merges}))
+    except ValueError as e:
+        assert "\n" not in str(e)
+        return
+    text = "aa bb ab ba " * 3 + "é"
+    assert tok.decode(tok.encode(text)) == text                # what it accepts, it can use
+
+
 # -----------------------------------------------------------------------------
 # sft and sample
 
