@@ -1,9 +1,10 @@
 """
 Does the test suite catch real bugs? Puts one plausible one-line bug at a time
-into a copy of nanoeuler.py and runs the spec tests against it; a mutant whose
+into a copy of nanoeuler.py and runs the tests against it; a mutant whose
 tests still pass "survived", and shows a hole in the tests.
 
-    python tools/mutate.py                 # every mutant against test_spec.py
+    python tools/mutate.py                 # the model and optimizer bugs against test_spec.py
+    python tools/mutate.py --set inputs    # the input checks taken out, against test_inputs.py
     python tools/mutate.py -k adamw        # the mutants whose name contains "adamw"
     python tools/mutate.py --tests test_spec.py test_nanoeuler.py
 
@@ -22,7 +23,7 @@ import time
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (name, the exact text in nanoeuler.py, what it becomes); each text must occur exactly once
-MUTATIONS = [
+SPEC_MUTATIONS = [
     ("adamw: no bias correction of m", "denom *= lr / (1 - beta1 ** step)", "denom *= lr"),
     ("adamw: no bias correction of v", "denom *= 1.0 / math.sqrt(1 - beta2 ** step)", "denom *= 1.0"),
     ("adamw: beta1 0.9 -> 0.95", "beta1=0.9, beta2=0.95", "beta1=0.95, beta2=0.95"),
@@ -112,17 +113,54 @@ MUTATIONS = [
      "def split_train_val(tokens, rows_len, val_fraction=0.05):"),
 ]
 
+# each input check taken out or loosened: test_inputs.py must notice
+INPUT_MUTATIONS = [
+    ("config: no limit on T", "if self.T > MAX_T:", "if False:"),
+    ("config: no limit on V", "if self.V > MAX_V:", "if False:"),
+    ("config: Hq need not be a multiple of Hkv", "if self.Hq % self.Hkv:", "if False:"),
+    ("config: odd head size allowed", "if self.C % self.Hq or self.D % 2:", "if self.C % self.Hq:"),
+    ("config: floats and bools pass as sizes", "if type(value) is not int or value < 1:", "if value < 1:"),
+    ("file: overlapping tensors allowed", "if begin != end:", "if begin > end:"),
+    ("file: trailing bytes allowed", "if found > end:", "if False:"),
+    ("file: metadata values need not be text", "or not all(isinstance(v, str) for v in metadata.values()):",
+     "or False:"),
+    ("file: NaN weights load", "    if bad:\n        raise NanoEulerError(f\"{path} holds weights", "    if False:\n        raise NanoEulerError(f\"{path} holds weights"),
+    ("file: tensor count not checked first", "if len(tensors) == n_want else {}", "if True else {}"),
+    ("merges: an id not made yet is allowed", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i)", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i + 1)"),
+    ("merges: specials allowed", "(0 <= t < 256 or FIRST_MERGE_ID", "(0 <= t < FIRST_MERGE_ID or FIRST_MERGE_ID"),
+    ("merges: repeats allowed", "if tuple(pair) in seen:", "if False:"),
+    ("merges: no bound on the bytes", "if total > MAX_VOCAB_BYTES:", "if False:"),
+    ("sft: a single example passes", "if keep.sum() < 2:", "if keep.sum() < 1:"),
+    ("sft: a number passes as a response", "if not isinstance(value, str):", "if False:"),
+    ("sample: argv bytes passed on raw", "args.prompt = argv_text(args.prompt)", "pass"),
+    ("data: dangling links kept", "for f in [f for f in files if not os.path.isfile(f)]:", "for f in []:"),
+    ("flags: positive_int takes 0", 'positive_int = number_type(int, lambda n: n >= 1,', 'positive_int = number_type(int, lambda n: n >= 0,'),
+    ("flags: nan passes as a number >= 0", "lambda x: 0 <= x < math.inf, \"a number >= 0\")",
+     "lambda x: not x < 0, \"a number >= 0\")"),
+    ("flags: top-p above 1", "lambda p: 0 < p <= 1,", "lambda p: 0 < p,"),
+]
+SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"])}
+MEMORY_LIMIT = 4 << 30    # a mutant that allocates without bound fails fast instead of filling the machine
+
+
+def limit_memory():
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("-k", default="", help="only the mutants whose name contains this")
-    p.add_argument("--tests", nargs="+", default=["test_spec.py"], help="test files to run against each mutant")
+    p.add_argument("--set", choices=sorted(SETS), default="spec", help="which mutants, and their tests")
+    p.add_argument("--tests", nargs="+", help="test files to run against each mutant (default: the set's)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per mutant")
     args = p.parse_args()
+    mutations, tests = SETS[args.set]
+    args.tests = args.tests or tests
     source = open(os.path.join(HERE, "nanoeuler.py")).read()
-    chosen = [m for m in MUTATIONS if args.k in m[0]]
+    chosen = [m for m in mutations if args.k in m[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.tests + ["pytest.ini"]:
+        for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py"]:
             shutil.copy(os.path.join(HERE, name), tmp)
         if os.path.isdir(os.path.join(HERE, "data")):
             os.symlink(os.path.join(HERE, "data"), os.path.join(tmp, "data"))
@@ -132,12 +170,13 @@ def main():
                 f.write(code)
             try:
                 r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                    *args.tests], cwd=tmp, capture_output=True, timeout=args.timeout)
+                                    *args.tests], cwd=tmp, capture_output=True, timeout=args.timeout,
+                                   preexec_fn=limit_memory)
             except subprocess.TimeoutExpired:
                 return False, "timed out"
             lines = r.stdout.decode().strip().splitlines()
             failed = next((ln.split(" - ")[0] for ln in lines if ln.startswith(("FAILED", "ERROR"))), "")
-            return r.returncode == 0, failed
+            return r.returncode == 0, failed or f"pytest exit code {r.returncode} (out of memory?)"
 
         ok, why = run_tests(source)
         if not ok:
