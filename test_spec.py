@@ -428,6 +428,9 @@ def test_top_k_keeps_exactly_the_k_likeliest():
         want = np.zeros(5)
         want[kept] = softmax(np.array(logits)[kept])
         np.testing.assert_allclose(drawn(logits, temperature=1.0, top_k=k), want, rtol=1e-12, atol=1e-300)
+    rng = np.random.default_rng(0)                            # and a real generator draws only those
+    assert {ne.sample_token(np.array(logits), rng, 1.0, top_k=2) for _ in range(200)} == {1, 3}
+    assert {ne.sample_token(np.array(logits), rng, 1.0, top_p=0.5) for _ in range(50)} == {1}
 
 
 def test_temperature_divides_the_logits():
