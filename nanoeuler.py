@@ -107,6 +107,8 @@ class Config:
             fail(f"its Hq = {self.Hq} query heads are not a multiple of its Hkv = {self.Hkv} key/value heads")
         if self.V > MAX_V:
             fail(f"its vocabulary V = {self.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
+        if self.T < 2:
+            fail(f"its context T = {self.T} is below 2, the least that generation can slide a window over")
         if self.T > MAX_T:
             fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
                  "(attention holds a T x T matrix per head)")
@@ -721,8 +723,8 @@ def cross_entropy_backward(dloss, cache):
 
 
 def mtp_weights(cfg):
-    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight"""
-    return [1.0] + [cfg.mtp_weight / (cfg.K - 1)] * (cfg.K - 1)
+    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight (K = 1: none)"""
+    return [1.0] + [cfg.mtp_weight / max(cfg.K - 1, 1)] * (cfg.K - 1)
 
 
 def mtp_heads_forward(x, heads, targets, cfg, counts=None):

@@ -89,6 +89,7 @@ def refused(path, *words):
     ({"Hq": 4, "Hkv": 3}, ["multiple of its Hkv = 3"]),
     ({"C": 6, "Hq": 2}, ["even size"]),                      # D = 3
     ({"T": 10 ** 9}, ["T = 1,000,000,000", "8,192"]),
+    ({"T": 1}, ["T = 1"]),
     ({"V": 70_000}, ["V = 70,000", "65,536"]),
     ({"mtp_weight": float("nan")}, ["mtp_weight"]),
     ({"mtp_weight": -1}, ["mtp_weight"]),
@@ -100,6 +101,22 @@ def test_crafted_config_is_refused_before_anything_is_allocated(tmp_path, change
     ne.write_safetensors(path, tensors, meta)
     msg = refused(path, *words)
     assert "unusable" in msg
+
+
+@settings(max_examples=40, deadline=None)
+@given(Hkv=st.integers(1, 3), G=st.integers(1, 3), half=st.integers(1, 3), V=st.integers(1, 12),
+       L=st.integers(1, 2), T=st.integers(2, 6), F=st.integers(1, 6), K=st.integers(1, 4))
+def test_every_config_of_spec_shape_is_accepted_trains_and_generates(Hkv, G, half, V, L, T, F, K):
+    # validate is not stricter than SPEC, nor looser than the code: what it lets through runs
+    cfg = ne.Config(V=V, C=Hkv * G * 2 * half, Hq=Hkv * G, Hkv=Hkv, L=L, T=T, F=F, K=K).validate()
+    flat = ne.init_params(cfg)
+    idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
+    loss, ce = ne.loss_and_grads(flat, cfg, idx, targets, [np.zeros_like(flat)])
+    assert np.isfinite(loss)
+    params = ne.carve(flat, cfg)
+    for speculative in (False, True):
+        out = list(ne.generate(params, cfg, [0] * (cfg.T + 1), 2 * cfg.T + 1, temperature=0, speculative=speculative))
+        assert len(out) == 2 * cfg.T + 1
 
 
 @pytest.mark.parametrize("config, words", [
