@@ -324,6 +324,34 @@ def test_parallel_adamw_equals_one_pass():
         assert np.array_equal(x, y)
 
 
+def test_training_steps_are_clip_then_adamw(model):
+    # the CPU engine's step: gradient (proven by the gradient check), clipped to --clip,
+    # then AdamW with --weight-decay on the matrices only. Two steps, because Adam's
+    # first step does not depend on the gradient's scale: the second shows the clip.
+    from types import SimpleNamespace
+    t, flat0, _ = model
+    rng = np.random.default_rng(10)
+    batches = [ne.split_rows(rng.integers(0, CFG.V, (3, CFG.T + CFG.K)), CFG.T, CFG.K) for _ in range(2)]
+    mask = np.concatenate([np.full(a.size, 0.0 if name.endswith("norm") else 1.0) for name, a in t.items()])
+    p, grads, norms = flat0.copy(), [], []
+    for step, (idx, targets) in enumerate(batches, start=1):
+        g = np.zeros_like(p)
+        ne.loss_and_grads(p.copy(), CFG, idx, targets, [g])
+        norms.append(math.sqrt(sum(float(x) ** 2 for x in g)))
+        grads.append(g * min(1.0, 0.5 / norms[-1]))
+        p, _, _ = ref_adamw(flat0, grads, 0.02, mask, 0.9, 0.95, 1e-8, 0.3)
+    assert min(norms) > 0.5 and abs(norms[0] - norms[1]) > 0.05     # both clipped, by different factors
+    flat = flat0.copy()
+    args = SimpleNamespace(clip=0.5, weight_decay=0.3, threads=1, batch=3)
+    engine = ne.CPUEngine(CFG, flat, np.zeros_like(flat), np.zeros_like(flat), args)
+    for step, (idx, targets) in enumerate(batches, start=1):
+        loss, ce, norm = engine.step(idx, targets, 0.02, step)
+        assert norm == pytest.approx(norms[step - 1], rel=1e-6)     # the norm before clipping
+    engine.close()
+    # the decay mask is float32 (training's dtype), so the decay factor is rounded to float32
+    np.testing.assert_allclose(flat, p, rtol=0, atol=1e-7 * np.abs(flat0).max())
+
+
 def test_weight_decay_on_matrices_only():
     mask = ne.decay_mask(CFG)
     t = spec_tensors(CFG, np.random.default_rng(0))
