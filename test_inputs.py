@@ -377,6 +377,22 @@ def sft_error(model, data, tmp_path, capsys):
     return err[-1]
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=st.lists(st.fixed_dictionaries({}, optional={"instruction": json_values, "input": json_values,
+                                                             "response": json_values, "output": json_values})
+                        | json_values, max_size=4), as_list=st.booleans())
+def test_arbitrary_instruction_records_give_one_clear_error_or_text_pairs(tmp_path, records, as_list):
+    path = tmp_path / ("data.json" if as_list else "data.jsonl")
+    path.write_text(json.dumps(records) if as_list else "\n".join(json.dumps(r) for r in records))
+    try:
+        pairs = ne.load_instructions(str(path))
+    except ne.NanoEulerError as e:
+        assert "\n" not in str(e) and "data.json" in str(e)
+        return
+    assert pairs and all(isinstance(a, str) and isinstance(b, str) for a, b in pairs)
+    ne.sft_rows(ne.Tokenizer(), pairs, CFG)                   # and they render
+
+
 def test_sft_missing_data_file(model, tmp_path, capsys):
     msg = sft_error(model, str(tmp_path / "nope.jsonl"), tmp_path, capsys)
     assert "nope.jsonl does not exist" in msg
