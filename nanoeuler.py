@@ -1249,7 +1249,7 @@ def load_model(path):
         cfg = Config(**{k: v for k, v in given.items() if k in known})
     except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise NanoEulerError(f"{path} has a broken config in its metadata ({e})") from None
-    cfg.validate(f"{path}'s config")                   # before anything is made from its sizes
+    cfg.validate(f"the config in {path}")               # before anything is made from its sizes
     try:
         tok = Tokenizer.from_json(meta["tokenizer"])
     except (KeyError, TypeError, ValueError, RecursionError) as e:
