@@ -247,6 +247,7 @@ def test_huge_header_length_is_refused(tmp_path):
 
 @pytest.mark.parametrize("merges, words", [
     ([[97, 98], [97, 262]], ["merge 1", "below 261"]),       # 262 is not made yet
+    ([[97, 260]], ["merge 0", "below 260"]),                  # merge 0 would hold itself
     ([[97, 257]], ["merge 0"]),                               # a special token
     ([[-1, 97]], ["merge 0"]),
     ([[97, 98, 99]], ["merge 0"]),

@@ -127,9 +127,11 @@ INPUT_MUTATIONS = [
     ("file: trailing bytes allowed", "if found > end:", "if False:"),
     ("file: metadata values need not be text", "or not all(isinstance(v, str) for v in metadata.values()):",
      "or False:"),
-    ("file: NaN weights load", "    if bad:\n        raise NanoEulerError(f\"{path} holds weights", "    if False:\n        raise NanoEulerError(f\"{path} holds weights"),
+    ("file: NaN weights load", "    if bad:\n        raise NanoEulerError(f\"{path} holds weights",
+     "    if False:\n        raise NanoEulerError(f\"{path} holds weights"),
     ("file: tensor count not checked first", "if len(tensors) == n_want else {}", "if True else {}"),
-    ("merges: an id not made yet is allowed", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i)", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i + 1)"),
+    ("merges: an id not made yet is allowed", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i)",
+     "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i + 1)"),
     ("merges: specials allowed", "(0 <= t < 256 or FIRST_MERGE_ID", "(0 <= t < FIRST_MERGE_ID or FIRST_MERGE_ID"),
     ("merges: repeats allowed", "if tuple(pair) in seen:", "if False:"),
     ("merges: no bound on the bytes", "if total > MAX_VOCAB_BYTES:", "if False:"),
@@ -137,7 +139,8 @@ INPUT_MUTATIONS = [
     ("sft: a number passes as a response", "if not isinstance(value, str):", "if False:"),
     ("sample: argv bytes passed on raw", "args.prompt = argv_text(args.prompt)", "pass"),
     ("data: dangling links kept", "for f in [f for f in files if not os.path.isfile(f)]:", "for f in []:"),
-    ("flags: positive_int takes 0", 'positive_int = number_type(int, lambda n: n >= 1,', 'positive_int = number_type(int, lambda n: n >= 0,'),
+    ("flags: positive_int takes 0", "positive_int = number_type(int, lambda n: n >= 1,",
+     "positive_int = number_type(int, lambda n: n >= 0,"),
     ("flags: nan passes as a number >= 0", "lambda x: 0 <= x < math.inf, \"a number >= 0\")",
      "lambda x: not x < 0, \"a number >= 0\")"),
     ("flags: top-p above 1", "lambda p: 0 < p <= 1,", "lambda p: 0 < p,"),
@@ -179,7 +182,9 @@ def main():
                 return False, "timed out"
             lines = r.stdout.decode().strip().splitlines()
             failed = next((ln.split(" - ")[0] for ln in lines if ln.startswith(("FAILED", "ERROR"))), "")
-            return r.returncode == 0, failed or f"pytest exit code {r.returncode} (out of memory?)"
+            if r.returncode == 0:
+                return True, ""
+            return False, failed or f"pytest exit code {r.returncode} (out of memory?)"
 
         ok, why = run_tests(source)
         if not ok:
