@@ -91,13 +91,35 @@ class Config:
         """head dimension (small 32, big 64)"""
         return self.C // self.Hq
 
-    def validate(self):
-        ok = (self.C % self.Hq == 0 and self.Hq % self.Hkv == 0 and self.D % 2 == 0
-              and self.K >= 1 and min(self.V, self.L, self.T, self.F) >= 1)
-        if not ok:
-            raise NanoEulerError(f"config {asdict(self)} is inconsistent: C must divide "
-                                 "into Hq heads of even size, Hq must be a multiple of Hkv")
+    def validate(self, source="the config"):
+        """refuse a config that the code cannot run or that would ask for absurd memory,
+        before anything is allocated from it; -> self. source names it in the message."""
+        def fail(problem):
+            raise NanoEulerError(f"{source} is unusable: {problem}")
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:          # bool is an int subclass: refused too
+                fail(f"its {name} = {value!r} is not a positive integer")
+        w = self.mtp_weight
+        if type(w) not in (int, float) or not 0 <= w < math.inf:
+            fail(f"its mtp_weight = {w!r} is not a finite number >= 0")
+        if self.C % self.Hq or self.D % 2:
+            fail(f"its width C = {self.C} does not split into Hq = {self.Hq} heads of even size")
+        if self.Hq % self.Hkv:
+            fail(f"its Hq = {self.Hq} query heads are not a multiple of its Hkv = {self.Hkv} key/value heads")
+        if self.V > MAX_V:
+            fail(f"its vocabulary V = {self.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
+        if self.T < 2:
+            fail(f"its context T = {self.T} is below 2, the least that generation can slide a window over")
+        if self.T > MAX_T:
+            fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
+                 "(attention holds a T x T matrix per head)")
         return self
+
+
+SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
+MAX_V = 65536           # token ids are cached as uint16
+MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
 
 
 PRESETS = {
@@ -324,9 +346,38 @@ class Tokenizer:
     @classmethod
     def from_json(cls, text):
         d = json.loads(text)
-        if d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
+        if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
             raise ValueError("its special tokens differ from this program's")
-        return cls(d["merges"], d.get("max_piece_bytes", MAX_PIECE_BYTES))
+        bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
+        if type(bound) is not int or not 1 <= bound <= 1 << 20:
+            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 1 to 1,048,576")
+        return cls(check_merges(d.get("merges")), bound)
+
+
+MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
+
+
+def check_merges(merges):
+    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
+    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
+    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
+    Raises ValueError saying which merge is wrong."""
+    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
+        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
+    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
+    for i, pair in enumerate(merges):
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
+            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
+                             "(bytes or earlier merges)")
+        if tuple(pair) in seen:
+            raise ValueError(f"merge {i} repeats the pair {pair}")
+        seen.add(tuple(pair))
+        lengths.append(lengths[pair[0]] + lengths[pair[1]])
+        total += lengths[-1]
+        if total > MAX_VOCAB_BYTES:
+            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+    return merges
 
 
 # -----------------------------------------------------------------------------
@@ -358,6 +409,10 @@ def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     if os.path.isdir(path):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        for f in [f for f in files if not os.path.isfile(f)]:
+            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
+            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
+            files.remove(f)
         if not files:
             raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
         return files
@@ -872,8 +927,8 @@ def cross_entropy_backward(dloss, cache):
 
 
 def mtp_weights(cfg):
-    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight"""
-    return [1.0] + [cfg.mtp_weight / (cfg.K - 1)] * (cfg.K - 1)
+    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight (K = 1: none)"""
+    return [1.0] + [cfg.mtp_weight / max(cfg.K - 1, 1)] * (cfg.K - 1)
 
 
 def mtp_heads_forward(x, heads, targets, cfg, counts=None):
@@ -1317,34 +1372,68 @@ def write_safetensors(path, tensors, metadata):
     atomic_write(path, write)
 
 
+MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
+
+
 def read_safetensors(path):
-    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file"""
+    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
+
+    The header is read and every field of it checked before the data is read,
+    and the tensors must tile the data exactly (no overlaps, no gaps, nothing
+    after them, as the safetensors library demands), so nothing is allocated
+    beyond the file itself, and that only once its header adds up."""
     if not os.path.isfile(path):
         raise NanoEulerError(f"{path} does not exist; train one with: python nanoeuler.py train")
-    size = os.path.getsize(path)
+
+    def bad(problem):
+        return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
     with open(path, "rb") as f:
-        raw = f.read()
-    n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else -1
-    try:
-        if not 2 <= n <= size - 8:
-            raise ValueError
-        header = json.loads(raw[8:8 + n])
-        if not isinstance(header, dict):
-            raise ValueError
-    except ValueError:
-        raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
-    metadata = header.pop("__metadata__", {}) or {}
-    data = memoryview(raw)[8 + n:]
-    need = max((h["data_offsets"][1] for h in header.values()), default=0)
-    if len(data) < need:
-        raise NanoEulerError(f"{path} is truncated (expected {need:,} data bytes, found {len(data):,}); "
-                             "use an earlier checkpoint or re-run with --resume")
-    tensors = {}
-    for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = h["data_offsets"]
-        if h.get("dtype") != "F32" or end - begin != 4 * math.prod(h["shape"]):
-            raise NanoEulerError(f"{path}: tensor {name} is not float32 of shape {h['shape']}")
-        tensors[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(h["shape"])
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        n = int.from_bytes(first, "little") if len(first) == 8 else -1
+        try:
+            if not 2 <= n <= min(size - 8, MAX_HEADER):
+                raise ValueError
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError
+        except (ValueError, RecursionError):           # UnicodeDecodeError is a ValueError too
+            raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad("its __metadata__ is not a map of strings")
+        entries = []
+        for name, h in header.items():
+            if not isinstance(h, dict):
+                raise bad(f"the entry of tensor {name!r} is not a map")
+            shape, offsets = h.get("shape"), h.get("data_offsets")
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+            if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
+                raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                          f"{offsets[1] - offsets[0]:,} bytes)")
+            entries.append((offsets[0], offsets[1], name, shape))
+        entries.sort()
+        end = 0
+        for begin, stop, name, _ in entries:
+            if begin != end:
+                raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                          f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+            end = stop
+        found = size - 8 - n
+        if found < end:
+            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
+                                 "use an earlier checkpoint or re-run with --resume")
+        if found > end:
+            raise bad(f"{found - end:,} bytes follow its last tensor")
+        data = f.read(end)
+    if len(data) != end:                               # the file shrank while we read it
+        raise NanoEulerError(f"{path} changed while it was read; try again")
+    tensors = {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
+               for begin, stop, name, shape in entries}
     return tensors, metadata
 
 
@@ -1363,18 +1452,35 @@ def load_model(path):
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
                              f"version {meta.get('version')!r})")
     try:
+        given = json.loads(meta["config"])
+        if not isinstance(given, dict):
+            raise ValueError("the config is not a map")
+        missing = [k for k in SIZE_FIELDS if k not in given]
+        if missing:
+            raise ValueError(f"the config lacks {', '.join(missing)}")
         known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in json.loads(meta["config"]).items() if k in known}).validate()
+        cfg = Config(**{k: v for k, v in given.items() if k in known})
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise NanoEulerError(f"{path} has a broken config in its metadata ({e})") from None
+    cfg.validate(f"the config in {path}")               # before anything is made from its sizes
+    try:
         tok = Tokenizer.from_json(meta["tokenizer"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise NanoEulerError(f"{path} has a broken config or tokenizer in its metadata ({e})") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
+    # counted before the list of shapes is made: a crafted L = 10^18 must not build it
+    n_want = 2 + 7 * cfg.L + cfg.K
+    want = dict(param_shapes(cfg)) if len(tensors) == n_want else {}
     # we write tensors in SPEC order; other writers may order them otherwise
-    want = dict(param_shapes(cfg))
     if {n: tuple(t.shape) for n, t in tensors.items()} != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({len(tensors)} tensors, SPEC expects {len(want)} for {asdict(cfg)})")
+                             f"({len(tensors)} tensors, SPEC expects {n_want} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
+    bad = [name for name in want if not np.isfinite(tensors[name]).all()]
+    if bad:
+        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
+                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
+                             "use an earlier checkpoint")
     flat = np.concatenate([tensors[name].reshape(-1) for name in want]).astype(np.float32)
     return cfg, flat, tok
 
@@ -2043,14 +2149,23 @@ def render_turn(tok, instruction, response=None):
 def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
+    if not os.path.isfile(path):
+        raise NanoEulerError(f"{path} does not exist; pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).strip()
     try:
         records = json.loads(text) if text.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
         pairs = []
-        for r in records:
+        for i, r in enumerate(records):
+            if not isinstance(r, dict):
+                raise TypeError(f"example {i + 1} is not an object")
+            response = r["response"] if "response" in r else r["output"]
+            for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")),
+                               ("response", response)):
+                if not isinstance(value, str):
+                    raise TypeError(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
             prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-            pairs.append((prompt, r["response"] if "response" in r else r["output"]))
-    except (ValueError, KeyError, TypeError) as e:
+            pairs.append((prompt, response))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise NanoEulerError(f"{path} is not instruction data: expected JSONL or a JSON list of objects with "
                              f"instruction, input and response (or output) ({type(e).__name__}: {e})") from None
     if not pairs:
@@ -2086,6 +2201,13 @@ def cmd_sft(args, make_engine=None, engine=None):
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
     keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
+    if keep.sum() < 2:
+        raise NanoEulerError(f"{args.data}: {int(keep.sum())} of its {len(rows)} examples reach their response "
+                             f"within the model's context of {cfg.T} tokens, and SFT needs at least 2 (one is "
+                             "held out for validation); add examples or shorten the prompts")
+    if not keep.all():
+        print(f"note: {int((~keep).sum())} of {len(rows)} examples are left out: their prompt fills the "
+              f"context of {cfg.T} tokens", file=sys.stderr)
     rows, mask = rows[keep], mask[keep]
     n_val = max(1, len(rows) // 20)
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
@@ -2246,8 +2368,19 @@ def cmd_check(args):
         sys.exit(1)
 
 
+def argv_text(text):
+    """a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
+    as lone surrogates) become U+FFFD, as chat does with its input"""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:                         # a surrogate that no byte made
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
 def cmd_sample(args):
     cfg, flat, tok = load_model(args.model)
+    args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
@@ -2262,39 +2395,76 @@ def cmd_sample(args):
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 
+# Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError
+# into "argument --batch: 0 is not ...", one line with the usage, exit code 2.
+
+def number_type(convert, ok, what):
+    """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    parse.__name__ = what                               # what argparse shows if it ever names the type
+    return parse
+
+
+positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
+nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
+positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
+nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
+probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
+positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
+positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
+vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
+                         f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose --help shows every flag's default; subcommands inherit it"""
+
+    def __init__(self, *args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw):
+        super().__init__(*args, formatter_class=formatter_class, **kw)
+
+
 def add_training_flags(sp, steps, batch, lr, warmup, out):
     """the flags train and sft share (and nanoeuler_cuda.py's train)"""
     g = sp.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type=float, default=0,
-                   help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20")
+    g.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps in the whole run")
+    g.add_argument("--minutes", type=nonnegative_float, default=0,
+                   help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    g.add_argument("--stop-after", type=int, default=-1, help="stop (and save) after N steps of this run; -1 = off")
-    g.add_argument("--seed", type=int, default=1337, help="seed of the init and the data order")
-    g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads the batch is split over")
+    g.add_argument("--stop-after", type=positive_int_or_off, default=-1,
+                   help="stop (and save) after N steps of this run; -1 = off")
+    g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the init and the data order")
+    g.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads the batch is split over")
     g = sp.add_argument_group("optimization")
-    g.add_argument("--batch", type=int, default=batch, help="rows of T+K tokens per step")
-    g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
-    g.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay, matrices only")
-    g.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; -1 = off")
+    g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
+    g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
+    g.add_argument("--warmup", type=nonnegative_int, default=warmup, help="linear warmup steps")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.1, help="AdamW decay, matrices only")
+    g.add_argument("--clip", type=positive_float_or_off, default=1.0, help="global grad-norm clip; -1 = off")
     g = sp.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=int, default=100, help="validate and sample every N steps")
-    g.add_argument("--eval-batches", type=int, default=20, help="validation batches (pretraining: of 32 rows)")
-    g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+    g.add_argument("--eval-every", type=positive_int, default=100, help="validate and sample every N steps")
+    g.add_argument("--eval-batches", type=positive_int, default=20,
+                   help="validation batches (pretraining: of 32 rows)")
+    g.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
+    p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
-        "--seed", type=int, default=1337, help="random seed of the check")
+        "--seed", type=nonnegative_int, default=1337, help="random seed of the check")
 
     # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
     sp = sub.add_parser("train", help="pretrain the small model")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
     add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, os.path.join("out", "small"))
 
@@ -2311,16 +2481,16 @@ def build_parser():
 
     def generation_flags(sp):
         sp.add_argument("--model", required=True, help=".safetensors model file")
-        sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-        sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
-        sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
-        sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
-        sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+        sp.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate")
+        sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+        sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+        sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
+        sp.add_argument("--seed", type=nonnegative_int, default=None, help="seed of the sampler; none = random")
         sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
         # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
         # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
-        sp.add_argument("--drafts", type=int, default=1, help="with --speculative: draft with heads 1..N "
-                        "(at most K-1)")
+        sp.add_argument("--drafts", type=nonnegative_int, default=1, help="with --speculative: draft with heads "
+                        "1..N (at most K-1)")
 
     sp = sub.add_parser("sample", help="continue a prompt")
     generation_flags(sp)
@@ -2328,8 +2498,8 @@ def build_parser():
     generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
-    sp.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for training steps")
-    sp.add_argument("--max-new-tokens", type=int, default=400, help="tokens to generate")
+    sp.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads for training steps")
+    sp.add_argument("--max-new-tokens", type=positive_int, default=400, help="tokens to generate")
     return p
 
 
