@@ -23,15 +23,17 @@ from here.
 """
 
 import argparse
+import contextlib
+import errno
 import functools
 import json
 import math
-import operator
 import os
 import re
 import signal
 import sys
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
@@ -89,13 +91,35 @@ class Config:
         """head dimension (small 32, big 64)"""
         return self.C // self.Hq
 
-    def validate(self):
-        ok = (self.C % self.Hq == 0 and self.Hq % self.Hkv == 0 and self.D % 2 == 0
-              and self.K >= 1 and min(self.V, self.L, self.T, self.F) >= 1)
-        if not ok:
-            raise NanoEulerError(f"config {asdict(self)} is inconsistent: C must divide "
-                                 "into Hq heads of even size, Hq must be a multiple of Hkv")
+    def validate(self, source="the config"):
+        """refuse a config that the code cannot run or that would ask for absurd memory,
+        before anything is allocated from it; -> self. source names it in the message."""
+        def fail(problem):
+            raise NanoEulerError(f"{source} is unusable: {problem}")
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:          # bool is an int subclass: refused too
+                fail(f"its {name} = {value!r} is not a positive integer")
+        w = self.mtp_weight
+        if type(w) not in (int, float) or not 0 <= w < math.inf:
+            fail(f"its mtp_weight = {w!r} is not a finite number >= 0")
+        if self.C % self.Hq or self.D % 2:
+            fail(f"its width C = {self.C} does not split into Hq = {self.Hq} heads of even size")
+        if self.Hq % self.Hkv:
+            fail(f"its Hq = {self.Hq} query heads are not a multiple of its Hkv = {self.Hkv} key/value heads")
+        if self.V > MAX_V:
+            fail(f"its vocabulary V = {self.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
+        if self.T < 2:
+            fail(f"its context T = {self.T} is below 2, the least that generation can slide a window over")
+        if self.T > MAX_T:
+            fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
+                 "(attention holds a T x T matrix per head)")
         return self
+
+
+SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
+MAX_V = 65536           # token ids are cached as uint16
+MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
 
 
 PRESETS = {
@@ -120,11 +144,24 @@ PRESETS = {
 # lossless. BPE merges never cross a piece boundary.
 SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
 
+# A piece longer than this many bytes (300,000 letters without a space, a long
+# run of spaces) is cut into parts of at most this many bytes, never inside a
+# character, and each part is merged on its own. BPE over a piece of n bytes
+# takes up to n rounds of n steps; with the bound, encoding is linear in the
+# text. Ordinary text has no longer piece (the embedded books' longest is a
+# 70-byte run of spaces). The bound is saved with the tokenizer; a tokenizer
+# saved without one gets this value.
+MAX_PIECE_BYTES = 128
+
 # Special tokens sit right after the 256 bytes at fixed ids, whatever the vocab
 # size; learned merges take the ids from 260 up. Ordinary text never encodes to
 # them: they come only from Tokenizer.special(name).
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 FIRST_MERGE_ID = 256 + len(SPECIALS)
+
+# The encoder caches the ids of each distinct piece and clears the cache when
+# it holds this many (about 35 MB), so a worker's memory stays bounded.
+CACHE_PIECES = 100_000
 
 
 _last_progress = [0.0]
@@ -154,17 +191,45 @@ def merge(ids, pair, new_id):
     return out
 
 
+def cut_piece(piece, max_bytes):
+    """a piece's UTF-8 bytes in parts of at most max_bytes (>= 4), each part whole characters"""
+    data = piece.encode("utf-8")
+    parts, start = [], 0
+    while start < len(data):
+        end = min(start + max_bytes, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:      # 0b10xxxxxx continues a character
+            end -= 1
+        parts.append(data[start:end])
+        start = end
+    return parts
+
+
+def count_pieces(text, max_bytes):
+    """{piece as bytes: how often it occurs} over the text's pre-tokenized pieces,
+    those longer than max_bytes cut as encoding cuts them"""
+    words = defaultdict(int)
+    for m in SPLIT_PATTERN.finditer(text):               # finditer: no list of every piece in memory
+        words[m.group()] += 1
+    pieces = defaultdict(int)
+    for word, n in words.items():
+        for part in cut_piece(word, max_bytes):
+            pieces[part] += n
+    return pieces
+
+
 class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
-    def __init__(self, merges=()):
+    def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
+        if not (isinstance(max_piece_bytes, int) and max_piece_bytes >= 4):
+            raise ValueError(f"its piece bound {max_piece_bytes!r} is not a whole number of at least 4 bytes")
         self.merges = [tuple(p) for p in merges]                     # in the order learned
-        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}
-        self.pair_ranks = {chr(a) + chr(b): r for (a, b), r in self.ranks.items()}   # for encode_piece
+        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
+        self.max_piece_bytes = max_piece_bytes
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
-        self.cache = {}                                              # piece -> str of chr(id)
+        self.cache = {}                                              # piece -> its ids
 
     @property
     def vocab_size(self):
@@ -175,7 +240,7 @@ class Tokenizer:
         return 256 + SPECIALS.index(name)
 
     @classmethod
-    def train(cls, text, vocab_size, progress=True):
+    def train(cls, text, vocab_size, progress=True, max_piece_bytes=MAX_PIECE_BYTES):
         """learn vocab_size - 260 merges from text.
 
         Pairs are counted over the distinct pieces, each weighted by how often
@@ -187,10 +252,8 @@ class Tokenizer:
         n_merges = vocab_size - FIRST_MERGE_ID
         if n_merges < 0:
             raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
-        pieces = defaultdict(int)
-        for piece in SPLIT_PATTERN.findall(text):
-            pieces[piece] += 1
-        seqs = [list(p.encode("utf-8")) for p in pieces]
+        pieces = count_pieces(text, max_piece_bytes)
+        seqs = [list(p) for p in pieces]
         freqs = list(pieces.values())
         counts = defaultdict(int)                                    # pair -> weighted count
         where = defaultdict(set)                                     # pair -> pieces holding it
@@ -229,50 +292,40 @@ class Tokenizer:
             if progress:
                 progress_line(f"tokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
                               done=len(merges) == n_merges)
-        return cls(merges)
+        return cls(merges, max_piece_bytes)
 
     def encode_piece(self, piece):
-        """one pre-tokenized piece -> its ids as a str, one character chr(id) per id,
-        merging the pair learned first until none is left.
-
-        Ranking a pair is then one dict lookup of a 2-char str. ranks[i] is the
-        rank of the pair at i; a merge changes only its two neighbours, so only
-        they are looked up again. The leftmost lowest pair goes first, and a pair
-        that occurs twice is found again next round: the same result as merge()."""
-        s = piece if piece.isascii() else piece.encode("utf-8").decode("latin-1")   # one char per byte
-        rank, inf = self.pair_ranks.get, math.inf
-        ranks = list(map(rank, map(operator.add, s, s[1:]), repeat(inf)))
-        while ranks:
-            new_id = min(ranks)                            # a merge's new id is its rank
-            if new_id == inf:
-                break
-            i = ranks.index(new_id)
-            s = s[:i] + chr(new_id) + s[i + 2:]
-            del ranks[i]
-            if i < len(ranks):
-                ranks[i] = rank(s[i:i + 2], inf)
-            if i > 0:
-                ranks[i - 1] = rank(s[i - 1:i + 1], inf)
-        return s
+        """one pre-tokenized piece -> its ids, as minbpe does it: among the pairs of
+        neighbours, merge the one learned first (everywhere it occurs), and repeat
+        until no pair is one that was learned. Each part of a long piece on its own."""
+        ids = []
+        for part in cut_piece(piece, self.max_piece_bytes):
+            seq = list(part)
+            while len(seq) >= 2:
+                # the pair learned first is the one with the lowest new id; unlearned pairs rank inf
+                new_id = min(map(self.ranks.get, zip(seq, seq[1:]), repeat(math.inf)))
+                if new_id == math.inf:
+                    break
+                seq = merge(seq, self.merges[new_id - FIRST_MERGE_ID], new_id)
+            ids += seq
+        return ids
 
     def encode(self, text):
-        """str -> list of ids; ordinary text only (see special for the others)"""
-        return self.encode_array(text).tolist()
-
-    def encode_array(self, text):
-        """str -> ids as a uint32 array (what tokenizing a corpus wants).
+        """str -> list of ids; ordinary text only (see special for the others).
 
         Text repeats its pieces endlessly ("the", " and"), so each distinct piece
-        is encoded once and its ids cached, as a str of chr(id); joining those
-        strs and reading them back as 32-bit numbers is all C."""
-        pieces = SPLIT_PATTERN.findall(text)
-        cache = self.cache
-        if len(cache) > 1_000_000:
-            cache.clear()                                            # bound memory on huge corpora
-        new = set(pieces).difference(cache)
-        cache.update(zip(new, map(self.encode_piece, new)))
-        ids = "".join(map(cache.__getitem__, pieces)).encode("utf-32-le", "surrogatepass")
-        return np.frombuffer(ids, np.uint32)
+        is merged once and its ids cached (long pieces are not kept)."""
+        if len(self.cache) > CACHE_PIECES:
+            self.cache.clear()
+        ids, cache = [], self.cache
+        for piece in SPLIT_PATTERN.findall(text):
+            piece_ids = cache.get(piece)
+            if piece_ids is None:
+                piece_ids = self.encode_piece(piece)
+                if len(piece) <= self.max_piece_bytes:
+                    cache[piece] = piece_ids
+            ids += piece_ids
+        return ids
 
     def decode(self, ids):
         """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
@@ -286,29 +339,80 @@ class Tokenizer:
 
     def to_json(self):
         return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
+                           "max_piece_bytes": self.max_piece_bytes,
                            "specials": {s: self.special(s) for s in SPECIALS},
                            "merges": [list(p) for p in self.merges]})
 
     @classmethod
     def from_json(cls, text):
         d = json.loads(text)
-        if d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
+        if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
             raise ValueError("its special tokens differ from this program's")
-        return cls(d["merges"])
+        bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
+        if type(bound) is not int or not 1 <= bound <= 1 << 20:
+            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 1 to 1,048,576")
+        return cls(check_merges(d.get("merges")), bound)
+
+
+MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
+
+
+def check_merges(merges):
+    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
+    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
+    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
+    Raises ValueError saying which merge is wrong."""
+    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
+        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
+    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
+    for i, pair in enumerate(merges):
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
+            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
+                             "(bytes or earlier merges)")
+        if tuple(pair) in seen:
+            raise ValueError(f"merge {i} repeats the pair {pair}")
+        seen.add(tuple(pair))
+        lengths.append(lengths[pair[0]] + lengths[pair[1]])
+        total += lengths[-1]
+        if total > MAX_VOCAB_BYTES:
+            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+    return merges
 
 
 # -----------------------------------------------------------------------------
 # data
+#
+# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh
+# web) holds many documents, each followed by the line <|endoftext|>: the
+# reader splits on that marker and puts the <|endoftext|> token after each
+# document. A file without the marker (a book) is one document.
+#
+# Preparing a corpus: the tokenizer is trained on a sample of it; then the
+# files are read in chunks of 256 KB, encoded on every core, and the tokens
+# written to disk as they come (uint16), so memory stays small whatever the
+# corpus's size. Training reads them memory-mapped, so a corpus larger than
+# memory trains. Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
 DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
+
+DOC_MARKER = b"<|endoftext|>"
+DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
+CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
+SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
+POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 
 
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     if os.path.isdir(path):
         files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        for f in [f for f in files if not os.path.isfile(f)]:
+            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
+            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
+            files.remove(f)
         if not files:
             raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
         return files
@@ -320,73 +424,213 @@ def corpus_files(path):
 def read_text(path):
     """the whole file as str, refusing what is not UTF-8 text"""
     with open(path, "rb") as f:
-        raw = f.read()
+        return decode_text(f.read(), path, 0)
+
+
+def decode_text(data, path, offset):
+    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
     try:
-        return raw.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); "
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
                              "convert it, e.g. with iconv -t utf-8") from None
 
 
-def text_chunks(files, chunk_bytes=1 << 20):
-    """yield (text, is_last_of_its_file) in pieces of about chunk_bytes, cut after a newline"""
+def chunk_end(data):
+    """where to end a chunk of a file's bytes: before the last space that follows
+    a visible ASCII character and precedes an ASCII letter ("said| the"). No
+    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
+    chunk by chunk gives exactly the tokens of encoding each whole document.
+    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
+    newline, or at a character, never inside an <|endoftext|> line: its pieces
+    at the cut may come out differently, and decoding still gives back the text."""
+    window = max(0, len(data) - (64 << 10))
+    i = len(data)
+    while (i := data.rfind(b" ", window, i)) > 0:
+        if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
+            return i
+    i = data.rfind(b"\n", window)
+    if i >= 0:                                         # before the newline; after it if it ends a marker line
+        return i + 1 if data[:i].endswith(DOC_MARKER) else i
+    end = len(data)
+    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
+        if data.endswith(DOC_MARKER[:k]):
+            return end - k
+    end -= 1                                           # the block may end inside a character:
+    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
+        end -= 1
+    return end
+
+
+def text_chunks(files):
+    """yield (path, offset, data, ends_document) for pieces of the files of about
+    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
+    when the file does not end with the marker (a book): its end ends a document."""
     for path in files:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            rest = b""
-            while True:
-                block = f.read(chunk_bytes)
-                data = rest + block
-                cut = data.rfind(b"\n") + 1 if block else len(data)
-                if cut == 0:                 # a line longer than a chunk: cut after ASCII instead
-                    cut = len(data)
-                    while cut > 0 and data[cut - 1] & 0x80:
-                        cut -= 1
-                rest = data[cut:]
-                try:
-                    text = data[:cut].decode("utf-8")
-                except UnicodeDecodeError:
-                    raise NanoEulerError(f"{path} is not UTF-8 text; convert it, e.g. with iconv -t utf-8") from None
-                if text or not block:
-                    yield text, not block
-                if not block:
-                    break
+            f.seek(max(0, size - len(DOC_MARKER) - 1))
+            book = not re.search(rb"<\|endoftext\|>\n?\Z", f.read())
+            f.seek(0)
+            offset, data = 0, b""
+            while block := f.read(CHUNK_BYTES):
+                data += block
+                cut = chunk_end(data)
+                if cut:
+                    yield path, offset, data[:cut], False
+                    offset, data = offset + cut, data[cut:]
+        if size:
+            yield path, offset, data, book
+
+
+def encode_chunk(tok, path, offset, data, ends_document):
+    """one chunk of a file -> its token ids (an array of the token file's dtype),
+    with <|endoftext|> after each document that ends in it"""
+    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
+    ids, eot = [], tok.special("<|endoftext|>")
+    for i, doc in enumerate(docs):
+        ids += tok.encode(doc)
+        if i < len(docs) - 1 or ends_document:
+            ids.append(eot)
+    return np.array(ids, dtype=token_dtype(tok.vocab_size))
+
+
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 _worker_tokenizer = None
 
 
-def _start_worker(merges):
+def _start_worker(merges, max_piece_bytes):
+    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
+    main process, which stops the workers (they were started with it blocked).
+    Should the main process be killed outright (kill -9, out of memory), the
+    worker exits too rather than wait for work forever."""
+    import multiprocessing
+    import threading
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(merges)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main_process = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
+    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
 
 
 def _encode_chunk(chunk):
-    text, last = chunk
-    return _worker_tokenizer.encode_array(text).astype(np.uint16), len(text.encode("utf-8")), last
+    return encode_chunk(_worker_tokenizer, *chunk)
 
 
-def tokenize_files(files, tok, progress=True):
-    """files -> one uint16 array with <|endoftext|> after each file; every core, with progress.
+def encoded_chunks(files, tok, workers):
+    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
+    by `workers` processes (or by this one when workers is 1).
 
-    Files are streamed in chunks of about 1 MB cut after a newline. Each chunk is
-    pre-tokenized on its own, which can split a run of blank lines differently
-    from the whole text would, but decoding still gives back exactly the text."""
-    import multiprocessing as mp
+    The workers are started with spawn, each a fresh interpreter: forking a
+    process that already runs threads (training's, CUDA's) can deadlock the
+    child. At most two chunks per worker are in flight, so the reader never
+    runs ahead of the encoders and memory stays bounded."""
+    if workers <= 1:
+        for chunk in text_chunks(files):
+            yield encode_chunk(tok, *chunk), len(chunk[2])
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                               initargs=(tok.merges, tok.max_piece_bytes))
+    pending = deque()
+    try:
+        for chunk in text_chunks(files):
+            # Ctrl-C reaches every process of the terminal. A worker that submit
+            # starts inherits this mask, so it cannot die of Ctrl-C before
+            # _start_worker ignores it; the signal waits here until the unblock.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            try:
+                pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                future, nbytes = pending.popleft()
+                yield future.result(), nbytes
+        while pending:
+            future, nbytes = pending.popleft()
+            yield future.result(), nbytes
+    except BrokenProcessPool:
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
+    finally:
+        pool.shutdown(cancel_futures=True)             # lets the running chunks finish: at most a second
+
+
+def progress_text(done, total, seconds):
+    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
+    rate = done / max(seconds, 1e-9)
+    left = fmt_time((total - done) / rate) if rate > 0 else "?"
+    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def available_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize_files(files, tok, write, workers=None, progress=True):
+    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
+    -> the number of tokens. Every core works unless the corpus is small."""
     total = sum(os.path.getsize(f) for f in files)
-    eot = np.array([tok.special("<|endoftext|>")], dtype=np.uint16)
-    parts, done, t0 = [], 0, time.time()
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
-    with ctx.Pool(os.cpu_count() or 1, initializer=_start_worker, initargs=(tok.merges,)) as pool:
-        # imap keeps the chunks in order while every core encodes
-        for ids, nbytes, last in pool.imap(_encode_chunk, text_chunks(files)):
-            parts += [ids, eot] if last else [ids]
+    if workers is None:
+        workers = available_cores() if total >= POOL_MIN_BYTES else 1
+    done, n_tokens, t0 = 0, 0, time.time()
+    chunks = encoded_chunks(files, tok, workers)
+    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
+    # midway and leaving its workers behind
+    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for ids, nbytes in chunks:
+            write(ids)
+            n_tokens += len(ids)
             done += nbytes
             if progress:
-                progress_line(f"tokenizing: {100 * done / max(total, 1):5.1f}% of {total / 1e6:.1f} MB, "
-                              f"{done / 1e6 / max(time.time() - t0, 1e-9):.1f} MB/s", done=False)
+                progress_line(progress_text(done, total, time.time() - t0))
+    finally:
+        chunks.close()                                 # stops the workers now, also on Ctrl-C
+        signal.signal(signal.SIGTERM, sigterm)
     if progress:
-        progress_line(f"tokenizing: done, {total / 1e6:.1f} MB in {time.time() - t0:.1f} s", done=True)
-    return np.concatenate(parts)
+        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
+                      f"{n_tokens:,} tokens", done=True)
+    return n_tokens
+
+
+def npy_header(dtype, n):
+    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
+    import io
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                             "fortran_order": False, "shape": (n,)})
+    return f.getvalue()
+
+
+def write_tokens(path, files, tok, workers=None, progress=True):
+    """tokenize files into the .npy file path as the ids come. The header, which
+    holds their count, is written last into the room left for it. All goes to
+    path.tmp, renamed when complete: an interrupted run leaves no token file."""
+    dtype, tmp = token_dtype(tok.vocab_size), path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.seek(len(npy_header(dtype, 0)))
+            n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+            f.seek(0)
+            f.write(npy_header(dtype, n))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def file_digest(files):
@@ -401,41 +645,53 @@ def file_digest(files):
     return h.hexdigest()[:16]
 
 
-def sample_text(files, max_bytes=16 << 20):
-    """the first max_bytes of the corpus, to train the tokenizer on"""
-    texts, n = [], 0
+def sample_text(files, max_bytes=SAMPLE_BYTES):
+    """what the tokenizer is trained on: at most max_bytes, an equal share from the
+    start of every file, cut as chunks are, its documents joined by newlines"""
+    share, texts = max(max_bytes // len(files), 1), []
     for path in files:
-        text = read_text(path)[:max_bytes - n]
-        texts.append(text)
-        n += len(text)
-        if n >= max_bytes:
-            break
+        with open(path, "rb") as f:
+            data = f.read(share + 1)
+        if len(data) > share:
+            data = data[:chunk_end(data[:share])]
+        texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
     return "\n".join(texts)
 
 
-def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True):
-    """corpus -> (tokenizer, tokens): the tokenizer is trained once and the tokens are
-    stored once as uint16 .npy, both cached under cache_dir by the corpus's hash;
-    the tokens come back memory-mapped, so a corpus larger than memory works"""
+def cached_tokenizer(path):
+    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained again)"""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return Tokenizer.from_json(f.read())
+    except (ValueError, KeyError, TypeError) as e:     # JSONDecodeError is a ValueError
+        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
+        return None
+
+
+def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
+    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
+    and the tokens written once, both cached under cache_dir by the corpus's
+    hash (the tokens also by the tokenizer's)"""
+    import hashlib
     files = corpus_files(path)
     if vocab_size > 65536:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
-    key = f"{vocab_size}_{file_digest(files)}"
+    corpus = file_digest(files)
     os.makedirs(cache_dir, exist_ok=True)
-    tok_path = os.path.join(cache_dir, f"tokenizer_{key}.json")
-    if os.path.exists(tok_path):
-        with open(tok_path) as f:
-            tok = Tokenizer.from_json(f.read())
-    else:
+    tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
+    tok = cached_tokenizer(tok_path)
+    if tok is None:
         text = sample_text(files)
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
         atomic_write_bytes(tok_path, tok.to_json().encode())
-    tokens_path = os.path.join(cache_dir, f"tokens_{key}.npy")
+    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
+    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
     if not os.path.exists(tokens_path):
-        tokens = tokenize_files(files, tok, progress)
-        atomic_write(tokens_path, lambda f: np.save(f, tokens))
+        write_tokens(tokens_path, files, tok, workers, progress)
     try:
         return tok, np.load(tokens_path, mmap_mode="r")
     except Exception as e:                             # a damaged cache file: make it once more
@@ -444,7 +700,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True):
                 from None
         print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
         os.remove(tokens_path)
-        return prepare_data(path, vocab_size, cache_dir, progress, retry=False)
+        return prepare_data(path, vocab_size, cache_dir, progress, False, workers)
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -671,8 +927,8 @@ def cross_entropy_backward(dloss, cache):
 
 
 def mtp_weights(cfg):
-    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight"""
-    return [1.0] + [cfg.mtp_weight / (cfg.K - 1)] * (cfg.K - 1)
+    """how much each head counts: CE_0 fully, the K-1 extra heads share mtp_weight (K = 1: none)"""
+    return [1.0] + [cfg.mtp_weight / max(cfg.K - 1, 1)] * (cfg.K - 1)
 
 
 def mtp_heads_forward(x, heads, targets, cfg, counts=None):
@@ -1077,13 +1333,22 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
 # last, so a model file that exists always has its complete state beside it.
 
 def atomic_write(path, write):
-    """write(f) into path.tmp, flush to disk, then rename over path"""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """write(f) into path.<pid>.tmp, flush to disk, then rename over path. The pid
+    keeps two writers from sharing a temp file; a failed write removes its temp
+    file (a full disk stays no fuller) and names path, not the temp file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.errno:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
 
 
 def atomic_write_bytes(path, data):
@@ -1107,34 +1372,68 @@ def write_safetensors(path, tensors, metadata):
     atomic_write(path, write)
 
 
+MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
+
+
 def read_safetensors(path):
-    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file"""
+    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
+
+    The header is read and every field of it checked before the data is read,
+    and the tensors must tile the data exactly (no overlaps, no gaps, nothing
+    after them, as the safetensors library demands), so nothing is allocated
+    beyond the file itself, and that only once its header adds up."""
     if not os.path.isfile(path):
         raise NanoEulerError(f"{path} does not exist; train one with: python nanoeuler.py train")
-    size = os.path.getsize(path)
+
+    def bad(problem):
+        return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
     with open(path, "rb") as f:
-        raw = f.read()
-    n = int.from_bytes(raw[:8], "little") if len(raw) >= 8 else -1
-    try:
-        if not 2 <= n <= size - 8:
-            raise ValueError
-        header = json.loads(raw[8:8 + n])
-        if not isinstance(header, dict):
-            raise ValueError
-    except ValueError:
-        raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
-    metadata = header.pop("__metadata__", {}) or {}
-    data = memoryview(raw)[8 + n:]
-    need = max((h["data_offsets"][1] for h in header.values()), default=0)
-    if len(data) < need:
-        raise NanoEulerError(f"{path} is truncated (expected {need:,} data bytes, found {len(data):,}); "
-                             "use an earlier checkpoint or re-run with --resume")
-    tensors = {}
-    for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        begin, end = h["data_offsets"]
-        if h.get("dtype") != "F32" or end - begin != 4 * math.prod(h["shape"]):
-            raise NanoEulerError(f"{path}: tensor {name} is not float32 of shape {h['shape']}")
-        tensors[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(h["shape"])
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        n = int.from_bytes(first, "little") if len(first) == 8 else -1
+        try:
+            if not 2 <= n <= min(size - 8, MAX_HEADER):
+                raise ValueError
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError
+        except (ValueError, RecursionError):           # UnicodeDecodeError is a ValueError too
+            raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad("its __metadata__ is not a map of strings")
+        entries = []
+        for name, h in header.items():
+            if not isinstance(h, dict):
+                raise bad(f"the entry of tensor {name!r} is not a map")
+            shape, offsets = h.get("shape"), h.get("data_offsets")
+            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+                raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1]):
+                raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+            if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
+                raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                          f"{offsets[1] - offsets[0]:,} bytes)")
+            entries.append((offsets[0], offsets[1], name, shape))
+        entries.sort()
+        end = 0
+        for begin, stop, name, _ in entries:
+            if begin != end:
+                raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                          f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+            end = stop
+        found = size - 8 - n
+        if found < end:
+            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
+                                 "use an earlier checkpoint or re-run with --resume")
+        if found > end:
+            raise bad(f"{found - end:,} bytes follow its last tensor")
+        data = f.read(end)
+    if len(data) != end:                               # the file shrank while we read it
+        raise NanoEulerError(f"{path} changed while it was read; try again")
+    tensors = {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
+               for begin, stop, name, shape in entries}
     return tensors, metadata
 
 
@@ -1153,18 +1452,35 @@ def load_model(path):
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
                              f"version {meta.get('version')!r})")
     try:
+        given = json.loads(meta["config"])
+        if not isinstance(given, dict):
+            raise ValueError("the config is not a map")
+        missing = [k for k in SIZE_FIELDS if k not in given]
+        if missing:
+            raise ValueError(f"the config lacks {', '.join(missing)}")
         known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in json.loads(meta["config"]).items() if k in known}).validate()
+        cfg = Config(**{k: v for k, v in given.items() if k in known})
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise NanoEulerError(f"{path} has a broken config in its metadata ({e})") from None
+    cfg.validate(f"the config in {path}")               # before anything is made from its sizes
+    try:
         tok = Tokenizer.from_json(meta["tokenizer"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise NanoEulerError(f"{path} has a broken config or tokenizer in its metadata ({e})") from None
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
+    # counted before the list of shapes is made: a crafted L = 10^18 must not build it
+    n_want = 2 + 7 * cfg.L + cfg.K
+    want = dict(param_shapes(cfg)) if len(tensors) == n_want else {}
     # we write tensors in SPEC order; other writers may order them otherwise
-    want = dict(param_shapes(cfg))
     if {n: tuple(t.shape) for n, t in tensors.items()} != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({len(tensors)} tensors, SPEC expects {len(want)} for {asdict(cfg)})")
+                             f"({len(tensors)} tensors, SPEC expects {n_want} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
+    bad = [name for name in want if not np.isfinite(tensors[name]).all()]
+    if bad:
+        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
+                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
+                             "use an earlier checkpoint")
     flat = np.concatenate([tensors[name].reshape(-1) for name in want]).astype(np.float32)
     return cfg, flat, tok
 
@@ -1178,12 +1494,18 @@ def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
     return path
 
 
-def latest_checkpoint(out_dir):
-    """the highest step whose model file (written last, so the pair is complete) exists"""
+def checkpoint_steps(out_dir):
+    """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
     steps = [int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))] \
         if os.path.isdir(out_dir) else []
-    steps = [s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))]
-    return max(steps) if steps else None
+    return sorted((s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))),
+                  reverse=True)
+
+
+def latest_checkpoint(out_dir):
+    """the highest step with a complete pair of files, or None"""
+    steps = checkpoint_steps(out_dir)
+    return steps[0] if steps else None
 
 
 def load_checkpoint(out_dir, step):
@@ -1193,7 +1515,39 @@ def load_checkpoint(out_dir, step):
     tensors, meta = read_safetensors(path)
     if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or tensors["m"].size != flat.size:
         raise NanoEulerError(f"{path} is not the training state of its model file")
-    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), json.loads(meta["state"])
+    try:
+        state = json.loads(meta["state"])
+        if state["step"] != step or not isinstance(state["rng"], dict):
+            raise ValueError(f"it says step {state['step']}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
+    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
+
+
+def newest_readable_checkpoint(out_dir):
+    """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
+    when there is no pair. Newer pairs that do not read (a truncated file, a state
+    that is not JSON) are renamed to *.broken, so that neither a later --resume nor
+    the pruning takes them for checkpoints, each with one line saying why."""
+    skipped = []                                       # (step, why) of the newer pairs that do not read
+    for step in checkpoint_steps(out_dir):
+        try:
+            loaded = load_checkpoint(out_dir, step)
+        except NanoEulerError as e:
+            # read_safetensors's advice ("re-run with --resume") is what brought us here: keep only what is wrong
+            skipped.append((step, str(e).split("; ")[0]))
+            continue
+        for bad, why in skipped:
+            for kind in ("model", "state"):
+                path = os.path.join(out_dir, f"{kind}_{bad:06d}.safetensors")
+                os.replace(path, path + ".broken")
+            print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
+                  f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
+        return step, loaded
+    if skipped:
+        raise NanoEulerError(f"--resume: no checkpoint in {out_dir} can be read (the newest: {skipped[0][1]}); "
+                             "train afresh with another --out")
+    return None
 
 
 def prune_checkpoints(out_dir, keep=2):
@@ -1205,6 +1559,72 @@ def prune_checkpoints(out_dir, keep=2):
             path = os.path.join(out_dir, f"{kind}_{s:06d}.safetensors")
             if os.path.exists(path):
                 os.remove(path)
+
+
+# One run per folder. A second trainer on a folder that is training refuses at
+# once (train.lock), and a run into a folder that holds another run's files
+# continues it (--resume) or refuses: two runs' logs, best models and pruning
+# never mix. run_command holds the folder for train and sft from start to end.
+
+LOCK_NAME = "train.lock"
+RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
+
+
+def lock_out(out_dir):
+    """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
+    it for us. flock: the kernel lets go of it when its process ends, however it ends,
+    so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
+    the file is there to name the holder."""
+    try:
+        import fcntl
+    except ImportError:                                # not POSIX: no lock
+        return None
+    path = os.path.join(out_dir, LOCK_NAME)
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
+                return None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
+            raise NanoEulerError(f"{out_dir} is in use by another training run (pid {holder}); wait for it "
+                                 "to end, or train into another --out") from None
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()                                      # its holder removed it as we opened it: once more
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+@contextlib.contextmanager
+def claim_out(out_dir, resume):
+    """hold out_dir for one run: the lock, then refuse another run's folder without --resume"""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
+    os.makedirs(out_dir, exist_ok=True)
+    lock = lock_out(out_dir)
+    try:
+        if lock:                                       # temp files of killed writers: nobody else writes here
+            for f in os.listdir(out_dir):
+                if re.fullmatch(r".+\.\d+\.tmp", f):
+                    os.remove(os.path.join(out_dir, f))
+        if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
+            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
+                                 "another --out")
+        yield
+    finally:
+        if lock:
+            os.remove(lock.name)                       # while still locked: see lock_out's samestat
+            lock.close()
 
 
 # -----------------------------------------------------------------------------
@@ -1291,24 +1711,28 @@ def plot_log(csv_path, out=print):
 
 
 class StopFlag:
-    """Ctrl-C asks the loop to stop after the step in flight and save; a second Ctrl-C stops at once"""
+    """Ctrl-C (SIGINT) or SIGTERM (what a scheduler or `docker stop` sends) asks the loop to
+    stop after the step in flight and save; a second one stops at once"""
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self):
         self.stop = False
 
     def __enter__(self):
-        self.previous = signal.signal(signal.SIGINT, self.handle)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
         return self
 
     def handle(self, signum, frame):
         if self.stop:
             raise KeyboardInterrupt
         self.stop = True
-        print("\nCtrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to quit at once)",
+        name = self.SIGNALS[signum]
+        print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
               file=sys.stderr)
 
     def __exit__(self, *exc):
-        signal.signal(signal.SIGINT, self.previous)
+        for sig, previous in self.previous.items():
+            signal.signal(sig, previous)
 
 
 class CPUEngine:
@@ -1367,44 +1791,48 @@ def saved_rng(state):
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 
 
-def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None):
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
+               clock=time.perf_counter):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
     evaluate, checkpoint, stop cleanly.
 
     next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
     state holds step, rng state and the best validation so far. The log's samples
-    continue sample_prompt (ids; default: the start of a document)."""
+    continue sample_prompt (ids; default: the start of a document). clock: seconds,
+    for the timings and --minutes's plan (a test passes a fake one)."""
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
+    start = state["step"]
+    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    if start >= total:
+        engine.close()
+        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint "
+              f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
+        return start
     os.makedirs(out_dir, exist_ok=True)
     rng = saved_rng(state)
     token_bytes = tok.token_bytes()
     csv_path = os.path.join(out_dir, "log.csv")
-    start = state["step"]
-    keep_csv_rows(csv_path, start)
-    csv = open(csv_path, "a")
-    if start == 0:
-        csv.write("step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n")
-    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    csv = open_log(csv_path, start)
     width = len(str(total))
     tokens_per_step = args.batch * cfg.T
-    times, t_start, last_path = [], time.time(), None
+    times, t_start, last_path = [], clock(), None
     plan_now = getattr(args, "minutes", 0) > 0 and "planned_steps" not in state
 
     def checkpoint(step):
         nonlocal last_path
-        t0 = time.time()
+        t0 = clock()
         state.update(step=step, rng=rng.bit_generator.state)
         last_path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
         prune_checkpoints(out_dir)
-        print(f"saved  {last_path} (+ state) in {time.time() - t0:.1f} s")
+        print(f"saved  {last_path} (+ state) in {clock() - t0:.1f} s")
 
     def validate(step):
         """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet"""
         val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
         if not np.isfinite(val_loss):
-            stop_on_nan("validation loss", val_loss, step, last_path)
+            stop_on_nan("validation loss", val_loss, step, out_dir)
         print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
-              f"{len(val_batches)} batches | {fmt_time(time.time() - t_start)} elapsed")
+              f"{len(val_batches)} batches | {fmt_time(clock() - t_start)} elapsed")
         flat = engine.host_params()                    # one copy for both, and no moments
         if val_loss < state.get("best_val", math.inf):
             state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
@@ -1413,17 +1841,20 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         return val_loss, val_bpb
 
     step = start
-    with StopFlag() as flag:
+    with StopFlag() as flag, warnings.catch_warnings():
+        # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
+        warnings.simplefilter("ignore", RuntimeWarning)
         stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
         while step < stop_at and not flag.stop:
-            t0 = time.perf_counter()
+            t0 = clock()
             lr = lr_schedule(step, total, args.lr, args.warmup)
             idx, targets = next_batch(rng)
             loss, ce, norm = engine.step(idx, targets, lr, step + 1)
             if not (np.isfinite(loss) and np.isfinite(norm)):
-                stop_on_nan("loss" if not np.isfinite(loss) else "gradient norm", loss, step + 1, last_path)
+                what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
+                stop_on_nan(what, value, step + 1, out_dir, made_by=step)
             step += 1
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if step > start + 1:
                 times.append(dt)                          # the first step warms up: left out
             eta = (total - step) * (np.mean(times[-50:]) if times else dt)
@@ -1433,10 +1864,10 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                   (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
             val_loss = val_bpb = ""
             if (plan_now and step == start + PLAN_AFTER) or step % args.eval_every == 0 or step == total:
-                t_eval = time.time()
+                t_eval = clock()
                 val_loss, val_bpb = validate(step)
                 if plan_now and step == start + PLAN_AFTER:
-                    total = plan_steps(args, step, np.mean(times), time.time() - t_eval, time.time() - t_start)
+                    total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
                     state["planned_steps"], width, plan_now = total, len(str(total)), False
                     stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
             csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
@@ -1446,13 +1877,13 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
             if step % args.save_every == 0 or step == total:
                 checkpoint(step)
         if step > start and step % args.save_every and step != total:
-            checkpoint(step)                              # stopped early: Ctrl-C or --stop-after
+            checkpoint(step)                              # stopped early: a signal or --stop-after
     csv.close()
     engine.close()
     mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {step - start} steps in {fmt_time(time.time() - t_start)}, {mean_ms}; {best}; "
+    print(f"done: {step - start} steps in {fmt_time(clock() - t_start)}, {mean_ms}; {best}; "
           f"last checkpoint {last_path}")
     plot_log(csv_path)
     return step
@@ -1472,21 +1903,39 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
     return total
 
 
-def stop_on_nan(what, value, step, last_path):
-    """the run diverged: stop, keeping the last good checkpoint (nothing newer was saved)"""
-    where = f"; the last good checkpoint is {last_path}" if last_path else "; no checkpoint was saved yet"
-    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped{where}; "
-                         "lower --lr and continue with --resume")
+def stop_on_nan(what, value, step, out_dir, made_by=None):
+    """the run diverged at `step`: stop, naming the newest checkpoint whose weights went on
+    to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
+    if one was saved, is removed (resuming from it meets the same value at once), while
+    every older checkpoint was followed by a finite step."""
+    removed = ""
+    if made_by is not None and os.path.exists(os.path.join(out_dir, f"model_{made_by:06d}.safetensors")):
+        for kind in ("model", "state"):                   # model first: a state alone is no checkpoint
+            os.remove(os.path.join(out_dir, f"{kind}_{made_by:06d}.safetensors"))
+        removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
+    good = latest_checkpoint(out_dir)
+    if good is None:
+        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
+                             f"checkpoint{removed}; lower --lr and start again with --resume")
+    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
+                         f"is {os.path.join(out_dir, f'model_{good:06d}.safetensors')}{removed}; lower --lr and "
+                         "continue from it with --resume")
 
 
-def keep_csv_rows(csv_path, step):
-    """on resume, drop log rows past the checkpoint's step, so the log matches the run"""
-    if not os.path.exists(csv_path):
-        return
-    with open(csv_path) as f:
-        lines = f.readlines()
-    kept = lines[:1] + [ln for ln in lines[1:] if int(ln.split(",", 1)[0]) <= step]
-    atomic_write_bytes(csv_path, "".join(kept).encode())
+LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
+
+
+def open_log(csv_path, step):
+    """log.csv with the header and the rows up to step, open to append: a resumed run
+    drops the rows past its checkpoint (and any half-written line), a fresh run starts
+    it anew, so the log always matches the run"""
+    rows = []
+    if step > 0 and os.path.exists(csv_path):
+        with open(csv_path) as f:
+            rows = [ln for ln in f if ln.endswith("\n") and ln.split(",", 1)[0].isdigit()
+                    and int(ln.split(",", 1)[0]) <= step]
+    atomic_write_bytes(csv_path, (LOG_HEADER + "".join(rows)).encode())
+    return open(csv_path, "a")
 
 
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
@@ -1503,13 +1952,13 @@ def start_state(args, seed):
 
 def resume_or_init(args, cfg, tok, init_flat):
     """the newest complete checkpoint under --out with --resume, else a fresh start"""
-    step = latest_checkpoint(args.out) if args.resume else None
-    if args.resume and step is None:
+    found = newest_readable_checkpoint(args.out) if args.resume else None
+    if args.resume and found is None:
         print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
-    if step is None:
+    if found is None:
         return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
             start_state(args, args.seed)
-    cfg2, flat, tok2, m, v, state = load_checkpoint(args.out, step)
+    step, (cfg2, flat, tok2, m, v, state) = found
     if cfg2 != cfg or tok2.merges != tok.merges:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
                              "or tokenizer; pass the same --data and settings, or another --out")
@@ -1546,6 +1995,11 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
                                                                   args.eval_batches)]
     (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
+
+
+def cmd_prepare(args):
+    tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
+    print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 
 
 def cmd_train(args):
@@ -1695,14 +2149,23 @@ def render_turn(tok, instruction, response=None):
 def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
+    if not os.path.isfile(path):
+        raise NanoEulerError(f"{path} does not exist; pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).strip()
     try:
         records = json.loads(text) if text.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
         pairs = []
-        for r in records:
+        for i, r in enumerate(records):
+            if not isinstance(r, dict):
+                raise TypeError(f"example {i + 1} is not an object")
+            response = r["response"] if "response" in r else r["output"]
+            for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")),
+                               ("response", response)):
+                if not isinstance(value, str):
+                    raise TypeError(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
             prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-            pairs.append((prompt, r["response"] if "response" in r else r["output"]))
-    except (ValueError, KeyError, TypeError) as e:
+            pairs.append((prompt, response))
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise NanoEulerError(f"{path} is not instruction data: expected JSONL or a JSON list of objects with "
                              f"instruction, input and response (or output) ({type(e).__name__}: {e})") from None
     if not pairs:
@@ -1738,6 +2201,13 @@ def cmd_sft(args, make_engine=None, engine=None):
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
     keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
+    if keep.sum() < 2:
+        raise NanoEulerError(f"{args.data}: {int(keep.sum())} of its {len(rows)} examples reach their response "
+                             f"within the model's context of {cfg.T} tokens, and SFT needs at least 2 (one is "
+                             "held out for validation); add examples or shorten the prompts")
+    if not keep.all():
+        print(f"note: {int((~keep).sum())} of {len(rows)} examples are left out: their prompt fills the "
+              f"context of {cfg.T} tokens", file=sys.stderr)
     rows, mask = rows[keep], mask[keep]
     n_val = max(1, len(rows) // 20)
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
@@ -1811,7 +2281,11 @@ def cmd_chat(args, make_params=None, gen=None):
             ids, _ = render_turn(tok, text)
             # naive: keeps the whole conversation and re-feeds it each turn; the
             # oldest tokens are dropped once it outgrows the context
-            history = (history + ids)[-(cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)):]
+            room = cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)        # what the reply leaves
+            if len(ids) > room:
+                print(f"note: the question is {len(ids)} tokens, longer than the context of {cfg.T} leaves "
+                      f"beside the reply; keeping its last {room}", file=sys.stderr)
+            history = (history + ids)[-room:]
             out.write("bot> ")
             reply = chat_reply(params, cfg, tok, history, args, out, gen)
             history += reply + [tok.special("<|end|>")]
@@ -1894,8 +2368,19 @@ def cmd_check(args):
         sys.exit(1)
 
 
+def argv_text(text):
+    """a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
+    as lone surrogates) become U+FFFD, as chat does with its input"""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:                         # a surrogate that no byte made
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
 def cmd_sample(args):
     cfg, flat, tok = load_model(args.model)
+    args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
@@ -1910,41 +2395,84 @@ def cmd_sample(args):
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 
+# Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError
+# into "argument --batch: 0 is not ...", one line with the usage, exit code 2.
+
+def number_type(convert, ok, what):
+    """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    parse.__name__ = what                               # what argparse shows if it ever names the type
+    return parse
+
+
+positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
+nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
+positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
+nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
+probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
+positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
+positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
+vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
+                         f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose --help shows every flag's default; subcommands inherit it"""
+
+    def __init__(self, *args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw):
+        super().__init__(*args, formatter_class=formatter_class, **kw)
+
+
 def add_training_flags(sp, steps, batch, lr, warmup, out):
     """the flags train and sft share (and nanoeuler_cuda.py's train)"""
     g = sp.add_argument_group("run")
-    g.add_argument("--steps", type=int, default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type=float, default=0,
-                   help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20")
+    g.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps in the whole run")
+    g.add_argument("--minutes", type=nonnegative_float, default=0,
+                   help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    g.add_argument("--stop-after", type=int, default=-1, help="stop (and save) after N steps of this run; -1 = off")
-    g.add_argument("--seed", type=int, default=1337, help="seed of the init and the data order")
-    g.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads the batch is split over")
+    g.add_argument("--stop-after", type=positive_int_or_off, default=-1,
+                   help="stop (and save) after N steps of this run; -1 = off")
+    g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the init and the data order")
+    g.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads the batch is split over")
     g = sp.add_argument_group("optimization")
-    g.add_argument("--batch", type=int, default=batch, help="rows of T+K tokens per step")
-    g.add_argument("--lr", type=float, default=lr, help="peak learning rate")
-    g.add_argument("--warmup", type=int, default=warmup, help="linear warmup steps")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decay, matrices only")
-    g.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip; -1 = off")
+    g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
+    g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
+    g.add_argument("--warmup", type=nonnegative_int, default=warmup, help="linear warmup steps")
+    g.add_argument("--weight-decay", type=nonnegative_float, default=0.1, help="AdamW decay, matrices only")
+    g.add_argument("--clip", type=positive_float_or_off, default=1.0, help="global grad-norm clip; -1 = off")
     g = sp.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=int, default=100, help="validate and sample every N steps")
-    g.add_argument("--eval-batches", type=int, default=20, help="validation batches (pretraining: of 32 rows)")
-    g.add_argument("--save-every", type=int, default=200, help="checkpoint every N steps")
+    g.add_argument("--eval-every", type=positive_int, default=100, help="validate and sample every N steps")
+    g.add_argument("--eval-batches", type=positive_int, default=20,
+                   help="validation batches (pretraining: of 32 rows)")
+    g.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
+    p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
-        "--seed", type=int, default=1337, help="random seed of the check")
+        "--seed", type=nonnegative_int, default=1337, help="random seed of the check")
 
     # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
     sp = sub.add_parser("train", help="pretrain the small model")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
     add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, os.path.join("out", "small"))
+
+    sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
+    sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
+    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
+    sp.add_argument("--workers", type=int, default=None, help="processes that encode (default: every core; one for a corpus under 4 MB)")
 
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
@@ -1953,16 +2481,16 @@ def build_parser():
 
     def generation_flags(sp):
         sp.add_argument("--model", required=True, help=".safetensors model file")
-        sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-        sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
-        sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
-        sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
-        sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+        sp.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate")
+        sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+        sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+        sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
+        sp.add_argument("--seed", type=nonnegative_int, default=None, help="seed of the sampler; none = random")
         sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
         # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
         # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
-        sp.add_argument("--drafts", type=int, default=1, help="with --speculative: draft with heads 1..N "
-                        "(at most K-1)")
+        sp.add_argument("--drafts", type=nonnegative_int, default=1, help="with --speculative: draft with heads "
+                        "1..N (at most K-1)")
 
     sp = sub.add_parser("sample", help="continue a prompt")
     generation_flags(sp)
@@ -1970,27 +2498,49 @@ def build_parser():
     generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
-    sp.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for training steps")
-    sp.add_argument("--max-new-tokens", type=int, default=400, help="tokens to generate")
+    sp.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads for training steps")
+    sp.add_argument("--max-new-tokens", type=positive_int, default=400, help="tokens to generate")
     return p
 
 
+def os_error_sentence(e):
+    """an OSError (a full disk, a read-only file system, ...) as one sentence naming the file"""
+    advice = {errno.ENOSPC: "the disk is full; free some space, or train into another --out",
+              errno.EDQUOT: "the disk quota is used up; free some space, or train into another --out",
+              errno.EROFS: "the file system is read-only; train into another --out",
+              errno.EACCES: "permission denied; check its permissions"}
+    what = advice.get(e.errno, f"{e.strerror or e}".lower())
+    return f"{e.filename}: {what}" if e.filename else what
+
+
 def run_command(command, args):
-    """run a subcommand; a NanoEulerError becomes one sentence on stderr and exit code 2"""
+    """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
+    and exit code 2. train and sft hold their --out folder while they run (claim_out);
+    prepare only writes the cache beside it, so it holds nothing."""
     try:
-        command(args)
+        run = hasattr(args, "out") and hasattr(args, "resume")
+        with claim_out(args.out, args.resume) if run else contextlib.nullcontext():
+            command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
+    except BrokenPipeError:
+        # the reader of our output went away (sample | head): stop quietly; stdout now
+        # goes nowhere, so Python's own flush at exit cannot fail again (Python's docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except OSError as e:
+        print(f"error: {os_error_sentence(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench}
+                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
     run_command(commands[args.command], args)
 
 

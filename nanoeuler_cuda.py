@@ -1344,8 +1344,9 @@ def follow(engine, next_batch, rng):
 def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
-    which saves a checkpoint and tells the others to stop. If a rank fails,
-    the rest are stopped: they would wait for it for ever."""
+    which saves a checkpoint and tells the others to stop (SIGTERM too). If a
+    rank fails, the rest are stopped: they would wait for it for ever. The
+    launcher holds --out's lock (run_command); the ranks, its children, share it."""
     n = count_gpus()
     if world > n:
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
@@ -1354,7 +1355,8 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     procs = [subprocess.Popen([sys.executable, program, *argv],
                               env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
                               stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: procs[0].send_signal(signal.SIGINT))
+    previous = {sig: signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}             # rank 0 saves, then stops the others
     culprit = None                                           # the first rank to fail
     try:
         while culprit is None and procs[0].poll() is None:
@@ -1368,7 +1370,8 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for p in procs:
             if p.poll() is None:
                 p.kill()
@@ -1699,7 +1702,8 @@ def load_decoder(path, precision):
 
 def cmd_sample(args):
     """continue a prompt, streaming; as nanoeuler.py's sample"""
-    decoder, cfg, tok = load_decoder(args.model, args.precision)
+    decoder, cfg, tok = load_decoder(args.model, args.precision)   # a bad file is refused before the GPU starts
+    args.prompt = ne.argv_text(args.prompt)                        # bytes that are not UTF-8 become U+FFFD
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
@@ -1888,8 +1892,12 @@ def bench_decoding(args):
 # -----------------------------------------------------------------------------
 # main
 
+vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID <= n <= ne.MAX_V,
+                                      f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
+
+
 def add_gpus_flags(sp):
-    sp.add_argument("--gpus", type=int, default=0,
+    sp.add_argument("--gpus", type=ne.nonnegative_int, default=0,
                     help="data parallel over N GPUs through NCCL, one process each (--batch is the whole "
                          "batch); 0 = this process on one GPU, without NCCL")
     sp.add_argument("--zero", action="store_true", help="with --gpus: shard AdamW's moments (ZeRO-1)")
@@ -1897,15 +1905,15 @@ def add_gpus_flags(sp):
 
 def build_parser():
     import argparse
-    p = argparse.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
+    p = ne.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
-        "--seed", type=int, default=1337, help="seed of the random inputs")
+        "--seed", type=ne.nonnegative_int, default=1337, help="seed of the random inputs")
     sp = sub.add_parser("train", help="train a model (big by default) on the GPU")
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
-                    help="UTF-8 text file or folder of .txt files (default: the embedded books)")
-    sp.add_argument("--vocab-size", type=int, default=0, help="BPE vocabulary; 0 = the preset's V")
+                    help="UTF-8 text file or folder of .txt files")
+    sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
     # embedded books (25 s on an H200; validation was still falling at step 300, 1.9
@@ -1914,17 +1922,17 @@ def build_parser():
     add_gpus_flags(sp)
     sp = sub.add_parser("bench", help="time training steps")
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
-    sp.add_argument("--batch", type=int, default=16, help="rows of T+K tokens per step")
-    sp.add_argument("--steps", type=int, default=10, help="timed steps")
+    sp.add_argument("--batch", type=ne.positive_int, default=16, help="rows of T+K tokens per step")
+    sp.add_argument("--steps", type=ne.positive_int, default=10, help="timed steps")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
     sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
-    sp.add_argument("--max-new-tokens", type=int, default=500, help="decoding: tokens to generate")
+    sp.add_argument("--max-new-tokens", type=ne.positive_int, default=500, help="decoding: tokens to generate")
     sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
     sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
     add_gpus_flags(sp)
-    sp.add_argument("--clip", type=float, default=1.0, help=argparse.SUPPRESS)
-    sp.add_argument("--weight-decay", type=float, default=0.1, help=argparse.SUPPRESS)
+    sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0, help=argparse.SUPPRESS)
+    sp.add_argument("--weight-decay", type=ne.nonnegative_float, default=0.1, help=argparse.SUPPRESS)
     sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
     sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
@@ -1933,13 +1941,13 @@ def build_parser():
 
     def generation_flags(sp):
         sp.add_argument("--model", required=True, help=".safetensors model file")
-        sp.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
-        sp.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, deterministic")
-        sp.add_argument("--top-k", type=int, default=40, help="sample from the k likeliest; 0 = all")
-        sp.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off")
-        sp.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+        sp.add_argument("--max-new-tokens", type=ne.positive_int, default=200, help="tokens to generate")
+        sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+        sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+        sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
+        sp.add_argument("--seed", type=ne.nonnegative_int, default=None, help="seed of the sampler")
         sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
-        sp.add_argument("--drafts", type=int, default=DEFAULT_DRAFTS,
+        sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
                         help="with --speculative: draft with heads 1..N (at most K-1)")
         sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
                         help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")

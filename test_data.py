@@ -1,0 +1,386 @@
+"""
+Tests of the tokenizer's piece bound and of data preparation: streaming the
+tokens to disk on worker processes, documents, the memory-mapped cache, the
+train/validation split, and Ctrl-C while tokenizing.
+
+    python -m pytest -q test_data.py
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import json
+import os
+import re
+import signal
+import string
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHAKESPEARE = os.path.join(HERE, "data", "tinyshakespeare.txt")
+EOT = 256
+
+
+@pytest.fixture(scope="module")
+def tok():
+    text = open(SHAKESPEARE, encoding="utf-8").read()[:50_000]
+    return ne.Tokenizer.train(text + " naïve café 日本語のテキスト 🎉🎉 " * 20, 400, progress=False)
+
+
+# -----------------------------------------------------------------------------
+# the reference encoder: minbpe's, written out again, with the bound
+
+def reference_parts(piece, max_bytes):
+    """whole characters gathered while their UTF-8 bytes fit in max_bytes"""
+    parts, cur = [], b""
+    for ch in piece:
+        b = ch.encode("utf-8")
+        if len(cur) + len(b) > max_bytes:
+            parts.append(cur)
+            cur = b""
+        cur += b
+    return parts + [cur] if cur else parts
+
+
+def reference_encode(tok, text):
+    """minbpe's encode (get_stats, the pair of lowest merge index, merge) per part of each piece"""
+    merges = {pair: ne.FIRST_MERGE_ID + i for i, pair in enumerate(tok.merges)}
+    out = []
+    for piece in ne.SPLIT_PATTERN.findall(text):
+        for part in reference_parts(piece, tok.max_piece_bytes):
+            ids = list(part)
+            while len(ids) >= 2:
+                stats = {}
+                for pair in zip(ids, ids[1:]):
+                    stats[pair] = stats.get(pair, 0) + 1
+                pair = min(stats, key=lambda p: merges.get(p, float("inf")))
+                if pair not in merges:
+                    break
+                new, i = [], 0
+                while i < len(ids):
+                    if i < len(ids) - 1 and (ids[i], ids[i + 1]) == pair:
+                        new.append(merges[pair])
+                        i += 2
+                    else:
+                        new.append(ids[i])
+                        i += 1
+                ids = new
+            out += ids
+    return out
+
+
+RUNS = st.sampled_from(["a", "b", " ", "\n", "é", "日", "🎉", "'s", "7", "-", "the", " king"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(RUNS, st.integers(1, 90)), max_size=8), st.sampled_from([4, 5, 16, 128]))
+def test_encoder_matches_minbpe_with_the_bound(tok, runs, bound):
+    text = "".join(s * n for s, n in runs)                 # long runs cross the bound
+    t = ne.Tokenizer(tok.merges, bound)
+    assert t.encode(text) == reference_encode(t, text)
+    assert t.encode(text) == reference_encode(t, text)     # again, from the cache
+    assert t.decode(t.encode(text)) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=300))
+def test_encoder_matches_minbpe_on_any_text(tok, text):
+    assert tok.encode(text) == reference_encode(tok, text)
+
+
+def doubling_tokenizer(n_merges):
+    """merges a+a, aa+aa, ...: merge k makes the run of 2^(k+1) a's"""
+    merges = [(97, 97)] + [(ne.FIRST_MERGE_ID + k, ne.FIRST_MERGE_ID + k) for k in range(n_merges - 1)]
+    return merges
+
+
+def test_a_long_run_is_cut_at_the_bound():
+    merges = doubling_tokenizer(8)                            # the last one is 256 a's
+    a128, a256 = ne.FIRST_MERGE_ID + 6, ne.FIRST_MERGE_ID + 7
+    assert ne.Tokenizer(merges, 256).encode("a" * 256) == [a256]
+    assert ne.Tokenizer(merges, 128).encode("a" * 256) == [a128, a128]
+    assert ne.Tokenizer(merges).encode("a" * 256) == [a128, a128]        # the default bound is 128
+    assert ne.MAX_PIECE_BYTES == 128
+    # never inside a character: 3-byte characters go 42 to a part (126 bytes), not 42 2/3
+    assert [len(p) for p in ne.cut_piece("日" * 100, 128)] == [126, 126, 48]
+    assert b"".join(ne.cut_piece("日" * 100, 128)).decode() == "日" * 100
+
+
+def test_encoding_a_word_without_spaces_is_linear(monkeypatch):
+    # A word of letters whose every other pair is a merge of its own: BPE merges
+    # one pair a round, about n/2 rounds over a word of n bytes. Count the work
+    # (each round's merge walks its sequence once): unbounded, twice the word
+    # is about four times the work; cut into parts of 128 bytes, twice.
+    letters = [ord(c) for c in string.ascii_letters]
+    pairs = [(a, b) for a in letters for b in letters]
+    pairs = [pairs[i] for i in np.random.default_rng(0).permutation(len(pairs))]
+    word = bytes(x for pair in pairs for x in pair).decode()         # 5,408 letters
+    steps = [0]
+    merge = ne.merge
+
+    def counting_merge(ids, pair, new_id):
+        steps[0] += len(ids)
+        return merge(ids, pair, new_id)
+    monkeypatch.setattr(ne, "merge", counting_merge)
+
+    def work(tok, n):
+        steps[0] = 0
+        tok.cache.clear()
+        assert tok.decode(tok.encode(word[:n])) == word[:n]
+        return steps[0]
+    bounded = [work(ne.Tokenizer(pairs, 128), n) for n in (1000, 2000, 4000)]
+    assert 1.8 < bounded[1] / bounded[0] < 2.2 and 1.8 < bounded[2] / bounded[1] < 2.2
+    unbounded = [work(ne.Tokenizer(pairs, 10**9), n) for n in (2000, 4000)]
+    assert unbounded[1] / unbounded[0] > 3                  # what the count sees without the bound
+
+
+def test_the_bound_is_saved_with_the_tokenizer(tmp_path):
+    t = ne.Tokenizer(doubling_tokenizer(3), 64)
+    assert ne.Tokenizer.from_json(t.to_json()).max_piece_bytes == 64
+    old = json.loads(t.to_json())
+    del old["max_piece_bytes"]                               # a tokenizer saved before the bound
+    assert ne.Tokenizer.from_json(json.dumps(old)).max_piece_bytes == 128
+    cfg = ne.Config(V=t.vocab_size, C=16, Hq=4, Hkv=2, L=1, T=8, F=48, K=2)
+    path = str(tmp_path / "m.safetensors")
+    ne.save_model(path, cfg, ne.init_params(cfg), t)
+    assert json.loads(ne.read_safetensors(path)[1]["tokenizer"])["max_piece_bytes"] == 64
+    assert ne.load_model(path)[2].max_piece_bytes == 64
+    with pytest.raises(ValueError):
+        ne.Tokenizer(t.merges, 3)                             # a 4-byte character would not fit
+
+
+# -----------------------------------------------------------------------------
+# documents and streaming
+
+def expected_tokens(tok, files):
+    """what the files should tokenize to, computed from their whole text"""
+    ids = []
+    for path in files:
+        text = open(path, encoding="utf-8").read()
+        if not text:
+            continue
+        docs = text.split("\n<|endoftext|>\n")
+        for doc in docs[:-1]:
+            ids += reference_encode(tok, doc) + [EOT]
+        if docs[-1]:                                         # a book, or a shard's unmarked end
+            ids += reference_encode(tok, docs[-1]) + [EOT]
+    return ids
+
+
+def write_corpus(folder):
+    folder.mkdir()
+    text = open(SHAKESPEARE, encoding="utf-8").read()
+    (folder / "a_book.txt").write_text(text[:30_000] + "\nthe end, no newline", encoding="utf-8")
+    docs = [text[i:i + 700].strip() for i in range(30_000, 40_000, 700)] + ["naïve 日本語", "", "x"]
+    (folder / "b_shard.txt").write_text("".join(d + "\n<|endoftext|>\n" for d in docs), encoding="utf-8")
+    (folder / "c_chinese.txt").write_text("日本語のテキスト。" * 1000 + "\n<|endoftext|>\n" + "中文" * 300,
+                                          encoding="utf-8")
+    (folder / "d_empty.txt").write_text("")
+    return sorted(str(p) for p in folder.iterdir())
+
+
+def test_tokens_on_disk_are_the_encoding_of_the_documents(tmp_path, tok, monkeypatch):
+    files = write_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(ne, "CHUNK_BYTES", 1000)              # many chunks, cut inside documents
+    path = str(tmp_path / "tokens.npy")
+    ne.write_tokens(path, files, tok, workers=1, progress=False)
+    tokens = np.load(path)
+    assert tokens.dtype == np.uint16
+    want = expected_tokens(tok, files)
+    chinese = files.index(next(f for f in files if "chinese" in f))
+    # a chunk cut inside text without spaces may split pieces differently there;
+    # everything else is exact, and all of it decodes back
+    exact = expected_tokens(tok, files[:chinese])
+    assert tokens[:len(exact)].tolist() == exact
+    assert tok.decode(tokens.tolist()) == tok.decode(want)
+    assert tokens.tolist().count(EOT) == want.count(EOT) == 1 + 18 + 2
+
+
+PARTS = st.one_of(st.sampled_from(["\n<|endoftext|>\n", "<|endoftext|>", " the", " word", "said", "\n", " ",
+                                    "日本語", "é", "x y", "<|end"]), st.text(max_size=12))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(PARTS, max_size=40), st.integers(8, 64))
+def test_chunks_keep_every_document_and_all_the_text(tok, tmp_path_factory, parts, chunk_bytes):
+    text = "".join(parts)
+    path = tmp_path_factory.mktemp("c") / "f.txt"
+    path.write_bytes(text.encode("utf-8"))
+    docs = re.split(r"\n?<\|endoftext\|>\n?", text)         # the contract: split on the marker
+    ends_with_marker = re.search(r"<\|endoftext\|>\n?\Z", text)
+    want = "<|endoftext|>".join(docs) + ("" if ends_with_marker or not text else "<|endoftext|>")
+    old, ne.CHUNK_BYTES = ne.CHUNK_BYTES, chunk_bytes           # tiny chunks: cuts everywhere
+    try:
+        ids = [i for chunk in ne.text_chunks([str(path)]) for i in ne.encode_chunk(tok, *chunk).tolist()]
+    finally:
+        ne.CHUNK_BYTES = old
+    assert tok.decode(ids) == want
+    assert ids.count(EOT) == want.count("<|endoftext|>")
+
+
+def test_workers_give_the_same_tokens_and_are_not_forked(tmp_path, tok, monkeypatch):
+    # forking a process that runs threads (training's, CUDA's) can deadlock the
+    # child, and Python 3.12 warns of it; the workers must be spawned
+    files = write_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(ne, "CHUNK_BYTES", 4000)
+
+    def no_fork():
+        raise AssertionError("os.fork called")
+    stop = threading.Event()
+    busy = threading.Thread(target=stop.wait)                # this process runs a thread
+    busy.start()
+    try:
+        monkeypatch.setattr(os, "fork", no_fork)
+        one, two = [], []
+        ne.tokenize_files(files, tok, one.append, workers=1, progress=False)
+        ne.tokenize_files(files, tok, two.append, workers=2, progress=False)
+    finally:
+        stop.set()
+        busy.join()
+    assert np.concatenate(two).tolist() == np.concatenate(one).tolist()
+
+
+def test_tokenizer_sample_leaves_out_the_markers(tmp_path):
+    files = write_corpus(tmp_path / "corpus")
+    text = ne.sample_text(files, max_bytes=1 << 20)
+    assert "<|endoftext|>" not in text and "naïve 日本語\n" in text and "the end, no newline" in text
+    share = ne.sample_text(files, max_bytes=4000)            # 1000 bytes from the start of each file
+    assert share.startswith(open(files[0], encoding="utf-8").read()[:900]) and len(share.encode()) <= 4000
+
+
+def test_progress_says_mb_done_speed_and_time_left():
+    # 300 of 1,000 MB in 10 s: 30 MB/s, 700 MB left, 23.3 s
+    assert ne.progress_text(300e6, 1000e6, 10.0) == "tokenizing: 300/1,000 MB, 30.0 MB/s, 0m23s left"
+
+
+# -----------------------------------------------------------------------------
+# the cache, memory-mapped, and the split
+
+def test_prepared_tokens_are_memory_mapped_and_keyed_by_corpus_and_tokenizer(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:20_000], encoding="utf-8")
+    cache = str(tmp_path / "cache")
+    tok, tokens = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
+    assert tokens.tolist() == expected_tokens(tok, [str(corpus)])
+    train, val = ne.split_train_val(tokens, 13)
+    assert isinstance(train, np.memmap) and isinstance(val, np.memmap)   # views, not copies
+    # another tokenizer for the same corpus: the tokens are made again for it
+    tok_file = next(p for p in os.listdir(cache) if p.startswith("tokenizer_"))
+    fewer = ne.Tokenizer(tok.merges[:10])
+    (tmp_path / "cache" / tok_file).write_text(fewer.to_json())
+    tok2, tokens2 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    assert tok2.merges == fewer.merges and tokens2.tolist() == expected_tokens(fewer, [str(corpus)])
+    # a damaged tokenizer file: trained again
+    (tmp_path / "cache" / tok_file).write_text('{"merges": [[1')
+    tok4, tokens4 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    assert tok4.merges == tok.merges and np.array_equal(tokens4, tokens)
+    # a changed corpus: both again
+    corpus.write_text("something else entirely " * 500, encoding="utf-8")
+    tok3, tokens3 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    assert tok3.decode(tokens3.tolist()) == "something else entirely " * 500 + "<|endoftext|>"
+    assert not [p for p in os.listdir(cache) if p.endswith(".tmp")]
+
+
+def test_training_rows_never_overlap_validation_rows():
+    tokens = np.arange(10_000)                               # each token names its position
+    rows_len = 17
+    train, val = ne.split_train_val(tokens, rows_len)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(300):
+        rows = ne.get_batch(train, 8, rows_len, rng)
+        assert (np.diff(rows, axis=1) == 1).all()             # consecutive tokens
+        seen.update(rows.ravel().tolist())
+    val_seen = set(np.concatenate(ne.fixed_rows(val, 8, rows_len, 50)).ravel().tolist())
+    assert max(seen) < min(val_seen) and not seen & val_seen
+    assert max(seen) > 8_900 - rows_len and min(val_seen) == 9_000   # the split is at 90%
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C while tokenizing
+
+SLOW_WORKERS = """
+import os, sys, time
+sys.path.insert(0, {here!r})
+import nanoeuler as ne
+
+# spawn runs this file again in every worker, so they too encode slowly
+encode_chunk = ne.encode_chunk
+def slow_encode_chunk(*chunk):
+    open({started!r}, "w").close()
+    time.sleep(1.0)
+    return encode_chunk(*chunk)
+ne.encode_chunk = slow_encode_chunk
+
+if __name__ == "__main__":
+    ne.main(sys.argv[1:])
+"""
+
+
+def start_slow_prepare(tmp_path):
+    """`prepare` on 2 workers that take a second a chunk, in a process group of its
+    own (a terminal's Ctrl-C reaches every process of the job); returns once a
+    worker is encoding"""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read(), encoding="utf-8")   # 1.1 MB: 5 chunks
+    started = tmp_path / "started"
+    driver = tmp_path / "driver.py"
+    driver.write_text(SLOW_WORKERS.format(here=HERE, started=str(started)))
+    p = subprocess.Popen([sys.executable, str(driver), "prepare", "--data", str(corpus), "--vocab-size", "270",
+                          "--out", str(tmp_path / "out" / "run"), "--workers", "2"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 120
+    while not started.exists() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if not started.exists():
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail(p.communicate()[1].decode())
+    return p
+
+
+def assert_group_ends(p):
+    for _ in range(100):
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.killpg(p.pid, signal.SIGKILL)
+    pytest.fail("a worker process outlived its run")
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
+    p = start_slow_prepare(tmp_path)
+    if how == "ctrl-c":
+        os.killpg(p.pid, signal.SIGINT)                      # a terminal's Ctrl-C: every process of the job
+    else:
+        os.kill(p.pid, signal.SIGTERM)                       # docker stop, a scheduler: the main process
+    try:
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert [line for line in err.splitlines() if line.strip()][-1] == "interrupted"
+    assert err.count("interrupted") == 1
+    cache = tmp_path / "out" / "cache"
+    assert not [f for f in os.listdir(cache) if f.startswith("tokens_")]          # no partial token file
+    assert_group_ends(p)
+
+
+def test_workers_end_when_the_main_process_is_killed(tmp_path):
+    p = start_slow_prepare(tmp_path)
+    os.kill(p.pid, signal.SIGKILL)                           # out of memory, kill -9: no clean-up runs
+    p.wait(timeout=60)
+    assert_group_ends(p)
+    assert not [f for f in os.listdir(tmp_path / "out" / "cache") if f.endswith(".npy")]   # only a .tmp

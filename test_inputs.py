@@ -1,0 +1,529 @@
+"""
+Bad input: crafted model files, bad instruction data, bad flags. Each must end
+in one sentence that names the file or flag, a non-zero exit and no traceback;
+and reading a file must never allocate more than the file and a sane config imply.
+
+    python -m pytest -q test_inputs.py
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# a model that needs no tokenizer training: 260 tokens = bytes and specials, no merges
+CFG = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
+
+
+def run(script, *args, stdin=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, script), *args], input=stdin,
+                          capture_output=True, timeout=120, cwd=HERE)
+
+
+def assert_one_sentence(r, *names):
+    """exit code 2 (a NanoEulerError or argparse), one line of error, naming what is wrong"""
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2, (r.returncode, err[-2000:])
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    for name in names:
+        assert name in last, (name, last)
+    return last
+
+
+def model_parts(cfg=CFG, seed=0):
+    """(tensors in SPEC order, metadata) of a valid model"""
+    flat = ne.init_params(cfg, seed)
+    params = ne.carve(flat, cfg)
+    meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(ne.asdict(cfg)),
+            "tokenizer": ne.Tokenizer().to_json()}
+    return [(name, params[name]) for name, _ in ne.param_shapes(cfg)], meta
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = str(tmp_path / "good.safetensors")
+    ne.save_model(path, CFG, ne.init_params(CFG), ne.Tokenizer())
+    return path
+
+
+def write_raw(path, header, data=b""):
+    """a safetensors file with exactly this header (any JSON value) and data"""
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head + data)
+    return str(path)
+
+
+def refused(path, *words):
+    """load_model refuses path with one sentence naming the file and containing words"""
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_model(path)
+    msg = str(e.value)
+    assert os.path.basename(path) in msg and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (w, msg)
+    return msg
+
+
+# -----------------------------------------------------------------------------
+# crafted model files: the config
+
+@pytest.mark.parametrize("change, words", [
+    ({"Hq": 0}, ["Hq = 0", "positive integer"]),
+    ({"Hkv": 0}, ["Hkv = 0"]),
+    ({"C": -8}, ["C = -8"]),
+    ({"C": 8.0}, ["C = 8.0"]),
+    ({"L": "1"}, ["L = '1'"]),
+    ({"K": True}, ["K = True"]),
+    ({"F": None}, ["F = None"]),
+    ({"Hq": 4, "Hkv": 3}, ["multiple of its Hkv = 3"]),
+    ({"C": 6, "Hq": 2}, ["even size"]),                      # D = 3
+    ({"T": 10 ** 9}, ["T = 1,000,000,000", "8,192"]),
+    ({"T": 1}, ["T = 1"]),
+    ({"V": 70_000}, ["V = 70,000", "65,536"]),
+    ({"mtp_weight": float("nan")}, ["mtp_weight"]),
+    ({"mtp_weight": -1}, ["mtp_weight"]),
+])
+def test_crafted_config_is_refused_before_anything_is_allocated(tmp_path, change, words):
+    tensors, meta = model_parts()
+    meta["config"] = json.dumps({**ne.asdict(CFG), **change})
+    path = str(tmp_path / "crafted.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    msg = refused(path, *words)
+    assert "unusable" in msg
+
+
+@settings(max_examples=40, deadline=None)
+@given(Hkv=st.integers(1, 3), G=st.integers(1, 3), half=st.integers(1, 3), V=st.integers(1, 12),
+       L=st.integers(1, 2), T=st.integers(2, 6), F=st.integers(1, 6), K=st.integers(1, 4))
+def test_every_config_of_spec_shape_is_accepted_trains_and_generates(Hkv, G, half, V, L, T, F, K):
+    # validate is not stricter than SPEC, nor looser than the code: what it lets through runs
+    cfg = ne.Config(V=V, C=Hkv * G * 2 * half, Hq=Hkv * G, Hkv=Hkv, L=L, T=T, F=F, K=K).validate()
+    flat = ne.init_params(cfg)
+    idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
+    loss, ce = ne.loss_and_grads(flat, cfg, idx, targets, [np.zeros_like(flat)])
+    assert np.isfinite(loss)
+    params = ne.carve(flat, cfg)
+    for speculative in (False, True):
+        out = list(ne.generate(params, cfg, [0] * (cfg.T + 1), 2 * cfg.T + 1, temperature=0, speculative=speculative))
+        assert len(out) == 2 * cfg.T + 1
+
+
+@pytest.mark.parametrize("config, words", [
+    ("[1, 2, 3]", ["not a map"]),
+    ("{not json", ["broken config"]),
+    (json.dumps({k: v for k, v in ne.asdict(CFG).items() if k != "T"}), ["lacks T"]),
+    ("[" * 100_000 + "]" * 100_000, ["broken config"]),       # deep nesting: RecursionError inside json
+])
+def test_config_that_is_not_a_config_map_is_refused(tmp_path, config, words):
+    tensors, meta = model_parts()
+    path = str(tmp_path / "crafted.safetensors")
+    ne.write_safetensors(path, tensors, dict(meta, config=config))
+    refused(path, *words)
+
+
+def test_huge_layer_or_head_count_is_refused_without_listing_the_tensors(tmp_path):
+    # L = 10^18 once made load_model build a list of 7 * 10^18 tensor shapes
+    tensors, meta = model_parts()
+    for change in ({"L": 10 ** 18}, {"K": 2 ** 62}):
+        meta["config"] = json.dumps({**ne.asdict(CFG), **change})
+        path = str(tmp_path / "layers.safetensors")
+        ne.write_safetensors(path, tensors, meta)
+        refused(path, "do not match its config")
+
+
+def test_config_missing_from_metadata_is_refused(tmp_path):
+    tensors, meta = model_parts()
+    del meta["config"]
+    path = str(tmp_path / "noconfig.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    refused(path, "config")
+
+
+def test_huge_context_is_refused_by_sample_and_sft_in_a_moment(tmp_path):
+    # T = 10^9 once made sample allocate 238 GiB and sft 298 GiB
+    tensors, meta = model_parts()
+    meta["config"] = json.dumps({**ne.asdict(CFG), "T": 10 ** 9})
+    path = str(tmp_path / "long.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    assert_one_sentence(run("nanoeuler.py", "sample", "--model", path, "--prompt", "hi"), "long.safetensors", "8,192")
+    assert_one_sentence(run("nanoeuler.py", "sft", "--model", path, "--out", str(tmp_path / "o")),
+                        "long.safetensors", "8,192")
+    # the GPU program reads models through the same code, and before it starts the GPU
+    assert_one_sentence(run("nanoeuler_cuda.py", "sample", "--model", path), "long.safetensors", "8,192")
+
+
+def test_nan_weights_are_refused(tmp_path):
+    tensors, meta = model_parts()
+    tensors = [(n, t.copy()) for n, t in tensors]
+    tensors[3][1][0, 0] = np.nan
+    path = str(tmp_path / "nan.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    refused(path, "NaN", tensors[3][0])
+    tensors[3][1][0, 0] = np.inf
+    ne.write_safetensors(path, tensors, meta)
+    refused(path, "infinite")
+
+
+# -----------------------------------------------------------------------------
+# crafted model files: the header
+
+def header_of(cfg=CFG):
+    """a valid header (as a dict) and the data bytes of a model"""
+    tensors, meta = model_parts(cfg)
+    header, offset, data = {"__metadata__": meta}, 0, []
+    for name, t in tensors:
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+        data.append(t.astype("<f4").tobytes())
+    return header, b"".join(data)
+
+
+def test_a_raw_valid_file_loads(tmp_path):
+    # the helper below writes files the loader accepts, so each refusal is about its one change
+    header, data = header_of()
+    cfg, flat, tok = ne.load_model(write_raw(tmp_path / "ok.safetensors", header, data))
+    assert cfg == CFG and flat.tobytes() == ne.init_params(CFG, 0).tobytes()
+
+
+def crafted(tmp_path, edit):
+    header, data = header_of()
+    data = edit(header, data) or data
+    return write_raw(tmp_path / "crafted.safetensors", header, data)
+
+
+def drop_offsets(h, d):
+    del h["tok_emb"]["data_offsets"]
+
+
+def overlap(h, d):
+    # final_norm's bytes point into the previous tensor: the file holds less than the shapes
+    a, b = h["final_norm"]["data_offsets"]
+    h["final_norm"]["data_offsets"] = [a - 8, b - 8]
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda h, d: h["tok_emb"].update(shape=[-260, -8]), ["shape [-260, -8]"]),
+    (lambda h, d: h["tok_emb"].update(shape=[260.0, 8]), ["shape [260.0, 8]"]),
+    (lambda h, d: h["tok_emb"].update(shape="260x8"), ["shape '260x8'"]),
+    (drop_offsets, ["data_offsets None"]),
+    (lambda h, d: h["tok_emb"].update(data_offsets=[8320, 0]), ["data_offsets"]),
+    (lambda h, d: h["tok_emb"].update(data_offsets=[0, 8320, 5]), ["data_offsets"]),
+    (lambda h, d: h["tok_emb"].update(dtype="F16"), ["float32", "'F16'"]),
+    (lambda h, d: h.update(__metadata__=["format", "nanoeuler"]), ["__metadata__ is not a map"]),
+    (lambda h, d: h.update(__metadata__="nanoeuler"), ["__metadata__ is not a map"]),
+    (lambda h, d: h["__metadata__"].update(version=1), ["__metadata__ is not a map of strings"]),
+    (lambda h, d: h.update(tok_emb=[0, 1]), ["'tok_emb' is not a map"]),
+    (overlap, ["'final_norm'", "previous tensor"]),
+    (lambda h, d: d + b"\0" * 12, ["12 bytes follow"]),
+])
+def test_crafted_header_is_refused(tmp_path, edit, words):
+    refused(crafted(tmp_path, edit), *words)
+
+
+def test_header_that_is_not_a_map_is_refused(tmp_path):
+    for value in ([1, 2], "text", 3, None):
+        refused(write_raw(tmp_path / "h.safetensors", value, b""), "header")
+
+
+def test_huge_header_length_is_refused(tmp_path):
+    path = tmp_path / "big.safetensors"
+    path.write_bytes((2 ** 63).to_bytes(8, "little") + b"{}" + b" " * 6)
+    refused(str(path), "header")
+
+
+# -----------------------------------------------------------------------------
+# crafted tokenizers
+
+@pytest.mark.parametrize("merges, words", [
+    ([[97, 98], [97, 262]], ["merge 1", "below 261"]),       # 262 is not made yet
+    ([[97, 260]], ["merge 0", "below 260"]),                  # merge 0 would hold itself
+    ([[97, 257]], ["merge 0"]),                               # a special token
+    ([[-1, 97]], ["merge 0"]),
+    ([[97, 98, 99]], ["merge 0"]),
+    ([[97, 98.0]], ["merge 0"]),
+    ([[97, True]], ["merge 0"]),
+    ([[97, 98], [97, 98]], ["merge 1 repeats"]),
+    ("ab", ["merges"]),
+    (None, ["merges"]),
+])
+def test_crafted_merges_are_refused(tmp_path, merges, words):
+    cfg = ne.Config(**{**ne.asdict(CFG), "V": 260 + (len(merges) if isinstance(merges, list) else 0)})
+    tensors, meta = model_parts(cfg)
+    tok = json.loads(meta["tokenizer"])
+    tok["merges"] = merges
+    path = str(tmp_path / "tok.safetensors")
+    ne.write_safetensors(path, tensors, dict(meta, tokenizer=json.dumps(tok)))
+    refused(path, "tokenizer", *words)
+
+
+def test_merges_that_double_a_token_forever_are_refused_without_building_it():
+    # merge i joins token 259+i with itself: token 260+i is 2^(i+1) bytes long, so 60
+    # merges would ask for an exabyte; the check adds up lengths before building any
+    merges = [[97, 97]] + [[260 + i, 260 + i] for i in range(59)]
+    with pytest.raises(ValueError, match="MiB"):
+        ne.Tokenizer.from_json(json.dumps({"specials": {s: 256 + i for i, s in enumerate(ne.SPECIALS)},
+                                           "merges": merges}))
+
+
+def test_tokenizer_json_that_is_not_a_map_is_refused():
+    for text in ("[]", "3", '"x"'):
+        with pytest.raises(ValueError):
+            ne.Tokenizer.from_json(text)
+
+
+# -----------------------------------------------------------------------------
+# arbitrary bytes and headers: a NanoEulerError, never another exception
+
+def only_nanoeuler_errors(path, read=ne.load_model):
+    try:
+        read(path)
+    except ne.NanoEulerError as e:
+        assert "\n" not in str(e)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(raw=st.binary(max_size=300))
+def test_random_bytes_give_one_clear_error(tmp_path, raw):
+    path = tmp_path / "random.safetensors"
+    path.write_bytes(raw)
+    with pytest.raises(ne.NanoEulerError):
+        ne.read_safetensors(str(path))
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() |
+                           st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                        max_size=4),
+                           max_leaves=12)
+entry = st.fixed_dictionaries({}, optional={"dtype": st.sampled_from(["F32", "F16", "I64"]) | json_values,
+                                            "shape": st.lists(st.integers(-3, 70), max_size=3) | json_values,
+                                            "data_offsets": st.lists(st.integers(-8, 400), max_size=3) | json_values})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.dictionaries(st.text(max_size=6), entry | json_values, max_size=4) | json_values,
+       data=st.binary(max_size=400))
+def test_garbage_headers_give_one_clear_error(tmp_path, header, data):
+    path = write_raw(tmp_path / "garbage.safetensors", header, data)
+    only_nanoeuler_errors(path, ne.read_safetensors)
+    only_nanoeuler_errors(path)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(config=st.fixed_dictionaries({k: st.integers(-2, 2 ** 40) | json_values for k in ne.SIZE_FIELDS},
+                                    optional={"mtp_weight": json_values}))
+def test_arbitrary_configs_give_one_clear_error(tmp_path, config):
+    tensors, meta = model_parts()
+    path = str(tmp_path / "config.safetensors")
+    ne.write_safetensors(path, tensors, dict(meta, config=json.dumps(config)))
+    only_nanoeuler_errors(path)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.integers(0, 10 ** 6), value=st.integers(0, 255))
+def test_a_changed_byte_of_a_model_gives_one_clear_error_or_loads(model, where, value):
+    raw = bytearray(open(model, "rb").read())
+    raw[where % len(raw)] = value
+    path = model + ".changed"
+    with open(path, "wb") as f:
+        f.write(raw)
+    only_nanoeuler_errors(path)
+
+
+SPECIALS = {s: 256 + i for i, s in enumerate(ne.SPECIALS)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(merges=st.lists(st.lists(st.integers(-2, 300), min_size=1, max_size=3), max_size=40) | json_values)
+def test_arbitrary_merges_give_a_valueerror_or_a_working_tokenizer(merges):
+    try:
+        tok = ne.Tokenizer.from_json(json.dumps({"specials": SPECIALS, "merges": merges}))
+    except ValueError as e:
+        assert "\n" not in str(e)
+        return
+    text = "aa bb ab ba " * 3 + "é"
+    assert tok.decode(tok.encode(text)) == text                # what it accepts, it can use
+
+
+# -----------------------------------------------------------------------------
+# sft and sample
+
+@pytest.fixture
+def sft_data(tmp_path):
+    def write(records, name="data.jsonl"):
+        path = tmp_path / name
+        path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+        return str(path)
+    return write
+
+
+def sft_error(model, data, tmp_path, capsys):
+    """run sft in this process; -> its one line of error"""
+    with pytest.raises(SystemExit) as e:
+        ne.main(["sft", "--model", model, "--data", data, "--out", str(tmp_path / "sft"), "--steps", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and err[-1].startswith("error: ")
+    return err[-1]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(records=st.lists(st.fixed_dictionaries({}, optional={"instruction": json_values, "input": json_values,
+                                                             "response": json_values, "output": json_values})
+                        | json_values, max_size=4), as_list=st.booleans())
+def test_arbitrary_instruction_records_give_one_clear_error_or_text_pairs(tmp_path, records, as_list):
+    path = tmp_path / ("data.json" if as_list else "data.jsonl")
+    path.write_text(json.dumps(records) if as_list else "\n".join(json.dumps(r) for r in records))
+    try:
+        pairs = ne.load_instructions(str(path))
+    except ne.NanoEulerError as e:
+        assert "\n" not in str(e) and "data.json" in str(e)
+        return
+    assert pairs and all(isinstance(a, str) and isinstance(b, str) for a, b in pairs)
+    ne.sft_rows(ne.Tokenizer(), pairs, CFG)                   # and they render
+
+
+def test_sft_missing_data_file(model, tmp_path, capsys):
+    msg = sft_error(model, str(tmp_path / "nope.jsonl"), tmp_path, capsys)
+    assert "nope.jsonl does not exist" in msg
+
+
+@pytest.mark.parametrize("record, words", [
+    ({"instruction": "Add", "input": "", "response": 3}, ["response of example 2 is int"]),
+    ({"instruction": ["Add"], "response": "3"}, ["instruction of example 2 is list"]),
+    ({"instruction": "Add", "input": 7, "response": "3"}, ["input of example 2 is int"]),
+    ([1, 2], ["example 2 is not an object"]),
+])
+def test_sft_example_that_is_not_text(model, tmp_path, capsys, sft_data, record, words):
+    data = sft_data([{"instruction": "Hi", "response": "Hello"}, record])
+    msg = sft_error(model, data, tmp_path, capsys)
+    assert "data.jsonl" in msg and all(w in msg for w in words), msg
+
+
+def test_sft_single_example(model, tmp_path, capsys, sft_data):
+    msg = sft_error(model, sft_data([{"instruction": "Hi", "response": "Hello"}]), tmp_path, capsys)
+    assert "data.jsonl: 1 of its 1 examples" in msg and "at least 2" in msg
+
+
+def test_sft_every_prompt_longer_than_the_context(model, tmp_path, capsys, sft_data):
+    long = "a long question " * 20                            # far beyond T = 8 tokens
+    data = sft_data([{"instruction": long, "response": "yes"}] * 5)
+    msg = sft_error(model, data, tmp_path, capsys)
+    assert "0 of its 5 examples" in msg and "context of 8 tokens" in msg
+
+
+def test_sft_errors_from_the_command_line(model, tmp_path):
+    r = run("nanoeuler.py", "sft", "--model", model, "--data", str(tmp_path / "none.jsonl"))
+    assert_one_sentence(r, "none.jsonl")
+
+
+def test_sample_prompt_that_is_not_utf8(model):
+    # bytes that are not UTF-8 reach Python as lone surrogates; they become U+FFFD, as in chat
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample", "--model", model,
+                        "--prompt", b"caf\xe9 \xff ok", "--max-new-tokens", "3", "--temperature", "0"],
+                       capture_output=True, timeout=120, cwd=HERE)
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.startswith("caf\ufffd \ufffd ok".encode())
+
+
+def test_argv_text():
+    assert ne.argv_text("plain é") == "plain é"
+    assert ne.argv_text(b"a\xffb".decode("utf-8", "surrogateescape")) == "a\ufffdb"
+    assert ne.argv_text("x\ud800y") == "x?y"                 # a surrogate no byte made
+
+
+# -----------------------------------------------------------------------------
+# flags
+
+BAD_FLAGS = [
+    ("train", "--batch", "0"), ("train", "--eval-every", "0"), ("train", "--save-every", "0"),
+    ("train", "--steps", "0"), ("train", "--steps", "-5"), ("train", "--steps", "1.5"), ("train", "--lr", "-1"),
+    ("train", "--lr", "nan"), ("train", "--lr", "inf"), ("train", "--minutes", "-1"), ("train", "--minutes", "nan"),
+    ("train", "--warmup", "-1"), ("train", "--weight-decay", "-0.1"), ("train", "--clip", "0"),
+    ("train", "--threads", "0"), ("train", "--seed", "-1"), ("train", "--stop-after", "0"),
+    ("train", "--eval-batches", "0"), ("train", "--vocab-size", "100"), ("train", "--vocab-size", "70000"),
+    ("sft", "--batch", "0"), ("sft", "--steps", "-5"),
+    ("sample", "--max-new-tokens", "-1"), ("sample", "--temperature", "-1"), ("sample", "--temperature", "nan"),
+    ("sample", "--top-p", "2"), ("sample", "--top-p", "0"), ("sample", "--top-k", "-1"), ("sample", "--drafts", "-1"),
+    ("sample", "--seed", "-3"), ("chat", "--temperature", "nan"), ("chat", "--max-new-tokens", "0"),
+    ("bench", "--threads", "0"), ("check", "--seed", "x"),
+]
+
+
+def needs_model(command):
+    return ["--model", "m.safetensors"] if command in ("sft", "sample", "chat") else []
+
+
+@pytest.mark.parametrize("command, flag, value", BAD_FLAGS)
+def test_bad_flag_is_refused_by_argparse(capsys, command, flag, value):
+    with pytest.raises(SystemExit) as e:
+        ne.build_parser().parse_args([command, *needs_model(command), flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}: {value!r} is not" in err, err
+
+
+@pytest.mark.parametrize("command, flag, value", [
+    ("train", "--batch", "0"), ("train", "--lr", "-1"), ("train", "--vocab-size", "5"), ("train", "--gpus", "-1"),
+    ("bench", "--steps", "0"), ("bench", "--batch", "-2"), ("sample", "--top-p", "2"),
+    ("sample", "--temperature", "nan"), ("sample", "--max-new-tokens", "-1"),
+])
+def test_bad_gpu_flag_is_refused_by_argparse(capsys, command, flag, value):
+    import nanoeuler_cuda
+    with pytest.raises(SystemExit) as e:
+        nanoeuler_cuda.build_parser().parse_args([command, *(["--model", "m"] if command == "sample" else []),
+                                                  flag, value])
+    assert e.value.code == 2
+    assert f"argument {flag}: {value!r} is not" in capsys.readouterr().err
+
+
+def test_good_flags_still_parse():
+    a = ne.build_parser().parse_args(["train", "--steps", "1", "--minutes", "0", "--clip", "-1", "--stop-after",
+                                      "-1", "--warmup", "0", "--weight-decay", "0", "--vocab-size", "260"])
+    assert (a.steps, a.minutes, a.clip, a.stop_after, a.warmup, a.vocab_size) == (1, 0, -1, -1, 0, 260)
+    a = ne.build_parser().parse_args(["sample", "--model", "m", "--temperature", "0", "--top-p", "1",
+                                      "--top-k", "0", "--drafts", "0", "--seed", "0"])
+    assert (a.temperature, a.top_p, a.top_k, a.drafts, a.seed) == (0, 1, 0, 0, 0)
+
+
+def test_bad_flag_on_the_command_line_is_one_line():
+    r = run("nanoeuler.py", "train", "--batch", "0")
+    last = assert_one_sentence(r, "--batch", "'0'")
+    assert "positive integer" in last
+
+
+def test_help_shows_defaults():
+    out = " ".join(run("nanoeuler.py", "train", "--help").stdout.decode().split())    # unwrapped
+    for default in (ne.DEFAULT_STEPS, ne.DEFAULT_BATCH, ne.DEFAULT_LR, ne.DEFAULT_WARMUP):
+        assert f"(default: {default})" in out
+    out = " ".join(run("nanoeuler.py", "sample", "--help").stdout.decode().split())
+    assert "greedy, deterministic (default: 0.8)" in out and "1 = off (default: 0.95)" in out
+    out = " ".join(run("nanoeuler_cuda.py", "train", "--help").stdout.decode().split())
+    assert "matmul precision (default: bf16)" in out and out.count("(default: ") >= 15
+
+
+# -----------------------------------------------------------------------------
+# data folders
+
+def test_dangling_symlink_in_a_data_folder_is_skipped_with_a_warning(tmp_path, capsys):
+    folder = tmp_path / "books"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text\n")
+    os.symlink(str(tmp_path / "gone.txt"), str(folder / "b.txt"))
+    assert ne.corpus_files(str(folder)) == [str(folder / "a.txt")]
+    err = capsys.readouterr().err
+    assert "skipping" in err and "b.txt" in err
+    (folder / "a.txt").unlink()
+    with pytest.raises(ne.NanoEulerError, match="holds no .txt files"):
+        ne.corpus_files(str(folder))

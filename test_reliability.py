@@ -1,0 +1,350 @@
+"""
+Faults a training run must survive (issue 15): two runs or two trainers on one
+folder, a NaN, broken checkpoint files, signals, a full or read-only disk, a
+closed pipe. The signals are sent to real processes and the disk is a real
+tmpfs (skipped, with the reason, where the tests cannot mount one).
+
+    python -m pytest -q test_reliability.py
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROGRAM = os.path.join(HERE, "nanoeuler.py")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    text = open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:40_000]
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def train_args(out, data, *extra):
+    """the small model, a 300-token vocabulary and 4-row batches: a step takes tens of ms"""
+    return ["train", "--data", data, "--out", str(out), "--vocab-size", "300", "--batch", "4",
+            "--eval-every", "4", "--eval-batches", "2", "--save-every", "4", "--warmup", "2", *extra]
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, PROGRAM, *args], input=stdin, capture_output=True, timeout=300,
+                          cwd=HERE)
+
+
+def start_cli(*args):
+    """a training process we can signal; -u so its step lines arrive as they are printed"""
+    return subprocess.Popen([sys.executable, "-u", PROGRAM, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=HERE)
+
+
+def wait_for_step(proc, n):
+    """read the process's output until it has printed step n"""
+    for line in proc.stdout:
+        if (m := re.match(rb"step +(\d+)/", line)) and int(m.group(1)) >= n:
+            return
+    raise AssertionError(f"the run ended before step {n}: {proc.stderr.read().decode()[-2000:]}")
+
+
+def one_sentence(r):
+    """a refused command: exit code 2, no traceback, and its last line on stderr (after
+    any progress lines) the only error line -> that line"""
+    err = r.stderr.decode().strip()
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 2 and "Traceback" not in err and errors == err.splitlines()[-1:], err
+    return errors[0]
+
+
+def files_of(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, corpus):
+    """8 steps, checkpoints at 4 and 8: tests copy it before changing it"""
+    root = tmp_path_factory.mktemp("finished")
+    ne.main(train_args(root / "run", corpus, "--steps", "8"))
+    return root
+
+
+def copy_of(finished_run, tmp_path):
+    """the finished run and its data cache (out/../cache), copied -> the run's folder"""
+    shutil.copytree(finished_run, tmp_path / "copy")
+    return tmp_path / "copy" / "run"
+
+
+# -----------------------------------------------------------------------------
+# one run per folder
+
+def test_a_second_run_into_a_used_folder_is_refused(finished_run, corpus, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    before = files_of(out)
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "4", "--lr", "1e-2")))
+    assert str(out) in err and "--resume" in err and "another --out" in err
+    assert files_of(out) == before                       # log, best model and checkpoints untouched
+
+
+def test_a_finished_run_resumed_says_it_is_complete(finished_run, corpus, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    before = files_of(out)
+    r = run_cli(*train_args(out, corpus, "--steps", "8", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    said = r.stdout.decode()
+    assert "already complete" in said and "step 8 of 8" in said and str(out / "model_000008.safetensors") in said
+    assert "done: 0 steps" not in said and "None" not in said
+    assert files_of(out) == before
+
+
+def test_a_run_killed_before_its_first_save_resumes_with_one_header(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = start_cli(*train_args(out, corpus, "--steps", "1000", "--save-every", "1000", "--eval-every", "1000"))
+    wait_for_step(proc, 3)
+    proc.kill()                                          # no chance to save anything
+    proc.wait()
+    assert ne.latest_checkpoint(str(out)) is None and (out / "log.csv").exists()
+    r = run_cli(*train_args(out, corpus, "--steps", "4", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"starting from scratch" in r.stdout
+    lines = (out / "log.csv").read_text().splitlines()
+    assert lines[0].startswith("step,loss") and [ln.split(",")[0] for ln in lines[1:]] == ["1", "2", "3", "4"]
+
+
+def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus, tmp_path):
+    out = tmp_path / "run"
+    first = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
+                                  "--eval-every", "100000"))
+    try:
+        wait_for_step(first, 1)
+        for resume in ([], ["--resume"]):                # the lock speaks first, with or without --resume
+            err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "4", *resume)))
+            assert str(out) in err and f"pid {first.pid}" in err and "another --out" in err
+    finally:
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err.decode()[-2000:]
+    assert not (out / ne.LOCK_NAME).exists()
+    # a run killed with -9 leaves its lock file behind; its pid is dead, so the lock is free
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / ne.LOCK_NAME).write_text(f"{dead.pid}\n")
+    step = ne.latest_checkpoint(str(out))
+    r = run_cli(*train_args(out, corpus, "--steps", str(step + 2), "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert ne.latest_checkpoint(str(out)) == step + 2 and not (out / ne.LOCK_NAME).exists()
+
+
+def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
+    # nanoeuler_cuda.py --gpus N: the launcher holds --out (run_command), then starts one
+    # process per GPU, which run_command again; those, and only those, share its lock
+    code = "import sys, nanoeuler as ne\ntry:\n    print(ne.lock_out(sys.argv[1]))\nexcept ne.NanoEulerError as e:\n" \
+           "    print(e)"
+
+    def child(**env):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, cwd=HERE,
+                           env={**os.environ, **env}, timeout=60)
+        return r.stdout.decode().strip()
+    monkeypatch.delenv("NANOEULER_RANK", raising=False)
+    with ne.claim_out(str(tmp_path), resume=False):
+        assert child(NANOEULER_RANK="1") == "None"
+        assert child() == (f"{tmp_path} is in use by another training run (pid {os.getpid()}); wait for it "
+                           "to end, or train into another --out")
+    assert not (tmp_path / ne.LOCK_NAME).exists()
+
+
+WRITER = """
+import sys
+import nanoeuler as ne
+
+def write(f):                      # half the file, then wait until the parent has written its own
+    f.write(b"child " * 1000)
+    print("half", flush=True)
+    sys.stdin.readline()
+    f.write(b"child " * 1000)
+
+ne.atomic_write(sys.argv[1], write)
+"""
+
+
+def test_two_writers_never_share_a_temp_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    assert child.stdout.readline() == b"half\n"
+    ne.atomic_write_bytes(str(path), b"parent " * 100)   # while the child's file is half written
+    assert path.read_bytes() == b"parent " * 100
+    _, err = child.communicate(b"go\n", timeout=60)
+    assert child.returncode == 0, err.decode()
+    assert path.read_bytes() == b"child " * 2000         # the last rename wins, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+# -----------------------------------------------------------------------------
+# a diverged run
+
+def test_the_nan_stop_names_a_checkpoint_whose_loss_was_finite(corpus, tmp_path):
+    out = tmp_path / "run"
+    # lr 1e4 without clipping diverges within a few steps; a checkpoint after every step
+    r = run_cli(*train_args(out, corpus, "--steps", "40", "--lr", "1e4", "--clip", "-1", "--warmup", "1",
+                            "--save-every", "1"))
+    err = one_sentence(r)
+    assert err.startswith("error: the loss became nan at step "), err
+    bad = int(err.split("at step ")[1].split(",")[0])    # the step whose loss was NaN
+    good = ne.latest_checkpoint(str(out))
+    assert str(out / f"model_{good:06d}.safetensors") in err and "--resume" in err
+    # the log shows a finite loss for the step after the named checkpoint (its weights gave it),
+    # and the checkpoint whose weights gave the NaN (step bad - 1) is gone
+    log = {int(row.split(",")[0]): float(row.split(",")[1]) for row in (out / "log.csv").read_text().splitlines()[1:]}
+    assert good + 1 in log and np.isfinite(log[good + 1])
+    assert good < bad - 1 and not (out / f"model_{bad - 1:06d}.safetensors").exists()
+    # resuming from it with a lower lr trains on
+    r = run_cli(*train_args(out, corpus, "--steps", str(bad + 4), "--lr", "1e-4", "--warmup", "1", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert f"resuming from {out / f'model_{good:06d}.safetensors'} at step {good}".encode() in r.stdout
+    assert ne.latest_checkpoint(str(out)) == bad + 4
+
+
+# -----------------------------------------------------------------------------
+# broken checkpoint files
+
+def truncate(path, n=1000):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) - n])
+
+
+def bad_state_json(path):
+    tensors, meta = ne.read_safetensors(str(path))
+    ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state='{"step": 8, "rng": '))
+
+
+DAMAGE = {"truncated model": ("model", truncate), "truncated state": ("state", truncate),
+          "state that is not JSON": ("state", bad_state_json)}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_resume_falls_back_to_the_newest_pair_that_reads(finished_run, corpus, tmp_path, damage):
+    out = copy_of(finished_run, tmp_path)
+    kind, spoil = DAMAGE[damage]
+    spoil(out / f"{kind}_000008.safetensors")
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    said = [ln for ln in r.stderr.decode().splitlines() if "skipped" in ln]
+    assert len(said) == 1 and f"{kind}_000008.safetensors" in said[0] and "re-run with --resume" not in said[0]
+    assert f"resuming from {out / 'model_000004.safetensors'} at step 4".encode() in r.stdout
+    assert ne.latest_checkpoint(str(out)) == 12
+    assert (out / f"{kind}_000008.safetensors.broken").exists()   # set aside, not deleted
+
+
+def test_resume_with_no_readable_pair_says_so(finished_run, corpus, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    for step in (4, 8):
+        truncate(out / f"model_{step:06d}.safetensors")
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "12", "--resume")))
+    assert "model_000008.safetensors" in err and "re-run with --resume" not in err and "another --out" in err
+
+
+# -----------------------------------------------------------------------------
+# signals
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
+    out = tmp_path / "run"
+    proc = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
+                                 "--eval-every", "100000"))
+    wait_for_step(proc, 3)
+    proc.send_signal(sig)
+    said, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    step = ne.latest_checkpoint(str(out))
+    assert step is not None and step >= 3 and f"model_{step:06d}.safetensors".encode() in said
+    assert b"saving a checkpoint" in err and b"Traceback" not in err
+    r = run_cli(*train_args(out, corpus, "--steps", str(step + 2), "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"at step {step}".encode() in r.stdout and ne.latest_checkpoint(str(out)) == step + 2
+
+
+# -----------------------------------------------------------------------------
+# the disk
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """-> mount(size) giving a fresh tmpfs folder of that size, unmounted afterwards"""
+    if os.geteuid() != 0:
+        pytest.skip("a small tmpfs needs root to mount (the full and read-only disk tests run as root)")
+    mounted = []
+
+    def mount(size):
+        point = tmp_path / f"mnt{len(mounted)}"
+        point.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)], capture_output=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({r.stderr.decode().strip()})")
+        mounted.append(point)
+        return point
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], capture_output=True)
+
+
+def test_a_full_disk_gives_one_sentence_and_leaves_no_partial_file(corpus, tmpfs):
+    disk = tmpfs("6m")                                   # the cache, the log and best.safetensors (3.7 MB)
+    out = disk / "run"                                   # fit; state_000004 (7.3 MB) does not
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "4")))
+    assert "state_000004.safetensors" in err and "disk is full" in err
+    files = [os.path.join(d, f) for d, _, fs in os.walk(disk) for f in fs]
+    assert not [f for f in files if f.endswith(".tmp")]
+    st = os.statvfs(disk)
+    used = (st.f_blocks - st.f_bfree) * st.f_frsize
+    assert used <= sum(os.path.getsize(f) for f in files) + (256 << 10)   # nothing half-written holds space
+
+
+def test_a_read_only_disk_gives_one_sentence(corpus, tmpfs):
+    disk = tmpfs("32m")
+    out = disk / "run"
+    r = run_cli(*train_args(out, corpus, "--steps", "4"))
+    assert r.returncode == 0, r.stderr.decode()
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    for folder, resume in ((out, ["--resume"]), (disk / "new", [])):
+        err = one_sentence(run_cli(*train_args(folder, corpus, "--steps", "8", *resume)))
+        assert "read-only" in err and str(folder) in err
+
+
+def test_out_that_is_a_file_gives_one_sentence(corpus, tmp_path):
+    out = tmp_path / "run"
+    out.write_text("not a folder")
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "4")))
+    assert str(out) in err and "not a folder" in err
+    assert out.read_text() == "not a folder"
+
+
+# -----------------------------------------------------------------------------
+# generation
+
+def test_sample_into_a_closed_pipe_ends_quietly(finished_run):
+    model = str(finished_run / "run" / "model_000008.safetensors")
+    proc = subprocess.Popen([sys.executable, PROGRAM, "sample", "--model", model, "--prompt", "KING:",
+                             "--max-new-tokens", "2000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    assert proc.stdout.read(5) == b"KING:"
+    proc.stdout.close()                                  # as `| head -c 5` does
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    assert err == b"" and proc.returncode == 1
+
+
+def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
+    model = str(finished_run / "run" / "model_000008.safetensors")
+    r = run_cli("chat", "--model", model, "--max-new-tokens", "8", "--seed", "1", stdin=b"to be or not " * 100 + b"\n")
+    assert r.returncode == 0, r.stderr.decode()
+    err = r.stderr.decode()
+    # room for the question: T - 1 less the reply's max_new_tokens = 128 - 1 - 8
+    assert "longer than the context of 128" in err and "keeping its last 119" in err

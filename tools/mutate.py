@@ -1,0 +1,210 @@
+"""
+Does the test suite catch real bugs? Puts one plausible one-line bug at a time
+into a copy of nanoeuler.py and runs the tests against it; a mutant whose
+tests still pass "survived", and shows a hole in the tests.
+
+    python tools/mutate.py                 # the model and optimizer bugs against test_spec.py
+    python tools/mutate.py --set inputs    # the input checks taken out, against test_inputs.py
+    python tools/mutate.py -k adamw        # the mutants whose name contains "adamw"
+    python tools/mutate.py --tests test_spec.py test_nanoeuler.py
+
+Exit code 1 when a mutant survives (or a mutation no longer applies: the code
+it changes moved, so the list below needs updating).
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (name, the exact text in nanoeuler.py, what it becomes); each text must occur exactly once
+SPEC_MUTATIONS = [
+    ("adamw: no bias correction of m", "denom *= lr / (1 - beta1 ** step)", "denom *= lr"),
+    ("adamw: no bias correction of v", "denom *= 1.0 / math.sqrt(1 - beta2 ** step)", "denom *= 1.0"),
+    ("adamw: beta1 0.9 -> 0.95", "beta1=0.9, beta2=0.95", "beta1=0.95, beta2=0.95"),
+    ("adamw: beta2 0.95 -> 0.999", "beta1=0.9, beta2=0.95", "beta1=0.9, beta2=0.999"),
+    ("adamw: eps 1e-8 -> 1e-6", "eps=1e-8, weight_decay", "eps=1e-6, weight_decay"),
+    ("adamw: decay ignores the mask", "flat *= 1.0 - (lr * weight_decay) * mask", "flat *= 1.0 - (lr * weight_decay)"),
+    ("adamw: decay not scaled by lr", "flat *= 1.0 - (lr * weight_decay) * mask", "flat *= 1.0 - weight_decay * mask"),
+    ("adamw: v from |g| not g^2", "v += (1 - beta2) * grad * grad", "v += (1 - beta2) * abs(grad)"),
+    ("engine: --weight-decay ignored", "step, lr, self.mask, weight_decay=self.weight_decay)", "step, lr, self.mask)"),
+    ("engine: --clip ignored", "norm = clip_grad_norm(self.grad_bufs[0], self.clip)",
+     "norm = clip_grad_norm(self.grad_bufs[0], -1)"),
+    ("decay mask: norm weights decayed too", "float(len(s) == 2)", "float(len(s) >= 1)"),
+    ("rope: theta 10000 -> 1000", "freq = 10000.0 **", "freq = 1000.0 **"),
+    ("rope: sign of the rotation", "[a * cos - b * sin, b * cos + a * sin], -1), (cos, sin)",
+     "[a * cos + b * sin, b * cos - a * sin], -1), (cos, sin)"),
+    ("rope: interleaved pairs, not halves", "a, b = x[..., :h], x[..., h:]", "a, b = x[..., 0::2], x[..., 1::2]"),
+    ("rope: positions off by one", "return cos[pos:pos + T], sin[pos:pos + T]",
+     "return cos[pos + 1:pos + T + 1], sin[pos + 1:pos + T + 1]"),
+    ("rope: frequency exponent 2i/D -> i/D", "* 2.0 / D)  # (D/2,)", "* 1.0 / D)  # (D/2,)"),
+    ("rmsnorm: eps 1e-5 -> 1e-6", "def rmsnorm_forward(x, w, eps=1e-5):", "def rmsnorm_forward(x, w, eps=1e-6):"),
+    ("rmsnorm: sum instead of mean", "keepdims=True) / x.shape[-1] + eps)", "keepdims=True) + eps)"),
+    ("mask: a query sees the next key", "np.where(np.arange(Tk)[None, :] <= i, 0.0",
+     "np.where(np.arange(Tk)[None, :] <= i + 1, 0.0"),
+    ("mask: a query does not see itself", "np.where(np.arange(Tk)[None, :] <= i, 0.0",
+     "np.where(np.arange(Tk)[None, :] < i, 0.0"),
+    ("gqa: query head h reads kv head h % Hkv",
+     "qg = q.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4)",
+     "qg = q.reshape(B, Tq, G, Hkv, D).transpose(0, 3, 2, 1, 4)"),
+    ("attention: scale 1/D, not 1/sqrt(D)", "att = (qg * (1.0 / math.sqrt(D))) @ kt", "att = (qg * (1.0 / D)) @ kt"),
+    ("swiglu: gate and up swapped", "gate, up = gu[..., :F], gu[..., F:]", "up, gate = gu[..., :F], gu[..., F:]"),
+    ("loss: head k's targets shifted by k-1", "targets = np.stack([rows[:, 1 + k:1 + k + T]",
+     "targets = np.stack([rows[:, k:k + T]"),
+    ("loss: extra heads summed, not averaged", "[cfg.mtp_weight / max(cfg.K - 1, 1)] * (cfg.K - 1)",
+     "[cfg.mtp_weight] * (cfg.K - 1)"),
+    ("loss: mtp_weight ignored", "[cfg.mtp_weight / max(cfg.K - 1, 1)]", "[0.5 / max(cfg.K - 1, 1)]"),
+    ("loss: ignored targets counted in the mean", "n = max(int(keep.sum()) if n is None else int(n), 1)",
+     "n = max(len(targets) if n is None else int(n), 1)"),
+    ("bpb: nats, not bits", "return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)",
+     "return nats / max(ntok, 1), nats / max(nbytes, 1)"),
+    ("bpb: specials count as bytes", "n[256:FIRST_MERGE_ID] = 0", "pass"),
+    ("schedule: no floor", "def lr_schedule(step, total, lr, warmup, min_ratio=0.1):",
+     "def lr_schedule(step, total, lr, warmup, min_ratio=0.0):"),
+    ("schedule: warmup starts at 0", "return lr * (step + 1) / warmup", "return lr * step / warmup"),
+    ("schedule: cosine goes on past the end", "math.cos(math.pi * min(progress, 1.0))", "math.cos(math.pi * progress)"),
+    ("clip: half the threshold", "grad *= max_norm / norm", "grad *= 0.5 * max_norm / norm"),
+    ("clip: clips below the threshold too", "if max_norm > 0 and norm > max_norm:", "if max_norm > 0:"),
+    ("init: residual scale 1/sqrt(L)", "std = 0.02 / math.sqrt(2 * cfg.L)", "std = 0.02 / math.sqrt(cfg.L)"),
+    ("init: std 0.02 -> 0.01", "if name.endswith((\"wo\", \"w_down\")) else 0.02",
+     "if name.endswith((\"wo\", \"w_down\")) else 0.01"),
+    ("sft: <|end|> not trained", "reply = tok.encode(response) + [tok.special(\"<|end|>\")]\n        ids += reply\n"
+     "        train_on += [1] * len(reply)",
+     "reply = tok.encode(response) + [tok.special(\"<|end|>\")]\n        ids += reply\n"
+     "        train_on += [1] * (len(reply) - 1) + [0]"),
+    ("sft: prompt trained too", "train_on = [0] * len(ids)", "train_on = [1] * len(ids)"),
+    ("top-k: keeps one too few", "z[z < np.partition(z, -top_k)[-top_k]] = -np.inf",
+     "z[z <= np.partition(z, -top_k)[-top_k]] = -np.inf"),
+    ("top-p: keeps one token too many", "cut = np.searchsorted(np.cumsum(p[order]), top_p) + 1",
+     "cut = np.searchsorted(np.cumsum(p[order]), top_p) + 2"),
+    ("top-p: smallest set below p, not reaching it", "cut = np.searchsorted(np.cumsum(p[order]), top_p) + 1",
+     "cut = max(1, np.searchsorted(np.cumsum(p[order]), top_p))"),
+    ("temperature: multiplies", "z = logits.astype(np.float64) / temperature",
+     "z = logits.astype(np.float64) * temperature"),
+    ("decoding: rope sign", "[a * cos - b * sin, b * cos + a * sin], -1)     # rope_forward's rotation",
+     "[a * cos + b * sin, b * cos - a * sin], -1)     # rope_forward's rotation"),
+    ("decoding: positions restart at every call", "cos, sin = rope_table(Tn, D, pos, dtype)",
+     "cos, sin = rope_table(Tn, D, 0, dtype)"),
+    ("decoding: no mask in the prefill", "mask = causal_mask(Tn, Tk, G, dtype) if Tn > 1 else 0.0",
+     "mask = 0.0"),
+    ("decoding: query head h reads kv head h % Hkv",
+     "q = qk[:, :Hq].reshape(Tn, Hkv, G, D).transpose(1, 2, 0, 3)",
+     "q = qk[:, :Hq].reshape(Tn, G, Hkv, D).transpose(2, 1, 0, 3)"),
+    ("speculative: a draft is kept without head 0's verdict", "if j == len(guesses) or guesses[j] != t:",
+     "if j == len(guesses):"),
+    ("speculative: drafts read one position late", "guesses = (drafters @ x[0, first + j])",
+     "guesses = (drafters @ x[0, max(0, first + j - 1)])"),
+    ("window: slides to T/2 + 1 tokens", "pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0",
+     "pending, guesses, pos = tokens[-(cfg.T // 2 + 1):], [], 0"),
+    ("window: a long prompt keeps T tokens", "tokens = list(prompt)[-(cfg.T - 1):] if prompt else []",
+     "tokens = list(prompt)[-cfg.T:] if prompt else []"),
+    ("decode: invalid bytes dropped, not replaced", 'decode("utf-8", errors="replace")\n\n    def token_bytes',
+     'decode("utf-8", errors="ignore")\n\n    def token_bytes'),
+    ("safetensors: header padded to 4 bytes", 'head += b" " * (-len(head) % 8)', 'head += b" " * (-len(head) % 4)'),
+    ("safetensors: big-endian data", 'f.write(np.ascontiguousarray(t, dtype="<f4").data)',
+     'f.write(np.ascontiguousarray(t, dtype=">f4").data)'),
+    ("checkpoint: a model without its state counts", "steps = [s for s in steps if os.path.exists(",
+     "steps = [s for s in steps if s or os.path.exists("),
+    ("data: validation overlaps training by one token", "return tokens[:-n_val], tokens[-n_val:]",
+     "return tokens[:-n_val + 1], tokens[-n_val:]"),
+    ("data: validation is 5%", "def split_train_val(tokens, rows_len, val_fraction=0.1):",
+     "def split_train_val(tokens, rows_len, val_fraction=0.05):"),
+]
+
+# each input check taken out or loosened: test_inputs.py must notice
+INPUT_MUTATIONS = [
+    ("config: no limit on T", "if self.T > MAX_T:", "if False:"),
+    ("config: no limit on V", "if self.V > MAX_V:", "if False:"),
+    ("config: Hq need not be a multiple of Hkv", "if self.Hq % self.Hkv:", "if False:"),
+    ("config: odd head size allowed", "if self.C % self.Hq or self.D % 2:", "if self.C % self.Hq:"),
+    ("config: floats and bools pass as sizes", "if type(value) is not int or value < 1:", "if value < 1:"),
+    ("file: overlapping tensors allowed", "if begin != end:", "if begin > end:"),
+    ("file: trailing bytes allowed", "if found > end:", "if False:"),
+    ("file: metadata values need not be text", "or not all(isinstance(v, str) for v in metadata.values()):",
+     "or False:"),
+    ("file: NaN weights load", "    if bad:\n        raise NanoEulerError(f\"{path} holds weights",
+     "    if False:\n        raise NanoEulerError(f\"{path} holds weights"),
+    ("file: tensor count not checked first", "if len(tensors) == n_want else {}", "if True else {}"),
+    ("merges: an id not made yet is allowed", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i)",
+     "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i + 1)"),
+    ("merges: specials allowed", "(0 <= t < 256 or FIRST_MERGE_ID", "(0 <= t < FIRST_MERGE_ID or FIRST_MERGE_ID"),
+    ("merges: repeats allowed", "if tuple(pair) in seen:", "if False:"),
+    ("merges: no bound on the bytes", "if total > MAX_VOCAB_BYTES:", "if False:"),
+    ("sft: a single example passes", "if keep.sum() < 2:", "if keep.sum() < 1:"),
+    ("sft: a number passes as a response", "if not isinstance(value, str):", "if False:"),
+    ("sample: argv bytes passed on raw", "args.prompt = argv_text(args.prompt)", "pass"),
+    ("data: dangling links kept", "for f in [f for f in files if not os.path.isfile(f)]:", "for f in []:"),
+    ("flags: positive_int takes 0", "positive_int = number_type(int, lambda n: n >= 1,",
+     "positive_int = number_type(int, lambda n: n >= 0,"),
+    ("flags: nan passes as a number >= 0", "lambda x: 0 <= x < math.inf, \"a number >= 0\")",
+     "lambda x: not x < 0, \"a number >= 0\")"),
+    ("flags: top-p above 1", "lambda p: 0 < p <= 1,", "lambda p: 0 < p,"),
+]
+SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"])}
+MEMORY_LIMIT = 4 << 30    # a mutant that allocates without bound fails fast instead of filling the machine
+
+
+def limit_memory():
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("-k", default="", help="only the mutants whose name contains this")
+    p.add_argument("--set", choices=sorted(SETS), default="spec", help="which mutants, and their tests")
+    p.add_argument("--tests", nargs="+", help="test files to run against each mutant (default: the set's)")
+    p.add_argument("--timeout", type=int, default=300, help="seconds per mutant")
+    args = p.parse_args()
+    mutations, tests = SETS[args.set]
+    args.tests = args.tests or tests
+    source = open(os.path.join(HERE, "nanoeuler.py")).read()
+    chosen = [m for m in mutations if args.k in m[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py"]:
+            shutil.copy(os.path.join(HERE, name), tmp)
+        if os.path.isdir(os.path.join(HERE, "data")):
+            os.symlink(os.path.join(HERE, "data"), os.path.join(tmp, "data"))
+
+        def run_tests(code):
+            with open(os.path.join(tmp, "nanoeuler.py"), "w") as f:
+                f.write(code)
+            try:
+                r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                    *args.tests], cwd=tmp, capture_output=True, timeout=args.timeout,
+                                   preexec_fn=limit_memory)
+            except subprocess.TimeoutExpired:
+                return False, "timed out"
+            lines = r.stdout.decode().strip().splitlines()
+            failed = next((ln.split(" - ")[0] for ln in lines if ln.startswith(("FAILED", "ERROR"))), "")
+            if r.returncode == 0:
+                return True, ""
+            return False, failed or f"pytest exit code {r.returncode} (out of memory?)"
+
+        ok, why = run_tests(source)
+        if not ok:
+            sys.exit(f"the tests fail on the unchanged nanoeuler.py ({why}); fix that first")
+        survived, stale = [], []
+        for name, old, new in chosen:
+            if source.count(old) != 1:
+                stale.append(name)
+                print(f"STALE     {name}: its text occurs {source.count(old)} times in nanoeuler.py")
+                continue
+            t0 = time.time()
+            passed, failed = run_tests(source.replace(old, new))
+            if passed:
+                survived.append(name)
+            print(f"{'SURVIVED' if passed else 'killed  '}  {name:<55} {time.time() - t0:5.1f} s  {failed}",
+                  flush=True)
+    print(f"{len(chosen) - len(survived) - len(stale)} of {len(chosen)} mutants killed, "
+          f"{len(survived)} survived, {len(stale)} stale")
+    sys.exit(1 if survived or stale else 0)
+
+
+if __name__ == "__main__":
+    main()
