@@ -429,6 +429,7 @@ strip)
     strip_gutenberg "$2" "$3" || exit 1
     ;;
 *)
+    [ -z "${1:-}" ] || fail "unknown target '$1'; the targets are books, web, alpaca, all and strip"
     usage >&2
     exit 2
     ;;

@@ -1724,6 +1724,7 @@ def cmd_sample(args):
 def cmd_sft(args):
     """nanoeuler.py sft (same template, data reader, masks, validation and checkpoints) on the GPU"""
     args.zero = False
+    ne.load_model(args.model), ne.load_instructions(args.data)   # bad files are refused before the GPU starts
     init_gpu(args.precision)
     ne.cmd_sft(args, make_engine=lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
                engine=f"{gpu.name}, sm_{gpu.arch}, {args.precision} matmuls")
@@ -1770,6 +1771,8 @@ def cmd_bench(args):
         return launch_ranks(args.argv, args.gpus)
     if args.decode_only:
         return bench_decoding(args)
+    if args.model:
+        ne.load_model(args.model)                      # a bad file is refused before the GPU starts
     init_gpu(args.precision, rank)
     cfg = PRESETS[args.model_size]
     engine = (DataParallelEngine(cfg, ne.init_params(cfg), None, None, args, rank, world) if world else

@@ -240,3 +240,14 @@ def test_nvrtc_compiles_the_decode_kernels(tmp_path):
     names += [f"decode_matvec_{mode}_{w}_kernel" for mode in ("plain", "rmsnorm", "swiglu") for w in ("f32", "bf16")]
     for name in names:
         assert name.encode() in cubin, name                         # extern "C": the name is in the CUBIN
+
+
+@pytest.mark.parametrize("argv", [["sft", "--model", "{missing}"], ["bench", "--model", "{missing}"]])
+def test_a_missing_model_is_named_before_the_gpu_starts(tmp_path, argv):
+    # with or without a GPU, the first thing a user hears of is their own file
+    import subprocess
+    missing = str(tmp_path / "no_such_model.safetensors")
+    argv = [a.format(missing=missing) for a in argv] + (["--out", str(tmp_path / "run")] if argv[0] == "sft" else [])
+    r = subprocess.run([sys.executable, nc.__file__, *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert missing in r.stderr and "driver" not in r.stderr

@@ -180,6 +180,9 @@ def test_no_argument_prints_usage_not_code(tmp_path):
     for args in ([], ["nonsense"], ["web", "1G", "extra"]):
         rc, out, err = run(args, env_for(tmp_path, "http://127.0.0.1:9"))
         assert rc == 2
+        if args == ["nonsense"]:                               # an unknown target is named first
+            first, err = err.split("\n", 1)
+            assert first == "get_data.sh: unknown target 'nonsense'; the targets are books, web, alpaca, all and strip"
         assert err.startswith("usage: bash get_data.sh TARGET")
         for target in ("books", "web [SIZE]", "alpaca", "all"):
             assert target in err
