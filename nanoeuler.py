@@ -344,6 +344,9 @@ def mtp_heads_backward(dloss, cache):
 # -----------------------------------------------------------------------------
 # the model
 
+LAYER_TENSORS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "w_gate_up")
+
+
 def param_shapes(cfg):
     """(name, shape) of every tensor, in SPEC order: the checkpoint's layout too"""
     C, D, F, V = cfg.C, cfg.D, cfg.F, cfg.V
@@ -454,23 +457,29 @@ def block_backward(dx, cache, g):
 
 
 def layer_params(params, l):
-    """this layer's tensors under their short names"""
-    prefix = f"layers.{l}."
-    return {name[len(prefix):]: t for name, t in params.items() if name.startswith(prefix)}
+    """layer l's tensors under their short names (and w_gate_up, see carve)"""
+    return {name: params[f"layers.{l}.{name}"] for name in LAYER_TENSORS}
 
 
-def model_forward(params, cfg, idx, targets, counts=None):
-    """idx (B,T), targets (B,T,K) with -1 = ignore -> loss, ce (K,), cache.
+def model_forward(params, cfg, idx, targets=None, counts=None, pos=0, kv=None):
+    """idx (B,T) -> with targets (B,T,K), -1 = ignore: loss, ce (K,), cache for the backward;
+    without targets (generation): head 0's logits (B,T,V) and the final hidden state
+    xf (B,T,C), from which the other heads' logits follow.
 
     ce[0] is CE_0, what logs report; loss adds the extra heads (SPEC, Loss).
-    counts (K,): kept targets per head in the whole batch, when this is a part of it."""
+    counts (K,): kept targets per head in the whole batch, when this is a part of it.
+    pos, kv: generation's KV cache (new_kv_cache): the tokens sit at positions pos..,
+    and each block adds their keys and values to its cache and attends to the prefix."""
     B, T = idx.shape
     x, c_emb = embedding_forward(idx, params["tok_emb"])               # (B,T,C)
     c_blocks = []
     for l in range(cfg.L):
-        x, c = block_forward(x, layer_params(params, l), cfg)
+        x, c = block_forward(x, layer_params(params, l), cfg, pos, None if kv is None else kv[l])
         c_blocks.append(c)
     xf, c_final = rmsnorm_forward(x, params["final_norm"])             # (B,T,C)
+    if targets is None:
+        logits, _ = linear_forward(xf, params["heads.0"])              # (B,T,V)
+        return logits, xf
     loss, ce, c_heads = mtp_heads_forward(xf.reshape(B * T, -1), params["heads"],
                                           targets.reshape(B * T, -1), cfg, counts)
     return loss, ce, (c_emb, c_blocks, c_final, c_heads, (B, T))
@@ -681,51 +690,13 @@ def new_kv_cache(cfg, B, dtype=np.float32):
             for _ in range(cfg.L)]
 
 
-def decode_weights(params, cfg):
-    """the weights as decoding reads them: per layer, each matrix stored transposed,
-    (IN, OUT). Decoding multiplies 1 to 4 rows by each matrix, and OpenBLAS took
-    3-6x less time for that with the matrix stored this way (its small-matrix path)."""
-    tr = lambda w: np.ascontiguousarray(w.T)
-    layers = [{"attn_norm": p["attn_norm"], "wqkv": tr(p["wqkv"]), "wo": tr(p["wo"]), "mlp_norm": p["mlp_norm"],
-               "w_gate_up": tr(p["w_gate_up"]), "w_down": tr(p["w_down"])}
-              for p in (layer_params(params, l) for l in range(cfg.L))]
-    return layers, tr(params["heads.0"])
-
-
-def forward_logits(params, cfg, idx, pos, kv, weights=None):
-    """idx (1,Tn): new tokens at positions pos.. -> head 0's logits (1,Tn,V) and the
-    final-normed hidden state (1,Tn,C), from which the other heads' logits follow.
-
-    The keys and values of the new tokens are added to kv, so the prompt is
-    processed once (prefill) and then each step feeds only the new tokens.
-    This is block_forward's math, for one sequence, through the same layer
-    functions where they cost nothing extra, without what the backward would
-    need, and with rope's table and the mask made once for all layers: a pass
-    takes 15% less time than through block_forward. weights: decode_weights,
-    when the caller keeps them between calls."""
-    layers, head = weights or decode_weights(params, cfg)
-    Tn, Hq, Hkv, D = idx.shape[1], cfg.Hq, cfg.Hkv, cfg.D
-    G, half, Tk, dtype = Hq // Hkv, D // 2, pos + Tn, params["tok_emb"].dtype
-    cos, sin = rope_table(Tn, D, pos, dtype)                           # (Tn,1,D/2)
-    mask = causal_mask(Tn, Tk, G, dtype) if Tn > 1 else 0.0            # one query sees every key
-    x = params["tok_emb"][idx[0]]                                      # (Tn,C)
-    for p, (k_cache, v_cache) in zip(layers, kv):
-        qkv = rmsnorm_forward(x, p["attn_norm"])[0] @ p["wqkv"]         # (Tn,(Hq+2Hkv)*D)
-        qk = qkv[:, :(Hq + Hkv) * D].reshape(Tn, Hq + Hkv, D)
-        a, b = qk[..., :half], qk[..., half:]
-        qk = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)     # rope_forward's rotation
-        k_cache[0, pos:Tk], v_cache[0, pos:Tk] = qk[:, Hq:], qkv[:, (Hq + Hkv) * D:].reshape(Tn, Hkv, D)
-        # attention_forward's grouping: the G query heads of a kv head stacked along time
-        q = qk[:, :Hq].reshape(Tn, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * Tn, D)
-        att = (q * (1.0 / math.sqrt(D))) @ k_cache[0, :Tk].transpose(1, 2, 0) + mask   # (Hkv,G*Tn,Tk)
-        att -= att.max(-1, keepdims=True)
-        np.exp(att, out=att)
-        att /= att.sum(-1, keepdims=True)
-        y = (att @ v_cache[0, :Tk].transpose(1, 0, 2)).reshape(Hkv, G, Tn, D).transpose(2, 0, 1, 3)
-        x = x + y.reshape(Tn, Hq * D) @ p["wo"]
-        x = x + swiglu_forward(rmsnorm_forward(x, p["mlp_norm"])[0] @ p["w_gate_up"])[0] @ p["w_down"]
-    x = rmsnorm_forward(x, params["final_norm"])[0]
-    return (x @ head)[None], x[None]
+def decode_params(params):
+    """params as decoding reads them: the matrices that block_forward and head 0
+    multiply, stored column-major (same values, so the same logits). x @ w.T then
+    multiplies by a row-major (IN, OUT) matrix, and OpenBLAS does that 3-6x faster
+    for the 1 to 4 rows a decoding pass feeds (its small-matrix path)."""
+    multiplied = ("wqkv", "wo", "w_gate_up", "w_down", "heads.0")
+    return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
 
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
@@ -766,7 +737,7 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
     kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
-    weights = decode_weights(params, cfg)
+    fast = decode_params(params)
     n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
     drafters = params["heads"][1:1 + n_drafts].reshape(-1, cfg.C)     # (drafts*V, C)
     pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
@@ -775,7 +746,7 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
             pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
         guesses = guesses[:cfg.T - pos - len(pending)]     # slide exactly when plain decoding would
         feed = pending + guesses
-        logits, x = forward_logits(params, cfg, np.array([feed]), pos, kv, weights)   # (1,Tn,V), (1,Tn,C)
+        logits, x = model_forward(fast, cfg, np.array([feed]), pos=pos, kv=kv)    # (1,Tn,V), (1,Tn,C)
         first = len(pending) - 1                           # logits at feed[first] predict the next token
         for j in range(len(guesses) + 1):
             t = sample_token(logits[0, first + j], rng, temperature, top_k, top_p)
