@@ -371,22 +371,19 @@ def num_params(cfg):
 def carve(flat, cfg):
     """flat buffer -> dict of named views into it (no copies), in SPEC order.
 
-    Two extra views serve speed: `heads` (K,V,C) covers all K heads, and
-    `layers.{l}.w_gate_up` (2F,C) covers w_gate and w_up, which sit next to
-    each other, so one matmul does the work of several. They alias the same
-    memory, so gradients written through them land in the SPEC tensors."""
-    views, offset = {}, 0
+    Two more views cover neighbours in the buffer, so that one matmul does the
+    work of several: `heads` (K,V,C) is all K heads, and `layers.{l}.w_gate_up`
+    (2F,C) is w_gate with w_up after it. Gradients written through them land in
+    the SPEC tensors, whose memory they share."""
+    views, start, offset = {}, {}, 0
     for name, shape in param_shapes(cfg):
         n = math.prod(shape)
-        views[name] = flat[offset:offset + n].reshape(shape)
+        views[name], start[name] = flat[offset:offset + n].reshape(shape), offset
         offset += n
-    first_head = offset - cfg.K * cfg.V * cfg.C
-    views["heads"] = flat[first_head:offset].reshape(cfg.K, cfg.V, cfg.C)
+    views["heads"] = flat[start["heads.0"]:offset].reshape(cfg.K, cfg.V, cfg.C)
     for l in range(cfg.L):
-        gate = views[f"layers.{l}.w_gate"]
-        start = gate.ctypes.data - flat.ctypes.data
-        start //= flat.itemsize
-        views[f"layers.{l}.w_gate_up"] = flat[start:start + 2 * cfg.F * cfg.C].reshape(2 * cfg.F, cfg.C)
+        gate = start[f"layers.{l}.w_gate"]
+        views[f"layers.{l}.w_gate_up"] = flat[gate:gate + 2 * cfg.F * cfg.C].reshape(2 * cfg.F, cfg.C)
     return views
 
 
