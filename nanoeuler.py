@@ -1895,6 +1895,11 @@ def saved_rng(state):
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 
 
+def plan_at(args, state, start):
+    """the step after which --minutes sets the run's length (once per run), or None"""
+    return start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
+
+
 def plan_steps(args, step, step_time, eval_time, elapsed):
     """--minutes: how many steps, evaluations included, end the run on time. Set
     within the warmup (while the learning rate does not depend on the total),
@@ -1907,6 +1912,11 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
         print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
               "so far followed --steps's schedule")
     return total
+
+
+def stop_at(args, start, total):
+    """the step this session ends at: the run's last, or sooner with --stop-after"""
+    return min(total, start + args.stop_after) if args.stop_after > 0 else total
 
 
 def stop_on_nan(what, value, step, out_dir, made_by=None):
@@ -1928,6 +1938,14 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
                          "continue from it with --resume")
 
 
+def stop_if_diverged(loss, norm, step, out_dir):
+    """step `step`'s update gave a loss or gradient norm that is NaN or infinite: stop_on_nan
+    (the weights that gave it are step - 1's)"""
+    if not (np.isfinite(loss) and np.isfinite(norm)):
+        what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
+        stop_on_nan(what, value, step, out_dir, made_by=step - 1)
+
+
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
 
 
@@ -1944,6 +1962,23 @@ def open_log(csv_path, step):
     return open(csv_path, "a")
 
 
+def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
+    """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
+    left, estimated from the last 50 steps"""
+    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+    print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
+          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
+          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
+
+
+def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
+    """one row of log.csv (LOG_HEADER); validation fields empty between evaluations"""
+    csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens / dt:.1f},"
+              f"{'' if mfu is None else f'{mfu:.4f}'},"
+              f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
+    csv.flush()
+
+
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far"""
     params = carve(flat, cfg)
@@ -1952,10 +1987,43 @@ def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
+def validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed):
+    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet;
+    elapsed() -> the run's time so far, as text"""
+    val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
+    if not np.isfinite(val_loss):
+        stop_on_nan("validation loss", val_loss, step, out_dir)
+    print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
+          f"{len(val_batches)} batches | {elapsed()} elapsed")
+    flat = engine.host_params()                    # one copy for both, and no moments
+    if val_loss < state.get("best_val", math.inf):
+        state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
+        save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
+    print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
+    return val_loss, val_bpb
+
+
+def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
+    """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
+    t0 = clock()
+    state.update(step=step, rng=rng.bit_generator.state)
+    path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
+    prune_checkpoints(out_dir)
+    print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
+    return path
+
+
+def print_summary(steps, elapsed, times, state, out_dir, last_path):
+    mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
+    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
+            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
+    print(f"done: {steps} steps in {elapsed}, {mean_ms}; {best}; last checkpoint {last_path}")
+
+
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
                clock=time.perf_counter):
-    """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
-    evaluate, checkpoint, stop cleanly.
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step,
+    log, evaluate, save, and stop cleanly.
 
     next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
     state holds step, rng state and the best validation so far. The log's samples
@@ -1970,82 +2038,41 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
               f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
         return start
     os.makedirs(out_dir, exist_ok=True)
-    rng = saved_rng(state)
-    token_bytes = tok.token_bytes()
+    rng, tokens = saved_rng(state), args.batch * cfg.T
     csv_path = os.path.join(out_dir, "log.csv")
-    csv = open_log(csv_path, start)
-    width = len(str(total))
-    tokens_per_step = args.batch * cfg.T
-    times, t_start, last_path = [], clock(), None
-    plan_now = getattr(args, "minutes", 0) > 0 and "planned_steps" not in state
-
-    def checkpoint(step):
-        nonlocal last_path
-        t0 = clock()
-        state.update(step=step, rng=rng.bit_generator.state)
-        last_path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
-        prune_checkpoints(out_dir)
-        print(f"saved  {last_path} (+ state) in {clock() - t0:.1f} s")
-
-    def validate(step):
-        """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet"""
-        val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
-        if not np.isfinite(val_loss):
-            stop_on_nan("validation loss", val_loss, step, out_dir)
-        print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
-              f"{len(val_batches)} batches | {fmt_time(clock() - t_start)} elapsed")
-        flat = engine.host_params()                    # one copy for both, and no moments
-        if val_loss < state.get("best_val", math.inf):
-            state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-            save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
-        print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
-        return val_loss, val_bpb
-
-    step = start
+    csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
+    times, t_start, last_path, step = [], clock(), None, start
+    elapsed = lambda: fmt_time(clock() - t_start)
     with StopFlag() as flag, warnings.catch_warnings():
         # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
-        stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
-        while step < stop_at and not flag.stop:
+        while step < stop_at(args, start, total) and not flag.stop:
             t0 = clock()
             lr = lr_schedule(step, total, args.lr, args.warmup)
-            idx, targets = next_batch(rng)
-            loss, ce, norm = engine.step(idx, targets, lr, step + 1)
-            if not (np.isfinite(loss) and np.isfinite(norm)):
-                what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
-                stop_on_nan(what, value, step + 1, out_dir, made_by=step)
+            loss, ce, norm = engine.step(*next_batch(rng), lr, step + 1)
+            stop_if_diverged(loss, norm, step + 1, out_dir)
             step += 1
             dt = clock() - t0
             if step > start + 1:
                 times.append(dt)                          # the first step warms up: left out
-            eta = (total - step) * (np.mean(times[-50:]) if times else dt)
             mfu = engine.mfu(dt)
-            print(f"step {step:{width}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
-                  f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | " +
-                  (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
-            val_loss = val_bpb = ""
-            if (plan_now and step == start + PLAN_AFTER) or step % args.eval_every == 0 or step == total:
+            log_step(step, total, ce, lr, norm, dt, times, tokens, mfu)
+            val = ()
+            if step == plan_step or step % args.eval_every == 0 or step == total:
                 t_eval = clock()
-                val_loss, val_bpb = validate(step)
-                if plan_now and step == start + PLAN_AFTER:
+                val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
+                if step == plan_step:
                     total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
-                    state["planned_steps"], width, plan_now = total, len(str(total)), False
-                    stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
-            csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
-                      f"{'' if mfu is None else f'{mfu:.4f}'},"
-                      f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
-            csv.flush()
+                    state["planned_steps"] = total
+            log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, *val)
             if step % args.save_every == 0 or step == total:
-                checkpoint(step)
+                last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
         if step > start and step % args.save_every and step != total:
-            checkpoint(step)                              # stopped early: a signal or --stop-after
+            # stopped early: a signal or --stop-after
+            last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
     csv.close()
     engine.close()
-    mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
-    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
-            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {step - start} steps in {fmt_time(clock() - t_start)}, {mean_ms}; {best}; "
-          f"last checkpoint {last_path}")
+    print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
 
