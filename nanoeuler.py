@@ -1424,6 +1424,34 @@ def write_safetensors(path, tensors, metadata):
 MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
 
 
+def tensor_entries(header, bad):
+    """a safetensors header's tensors -> [(begin, end, name, shape)] in data order and the
+    end of the last, once each is float32 with a shape that matches its bytes and they
+    tile the data without gaps or overlaps; bad(problem) -> the error to raise"""
+    entries = []
+    for name, h in header.items():
+        if not isinstance(h, dict):
+            raise bad(f"the entry of tensor {name!r} is not a map")
+        shape, offsets = h.get("shape"), h.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+        if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
+            raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                      f"{offsets[1] - offsets[0]:,} bytes)")
+        entries.append((offsets[0], offsets[1], name, shape))
+    entries.sort()
+    end = 0
+    for begin, stop, name, _ in entries:
+        if begin != end:
+            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                      f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+        end = stop
+    return entries, end
+
+
 def read_safetensors(path):
     """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
 
@@ -1451,27 +1479,7 @@ def read_safetensors(path):
         metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise bad("its __metadata__ is not a map of strings")
-        entries = []
-        for name, h in header.items():
-            if not isinstance(h, dict):
-                raise bad(f"the entry of tensor {name!r} is not a map")
-            shape, offsets = h.get("shape"), h.get("data_offsets")
-            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-                raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
-            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                    and 0 <= offsets[0] <= offsets[1]):
-                raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-            if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
-                raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
-                          f"{offsets[1] - offsets[0]:,} bytes)")
-            entries.append((offsets[0], offsets[1], name, shape))
-        entries.sort()
-        end = 0
-        for begin, stop, name, _ in entries:
-            if begin != end:
-                raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
-                          f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
-            end = stop
+        entries, end = tensor_entries(header, bad)
         found = size - 8 - n
         if found < end:
             raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
