@@ -3,8 +3,12 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus
+    python nanoeuler.py train     # train the small model on the embedded corpus (~5.5 min, 2 cores)
     python nanoeuler.py chat --model out/small/best.safetensors
+
+and sample (continue a prompt), sft (fine-tune on instructions, loss on the
+responses only), prepare (tokenize a corpus ahead of train), bench (time
+training steps, the tokenizer and generation).
 
 The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 - byte-level BPE tokenizer with GPT-2 style pre-tokenization and chat specials
@@ -13,15 +17,21 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
   share Hkv key/value heads) -> RMSNorm -> SwiGLU MLP, both on a residual stream
 - no biases anywhere; K untied output heads, head k predicts token t+1+k
   (multi-token prediction), loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)
-- AdamW, warmup + cosine schedule, grad-norm clipping; SFT with response-only
-  loss; KV-cache generation and self-speculative decoding with the MTP heads
+- AdamW, warmup + cosine schedule, grad-norm clipping; generation with a KV
+  cache through the training forward, and self-speculative decoding with the
+  MTP heads as drafts
 
-What it deliberately leaves out: dropout, mixed precision, gradient
-accumulation across processes, any autograd or framework. The GPU twin of this
-file is nanoeuler_cuda.py; it imports the tokenizer, data and checkpoint code
-from here.
+The file reads in that order: config, layers (each forward beside its
+backward), model, gradient check, optimizer, generation, tokenizer, data,
+checkpoints, training, fine-tuning and chat, command line.
+
+What it deliberately leaves out: dropout, mixed precision (float32 throughout,
+float64 in the check), gradient accumulation, more than one process or
+machine, batched generation (one sequence at a time), any autograd or
+framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
+config, tokenizer, data, checkpoint and training-loop code from here and
+checks its kernels against the layers here.
 """
-
 
 import argparse
 import contextlib
@@ -40,13 +50,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from itertools import repeat
 
-# Training splits each batch over the cores with threads of its own (see
-# train_step), so BLAS must not start threads too: two layers of threads on two
-# cores made every step twice as slow. Set before numpy loads BLAS.
+# one BLAS thread: training runs threads of its own (why: "a training step on
+# every core", below); BLAS reads this when numpy loads it, so it must come first
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
-
-import numpy as np  # noqa: E402  (after the thread settings above, on purpose)
+import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
