@@ -3,7 +3,7 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus (~5.5 min, 2 cores)
+    python nanoeuler.py train     # train the small model on the embedded corpus (~6 min, 2 cores)
     python nanoeuler.py chat --model out/small/best.safetensors
 
 and sample (continue a prompt), sft (fine-tune on instructions, loss on the
@@ -697,9 +697,10 @@ def new_kv_cache(cfg, B, dtype=np.float32):
 
 def decode_params(params):
     """params as decoding reads them: the matrices that block_forward and head 0
-    multiply, stored column-major (same values, so the same logits). x @ w.T then
-    multiplies by a row-major (IN, OUT) matrix, and OpenBLAS does that 3-6x faster
-    for the 1 to 4 rows a decoding pass feeds (its small-matrix path)."""
+    multiply, stored column-major (same values, so the same logits). x @ w.T is
+    then a product with a row-major (IN, OUT) matrix, which OpenBLAS does 5-9x
+    faster for the 2 to 8 rows of a speculative pass (its small-matrix path):
+    speculative decoding runs 1.5x faster for it (BENCHMARKS.md)."""
     multiplied = ("wqkv", "wo", "w_gate_up", "w_down", "heads.0")
     return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
@@ -1694,12 +1695,21 @@ def claim_out(out_dir, resume):
 
 # -----------------------------------------------------------------------------
 # a training step on every core
+#
+# numpy works on one core at a time, so a step cuts its batch into parts that
+# run on a pool of threads (numpy lets go of the GIL inside its loops and BLAS
+# calls), each into a gradient buffer of its own, and AdamW runs on slices of
+# the flat buffer at once. BLAS is held to one thread per caller (the setting
+# above `import numpy`): two layers of threads on two cores made every step
+# twice as slow. With these and keep_freed_memory, a step on 2 cores keeps
+# level with PyTorch's eager CPU step (BENCHMARKS.md).
 
 def keep_freed_memory():
     """numpy makes a fresh array for every result. Above 128 KB glibc maps new
     pages from the OS for each one and unmaps them on free, and those page
     faults cost a fifth of a training step (measured: 18.8 -> 15.4 ms per row).
-    So keep arrays up to 32 MB on the heap, and keep freed heap memory."""
+    So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
+    once, when this file is imported."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
