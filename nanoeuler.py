@@ -66,6 +66,11 @@ class NanoEulerError(Exception):
 # -----------------------------------------------------------------------------
 # configuration
 
+SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
+MAX_V = 65536           # token ids are cached as uint16
+MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
+
+
 @dataclass
 class Config:
     V: int = 512              # vocabulary size (small 512, big 4096)
@@ -107,11 +112,6 @@ class Config:
             fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
                  "(attention holds a T x T matrix per head)")
         return self
-
-
-SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
-MAX_V = 65536           # token ids are cached as uint16
-MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
 
 
 PRESETS = {
@@ -175,18 +175,18 @@ def rmsnorm_backward(dout, cache):
     return dx, dw
 
 
-def rope_table(T, D, pos, dtype):
-    """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
-    n = 1 << (pos + T - 1).bit_length()                # one table per power of two, sliced
-    cos, sin = rope_table_upto(n, D, dtype)
-    return cos[pos:pos + T], sin[pos:pos + T]
-
-
 @functools.lru_cache(maxsize=16)
 def rope_table_upto(n, D, dtype):
     freq = 10000.0 ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)  # (D/2,)
     angle = np.arange(n, dtype=np.float64)[:, None] * freq                 # (n, D/2), in float64
     return np.cos(angle)[:, None, :].astype(dtype), np.sin(angle)[:, None, :].astype(dtype)
+
+
+def rope_table(T, D, pos, dtype):
+    """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
+    n = 1 << (pos + T - 1).bit_length()                # one table per power of two, sliced
+    cos, sin = rope_table_upto(n, D, dtype)
+    return cos[pos:pos + T], sin[pos:pos + T]
 
 
 def rope_forward(x, pos=0):
@@ -867,6 +867,32 @@ def count_pieces(text, max_bytes):
     return pieces
 
 
+MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
+
+
+def check_merges(merges):
+    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
+    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
+    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
+    Raises ValueError saying which merge is wrong."""
+    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
+        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
+    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
+    for i, pair in enumerate(merges):
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
+            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
+                             "(bytes or earlier merges)")
+        if tuple(pair) in seen:
+            raise ValueError(f"merge {i} repeats the pair {pair}")
+        seen.add(tuple(pair))
+        lengths.append(lengths[pair[0]] + lengths[pair[1]])
+        total += lengths[-1]
+        if total > MAX_VOCAB_BYTES:
+            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+    return merges
+
+
 class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
@@ -1004,32 +1030,6 @@ class Tokenizer:
         return cls(check_merges(d.get("merges")), bound)
 
 
-MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
-
-
-def check_merges(merges):
-    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
-    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
-    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
-    Raises ValueError saying which merge is wrong."""
-    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
-        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
-    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
-    for i, pair in enumerate(merges):
-        if not (isinstance(pair, list) and len(pair) == 2 and
-                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
-            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
-                             "(bytes or earlier merges)")
-        if tuple(pair) in seen:
-            raise ValueError(f"merge {i} repeats the pair {pair}")
-        seen.add(tuple(pair))
-        lengths.append(lengths[pair[0]] + lengths[pair[1]])
-        total += lengths[-1]
-        if total > MAX_VOCAB_BYTES:
-            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
-    return merges
-
-
 # -----------------------------------------------------------------------------
 # data
 #
@@ -1070,12 +1070,6 @@ def corpus_files(path):
     return [path]
 
 
-def read_text(path):
-    """the whole file as str, refusing what is not UTF-8 text"""
-    with open(path, "rb") as f:
-        return decode_text(f.read(), path, 0)
-
-
 def decode_text(data, path, offset):
     """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
     try:
@@ -1083,6 +1077,12 @@ def decode_text(data, path, offset):
     except UnicodeDecodeError as e:
         raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
                              "convert it, e.g. with iconv -t utf-8") from None
+
+
+def read_text(path):
+    """the whole file as str, refusing what is not UTF-8 text"""
+    with open(path, "rb") as f:
+        return decode_text(f.read(), path, 0)
 
 
 def chunk_end(data):
@@ -1132,6 +1132,10 @@ def text_chunks(files):
             yield path, offset, data, book
 
 
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
 def encode_chunk(tok, path, offset, data, ends_document):
     """one chunk of a file -> its token ids (an array of the token file's dtype),
     with <|endoftext|> after each document that ends in it"""
@@ -1142,10 +1146,6 @@ def encode_chunk(tok, path, offset, data, ends_document):
         if i < len(docs) - 1 or ends_document:
             ids.append(eot)
     return np.array(ids, dtype=token_dtype(tok.vocab_size))
-
-
-def token_dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 _worker_tokenizer = None
