@@ -3,8 +3,12 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus
+    python nanoeuler.py train     # train the small model on the embedded corpus (~6 min, 2 cores)
     python nanoeuler.py chat --model out/small/best.safetensors
+
+and sample (continue a prompt), sft (fine-tune on instructions, loss on the
+responses only), prepare (tokenize a corpus ahead of train), bench (time
+training steps, the tokenizer and generation).
 
 The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 - byte-level BPE tokenizer with GPT-2 style pre-tokenization and chat specials
@@ -13,13 +17,20 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
   share Hkv key/value heads) -> RMSNorm -> SwiGLU MLP, both on a residual stream
 - no biases anywhere; K untied output heads, head k predicts token t+1+k
   (multi-token prediction), loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)
-- AdamW, warmup + cosine schedule, grad-norm clipping; SFT with response-only
-  loss; KV-cache generation and self-speculative decoding with the MTP heads
+- AdamW, warmup + cosine schedule, grad-norm clipping; generation with a KV
+  cache through the training forward, and self-speculative decoding with the
+  MTP heads as drafts
 
-What it deliberately leaves out: dropout, mixed precision, gradient
-accumulation across processes, any autograd or framework. The GPU twin of this
-file is nanoeuler_cuda.py; it imports the tokenizer, data and checkpoint code
-from here.
+The file reads in that order: config, layers (each forward beside its
+backward), model, gradient check, optimizer, generation, tokenizer, data,
+checkpoints, training, fine-tuning and chat, command line.
+
+What it deliberately leaves out: dropout, mixed precision (float32 throughout,
+float64 in the check), gradient accumulation, more than one process or
+machine, batched generation (one sequence at a time), any autograd or
+framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
+config, tokenizer, data, checkpoint and training-loop code from here and
+checks its kernels against the layers here.
 """
 
 import argparse
@@ -39,30 +50,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 from itertools import repeat
 
-# Training splits each batch over the cores with threads of its own (see
-# train_step), so BLAS must not start threads too: two layers of threads on two
-# cores made every step twice as slow. Set before numpy loads BLAS.
+# one BLAS thread: training runs threads of its own (why: "a training step on
+# every core", below); BLAS reads this when numpy loads it, so it must come first
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
-
-import numpy as np  # noqa: E402  (after the thread settings above, on purpose)
-
-
-def keep_freed_memory():
-    """numpy makes a fresh array for every result. Above 128 KB glibc maps new
-    pages from the OS for each one and unmaps them on free, and those page
-    faults cost a fifth of a training step (measured: 18.8 -> 15.4 ms per row).
-    So keep arrays up to 32 MB on the heap, and keep freed heap memory."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)                     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
-        libc.mallopt(-1, 1 << 30)                      # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass                                           # not glibc: nothing to tune
-
-
-keep_freed_memory()
+import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -73,6 +65,11 @@ class NanoEulerError(Exception):
 
 # -----------------------------------------------------------------------------
 # configuration
+
+SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
+MAX_V = 65536           # token ids are cached as uint16
+MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
+
 
 @dataclass
 class Config:
@@ -117,613 +114,10 @@ class Config:
         return self
 
 
-SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
-MAX_V = 65536           # token ids are cached as uint16
-MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
-
-
 PRESETS = {
     "small": Config(V=512, C=128, Hq=4, Hkv=2, L=4, T=128, F=344, K=4),
     "big": Config(V=4096, C=768, Hq=12, Hkv=4, L=16, T=512, F=2048, K=4),
 }
-
-
-# -----------------------------------------------------------------------------
-# tokenizer: byte-level BPE
-
-# GPT-2 style pre-tokenization, written for Python's re (which has no \p{L}):
-#   '(?:[sdmt]|ll|ve|re)   English contractions split off their word: "don't" -> "don", "'t"
-#    ?[^\W\d_]+            a run of letters, with at most one space before it
-#    ?\d+                  a run of digits, with at most one space before it
-#    ?(?:[^\s\w]|_)+       a run of other symbols (punctuation, emoji, marks), same
-#   \s+(?!\S)              whitespace, but not its last space when a word follows
-#   \s+                    whatever whitespace is left (at the end of the text)
-# So a space attaches to the word after it (" the" is one piece, not two), and
-# only runs of whitespace make whitespace pieces. Every character falls in one
-# of these classes, so the pieces always add up to the text: encoding is
-# lossless. BPE merges never cross a piece boundary.
-SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
-
-# A piece longer than this many bytes (300,000 letters without a space, a long
-# run of spaces) is cut into parts of at most this many bytes, never inside a
-# character, and each part is merged on its own. BPE over a piece of n bytes
-# takes up to n rounds of n steps; with the bound, encoding is linear in the
-# text. Ordinary text has no longer piece (the embedded books' longest is a
-# 70-byte run of spaces). The bound is saved with the tokenizer; a tokenizer
-# saved without one gets this value.
-MAX_PIECE_BYTES = 128
-
-# Special tokens sit right after the 256 bytes at fixed ids, whatever the vocab
-# size; learned merges take the ids from 260 up. Ordinary text never encodes to
-# them: they come only from Tokenizer.special(name).
-SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
-FIRST_MERGE_ID = 256 + len(SPECIALS)
-
-# The encoder caches the ids of each distinct piece and clears the cache when
-# it holds this many (about 35 MB), so a worker's memory stays bounded.
-CACHE_PIECES = 100_000
-
-
-_last_progress = [0.0]
-
-
-def progress_line(text, done=False):
-    """one progress line on stderr: redrawn in place on a terminal; in a log file,
-    a new line at most every 2 seconds and at the end"""
-    now = time.time()
-    if sys.stderr.isatty():
-        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
-    elif done or now - _last_progress[0] >= 2.0:
-        print(text, file=sys.stderr, flush=True)
-        _last_progress[0] = now
-
-
-def merge(ids, pair, new_id):
-    """replace every non-overlapping occurrence of pair in ids, left to right, by new_id"""
-    out, i, n = [], 0, len(ids)
-    while i < n:
-        if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
-            out.append(new_id)
-            i += 2
-        else:
-            out.append(ids[i])
-            i += 1
-    return out
-
-
-def cut_piece(piece, max_bytes):
-    """a piece's UTF-8 bytes in parts of at most max_bytes (>= 4), each part whole characters"""
-    data = piece.encode("utf-8")
-    parts, start = [], 0
-    while start < len(data):
-        end = min(start + max_bytes, len(data))
-        while end < len(data) and data[end] & 0xC0 == 0x80:      # 0b10xxxxxx continues a character
-            end -= 1
-        parts.append(data[start:end])
-        start = end
-    return parts
-
-
-def count_pieces(text, max_bytes):
-    """{piece as bytes: how often it occurs} over the text's pre-tokenized pieces,
-    those longer than max_bytes cut as encoding cuts them"""
-    words = defaultdict(int)
-    for m in SPLIT_PATTERN.finditer(text):               # finditer: no list of every piece in memory
-        words[m.group()] += 1
-    pieces = defaultdict(int)
-    for word, n in words.items():
-        for part in cut_piece(word, max_bytes):
-            pieces[part] += n
-    return pieces
-
-
-class Tokenizer:
-    """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
-
-    def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
-        if not (isinstance(max_piece_bytes, int) and max_piece_bytes >= 4):
-            raise ValueError(f"its piece bound {max_piece_bytes!r} is not a whole number of at least 4 bytes")
-        self.merges = [tuple(p) for p in merges]                     # in the order learned
-        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
-        self.max_piece_bytes = max_piece_bytes
-        self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
-        for a, b in self.merges:
-            self.vocab.append(self.vocab[a] + self.vocab[b])
-        self.cache = {}                                              # piece -> its ids
-
-    @property
-    def vocab_size(self):
-        return len(self.vocab)
-
-    def special(self, name):
-        """the id of a special token, e.g. special('<|endoftext|>') == 256"""
-        return 256 + SPECIALS.index(name)
-
-    @classmethod
-    def train(cls, text, vocab_size, progress=True, max_piece_bytes=MAX_PIECE_BYTES):
-        """learn vocab_size - 260 merges from text.
-
-        Pairs are counted over the distinct pieces, each weighted by how often
-        it occurs, and after each merge only the pieces that held the merged
-        pair are recounted. A heap finds the most frequent pair; its stale
-        entries (counts that have since changed) are skipped when popped.
-        Ties go to the smallest pair of ids, so training is deterministic."""
-        import heapq
-        n_merges = vocab_size - FIRST_MERGE_ID
-        if n_merges < 0:
-            raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
-        pieces = count_pieces(text, max_piece_bytes)
-        seqs = [list(p) for p in pieces]
-        freqs = list(pieces.values())
-        counts = defaultdict(int)                                    # pair -> weighted count
-        where = defaultdict(set)                                     # pair -> pieces holding it
-        for i, seq in enumerate(seqs):
-            for pair in zip(seq, seq[1:]):
-                counts[pair] += freqs[i]
-                where[pair].add(i)
-        heap = [(-c, pair) for pair, c in counts.items()]
-        heapq.heapify(heap)
-        merges, t0 = [], time.time()
-        while len(merges) < n_merges and heap:
-            neg, pair = heapq.heappop(heap)
-            if counts.get(pair, 0) != -neg:
-                continue                                             # stale entry
-            new_id = FIRST_MERGE_ID + len(merges)
-            merges.append(pair)
-            touched = set()
-            for i in where.pop(pair):
-                seq, f = seqs[i], freqs[i]
-                new = merge(seq, pair, new_id)
-                if len(new) == len(seq):
-                    continue                                         # merged away earlier
-                for p in zip(seq, seq[1:]):
-                    counts[p] -= f
-                    touched.add(p)
-                for p in zip(new, new[1:]):
-                    counts[p] += f
-                    where[p].add(i)
-                    touched.add(p)
-                seqs[i] = new
-            del counts[pair]
-            touched.discard(pair)
-            for p in touched:
-                if counts[p] > 0:
-                    heapq.heappush(heap, (-counts[p], p))
-            if progress:
-                progress_line(f"tokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
-                              done=len(merges) == n_merges)
-        return cls(merges, max_piece_bytes)
-
-    def encode_piece(self, piece):
-        """one pre-tokenized piece -> its ids, as minbpe does it: among the pairs of
-        neighbours, merge the one learned first (everywhere it occurs), and repeat
-        until no pair is one that was learned. Each part of a long piece on its own."""
-        ids = []
-        for part in cut_piece(piece, self.max_piece_bytes):
-            seq = list(part)
-            while len(seq) >= 2:
-                # the pair learned first is the one with the lowest new id; unlearned pairs rank inf
-                new_id = min(map(self.ranks.get, zip(seq, seq[1:]), repeat(math.inf)))
-                if new_id == math.inf:
-                    break
-                seq = merge(seq, self.merges[new_id - FIRST_MERGE_ID], new_id)
-            ids += seq
-        return ids
-
-    def encode(self, text):
-        """str -> list of ids; ordinary text only (see special for the others).
-
-        Text repeats its pieces endlessly ("the", " and"), so each distinct piece
-        is merged once and its ids cached (long pieces are not kept)."""
-        if len(self.cache) > CACHE_PIECES:
-            self.cache.clear()
-        ids, cache = [], self.cache
-        for piece in SPLIT_PATTERN.findall(text):
-            piece_ids = cache.get(piece)
-            if piece_ids is None:
-                piece_ids = self.encode_piece(piece)
-                if len(piece) <= self.max_piece_bytes:
-                    cache[piece] = piece_ids
-            ids += piece_ids
-        return ids
-
-    def decode(self, ids):
-        """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
-        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
-
-    def token_bytes(self):
-        """(V,) number of UTF-8 bytes of each token, for bits per byte; specials count 0"""
-        n = np.array([len(b) for b in self.vocab], dtype=np.int64)
-        n[256:FIRST_MERGE_ID] = 0
-        return n
-
-    def to_json(self):
-        return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
-                           "max_piece_bytes": self.max_piece_bytes,
-                           "specials": {s: self.special(s) for s in SPECIALS},
-                           "merges": [list(p) for p in self.merges]})
-
-    @classmethod
-    def from_json(cls, text):
-        d = json.loads(text)
-        if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
-            raise ValueError("its special tokens differ from this program's")
-        bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
-        if type(bound) is not int or not 1 <= bound <= 1 << 20:
-            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 1 to 1,048,576")
-        return cls(check_merges(d.get("merges")), bound)
-
-
-MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
-
-
-def check_merges(merges):
-    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
-    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
-    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
-    Raises ValueError saying which merge is wrong."""
-    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
-        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
-    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
-    for i, pair in enumerate(merges):
-        if not (isinstance(pair, list) and len(pair) == 2 and
-                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
-            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
-                             "(bytes or earlier merges)")
-        if tuple(pair) in seen:
-            raise ValueError(f"merge {i} repeats the pair {pair}")
-        seen.add(tuple(pair))
-        lengths.append(lengths[pair[0]] + lengths[pair[1]])
-        total += lengths[-1]
-        if total > MAX_VOCAB_BYTES:
-            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
-    return merges
-
-
-# -----------------------------------------------------------------------------
-# data
-#
-# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh
-# web) holds many documents, each followed by the line <|endoftext|>: the
-# reader splits on that marker and puts the <|endoftext|> token after each
-# document. A file without the marker (a book) is one document.
-#
-# Preparing a corpus: the tokenizer is trained on a sample of it; then the
-# files are read in chunks of 256 KB, encoded on every core, and the tokens
-# written to disk as they come (uint16), so memory stays small whatever the
-# corpus's size. Training reads them memory-mapped, so a corpus larger than
-# memory trains. Both are cached by the corpus's hash and the tokenizer.
-
-DATA_DIR = os.path.join(HERE, "data")
-DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
-DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
-
-DOC_MARKER = b"<|endoftext|>"
-DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
-CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
-SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
-POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
-
-
-def corpus_files(path):
-    """a text file, or every .txt file under a folder, in sorted order"""
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
-        for f in [f for f in files if not os.path.isfile(f)]:
-            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
-            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
-            files.remove(f)
-        if not files:
-            raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
-        return files
-    if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; pass a UTF-8 text file or a folder of .txt files")
-    return [path]
-
-
-def read_text(path):
-    """the whole file as str, refusing what is not UTF-8 text"""
-    with open(path, "rb") as f:
-        return decode_text(f.read(), path, 0)
-
-
-def decode_text(data, path, offset):
-    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
-                             "convert it, e.g. with iconv -t utf-8") from None
-
-
-def chunk_end(data):
-    """where to end a chunk of a file's bytes: before the last space that follows
-    a visible ASCII character and precedes an ASCII letter ("said| the"). No
-    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
-    chunk by chunk gives exactly the tokens of encoding each whole document.
-    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
-    newline, or at a character, never inside an <|endoftext|> line: its pieces
-    at the cut may come out differently, and decoding still gives back the text."""
-    window = max(0, len(data) - (64 << 10))
-    i = len(data)
-    while (i := data.rfind(b" ", window, i)) > 0:
-        if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
-            return i
-    i = data.rfind(b"\n", window)
-    if i >= 0:                                         # before the newline; after it if it ends a marker line
-        return i + 1 if data[:i].endswith(DOC_MARKER) else i
-    end = len(data)
-    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
-        if data.endswith(DOC_MARKER[:k]):
-            return end - k
-    end -= 1                                           # the block may end inside a character:
-    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
-        end -= 1
-    return end
-
-
-def text_chunks(files):
-    """yield (path, offset, data, ends_document) for pieces of the files of about
-    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
-    when the file does not end with the marker (a book): its end ends a document."""
-    for path in files:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            f.seek(max(0, size - len(DOC_MARKER) - 1))
-            book = not re.search(rb"<\|endoftext\|>\n?\Z", f.read())
-            f.seek(0)
-            offset, data = 0, b""
-            while block := f.read(CHUNK_BYTES):
-                data += block
-                cut = chunk_end(data)
-                if cut:
-                    yield path, offset, data[:cut], False
-                    offset, data = offset + cut, data[cut:]
-        if size:
-            yield path, offset, data, book
-
-
-def encode_chunk(tok, path, offset, data, ends_document):
-    """one chunk of a file -> its token ids (an array of the token file's dtype),
-    with <|endoftext|> after each document that ends in it"""
-    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
-    ids, eot = [], tok.special("<|endoftext|>")
-    for i, doc in enumerate(docs):
-        ids += tok.encode(doc)
-        if i < len(docs) - 1 or ends_document:
-            ids.append(eot)
-    return np.array(ids, dtype=token_dtype(tok.vocab_size))
-
-
-def token_dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-_worker_tokenizer = None
-
-
-def _start_worker(merges, max_piece_bytes):
-    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
-    main process, which stops the workers (they were started with it blocked).
-    Should the main process be killed outright (kill -9, out of memory), the
-    worker exits too rather than wait for work forever."""
-    import multiprocessing
-    import threading
-    global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main_process = multiprocessing.parent_process()
-    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
-    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
-
-
-def _encode_chunk(chunk):
-    return encode_chunk(_worker_tokenizer, *chunk)
-
-
-def encoded_chunks(files, tok, workers):
-    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
-    by `workers` processes (or by this one when workers is 1).
-
-    The workers are started with spawn, each a fresh interpreter: forking a
-    process that already runs threads (training's, CUDA's) can deadlock the
-    child. At most two chunks per worker are in flight, so the reader never
-    runs ahead of the encoders and memory stays bounded."""
-    if workers <= 1:
-        for chunk in text_chunks(files):
-            yield encode_chunk(tok, *chunk), len(chunk[2])
-        return
-    import multiprocessing
-    from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
-                               initargs=(tok.merges, tok.max_piece_bytes))
-    pending = deque()
-    try:
-        for chunk in text_chunks(files):
-            # Ctrl-C reaches every process of the terminal. A worker that submit
-            # starts inherits this mask, so it cannot die of Ctrl-C before
-            # _start_worker ignores it; the signal waits here until the unblock.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-            try:
-                pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
-                future, nbytes = pending.popleft()
-                yield future.result(), nbytes
-        while pending:
-            future, nbytes = pending.popleft()
-            yield future.result(), nbytes
-    except BrokenProcessPool:
-        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
-                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
-    finally:
-        pool.shutdown(cancel_futures=True)             # lets the running chunks finish: at most a second
-
-
-def progress_text(done, total, seconds):
-    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
-    rate = done / max(seconds, 1e-9)
-    left = fmt_time((total - done) / rate) if rate > 0 else "?"
-    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
-def available_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def tokenize_files(files, tok, write, workers=None, progress=True):
-    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
-    -> the number of tokens. Every core works unless the corpus is small."""
-    total = sum(os.path.getsize(f) for f in files)
-    if workers is None:
-        workers = available_cores() if total >= POOL_MIN_BYTES else 1
-    done, n_tokens, t0 = 0, 0, time.time()
-    chunks = encoded_chunks(files, tok, workers)
-    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
-    # midway and leaving its workers behind
-    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        for ids, nbytes in chunks:
-            write(ids)
-            n_tokens += len(ids)
-            done += nbytes
-            if progress:
-                progress_line(progress_text(done, total, time.time() - t0))
-    finally:
-        chunks.close()                                 # stops the workers now, also on Ctrl-C
-        signal.signal(signal.SIGTERM, sigterm)
-    if progress:
-        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
-                      f"{n_tokens:,} tokens", done=True)
-    return n_tokens
-
-
-def npy_header(dtype, n):
-    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
-    import io
-    f = io.BytesIO()
-    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                             "fortran_order": False, "shape": (n,)})
-    return f.getvalue()
-
-
-def write_tokens(path, files, tok, workers=None, progress=True):
-    """tokenize files into the .npy file path as the ids come. The header, which
-    holds their count, is written last into the room left for it. All goes to
-    path.tmp, renamed when complete: an interrupted run leaves no token file."""
-    dtype, tmp = token_dtype(tok.vocab_size), path + ".tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.seek(len(npy_header(dtype, 0)))
-            n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
-            f.seek(0)
-            f.write(npy_header(dtype, n))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
-def file_digest(files):
-    """sha256 over the names and contents of the corpus files: the cache key"""
-    import hashlib
-    h = hashlib.sha256()
-    for path in files:
-        h.update(os.path.basename(path).encode())
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-    return h.hexdigest()[:16]
-
-
-def sample_text(files, max_bytes=SAMPLE_BYTES):
-    """what the tokenizer is trained on: at most max_bytes, an equal share from the
-    start of every file, cut as chunks are, its documents joined by newlines"""
-    share, texts = max(max_bytes // len(files), 1), []
-    for path in files:
-        with open(path, "rb") as f:
-            data = f.read(share + 1)
-        if len(data) > share:
-            data = data[:chunk_end(data[:share])]
-        texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
-    return "\n".join(texts)
-
-
-def cached_tokenizer(path):
-    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained again)"""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            return Tokenizer.from_json(f.read())
-    except (ValueError, KeyError, TypeError) as e:     # JSONDecodeError is a ValueError
-        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
-        return None
-
-
-def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
-    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
-    and the tokens written once, both cached under cache_dir by the corpus's
-    hash (the tokens also by the tokenizer's)"""
-    import hashlib
-    files = corpus_files(path)
-    if vocab_size > 65536:
-        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
-    corpus = file_digest(files)
-    os.makedirs(cache_dir, exist_ok=True)
-    tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
-    tok = cached_tokenizer(tok_path)
-    if tok is None:
-        text = sample_text(files)
-        if not text.strip():
-            raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
-        tok = Tokenizer.train(text, vocab_size, progress)
-        atomic_write_bytes(tok_path, tok.to_json().encode())
-    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
-    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
-    if not os.path.exists(tokens_path):
-        write_tokens(tokens_path, files, tok, workers, progress)
-    try:
-        return tok, np.load(tokens_path, mmap_mode="r")
-    except Exception as e:                             # a damaged cache file: make it once more
-        if not retry:
-            raise NanoEulerError(f"{tokens_path} cannot be read ({type(e).__name__}); delete it and run again") \
-                from None
-        print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
-        os.remove(tokens_path)
-        return prepare_data(path, vocab_size, cache_dir, progress, False, workers)
-
-
-def split_train_val(tokens, rows_len, val_fraction=0.1):
-    """the last val_fraction of the tokens is held out for validation"""
-    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)
-    if len(tokens) - n_val < rows_len + 1:
-        raise NanoEulerError(f"the corpus has only {len(tokens):,} tokens, too few for training rows of "
-                             f"{rows_len} tokens plus a validation part; give it more text")
-    return tokens[:-n_val], tokens[-n_val:]
-
-
-def get_batch(tokens, B, rows_len, rng):
-    """B rows of rows_len = T+K consecutive tokens at random offsets -> (B, T+K) int64"""
-    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)
-    return np.stack([tokens[o:o + rows_len] for o in offsets]).astype(np.int64)
-
-
-def fixed_rows(tokens, B, rows_len, max_batches):
-    """evenly spaced validation rows, the same at every evaluation -> list of (B, rows_len)"""
-    n_rows = max(1, min((len(tokens) - 1) // rows_len, B * max_batches))
-    starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
-    return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
-            for i in range(0, n_rows, B)]
 
 
 # -----------------------------------------------------------------------------
@@ -781,18 +175,18 @@ def rmsnorm_backward(dout, cache):
     return dx, dw
 
 
-def rope_table(T, D, pos, dtype):
-    """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
-    n = 1 << (pos + T - 1).bit_length()                # one table per power of two, sliced
-    cos, sin = rope_table_upto(n, D, dtype)
-    return cos[pos:pos + T], sin[pos:pos + T]
-
-
 @functools.lru_cache(maxsize=16)
 def rope_table_upto(n, D, dtype):
     freq = 10000.0 ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)  # (D/2,)
     angle = np.arange(n, dtype=np.float64)[:, None] * freq                 # (n, D/2), in float64
     return np.cos(angle)[:, None, :].astype(dtype), np.sin(angle)[:, None, :].astype(dtype)
+
+
+def rope_table(T, D, pos, dtype):
+    """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
+    n = 1 << (pos + T - 1).bit_length()                # one table per power of two, sliced
+    cos, sin = rope_table_upto(n, D, dtype)
+    return cos[pos:pos + T], sin[pos:pos + T]
 
 
 def rope_forward(x, pos=0):
@@ -958,6 +352,9 @@ def mtp_heads_backward(dloss, cache):
 # -----------------------------------------------------------------------------
 # the model
 
+LAYER_TENSORS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "w_gate_up")
+
+
 def param_shapes(cfg):
     """(name, shape) of every tensor, in SPEC order: the checkpoint's layout too"""
     C, D, F, V = cfg.C, cfg.D, cfg.F, cfg.V
@@ -982,22 +379,19 @@ def num_params(cfg):
 def carve(flat, cfg):
     """flat buffer -> dict of named views into it (no copies), in SPEC order.
 
-    Two extra views serve speed: `heads` (K,V,C) covers all K heads, and
-    `layers.{l}.w_gate_up` (2F,C) covers w_gate and w_up, which sit next to
-    each other, so one matmul does the work of several. They alias the same
-    memory, so gradients written through them land in the SPEC tensors."""
-    views, offset = {}, 0
+    Two more views cover neighbours in the buffer, so that one matmul does the
+    work of several: `heads` (K,V,C) is all K heads, and `layers.{l}.w_gate_up`
+    (2F,C) is w_gate with w_up after it. Gradients written through them land in
+    the SPEC tensors, whose memory they share."""
+    views, start, offset = {}, {}, 0
     for name, shape in param_shapes(cfg):
         n = math.prod(shape)
-        views[name] = flat[offset:offset + n].reshape(shape)
+        views[name], start[name] = flat[offset:offset + n].reshape(shape), offset
         offset += n
-    first_head = offset - cfg.K * cfg.V * cfg.C
-    views["heads"] = flat[first_head:offset].reshape(cfg.K, cfg.V, cfg.C)
+    views["heads"] = flat[start["heads.0"]:offset].reshape(cfg.K, cfg.V, cfg.C)
     for l in range(cfg.L):
-        gate = views[f"layers.{l}.w_gate"]
-        start = gate.ctypes.data - flat.ctypes.data
-        start //= flat.itemsize
-        views[f"layers.{l}.w_gate_up"] = flat[start:start + 2 * cfg.F * cfg.C].reshape(2 * cfg.F, cfg.C)
+        gate = start[f"layers.{l}.w_gate"]
+        views[f"layers.{l}.w_gate_up"] = flat[gate:gate + 2 * cfg.F * cfg.C].reshape(2 * cfg.F, cfg.C)
     return views
 
 
@@ -1068,23 +462,29 @@ def block_backward(dx, cache, g):
 
 
 def layer_params(params, l):
-    """this layer's tensors under their short names"""
-    prefix = f"layers.{l}."
-    return {name[len(prefix):]: t for name, t in params.items() if name.startswith(prefix)}
+    """layer l's tensors under their short names (and w_gate_up, see carve)"""
+    return {name: params[f"layers.{l}.{name}"] for name in LAYER_TENSORS}
 
 
-def model_forward(params, cfg, idx, targets, counts=None):
-    """idx (B,T), targets (B,T,K) with -1 = ignore -> loss, ce (K,), cache.
+def model_forward(params, cfg, idx, targets=None, counts=None, pos=0, kv=None):
+    """idx (B,T) -> with targets (B,T,K), -1 = ignore: loss, ce (K,), cache for the backward;
+    without targets (generation): head 0's logits (B,T,V) and the final hidden state
+    xf (B,T,C), from which the other heads' logits follow.
 
     ce[0] is CE_0, what logs report; loss adds the extra heads (SPEC, Loss).
-    counts (K,): kept targets per head in the whole batch, when this is a part of it."""
+    counts (K,): kept targets per head in the whole batch, when this is a part of it.
+    pos, kv: generation's KV cache (new_kv_cache): the tokens sit at positions pos..,
+    and each block adds their keys and values to its cache and attends to the prefix."""
     B, T = idx.shape
     x, c_emb = embedding_forward(idx, params["tok_emb"])               # (B,T,C)
     c_blocks = []
     for l in range(cfg.L):
-        x, c = block_forward(x, layer_params(params, l), cfg)
+        x, c = block_forward(x, layer_params(params, l), cfg, pos, None if kv is None else kv[l])
         c_blocks.append(c)
     xf, c_final = rmsnorm_forward(x, params["final_norm"])             # (B,T,C)
+    if targets is None:
+        logits, _ = linear_forward(xf, params["heads.0"])              # (B,T,V)
+        return logits, xf
     loss, ce, c_heads = mtp_heads_forward(xf.reshape(B * T, -1), params["heads"],
                                           targets.reshape(B * T, -1), cfg, counts)
     return loss, ce, (c_emb, c_blocks, c_final, c_heads, (B, T))
@@ -1244,7 +644,7 @@ def gradient_check(seed=1337, out=print):
 
 
 # -----------------------------------------------------------------------------
-# optimizer
+# optimizer and schedule
 
 def decay_mask(cfg):
     """(P,) 1.0 for matrices, 0.0 for norm weights: weight decay on matrices only"""
@@ -1270,13 +670,6 @@ def adamw_update(flat, grad, m, v, step, lr, mask, beta1=0.9, beta2=0.95, eps=1e
     flat -= denom
 
 
-def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
-    """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
-    bounds = np.linspace(0, flat.size, n + 1).astype(int)
-    slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-    list(pool.map(lambda s: adamw_update(flat[s], grad[s], m[s], v[s], step, lr, mask[s], **kw), slices))
-
-
 def clip_grad_norm(grad, max_norm):
     """scale grad in place so its global norm is at most max_norm; returns the norm before"""
     norm = float(np.sqrt(np.dot(grad, grad)))
@@ -1293,44 +686,643 @@ def lr_schedule(step, total, lr, warmup, min_ratio=0.1):
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def micro_batches(B, n_threads):
-    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the
-    threads, of about 8 rows each (32 rows as 4 parts of 8 ran 2-4% faster than as
-    2 of 16 on 2 cores: smaller arrays stay in cache; 8 parts of 4 were slower)"""
-    return n_threads * max(1, B // (8 * n_threads))
+# -----------------------------------------------------------------------------
+# generation
+
+def new_kv_cache(cfg, B, dtype=np.float32):
+    """per layer (k, v), each (B, T, Hkv, D): the keys and values seen so far"""
+    return [(np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype), np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype))
+            for _ in range(cfg.L)]
 
 
-def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
-    """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
+def decode_params(params):
+    """params as decoding reads them: the matrices that block_forward and head 0
+    multiply, stored column-major (same values, so the same logits). x @ w.T is
+    then a product with a row-major (IN, OUT) matrix, which OpenBLAS does 5-9x
+    faster for the 2 to 8 rows of a speculative pass (its small-matrix path):
+    speculative decoding runs 1.5x faster for it (BENCHMARKS.md)."""
+    multiplied = ("wqkv", "wo", "w_gate_up", "w_down", "heads.0")
+    return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
-    The batch is cut into len(grad_bufs) parts that run on the pool's threads,
-    each with a gradient buffer of its own; numpy lets go of the GIL inside its
-    loops and BLAS calls, so every core works. Every part divides by the whole
-    batch's target counts, so the parts add up exactly, and in a fixed order."""
-    counts = (targets >= 0).sum(axis=(0, 1))                          # (K,)
-    parts = [p for p in np.array_split(np.arange(len(idx)), len(grad_bufs)) if len(p)]
 
-    def run(i):
-        grad_bufs[i][...] = 0.0
-        rows = slice(parts[i][0], parts[i][-1] + 1)
-        loss, ce, cache = model_forward(carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
-        model_backward(carve(grad_bufs[i], cfg), cache)
-        return loss, ce
+def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
+    """logits (V,) -> token id: greedy at temperature 0, else sampled from the kept tokens"""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    if 0 < top_k < len(z):
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:                                                    # nucleus: smallest set with mass >= top_p
+        order = np.argsort(-p)
+        cut = np.searchsorted(np.cumsum(p[order]), top_p) + 1
+        keep = np.zeros_like(p)
+        keep[order[:cut]] = p[order[:cut]]
+        p = keep / keep.sum()
+    return int(rng.choice(len(p), p=p))
 
-    results = list(pool.map(run, range(len(parts)))) if pool and len(parts) > 1 else [run(i) for i in range(len(parts))]
-    for buf in grad_bufs[1:len(parts)]:
-        grad_bufs[0] += buf
-    return sum(r[0] for r in results), sum(r[1] for r in results)
+
+def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
+             speculative=False, stop=None, stats=None, drafts=None):
+    """yields new token ids one by one (for streaming), after the prompt ids.
+
+    The context holds T tokens. A longer prompt keeps its last T-1 tokens. When
+    the cache is full, the window slides: the last T/2 tokens are fed again from
+    position 0 (rope positions are relative to the window), then decoding goes on.
+
+    speculative: heads 1..K-1 guess the next K-1 tokens; one forward pass over
+    [last token, guesses] gives head 0's verdict at every position, and guesses
+    are accepted while head 0's own choice (sampled the same way as without
+    speculation) agrees. Every emitted token is head 0's choice given the tokens
+    before it, so greedy output is the same as plain greedy decoding. drafts
+    limits the guesses to heads 1..drafts: the later heads guess worse, and on
+    these CPUs a pass over 2 tokens costs less than one over 4."""
+    rng = np.random.default_rng(seed)
+    tokens = list(prompt)[-(cfg.T - 1):] if prompt else []
+    if not tokens:
+        raise NanoEulerError("the prompt is empty; give at least one token")
+    kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
+    fast = decode_params(params)
+    n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
+    drafters = params["heads"][1:1 + n_drafts].reshape(-1, cfg.C)     # (drafts*V, C)
+    pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
+    while emitted < max_new_tokens:
+        if pos + len(pending) > cfg.T:                     # slide the window
+            pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
+        guesses = guesses[:cfg.T - pos - len(pending)]     # slide exactly when plain decoding would
+        feed = pending + guesses
+        logits, x = model_forward(fast, cfg, np.array([feed]), pos=pos, kv=kv)    # (1,Tn,V), (1,Tn,C)
+        first = len(pending) - 1                           # logits at feed[first] predict the next token
+        for j in range(len(guesses) + 1):
+            t = sample_token(logits[0, first + j], rng, temperature, top_k, top_p)
+            tokens.append(t)
+            emitted += 1
+            yield t
+            if t == stop or emitted >= max_new_tokens:
+                return
+            if j == len(guesses) or guesses[j] != t:
+                break
+        if stats is not None:
+            stats["steps"] = stats.get("steps", 0) + 1
+            stats["tokens"] = stats.get("tokens", 0) + j + 1
+        # the cache keeps the fed tokens up to feed[first + j]; the rest are overwritten later
+        pos += first + j + 1
+        pending = [tokens[-1]]
+        if speculative and n_drafts:                       # heads 1..drafts at the last accepted position
+            guesses = (drafters @ x[0, first + j]).reshape(n_drafts, cfg.V).argmax(-1).tolist()
 
 
 # -----------------------------------------------------------------------------
-# checkpoints
+# tokenizer: byte-level BPE
+
+# GPT-2 style pre-tokenization, written for Python's re (which has no \p{L}):
+#   '(?:[sdmt]|ll|ve|re)   English contractions split off their word: "don't" -> "don", "'t"
+#    ?[^\W\d_]+            a run of letters, with at most one space before it
+#    ?\d+                  a run of digits, with at most one space before it
+#    ?(?:[^\s\w]|_)+       a run of other symbols (punctuation, emoji, marks), same
+#   \s+(?!\S)              whitespace, but not its last space when a word follows
+#   \s+                    whatever whitespace is left (at the end of the text)
+# So a space attaches to the word after it (" the" is one piece, not two), and
+# only runs of whitespace make whitespace pieces. Every character falls in one
+# of these classes, so the pieces always add up to the text: encoding is
+# lossless. BPE merges never cross a piece boundary.
+SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
+
+
+# A piece longer than this many bytes (300,000 letters without a space, a long
+# run of spaces) is cut into parts of at most this many bytes, never inside a
+# character, and each part is merged on its own. BPE over a piece of n bytes
+# takes up to n rounds of n steps; with the bound, encoding is linear in the
+# text. Ordinary text has no longer piece (the embedded books' longest is a
+# 70-byte run of spaces). The bound is saved with the tokenizer; a tokenizer
+# saved without one gets this value.
+MAX_PIECE_BYTES = 128
+
+
+# Special tokens sit right after the 256 bytes at fixed ids, whatever the vocab
+# size; learned merges take the ids from 260 up. Ordinary text never encodes to
+# them: they come only from Tokenizer.special(name).
+SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+
+FIRST_MERGE_ID = 256 + len(SPECIALS)
+
+
+# The encoder caches the ids of each distinct piece and clears the cache when
+# it holds this many (about 35 MB), so a worker's memory stays bounded.
+CACHE_PIECES = 100_000
+
+
+_last_progress = [0.0]
+
+
+def progress_line(text, done=False):
+    """one progress line on stderr: redrawn in place on a terminal; in a log file,
+    a new line at most every 2 seconds and at the end"""
+    now = time.time()
+    if sys.stderr.isatty():
+        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
+    elif done or now - _last_progress[0] >= 2.0:
+        print(text, file=sys.stderr, flush=True)
+        _last_progress[0] = now
+
+
+def merge(ids, pair, new_id):
+    """replace every non-overlapping occurrence of pair in ids, left to right, by new_id"""
+    out, i, n = [], 0, len(ids)
+    while i < n:
+        if i + 1 < n and ids[i] == pair[0] and ids[i + 1] == pair[1]:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def cut_piece(piece, max_bytes):
+    """a piece's UTF-8 bytes in parts of at most max_bytes (>= 4), each part whole characters"""
+    data = piece.encode("utf-8")
+    parts, start = [], 0
+    while start < len(data):
+        end = min(start + max_bytes, len(data))
+        while end < len(data) and data[end] & 0xC0 == 0x80:      # 0b10xxxxxx continues a character
+            end -= 1
+        parts.append(data[start:end])
+        start = end
+    return parts
+
+
+def count_pieces(text, max_bytes):
+    """{piece as bytes: how often it occurs} over the text's pre-tokenized pieces,
+    those longer than max_bytes cut as encoding cuts them"""
+    words = defaultdict(int)
+    for m in SPLIT_PATTERN.finditer(text):               # finditer: no list of every piece in memory
+        words[m.group()] += 1
+    pieces = defaultdict(int)
+    for word, n in words.items():
+        for part in cut_piece(word, max_bytes):
+            pieces[part] += n
+    return pieces
+
+
+MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
+
+
+def check_merges(merges):
+    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
+    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
+    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
+    Raises ValueError saying which merge is wrong."""
+    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
+        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
+    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
+    for i, pair in enumerate(merges):
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
+            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
+                             "(bytes or earlier merges)")
+        if tuple(pair) in seen:
+            raise ValueError(f"merge {i} repeats the pair {pair}")
+        seen.add(tuple(pair))
+        lengths.append(lengths[pair[0]] + lengths[pair[1]])
+        total += lengths[-1]
+        if total > MAX_VOCAB_BYTES:
+            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+    return merges
+
+
+class Tokenizer:
+    """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
+
+    def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
+        if not (isinstance(max_piece_bytes, int) and max_piece_bytes >= 4):
+            raise ValueError(f"its piece bound {max_piece_bytes!r} is not a whole number of at least 4 bytes")
+        self.merges = [tuple(p) for p in merges]                     # in the order learned
+        self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
+        self.max_piece_bytes = max_piece_bytes
+        self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
+        for a, b in self.merges:
+            self.vocab.append(self.vocab[a] + self.vocab[b])
+        self.cache = {}                                              # piece -> its ids
+
+    @property
+    def vocab_size(self):
+        return len(self.vocab)
+
+    def special(self, name):
+        """the id of a special token, e.g. special('<|endoftext|>') == 256"""
+        return 256 + SPECIALS.index(name)
+
+    @classmethod
+    def train(cls, text, vocab_size, progress=True, max_piece_bytes=MAX_PIECE_BYTES):
+        """learn vocab_size - 260 merges from text.
+
+        Pairs are counted over the distinct pieces, each weighted by how often
+        it occurs, and after each merge only the pieces that held the merged
+        pair are recounted. A heap finds the most frequent pair; its stale
+        entries (counts that have since changed) are skipped when popped.
+        Ties go to the smallest pair of ids, so training is deterministic."""
+        import heapq
+        n_merges = vocab_size - FIRST_MERGE_ID
+        if n_merges < 0:
+            raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
+        pieces = count_pieces(text, max_piece_bytes)
+        seqs = [list(p) for p in pieces]
+        freqs = list(pieces.values())
+        counts = defaultdict(int)                                    # pair -> weighted count
+        where = defaultdict(set)                                     # pair -> pieces holding it
+        for i, seq in enumerate(seqs):
+            for pair in zip(seq, seq[1:]):
+                counts[pair] += freqs[i]
+                where[pair].add(i)
+        heap = [(-c, pair) for pair, c in counts.items()]
+        heapq.heapify(heap)
+        merges, t0 = [], time.time()
+        while len(merges) < n_merges and heap:
+            neg, pair = heapq.heappop(heap)
+            if counts.get(pair, 0) != -neg:
+                continue                                             # stale entry
+            new_id = FIRST_MERGE_ID + len(merges)
+            merges.append(pair)
+            touched = set()
+            for i in where.pop(pair):
+                seq, f = seqs[i], freqs[i]
+                new = merge(seq, pair, new_id)
+                if len(new) == len(seq):
+                    continue                                         # merged away earlier
+                for p in zip(seq, seq[1:]):
+                    counts[p] -= f
+                    touched.add(p)
+                for p in zip(new, new[1:]):
+                    counts[p] += f
+                    where[p].add(i)
+                    touched.add(p)
+                seqs[i] = new
+            del counts[pair]
+            touched.discard(pair)
+            for p in touched:
+                if counts[p] > 0:
+                    heapq.heappush(heap, (-counts[p], p))
+            if progress:
+                progress_line(f"tokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
+                              done=len(merges) == n_merges)
+        return cls(merges, max_piece_bytes)
+
+    def encode_piece(self, piece):
+        """one pre-tokenized piece -> its ids, as minbpe does it: among the pairs of
+        neighbours, merge the one learned first (everywhere it occurs), and repeat
+        until no pair is one that was learned. Each part of a long piece on its own."""
+        ids = []
+        for part in cut_piece(piece, self.max_piece_bytes):
+            seq = list(part)
+            while len(seq) >= 2:
+                # the pair learned first is the one with the lowest new id; unlearned pairs rank inf
+                new_id = min(map(self.ranks.get, zip(seq, seq[1:]), repeat(math.inf)))
+                if new_id == math.inf:
+                    break
+                seq = merge(seq, self.merges[new_id - FIRST_MERGE_ID], new_id)
+            ids += seq
+        return ids
+
+    def encode(self, text):
+        """str -> list of ids; ordinary text only (see special for the others).
+
+        Text repeats its pieces endlessly ("the", " and"), so each distinct piece
+        is merged once and its ids cached (long pieces are not kept)."""
+        if len(self.cache) > CACHE_PIECES:
+            self.cache.clear()
+        ids, cache = [], self.cache
+        for piece in SPLIT_PATTERN.findall(text):
+            piece_ids = cache.get(piece)
+            if piece_ids is None:
+                piece_ids = self.encode_piece(piece)
+                if len(piece) <= self.max_piece_bytes:
+                    cache[piece] = piece_ids
+            ids += piece_ids
+        return ids
+
+    def decode(self, ids):
+        """ids -> str; byte sequences that are not valid UTF-8 become U+FFFD, never an error"""
+        return b"".join(self.vocab[i] for i in ids).decode("utf-8", errors="replace")
+
+    def token_bytes(self):
+        """(V,) number of UTF-8 bytes of each token, for bits per byte; specials count 0"""
+        n = np.array([len(b) for b in self.vocab], dtype=np.int64)
+        n[256:FIRST_MERGE_ID] = 0
+        return n
+
+    def to_json(self):
+        return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
+                           "max_piece_bytes": self.max_piece_bytes,
+                           "specials": {s: self.special(s) for s in SPECIALS},
+                           "merges": [list(p) for p in self.merges]})
+
+    @classmethod
+    def from_json(cls, text):
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
+            raise ValueError("its special tokens differ from this program's")
+        bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
+        if type(bound) is not int or not 1 <= bound <= 1 << 20:
+            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 1 to 1,048,576")
+        return cls(check_merges(d.get("merges")), bound)
+
+
+# -----------------------------------------------------------------------------
+# data
 #
-# Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
-# header, then the float32 tensors in SPEC order. The training state (AdamW
-# moments, step, random state) goes in a second safetensors file beside it.
-# Both are written to a .tmp file and renamed, the state first and the model
-# last, so a model file that exists always has its complete state beside it.
+# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh
+# web) holds many documents, each followed by the line <|endoftext|>: the
+# reader splits on that marker and puts the <|endoftext|> token after each
+# document. A file without the marker (a book) is one document.
+#
+# Preparing a corpus: the tokenizer is trained on a sample of it; then the
+# files are read in chunks of 256 KB, encoded on every core, and the tokens
+# written to disk as they come (uint16), so memory stays small whatever the
+# corpus's size. Training reads them memory-mapped, so a corpus larger than
+# memory trains. Both are cached by the corpus's hash and the tokenizer.
+
+DATA_DIR = os.path.join(HERE, "data")
+DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
+DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
+DOC_MARKER = b"<|endoftext|>"
+DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
+CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
+SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
+POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
+
+
+def corpus_files(path):
+    """a text file, or every .txt file under a folder, in sorted order"""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        for f in [f for f in files if not os.path.isfile(f)]:
+            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
+            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
+            files.remove(f)
+        if not files:
+            raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
+        return files
+    if not os.path.isfile(path):
+        raise NanoEulerError(f"{path} does not exist; pass a UTF-8 text file or a folder of .txt files")
+    return [path]
+
+
+def decode_text(data, path, offset):
+    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
+                             "convert it, e.g. with iconv -t utf-8") from None
+
+
+def read_text(path):
+    """the whole file as str, refusing what is not UTF-8 text"""
+    with open(path, "rb") as f:
+        return decode_text(f.read(), path, 0)
+
+
+def chunk_end(data):
+    """where to end a chunk of a file's bytes: before the last space that follows
+    a visible ASCII character and precedes an ASCII letter ("said| the"). No
+    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
+    chunk by chunk gives exactly the tokens of encoding each whole document.
+    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
+    newline, or at a character, never inside an <|endoftext|> line: its pieces
+    at the cut may come out differently, and decoding still gives back the text."""
+    window = max(0, len(data) - (64 << 10))
+    i = len(data)
+    while (i := data.rfind(b" ", window, i)) > 0:
+        if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
+            return i
+    i = data.rfind(b"\n", window)
+    if i >= 0:                                         # before the newline; after it if it ends a marker line
+        return i + 1 if data[:i].endswith(DOC_MARKER) else i
+    end = len(data)
+    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
+        if data.endswith(DOC_MARKER[:k]):
+            return end - k
+    end -= 1                                           # the block may end inside a character:
+    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
+        end -= 1
+    return end
+
+
+def text_chunks(files):
+    """yield (path, offset, data, ends_document) for pieces of the files of about
+    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
+    when the file does not end with the marker (a book): its end ends a document."""
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - len(DOC_MARKER) - 1))
+            book = not re.search(rb"<\|endoftext\|>\n?\Z", f.read())
+            f.seek(0)
+            offset, data = 0, b""
+            while block := f.read(CHUNK_BYTES):
+                data += block
+                cut = chunk_end(data)
+                if cut:
+                    yield path, offset, data[:cut], False
+                    offset, data = offset + cut, data[cut:]
+        if size:
+            yield path, offset, data, book
+
+
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def encode_chunk(tok, path, offset, data, ends_document):
+    """one chunk of a file -> its token ids (an array of the token file's dtype),
+    with <|endoftext|> after each document that ends in it"""
+    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
+    ids, eot = [], tok.special("<|endoftext|>")
+    for i, doc in enumerate(docs):
+        ids += tok.encode(doc)
+        if i < len(docs) - 1 or ends_document:
+            ids.append(eot)
+    return np.array(ids, dtype=token_dtype(tok.vocab_size))
+
+
+_worker_tokenizer = None
+
+
+def _start_worker(merges, max_piece_bytes):
+    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
+    main process, which stops the workers (they were started with it blocked).
+    Should the main process be killed outright (kill -9, out of memory), the
+    worker exits too rather than wait for work forever."""
+    import multiprocessing
+    import threading
+    global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main_process = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
+    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
+
+
+def _encode_chunk(chunk):
+    return encode_chunk(_worker_tokenizer, *chunk)
+
+
+def encoded_chunks(files, tok, workers):
+    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
+    by `workers` processes (or by this one when workers is 1).
+
+    The workers are started with spawn, each a fresh interpreter: forking a
+    process that already runs threads (training's, CUDA's) can deadlock the
+    child. At most two chunks per worker are in flight, so the reader never
+    runs ahead of the encoders and memory stays bounded."""
+    if workers <= 1:
+        for chunk in text_chunks(files):
+            yield encode_chunk(tok, *chunk), len(chunk[2])
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                               initargs=(tok.merges, tok.max_piece_bytes))
+    pending = deque()
+    try:
+        for chunk in text_chunks(files):
+            # Ctrl-C reaches every process of the terminal. A worker that submit
+            # starts inherits this mask, so it cannot die of Ctrl-C before
+            # _start_worker ignores it; the signal waits here until the unblock.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+            try:
+                pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                future, nbytes = pending.popleft()
+                yield future.result(), nbytes
+        while pending:
+            future, nbytes = pending.popleft()
+            yield future.result(), nbytes
+    except BrokenProcessPool:
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
+    finally:
+        pool.shutdown(cancel_futures=True)             # lets the running chunks finish: at most a second
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def progress_text(done, total, seconds):
+    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
+    rate = done / max(seconds, 1e-9)
+    left = fmt_time((total - done) / rate) if rate > 0 else "?"
+    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def available_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def tokenize_files(files, tok, write, workers=None, progress=True):
+    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
+    -> the number of tokens. Every core works unless the corpus is small."""
+    total = sum(os.path.getsize(f) for f in files)
+    if workers is None:
+        workers = available_cores() if total >= POOL_MIN_BYTES else 1
+    done, n_tokens, t0 = 0, 0, time.time()
+    chunks = encoded_chunks(files, tok, workers)
+    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
+    # midway and leaving its workers behind
+    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        for ids, nbytes in chunks:
+            write(ids)
+            n_tokens += len(ids)
+            done += nbytes
+            if progress:
+                progress_line(progress_text(done, total, time.time() - t0))
+    finally:
+        chunks.close()                                 # stops the workers now, also on Ctrl-C
+        signal.signal(signal.SIGTERM, sigterm)
+    if progress:
+        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
+                      f"{n_tokens:,} tokens", done=True)
+    return n_tokens
+
+
+def npy_header(dtype, n):
+    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
+    import io
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                             "fortran_order": False, "shape": (n,)})
+    return f.getvalue()
+
+
+def write_tokens(path, files, tok, workers=None, progress=True):
+    """tokenize files into the .npy file path as the ids come. The header, which
+    holds their count, is written last into the room left for it. All goes to
+    path.tmp, renamed when complete: an interrupted run leaves no token file."""
+    dtype, tmp = token_dtype(tok.vocab_size), path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.seek(len(npy_header(dtype, 0)))
+            n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+            f.seek(0)
+            f.write(npy_header(dtype, n))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def file_digest(files):
+    """sha256 over the names and contents of the corpus files: the cache key"""
+    import hashlib
+    h = hashlib.sha256()
+    for path in files:
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def sample_text(files, max_bytes=SAMPLE_BYTES):
+    """what the tokenizer is trained on: at most max_bytes, an equal share from the
+    start of every file, cut as chunks are, its documents joined by newlines"""
+    share, texts = max(max_bytes // len(files), 1), []
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read(share + 1)
+        if len(data) > share:
+            data = data[:chunk_end(data[:share])]
+        texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
+    return "\n".join(texts)
+
+
+def cached_tokenizer(path):
+    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained again)"""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            return Tokenizer.from_json(f.read())
+    except (ValueError, KeyError, TypeError) as e:     # JSONDecodeError is a ValueError
+        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
+        return None
+
 
 def atomic_write(path, write):
     """write(f) into path.<pid>.tmp, flush to disk, then rename over path. The pid
@@ -1355,6 +1347,72 @@ def atomic_write_bytes(path, data):
     atomic_write(path, lambda f: f.write(data))
 
 
+def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
+    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
+    and the tokens written once, both cached under cache_dir by the corpus's
+    hash (the tokens also by the tokenizer's)"""
+    import hashlib
+    files = corpus_files(path)
+    if vocab_size > 65536:
+        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
+    corpus = file_digest(files)
+    os.makedirs(cache_dir, exist_ok=True)
+    tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
+    tok = cached_tokenizer(tok_path)
+    if tok is None:
+        text = sample_text(files)
+        if not text.strip():
+            raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
+        tok = Tokenizer.train(text, vocab_size, progress)
+        atomic_write_bytes(tok_path, tok.to_json().encode())
+    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
+    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
+    if not os.path.exists(tokens_path):
+        write_tokens(tokens_path, files, tok, workers, progress)
+    try:
+        return tok, np.load(tokens_path, mmap_mode="r")
+    except Exception as e:                             # a damaged cache file: make it once more
+        if not retry:
+            raise NanoEulerError(f"{tokens_path} cannot be read ({type(e).__name__}); delete it and run again") \
+                from None
+        print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
+        os.remove(tokens_path)
+        return prepare_data(path, vocab_size, cache_dir, progress, False, workers)
+
+
+def split_train_val(tokens, rows_len, val_fraction=0.1):
+    """the last val_fraction of the tokens is held out for validation"""
+    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)
+    if len(tokens) - n_val < rows_len + 1:
+        raise NanoEulerError(f"the corpus has only {len(tokens):,} tokens, too few for training rows of "
+                             f"{rows_len} tokens plus a validation part; give it more text")
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def get_batch(tokens, B, rows_len, rng):
+    """B rows of rows_len = T+K consecutive tokens at random offsets -> (B, T+K) int64"""
+    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)
+    return np.stack([tokens[o:o + rows_len] for o in offsets]).astype(np.int64)
+
+
+def fixed_rows(tokens, B, rows_len, max_batches):
+    """evenly spaced validation rows, the same at every evaluation -> list of (B, rows_len)"""
+    n_rows = max(1, min((len(tokens) - 1) // rows_len, B * max_batches))
+    starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
+    return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
+            for i in range(0, n_rows, B)]
+
+
+# -----------------------------------------------------------------------------
+# checkpoints
+#
+# Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
+# header, then the float32 tensors in SPEC order. The training state (AdamW
+# moments, step, random state) goes in a second safetensors file beside it.
+# Both are written to a .tmp file and renamed (atomic_write), the state first
+# and the model last, so a model file that exists always has its complete
+# state beside it.
+
 def write_safetensors(path, tensors, metadata):
     """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
     header, offset = {"__metadata__": metadata}, 0
@@ -1373,6 +1431,34 @@ def write_safetensors(path, tensors, metadata):
 
 
 MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
+
+
+def tensor_entries(header, bad):
+    """a safetensors header's tensors -> [(begin, end, name, shape)] in data order and the
+    end of the last, once each is float32 with a shape that matches its bytes and they
+    tile the data without gaps or overlaps; bad(problem) -> the error to raise"""
+    entries = []
+    for name, h in header.items():
+        if not isinstance(h, dict):
+            raise bad(f"the entry of tensor {name!r} is not a map")
+        shape, offsets = h.get("shape"), h.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+        if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
+            raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                      f"{offsets[1] - offsets[0]:,} bytes)")
+        entries.append((offsets[0], offsets[1], name, shape))
+    entries.sort()
+    end = 0
+    for begin, stop, name, _ in entries:
+        if begin != end:
+            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                      f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+        end = stop
+    return entries, end
 
 
 def read_safetensors(path):
@@ -1402,27 +1488,7 @@ def read_safetensors(path):
         metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise bad("its __metadata__ is not a map of strings")
-        entries = []
-        for name, h in header.items():
-            if not isinstance(h, dict):
-                raise bad(f"the entry of tensor {name!r} is not a map")
-            shape, offsets = h.get("shape"), h.get("data_offsets")
-            if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-                raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
-            if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                    and 0 <= offsets[0] <= offsets[1]):
-                raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-            if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
-                raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
-                          f"{offsets[1] - offsets[0]:,} bytes)")
-            entries.append((offsets[0], offsets[1], name, shape))
-        entries.sort()
-        end = 0
-        for begin, stop, name, _ in entries:
-            if begin != end:
-                raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
-                          f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
-            end = stop
+        entries, end = tensor_entries(header, bad)
         found = size - 8 - n
         if found < end:
             raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
@@ -1628,20 +1694,70 @@ def claim_out(out_dir, resume):
 
 
 # -----------------------------------------------------------------------------
-# training
+# a training step on every core
+#
+# numpy works on one core at a time, so a step cuts its batch into parts that
+# run on a pool of threads (numpy lets go of the GIL inside its loops and BLAS
+# calls), each into a gradient buffer of its own, and AdamW runs on slices of
+# the flat buffer at once. BLAS is held to one thread per caller (the setting
+# above `import numpy`): two layers of threads on two cores made every step
+# twice as slow. With these and keep_freed_memory, a step on 2 cores keeps
+# level with PyTorch's eager CPU step (BENCHMARKS.md).
 
-# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md):
-# 32 rows of 128 tokens keep both cores busy; lr 3e-3 beat 6e-3 after the first
-# minute; a short warmup (30 steps) gets going sooner. 1000 steps (about 5.5
-# minutes) reach 2.14 bits per byte; past that the small model overfits
-# tinyshakespeare (its 520k training tokens are seen 8 times by step 1000).
-# 4000 steps of 8 rows at lr 2e-3 end the same (2.146) in more time; but when
-# time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows
-# at lr 2e-3 reach 2.25, 32 rows at 3e-3 only 2.31.
-DEFAULT_BATCH = 32
-DEFAULT_LR = 3e-3
-DEFAULT_STEPS = 1000
-DEFAULT_WARMUP = 30
+def keep_freed_memory():
+    """numpy makes a fresh array for every result. Above 128 KB glibc maps new
+    pages from the OS for each one and unmaps them on free, and those page
+    faults cost a fifth of a training step (measured: 18.8 -> 15.4 ms per row).
+    So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
+    once, when this file is imported."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)                     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
+        libc.mallopt(-1, 1 << 30)                      # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass                                           # not glibc: nothing to tune
+
+
+keep_freed_memory()
+
+
+def micro_batches(B, n_threads):
+    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the
+    threads, of about 8 rows each (32 rows as 4 parts of 8 ran 2-4% faster than as
+    2 of 16 on 2 cores: smaller arrays stay in cache; 8 parts of 4 were slower)"""
+    return n_threads * max(1, B // (8 * n_threads))
+
+
+def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
+    """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
+
+    The batch is cut into len(grad_bufs) parts that run on the pool's threads,
+    each with a gradient buffer of its own; numpy lets go of the GIL inside its
+    loops and BLAS calls, so every core works. Every part divides by the whole
+    batch's target counts, so the parts add up exactly, and in a fixed order."""
+    counts = (targets >= 0).sum(axis=(0, 1))                          # (K,)
+    parts = [p for p in np.array_split(np.arange(len(idx)), len(grad_bufs)) if len(p)]
+
+    def run(i):
+        grad_bufs[i][...] = 0.0
+        rows = slice(parts[i][0], parts[i][-1] + 1)
+        loss, ce, cache = model_forward(carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
+        model_backward(carve(grad_bufs[i], cfg), cache)
+        return loss, ce
+
+    results = list(pool.map(run, range(len(parts)))) if pool and len(parts) > 1 else [run(i) for i in range(len(parts))]
+    for buf in grad_bufs[1:len(parts)]:
+        grad_bufs[0] += buf
+    return sum(r[0] for r in results), sum(r[1] for r in results)
+
+
+def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
+    """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
+    bounds = np.linspace(0, flat.size, n + 1).astype(int)
+    slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+    list(pool.map(lambda s: adamw_update(flat[s], grad[s], m[s], v[s], step, lr, mask[s], **kw), slices))
+
 
 def evaluate(ce_of, batches, token_bytes, pool=None):
     """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte;
@@ -1659,9 +1775,64 @@ def evaluate(ce_of, batches, token_bytes, pool=None):
     return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
 
 
-def fmt_time(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+class CPUEngine:
+    """what train_loop asks of an engine: one update, an evaluation, and the weights
+    and moments on the host for checkpoints. nanoeuler_cuda.py has a GPU one."""
+
+    def __init__(self, cfg, flat, m, v, args):
+        self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
+        self.clip, self.weight_decay = args.clip, args.weight_decay
+        self.mask = decay_mask(cfg)
+        self.n_threads = max(1, min(args.threads, args.batch))
+        self.grad_bufs = [np.zeros_like(flat) for _ in range(micro_batches(args.batch, self.n_threads))]
+        self.pool = ThreadPoolExecutor(self.n_threads)
+
+    def step(self, idx, targets, lr, step):
+        """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
+        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool)
+        norm = clip_grad_norm(self.grad_bufs[0], self.clip)
+        if np.isfinite(loss) and np.isfinite(norm):
+            adamw_update_parallel(self.pool, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
+                                  step, lr, self.mask, weight_decay=self.weight_decay)
+        return loss, ce, norm
+
+    def evaluate(self, batches, token_bytes):
+        params = carve(self.flat, self.cfg)
+        return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
+                        batches, token_bytes, self.pool)
+
+    def host_params(self):
+        """flat params as a float32 numpy array"""
+        return self.flat
+
+    def host_weights(self):
+        """flat params, m, v as float32 numpy arrays"""
+        return self.flat, self.m, self.v
+
+    def mfu(self, dt):
+        return None                                       # only the GPU log shows MFU
+
+    def close(self):
+        self.pool.shutdown()
+
+
+# -----------------------------------------------------------------------------
+# the training loop
+
+# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md):
+# 32 rows of 128 tokens keep both cores busy; lr 3e-3 beat 6e-3 after the first
+# minute; a short warmup (30 steps) gets going sooner. 1000 steps (about 5.5
+# minutes) reach 2.14 bits per byte; past that the small model overfits
+# tinyshakespeare (its 520k training tokens are seen 8 times by step 1000).
+# 4000 steps of 8 rows at lr 2e-3 end the same (2.146) in more time; but when
+# time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows
+# at lr 2e-3 reach 2.25, 32 rows at 3e-3 only 2.31.
+DEFAULT_BATCH = 32
+
+
+DEFAULT_LR = 3e-3
+DEFAULT_STEPS = 1000
+DEFAULT_WARMUP = 30
 
 
 def print_table(rows):
@@ -1735,47 +1906,6 @@ class StopFlag:
             signal.signal(sig, previous)
 
 
-class CPUEngine:
-    """what train_loop asks of an engine: one update, an evaluation, and the weights
-    and moments on the host for checkpoints. nanoeuler_cuda.py has a GPU one."""
-
-    def __init__(self, cfg, flat, m, v, args):
-        self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
-        self.clip, self.weight_decay = args.clip, args.weight_decay
-        self.mask = decay_mask(cfg)
-        self.n_threads = max(1, min(args.threads, args.batch))
-        self.grad_bufs = [np.zeros_like(flat) for _ in range(micro_batches(args.batch, self.n_threads))]
-        self.pool = ThreadPoolExecutor(self.n_threads)
-
-    def step(self, idx, targets, lr, step):
-        """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
-        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool)
-        norm = clip_grad_norm(self.grad_bufs[0], self.clip)
-        if np.isfinite(loss) and np.isfinite(norm):
-            adamw_update_parallel(self.pool, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
-                                  step, lr, self.mask, weight_decay=self.weight_decay)
-        return loss, ce, norm
-
-    def evaluate(self, batches, token_bytes):
-        params = carve(self.flat, self.cfg)
-        return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
-                        batches, token_bytes, self.pool)
-
-    def host_params(self):
-        """flat params as a float32 numpy array"""
-        return self.flat
-
-    def host_weights(self):
-        """flat params, m, v as float32 numpy arrays"""
-        return self.flat, self.m, self.v
-
-    def mfu(self, dt):
-        return None                                       # only the GPU log shows MFU
-
-    def close(self):
-        self.pool.shutdown()
-
-
 def data_cache(out_dir):
     """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by runs)"""
     return os.path.join(out_dir, "..", "cache")
@@ -1791,102 +1921,9 @@ def saved_rng(state):
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 
 
-def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
-               clock=time.perf_counter):
-    """the loop that pretraining and SFT, on the CPU and on the GPU, share: log,
-    evaluate, checkpoint, stop cleanly.
-
-    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
-    state holds step, rng state and the best validation so far. The log's samples
-    continue sample_prompt (ids; default: the start of a document). clock: seconds,
-    for the timings and --minutes's plan (a test passes a fake one)."""
-    sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
-    start = state["step"]
-    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    if start >= total:
-        engine.close()
-        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint "
-              f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
-        return start
-    os.makedirs(out_dir, exist_ok=True)
-    rng = saved_rng(state)
-    token_bytes = tok.token_bytes()
-    csv_path = os.path.join(out_dir, "log.csv")
-    csv = open_log(csv_path, start)
-    width = len(str(total))
-    tokens_per_step = args.batch * cfg.T
-    times, t_start, last_path = [], clock(), None
-    plan_now = getattr(args, "minutes", 0) > 0 and "planned_steps" not in state
-
-    def checkpoint(step):
-        nonlocal last_path
-        t0 = clock()
-        state.update(step=step, rng=rng.bit_generator.state)
-        last_path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
-        prune_checkpoints(out_dir)
-        print(f"saved  {last_path} (+ state) in {clock() - t0:.1f} s")
-
-    def validate(step):
-        """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet"""
-        val_loss, val_bpb = engine.evaluate(val_batches, token_bytes)
-        if not np.isfinite(val_loss):
-            stop_on_nan("validation loss", val_loss, step, out_dir)
-        print(f"val  {step:{width}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
-              f"{len(val_batches)} batches | {fmt_time(clock() - t_start)} elapsed")
-        flat = engine.host_params()                    # one copy for both, and no moments
-        if val_loss < state.get("best_val", math.inf):
-            state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-            save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
-        print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
-        return val_loss, val_bpb
-
-    step = start
-    with StopFlag() as flag, warnings.catch_warnings():
-        # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
-        warnings.simplefilter("ignore", RuntimeWarning)
-        stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
-        while step < stop_at and not flag.stop:
-            t0 = clock()
-            lr = lr_schedule(step, total, args.lr, args.warmup)
-            idx, targets = next_batch(rng)
-            loss, ce, norm = engine.step(idx, targets, lr, step + 1)
-            if not (np.isfinite(loss) and np.isfinite(norm)):
-                what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
-                stop_on_nan(what, value, step + 1, out_dir, made_by=step)
-            step += 1
-            dt = clock() - t0
-            if step > start + 1:
-                times.append(dt)                          # the first step warms up: left out
-            eta = (total - step) * (np.mean(times[-50:]) if times else dt)
-            mfu = engine.mfu(dt)
-            print(f"step {step:{width}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
-                  f"{dt * 1e3:7.1f} ms | {tokens_per_step / dt:7,.0f} tok/s | " +
-                  (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
-            val_loss = val_bpb = ""
-            if (plan_now and step == start + PLAN_AFTER) or step % args.eval_every == 0 or step == total:
-                t_eval = clock()
-                val_loss, val_bpb = validate(step)
-                if plan_now and step == start + PLAN_AFTER:
-                    total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
-                    state["planned_steps"], width, plan_now = total, len(str(total)), False
-                    stop_at = min(total, start + args.stop_after) if args.stop_after > 0 else total
-            csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens_per_step / dt:.1f},"
-                      f"{'' if mfu is None else f'{mfu:.4f}'},"
-                      f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
-            csv.flush()
-            if step % args.save_every == 0 or step == total:
-                checkpoint(step)
-        if step > start and step % args.save_every and step != total:
-            checkpoint(step)                              # stopped early: a signal or --stop-after
-    csv.close()
-    engine.close()
-    mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
-    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
-            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {step - start} steps in {fmt_time(clock() - t_start)}, {mean_ms}; {best}; "
-          f"last checkpoint {last_path}")
-    plot_log(csv_path)
-    return step
+def plan_at(args, state, start):
+    """the step after which --minutes sets the run's length (once per run), or None"""
+    return start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
 
 
 def plan_steps(args, step, step_time, eval_time, elapsed):
@@ -1901,6 +1938,11 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
         print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
               "so far followed --steps's schedule")
     return total
+
+
+def stop_at(args, start, total):
+    """the step this session ends at: the run's last, or sooner with --stop-after"""
+    return min(total, start + args.stop_after) if args.stop_after > 0 else total
 
 
 def stop_on_nan(what, value, step, out_dir, made_by=None):
@@ -1922,6 +1964,14 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
                          "continue from it with --resume")
 
 
+def stop_if_diverged(loss, norm, step, out_dir):
+    """step `step`'s update gave a loss or gradient norm that is NaN or infinite: stop_on_nan
+    (the weights that gave it are step - 1's)"""
+    if not (np.isfinite(loss) and np.isfinite(norm)):
+        what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
+        stop_on_nan(what, value, step, out_dir, made_by=step - 1)
+
+
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
 
 
@@ -1938,12 +1988,119 @@ def open_log(csv_path, step):
     return open(csv_path, "a")
 
 
+def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
+    """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
+    left, estimated from the last 50 steps"""
+    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+    print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
+          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
+          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
+
+
+def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
+    """one row of log.csv (LOG_HEADER); validation fields empty between evaluations"""
+    csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens / dt:.1f},"
+              f"{'' if mfu is None else f'{mfu:.4f}'},"
+              f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
+    csv.flush()
+
+
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far"""
     params = carve(flat, cfg)
     ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
                         stop=tok.special("<|end|>")))
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
+
+
+def validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed):
+    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet;
+    elapsed() -> the run's time so far, as text"""
+    val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
+    if not np.isfinite(val_loss):
+        stop_on_nan("validation loss", val_loss, step, out_dir)
+    print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
+          f"{len(val_batches)} batches | {elapsed()} elapsed")
+    flat = engine.host_params()                    # one copy for both, and no moments
+    if val_loss < state.get("best_val", math.inf):
+        state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
+        save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
+    print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
+    return val_loss, val_bpb
+
+
+def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
+    """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
+    t0 = clock()
+    state.update(step=step, rng=rng.bit_generator.state)
+    path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
+    prune_checkpoints(out_dir)
+    print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
+    return path
+
+
+def print_summary(steps, elapsed, times, state, out_dir, last_path):
+    mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
+    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
+            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
+    print(f"done: {steps} steps in {elapsed}, {mean_ms}; {best}; last checkpoint {last_path}")
+
+
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
+               clock=time.perf_counter):
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step,
+    log, evaluate, save, and stop cleanly.
+
+    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
+    state holds step, rng state and the best validation so far. The log's samples
+    continue sample_prompt (ids; default: the start of a document). clock: seconds,
+    for the timings and --minutes's plan (a test passes a fake one)."""
+    sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
+    start = state["step"]
+    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    if start >= total:
+        engine.close()
+        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint "
+              f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
+        return start
+    os.makedirs(out_dir, exist_ok=True)
+    rng, tokens = saved_rng(state), args.batch * cfg.T
+    csv_path = os.path.join(out_dir, "log.csv")
+    csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
+    times, t_start, last_path, step = [], clock(), None, start
+    elapsed = lambda: fmt_time(clock() - t_start)
+    with StopFlag() as flag, warnings.catch_warnings():
+        # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
+        warnings.simplefilter("ignore", RuntimeWarning)
+        while step < stop_at(args, start, total) and not flag.stop:
+            t0 = clock()
+            lr = lr_schedule(step, total, args.lr, args.warmup)
+            loss, ce, norm = engine.step(*next_batch(rng), lr, step + 1)
+            stop_if_diverged(loss, norm, step + 1, out_dir)
+            step += 1
+            dt = clock() - t0
+            if step > start + 1:
+                times.append(dt)                          # the first step warms up: left out
+            mfu = engine.mfu(dt)
+            log_step(step, total, ce, lr, norm, dt, times, tokens, mfu)
+            val = ()
+            if step == plan_step or step % args.eval_every == 0 or step == total:
+                t_eval = clock()
+                val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
+                if step == plan_step:
+                    total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
+                    state["planned_steps"] = total
+            log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, *val)
+            if step % args.save_every == 0 or step == total:
+                last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+        if step > start and step % args.save_every and step != total:
+            # stopped early: a signal or --stop-after
+            last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+    csv.close()
+    engine.close()
+    print_summary(step - start, elapsed(), times, state, out_dir, last_path)
+    plot_log(csv_path)
+    return step
 
 
 def start_state(args, seed):
@@ -1995,141 +2152,6 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
                                                                   args.eval_batches)]
     (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
-
-
-def cmd_prepare(args):
-    tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
-    print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
-
-
-def cmd_train(args):
-    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
-    pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
-             lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
-
-
-# -----------------------------------------------------------------------------
-# generation
-
-def new_kv_cache(cfg, B, dtype=np.float32):
-    """per layer (k, v), each (B, T, Hkv, D): the keys and values seen so far"""
-    return [(np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype), np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype))
-            for _ in range(cfg.L)]
-
-
-def decode_weights(params, cfg):
-    """the weights as decoding reads them: per layer, each matrix stored transposed,
-    (IN, OUT). Decoding multiplies 1 to 4 rows by each matrix, and OpenBLAS took
-    3-6x less time for that with the matrix stored this way (its small-matrix path)."""
-    tr = lambda w: np.ascontiguousarray(w.T)
-    layers = [{"attn_norm": p["attn_norm"], "wqkv": tr(p["wqkv"]), "wo": tr(p["wo"]), "mlp_norm": p["mlp_norm"],
-               "w_gate_up": tr(p["w_gate_up"]), "w_down": tr(p["w_down"])}
-              for p in (layer_params(params, l) for l in range(cfg.L))]
-    return layers, tr(params["heads.0"])
-
-
-def forward_logits(params, cfg, idx, pos, kv, weights=None):
-    """idx (1,Tn): new tokens at positions pos.. -> head 0's logits (1,Tn,V) and the
-    final-normed hidden state (1,Tn,C), from which the other heads' logits follow.
-
-    The keys and values of the new tokens are added to kv, so the prompt is
-    processed once (prefill) and then each step feeds only the new tokens.
-    This is block_forward's math, for one sequence, through the same layer
-    functions where they cost nothing extra, without what the backward would
-    need, and with rope's table and the mask made once for all layers: a pass
-    takes 15% less time than through block_forward. weights: decode_weights,
-    when the caller keeps them between calls."""
-    layers, head = weights or decode_weights(params, cfg)
-    Tn, Hq, Hkv, D = idx.shape[1], cfg.Hq, cfg.Hkv, cfg.D
-    G, half, Tk, dtype = Hq // Hkv, D // 2, pos + Tn, params["tok_emb"].dtype
-    cos, sin = rope_table(Tn, D, pos, dtype)                           # (Tn,1,D/2)
-    mask = causal_mask(Tn, Tk, G, dtype) if Tn > 1 else 0.0            # one query sees every key
-    x = params["tok_emb"][idx[0]]                                      # (Tn,C)
-    for p, (k_cache, v_cache) in zip(layers, kv):
-        qkv = rmsnorm_forward(x, p["attn_norm"])[0] @ p["wqkv"]         # (Tn,(Hq+2Hkv)*D)
-        qk = qkv[:, :(Hq + Hkv) * D].reshape(Tn, Hq + Hkv, D)
-        a, b = qk[..., :half], qk[..., half:]
-        qk = np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)     # rope_forward's rotation
-        k_cache[0, pos:Tk], v_cache[0, pos:Tk] = qk[:, Hq:], qkv[:, (Hq + Hkv) * D:].reshape(Tn, Hkv, D)
-        # attention_forward's grouping: the G query heads of a kv head stacked along time
-        q = qk[:, :Hq].reshape(Tn, Hkv, G, D).transpose(1, 2, 0, 3).reshape(Hkv, G * Tn, D)
-        att = (q * (1.0 / math.sqrt(D))) @ k_cache[0, :Tk].transpose(1, 2, 0) + mask   # (Hkv,G*Tn,Tk)
-        att -= att.max(-1, keepdims=True)
-        np.exp(att, out=att)
-        att /= att.sum(-1, keepdims=True)
-        y = (att @ v_cache[0, :Tk].transpose(1, 0, 2)).reshape(Hkv, G, Tn, D).transpose(2, 0, 1, 3)
-        x = x + y.reshape(Tn, Hq * D) @ p["wo"]
-        x = x + swiglu_forward(rmsnorm_forward(x, p["mlp_norm"])[0] @ p["w_gate_up"])[0] @ p["w_down"]
-    x = rmsnorm_forward(x, params["final_norm"])[0]
-    return (x @ head)[None], x[None]
-
-
-def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
-    """logits (V,) -> token id: greedy at temperature 0, else sampled from the kept tokens"""
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    if 0 < top_k < len(z):
-        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:                                                    # nucleus: smallest set with mass >= top_p
-        order = np.argsort(-p)
-        cut = np.searchsorted(np.cumsum(p[order]), top_p) + 1
-        keep = np.zeros_like(p)
-        keep[order[:cut]] = p[order[:cut]]
-        p = keep / keep.sum()
-    return int(rng.choice(len(p), p=p))
-
-
-def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
-             speculative=False, stop=None, stats=None, drafts=None):
-    """yields new token ids one by one (for streaming), after the prompt ids.
-
-    The context holds T tokens. A longer prompt keeps its last T-1 tokens. When
-    the cache is full, the window slides: the last T/2 tokens are fed again from
-    position 0 (rope positions are relative to the window), then decoding goes on.
-
-    speculative: heads 1..K-1 guess the next K-1 tokens; one forward pass over
-    [last token, guesses] gives head 0's verdict at every position, and guesses
-    are accepted while head 0's own choice (sampled the same way as without
-    speculation) agrees. Every emitted token is head 0's choice given the tokens
-    before it, so greedy output is the same as plain greedy decoding. drafts
-    limits the guesses to heads 1..drafts: the later heads guess worse, and on
-    these CPUs a pass over 2 tokens costs less than one over 4."""
-    rng = np.random.default_rng(seed)
-    tokens = list(prompt)[-(cfg.T - 1):] if prompt else []
-    if not tokens:
-        raise NanoEulerError("the prompt is empty; give at least one token")
-    kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
-    weights = decode_weights(params, cfg)
-    n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
-    drafters = params["heads"][1:1 + n_drafts].reshape(-1, cfg.C)     # (drafts*V, C)
-    pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
-    while emitted < max_new_tokens:
-        if pos + len(pending) > cfg.T:                     # slide the window
-            pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
-        guesses = guesses[:cfg.T - pos - len(pending)]     # slide exactly when plain decoding would
-        feed = pending + guesses
-        logits, x = forward_logits(params, cfg, np.array([feed]), pos, kv, weights)   # (1,Tn,V), (1,Tn,C)
-        first = len(pending) - 1                           # logits at feed[first] predict the next token
-        for j in range(len(guesses) + 1):
-            t = sample_token(logits[0, first + j], rng, temperature, top_k, top_p)
-            tokens.append(t)
-            emitted += 1
-            yield t
-            if t == stop or emitted >= max_new_tokens:
-                return
-            if j == len(guesses) or guesses[j] != t:
-                break
-        if stats is not None:
-            stats["steps"] = stats.get("steps", 0) + 1
-            stats["tokens"] = stats.get("tokens", 0) + j + 1
-        # the cache keeps the fed tokens up to feed[first + j]; the rest are overwritten later
-        pos += first + j + 1
-        pending = [tokens[-1]]
-        if speculative and n_drafts:                       # heads 1..drafts at the last accepted position
-            guesses = (drafters @ x[0, first + j]).reshape(n_drafts, cfg.V).argmax(-1).tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -2361,11 +2383,22 @@ def cmd_bench(args):
 
 
 # -----------------------------------------------------------------------------
-# main
+# command line
 
 def cmd_check(args):
     if not gradient_check(args.seed):
         sys.exit(1)
+
+
+def cmd_prepare(args):
+    tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
+    print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
+
+
+def cmd_train(args):
+    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+    pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
+             lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
 
 
 def argv_text(text):
@@ -2419,6 +2452,8 @@ nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >=
 probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
 positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
 positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
+
+
 vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
 

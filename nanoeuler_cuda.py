@@ -955,7 +955,7 @@ def check_model(rng, report, precision):
 
 
 # Decoding: GPUDecoder's logits after a prefill and after single-token and
-# several-row passes against nanoeuler.forward_logits's own KV-cache decoding in
+# several-row passes against nanoeuler.model_forward's own KV-cache decoding in
 # float64. fp32 decoding is held to the kernels' bar. bf16 decoding is compared
 # with the float64 model whose matrices are rounded to bf16 as the decoder's are;
 # what is left is the prefill's cuBLAS products, which round their activations to
@@ -996,7 +996,7 @@ def margin_model(cfg, rng):
 
 
 def check_decoding(rng, report, precision):
-    """prefill + steps against nanoeuler.forward_logits; speculative == plain greedy"""
+    """prefill + steps against nanoeuler.model_forward with a KV cache; speculative == plain greedy"""
     cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
     flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
     flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
@@ -1007,19 +1007,19 @@ def check_decoding(rng, report, precision):
     ids = rng.integers(0, V, 24).tolist()
     what = f"decode {precision}"
     dec.wait(dec.prefill(ids[:12], 1))
-    ref = ne.forward_logits(params, cfg, np.array([ids[:12]]), 0, kv)[0][0, -1]
+    ref = ne.model_forward(params, cfg, np.array([ids[:12]]), pos=0, kv=kv)[0][0, -1]
     report(f"{what} prefill (12 tokens) logits", rel_diff(dec.logits.view(0, (V,)).download(), ref))
     singles = []
     for pos in range(12, 16):                                  # four one-token steps
         dec.set_feed([ids[pos]], pos)
         dec.wait(dec.launch_step(1, 1))
         singles.append(dec.logits.view(0, (V,)).download())
-        ref = ne.forward_logits(params, cfg, np.array([ids[pos:pos + 1]]), pos, kv)[0][0, -1]
+        ref = ne.model_forward(params, cfg, np.array([ids[pos:pos + 1]]), pos=pos, kv=kv)[0][0, -1]
         report(f"{what} step at {pos} logits", rel_diff(singles[-1], ref))
     dec.set_feed(ids[16:19], 16)                               # a pass over three rows (a verifying pass)
     dec.wait(dec.launch_step(3, 1))
     rows = dec.logits.view(0, (3, V)).download()
-    ref = ne.forward_logits(params, cfg, np.array([ids[16:19]]), 16, kv)[0][0]
+    ref = ne.model_forward(params, cfg, np.array([ids[16:19]]), pos=16, kv=kv)[0][0]
     report(f"{what} 3-row pass at 16 logits", rel_diff(rows, ref))
     dec.set_feed(ids[12:15], 12)                               # rows of a pass == one-row steps, bit for bit
     dec.wait(dec.launch_step(3, 1))

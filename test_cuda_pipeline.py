@@ -2,7 +2,7 @@
 Tests of nanoeuler_cuda.py's SFT, decoding and chat that run without a GPU:
 generate's host loop (passes queued ahead, the window slide, fewer drafts near
 the window's end, sampling) against nanoeuler.generate through a stand-in for
-GPUDecoder that computes each pass with nanoeuler.forward_logits and applies
+GPUDecoder that computes each pass with nanoeuler.model_forward and applies
 the acceptance rule of argmax_accept_kernel; the NVRTC compile of the
 decode kernels; the sft and chat command lines. `python nanoeuler_cuda.py check`
 tests the kernels themselves on a GPU.
@@ -38,7 +38,7 @@ class HostArray:
 
 
 class StandInDecoder:
-    """GPUDecoder's contract, computed at once on the host: each pass is nanoeuler.forward_logits
+    """GPUDecoder's contract, computed at once on the host: each pass is nanoeuler.model_forward
     over the fed ids at the device's pos, then the accept kernel's rule updates ids and pos.
     Passes are checked to stay inside the window and to be at most LOOKAHEAD unread."""
 
@@ -51,7 +51,7 @@ class StandInDecoder:
     def run(self, feed, pos, n_heads):
         T = self.cfg.T
         assert 1 <= len(feed) and pos + len(feed) <= T, (pos, feed)
-        logits, x = ne.forward_logits(self.params, self.cfg, np.array([feed]), pos, self.kv)
+        logits, x = ne.model_forward(self.params, self.cfg, np.array([feed]), pos=pos, kv=self.kv)
         heads = self.params["heads"][:n_heads]                              # (n_heads, V, C)
         rows = np.concatenate([logits[0][:, None], np.einsum("kvc,rc->rkv", heads[1:], x[0])], 1)
         return rows                                                         # (R, n_heads, V)

@@ -325,9 +325,9 @@ def test_micro_batches_add_up_to_the_batch():
 
 
 def test_decoding_forward_equals_the_training_forward():
-    # forward_logits is block_forward's math written for one sequence with a KV
-    # cache: fed in three pieces (prefill, 1 token, 3 tokens) it must give the
-    # logits of the whole sequence through the layers the gradient check proves
+    # model_forward with a KV cache, fed in three pieces (prefill, 1 token, 3
+    # tokens), must give the logits of the whole sequence through the layers the
+    # gradient check proves, here called one by one without a cache
     cfg = TINY
     _, params = random_model(cfg)
     ids = np.random.default_rng(3).integers(0, cfg.V, (1, 10))
@@ -336,7 +336,7 @@ def test_decoding_forward_equals_the_training_forward():
         x, _ = ne.block_forward(x, ne.layer_params(params, l), cfg)
     ref = ne.rmsnorm_forward(x, params["final_norm"])[0] @ params["heads.0"].T
     kv = ne.new_kv_cache(cfg, 1, np.float64)
-    got = [ne.forward_logits(params, cfg, ids[:, a:b], a, kv)[0] for a, b in ((0, 6), (6, 7), (7, 10))]
+    got = [ne.model_forward(params, cfg, ids[:, a:b], pos=a, kv=kv)[0] for a, b in ((0, 6), (6, 7), (7, 10))]
     np.testing.assert_allclose(np.concatenate(got, 1), ref, rtol=1e-12, atol=1e-12)
 
 
@@ -345,7 +345,7 @@ def naive_greedy(params, cfg, prompt, n):
     ids = list(prompt)
     for _ in range(n):
         x = np.array([ids[-cfg.T:]])
-        logits, _ = ne.forward_logits(params, cfg, x, 0, ne.new_kv_cache(cfg, 1, np.float64))
+        logits, _ = ne.model_forward(params, cfg, x)
         ids.append(int(np.argmax(logits[0, -1])))
     return ids[len(prompt):]
 

@@ -163,7 +163,7 @@ def test_decoding_forward_is_spec_forward(model):
     want = ref_logits(t, CFG, ids)
     kv = ne.new_kv_cache(CFG, 1, np.float64)
     for a, b in ((0, 4), (4, 5), (5, 9)):
-        logits, x = ne.forward_logits(params, CFG, ids[None, a:b], a, kv)
+        logits, x = ne.model_forward(params, CFG, ids[None, a:b], pos=a, kv=kv)
         np.testing.assert_allclose(logits[0], want[0, a:b], rtol=1e-10, atol=1e-12)
         for k in range(1, CFG.K):                             # the other heads follow from x
             np.testing.assert_allclose(x[0] @ t[f"heads.{k}"].T, want[k, a:b], rtol=1e-10, atol=1e-12)
