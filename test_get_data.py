@@ -441,6 +441,7 @@ def test_web_larger_size_replaces_the_corpus(tmp_path, fineweb):
     assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0 + DOCS_1, 300)]
 
 
+@needs_duckdb
 def test_web_ctrl_c_keeps_only_the_resumable_download(tmp_path, server):
     body = bytes(range(256)) * 40
     server.files["/10BT/000_00000.parquet"] = body
