@@ -26,9 +26,10 @@ backward), model, gradient check, optimizer, generation, tokenizer, data,
 checkpoints, training, fine-tuning and chat, command line.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
-float64 in the check), gradient accumulation, more than one process or
-machine, batched generation (one sequence at a time), any autograd or
-framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
+float64 in the check), a gradient-accumulation flag (micro-batches only spread
+one batch over threads), training on more than one process or machine
+(tokenizing a corpus does use every core), batched generation (one sequence at
+a time), any autograd or framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
 config, tokenizer, data, checkpoint and training-loop code from here and
 checks its kernels against the layers here.
 """
@@ -48,7 +49,6 @@ import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from itertools import repeat
 
 # one BLAS thread: training runs threads of its own (why: "a training step on
 # every core", below); BLAS reads this when numpy loads it, so it must come first
@@ -160,7 +160,7 @@ def linear_backward(dout, cache):
 
 def rmsnorm_forward(x, w, eps=1e-5):
     """x (..., C), w (C,) -> out (..., C) = x / sqrt(mean(x^2) + eps) * w"""
-    rstd = 1.0 / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1] + eps)   # (...,1)
+    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)       # (...,1)
     return x * rstd * w, (x, w, rstd)
 
 
@@ -427,13 +427,13 @@ def block_forward(x, p, cfg, pos=0, kv=None):
         kv[0][:, pos:pos + T], kv[1][:, pos:pos + T] = k, v
         k, v = kv[0][:, :pos + T], kv[1][:, :pos + T]
     y, c_att = attention_forward(q, k, v)                              # (B,T,Hq,D)
-    a, c_wo = linear_forward(y.reshape(B, T, Hq * D), p["wo"])         # (B,T,C)
-    x = x + a                                                          # residual
+    attn_out, c_wo = linear_forward(y.reshape(B, T, Hq * D), p["wo"])  # (B,T,C)
+    x = x + attn_out                                                   # residual
     m, c_mlp_norm = rmsnorm_forward(x, p["mlp_norm"])                  # (B,T,C)
     gu, c_gate_up = linear_forward(m, p["w_gate_up"])                  # (B,T,2F)
     s, c_swiglu = swiglu_forward(gu)                                   # (B,T,F)
-    d, c_down = linear_forward(s, p["w_down"])                         # (B,T,C)
-    x = x + d                                                          # residual
+    mlp_out, c_down = linear_forward(s, p["w_down"])                   # (B,T,C)
+    x = x + mlp_out                                                    # residual
     return x, (c_attn_norm, c_wqkv, c_rope, c_att, c_wo, c_mlp_norm, c_gate_up, c_swiglu, c_down)
 
 
@@ -516,7 +516,7 @@ def split_rows(rows, T, K):
 #
 # float64 central differences (five-point stencil, below) against the hand-written
 # backward. Error = |analytic - numeric| / max(1e-6, |analytic| + |numeric|);
-# a tensor passes below 1e-6. Correct layers land near 1e-9; a wrong formula
+# a tensor passes below 1e-6. Correct layers land between 1e-13 and 1e-7; a wrong formula
 # lands near 1. Each layer is checked alone with the scalar sum(out * dout) for
 # a random dout, then the whole model with its real loss.
 
@@ -557,7 +557,7 @@ def layer_cases(rng):
     r = lambda *shape: rng.normal(size=shape)
     B, T, C, Hq, Hkv, D = 2, 5, 6, 4, 2, 4
     idx = rng.integers(0, 7, size=(B, T))
-    cfg3 = Config(V=7, C=C, Hq=2, Hkv=1, L=1, T=T, F=8, K=3)
+    cfg_heads = Config(V=7, C=C, Hq=2, Hkv=1, L=1, T=T, F=8, K=3)
     targets = rng.integers(0, 7, size=(B * T, 3))
     targets[[1, 4, 7], [0, 2, 1]] = -1
     return [
@@ -574,7 +574,7 @@ def layer_cases(rng):
         ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),
         ("cross_entropy", lambda logits: cross_entropy_forward(logits, targets[:, 0]),
          lambda d, c: (cross_entropy_backward(d, c),), {"logits": r(B * T, 7)}),
-        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg3)[::2],
+        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg_heads)[::2],
          mtp_heads_backward, {"x": r(B * T, C), "heads": r(3, 7, C)}),
     ]
 
@@ -582,11 +582,10 @@ def layer_cases(rng):
 def check_layer(name, forward, backward, inputs, rng, report):
     """compare every input's analytic gradient with central differences of sum(out * dout)"""
     names = list(inputs)
-    out, _ = forward(*inputs.values())
+    out, cache = forward(*inputs.values())
     scalar = np.ndim(out) == 0                          # losses are checked as they are
     dout = 1.0 if scalar else rng.normal(size=np.shape(out))
     f = lambda: float(np.sum(forward(*inputs.values())[0] * dout))
-    _, cache = forward(*inputs.values())
     grads = backward(dout, cache)
     for arg, grad in zip(names, grads):
         entries = sample_entries(inputs[arg], rng)
@@ -608,7 +607,7 @@ def check_model(cfg, rng, report, B=2):
     targets = targets.copy()
     targets[0, 2, 0] = targets[1, 5, 1] = targets[1, 0, cfg.K - 1] = -1
     grad_flat = np.zeros_like(flat)
-    loss, ce, cache = model_forward(params, cfg, idx, targets)
+    _, _, cache = model_forward(params, cfg, idx, targets)
     model_backward(carve(grad_flat, cfg), cache)
     grads = carve(grad_flat, cfg)
     f = lambda: model_forward(params, cfg, idx, targets)[0]
@@ -616,7 +615,6 @@ def check_model(cfg, rng, report, B=2):
         entries = sample_entries(params[name], rng)
         num = numeric_grad(f, params[name], entries)
         report("model", name, rel_error(grads[name].flat[entries], num), len(entries), params[name].size)
-    return (B, cfg.T, int((targets < 0).sum()))
 
 
 def gradient_check(seed=1337, out=print):
@@ -627,18 +625,19 @@ def gradient_check(seed=1337, out=print):
     out(f"config tiny: V={cfg.V} C={cfg.C} Hq={cfg.Hq} Hkv={cfg.Hkv} D={cfg.D} L={cfg.L} "
         f"F={cfg.F} K={cfg.K}, B=2 T={cfg.T} (3 targets = -1)")
     out(f"{'layer':<14} {'tensor':<22} {'max rel err':>11}")
-    worst = [0.0]
+    worst = 0.0
 
     def report(layer, tensor, err, n, size):
-        worst[0] = max(worst[0], err)
+        nonlocal worst
+        worst = max(worst, err)
         sampled = f"   ({n} of {size} sampled)" if n < size else ""
         out(f"{layer:<14} {tensor:<22} {err:>11.1e}   {'OK' if err < CHECK_TOL else 'NOT OK'}{sampled}")
 
     for name, forward, backward, inputs in layer_cases(rng):
         check_layer(name, forward, backward, inputs, rng, report)
     check_model(cfg, rng, report)
-    ok = worst[0] < CHECK_TOL
-    out(f"worst relative error {worst[0]:.1e}")
+    ok = worst < CHECK_TOL
+    out(f"worst relative error {worst:.1e}")
     out(f"overall okay: {int(ok)}")
     return ok
 
@@ -979,7 +978,7 @@ class Tokenizer:
             seq = list(part)
             while len(seq) >= 2:
                 # the pair learned first is the one with the lowest new id; unlearned pairs rank inf
-                new_id = min(map(self.ranks.get, zip(seq, seq[1:]), repeat(math.inf)))
+                new_id = min(self.ranks.get(pair, math.inf) for pair in zip(seq, seq[1:]))
                 if new_id == math.inf:
                     break
                 seq = merge(seq, self.merges[new_id - FIRST_MERGE_ID], new_id)
@@ -998,7 +997,7 @@ class Tokenizer:
             piece_ids = cache.get(piece)
             if piece_ids is None:
                 piece_ids = self.encode_piece(piece)
-                if len(piece) <= self.max_piece_bytes:
+                if len(piece) <= self.max_piece_bytes:             # characters: a cheap bound
                     cache[piece] = piece_ids
             ids += piece_ids
         return ids
@@ -1025,8 +1024,8 @@ class Tokenizer:
         if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
             raise ValueError("its special tokens differ from this program's")
         bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
-        if type(bound) is not int or not 1 <= bound <= 1 << 20:
-            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 1 to 1,048,576")
+        if type(bound) is not int or not 4 <= bound <= 1 << 20:
+            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 4 to 1,048,576")
         return cls(check_merges(d.get("merges")), bound)
 
 
@@ -1701,13 +1700,14 @@ def claim_out(out_dir, resume):
 # calls), each into a gradient buffer of its own, and AdamW runs on slices of
 # the flat buffer at once. BLAS is held to one thread per caller (the setting
 # above `import numpy`): two layers of threads on two cores made every step
-# twice as slow. With these and keep_freed_memory, a step on 2 cores keeps
-# level with PyTorch's eager CPU step (BENCHMARKS.md).
+# twice as slow. With these and keep_freed_memory, a step on 2 cores runs
+# 1.2x PyTorch's eager CPU step; without any one of them it falls behind
+# (BENCHMARKS.md, "what the reference keeps for speed").
 
 def keep_freed_memory():
     """numpy makes a fresh array for every result. Above 128 KB glibc maps new
     pages from the OS for each one and unmaps them on free, and those page
-    faults cost a fifth of a training step (measured: 18.8 -> 15.4 ms per row).
+    faults cost a quarter of a training step (measured, B=8: 76 -> 57 ms).
     So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
     once, when this file is imported."""
     try:
