@@ -2465,8 +2465,9 @@ def cmd_sft(args, make_engine=None, engine=None):
 def check_drafts(args, cfg):
     """--speculative --drafts N: a model has K-1 draft heads; say so when N asks for more"""
     if args.speculative and args.drafts > cfg.K - 1:
-        print(f"note: {args.model} has {cfg.K - 1} draft heads (K = {cfg.K}), fewer than --drafts {args.drafts}; "
-              f"drafting with {cfg.K - 1}", file=sys.stderr)
+        heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
+        print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
+              f"{cfg.K - 1}", file=sys.stderr)
         args.drafts = cfg.K - 1
 
 

@@ -396,6 +396,71 @@ def test_a_stop_saves_before_any_evaluation_or_sample(corpus, tmp_path, capsys, 
     assert (out / "log.csv").read_text().splitlines()[-1].startswith("4,")
 
 
+def test_a_garbled_log_never_stops_a_resume(finished_run, corpus, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    log = out / "log.csv"
+    good = log.read_bytes()
+    # bytes that are not UTF-8, a step that str.isdigit takes but int() does not, a row cut short
+    log.write_bytes(good + b"\xff\xfe\x00garbage\n" + "²,1.0,1,1,1,1,,,\n".encode() + b"3,\xff,,,,,,,\n9,2.5")
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert log.read_bytes().startswith(good)
+    assert [ln.split(",")[0] for ln in log.read_text().splitlines()[1:]] == [str(s) for s in range(1, 13)]
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+@pytest.mark.parametrize("cfg, rows", [(ne.PRESETS["small"], 1), (ne.PRESETS["small"], 8),
+                                       (ne.Config(V=260, C=64, Hq=4, Hkv=1, L=3, T=256, F=176, K=2), 4)])
+def test_the_activation_estimate_is_within_10_percent_of_the_measured_peak(cfg, rows):
+    import tracemalloc                                   # numpy reports its arrays to it
+    flat = ne.init_params(cfg)
+    grads = [np.zeros_like(flat)]
+    idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, cfg.V, (rows, cfg.T + cfg.K)), cfg.T, cfg.K)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ne.loss_and_grads(flat, cfg, idx, targets, grads)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak <= ne.activation_bytes(cfg, rows) <= 1.1 * peak
+
+
+def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
+    cfg = ne.PRESETS["small"]
+    P = ne.num_params(cfg)
+    # 64 rows on 2 threads: 8 micro-batches of 8 rows (micro_batches), two at a time
+    need = 4 * (3 + 8) * P + 2 * ne.activation_bytes(cfg, 8) + 64 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    ne.check_memory(cfg, 64, 2, available=lambda: need)
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.check_memory(cfg, 64, 2, available=lambda: need - 1)
+    assert str(e.value).startswith(f"--batch 64 needs about {need / 1e9:.1f} GB of memory") and "lower --batch" in str(e.value)
+    ne.check_memory(cfg, 10 ** 9, 2, available=lambda: None)    # no /proc/meminfo: no check
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
+    # a billion rows: 125 million gradient buffers of 3.7 MB, on any machine more than it has
+    args = ["--batch", str(10 ** 9), "--out", str(tmp_path / "run")]
+    r = run_cli(*(["train", "--data", corpus] if command == "train" else
+                  ["sft", "--model", str(finished_run / "run" / "best.safetensors")]), *args)
+    err = one_sentence(r)
+    assert "--batch 1000000000 needs about" in err and "lower --batch" in err
+    assert not (tmp_path / "cache").exists()             # refused before the data is prepared
+
+
+def test_out_of_memory_is_one_sentence(capsys):
+    def allocate(args):
+        np.ones(1 << 62, dtype=np.uint8)                 # 4 EiB: no machine has it
+    with pytest.raises(SystemExit) as e:
+        ne.run_command(allocate, ne.build_parser().parse_args(["check"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: out of memory (")
+    assert err[0].endswith("lower --batch, or free some memory")
+
+
 # -----------------------------------------------------------------------------
 # the disk
 
