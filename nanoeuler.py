@@ -1315,11 +1315,11 @@ def process_exists(pid):
     return True
 
 
-def remove_stale_tmp(folder, now=None):
+def remove_stale_tmp(folder):
     """delete the temp files (name.<pid>.tmp) that killed writers left in the shared cache:
     those whose process is gone and that nobody wrote for STALE_TMP_SECONDS (a writer in
     another container shares the folder but not our pids)"""
-    now = time.time() if now is None else now
+    now = time.time()
     for name in os.listdir(folder):
         m = re.fullmatch(r".+\.(\d+)\.tmp", name)
         path = os.path.join(folder, name)
@@ -2238,13 +2238,11 @@ def timed_step(engine, batch, step, total, args, out_dir, clock):
 
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
                clock=time.perf_counter):
-    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log,
-    evaluate, save, and stop cleanly (on a signal or when our output is gone: saved first).
-
-    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
-    state holds step, rng state and the best validation so far. The log's samples
-    continue sample_prompt (ids; default: the start of a document). clock: seconds,
-    for the timings and --minutes's plan (a test passes a fake one)."""
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log, evaluate,
+    save, and stop cleanly (on a signal or when our output is gone: saved first). next_batch(rng)
+    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
+    the best validation. The log's samples continue sample_prompt (ids; default: a document's
+    start). clock: seconds, for the timings and --minutes's plan (a test passes a fake one)."""
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
@@ -2526,8 +2524,8 @@ def cmd_chat(args, make_params=None, gen=None):
             reply_room = min(args.max_new_tokens, cfg.T // 2)
             room = cfg.T - 1 - reply_room                                  # what the question may take
             if len(ids) > room:
-                print(f"note: the question is {len(ids)} tokens, but the context of {cfg.T} holds {room} besides "
-                      f"{reply_room} for the reply; keeping the question's last {room} tokens", file=sys.stderr)
+                print(f"note: the question is {len(ids)} tokens, more than fit in the context of {cfg.T} with room "
+                      f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)
             history = (history + ids)[-room:]
             out.write("bot> ")
             reply = chat_reply(params, cfg, tok, history, args, out, gen)

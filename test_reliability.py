@@ -535,4 +535,4 @@ def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
     assert r.returncode == 0, r.stderr.decode()
     err = r.stderr.decode()
     # room for the question: T - 1 less the reply's max_new_tokens = 128 - 1 - 8
-    assert "the context of 128 holds 119 besides 8 for the reply; keeping the question's last 119 tokens" in err
+    assert "more than fit in the context of 128 with room for a reply of 8; keeping its last 119 tokens" in err
