@@ -453,13 +453,13 @@ def assert_group_ends(p):
     pytest.fail("a worker process outlived its run")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
 def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     p = start_slow_prepare(tmp_path)
     if how == "ctrl-c":
         os.killpg(p.pid, signal.SIGINT)                      # a terminal's Ctrl-C: every process of the job
-    else:
-        os.kill(p.pid, signal.SIGTERM)                       # docker stop, a scheduler: the main process
+    else:                                                    # docker stop, a scheduler, a closed terminal
+        os.kill(p.pid, signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
     try:
         _, err = p.communicate(timeout=60)
     finally:
