@@ -1053,6 +1053,17 @@ SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 
 
+def not_a_file(path, noun, advice):
+    """the error for a path that is not a regular file: what it is instead, then advice"""
+    if os.path.isdir(path):
+        what = f"is a folder, not {noun}"
+    elif os.path.exists(path):
+        what = f"is not {noun} (it is a device, a pipe or a socket)"
+    else:
+        what = "does not exist"
+    return NanoEulerError(f"{path} {what}; {advice}")
+
+
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     if os.path.isdir(path):
@@ -1065,7 +1076,7 @@ def corpus_files(path):
             raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
         return files
     if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; pass a UTF-8 text file or a folder of .txt files")
+        raise not_a_file(path, "a text file", "pass a UTF-8 text file or a folder of .txt files")
     return [path]
 
 
@@ -1238,9 +1249,11 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
         workers = available_cores() if total >= POOL_MIN_BYTES else 1
     done, n_tokens, t0 = 0, 0, time.time()
     chunks = encoded_chunks(files, tok, workers)
-    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
-    # midway and leaving its workers behind
-    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) clean up as
+    # Ctrl-C does, not killing this process midway and leaving its workers behind; one
+    # that was ignored when we started (nohup) stays ignored
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         for ids, nbytes in chunks:
             write(ids)
@@ -1250,7 +1263,8 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
                 progress_line(progress_text(done, total, time.time() - t0))
     finally:
         chunks.close()                                 # stops the workers now, also on Ctrl-C
-        signal.signal(signal.SIGTERM, sigterm)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if progress:
         progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
                       f"{n_tokens:,} tokens", done=True)
@@ -1269,8 +1283,9 @@ def npy_header(dtype, n):
 def write_tokens(path, files, tok, workers=None, progress=True):
     """tokenize files into the .npy file path as the ids come. The header, which
     holds their count, is written last into the room left for it. All goes to
-    path.tmp, renamed when complete: an interrupted run leaves no token file."""
-    dtype, tmp = token_dtype(tok.vocab_size), path + ".tmp"
+    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
+    and two runs that share the cache each write their own temp file."""
+    dtype, tmp = token_dtype(tok.vocab_size), f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
             f.seek(len(npy_header(dtype, 0)))
@@ -1281,9 +1296,36 @@ def write_tokens(path, files, tok, workers=None, progress=True):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)                                # signal 0: nothing is sent, the pid is checked
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:                            # another user's process
+        return True
+    return True
+
+
+def remove_stale_tmp(folder):
+    """delete the temp files (name.<pid>.tmp) that killed writers left in the shared cache:
+    those whose process is gone and that nobody wrote for STALE_TMP_SECONDS (a writer in
+    another container shares the folder but not our pids)"""
+    now = time.time()
+    for name in os.listdir(folder):
+        m = re.fullmatch(r".+\.(\d+)\.tmp", name)
+        path = os.path.join(folder, name)
+        if m and not process_exists(int(m.group(1))):
+            with contextlib.suppress(OSError):         # another run may remove it first
+                if now - os.path.getmtime(path) > STALE_TMP_SECONDS:
+                    os.remove(path)
 
 
 def file_digest(files):
@@ -1346,16 +1388,43 @@ def atomic_write_bytes(path, data):
     atomic_write(path, lambda f: f.write(data))
 
 
-def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
+def load_tokens(path, vocab_size, chunk=1 << 24):
+    """the cached token file, memory-mapped -> (tokens, None), or (None, what is wrong) unless
+    it holds what write_tokens writes: a 1-D array of the tokenizer's dtype, exactly as long
+    as its header says, every id below vocab_size (checked chunk by chunk: no copy in memory)"""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            if fmt.read_magic(f) != (1, 0):
+                return None, "not a version 1.0 .npy file"
+            shape, _, dtype = fmt.read_array_header_1_0(f)
+            offset = f.tell()
+        if dtype != token_dtype(vocab_size) or len(shape) != 1:
+            return None, f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids"
+        size = os.path.getsize(path)
+        if size != offset + shape[0] * dtype.itemsize:
+            return None, (f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
+                          f"{size - offset:,} bytes")
+        tokens = np.load(path, mmap_mode="r")
+    except ValueError as e:                            # not a .npy file, a broken header
+        return None, f"not a .npy file: {e}"
+    for i in range(0, len(tokens), chunk):
+        if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
+            return None, f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids"
+    return tokens, None
+
+
+def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
     and the tokens written once, both cached under cache_dir by the corpus's
-    hash (the tokens also by the tokenizer's)"""
+    hash (the tokens also by the tokenizer's); a damaged cache file is made again"""
     import hashlib
     files = corpus_files(path)
     if vocab_size > 65536:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
     corpus = file_digest(files)
     os.makedirs(cache_dir, exist_ok=True)
+    remove_stale_tmp(cache_dir)
     tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
     tok = cached_tokenizer(tok_path)
     if tok is None:
@@ -1366,17 +1435,15 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers
         atomic_write_bytes(tok_path, tok.to_json().encode())
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
-    if not os.path.exists(tokens_path):
+    tokens, problem = load_tokens(tokens_path, tok.vocab_size) if os.path.exists(tokens_path) else (None, None)
+    if problem:
+        print(f"{tokens_path} is damaged ({problem}); tokenizing again", file=sys.stderr)
+    if tokens is None:
         write_tokens(tokens_path, files, tok, workers, progress)
-    try:
-        return tok, np.load(tokens_path, mmap_mode="r")
-    except Exception as e:                             # a damaged cache file: make it once more
-        if not retry:
-            raise NanoEulerError(f"{tokens_path} cannot be read ({type(e).__name__}); delete it and run again") \
-                from None
-        print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
-        os.remove(tokens_path)
-        return prepare_data(path, vocab_size, cache_dir, progress, False, workers)
+        tokens, problem = load_tokens(tokens_path, tok.vocab_size)
+        if problem:
+            raise NanoEulerError(f"{tokens_path} cannot be read back ({problem}); delete it and run again")
+    return tok, tokens
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -1468,7 +1535,7 @@ def read_safetensors(path):
     after them, as the safetensors library demands), so nothing is allocated
     beyond the file itself, and that only once its header adds up."""
     if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; train one with: python nanoeuler.py train")
+        raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
 
     def bad(problem):
         return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
@@ -1752,6 +1819,45 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
     return sum(r[0] for r in results), sum(r[1] for r in results)
 
 
+def activation_bytes(cfg, rows):
+    """what one thread's forward and backward over `rows` rows hold at their peak, estimated:
+    the forward's caches per token (per layer the block's inputs, q k v, the roped q k, the
+    attention matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's
+    largest temporaries (one layer's attention gradient), and its gradient temporaries of
+    the heads, the embedding and a layer's largest matrix (within 5% of tracemalloc's peak)"""
+    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
+    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
+    return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
+
+
+def available_memory():
+    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read (not Linux)"""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def check_memory(cfg, batch, threads, available=available_memory):
+    """refuse, before anything is allocated, a --batch whose step would not fit in memory:
+    the weights, m, v and a gradient buffer per micro-batch (CPUEngine), the batch's ids,
+    and the activations of the micro-batches in flight, one per thread (an evaluation
+    runs the same micro-batches)"""
+    have = available()
+    if have is None:
+        return
+    threads = max(1, min(threads, batch))
+    parts = micro_batches(batch, threads)
+    rows = -(-batch // parts)                          # a micro-batch's rows, at most
+    weights = 4 * (3 + parts) * num_params(cfg)
+    need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    if need > have:
+        raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
+                             f"of weights, moments and {parts:,} gradient buffers, {threads} x {rows:,} rows of "
+                             f"activations), more than the {have / 1e9:,.1f} GB available; lower --batch")
+
+
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
     """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
     bounds = np.linspace(0, flat.size, n + 1).astype(int)
@@ -1781,7 +1887,7 @@ class CPUEngine:
 
     def __init__(self, cfg, flat, m, v, args):
         self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
-        self.clip, self.weight_decay = args.clip, args.weight_decay
+        self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.mask = decay_mask(cfg)
         self.n_threads = max(1, min(args.threads, args.batch))
         self.grad_bufs = [np.zeros_like(flat) for _ in range(micro_batches(args.batch, self.n_threads))]
@@ -1798,8 +1904,12 @@ class CPUEngine:
 
     def evaluate(self, batches, token_bytes):
         params = carve(self.flat, self.cfg)
+        # in a step's micro-batches: a forward keeps its caches, so 32 rows at once would
+        # need more memory than the step (check_memory counts a step's)
+        n = -(-self.batch // len(self.grad_bufs))
+        parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
         return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
-                        batches, token_bytes, self.pool)
+                        parts, token_bytes, self.pool)
 
     def host_params(self):
         """flat params as a float32 numpy array"""
@@ -1844,14 +1954,12 @@ def print_table(rows):
 
 def plot_log(csv_path, out=print):
     """the loss curve: a PNG when matplotlib is installed, else a plot in the terminal"""
-    import csv
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
-    steps = [int(r["step"]) for r in rows]
-    loss = [float(r["loss"]) for r in rows]
-    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+    with open(csv_path, encoding="utf-8", errors="replace") as f:
+        rows = [row for line in f if (row := log_row(line))]
     if not rows:
         return
+    steps, loss = [r[0] for r in rows], [r[1] for r in rows]
+    val = [(r[0], r[2]) for r in rows if r[2] is not None]
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1881,25 +1989,52 @@ def plot_log(csv_path, out=print):
         out(" " * 7 + "+" + "-" * len(levels))
 
 
+def silence_lost_output():
+    """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
+    terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
+    words cannot fail on them; a file or a live terminal keeps its output"""
+    import select
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    for fd, events in poll.poll(0):
+        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def output_lost(e):
+    """an error of writing our output (a closed pipe, a hung-up terminal), not of a file:
+    atomic_write names its file in every error it raises"""
+    return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
+
+
 class StopFlag:
-    """Ctrl-C (SIGINT) or SIGTERM (what a scheduler or `docker stop` sends) asks the loop to
-    stop after the step in flight and save; a second one stops at once"""
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    """Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
+    terminal closed) asks the loop to stop after the step in flight and save; a second one
+    stops at once. A signal that was ignored when we started (nohup, a background job)
+    stays ignored."""
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
     def __init__(self):
-        self.stop = False
+        self.stop, self.signum, self.lost = False, None, None
 
     def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS
+                         if signal.getsignal(sig) != signal.SIG_IGN}
         return self
 
     def handle(self, signum, frame):
         if self.stop:
             raise KeyboardInterrupt
-        self.stop = True
+        self.stop, self.signum = True, signum
+        if signum == signal.SIGHUP:
+            silence_lost_output()                      # the terminal is most likely gone
         name = self.SIGNALS[signum]
-        print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
-              file=sys.stderr)
+        with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
+            print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
+                  file=sys.stderr)
 
     def __exit__(self, *exc):
         for sig, previous in self.previous.items():
@@ -1940,6 +2075,15 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
     return total
 
 
+def steps_text(args, state):
+    """the settings table's steps: with --minutes the plan is made later (plan_steps prints it)"""
+    if "planned_steps" in state:
+        return f"{state['planned_steps']} (planned for --minutes)"
+    if getattr(args, "minutes", 0) > 0:
+        return f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
+    return str(args.steps)
+
+
 def stop_at(args, start, total):
     """the step this session ends at: the run's last, or sooner with --stop-after"""
     return min(total, start + args.stop_after) if args.stop_after > 0 else total
@@ -1975,17 +2119,29 @@ def stop_if_diverged(loss, norm, step, out_dir):
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
 
 
+def log_row(line):
+    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
+    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
+    cells = line.rstrip("\n").split(",")
+    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
+        return None
+    try:
+        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
+    except ValueError:
+        return None
+
+
 def open_log(csv_path, step):
     """log.csv with the header and the rows up to step, open to append: a resumed run
-    drops the rows past its checkpoint (and any half-written line), a fresh run starts
-    it anew, so the log always matches the run"""
+    drops the rows past its checkpoint (and any half-written or garbled line), a fresh
+    run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
+    read as U+FFFD: a damaged log never stops a resume."""
     rows = []
     if step > 0 and os.path.exists(csv_path):
-        with open(csv_path) as f:
-            rows = [ln for ln in f if ln.endswith("\n") and ln.split(",", 1)[0].isdigit()
-                    and int(ln.split(",", 1)[0]) <= step]
+        with open(csv_path, encoding="utf-8", errors="replace") as f:
+            rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
     atomic_write_bytes(csv_path, (LOG_HEADER + "".join(rows)).encode())
-    return open(csv_path, "a")
+    return open(csv_path, "a", encoding="utf-8")
 
 
 def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
@@ -2046,58 +2202,90 @@ def print_summary(steps, elapsed, times, state, out_dir, last_path):
     print(f"done: {steps} steps in {elapsed}, {mean_ms}; {best}; last checkpoint {last_path}")
 
 
+def exit_stopped(signum, step, last_path):
+    """a signal stopped the run, saved: say where it stands and exit as the signal's
+    killing would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)"""
+    name = StopFlag.SIGNALS[signum]
+    if last_path:
+        print(f"{name}: stopped at step {step}, saved as {last_path}; continue with --resume", file=sys.stderr)
+    else:
+        print(f"{name}: stopped before the first step; nothing to save", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+@contextlib.contextmanager
+def output_may_go(flag):
+    """end the steps, not the run, when our output is gone (`train | head` has exited, the
+    terminal closed): the loop saves, then ends quietly (flag.lost holds the error)"""
+    try:
+        yield
+    except OSError as e:
+        if not output_lost(e):
+            raise
+        flag.stop, flag.lost = True, e
+        silence_lost_output()
+
+
+def timed_step(engine, batch, step, total, args, out_dir, clock):
+    """update number `step` on batch() -> ce (K,), lr, gradient norm, seconds (the batch's
+    making included); stops the run if it diverged"""
+    t0 = clock()
+    lr = lr_schedule(step - 1, total, args.lr, args.warmup)
+    loss, ce, norm = engine.step(*batch(), lr, step)
+    stop_if_diverged(loss, norm, step, out_dir)
+    return ce, lr, norm, clock() - t0
+
+
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
                clock=time.perf_counter):
-    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step,
-    log, evaluate, save, and stop cleanly.
-
-    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
-    state holds step, rng state and the best validation so far. The log's samples
-    continue sample_prompt (ids; default: the start of a document). clock: seconds,
-    for the timings and --minutes's plan (a test passes a fake one)."""
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log, evaluate,
+    save, and stop cleanly (on a signal or when our output is gone: saved first). next_batch(rng)
+    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
+    the best validation. The log's samples continue sample_prompt (ids; default: a document's
+    start). clock: seconds, for the timings and --minutes's plan (a test passes a fake one)."""
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
-    start = state["step"]
+    start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
+    last_path = os.path.join(out_dir, f"model_{start:06d}.safetensors") if start else None
     if start >= total:
         engine.close()
-        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint "
-              f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
+        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
+              "nothing to do")
         return start
     os.makedirs(out_dir, exist_ok=True)
-    rng, tokens = saved_rng(state), args.batch * cfg.T
-    csv_path = os.path.join(out_dir, "log.csv")
+    rng, tokens, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
-    times, t_start, last_path, step = [], clock(), None, start
+    times, t_start = [], clock()
     elapsed = lambda: fmt_time(clock() - t_start)
     with StopFlag() as flag, warnings.catch_warnings():
         # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
-        while step < stop_at(args, start, total) and not flag.stop:
-            t0 = clock()
-            lr = lr_schedule(step, total, args.lr, args.warmup)
-            loss, ce, norm = engine.step(*next_batch(rng), lr, step + 1)
-            stop_if_diverged(loss, norm, step + 1, out_dir)
-            step += 1
-            dt = clock() - t0
-            if step > start + 1:
-                times.append(dt)                          # the first step warms up: left out
-            mfu = engine.mfu(dt)
-            log_step(step, total, ce, lr, norm, dt, times, tokens, mfu)
-            val = ()
-            if step == plan_step or step % args.eval_every == 0 or step == total:
-                t_eval = clock()
-                val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
-                if step == plan_step:
-                    total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
-                    state["planned_steps"] = total
-            log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, *val)
-            if step % args.save_every == 0 or step == total:
-                last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
-        if step > start and step % args.save_every and step != total:
-            # stopped early: a signal or --stop-after
+        with output_may_go(flag):
+            while step < stop_at(args, start, total) and not flag.stop:
+                step += 1
+                ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, out_dir, clock)
+                if step > start + 1:
+                    times.append(dt)                      # the first step warms up: left out
+                log_step(step, total, ce, lr, norm, dt, times, tokens, mfu := engine.mfu(dt))
+                val = ()
+                # after a signal the save comes first: no evaluation, sample or plan before it
+                if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
+                    t_eval = clock()
+                    val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
+                    if step == plan_step:
+                        total = state["planned_steps"] = plan_steps(args, step, np.mean(times), clock() - t_eval,
+                                                                    clock() - t_start)
+                log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, *val)
+                if step % args.save_every == 0 or step == total:
+                    saved, last_path = step, checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+        if step > saved:                                  # stopped early: a signal, --stop-after, lost output
             last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
     csv.close()
     engine.close()
+    if flag.signum:
+        exit_stopped(flag.signum, step, last_path)
+    if flag.lost:
+        raise flag.lost                                   # run_command ends quietly on a closed pipe
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
@@ -2116,6 +2304,11 @@ def resume_or_init(args, cfg, tok, init_flat):
         return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
             start_state(args, args.seed)
     step, (cfg2, flat, tok2, m, v, state) = found
+    # a train run and an sft run in one folder would mix their logs, best models and steps
+    made_by, command = state.get("args", {}).get("command"), getattr(args, "command", None)
+    if made_by and command and made_by != command:
+        raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
+                             f"{command} its own --out")
     if cfg2 != cfg or tok2.merges != tok.merges:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
                              "or tokenizer; pass the same --data and settings, or another --out")
@@ -2142,8 +2335,8 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
                  ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
                           f"vocab {tok.vocab_size}"),
                  ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
-                 ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}, "
-                           f"weight decay {args.weight_decay}, clip {args.clip}"),
+                 ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
+                           f"{args.lr / 10:g}, weight decay {args.weight_decay}, clip {args.clip}"),
                  ("out", args.out)])
 
     def next_batch(rng):
@@ -2168,14 +2361,26 @@ def render_turn(tok, instruction, response=None):
     return ids, train_on
 
 
+def jsonl_records(text):
+    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named"""
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {n} is not JSON: {e.msg} at column {e.colno}") from None
+    return records
+
+
 def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
     if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; pass --data a JSONL or Alpaca JSON file of instructions")
-    text = read_text(path).strip()
+        raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
+    text = read_text(path)
     try:
-        records = json.loads(text) if text.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
         pairs = []
         for i, r in enumerate(records):
             if not isinstance(r, dict):
@@ -2220,6 +2425,8 @@ def sft_targets(rows, mask, T, K):
 def cmd_sft(args, make_engine=None, engine=None):
     """make_engine(cfg, flat, m, v), engine (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)
+    if make_engine is None:
+        check_memory(cfg, args.batch, args.threads)
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
     keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
@@ -2238,7 +2445,8 @@ def cmd_sft(args, make_engine=None, engine=None):
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                  ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples, loss on responses only"),
                  ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or f'{args.threads} threads'}"),
-                 ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}"),
+                 ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
+                           f"{args.lr / 10:g}"),
                  ("out", args.out)])
 
     def next_batch(rng):
@@ -2250,6 +2458,15 @@ def cmd_sft(args, make_engine=None, engine=None):
     prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
     engine = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
     train_loop(args, cfg, tok, engine, next_batch, val, args.out, state, prompt)
+
+
+def check_drafts(args, cfg):
+    """--speculative --drafts N: a model has K-1 draft heads; say so when N asks for more"""
+    if args.speculative and args.drafts > cfg.K - 1:
+        heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
+        print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
+              f"{cfg.K - 1}", file=sys.stderr)
+        args.drafts = cfg.K - 1
 
 
 def chat_reply(params, cfg, tok, history, args, out, gen=None):
@@ -2275,6 +2492,7 @@ def cmd_chat(args, make_params=None, gen=None):
     """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D) leaves.
     make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder and generate"""
     cfg, flat, tok = load_model(args.model)
+    check_drafts(args, cfg)
     params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
     out = sys.stdout
     interactive = sys.stdin.isatty()
@@ -2303,10 +2521,11 @@ def cmd_chat(args, make_params=None, gen=None):
             ids, _ = render_turn(tok, text)
             # naive: keeps the whole conversation and re-feeds it each turn; the
             # oldest tokens are dropped once it outgrows the context
-            room = cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)        # what the reply leaves
+            reply_room = min(args.max_new_tokens, cfg.T // 2)
+            room = cfg.T - 1 - reply_room                                  # what the question may take
             if len(ids) > room:
-                print(f"note: the question is {len(ids)} tokens, longer than the context of {cfg.T} leaves "
-                      f"beside the reply; keeping its last {room}", file=sys.stderr)
+                print(f"note: the question is {len(ids)} tokens, more than fit in the context of {cfg.T} with room "
+                      f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)
             history = (history + ids)[-room:]
             out.write("bot> ")
             reply = chat_reply(params, cfg, tok, history, args, out, gen)
@@ -2338,6 +2557,7 @@ def bench_train(cfg, B, threads, steps=20):
 
 
 def cmd_bench(args):
+    model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
     print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
     cfg = PRESETS["small"]
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
@@ -2359,9 +2579,8 @@ def cmd_bench(args):
         dt = time.time() - t0
         print(f"  encode, {cache} cache:    {nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
               f"{nbytes / len(ids):.2f} bytes per token)")
-    if args.model:
-        cfg, flat, tok = load_model(args.model)
-        what = args.model
+    if model:
+        (cfg, flat, tok), what = model, args.model
     else:
         flat, tok, what = init_params(cfg), Tokenizer(), "random weights (pass --model for a trained one)"
     params = carve(flat, cfg)
@@ -2397,6 +2616,7 @@ def cmd_prepare(args):
 
 def cmd_train(args):
     cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+    check_memory(cfg, args.batch, args.threads)
     pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
              lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
 
@@ -2413,6 +2633,7 @@ def argv_text(text):
 
 def cmd_sample(args):
     cfg, flat, tok = load_model(args.model)
+    check_drafts(args, cfg)
     args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
@@ -2458,10 +2679,22 @@ vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
 
 
+MAX_WORKERS = 4 * available_cores()     # more encoding processes than that only share the cores
+workers_count = number_type(int, lambda n: 1 <= n <= MAX_WORKERS,
+                            f"a number of processes from 1 to {MAX_WORKERS} (4 per core)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """every flag's default in --help, unless its help already says it in words"""
+
+    def _get_help_string(self, action):
+        return action.help if "(default: " in (action.help or "") else super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose --help shows every flag's default; subcommands inherit it"""
 
-    def __init__(self, *args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw):
+    def __init__(self, *args, formatter_class=HelpFormatter, **kw):
         super().__init__(*args, formatter_class=formatter_class, **kw)
 
 
@@ -2507,7 +2740,8 @@ def build_parser():
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
-    sp.add_argument("--workers", type=int, default=None, help="processes that encode (default: every core; one for a corpus under 4 MB)")
+    sp.add_argument("--workers", type=workers_count, default=None,
+                    help="processes that encode (default: every core; one for a corpus under 4 MB)")
 
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
@@ -2562,6 +2796,10 @@ def run_command(command, args):
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
+    except MemoryError as e:                           # numpy's says what it could not allocate
+        print(f"error: out of memory ({e or 'an allocation failed'}); lower --batch, or free some memory",
+              file=sys.stderr)
+        sys.exit(2)
     except BrokenPipeError:
         # the reader of our output went away (sample | head): stop quietly; stdout now
         # goes nowhere, so Python's own flush at exit cannot fail again (Python's docs' recipe)

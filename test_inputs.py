@@ -444,6 +444,82 @@ def test_argv_text():
 
 
 # -----------------------------------------------------------------------------
+# paths that are not files
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "pipe.txt"
+    os.mkfifo(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["sample", "chat", "sft", "bench"])
+def test_a_model_that_is_a_folder_or_a_device_is_named_so(tmp_path, command):
+    extra = ["--out", str(tmp_path / "sft")] if command == "sft" else []
+    last = assert_one_sentence(run("nanoeuler.py", command, "--model", str(tmp_path), *extra), str(tmp_path))
+    assert f"{tmp_path} is a folder, not a model file" in last
+    last = assert_one_sentence(run("nanoeuler.py", command, "--model", os.devnull, *extra), os.devnull)
+    assert f"{os.devnull} is not a model file (it is a device" in last
+
+
+def test_a_corpus_that_is_a_pipe_or_a_device_is_named_so(tmp_path, fifo):
+    for path in (fifo, os.devnull):
+        last = assert_one_sentence(run("nanoeuler.py", "prepare", "--data", path, "--out", str(tmp_path / "run")), path)
+        assert f"{path} is not a text file (it is a device, a pipe or a socket)" in last
+
+
+def test_sft_data_that_is_a_folder_is_named_so(model, tmp_path, capsys):
+    msg = sft_error(model, str(tmp_path), tmp_path, capsys)
+    assert f"{tmp_path} is a folder, not a file of instructions" in msg
+
+
+def test_a_jsonl_line_that_is_not_json_is_named_by_its_number(tmp_path):
+    path = tmp_path / "data.jsonl"
+    good = json.dumps({"instruction": "Hi", "response": "Hello"})
+    cut = '{"instruction": "Hi", "response": '           # the value is missing after its last character
+    path.write_text(f"\n{good}\n\n{good}\n{cut}\n{good}\n")
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_instructions(str(path))
+    assert f"line 5 is not JSON: Expecting value at column {len(cut) + 1}" in str(e.value) and "\n" not in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# what sample, chat and bench say
+
+@pytest.mark.parametrize("command", ["sample", "chat"])
+def test_more_drafts_than_the_model_has_heads_are_said(model, command):
+    # CFG has K = 2: one draft head
+    args = ["--model", model, "--max-new-tokens", "3", "--temperature", "0", "--speculative", "--drafts", "3"]
+    r = run("nanoeuler.py", command, *args, *(["--prompt", "ab"] if command == "sample" else []), stdin=b"hi\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stderr.decode().strip() == f"note: {model} has 1 draft head (K = 2), fewer than --drafts 3; drafting with 1"
+    r = run("nanoeuler.py", command, *args[:-1], "1", *(["--prompt", "ab"] if command == "sample" else []),
+            stdin=b"hi\n")
+    assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
+
+
+def test_the_settings_table_says_when_minutes_sets_the_steps(tmp_path, capsys):
+    data = tmp_path / "c.txt"
+    data.write_text(open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:20_000])
+    ne.main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--vocab-size", "270", "--batch", "2",
+             "--minutes", "1.5", "--stop-after", "1"])
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("steps")]
+    assert len(table) == 1 and table[0].split("|")[1].startswith(" as many as fit in 1.5 minutes (planned after 20 "
+                                                                 "steps), warmup"), table
+    args = ne.build_parser().parse_args(["train", "--minutes", "1.5"])
+    assert ne.steps_text(args, {"planned_steps": 345}) == "345 (planned for --minutes)"
+    assert ne.steps_text(ne.build_parser().parse_args(["train", "--steps", "77"]), {}) == "77"
+
+
+def test_bench_refuses_a_bad_model_before_timing_anything(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 100)
+    r = run("nanoeuler.py", "bench", "--model", str(bad))
+    assert_one_sentence(r, "bad.safetensors")
+    assert r.stdout == b""                               # not a line of timings before the refusal
+
+
+# -----------------------------------------------------------------------------
 # flags
 
 BAD_FLAGS = [
@@ -458,6 +534,8 @@ BAD_FLAGS = [
     ("sample", "--top-p", "2"), ("sample", "--top-p", "0"), ("sample", "--top-k", "-1"), ("sample", "--drafts", "-1"),
     ("sample", "--seed", "-3"), ("chat", "--temperature", "nan"), ("chat", "--max-new-tokens", "0"),
     ("bench", "--threads", "0"), ("check", "--seed", "x"),
+    ("prepare", "--workers", "0"), ("prepare", "--workers", "-2"), ("prepare", "--workers", "2.5"),
+    ("prepare", "--workers", str(4 * ne.available_cores() + 1)), ("prepare", "--workers", str(10 ** 9)),
 ]
 
 
@@ -511,6 +589,15 @@ def test_help_shows_defaults():
     assert "greedy, deterministic (default: 0.8)" in out and "1 = off (default: 0.95)" in out
     out = " ".join(run("nanoeuler_cuda.py", "train", "--help").stdout.decode().split())
     assert "matmul precision (default: bf16)" in out and out.count("(default: ") >= 15
+    out = " ".join(run("nanoeuler.py", "prepare", "--help").stdout.decode().split())
+    assert "processes that encode (default: every core; one for a corpus under 4 MB)" in out
+    assert "(default: None)" not in out and out.count("(default: ") == 4     # --data, --vocab-size, --out, --workers
+
+
+def test_workers_up_to_four_per_core_are_accepted():
+    most = 4 * ne.available_cores()
+    for n in (1, most):
+        assert ne.build_parser().parse_args(["prepare", "--workers", str(n)]).workers == n
 
 
 # -----------------------------------------------------------------------------

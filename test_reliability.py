@@ -132,7 +132,7 @@ def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus,
     finally:
         first.send_signal(signal.SIGINT)
         _, err = first.communicate(timeout=120)
-    assert first.returncode == 0, err.decode()[-2000:]
+    assert first.returncode == 130, err.decode()[-2000:]     # 128 + SIGINT: stopped, not done
     assert not (out / ne.LOCK_NAME).exists()
     # a run killed with -9 leaves its lock file behind; its pid is dead, so the lock is free
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -160,6 +160,39 @@ def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
         assert child() == (f"{tmp_path} is in use by another training run (pid {os.getpid()}); wait for it "
                            "to end, or train into another --out")
     assert not (tmp_path / ne.LOCK_NAME).exists()
+
+
+def sft_args(model, out, data, *extra):
+    return ["sft", "--model", str(model), "--out", str(out), "--data", str(data), "--batch", "2",
+            "--eval-every", "2", "--save-every", "2", "--warmup", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft") / "data.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Say {w}.", "response": w}) + "\n"
+                            for w in ("yes", "no", "maybe", "never", "always", "soon")))
+    return path
+
+
+def test_sft_resumed_into_a_pretraining_folder_is_refused(finished_run, instructions, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    before = files_of(out)
+    err = one_sentence(run_cli(*sft_args(out / "best.safetensors", out, instructions, "--steps", "12", "--resume")))
+    assert err == f"error: {out} holds checkpoints of train, which sft cannot continue; give sft its own --out"
+    assert files_of(out) == before
+
+
+def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instructions, corpus, tmp_path):
+    out = tmp_path / "sft"
+    r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "2"))
+    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 2, r.stderr.decode()[-2000:]
+    before = files_of(out)
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "8", "--resume")))
+    assert err == f"error: {out} holds checkpoints of sft, which train cannot continue; give train its own --out"
+    assert files_of(out) == before
+    r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "4", "--resume"))
+    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 4, r.stderr.decode()[-2000:]
 
 
 WRITER = """
@@ -256,7 +289,7 @@ def test_resume_with_no_readable_pair_says_so(finished_run, corpus, tmp_path):
 # -----------------------------------------------------------------------------
 # signals
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
     out = tmp_path / "run"
     proc = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
@@ -264,13 +297,168 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
     wait_for_step(proc, 3)
     proc.send_signal(sig)
     said, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err.decode()[-2000:]
+    # the shell's convention: a process a signal ended exits 128 + its number (130, 143, 129)
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], err.decode()
     step = ne.latest_checkpoint(str(out))
     assert step is not None and step >= 3 and f"model_{step:06d}.safetensors".encode() in said
-    assert b"saving a checkpoint" in err and b"Traceback" not in err
+    last = err.decode().strip().splitlines()[-1]
+    assert f"stopped at step {step}, saved as {out / f'model_{step:06d}.safetensors'}" in last and "--resume" in last
+    assert b"saving a checkpoint" in err and b"Traceback" not in err and b"done:" not in said
     r = run_cli(*train_args(out, corpus, "--steps", str(step + 2), "--resume"))
     assert r.returncode == 0, r.stderr.decode()
     assert f"at step {step}".encode() in r.stdout and ne.latest_checkpoint(str(out)) == step + 2
+
+
+def test_a_hangup_that_was_ignored_at_start_stays_ignored(corpus, tmp_path):
+    # nohup starts a program with SIGHUP ignored, so that it outlives the terminal
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-u", PROGRAM, *train_args(out, corpus, "--steps", "100000",
+                                                                        "--save-every", "100000",
+                                                                        "--eval-every", "100000")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for_step(proc, 3)
+    proc.send_signal(signal.SIGHUP)
+    wait_for_step(proc, 6)                               # still training
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and b"SIGHUP" not in err, err.decode()[-2000:]
+    assert ne.latest_checkpoint(str(out)) >= 6
+
+
+def test_a_closed_terminal_saves_a_checkpoint(corpus, tmp_path):
+    # the program's terminal is a pseudo-terminal whose other end we close, as a closed
+    # ssh session does: the kernel sends SIGHUP and every later write fails (EIO)
+    import fcntl
+    import pty
+    import termios
+    out = tmp_path / "run"
+    master, slave = pty.openpty()
+
+    def own_terminal():                                  # a session whose controlling terminal is the pty
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+    proc = subprocess.Popen([sys.executable, "-u", PROGRAM, *train_args(out, corpus, "--steps", "100000",
+                                                                        "--save-every", "100000",
+                                                                        "--eval-every", "100000")],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=HERE, preexec_fn=own_terminal)
+    os.close(slave)
+    seen = b""
+    while not re.search(rb"step +3/", seen):
+        chunk = os.read(master, 4096)
+        assert chunk, seen.decode()[-2000:]
+        seen += chunk
+    os.close(master)                                     # the terminal hangs up
+    proc.wait(timeout=120)
+    assert proc.returncode == 129
+    step = ne.latest_checkpoint(str(out))
+    assert step is not None and step >= 3
+    r = run_cli(*train_args(out, corpus, "--steps", str(step + 1), "--resume"))
+    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == step + 1, r.stderr.decode()
+
+
+def test_a_closed_pipe_saves_a_checkpoint_and_ends_quietly(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
+                                 "--eval-every", "100000"))
+    wait_for_step(proc, 3)
+    proc.stdout.close()                                  # as `| head` does when it has its lines
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err and "error" not in err, err[-2000:]
+    step = ne.latest_checkpoint(str(out))
+    assert step is not None and step >= 3
+    rows = [ln.split(",")[0] for ln in (out / "log.csv").read_text().splitlines()[1:]]
+    assert rows == [str(s) for s in range(1, len(rows) + 1)] and len(rows) >= step - 1
+
+
+def test_a_stop_saves_before_any_evaluation_or_sample(corpus, tmp_path, capsys, monkeypatch):
+    # the signal comes during step 4, a step that evaluates and saves: it saves and no more
+    calls = []
+    step = ne.CPUEngine.step
+
+    def step_and_signal(self, idx, targets, lr, n):
+        if n == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, idx, targets, lr, n)
+    evaluate = ne.CPUEngine.evaluate
+    monkeypatch.setattr(ne.CPUEngine, "step", step_and_signal)
+    monkeypatch.setattr(ne.CPUEngine, "evaluate", lambda self, *a: calls.append("evaluate") or evaluate(self, *a))
+    monkeypatch.setattr(ne, "sample_text_for_log", lambda *a, **k: calls.append("sample") or "")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        ne.main(train_args(out, corpus, "--steps", "100", "--eval-every", "2", "--save-every", "100"))
+    assert e.value.code == 143
+    said = capsys.readouterr()
+    assert calls == ["evaluate", "sample"]               # step 2's only
+    assert re.search(r"val +2/100", said.out) and not re.search(r"val +4/100", said.out)
+    assert ne.latest_checkpoint(str(out)) == 4 and "stopped at step 4" in said.err
+    assert (out / "log.csv").read_text().splitlines()[-1].startswith("4,")
+
+
+def test_a_garbled_log_never_stops_a_resume(finished_run, corpus, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    log = out / "log.csv"
+    good = log.read_bytes()
+    # bytes that are not UTF-8, a step that str.isdigit takes but int() does not, a row cut short
+    log.write_bytes(good + b"\xff\xfe\x00garbage\n" + "²,1.0,1,1,1,1,,,\n".encode() + b"3,\xff,,,,,,,\n9,2.5")
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert log.read_bytes().startswith(good)
+    assert [ln.split(",")[0] for ln in log.read_text().splitlines()[1:]] == [str(s) for s in range(1, 13)]
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+@pytest.mark.parametrize("cfg, rows", [(ne.PRESETS["small"], 1), (ne.PRESETS["small"], 8),
+                                       (ne.Config(V=260, C=64, Hq=4, Hkv=1, L=3, T=256, F=176, K=2), 4)])
+def test_the_activation_estimate_is_within_10_percent_of_the_measured_peak(cfg, rows):
+    import tracemalloc                                   # numpy reports its arrays to it
+    flat = ne.init_params(cfg)
+    grads = [np.zeros_like(flat)]
+    idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, cfg.V, (rows, cfg.T + cfg.K)), cfg.T, cfg.K)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ne.loss_and_grads(flat, cfg, idx, targets, grads)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak <= ne.activation_bytes(cfg, rows) <= 1.1 * peak
+
+
+def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
+    cfg = ne.PRESETS["small"]
+    P = ne.num_params(cfg)
+    # 64 rows on 2 threads: 8 micro-batches of 8 rows (micro_batches), two at a time
+    need = 4 * (3 + 8) * P + 2 * ne.activation_bytes(cfg, 8) + 64 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    ne.check_memory(cfg, 64, 2, available=lambda: need)
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.check_memory(cfg, 64, 2, available=lambda: need - 1)
+    assert str(e.value).startswith(f"--batch 64 needs about {need / 1e9:.1f} GB of memory") and "lower --batch" in str(e.value)
+    ne.check_memory(cfg, 10 ** 9, 2, available=lambda: None)    # no /proc/meminfo: no check
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
+    # a billion rows: 125 million gradient buffers of 3.7 MB, on any machine more than it has
+    args = ["--batch", str(10 ** 9), "--out", str(tmp_path / "run")]
+    r = run_cli(*(["train", "--data", corpus] if command == "train" else
+                  ["sft", "--model", str(finished_run / "run" / "best.safetensors")]), *args)
+    err = one_sentence(r)
+    assert "--batch 1000000000 needs about" in err and "lower --batch" in err
+    assert not (tmp_path / "cache").exists()             # refused before the data is prepared
+
+
+def test_out_of_memory_is_one_sentence(capsys):
+    def allocate(args):
+        np.ones(1 << 62, dtype=np.uint8)                 # 4 EiB: no machine has it
+    with pytest.raises(SystemExit) as e:
+        ne.run_command(allocate, ne.build_parser().parse_args(["check"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: out of memory (")
+    assert err[0].endswith("lower --batch, or free some memory")
 
 
 # -----------------------------------------------------------------------------
@@ -347,4 +535,4 @@ def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
     assert r.returncode == 0, r.stderr.decode()
     err = r.stderr.decode()
     # room for the question: T - 1 less the reply's max_new_tokens = 128 - 1 - 8
-    assert "longer than the context of 128" in err and "keeping its last 119" in err
+    assert "more than fit in the context of 128 with room for a reply of 8; keeping its last 119 tokens" in err
