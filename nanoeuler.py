@@ -3,7 +3,7 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus (~6 min, 2 cores)
+    python nanoeuler.py train     # train the small model on the embedded corpus (about 6 min on 2 idle cores)
     python nanoeuler.py chat --model out/small/best.safetensors
 
 and sample (continue a prompt), sft (fine-tune on instructions, loss on the
@@ -35,13 +35,18 @@ checks its kernels against the layers here.
 """
 
 import argparse
+import codecs
 import contextlib
 import errno
 import functools
+import hashlib
+import heapq
+import io
 import json
 import math
 import os
 import re
+import select
 import signal
 import sys
 import time
@@ -923,7 +928,6 @@ class Tokenizer:
         pair are recounted. A heap finds the most frequent pair; its stale
         entries (counts that have since changed) are skipped when popped.
         Ties go to the smallest pair of ids, so training is deterministic."""
-        import heapq
         n_merges = vocab_size - FIRST_MERGE_ID
         if n_merges < 0:
             raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
@@ -1143,7 +1147,9 @@ def text_chunks(files):
 
 
 def token_dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+    """the token cache's type: uint16, which every id below MAX_V fits (Config refuses a larger V)"""
+    assert vocab_size <= MAX_V
+    return np.dtype("<u2")
 
 
 def encode_chunk(tok, path, offset, data, ends_document):
@@ -1273,7 +1279,6 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
 
 def npy_header(dtype, n):
     """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
-    import io
     f = io.BytesIO()
     np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
                                              "fortran_order": False, "shape": (n,)})
@@ -1330,7 +1335,6 @@ def remove_stale_tmp(folder):
 
 def file_digest(files):
     """sha256 over the names and contents of the corpus files: the cache key"""
-    import hashlib
     h = hashlib.sha256()
     for path in files:
         h.update(os.path.basename(path).encode())
@@ -1418,10 +1422,9 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
     and the tokens written once, both cached under cache_dir by the corpus's
     hash (the tokens also by the tokenizer's); a damaged cache file is made again"""
-    import hashlib
     files = corpus_files(path)
-    if vocab_size > 65536:
-        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
+    if vocab_size > MAX_V:
+        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
     corpus = file_digest(files)
     os.makedirs(cache_dir, exist_ok=True)
     remove_stale_tmp(cache_dir)
@@ -1993,7 +1996,6 @@ def silence_lost_output():
     """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
     terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
     words cannot fail on them; a file or a live terminal keeps its output"""
-    import select
     poll = select.poll()
     for fd in (1, 2):
         poll.register(fd, select.POLLOUT)
@@ -2253,7 +2255,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
               "nothing to do")
         return start
     os.makedirs(out_dir, exist_ok=True)
-    rng, tokens, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
+    rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
     times, t_start = [], clock()
     elapsed = lambda: fmt_time(clock() - t_start)
@@ -2266,7 +2268,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                 ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, out_dir, clock)
                 if step > start + 1:
                     times.append(dt)                      # the first step warms up: left out
-                log_step(step, total, ce, lr, norm, dt, times, tokens, mfu := engine.mfu(dt))
+                log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu := engine.mfu(dt))
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
                 if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
@@ -2275,7 +2277,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                     if step == plan_step:
                         total = state["planned_steps"] = plan_steps(args, step, np.mean(times), clock() - t_eval,
                                                                     clock() - t_start)
-                log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, *val)
+                log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 if step % args.save_every == 0 or step == total:
                     saved, last_path = step, checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
@@ -2472,7 +2474,6 @@ def check_drafts(args, cfg):
 def chat_reply(params, cfg, tok, history, args, out, gen=None):
     """generate the assistant's turn after history, streaming its text to out; -> reply ids.
     gen: generate's twin (nanoeuler_cuda.generate, with its decoder for params)"""
-    import codecs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end, reply = tok.special("<|end|>"), []
     gen = gen or generate
@@ -2615,7 +2616,8 @@ def cmd_prepare(args):
 
 
 def cmd_train(args):
-    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+    preset = PRESETS[args.model_size]
+    cfg = Config(**{**asdict(preset), "V": args.vocab_size or preset.V}).validate()
     check_memory(cfg, args.batch, args.threads)
     pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
              lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
@@ -2639,7 +2641,6 @@ def cmd_sample(args):
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
               f"keeping its last {cfg.T - 1}", file=sys.stderr)
-    import codecs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
@@ -2730,15 +2731,16 @@ def build_parser():
         "--seed", type=nonnegative_int, default=1337, help="random seed of the check")
 
     # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
-    sp = sub.add_parser("train", help="pretrain the small model")
+    sp = sub.add_parser("train", help="pretrain a model (the small preset unless --model-size)")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type=vocab_size, default=None,
+                    help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
     add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, os.path.join("out", "small"))
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
     sp.add_argument("--workers", type=workers_count, default=None,
                     help="processes that encode (default: every core; one for a corpus under 4 MB)")
