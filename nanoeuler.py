@@ -1337,7 +1337,7 @@ def file_digest(files):
     """sha256 over the names and contents of the corpus files: the cache key"""
     h = hashlib.sha256()
     for path in files:
-        h.update(os.path.basename(path).encode())
+        h.update(os.fsencode(os.path.basename(path)))     # a name that is not UTF-8 is bytes we kept
         with open(path, "rb") as f:
             while block := f.read(1 << 24):
                 h.update(block)

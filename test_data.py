@@ -8,6 +8,7 @@ train/validation split, and Ctrl-C while tokenizing.
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import hashlib
 import json
 import os
 import re
@@ -481,3 +482,17 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path):
     p.wait(timeout=60)
     assert_group_ends(p)
     assert not [f for f in os.listdir(tmp_path / "out" / "cache") if f.endswith(".npy")]   # only a .tmp
+
+
+def test_a_corpus_file_whose_name_is_not_utf8_is_read_and_keyed_by_its_bytes(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    text = open(SHAKESPEARE, encoding="utf-8").read()[:3_000]
+    name = b"bad\xffname.txt"
+    with open(os.path.join(os.fsencode(folder), name), "wb") as f:
+        f.write(text.encode())
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "prepare", "--data", str(folder),
+                        "--vocab-size", "270", "--out", str(tmp_path / "run")], capture_output=True, timeout=120)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+    key = hashlib.sha256(name + text.encode()).hexdigest()[:16]
+    assert [f for f in os.listdir(tmp_path / "cache") if key in f]
