@@ -709,11 +709,21 @@ def decode_params(params):
     return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
 
+class LogitsNotFinite(NanoEulerError):
+    """generation met a NaN or infinite logit; sample and chat name the model file (generating)"""
+
+
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
     """logits (V,) -> token id: greedy at temperature 0, else sampled from the kept tokens"""
+    if not np.isfinite(logits).all():                  # a broken model: no token is more likely than another
+        raise LogitsNotFinite("its logits are not finite (NaN or infinite): its weights are broken or too "
+                              "large; use another checkpoint")
     if temperature <= 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
+    # the max is subtracted before dividing: a tiny temperature (1e-320) then sends the
+    # others to -inf (probability 0) and the max to 0, where dividing first overflowed to inf - inf
+    with np.errstate(over="ignore"):                   # -inf is what we want there
+        z = (logits.astype(np.float64) - logits.max()) / temperature
     if 0 < top_k < len(z):
         z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest
     p = np.exp(z - z.max())
@@ -725,6 +735,18 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
         keep[order[:cut]] = p[order[:cut]]
         p = keep / keep.sum()
     return int(rng.choice(len(p), p=p))
+
+
+@contextlib.contextmanager
+def generating(model_path):
+    """sample and chat: numpy's overflow warnings from a model with huge weights are not
+    printed (they show source lines), and non-finite logits are named by the model file"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            yield
+        except LogitsNotFinite as e:
+            raise NanoEulerError(f"{model_path}: {e}") from None
 
 
 def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
@@ -2529,7 +2551,8 @@ def cmd_chat(args, make_params=None, gen=None):
                       f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)
             history = (history + ids)[-room:]
             out.write("bot> ")
-            reply = chat_reply(params, cfg, tok, history, args, out, gen)
+            with generating(args.model):
+                reply = chat_reply(params, cfg, tok, history, args, out, gen)
             history += reply + [tok.special("<|end|>")]
     except KeyboardInterrupt:
         out.write("\n")
@@ -2643,10 +2666,11 @@ def cmd_sample(args):
               f"keeping its last {cfg.T - 1}", file=sys.stderr)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
-    for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                      args.top_p, args.seed, args.speculative, drafts=args.drafts):
-        sys.stdout.write(decoder.decode(tok.vocab[t]))
-        sys.stdout.flush()
+    with generating(args.model):
+        for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                          args.top_p, args.seed, args.speculative, drafts=args.drafts):
+            sys.stdout.write(decoder.decode(tok.vocab[t]))
+            sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 

@@ -625,3 +625,28 @@ def test_train_builds_the_presets_vocabulary_unless_vocab_size_is_given(monkeypa
     ne.cmd_train(ne.build_parser().parse_args(["train", "--model-size", size]))
     ne.cmd_train(ne.build_parser().parse_args(["train", "--model-size", size, "--vocab-size", "300"]))
     assert seen == [V, 300]
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 5e-324])
+def test_a_tiny_temperature_picks_the_likeliest_token(temperature):
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.normal(size=300).astype(np.float32) * 10
+        expected = int(np.argmax(logits))                     # the limit of softmax(z / t) as t -> 0
+        assert ne.sample_token(logits, rng, temperature, top_k=40, top_p=0.95) == expected
+        assert ne.sample_token(logits, rng, temperature) == expected
+
+
+@pytest.mark.parametrize("command, temperature", [("sample", "0"), ("sample", "0.8"), ("sample", "1e-320"),
+                                                  ("chat", "0.8")])
+def test_a_model_whose_logits_are_not_finite_is_named_so(tmp_path, command, temperature):
+    tensors, meta = model_parts()
+    # finite weights whose product overflows float32: 1e36 * 1e20 per logit
+    tensors = [(n, t * np.float32(1e36) if n == "heads.0" else t * np.float32(1e20) if n == "final_norm" else t)
+               for n, t in tensors]
+    path = str(tmp_path / "huge.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    r = run("nanoeuler.py", command, "--model", path, "--temperature", temperature, "--max-new-tokens", "3",
+            *(["--prompt", "hi"] if command == "sample" else []), stdin=b"hello\n")
+    assert_one_sentence(r, path, "not finite")
+    assert b"Warning" not in r.stderr, r.stderr.decode()
