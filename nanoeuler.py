@@ -74,6 +74,7 @@ class NanoEulerError(Exception):
 SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
 MAX_V = 65536           # token ids are cached as uint16
 MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
+MAX_PARAMS = 2 ** 31    # 8 GB of float32 weights, 32 GB with AdamW's moments and a gradient; big has 0.1 billion
 
 
 @dataclass
@@ -116,6 +117,12 @@ class Config:
         if self.T > MAX_T:
             fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
                  "(attention holds a T x T matrix per head)")
+        # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
+        per_layer = 2 * self.C + (self.Hq + 2 * self.Hkv) * self.D * self.C + self.C * self.Hq * self.D \
+            + 3 * self.F * self.C
+        n = (1 + self.K) * self.V * self.C + self.C + self.L * per_layer
+        if n > MAX_PARAMS:
+            fail(f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
         return self
 
 
@@ -2823,8 +2830,8 @@ def run_command(command, args):
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)
     except MemoryError as e:                           # numpy's says what it could not allocate
-        print(f"error: out of memory ({e or 'an allocation failed'}); lower --batch, or free some memory",
-              file=sys.stderr)
+        lower = "lower --batch, or " if hasattr(args, "batch") else ""
+        print(f"error: out of memory ({e or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)
         sys.exit(2)
     except BrokenPipeError:
         # the reader of our output went away (sample | head): stop quietly; stdout now

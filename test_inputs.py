@@ -135,11 +135,33 @@ def test_config_that_is_not_a_config_map_is_refused(tmp_path, config, words):
 def test_huge_layer_or_head_count_is_refused_without_listing_the_tensors(tmp_path):
     # L = 10^18 once made load_model build a list of 7 * 10^18 tensor shapes
     tensors, meta = model_parts()
-    for change in ({"L": 10 ** 18}, {"K": 2 ** 62}):
+    for change in ({"L": 10 ** 18}, {"K": 2 ** 62}, {"C": 262144, "Hq": 2}, {"F": 2 ** 40}):
         meta["config"] = json.dumps({**ne.asdict(CFG), **change})
         path = str(tmp_path / "layers.safetensors")
         ne.write_safetensors(path, tensors, meta)
-        refused(path, "do not match its config")
+        refused(path, "unusable", "parameters", "2,147,483,648")
+
+
+@pytest.mark.parametrize("cfg", [CFG, ne.PRESETS["small"], ne.PRESETS["big"],
+                                 ne.Config(V=300, C=24, Hq=6, Hkv=2, L=3, T=8, F=40, K=3)])
+def test_the_parameter_bound_counts_every_tensor(cfg, monkeypatch):
+    n = sum(math.prod(shape) for _, shape in ne.param_shapes(cfg))
+    monkeypatch.setattr(ne, "MAX_PARAMS", n)
+    cfg.validate()
+    monkeypatch.setattr(ne, "MAX_PARAMS", n - 1)
+    with pytest.raises(ne.NanoEulerError, match=f"{n:,} parameters"):
+        cfg.validate()
+
+
+def test_a_header_claiming_a_huge_width_is_refused_before_reading(tmp_path):
+    # C = 262,144 once read 1.5 GB, then said "out of memory; lower --batch" naming no file
+    cfg = {**ne.asdict(CFG), "C": 262144, "Hq": 2, "Hkv": 1, "T": 2, "F": 8, "K": 1, "L": 1}
+    path = write_raw(tmp_path / "wide.safetensors", {"__metadata__": {
+        "format": "nanoeuler", "version": "1", "config": json.dumps(cfg), "tokenizer": ne.Tokenizer().to_json()},
+        "tok_emb": {"dtype": "F32", "shape": [260, 262144], "data_offsets": [0, 4 * 260 * 262144]}})
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) + 4 * 260 * 262144)          # sparse: no disk used
+    assert_one_sentence(run("nanoeuler.py", "sample", "--model", path), "wide.safetensors", "parameters")
 
 
 def test_config_missing_from_metadata_is_refused(tmp_path):

@@ -451,14 +451,18 @@ def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
     assert not (tmp_path / "cache").exists()             # refused before the data is prepared
 
 
-def test_out_of_memory_is_one_sentence(capsys):
+def test_out_of_memory_is_one_sentence(capsys, tmp_path):
     def allocate(args):
         np.ones(1 << 62, dtype=np.uint8)                 # 4 EiB: no machine has it
     with pytest.raises(SystemExit) as e:
         ne.run_command(allocate, ne.build_parser().parse_args(["check"]))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: out of memory (")
-    assert err[0].endswith("lower --batch, or free some memory")
+    assert err[0].endswith("; free some memory")                 # check has no --batch to lower
+    with pytest.raises(SystemExit) as e:
+        ne.run_command(allocate, ne.build_parser().parse_args(["train", "--out", str(tmp_path / "run")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[0].endswith("lower --batch, or free some memory")
 
 
 # -----------------------------------------------------------------------------
