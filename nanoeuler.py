@@ -2085,6 +2085,7 @@ def saved_rng(state):
 
 
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
+MAX_PLANNED_STEPS = 10 ** 9
 
 
 def plan_at(args, state, start):
@@ -2096,8 +2097,9 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
     """--minutes: how many steps, evaluations included, end the run on time. Set
     within the warmup (while the learning rate does not depend on the total),
     once, and kept in the training state, so a resumed run keeps the plan."""
-    left = args.minutes * 60 - elapsed
-    total = step + max(1, int(left / (step_time + eval_time / args.eval_every)))
+    left, per_step = args.minutes * 60 - elapsed, step_time + eval_time / args.eval_every
+    # capped: a clock that barely moved (a step of 0 s) must not plan infinitely many steps
+    total = step + max(1, int(min(left / per_step if per_step > 0 else math.inf, MAX_PLANNED_STEPS)))
     print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
           f"{eval_time:.1f} s an evaluation every {args.eval_every})")
     if args.warmup < step:
@@ -2704,6 +2706,9 @@ positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive numb
 nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
 probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
 positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
+MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
+minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} "
+                           "(10 days)")
 positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
 
 
@@ -2734,7 +2739,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out):
     """the flags train and sft share (and nanoeuler_cuda.py's train)"""
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type=nonnegative_float, default=0,
+    g.add_argument("--minutes", type=minutes_type, default=0,
                    help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")

@@ -548,6 +548,7 @@ BAD_FLAGS = [
     ("train", "--batch", "0"), ("train", "--eval-every", "0"), ("train", "--save-every", "0"),
     ("train", "--steps", "0"), ("train", "--steps", "-5"), ("train", "--steps", "1.5"), ("train", "--lr", "-1"),
     ("train", "--lr", "nan"), ("train", "--lr", "inf"), ("train", "--minutes", "-1"), ("train", "--minutes", "nan"),
+    ("train", "--minutes", "1e307"), ("train", "--minutes", "14400.5"), ("train", "--minutes", "inf"),
     ("train", "--warmup", "-1"), ("train", "--weight-decay", "-0.1"), ("train", "--clip", "0"),
     ("train", "--threads", "0"), ("train", "--seed", "-1"), ("train", "--stop-after", "0"),
     ("train", "--eval-batches", "0"), ("train", "--vocab-size", "100"), ("train", "--vocab-size", "70000"),
@@ -672,3 +673,12 @@ def test_a_model_whose_logits_are_not_finite_is_named_so(tmp_path, command, temp
             *(["--prompt", "hi"] if command == "sample" else []), stdin=b"hello\n")
     assert_one_sentence(r, path, "not finite")
     assert b"Warning" not in r.stderr, r.stderr.decode()
+
+
+def test_minutes_plans_at_most_a_billion_steps(capsys):
+    args = ne.build_parser().parse_args(["train", "--minutes", "14400", "--eval-every", "10"])
+    assert args.minutes == 14400
+    for step_time, eval_time in ((0.0, 0.0), (1e-300, 0.0), (0.5, 5.0)):
+        total = ne.plan_steps(args, 20, step_time, eval_time, 3.0)
+        # 864,000 s left, less the 3 s spent; 0.5 s a step + 5 s / 10 an evaluation = 1 s a step
+        assert total == (20 + 10 ** 9 if step_time < 0.5 else 20 + 863_997)
