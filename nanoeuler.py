@@ -1672,18 +1672,37 @@ def latest_checkpoint(out_dir):
     return steps[0] if steps else None
 
 
+def check_state(state, step):
+    """raise ValueError (or KeyError, TypeError, OverflowError) saying what is wrong with a
+    training state's JSON, so that --resume sets it aside rather than fail on it later"""
+    if type(state["step"]) is not int or state["step"] != step:
+        raise ValueError(f"it says step {state['step']!r}")
+    saved_rng(state)                                   # numpy refuses what is not a PCG64 state
+    for name in ("best_val", "best_bpb"):
+        if name in state and type(state[name]) not in (int, float):
+            raise ValueError(f"its {name} = {state[name]!r} is not a number")
+    for name in ("best_step", "planned_steps"):
+        if name in state and (type(state[name]) is not int or state[name] < 1):
+            raise ValueError(f"its {name} = {state[name]!r} is not a positive integer")
+    if not isinstance(state.get("args", {}), dict):
+        raise ValueError(f"its args = {state['args']!r:.40} is not a map")
+
+
 def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
     cfg, flat, tok = load_model(os.path.join(out_dir, f"model_{step:06d}.safetensors"))
     path = os.path.join(out_dir, f"state_{step:06d}.safetensors")
     tensors, meta = read_safetensors(path)
-    if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or tensors["m"].size != flat.size:
+    if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or \
+            tensors["m"].shape != flat.shape or tensors["v"].shape != flat.shape:
         raise NanoEulerError(f"{path} is not the training state of its model file")
+    # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
+    if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
+        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
     try:
         state = json.loads(meta["state"])
-        if state["step"] != step or not isinstance(state["rng"], dict):
-            raise ValueError(f"it says step {state['step']}")
-    except (KeyError, TypeError, ValueError) as e:
+        check_state(state, step)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
         raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 

@@ -260,8 +260,34 @@ def bad_state_json(path):
     ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state='{"step": 8, "rng": '))
 
 
+def edit_state(change=None, m=None):
+    """a spoiler of a state file: its JSON updated with change, or its m replaced by m(m)"""
+    def spoil(path):
+        tensors, meta = ne.read_safetensors(str(path))
+        state = {**json.loads(meta["state"]), **(change or {})}
+        tensors = dict(tensors, m=m(tensors["m"].copy()) if m else tensors["m"])
+        ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state=json.dumps(state)))
+    return spoil
+
+
+def with_nan(a):
+    a[3] = np.nan
+    return a
+
+
 DAMAGE = {"truncated model": ("model", truncate), "truncated state": ("state", truncate),
-          "state that is not JSON": ("state", bad_state_json)}
+          "state that is not JSON": ("state", bad_state_json),
+          "rng of another state": ("state", edit_state({"rng": {"bit_generator": "PCG64", "state": {
+              "state": "x", "inc": 1}, "has_uint32": 0, "uinteger": 0}})),
+          "rng that is no state": ("state", edit_state({"rng": {"foo": 1}})),
+          "rng of another generator": ("state", edit_state({"rng": {"bit_generator": "MT19937",
+                                                                    "state": {"key": [1], "pos": 0}}})),
+          "best_val that is text": ("state", edit_state({"best_val": "abc"})),
+          "planned_steps that is text": ("state", edit_state({"planned_steps": "x"})),
+          "args that are a list": ("state", edit_state({"args": [1]})),
+          "step that is a bool": ("state", edit_state({"step": True})),
+          "m of another shape": ("state", edit_state(m=lambda a: a.reshape(-1, 2))),
+          "m that holds a NaN": ("state", edit_state(m=with_nan))}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
