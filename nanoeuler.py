@@ -2154,10 +2154,17 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
     good = latest_checkpoint(out_dir)
     if good is None:
         raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
-                             f"checkpoint{removed}; lower --lr and start again with --resume")
+                             f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
     raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
-                         f"is {os.path.join(out_dir, f'model_{good:06d}.safetensors')}{removed}; lower --lr and "
-                         "continue from it with --resume")
+                         f"is {os.path.join(out_dir, f'model_{good:06d}.safetensors')}{removed}; lower --lr (or "
+                         "--weight-decay) and continue from it with --resume")
+
+
+def stop_if_weights_broke(flat, step, out_dir):
+    """no model is written with weights that are NaN or infinite: an update can make them
+    after a finite loss (a huge --weight-decay), and best.safetensors must stay good"""
+    if not np.isfinite(flat).all():
+        stop_on_nan("weights", "NaN or infinite", step, out_dir)
 
 
 def stop_if_diverged(loss, norm, step, out_dir):
@@ -2230,6 +2237,7 @@ def validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
           f"{len(val_batches)} batches | {elapsed()} elapsed")
     flat = engine.host_params()                    # one copy for both, and no moments
+    stop_if_weights_broke(flat, step, out_dir)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
         save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
@@ -2241,7 +2249,9 @@ def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
     """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
     t0 = clock()
     state.update(step=step, rng=rng.bit_generator.state)
-    path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
+    flat, m, v = engine.host_weights()
+    stop_if_weights_broke(flat, step, out_dir)
+    path = save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state)
     prune_checkpoints(out_dir)
     print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
     return path

@@ -247,6 +247,46 @@ def test_the_nan_stop_names_a_checkpoint_whose_loss_was_finite(corpus, tmp_path)
     assert ne.latest_checkpoint(str(out)) == bad + 4
 
 
+def test_weights_that_are_not_finite_are_never_saved(finished_run, corpus, tmp_path):
+    # a weight decay of 1e308 sends the matrices to infinity in one update, after a finite loss
+    out = copy_of(finished_run, tmp_path)
+    best = (out / "best.safetensors").read_bytes()
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume", "--weight-decay", "1e308", "--save-every", "1",
+                            "--eval-every", "1"))
+    err = one_sentence(r)
+    assert re.search(r"became (nan|NaN or infinite) at step 9,", err) and "--weight-decay" in err, err
+    assert str(out / "model_000008.safetensors") in err
+    assert (out / "best.safetensors").read_bytes() == best
+    assert ne.checkpoint_steps(str(out)) == [8, 4]
+    r = run_cli(*train_args(tmp_path / "fresh", corpus, "--steps", "4", "--weight-decay", "1e308", "--save-every",
+                            "1", "--eval-every", "1"))
+    assert "before any good checkpoint" in one_sentence(r)
+    assert not [f for f in os.listdir(tmp_path / "fresh") if f.endswith(".safetensors")]
+
+
+def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
+    flat = ne.init_params(cfg)
+    flat[5] = np.inf
+
+    class Engine:
+        def host_weights(self):
+            return flat, np.zeros_like(flat), np.zeros_like(flat)
+
+        def host_params(self):
+            return flat
+
+        def evaluate(self, batches, token_bytes):
+            return 1.0, 1.0                               # a finite loss: the weights must still be checked
+    state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
+        ne.checkpoint(str(tmp_path), 3, cfg, ne.Tokenizer(), Engine(), state, rng, lambda: 0.0)
+    with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
+        ne.validate(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s")
+    assert os.listdir(tmp_path) == []
+
+
 # -----------------------------------------------------------------------------
 # broken checkpoint files
 
