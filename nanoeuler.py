@@ -1268,8 +1268,32 @@ def progress_text(done, total, seconds):
     return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised as Ctrl-C's KeyboardInterrupt is, so that every cleanup
+    on the way out runs (workers stopped, temp files and train.lock removed);
+    run_command then exits with 128 + signum"""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
+    process as Ctrl-C does, rather than kill it midway with its workers and lock left
+    behind; one that was ignored when we started (nohup) stays ignored"""
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def available_cores():
@@ -1284,22 +1308,16 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
         workers = available_cores() if total >= POOL_MIN_BYTES else 1
     done, n_tokens, t0 = 0, 0, time.time()
     chunks = encoded_chunks(files, tok, workers)
-    # SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) clean up as
-    # Ctrl-C does, not killing this process midway and leaving its workers behind; one
-    # that was ignored when we started (nohup) stays ignored
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) != signal.SIG_IGN}
     try:
-        for ids, nbytes in chunks:
-            write(ids)
-            n_tokens += len(ids)
-            done += nbytes
-            if progress:
-                progress_line(progress_text(done, total, time.time() - t0))
+        with signals_interrupt():                      # also where run_command has not set it up
+            for ids, nbytes in chunks:
+                write(ids)
+                n_tokens += len(ids)
+                done += nbytes
+                if progress:
+                    progress_line(progress_text(done, total, time.time() - t0))
     finally:
         chunks.close()                                 # stops the workers now, also on Ctrl-C
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if progress:
         progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
                       f"{n_tokens:,} tokens", done=True)
@@ -2076,8 +2094,8 @@ class StopFlag:
         return self
 
     def handle(self, signum, frame):
-        if self.stop:
-            raise KeyboardInterrupt
+        if self.stop:                                  # run_command names the last complete checkpoint
+            raise Interrupted(signum)
         self.stop, self.signum = True, signum
         if signum == signal.SIGHUP:
             silence_lost_output()                      # the terminal is most likely gone
@@ -2592,7 +2610,9 @@ def cmd_chat(args, make_params=None, gen=None):
             with generating(args.model):
                 reply = chat_reply(params, cfg, tok, history, args, out, gen)
             history += reply + [tok.special("<|end|>")]
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):                 # SIGTERM or SIGHUP: run_command says so and exits 143/129
+            raise
         out.write("\n")
     print("bye")
 
@@ -2849,20 +2869,37 @@ def os_error_sentence(e):
     return f"{e.filename}: {what}" if e.filename else what
 
 
+def exit_interrupted(signum, out_dir):
+    """a signal stopped the command outside the training loop's saving stop (while the data
+    is prepared, or a second signal during a save): say so, and for train and sft name the
+    last complete checkpoint; exit 128 + signum (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)"""
+    for sig in StopFlag.SIGNALS:                       # a further signal must not cut these last words
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGHUP:
+        silence_lost_output()                          # the terminal is most likely gone
+    step = None
+    with contextlib.suppress(OSError):
+        step = latest_checkpoint(out_dir) if out_dir else None
+    where = (f"; the last complete checkpoint is {os.path.join(out_dir, f'model_{step:06d}.safetensors')}, "
+             "continue with --resume") if step is not None else ""
+    with contextlib.suppress(OSError):
+        print(f"\n{StopFlag.SIGNALS[signum]}: interrupted{where}", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
 def run_command(command, args):
     """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
     and exit code 2. train and sft hold their --out folder while they run (claim_out);
     prepare only writes the cache beside it, so it holds nothing."""
+    run = hasattr(args, "out") and hasattr(args, "resume")
     try:
-        run = hasattr(args, "out") and hasattr(args, "resume")
-        with claim_out(args.out, args.resume) if run else contextlib.nullcontext():
+        with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext():
             command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        exit_interrupted(getattr(e, "signum", signal.SIGINT), args.out if run else None)
     except MemoryError as e:                           # numpy's says what it could not allocate
         lower = "lower --batch, or " if hasattr(args, "batch") else ""
         print(f"error: out of memory ({e or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)

@@ -355,6 +355,49 @@ def test_resume_with_no_readable_pair_says_so(finished_run, corpus, tmp_path):
 # -----------------------------------------------------------------------------
 # signals
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_the_tokenizer_trains_says_so_and_frees_the_folder(tmp_path, sig):
+    out = tmp_path / "run"
+    # the whole of Shakespeare and a 4,096-token vocabulary: the tokenizer trains for seconds
+    proc = start_cli("train", "--data", os.path.join(HERE, "data", "tinyshakespeare.txt"), "--out", str(out),
+                     "--vocab-size", "4096")
+    for line in proc.stderr:
+        if line.startswith(b"tokenizer: "):
+            break
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    name = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}[sig]
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"{name}: interrupted"
+    assert os.listdir(out) == []                                  # train.lock removed
+
+
+def test_an_interrupted_save_names_the_last_complete_checkpoint(finished_run, tmp_path, capsys):
+    out = copy_of(finished_run, tmp_path)
+    flag = ne.StopFlag()
+    flag.handle(signal.SIGTERM, None)                             # the first asks for a save
+    with pytest.raises(ne.Interrupted) as e:
+        flag.handle(signal.SIGTERM, None)                         # the second quits at once
+    assert e.value.signum == signal.SIGTERM
+
+    def interrupted_save(args):                                   # a state file written, its model not yet
+        (out / "state_000012.safetensors").write_bytes(b"half")
+        raise e.value
+    handlers = {sig: signal.getsignal(sig) for sig in ne.StopFlag.SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as done:
+            ne.run_command(interrupted_save, ne.build_parser().parse_args(["train", "--out", str(out), "--resume"]))
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN     # the last words cannot be cut
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert done.value.code == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"SIGTERM: interrupted; the last complete checkpoint is {out / 'model_000008.safetensors'}, "
+                    "continue with --resume")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
     out = tmp_path / "run"
