@@ -2914,8 +2914,48 @@ def run_command(command, args):
         sys.exit(2)
 
 
+def stream_open(fd, name):
+    """whether sys.<name> is there and fd open for its direction: a launcher that ran
+    with fd 1 or 2 closed (pyenv's shim script) may have left a read-only file there"""
+    if getattr(sys, name) is None:
+        return False
+    try:
+        import fcntl
+        return fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except ImportError:                                # not POSIX: as Python found it
+        return True
+    except OSError:
+        return False
+
+
+def reopen_closed_streams():
+    """stdin, stdout or stderr closed at start (`>&-`) become /dev/null, so that no write
+    fails on None and no file we open later takes their descriptor; a text that cannot
+    be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it
+    lacks. -> the names of the ones that were closed"""
+    closed = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        if not stream_open(fd, name):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+            closed.append(name)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+    return closed
+
+
 def main(argv=None):
+    closed = reopen_closed_streams()
     args = build_parser().parse_args(argv)
+    needs = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}.get(args.command, [])
+    for name in (n for n in needs if n in closed):
+        print(f"error: {args.command} needs its {name}, which is closed; run it without closing {name} "
+              f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
+        sys.exit(2)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
     run_command(commands[args.command], args)

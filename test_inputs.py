@@ -682,3 +682,27 @@ def test_minutes_plans_at_most_a_billion_steps(capsys):
         total = ne.plan_steps(args, 20, step_time, eval_time, 3.0)
         # 864,000 s left, less the 3 s spent; 0.5 s a step + 5 s / 10 an evaluation = 1 s a step
         assert total == (20 + 10 ** 9 if step_time < 0.5 else 20 + 863_997)
+
+
+def test_text_the_output_encoding_lacks_is_said_with_question_marks(model):
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample", "--model", model, "--prompt",
+                        "h\u00e9llo", "--max-new-tokens", "3", "--temperature", "0"], capture_output=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()
+    assert r.stdout.startswith(b"h?llo")
+
+
+@pytest.mark.parametrize("command, closes, name", [("sample", ">&-", "stdout"), ("chat", ">&-", "stdout"),
+                                                   ("chat", "<&-", "stdin")])
+def test_a_closed_stream_that_the_command_needs_is_one_sentence(model, command, closes, name):
+    # sh closes the descriptor before Python starts, which then finds sys.stdout (or stdin) None
+    r = subprocess.run(["sh", "-c", f'"$0" "$@" {closes}', sys.executable, os.path.join(HERE, "nanoeuler.py"),
+                        command, "--model", model, "--max-new-tokens", "3"], capture_output=True, timeout=120)
+    assert_one_sentence(r, f"{command} needs its {name}, which is closed")
+
+
+def test_a_closed_stderr_does_not_hide_the_exit_code(tmp_path):
+    r = subprocess.run(["sh", "-c", '"$0" "$@" 2>&-', sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample",
+                        "--model", str(tmp_path / "missing.safetensors")], capture_output=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == b""
