@@ -706,3 +706,17 @@ def test_a_closed_stderr_does_not_hide_the_exit_code(tmp_path):
     r = subprocess.run(["sh", "-c", '"$0" "$@" 2>&-', sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample",
                         "--model", str(tmp_path / "missing.safetensors")], capture_output=True, timeout=120)
     assert r.returncode == 2 and r.stdout == b""
+
+
+def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path):
+    import nanoeuler_cuda
+    try:
+        nanoeuler_cuda.count_gpus()
+        pytest.skip("this machine has a GPU")
+    except ne.NanoEulerError:
+        pass
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text to tokenize\n" * 100)
+    r = run("nanoeuler_cuda.py", "train", "--gpus", "2", "--data", str(corpus), "--out", str(tmp_path / "run"))
+    assert_one_sentence(r, "no NVIDIA")
+    assert not (tmp_path / "cache").exists() and b"tokeniz" not in r.stderr
