@@ -2887,12 +2887,24 @@ def exit_interrupted(signum, out_dir):
     sys.exit(128 + signum)
 
 
+PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
+
+
+def refuse_empty_paths(args):
+    """--out "" would put prepare's cache in ../cache and --model "" reads as "does not exist":
+    say which flag is empty"""
+    for flag, what in PATH_FLAGS.items():
+        if getattr(args, flag, None) == "":
+            raise NanoEulerError(f"--{flag} is empty; give {what}")
+
+
 def run_command(command, args):
     """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
     and exit code 2. train and sft hold their --out folder while they run (claim_out);
     prepare only writes the cache beside it, so it holds nothing."""
     run = hasattr(args, "out") and hasattr(args, "resume")
     try:
+        refuse_empty_paths(args)
         with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext():
             command(args)
     except NanoEulerError as e:

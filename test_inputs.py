@@ -720,3 +720,15 @@ def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path):
     r = run("nanoeuler_cuda.py", "train", "--gpus", "2", "--data", str(corpus), "--out", str(tmp_path / "run"))
     assert_one_sentence(r, "no NVIDIA")
     assert not (tmp_path / "cache").exists() and b"tokeniz" not in r.stderr
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("nanoeuler.py", ["train", "--out", ""], "--out"), ("nanoeuler.py", ["prepare", "--out", ""], "--out"),
+    ("nanoeuler.py", ["train", "--data", ""], "--data"), ("nanoeuler.py", ["sample", "--model", ""], "--model"),
+    ("nanoeuler.py", ["sft", "--model", ""], "--model"), ("nanoeuler_cuda.py", ["sample", "--model", ""], "--model"),
+])
+def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
+    r = subprocess.run([sys.executable, os.path.join(HERE, script), *argv], capture_output=True, timeout=120,
+                       cwd=tmp_path)
+    assert assert_one_sentence(r, f"{flag} is empty").startswith(f"error: {flag} is empty; give ")
+    assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
