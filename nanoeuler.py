@@ -2864,7 +2864,10 @@ def os_error_sentence(e):
     advice = {errno.ENOSPC: "the disk is full; free some space, or train into another --out",
               errno.EDQUOT: "the disk quota is used up; free some space, or train into another --out",
               errno.EROFS: "the file system is read-only; train into another --out",
-              errno.EACCES: "permission denied; check its permissions"}
+              errno.EACCES: "permission denied; check its permissions",
+              errno.ENOTDIR: "a part of this path is a file, not a folder; give a path through folders",
+              errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
+              errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
     what = advice.get(e.errno, f"{e.strerror or e}".lower())
     return f"{e.filename}: {what}" if e.filename else what
 

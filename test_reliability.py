@@ -620,6 +620,18 @@ def test_a_read_only_disk_gives_one_sentence(corpus, tmpfs):
         assert "read-only" in err and str(folder) in err
 
 
+@pytest.mark.parametrize("make, path, says", [
+    (lambda t: (t / "afile").write_text("x"), "afile/run", "not a folder; give a path through folders"),
+    (lambda t: (t / "cache").write_text("x"), "run", "cache: a file is there where a folder should be; move it away"),
+    (lambda t: (t / "run" / "train.lock").mkdir(parents=True), "run",
+     "train.lock: a folder is there where a file should be; move it away"),
+])
+def test_a_path_of_the_wrong_kind_says_what_to_do(corpus, tmp_path, make, path, says):
+    make(tmp_path)
+    err = one_sentence(run_cli(*train_args(tmp_path / path, corpus, "--steps", "4")))
+    assert says in err, err
+
+
 def test_out_that_is_a_file_gives_one_sentence(corpus, tmp_path):
     out = tmp_path / "run"
     out.write_text("not a folder")
