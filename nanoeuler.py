@@ -1627,6 +1627,17 @@ def save_model(path, cfg, flat, tok):
     write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
 
 
+def tensor_mismatch(tensors, want, n_want):
+    """what differs between a file's tensors and SPEC's (want: name -> shape), in words"""
+    if len(tensors) != n_want:
+        return f"{len(tensors)} tensors, SPEC expects {n_want}"
+    missing = [name for name in want if name not in tensors]
+    if missing:
+        return f"it lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
+    name = next(n for n in want if tuple(tensors[n].shape) != want[n])
+    return f"{name} has shape {tuple(tensors[name].shape)}, SPEC expects {want[name]}"
+
+
 def load_model(path):
     """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence"""
     tensors, meta = read_safetensors(path)
@@ -1655,7 +1666,7 @@ def load_model(path):
     # we write tensors in SPEC order; other writers may order them otherwise
     if {n: tuple(t.shape) for n, t in tensors.items()} != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({len(tensors)} tensors, SPEC expects {n_want} for {asdict(cfg)})")
+                             f"({tensor_mismatch(tensors, want, n_want)} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
     bad = [name for name in want if not np.isfinite(tensors[name]).all()]

@@ -248,6 +248,8 @@ def overlap(h, d):
     (lambda h, d: h.update(tok_emb=[0, 1]), ["'tok_emb' is not a map"]),
     (overlap, ["'final_norm'", "previous tensor"]),
     (lambda h, d: d + b"\0" * 12, ["12 bytes follow"]),
+    (lambda h, d: h["tok_emb"].update(shape=[8, 260]), ["tok_emb has shape (8, 260), SPEC expects (260, 8)"]),
+    (lambda h, d: h.update({"heads.9": h.pop("heads.1")}), ["it lacks heads.1 for"]),
 ])
 def test_crafted_header_is_refused(tmp_path, edit, words):
     refused(crafted(tmp_path, edit), *words)
