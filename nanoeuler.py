@@ -2612,7 +2612,7 @@ def cmd_chat(args, make_params=None, gen=None):
             # naive: keeps the whole conversation and re-feeds it each turn; the
             # oldest tokens are dropped once it outgrows the context
             reply_room = min(args.max_new_tokens, cfg.T // 2)
-            room = cfg.T - 1 - reply_room                                  # what the question may take
+            room = max(1, cfg.T - 1 - reply_room)          # what the question may take: at T = 2, its last token
             if len(ids) > room:
                 print(f"note: the question is {len(ids)} tokens, more than fit in the context of {cfg.T} with room "
                       f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)

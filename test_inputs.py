@@ -734,3 +734,20 @@ def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
                        cwd=tmp_path)
     assert assert_one_sentence(r, f"{flag} is empty").startswith(f"error: {flag} is empty; give ")
     assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
+
+
+def test_chat_with_a_context_of_two_keeps_the_last_token_of_the_question(tmp_path, monkeypatch, capsys):
+    import io
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=2, F=16, K=2)
+    path = str(tmp_path / "t2.safetensors")
+    ne.save_model(path, cfg, ne.init_params(cfg), ne.Tokenizer())
+    seen = []
+
+    def gen(params, cfg, history, *args, **kw):
+        seen.append(list(history))
+        yield ne.Tokenizer().special("<|end|>")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
+    ne.cmd_chat(ne.build_parser().parse_args(["chat", "--model", path]), gen=gen)
+    # T - 1 = 1 token for the prompt; the reply's room (T // 2 = 1) leaves none, so the last token is kept
+    assert seen == [[ne.Tokenizer().special("<|assistant|>")]]
+    assert "keeping its last 1 tokens" in capsys.readouterr().err
