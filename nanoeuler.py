@@ -2880,7 +2880,20 @@ def os_error_sentence(e):
               errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
               errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
     what = advice.get(e.errno, f"{e.strerror or e}".lower())
+    if e.filename is None and (stream := failed_stream()):
+        return f"writing to {stream} failed ({f'{e.strerror or e}'.lower()}); send it to another file or device"
     return f"{e.filename}: {what}" if e.filename else what
+
+
+def failed_stream():
+    """the output stream (stdout, stderr) that refuses even an empty write, or None: what a
+    write error without a file name came from (stdout > /dev/full)"""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            return name
+    return None
 
 
 def exit_interrupted(signum, out_dir):

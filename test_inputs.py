@@ -751,3 +751,12 @@ def test_chat_with_a_context_of_two_keeps_the_last_token_of_the_question(tmp_pat
     # T - 1 = 1 token for the prompt; the reply's room (T // 2 = 1) leaves none, so the last token is kept
     assert seen == [[ne.Tokenizer().special("<|assistant|>")]]
     assert "keeping its last 1 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_stdout_to_a_full_device_is_named_as_stdout(model):
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample", "--model", model,
+                            "--max-new-tokens", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
+    assert_one_sentence(r, "writing to stdout failed (no space left on device)")
+    assert "--out" not in r.stderr.decode()
