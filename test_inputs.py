@@ -142,6 +142,21 @@ def test_huge_layer_or_head_count_is_refused_without_listing_the_tensors(tmp_pat
         refused(path, "unusable", "parameters", "2,147,483,648")
 
 
+def test_many_layers_within_the_bound_are_refused_without_listing_the_tensors(tmp_path, monkeypatch):
+    # L = 10^7 narrow layers: 2.6e8 parameters pass validate, and 7e7 shapes would take gigabytes
+    tensors, meta = model_parts()
+    meta["config"] = json.dumps({**ne.asdict(CFG), "C": 2, "Hq": 1, "Hkv": 1, "F": 1, "K": 1, "L": 10 ** 7})
+    path = str(tmp_path / "deep.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    shapes = ne.param_shapes
+
+    def listed(cfg):
+        assert cfg.L < 1000, "the shapes of 10^7 layers were listed"
+        return shapes(cfg)
+    monkeypatch.setattr(ne, "param_shapes", listed)
+    refused(path, "do not match its config", f"{len(tensors)} tensors, SPEC expects {3 + 7 * 10 ** 7}")
+
+
 @pytest.mark.parametrize("cfg", [CFG, ne.PRESETS["small"], ne.PRESETS["big"],
                                  ne.Config(V=300, C=24, Hq=6, Hkv=2, L=3, T=8, F=40, K=3)])
 def test_the_parameter_bound_counts_every_tensor(cfg, monkeypatch):
