@@ -2175,6 +2175,9 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
     to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
     if one was saved, is removed (resuming from it meets the same value at once), while
     every older checkpoint was followed by a finite step."""
+    if made_by == 0:                                      # no update yet: neither --lr nor --weight-decay did it
+        raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
+                             "any update, so training stopped; with sft, the --model file gives it: use another model")
     removed = ""
     if made_by is not None and os.path.exists(os.path.join(out_dir, f"model_{made_by:06d}.safetensors")):
         for kind in ("model", "state"):                   # model first: a state alone is no checkpoint

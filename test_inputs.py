@@ -775,3 +775,15 @@ def test_stdout_to_a_full_device_is_named_as_stdout(model):
                             "--max-new-tokens", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
     assert_one_sentence(r, "writing to stdout failed (no space left on device)")
     assert "--out" not in r.stderr.decode()
+
+
+def test_sft_on_a_model_whose_loss_is_nan_at_once_says_the_model_gives_it(tmp_path, capsys, sft_data):
+    tensors, meta = model_parts()
+    tensors = [(n, t * np.float32(1e36) if n == "heads.0" else t * np.float32(1e20) if n == "final_norm" else t)
+               for n, t in tensors]
+    path = str(tmp_path / "huge.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    data = sft_data([{"instruction": f"say {i}", "response": f"{i} said"} for i in range(4)])
+    err = sft_error(path, data, tmp_path, capsys)
+    assert "became nan at step 1, from the weights the run started with" in err and "--model file" in err, err
+    assert "--lr" not in err                                    # no update made it
