@@ -463,7 +463,8 @@ def test_sft_every_prompt_longer_than_the_context(model, tmp_path, capsys, sft_d
 
 
 def test_sft_errors_from_the_command_line(model, tmp_path):
-    r = run("nanoeuler.py", "sft", "--model", model, "--data", str(tmp_path / "none.jsonl"))
+    r = run("nanoeuler.py", "sft", "--model", model, "--data", str(tmp_path / "none.jsonl"),
+            "--out", str(tmp_path / "sft"))                   # not out/sft in the repository
     assert_one_sentence(r, "none.jsonl")
 
 
