@@ -2330,6 +2330,16 @@ def timed_step(engine, batch, step, total, args, out_dir, clock):
     return ce, lr, norm, clock() - t0
 
 
+def already_complete(engine, out_dir, start, total, last_path):
+    """--resume of a run that has made all its steps: say so, and there is nothing to do"""
+    if start < total:
+        return False
+    engine.close()
+    print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
+          "nothing to do")
+    return True
+
+
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
                clock=time.perf_counter):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log, evaluate,
@@ -2341,10 +2351,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
     last_path = os.path.join(out_dir, f"model_{start:06d}.safetensors") if start else None
-    if start >= total:
-        engine.close()
-        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
-              "nothing to do")
+    if already_complete(engine, out_dir, start, total, last_path):
         return start
     os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
