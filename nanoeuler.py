@@ -38,6 +38,7 @@ import argparse
 import codecs
 import contextlib
 import errno
+import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
 import functools
 import hashlib
 import heapq
@@ -1214,6 +1215,16 @@ def _encode_chunk(chunk):
     return encode_chunk(_worker_tokenizer, *chunk)
 
 
+@contextlib.contextmanager
+def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
+    """hold these signals back while inside; one that came meanwhile is delivered on leaving"""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def encoded_chunks(files, tok, workers):
     """yield (token ids, bytes read) for every chunk of the files, in order, encoded
     by `workers` processes (or by this one when workers is 1).
@@ -1230,19 +1241,18 @@ def encoded_chunks(files, tok, workers):
     from collections import deque
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
-                               initargs=(tok.merges, tok.max_piece_bytes))
+    # Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
+    # processes started here (the workers, multiprocessing's resource tracker) inherit
+    # both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
+    # ignores only SIGINT and SIGTERM); this process gets them at the unblock.
+    with signals_blocked():
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                                   initargs=(tok.merges, tok.max_piece_bytes))
     pending = deque()
     try:
         for chunk in text_chunks(files):
-            # Ctrl-C reaches every process of the terminal. A worker that submit
-            # starts inherits this mask, so it cannot die of Ctrl-C before
-            # _start_worker ignores it; the signal waits here until the unblock.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-            try:
+            with signals_blocked():                    # submit may start a worker
                 pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             while len(pending) > 2 * workers or (pending and pending[0][0].done()):
                 future, nbytes = pending.popleft()
                 yield future.result(), nbytes
@@ -1269,9 +1279,9 @@ def progress_text(done, total, seconds):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised as Ctrl-C's KeyboardInterrupt is, so that every cleanup
-    on the way out runs (workers stopped, temp files and train.lock removed);
-    run_command then exits with 128 + signum"""
+    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's
+    KeyboardInterrupt is, so that every cleanup on the way out runs (workers stopped,
+    temp files and train.lock removed); run_command then exits with 128 + signum"""
 
     def __init__(self, signum):
         super().__init__(signum)
@@ -1283,17 +1293,21 @@ def _raise_interrupt(signum, frame):
 
 
 @contextlib.contextmanager
-def signals_interrupt():
-    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
-    process as Ctrl-C does, rather than kill it midway with its workers and lock left
-    behind; one that was ignored when we started (nohup) stays ignored"""
-    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(sig) != signal.SIG_IGN}
+def signals_handled(signals, handler):
+    """handler(signum, frame) for these signals while inside, the previous ones after;
+    a signal that was ignored when we started (nohup, a background job) stays ignored"""
+    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def signals_interrupt():
+    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
+    process as Ctrl-C does, rather than kill it midway with its workers and lock left behind"""
+    return signals_handled((signal.SIGTERM, signal.SIGHUP), _raise_interrupt)
 
 
 def available_cores():
@@ -1337,22 +1351,17 @@ def write_tokens(path, files, tok, workers=None, progress=True):
     holds their count, is written last into the room left for it. All goes to
     path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
     and two runs that share the cache each write their own temp file."""
-    dtype, tmp = token_dtype(tok.vocab_size), f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.seek(len(npy_header(dtype, 0)))
-            n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
-            f.seek(0)
-            f.write(npy_header(dtype, n))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    dtype = token_dtype(tok.vocab_size)
+
+    def write(f):
+        f.seek(len(npy_header(dtype, 0)))
+        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+        f.seek(0)
+        f.write(npy_header(dtype, n))
+    atomic_write(path, write)
 
 
+TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's temp files
 STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
 
 
@@ -1372,7 +1381,7 @@ def remove_stale_tmp(folder):
     another container shares the folder but not our pids)"""
     now = time.time()
     for name in os.listdir(folder):
-        m = re.fullmatch(r".+\.(\d+)\.tmp", name)
+        m = TMP_FILE.fullmatch(name)
         path = os.path.join(folder, name)
         if m and not process_exists(int(m.group(1))):
             with contextlib.suppress(OSError):         # another run may remove it first
@@ -1678,21 +1687,30 @@ def load_model(path):
     return cfg, flat, tok
 
 
+def checkpoint_path(out_dir, step, kind="model"):
+    """out_dir/model_000120.safetensors (kind "state": its training state)"""
+    return os.path.join(out_dir, f"{kind}_{step:06d}.safetensors")
+
+
 def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
     """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
     meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
-    write_safetensors(os.path.join(out_dir, f"state_{step:06d}.safetensors"), [("m", m), ("v", v)], meta)
-    path = os.path.join(out_dir, f"model_{step:06d}.safetensors")
+    write_safetensors(checkpoint_path(out_dir, step, "state"), [("m", m), ("v", v)], meta)
+    path = checkpoint_path(out_dir, step)
     save_model(path, cfg, flat, tok)
     return path
 
 
+def model_steps(out_dir):
+    """the steps of the model_<step>.safetensors files in out_dir, newest first"""
+    return sorted((int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
+                  reverse=True)
+
+
 def checkpoint_steps(out_dir):
     """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
-    steps = [int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))] \
-        if os.path.isdir(out_dir) else []
-    return sorted((s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))),
-                  reverse=True)
+    steps = model_steps(out_dir) if os.path.isdir(out_dir) else []
+    return [s for s in steps if os.path.exists(checkpoint_path(out_dir, s, "state"))]
 
 
 def latest_checkpoint(out_dir):
@@ -1719,8 +1737,8 @@ def check_state(state, step):
 
 def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
-    cfg, flat, tok = load_model(os.path.join(out_dir, f"model_{step:06d}.safetensors"))
-    path = os.path.join(out_dir, f"state_{step:06d}.safetensors")
+    cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
+    path = checkpoint_path(out_dir, step, "state")
     tensors, meta = read_safetensors(path)
     if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or \
             tensors["m"].shape != flat.shape or tensors["v"].shape != flat.shape:
@@ -1751,7 +1769,7 @@ def newest_readable_checkpoint(out_dir):
             continue
         for bad, why in skipped:
             for kind in ("model", "state"):
-                path = os.path.join(out_dir, f"{kind}_{bad:06d}.safetensors")
+                path = checkpoint_path(out_dir, bad, kind)
                 os.replace(path, path + ".broken")
             print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
                   f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
@@ -1764,13 +1782,15 @@ def newest_readable_checkpoint(out_dir):
 
 def prune_checkpoints(out_dir, keep=2):
     """delete all but the newest `keep` checkpoint pairs (best.safetensors stays)"""
-    steps = sorted(int(m.group(1)) for f in os.listdir(out_dir)
-                   if (m := re.fullmatch(r"model_(\d+)\.safetensors", f)))
-    for s in steps[:-keep]:
-        for kind in ("model", "state"):
-            path = os.path.join(out_dir, f"{kind}_{s:06d}.safetensors")
-            if os.path.exists(path):
-                os.remove(path)
+    for step in model_steps(out_dir)[keep:]:
+        remove_checkpoint(out_dir, step)
+
+
+def remove_checkpoint(out_dir, step):
+    """the pair of step's files, model first: a state alone is no checkpoint"""
+    for kind in ("model", "state"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(checkpoint_path(out_dir, step, kind))
 
 
 # One run per folder. A second trainer on a folder that is training refuses at
@@ -1787,10 +1807,6 @@ def lock_out(out_dir):
     it for us. flock: the kernel lets go of it when its process ends, however it ends,
     so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
     the file is there to name the holder."""
-    try:
-        import fcntl
-    except ImportError:                                # not POSIX: no lock
-        return None
     path = os.path.join(out_dir, LOCK_NAME)
     while True:
         f = open(path, "a+")
@@ -1827,7 +1843,7 @@ def claim_out(out_dir, resume):
     try:
         if lock:                                       # temp files of killed writers: nobody else writes here
             for f in os.listdir(out_dir):
-                if re.fullmatch(r".+\.\d+\.tmp", f):
+                if TMP_FILE.fullmatch(f):
                     os.remove(os.path.join(out_dir, f))
         if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
             raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
@@ -2099,14 +2115,9 @@ class StopFlag:
     def __init__(self):
         self.stop, self.signum, self.lost = False, None, None
 
-    def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS
-                         if signal.getsignal(sig) != signal.SIG_IGN}
-        return self
-
     def handle(self, signum, frame):
-        if self.stop:                                  # run_command names the last complete checkpoint
-            raise Interrupted(signum)
+        if self.signum is not None:                    # a second signal (not a lost output's stop):
+            raise Interrupted(signum)                  # run_command names the last complete checkpoint
         self.stop, self.signum = True, signum
         if signum == signal.SIGHUP:
             silence_lost_output()                      # the terminal is most likely gone
@@ -2114,10 +2125,6 @@ class StopFlag:
         with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
             print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
                   file=sys.stderr)
-
-    def __exit__(self, *exc):
-        for sig, previous in self.previous.items():
-            signal.signal(sig, previous)
 
 
 def data_cache(out_dir):
@@ -2179,16 +2186,15 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
         raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
                              "any update, so training stopped; with sft, the --model file gives it: use another model")
     removed = ""
-    if made_by is not None and os.path.exists(os.path.join(out_dir, f"model_{made_by:06d}.safetensors")):
-        for kind in ("model", "state"):                   # model first: a state alone is no checkpoint
-            os.remove(os.path.join(out_dir, f"{kind}_{made_by:06d}.safetensors"))
+    if made_by is not None and os.path.exists(checkpoint_path(out_dir, made_by)):
+        remove_checkpoint(out_dir, made_by)
         removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
     good = latest_checkpoint(out_dir)
     if good is None:
         raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
                              f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
     raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
-                         f"is {os.path.join(out_dir, f'model_{good:06d}.safetensors')}{removed}; lower --lr (or "
+                         f"is {checkpoint_path(out_dir, good)}{removed}; lower --lr (or "
                          "--weight-decay) and continue from it with --resume")
 
 
@@ -2330,7 +2336,7 @@ def timed_step(engine, batch, step, total, args, out_dir, clock):
     return ce, lr, norm, clock() - t0
 
 
-def already_complete(engine, out_dir, start, total, last_path):
+def finish_if_complete(engine, out_dir, start, total, last_path):
     """--resume of a run that has made all its steps: say so, and there is nothing to do"""
     if start < total:
         return False
@@ -2350,15 +2356,16 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    last_path = os.path.join(out_dir, f"model_{start:06d}.safetensors") if start else None
-    if already_complete(engine, out_dir, start, total, last_path):
+    last_path = checkpoint_path(out_dir, start) if start else None
+    if finish_if_complete(engine, out_dir, start, total, last_path):
         return start
     os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
     times, t_start = [], clock()
     elapsed = lambda: fmt_time(clock() - t_start)
-    with StopFlag() as flag, warnings.catch_warnings():
+    flag = StopFlag()
+    with signals_handled(StopFlag.SIGNALS, flag.handle), warnings.catch_warnings():
         # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
         with output_may_go(flag):
@@ -2386,7 +2393,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     if flag.signum:
         exit_stopped(flag.signum, step, last_path)
     if flag.lost:
-        raise flag.lost                                   # run_command ends quietly on a closed pipe
+        raise flag.lost                                   # run_command: quiet on a closed pipe, one line otherwise
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
@@ -2413,7 +2420,7 @@ def resume_or_init(args, cfg, tok, init_flat):
     if cfg2 != cfg or tok2.merges != tok.merges:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
                              "or tokenizer; pass the same --data and settings, or another --out")
-    print(f"resuming from {os.path.join(args.out, f'model_{step:06d}.safetensors')} at step {step}")
+    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
     return flat, m, v, state
 
 
@@ -2889,9 +2896,10 @@ def os_error_sentence(e):
               errno.ENOTDIR: "a part of this path is a file, not a folder; give a path through folders",
               errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
               errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
-    what = advice.get(e.errno, f"{e.strerror or e}".lower())
+    reason = str(e.strerror or e).lower()
     if e.filename is None and (stream := failed_stream()):
-        return f"writing to {stream} failed ({f'{e.strerror or e}'.lower()}); send it to another file or device"
+        return f"writing to {stream} failed ({reason}); send it to another file or device"
+    what = advice.get(e.errno, reason)
     return f"{e.filename}: {what}" if e.filename else what
 
 
@@ -2917,7 +2925,7 @@ def exit_interrupted(signum, out_dir):
     step = None
     with contextlib.suppress(OSError):
         step = latest_checkpoint(out_dir) if out_dir else None
-    where = (f"; the last complete checkpoint is {os.path.join(out_dir, f'model_{step:06d}.safetensors')}, "
+    where = (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
              "continue with --resume") if step is not None else ""
     with contextlib.suppress(OSError):
         print(f"\n{StopFlag.SIGNALS[signum]}: interrupted{where}", file=sys.stderr)
@@ -2936,8 +2944,8 @@ def refuse_empty_paths(args):
 
 
 def run_command(command, args):
-    """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
-    and exit code 2. train and sft hold their --out folder while they run (claim_out);
+    """run a subcommand; a NanoEulerError, an OSError or a MemoryError becomes one sentence
+    on stderr and exit code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. train and sft hold their --out folder while they run (claim_out);
     prepare only writes the cache beside it, so it holds nothing."""
     run = hasattr(args, "out") and hasattr(args, "resume")
     try:
@@ -2969,10 +2977,7 @@ def stream_open(fd, name):
     if getattr(sys, name) is None:
         return False
     try:
-        import fcntl
         return fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
-    except ImportError:                                # not POSIX: as Python found it
-        return True
     except OSError:
         return False
 

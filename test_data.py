@@ -454,11 +454,13 @@ def assert_group_ends(p):
     pytest.fail("a worker process outlived its run")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup", "group-sigterm", "group-sighup"])
 def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     p = start_slow_prepare(tmp_path)
     if how == "ctrl-c":
         os.killpg(p.pid, signal.SIGINT)                      # a terminal's Ctrl-C: every process of the job
+    elif how.startswith("group-"):
+        os.killpg(p.pid, signal.SIGTERM if how == "group-sigterm" else signal.SIGHUP)
     else:                                                    # docker stop, a scheduler, a closed terminal
         os.kill(p.pid, signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
     try:
@@ -466,7 +468,8 @@ def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    err = err.decode()
+    err = err.decode(); open("/tmp/err_" + how + ".txt", "w").write(err)
+    how = how.replace("group-", "")
     sig = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}[how]
     assert p.returncode == 128 + sig, err                    # as the signal's killing would have: 130, 143, 129
     assert "Traceback" not in err and "KeyboardInterrupt" not in err

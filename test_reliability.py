@@ -661,3 +661,14 @@ def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
     err = r.stderr.decode()
     # room for the question: T - 1 less the reply's max_new_tokens = 128 - 1 - 8
     assert "more than fit in the context of 128 with room for a reply of 8; keeping its last 119 tokens" in err
+
+
+def test_a_first_signal_after_lost_output_still_lets_the_save_finish():
+    """lost output sets stop without a signal: the first SIGTERM after it is a first signal
+    (it finishes the step and saves), only a second one quits at once"""
+    flag = ne.StopFlag()
+    flag.stop = True                                   # what output_may_go does when stdout is gone
+    flag.handle(signal.SIGTERM, None)                  # must not raise
+    assert flag.signum == signal.SIGTERM
+    with pytest.raises(ne.Interrupted):
+        flag.handle(signal.SIGTERM, None)
