@@ -13,22 +13,23 @@ an online softmax so that the (T x T) attention matrix is never stored
 
 Layout: qkv is (B, T, (Hq + 2 Hkv) D) row-major, as the wqkv matmul writes it:
 q heads, then k heads, then v heads. y is (B, T, Hq D); lse and delta (B, Hq, T).
+qkv, y, dy and dqkv are the model's activations: fp32 (--precision fp32 and
+tf32) or bf16 (--precision bf16; nanoeuler_cuda's floatX); lse and delta fp32.
 Three versions of the three passes, read in this order:
 - fp32 (--precision fp32), exact, on CUDA cores. In the forward and the dq
   kernel one thread owns one query row, its accumulators in registers. In the
   dk/dv kernel two threads share a key row, each owning every other one of its
   D dims (neighbouring words of shared memory: different banks); the halves of
   each dot product meet in one shuffle.
-- tf32 tensor cores (--precision tf32, and bf16 at D other than 64): the same
-  passes with tf32 mma.sync, a warp per 16 rows; see "tensor cores" below. On
-  an H200, for the big model: 13 ms of attention per step against 43 ms on
-  CUDA cores.
-- bf16 tensor cores (--precision bf16 at D = 64): bf16 mma.sync reading bf16
-  copies of qkv and dy, each score tile kept in registers from the first
-  product into the second; see "bf16 tensor cores" below.
+- tf32 tensor cores (--precision tf32): the same passes with tf32 mma.sync, a
+  warp per 16 rows; see "tensor cores" below. On an H200, for the big model:
+  13 ms of attention per step against 43 ms on CUDA cores.
+- bf16 tensor cores (--precision bf16): bf16 mma.sync reading and writing
+  bf16 activations, each score tile kept in registers from the first product
+  into the second; see "bf16 tensor cores" below.
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
-without opting in), the bf16 ones for 64.
+without opting in).
 
 Tiles (fp32): 64 query rows per block; keys loaded 32 at a time into shared
 memory, 2 x 32 x D floats = 16 KB at D = 64, and 32 scores per row in registers.
@@ -47,21 +48,6 @@ owns them, so every run gives the same bits.
 
 // keys and values k0..k0+BC-1 of kv head kvh into shared memory (zeros past T),
 // between two barriers; the BR threads of the block share the copy
-// float32 -> bfloat16 bits, rounded to nearest even (as kernels.cu's bf16_bits): in
-// bf16 mode the kernels that write y and dv write their bf16 copies too (out16),
-// which the bf16 matmuls read; nullptr otherwise
-__device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int bits = __float_as_uint(x);
-    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-}
-
-// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 template <int D>
 __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, int k0, int T, int stride,
                              int Hq, int Hkv, int kvh) {
@@ -76,8 +62,7 @@ __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, 
 
 // grid = (ceil(T / BR), Hq, B); block = BR threads, one per query row
 template <int D>
-__device__ void attention_forward(float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv,
-                                  float scale) {
+__device__ void attention_forward(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
     __shared__ float ks[BC][D], vs[BC][D];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv);
     int i = blockIdx.x * BR + threadIdx.x;
@@ -114,7 +99,6 @@ __device__ void attention_forward(float* y, unsigned short* y16, float* lse, con
     for (int d = 0; d < D; d++) {
         long e = ((long)b * T + i) * Hq * D + h * D + d;
         y[e] = o[d] / l;
-        if (y16) y16[e] = bf16_bits(y[e]);
     }
     lse[((long)b * Hq + h) * T + i] = m + logf(l);
 }
@@ -122,14 +106,23 @@ __device__ void attention_forward(float* y, unsigned short* y16, float* lse, con
 // -----------------------------------------------------------------------------
 // backward
 
-// delta = rowsum(dy * y), the softmax backward's correction term. For the bf16
-// passes (dy16 not nullptr) it also writes dy rounded to bf16, which they read,
-// and sums with that rounding, so that delta matches the dp they compute.
+// two neighbouring elements of a row of dy or y, as the passes read them: fp32, or bf16
+// (the bf16 passes' activations, nanoeuler_cuda's floatX)
+__device__ __forceinline__ float2 load_pair(const float* p) { return *(const float2*)p; }
+
+__device__ __forceinline__ float2 load_pair(const unsigned short* p) {
+    unsigned two = *(const unsigned*)p;
+    return make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xFFFF0000u));
+}
+
+// delta = rowsum(dy * y), the softmax backward's correction term, from dy and y in the
+// type the passes read them (X: float, or unsigned short for bf16), so that delta
+// matches the dp the passes compute.
 // one warp per (b, query row, head), in memory order, so a warp reads one
-// contiguous row of D floats and neighbouring warps the next heads' rows;
+// contiguous row of D elements and neighbouring warps the next heads' rows;
 // grid = ceil(B*T*Hq / warps per block)
-__device__ void attention_backward_delta(float* delta, unsigned short* dy16, const float* dy, const float* y, int B,
-                                         int T, int Hq, int D) {
+template <typename X>
+__device__ void attention_backward_delta(float* delta, const X* dy, const X* y, int B, int T, int Hq, int D) {
     long e = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;   // (b * T + i) * Hq + h
     int lane = threadIdx.x % 32;
     if (e >= (long)B * T * Hq) return;
@@ -137,12 +130,7 @@ __device__ void attention_backward_delta(float* delta, unsigned short* dy16, con
     long b = e / ((long)Hq * T);
     float s = 0.0f;
     for (int d = 2 * lane; d < D; d += 64) {                         // D is even: pairs, one load each
-        float2 g = *(const float2*)&dy[e * D + d], o = *(const float2*)&y[e * D + d];
-        if (dy16) {
-            unsigned two = pack_bf16(g.x, g.y);
-            *(unsigned*)&dy16[e * D + d] = two;
-            g = make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xFFFF0000u));
-        }
+        float2 g = load_pair(&dy[e * D + d]), o = load_pair(&y[e * D + d]);
         s += g.x * o.x + g.y * o.y;
     }
     for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
@@ -157,7 +145,7 @@ __device__ void attention_backward_delta(float* delta, unsigned short* dy16, con
 // rows are loaded into shared memory and read by every thread.
 // grid = (ceil(T / 64), Hkv, B); block = 128 threads, two per key row
 template <int D>
-__device__ void attention_backward_dkv(float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy,
+__device__ void attention_backward_dkv(float* dqkv, const float* qkv, const float* dy,
                                        const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
     constexpr int KEYS = 64, HALF = D / 2;
     __shared__ float qs[BC][D], dys[BC][D], lse_s[BC], delta_s[BC];
@@ -210,7 +198,6 @@ __device__ void attention_backward_dkv(float* dqkv, unsigned short* dqkv16, cons
     for (int e = 0; e < HALF; e++) {
         dqkv[row + (Hq + kvh) * D + 2 * e + half] = dk[e];
         dqkv[row + (Hq + Hkv + kvh) * D + 2 * e + half] = dv[e];
-        if (dqkv16) dqkv16[row + (Hq + Hkv + kvh) * D + 2 * e + half] = bf16_bits(dv[e]);   // dk: after rope
     }
 }
 
@@ -368,10 +355,10 @@ __device__ void load_tile(float* tile, const float* m, long stride, int col, int
 }
 
 // write a warp's accumulator c (16 x D, C layout) to rows r0.. of a row-major global
-// matrix out (row stride ld), and its bf16 copy to out16 unless that is nullptr,
+// matrix out (row stride ld),
 // row r scaled by f[r >= r0 + 8], rows past T skipped
 template <int D>
-__device__ void store_rows(float* out, unsigned short* out16, long ld, int r0, int T, float (*c)[4], const float* f) {
+__device__ void store_rows(float* out, long ld, int r0, int T, float (*c)[4], const float* f) {
     int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
     #pragma unroll
     for (int nt = 0; nt < D / 8; nt++)
@@ -379,16 +366,13 @@ __device__ void store_rows(float* out, unsigned short* out16, long ld, int r0, i
         for (int i = 0; i < 4; i++) {
             int row = r0 + g + 8 * (i >> 1);
             long e = row * ld + nt * 8 + 2 * t + (i & 1);
-            if (row < T) {
-                out[e] = c[nt][i] * f[i >> 1];
-                if (out16) out16[e] = bf16_bits(out[e]);
-            }
+            if (row < T) out[e] = c[nt][i] * f[i >> 1];
         }
 }
 
 // grid = (ceil(T / 64), Hq, B); block = 128 threads, 4 warps of 16 query rows
 template <int D>
-__device__ void attention_forward_tf32(float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq,
+__device__ void attention_forward_tf32(float* y, float* lse, const float* qkv, int T, int Hq,
                                       int Hkv, float scale) {
     __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv), warp = threadIdx.x / 32;
@@ -441,7 +425,7 @@ __device__ void attention_forward_tf32(float* y, unsigned short* y16, float* lse
     }
     float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
     long y0 = (long)b * T * Hq * D + h * D;
-    store_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0, T, o, inv_l);
+    store_rows<D>(y + y0, (long)Hq * D, r0, T, o, inv_l);
     #pragma unroll
     for (int r = 0; r < 2; r++)
         if (t == 0 && r0 + g + 8 * r < T) lse[((long)b * Hq + h) * T + r0 + g + 8 * r] = m[r] + logf(l[r]);
@@ -487,7 +471,7 @@ __device__ void attention_backward_dq_tf32(float* dqkv, const float* qkv, const 
         mma_p_m<D, BK>(dq, s, scratch[warp], ks, D + 4);
     }
     float scales[2] = {scale, scale};
-    store_rows<D>(dqkv + (long)b * T * stride + h * D, nullptr, stride, r0, T, dq, scales);   // bf16: after rope
+    store_rows<D>(dqkv + (long)b * T * stride + h * D, stride, r0, T, dq, scales);
 }
 
 // dk and dv for 16 keys per warp (64 per block) of one kv head, summed over its G
@@ -495,7 +479,7 @@ __device__ void attention_backward_dq_tf32(float* dqkv, const float* qkv, const 
 // dv = pt dy and dk = dst (q scale)
 // grid = (ceil(T / 64), Hkv, B); block = 128 threads
 template <int D>
-__device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy,
+__device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const float* dy,
                                            const float* lse, const float* delta, int T, int Hq, int Hkv,
                                            float scale) {
     __shared__ float qs[BK * (D + 4)], dys[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
@@ -538,16 +522,16 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
     }
     float ones[2] = {1.0f, 1.0f};
     long k0 = (long)b * T * stride + (Hq + kvh) * D, v0 = (long)b * T * stride + (Hq + Hkv + kvh) * D;
-    store_rows<D>(dqkv + k0, nullptr, stride, r0, T, dk, ones);                     // dk's bf16: after rope
-    store_rows<D>(dqkv + v0, dqkv16 ? dqkv16 + v0 : nullptr, stride, r0, T, dv, ones);
+    store_rows<D>(dqkv + k0, stride, r0, T, dk, ones);
+    store_rows<D>(dqkv + v0, stride, r0, T, dv, ones);
 }
 
 // -----------------------------------------------------------------------------
 // bf16 tensor cores: the same three passes with bf16 mma.sync (m16n8k16), fp32 sums
 //
-// For --precision bf16 at D = 64 (the big model; other D take the tf32 path).
-// Inputs are bf16: qkv16, the bf16 twin of qkv (rotated q and k, then v), and
-// dy16, dy's twin, which attention_backward_delta writes. Each warp owns 16 rows
+// For --precision bf16, where the activations are bf16: qkv16 (q and k rotated by
+// rope_forward, then v) and dy16 in, y16 and dqkv16 (dq and dk before rope_backward
+// rotates them back, then dv) out, each rounded once as it is stored. Each warp owns 16 rows
 // (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
 // and dq follow the block size) and walks the other side in tiles of 64 rows,
 // copied into shared memory by cp.async two tiles deep (the next tile is on its
@@ -573,6 +557,13 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
 #define TILE 64       // rows per shared-memory tile, and keys per block in the dk/dv pass
 #define PAD 8         // bf16 elements of padding per shared row
 #define LOG2E 1.4426950408889634f
+
+// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
 
 // d (16x8, fp32) += a (16x16, bf16) b (16x8, bf16)
 __device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
@@ -691,10 +682,10 @@ __device__ void mma_c_tile(float (*acc)[D / 8][4], float (*p)[TILE / 8][4], unsi
     }
 }
 
-// write a warp's c (16 x D, C layout) times f[row half] to rows r0.. of a row-major
-// fp32 matrix out (row stride ld), and its bf16 copy to out16 unless nullptr; rows past T skipped
+// write a warp's c (16 x D, C layout) times f[row half], rounded to bf16, to rows r0.. of a
+// row-major bf16 matrix out (row stride ld); rows past T skipped
 template <int D>
-__device__ void store_c_rows(float* out, unsigned short* out16, long ld, int r0, int T, float (*c)[4], const float* f) {
+__device__ void store_c_rows(unsigned short* out, long ld, int r0, int T, float (*c)[4], const float* f) {
     int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
     #pragma unroll
     for (int half = 0; half < 2; half++) {
@@ -703,9 +694,7 @@ __device__ void store_c_rows(float* out, unsigned short* out16, long ld, int r0,
         #pragma unroll
         for (int nt = 0; nt < D / 8; nt++) {
             long e = row * ld + nt * 8 + 2 * t;
-            float2 v = make_float2(c[nt][2 * half] * f[half], c[nt][2 * half + 1] * f[half]);
-            *(float2*)&out[e] = v;
-            if (out16) *(unsigned*)&out16[e] = pack_bf16(v.x, v.y);
+            *(unsigned*)&out[e] = pack_bf16(c[nt][2 * half] * f[half], c[nt][2 * half + 1] * f[half]);
         }
     }
 }
@@ -716,8 +705,8 @@ __device__ void store_c_rows(float* out, unsigned short* out16, long ld, int r0,
 // grid = (Hq, B, ceil(T / rows)) with rows = 16 MT (block / 32), the last query tiles (most keys)
 // first; block = 128 threads (rows = 64 MT)
 template <int D, int MT>
-__device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse, const unsigned short* qkv16, int T,
-                                       int Hq, int Hkv, float scale) {
+__device__ void attention_forward_bf16(unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq,
+                                       int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
     int rows = 16 * MT * (blockDim.x / 32);                        // query rows of this block
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;
@@ -802,7 +791,7 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
             inv_l[r] = 1.0f / l[mt][r];
             if (t == 0 && row < T) lse[((long)b * Hq + h) * T + row] = m[mt][r] * scale + logf(l[mt][r]);
         }
-        store_c_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0 + 16 * mt, T, o[mt], inv_l);
+        store_c_rows<D>(y16 + y0, (long)Hq * D, r0 + 16 * mt, T, o[mt], inv_l);
     }
 }
 
@@ -810,8 +799,9 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
 // dp = dy v.T and ds = p (dp - delta): dq = scale ds k, over the key tiles up to the diagonal
 // grid = (Hq, B, ceil(T / rows)) with rows = 16 (block / 32), the last query tiles first; block = 128 threads
 template <int D>
-__device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qkv16, const unsigned short* dy16,
-                                           const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+__device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
+                                           const unsigned short* dy16, const float* lse, const float* delta, int T,
+                                           int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
     int rows = 16 * (blockDim.x / 32);                             // query rows of this block
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;
@@ -864,7 +854,7 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
         __syncthreads();
     }
     float scales[2] = {scale, scale};
-    store_c_rows<D>(dqkv + (long)b * T * stride + h * D, nullptr, stride, r0, T, dq, scales);   // bf16: after rope
+    store_c_rows<D>(dqkv16 + (long)b * T * stride + h * D, stride, r0, T, dq, scales);   // rope_backward rotates it
 }
 
 // dk and dv for 64 keys of one kv head, 16 per warp, summed over its G query heads
@@ -873,7 +863,7 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
 // dv = pt dy, dk = scale dst q, both second products fed from registers
 // grid = (Hkv, B, ceil(T / 64)), the first key tiles (most queries) first; block = 128 threads
 template <int D>
-__device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16, const unsigned short* qkv16,
+__device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
                                             const unsigned short* dy16, const float* lse, const float* delta, int T,
                                             int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short qs[2][TILE][D + PAD], dys[2][TILE][D + PAD];
@@ -932,28 +922,34 @@ __device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16,
     }
     float ones[2] = {1.0f, 1.0f}, scales[2] = {scale, scale};
     long kc = (long)b * T * stride + (Hq + kvh) * D, vc = (long)b * T * stride + (Hq + Hkv + kvh) * D;
-    store_c_rows<D>(dqkv + kc, nullptr, stride, r0, T, dk, scales);                  // dk's bf16: after rope
-    store_c_rows<D>(dqkv + vc, dqkv16 ? dqkv16 + vc : nullptr, stride, r0, T, dv, ones);
+    store_c_rows<D>(dqkv16 + kc, stride, r0, T, dk, scales);                         // rope_backward rotates dk
+    store_c_rows<D>(dqkv16 + vc, stride, r0, T, dv, ones);
 }
 
 // -----------------------------------------------------------------------------
 // entry points: the CUDA-core (fp32) and tf32 passes for D = 16, 32, 64, the bf16
 // passes for D = 64; nanoeuler_cuda.py picks one by --precision and D
 
-extern "C" __global__ void attention_backward_delta_kernel(float* delta, unsigned short* dy16, const float* dy,
-                                                           const float* y, int B, int T, int Hq, int D) {
-    attention_backward_delta(delta, dy16, dy, y, B, T, Hq, D);
+extern "C" __global__ void attention_backward_delta_kernel(float* delta, const float* dy, const float* y, int B,
+                                                           int T, int Hq, int D) {
+    attention_backward_delta(delta, dy, y, B, T, Hq, D);
+}
+
+extern "C" __global__ void attention_backward_delta_bf16_kernel(float* delta, const unsigned short* dy16,
+                                                                const unsigned short* y16, int B, int T, int Hq,
+                                                                int D) {
+    attention_backward_delta(delta, dy16, y16, B, T, Hq, D);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_16(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward<16>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward<16>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_16(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv<16>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv<16>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_16(
@@ -963,14 +959,14 @@ extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_16
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_32(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward<32>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward<32>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_32(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv<32>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv<32>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_32(
@@ -980,14 +976,14 @@ extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_32
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_64(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward<64>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward<64>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_64(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv<64>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_64(
@@ -997,14 +993,14 @@ extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_64
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_tf32_kernel_16(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tf32<16>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tf32<16>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_tf32_kernel_16(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tf32<16>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv_tf32<16>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_kernel_16(
@@ -1014,14 +1010,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_ker
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_tf32_kernel_32(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tf32<32>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tf32<32>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_tf32_kernel_32(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tf32<32>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv_tf32<32>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_kernel_32(
@@ -1031,14 +1027,14 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_ker
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_forward_tf32_kernel_64(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tf32<64>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tf32<64>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_tf32_kernel_64(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tf32<64>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv_tf32<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_kernel_64(
@@ -1047,21 +1043,56 @@ extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_ker
     attention_backward_dq_tf32<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-// one m-tile per warp: two (32 rows a warp, 254 registers, 2 blocks an SM) measured no faster on an H200
+// the bf16 passes for D = 16, 32 and 64. One m-tile per warp in the forward: two (32 rows a warp,
+// 254 registers, 2 blocks an SM) measured no faster on an H200 at D = 64
+extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_kernel_16(
+    unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
+    attention_forward_bf16<16, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) attention_backward_dkv_bf16_kernel_16(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<16>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_kernel_16(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_bf16<16>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_kernel_32(
+    unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
+    attention_forward_bf16<32, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128, 3) attention_backward_dkv_bf16_kernel_32(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<32>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_kernel_32(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_bf16<32>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
 extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_kernel_64(
-    float* y, unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
-    attention_forward_bf16<64, 1>(y, y16, lse, qkv16, T, Hq, Hkv, scale);
+    unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
+    attention_forward_bf16<64, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
 // 168 registers instead of 177 (no spills), so that 3 blocks fit an SM: 3% faster at B = 16, 14% at 64
 extern "C" __global__ void __launch_bounds__(128, 3) attention_backward_dkv_bf16_kernel_64(
-    float* dqkv, unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
     const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<64>(dqkv, dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    attention_backward_dkv_bf16<64>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_kernel_64(
-    float* dqkv, const unsigned short* qkv16, const unsigned short* dy16, const float* lse, const float* delta, int T,
-    int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<64>(dqkv, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_bf16<64>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }

@@ -5,12 +5,33 @@ rmsnorm_forward the launcher in nanoeuler_cuda.py). Matrix products are not here
 they go through cuBLAS. Attention is in flash_attn.cu.
 
 Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
-(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32.
-For the bf16 matmuls, a kernel whose output feeds one also writes that output
-rounded to bf16 into an out16 twin (nullptr: none, in fp32 and tf32 modes), so no
-pass of its own re-reads it; where only matmuls read the output (rmsnorm_forward,
-swiglu both ways, the cross entropy), it writes the twin alone. to_bf16_kernel
-rounds the weights.
+(-std=c++17 --use_fast_math), cached on disk by source hash, and twice: as it
+stands, where floatX is float (--precision fp32 and tf32), and with
+-DFLOATX=bfloat16 (--precision bf16). floatX is the type of the activations and
+of their gradients, as llm.c's: whatever one kernel (or cuBLAS) writes for the
+next to read is floatX, so in bf16 every activation moves half the bytes of
+fp32, and no activation has a second copy in another type. What stays fp32 in
+both builds, and why:
+  - the master weights, their gradients and AdamW's moments: an update is a
+    small change of a weight, which bf16's 8 bits would round away, and a
+    weight's gradient is a sum over the whole batch (cuBLAS adds each product
+    into it in fp32); the matmuls read a bf16 copy of the weights that
+    adamw_update_kernel writes as it updates them;
+  - per-row statistics and sums: rmsnorm's rstd, attention's lse and delta,
+    the losses and their sums, the gradient norm: few numbers, which the
+    backward and the NaN stop need exact;
+  - every value inside a kernel: a kernel reads floatX, computes in fp32 and
+    rounds once, as it writes (a kernel that writes a value and also uses it
+    uses the rounded value, as the next kernel will).
+The residual stream and its gradient are floatX too, as in llm.c: they are the
+biggest thing the norm kernels move (in fp32 they would cost about 2.5 GB of
+traffic a step of the big model at batch 16), and an add rounds to 2^-9 of the
+stream, without bias. PyTorch's autocast keeps them fp32; `check` compares the
+whole model with a float64 reference that rounds where these kernels round,
+so its bar measures the kernels, not bf16 (nanoeuler_cuda.check_model).
+Element counts along rows (C, F, D/2, the qkv stride) are multiples of 8, so
+that PACK elements move in one 16-byte load or store (nanoeuler_cuda.GPUModel
+checks the sizes).
 All kernels are extern "C" so their names survive compilation unmangled.
 
 Gradient rule: parameter gradients +=, activation gradients =, except where a
@@ -24,13 +45,73 @@ Launch geometry is written above each kernel.
 // -----------------------------------------------------------------------------
 // helpers
 
-// float32 -> bfloat16 bits, rounded to nearest even
+// float32 -> bfloat16 bits, rounded to nearest even. The conversion instruction keeps a
+// NaN a NaN (adding 0x7FFF to the bits would carry the GPU's NaN, 0x7FFFFFFF, into -0)
 __device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int bits = __float_as_uint(x);
-    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// two floats -> one word of two bfloat16, lo in the lower half (the one at the lower address)
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// bfloat16 in memory: the upper half of a float32 (8 exponent bits, 7 mantissa bits)
+struct bfloat16 {
+    unsigned short bits;
+};
+
+#ifndef FLOATX
+#define FLOATX float
+#endif
+typedef FLOATX floatX;          // the activations' type: float, or bfloat16 with -DFLOATX=bfloat16
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bfloat16 x) { return __uint_as_float((unsigned)x.bits << 16); }
+__device__ __forceinline__ void store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store(bfloat16* p, float x) { p->bits = bf16_bits(x); }
+
+// x as a floatX holds it: rounded to bf16 in the bf16 build, itself in the float build
+__device__ __forceinline__ float round_x(float x) {
+    floatX r;
+    store(&r, x);
+    return to_float(r);
+}
+
+// PACK floatX in 16 bytes (4 float or 8 bfloat16), moved by one load or store; p 16-byte aligned
+constexpr int PACK = 16 / sizeof(floatX);
+
+__device__ __forceinline__ void load_pack(float* f, const float* p) {
+    float4 v = *(const float4*)p;
+    f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+}
+
+__device__ __forceinline__ void load_pack(float* f, const bfloat16* p) {
+    uint4 v = *(const uint4*)p;
+    unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(u[i] << 16);
+        f[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+    }
+}
+
+__device__ __forceinline__ void store_pack(float* p, const float* f) { *(float4*)p = make_float4(f[0], f[1], f[2], f[3]); }
+
+__device__ __forceinline__ void store_pack(bfloat16* p, const float* f) {
+    *(uint4*)p = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
     return v;
 }
@@ -40,15 +121,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// every thread of the block gets the total; blockDim.x a multiple of 32, at most 1024
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
+// every thread of the block gets the total, summed in the same order every run;
+// blockDim.x a multiple of 32, at most 1024
+template <typename T>
+__device__ T block_sum(T v) {
+    __shared__ T partial[32];
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     v = warp_sum(v);
     __syncthreads();                      // partial may still be read by a previous call
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = lane < blockDim.x / 32 ? partial[lane] : 0.0f;
+    v = lane < blockDim.x / 32 ? partial[lane] : (T)0;
     return warp_sum(v);
 }
 
@@ -63,217 +146,321 @@ __device__ float block_max(float v) {
     return warp_max(v);
 }
 
+// neither infinite nor NaN, read from the exponent bits (whatever fast math assumes)
+__device__ __forceinline__ bool is_finite(double x) {
+    return (__double_as_longlong(x) & 0x7FF0000000000000LL) != 0x7FF0000000000000LL;
+}
+
 // -----------------------------------------------------------------------------
 // embedding
 
 // one thread per output element; grid = ceil(N*C / block)
-extern "C" __global__ void embedding_forward_kernel(float* x, const int* idx, const float* tok_emb, int N, int C) {
+extern "C" __global__ void embedding_forward_kernel(floatX* x, const int* idx, const float* tok_emb, int N, int C) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)N * C) return;
     int n = i / C, c = i % C;
-    x[i] = tok_emb[(long)idx[n] * C + c];
+    store(&x[i], tok_emb[(long)idx[n] * C + c]);
 }
 
-// one block per distinct token u: the rows where it occurs, order[starts[u]] ..
-// order[starts[u+1]-1] (nanoeuler_cuda.token_rows lists them), added up in that
-// order. No atomics, so the sum has the same bits every run.
-extern "C" __global__ void embedding_backward_kernel(float* dtok_emb, const int* idx, const int* order,
-                                                     const int* starts, const float* dx, int C) {
-    int first = starts[blockIdx.x], last = starts[blockIdx.x + 1];
-    long token = idx[order[first]];
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float sum = 0.0f;
-        for (int j = first; j < last; j++) sum += dx[(long)order[j] * C + c];
-        dtok_emb[token * C + c] += sum;
+// dtok_emb[v] += the dx rows of the positions n where idx[n] == v, added in increasing n: no
+// atomics and no sort on the host, and the same bits every run. One block per vocabulary
+// entry v walks idx 256 positions at a time: each warp votes on its 32 (ballot), the
+// matches are listed in order in shared memory, then each thread adds their elements in its
+// columns (c0 + thread + 256 j, EMB_COLS of them in registers; wider rows take more slices).
+// block 256, grid = V
+#define EMB_COLS 4
+
+extern "C" __global__ void __launch_bounds__(256) embedding_backward_kernel(float* dtok_emb, const int* idx,
+                                                                            const floatX* dx, int N, int C) {
+    __shared__ int rows[256], counts[8];
+    int v = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int c0 = 0; c0 < C; c0 += 256 * EMB_COLS) {
+        float sum[EMB_COLS] = {};
+        for (int n0 = 0; n0 < N; n0 += 256) {
+            int n = n0 + threadIdx.x;
+            bool hit = n < N && idx[n] == v;
+            unsigned votes = __ballot_sync(0xffffffff, hit);
+            if (lane == 0) counts[warp] = __popc(votes);
+            __syncthreads();
+            int before = 0, total = 0;                             // matches in the warps before this one
+            for (int w = 0; w < 8; w++) {
+                before += w < warp ? counts[w] : 0;
+                total += counts[w];
+            }
+            if (hit) rows[before + __popc(votes & ((1u << lane) - 1))] = n;
+            __syncthreads();
+            for (int j = 0; j < total; j++) {
+                const floatX* r = dx + (long)rows[j] * C + c0;
+#pragma unroll
+                for (int k = 0; k < EMB_COLS; k++)
+                    if (c0 + threadIdx.x + 256 * k < C) sum[k] += to_float(r[threadIdx.x + 256 * k]);
+            }
+            __syncthreads();                                       // rows, counts: rewritten next
+        }
+#pragma unroll
+        for (int k = 0; k < EMB_COLS; k++) {
+            int c = c0 + threadIdx.x + 256 * k;
+            if (c < C) dtok_emb[(long)v * C + c] += sum[k];
+        }
     }
 }
 
 // -----------------------------------------------------------------------------
 // rmsnorm
 
-// one warp per row; grid = ceil(N / warps per block)
-extern "C" __global__ void rmsnorm_forward_kernel(float* out, unsigned short* out16, float* rstd, const float* x,
-                                                  const float* w, int N, int C) {
+// x_in's PACK elements, plus a's when a is given, rounded as floatX holds the sum
+__device__ __forceinline__ void load_sum(float* x, const floatX* x_in, const floatX* a) {
+    load_pack(x, x_in);
+    if (!a) return;
+    float y[PACK];
+    load_pack(y, a);
+#pragma unroll
+    for (int i = 0; i < PACK; i++) x[i] = round_x(x[i] + y[i]);
+}
+
+// one row per warp: out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), where x is
+// x_in, or with a given, x_in + a (the residual add, fused in), which is written to x_out
+// too and normalised as written. Each lane takes PACK elements at a time; the row is read
+// twice, the second time from the cache.
+__device__ void rmsnorm_rows(floatX* out, float* rstd, floatX* x_out, const floatX* x_in, const floatX* a,
+                             const float* w, int N, int C) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const float* xr = x + (long)row * C;
+    long r0 = (long)row * C;
+    const floatX* ar = a ? a + r0 : nullptr;
     float ss = 0.0f;
-    for (int c = lane; c < C; c += 32) ss += xr[c] * xr[c];
+    for (int c = lane * PACK; c < C; c += 32 * PACK) {
+        float x[PACK];
+        load_sum(x, x_in + r0 + c, ar ? ar + c : nullptr);
+#pragma unroll
+        for (int i = 0; i < PACK; i++) ss += x[i] * x[i];
+    }
     float r = 1.0f / sqrtf(warp_sum(ss) / C + 1e-5f);
-    for (int c = lane; c < C; c += 32) {
-        float o = xr[c] * r * w[c];
-        if (out16) out16[(long)row * C + c] = bf16_bits(o);        // only matmuls read it
-        else out[(long)row * C + c] = o;
+    for (int c = lane * PACK; c < C; c += 32 * PACK) {
+        float x[PACK], o[PACK];
+        load_sum(x, x_in + r0 + c, ar ? ar + c : nullptr);
+        if (x_out) store_pack(x_out + r0 + c, x);
+#pragma unroll
+        for (int i = 0; i < PACK; i++) o[i] = x[i] * r * w[c + i];
+        store_pack(out + r0 + c, o);
     }
     if (lane == 0) rstd[row] = r;
 }
 
-// one warp per row, rows in a grid-stride loop. dw: each warp adds up its rows'
-// share in a row of shared memory of its own (warps x C floats, dynamic), the
-// block adds its warps in order into partial[block], and rmsnorm_backward_dw_kernel
-// adds the blocks in order: no atomics, so dw has the same bits every run.
-// dx += : the residual stream's gradient takes both paths.
-extern "C" __global__ void rmsnorm_backward_kernel(float* dx, unsigned short* dx16, float* partial,
-                                                   const float* dout, const float* x, const float* w,
-                                                   const float* rstd, int N, int C) {
+// block 256 (8 rows), grid = ceil(N / 8)
+extern "C" __global__ void rmsnorm_forward_kernel(floatX* out, float* rstd, const floatX* x, const float* w, int N,
+                                                  int C) {
+    rmsnorm_rows(out, rstd, nullptr, x, nullptr, w, N, C);
+}
+
+// x = x_in + a (the residual add: a is the product that adds into the stream), then
+// out = rmsnorm(x) * w: one pass where residual_forward and rmsnorm_forward take two
+// block 256 (8 rows), grid = ceil(N / 8)
+extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* out, float* rstd, const floatX* x_in,
+                                                           const floatX* a, const float* w, int N, int C) {
+    rmsnorm_rows(out, rstd, x, x_in, a, w, N, C);
+}
+
+// where column c of a warp's dw row lies in shared memory: lane l's PACK columns
+// l PACK .. l PACK + PACK-1 land in PACK different rows of C / PACK words, at word l, so
+// the 32 lanes of an update hit 32 different banks
+__device__ __forceinline__ int dw_slot(int c, int C) { return (c % PACK) * (C / PACK) + c / PACK; }
+
+// one row per warp, rows in a grid-stride loop, PACK elements per lane at a time:
+// dx = (accumulate ? dx : 0) + rstd * (g - xhat * mean(g * xhat)), g = dout * w, xhat = x * rstd.
+// accumulate: the residual stream's gradient takes both paths (+=); the final norm's starts it.
+// dw: each warp adds up its rows' dout * xhat in a row of shared memory of its own (warps x C
+// floats, dynamic), the block adds its warps in order into partial[block], and
+// rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
+// every run. block 256, grid = min(ceil(N / 8), a few per SM)
+extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, const floatX* dout, const floatX* x,
+                                                   const float* w, const float* rstd, int N, int C, int accumulate) {
     extern __shared__ float dw_warp[];
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
     float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
     for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
-        const float* xr = x + (long)row * C;
-        const float* dr = dout + (long)row * C;
+        long r0 = (long)row * C;
         float r = rstd[row], dot = 0.0f;
-        for (int c = lane; c < C; c += 32) dot += dr[c] * w[c] * xr[c] * r;   // sum of g * xhat
+        for (int c = lane * PACK; c < C; c += 32 * PACK) {
+            float d[PACK], xv[PACK];
+            load_pack(d, dout + r0 + c);
+            load_pack(xv, x + r0 + c);
+#pragma unroll
+            for (int i = 0; i < PACK; i++) dot += d[i] * w[c + i] * xv[i] * r;   // sum of g * xhat
+        }
         dot = warp_sum(dot) / C;
-        for (int c = lane; c < C; c += 32) {
-            float xhat = xr[c] * r;
-            float d = dx[(long)row * C + c] + r * (dr[c] * w[c] - xhat * dot);
-            dx[(long)row * C + c] = d;
-            if (dx16) dx16[(long)row * C + c] = bf16_bits(d);
-            dw_mine[c] += dr[c] * xhat;
+        for (int c = lane * PACK; c < C; c += 32 * PACK) {
+            float d[PACK], xv[PACK], g[PACK];
+            load_pack(d, dout + r0 + c);
+            load_pack(xv, x + r0 + c);
+            if (accumulate) load_pack(g, dx + r0 + c);
+#pragma unroll
+            for (int i = 0; i < PACK; i++) {
+                float xhat = xv[i] * r;
+                g[i] = (accumulate ? g[i] : 0.0f) + r * (d[i] * w[c + i] - xhat * dot);
+                dw_mine[dw_slot(c + i, C)] += d[i] * xhat;
+            }
+            store_pack(dx + r0 + c, g);
         }
     }
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float sum = 0.0f;
-        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + c];
+        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + dw_slot(c, C)];
         partial[(long)blockIdx.x * C + c] = sum;
     }
 }
 
-// dw[c] += the blocks' partial sums, in block order; one thread per c
+// dw[c] += the blocks' partial sums, in block order: lane l of warp j adds the partials of
+// column 32 block + l from blocks j, j + 8, ..., then warp 0 adds the 8 warps' in order
+// block 256, grid = ceil(C / 32)
 extern "C" __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* partial, int blocks, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float part[8][32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = blockIdx.x * 32 + lane;
     float sum = 0.0f;
-    for (int b = 0; b < blocks; b++) sum += partial[(long)b * C + c];
+    if (c < C)
+        for (int b = warp; b < blocks; b += 8) sum += partial[(long)b * C + c];
+    part[warp][lane] = sum;
+    __syncthreads();
+    if (warp != 0 || c >= C) return;
+    sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += part[j][lane];
     dw[c] += sum;
 }
 
 // -----------------------------------------------------------------------------
 // rope
 
-// rotate-half RoPE in place on the first n_heads heads of each row of qkv (the q
-// and k heads); cos/sin tables (positions, D/2) come from nanoeuler.rope_table.
-// The backward is the rotation by the opposite angle: the same code with -sin.
-// With qkv16 (bf16 mode) it writes the bf16 copy of the rotated heads too, and
-// of the n_copied heads after them as they are (the forward's v heads, so that
-// attention's bf16 passes find all of q, k, v rounded without a pass of their own).
-// one thread per (row, head, pair); grid = ceil(N*(n_heads+n_copied)*D/2 / block)
-__device__ void rope(float* qkv, unsigned short* qkv16, const float* cos, const float* sin, int N, int T,
-                     int n_heads, int n_copied, int D, int stride, int pos, float sign) {
+// rotate-half RoPE in place on the first n_heads heads of each row of qkv (the q and k
+// heads): the pair (a, b) = (x[p], x[p + D/2]) of the row's position t becomes
+// (a cos - b sin, b cos + a sin); cos/sin tables (positions, D/2) come from
+// nanoeuler.rope_table. The backward is the rotation by the opposite angle: the same
+// code with -sin. Each thread rotates PACK pairs (D/2 a multiple of PACK).
+// grid = ceil(N * n_heads * D/2 / PACK / block)
+__device__ void rope(floatX* qkv, const float* cos, const float* sin, int N, int T, int n_heads, int D, int stride,
+                     int pos, float sign) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    int half = D / 2, heads = n_heads + n_copied;
-    if (i >= (long)N * heads * half) return;
-    int p = i % half, h = (i / half) % heads;
-    long n = i / ((long)half * heads);
-    long e = n * stride + h * D + p;
-    float a = qkv[e], b = qkv[e + half];
-    if (h < n_heads) {
-        int t = pos + n % T;
-        float c = cos[t * half + p], s = sign * sin[t * half + p];
-        float ra = a * c - b * s, rb = b * c + a * s;
-        qkv[e] = a = ra;
-        qkv[e + half] = b = rb;
+    int half = D / 2, packs = half / PACK;
+    if (i >= (long)N * n_heads * packs) return;
+    int p = i % packs * PACK, h = (i / packs) % n_heads;
+    long n = i / ((long)packs * n_heads);
+    floatX* e = qkv + n * stride + h * D + p;
+    const float *c = cos + (pos + n % T) * half + p, *s = sin + (pos + n % T) * half + p;
+    float a[PACK], b[PACK];
+    load_pack(a, e);
+    load_pack(b, e + half);
+#pragma unroll
+    for (int j = 0; j < PACK; j++) {
+        float ra = a[j] * c[j] - b[j] * sign * s[j], rb = b[j] * c[j] + a[j] * sign * s[j];
+        a[j] = ra;
+        b[j] = rb;
     }
-    if (qkv16) {
-        qkv16[e] = bf16_bits(a);
-        qkv16[e + half] = bf16_bits(b);
-    }
+    store_pack(e, a);
+    store_pack(e + half, b);
 }
 
-extern "C" __global__ void rope_forward_kernel(float* qkv, unsigned short* qkv16, const float* cos, const float* sin,
-                                               int N, int T, int n_heads, int n_copied, int D, int stride, int pos) {
-    rope(qkv, qkv16, cos, sin, N, T, n_heads, n_copied, D, stride, pos, 1.0f);
+extern "C" __global__ void rope_forward_kernel(floatX* qkv, const float* cos, const float* sin, int N, int T,
+                                               int n_heads, int D, int stride, int pos) {
+    rope(qkv, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);
 }
 
-// and, in bf16 mode, the bf16 copy of the rotated dq and dk (attention's dk/dv kernel writes dv's)
-extern "C" __global__ void rope_backward_kernel(float* dqkv, unsigned short* dqkv16, const float* cos, const float* sin,
-                                                int N, int T, int n_heads, int D, int stride, int pos) {
-    rope(dqkv, dqkv16, cos, sin, N, T, n_heads, 0, D, stride, pos, -1.0f);
+extern "C" __global__ void rope_backward_kernel(floatX* dqkv, const float* cos, const float* sin, int N, int T,
+                                                int n_heads, int D, int stride, int pos) {
+    rope(dqkv, cos, sin, N, T, n_heads, D, stride, pos, -1.0f);
 }
 
 // -----------------------------------------------------------------------------
 // swiglu
 
-// gu (N, 2F) holds gate then up; one thread per output; grid = ceil(N*F / block)
-extern "C" __global__ void swiglu_forward_kernel(float* out, unsigned short* out16, const float* gu, int N, int F) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+// gu (N, 2F) holds gate then up: out (N, F) = silu(gate) * up. PACK outputs per thread
+// (F a multiple of PACK); grid = ceil(N*F / PACK / block)
+extern "C" __global__ void swiglu_forward_kernel(floatX* out, const floatX* gu, int N, int F) {
+    long i = PACK * ((long)blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
-    float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
-    float o = gate / (1.0f + expf(-gate)) * up;
-    if (out16) out16[i] = bf16_bits(o);                            // only matmuls read it
-    else out[i] = o;
+    float gate[PACK], up[PACK], o[PACK];
+    load_pack(gate, gu + n * 2 * F + f);
+    load_pack(up, gu + n * 2 * F + F + f);
+#pragma unroll
+    for (int j = 0; j < PACK; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    store_pack(out + i, o);
 }
 
-extern "C" __global__ void swiglu_backward_kernel(float* dgu, unsigned short* dgu16, const float* dout, const float* gu,
-                                                  int N, int F) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+// dgu (N, 2F) = d gate then d up; as the forward, PACK outputs of it per thread
+extern "C" __global__ void swiglu_backward_kernel(floatX* dgu, const floatX* dout, const floatX* gu, int N, int F) {
+    long i = PACK * ((long)blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
-    float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
-    float sig = 1.0f / (1.0f + expf(-gate)), silu = gate * sig;
-    float dgate = dout[i] * up * (sig + silu * (1.0f - sig)), dup = dout[i] * silu;   // d silu / d gate
-    if (dgu16) {                                                   // only matmuls read it
-        dgu16[n * 2 * F + f] = bf16_bits(dgate);
-        dgu16[n * 2 * F + F + f] = bf16_bits(dup);
-    } else {
-        dgu[n * 2 * F + f] = dgate;
-        dgu[n * 2 * F + F + f] = dup;
+    float gate[PACK], up[PACK], d[PACK], dgate[PACK], dup[PACK];
+    load_pack(gate, gu + n * 2 * F + f);
+    load_pack(up, gu + n * 2 * F + F + f);
+    load_pack(d, dout + i);
+#pragma unroll
+    for (int j = 0; j < PACK; j++) {
+        float sig = 1.0f / (1.0f + expf(-gate[j])), silu = gate[j] * sig;
+        dgate[j] = d[j] * up[j] * (sig + silu * (1.0f - sig));    // d silu / d gate
+        dup[j] = d[j] * silu;                                      // forward was: out = silu * up
     }
+    store_pack(dgu + n * 2 * F + f, dgate);
+    store_pack(dgu + n * 2 * F + F + f, dup);
 }
 
 // -----------------------------------------------------------------------------
 // residual
 
-// out = x + a; one thread per element; grid = ceil(n / block)
-extern "C" __global__ void residual_forward_kernel(float* out, const float* x, const float* a, long n) {
+// out = x + a; one thread per element; grid = ceil(n / block). Training fuses the add into
+// residual_rmsnorm_forward_kernel; decoding's prefill uses this one.
+extern "C" __global__ void residual_forward_kernel(floatX* out, const floatX* x, const floatX* a, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = x[i] + a[i];
+    if (i < n) store(&out[i], to_float(x[i]) + to_float(a[i]));
 }
 
 // -----------------------------------------------------------------------------
 // cross entropy over the K heads
 
-// Fused softmax + loss + gradient, in place: logits (K, N, V) come in, and
-// d loss / d logits go out in the same memory (or, when dlogits16 is given, only
-// to it, in bf16: the backward's matmuls read nothing else), so the
-// probabilities are never stored. targets (N, K), -1 = ignored; dscale[k] = weight of head k / its count
-// of kept targets (SPEC: loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)).
-// losses (K, N): -log p(target) per row, 0 where ignored.
-// one block of 256 threads per (row, head); grid = N*K
-extern "C" __global__ void cross_entropy_forward_kernel(float* logits, unsigned short* dlogits16, float* losses,
-                                                        const int* targets, const float* dscale, int N, int V,
-                                                        int K) {
-    int n = blockIdx.x % N, k = blockIdx.x / N;
-    float* row = logits + ((long)k * N + n) * V;
-    int t = targets[n * K + k];
+// Fused softmax + loss + gradient, in place: logits (N, K, V) come in (the K heads side
+// by side, as their one matmul writes them), and d loss / d logits go out in the same
+// memory, so the probabilities are never stored. targets (N, K), -1 = ignored; dscale[k]
+// = weight of head k / its count of kept targets (SPEC: loss = CE_0 + mtp_weight *
+// mean(CE_1..CE_K-1)). losses (K, N): -log p(target) per row, 0 where ignored. The row is
+// read three times, the second and third from the cache.
+// one block of 256 threads per (row, head): block n K + k; grid = N*K
+extern "C" __global__ void cross_entropy_forward_kernel(floatX* logits, float* losses, const int* targets,
+                                                        const float* dscale, int N, int V, int K) {
+    int n = blockIdx.x / K, k = blockIdx.x % K;
+    floatX* row = logits + (long)blockIdx.x * V;
+    int t = targets[blockIdx.x];
     float m = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, row[v]);
+    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, to_float(row[v]));
     m = block_max(m);
     float sum = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(row[v] - m);
+    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(to_float(row[v]) - m);
     float lse = m + logf(block_sum(sum));
-    float target_logit = t >= 0 ? row[t] : 0.0f;
+    float target_logit = t >= 0 ? to_float(row[t]) : 0.0f;
     __syncthreads();                      // everyone has read row[t] before it is overwritten
     if (threadIdx.x == 0) losses[(long)k * N + n] = t >= 0 ? lse - target_logit : 0.0f;
     float scale = t >= 0 ? dscale[k] : 0.0f;
-    unsigned short* row16 = dlogits16 ? dlogits16 + ((long)k * N + n) * V : nullptr;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        float d = (expf(row[v] - lse) - (v == t ? 1.0f : 0.0f)) * scale;
-        if (row16) row16[v] = bf16_bits(d);
-        else row[v] = d;
-    }
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        store(&row[v], (expf(to_float(row[v]) - lse) - (v == t ? 1.0f : 0.0f)) * scale);
+}
+
+// sums[k] = the sum of head k's N losses, in double and in the same order every run (each
+// thread its strided share, then a tree): what the host reads as the loss, and what
+// clip_grad_norm_kernel checks before the update
+// one block of 256 per head; grid = K
+extern "C" __global__ void cross_entropy_sum_kernel(double* sums, const float* losses, int N) {
+    double s = 0.0;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) s += losses[(long)blockIdx.x * N + n];
+    s = block_sum(s);
+    if (threadIdx.x == 0) sums[blockIdx.x] = s;
 }
 
 // -----------------------------------------------------------------------------
 // bf16
 
-// float32 -> bfloat16, rounded to nearest even: the inputs of the bf16 matmuls
-// (cuBLAS multiplies them on tensor cores and accumulates in fp32) that no
-// kernel wrote in bf16 itself: the weights after each update
+// float32 -> bfloat16, rounded to nearest even: the weights' bf16 copy once (adamw_update
+// keeps it up to date after that), and decoding's
 // four elements per thread (a quarter of the threads, the same bytes); grid = ceil(n / (4 block))
 extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, long n) {
     long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
@@ -283,25 +470,8 @@ extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, 
 // -----------------------------------------------------------------------------
 // adamw
 
-// AdamW on the flat buffers, as nanoeuler.adamw_update; decay is 1 for matrices,
-// 0 for norm weights; grad_scale applies the grad-norm clip.
-// one thread per parameter; grid = ceil(n / block)
-extern "C" __global__ void adamw_update_kernel(float* params, const float* grads, float* m, float* v, const float* decay,
-                                        long n, float lr, float beta1, float beta2, float bias1, float bias2,
-                                        float eps, float weight_decay, float grad_scale) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = grads[i] * grad_scale;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    float p = params[i] * (1.0f - lr * weight_decay * decay[i]);       // decoupled weight decay
-    params[i] = p - lr / bias1 * mi / (sqrtf(vi / bias2) + eps);
-}
-
-// sum of squares of the gradients, one partial sum per block (the host adds the
-// partials: deterministic, and the step syncs for the loss anyway)
+// sum of squares of the gradients, one partial sum per block, which
+// clip_grad_norm_kernel adds up in block order (deterministic)
 // grid-stride loop; grid = a few blocks per SM
 extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, long n) {
     float s = 0.0f;
@@ -309,6 +479,76 @@ extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, 
         s += grads[i] * grads[i];
     s = block_sum(s);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// The gradient norm, and what the update does with it (nanoeuler.clip_grad_norm and
+// train_loop's NaN stop, on the GPU so that a step needs no host in the middle):
+// norm = sqrt(the partial sums, added in double in block order) -> results[K], beside
+// the K loss sums in results[0..K-1] (the host reads them together); clip[0] = max_norm
+// / norm when max_norm > 0 and norm > max_norm, else 1; clip[1] = 1 when the norm and
+// the loss sums are finite, else 0, and then adamw_update_kernel changes nothing.
+// one warp; grid = 1
+extern "C" __global__ void clip_grad_norm_kernel(double* results, float* clip, const float* partial, int blocks,
+                                                 int K, float max_norm) {
+    double s = 0.0;
+    for (int b = threadIdx.x; b < blocks; b += 32) s += partial[b];
+    s = warp_sum(s);
+    if (threadIdx.x != 0) return;
+    double norm = sqrt(s);
+    bool ok = is_finite(norm);
+    for (int k = 0; k < K; k++) ok = ok && is_finite(results[k]);
+    results[K] = norm;
+    clip[0] = max_norm > 0.0f && norm > max_norm ? (float)(max_norm / norm) : 1.0f;
+    clip[1] = ok ? 1.0f : 0.0f;
+}
+
+// AdamW on the flat buffers, as nanoeuler.adamw_update; decay (a byte each) is 1 for
+// matrices, 0 for norm weights. The step's numbers are read from GPU memory, so that a
+// captured step replays with the next step's: hyper = (lr, 1 - beta1^step, 1 - beta2^step),
+// uploaded before the step, and clip = (grad scale, apply) from clip_grad_norm_kernel;
+// with apply = 0 nothing changes (the host then stops: no non-finite weight is ever
+// applied or saved). With params16 (bf16 mode) the updated weights are also written
+// rounded to bf16, the copy the matmuls read, in the same pass.
+// four parameters per thread (the buffers 16-byte aligned); grid = ceil(n / (4 block))
+extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16, const float* grads, float* m,
+                                               float* v, const unsigned char* decay, long n, const float* hyper,
+                                               const float* clip, float beta1, float beta2, float eps,
+                                               float weight_decay) {
+    long i0 = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i0 >= n || clip[1] == 0.0f) return;
+    float lr = hyper[0], bias1 = hyper[1], bias2 = hyper[2], grad_scale = clip[0];
+    int k = n - i0 < 4 ? n - i0 : 4;                                // the last thread may have fewer
+    float p[4] = {}, g[4] = {}, mi[4] = {}, vi[4] = {}, d[4] = {};
+    if (k == 4) {
+        float4 a = *(const float4*)(params + i0), b = *(const float4*)(grads + i0);
+        float4 c = *(const float4*)(m + i0), e = *(const float4*)(v + i0);
+        uchar4 f = *(const uchar4*)(decay + i0);
+        p[0] = a.x, p[1] = a.y, p[2] = a.z, p[3] = a.w, g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
+        mi[0] = c.x, mi[1] = c.y, mi[2] = c.z, mi[3] = c.w, vi[0] = e.x, vi[1] = e.y, vi[2] = e.z, vi[3] = e.w;
+        d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
+    } else {
+        for (int j = 0; j < k; j++)
+            p[j] = params[i0 + j], g[j] = grads[i0 + j], mi[j] = m[i0 + j], vi[j] = v[i0 + j], d[j] = decay[i0 + j];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float gj = g[j] * grad_scale;
+        mi[j] = beta1 * mi[j] + (1.0f - beta1) * gj;
+        vi[j] = beta2 * vi[j] + (1.0f - beta2) * gj * gj;
+        float pj = p[j] * (1.0f - lr * weight_decay * d[j]);        // decoupled weight decay
+        p[j] = pj - lr / bias1 * mi[j] / (sqrtf(vi[j] / bias2) + eps);
+    }
+    if (k == 4) {
+        *(float4*)(params + i0) = make_float4(p[0], p[1], p[2], p[3]);
+        *(float4*)(m + i0) = make_float4(mi[0], mi[1], mi[2], mi[3]);
+        *(float4*)(v + i0) = make_float4(vi[0], vi[1], vi[2], vi[3]);
+        if (params16) *(uint2*)(params16 + i0) = make_uint2(pack_bf16(p[0], p[1]), pack_bf16(p[2], p[3]));
+    } else {
+        for (int j = 0; j < k; j++) {
+            params[i0 + j] = p[j], m[i0 + j] = mi[j], v[i0 + j] = vi[j];
+            if (params16) store(&params16[i0 + j], p[j]);
+        }
+    }
 }
 
 // -----------------------------------------------------------------------------
