@@ -70,15 +70,16 @@ struct bfloat16 {
 #endif
 typedef FLOATX floatX;          // the activations' type: float, or bfloat16 with -DFLOATX=bfloat16
 
+// a float or bfloat16 as a float; a float written as *p's type holds it (bf16: rounded)
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bfloat16 x) { return __uint_as_float((unsigned)x.bits << 16); }
-__device__ __forceinline__ void store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void store(bfloat16* p, float x) { p->bits = bf16_bits(x); }
+__device__ __forceinline__ void write_x(float* p, float x) { *p = x; }
+__device__ __forceinline__ void write_x(bfloat16* p, float x) { p->bits = bf16_bits(x); }
 
 // x as a floatX holds it: rounded to bf16 in the bf16 build, itself in the float build
 __device__ __forceinline__ float round_x(float x) {
     floatX r;
-    store(&r, x);
+    write_x(&r, x);
     return to_float(r);
 }
 
@@ -100,7 +101,9 @@ __device__ __forceinline__ void load_pack(float* f, const bfloat16* p) {
     }
 }
 
-__device__ __forceinline__ void store_pack(float* p, const float* f) { *(float4*)p = make_float4(f[0], f[1], f[2], f[3]); }
+__device__ __forceinline__ void store_pack(float* p, const float* f) {
+    *(float4*)p = make_float4(f[0], f[1], f[2], f[3]);
+}
 
 __device__ __forceinline__ void store_pack(bfloat16* p, const float* f) {
     *(uint4*)p = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
@@ -159,7 +162,7 @@ extern "C" __global__ void embedding_forward_kernel(floatX* x, const int* idx, c
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)N * C) return;
     int n = i / C, c = i % C;
-    store(&x[i], tok_emb[(long)idx[n] * C + c]);
+    write_x(&x[i], tok_emb[(long)idx[n] * C + c]);
 }
 
 // dtok_emb[v] += the dx rows of the positions n where idx[n] == v, added in increasing n: no
@@ -413,7 +416,7 @@ extern "C" __global__ void swiglu_backward_kernel(floatX* dgu, const floatX* dou
 // residual_rmsnorm_forward_kernel; decoding's prefill uses this one.
 extern "C" __global__ void residual_forward_kernel(floatX* out, const floatX* x, const floatX* a, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) store(&out[i], to_float(x[i]) + to_float(a[i]));
+    if (i < n) write_x(&out[i], to_float(x[i]) + to_float(a[i]));
 }
 
 // -----------------------------------------------------------------------------
@@ -442,7 +445,7 @@ extern "C" __global__ void cross_entropy_forward_kernel(floatX* logits, float* l
     if (threadIdx.x == 0) losses[(long)k * N + n] = t >= 0 ? lse - target_logit : 0.0f;
     float scale = t >= 0 ? dscale[k] : 0.0f;
     for (int v = threadIdx.x; v < V; v += blockDim.x)
-        store(&row[v], (expf(to_float(row[v]) - lse) - (v == t ? 1.0f : 0.0f)) * scale);
+        write_x(&row[v], (expf(to_float(row[v]) - lse) - (v == t ? 1.0f : 0.0f)) * scale);
 }
 
 // sums[k] = the sum of head k's N losses, in double and in the same order every run (each
@@ -546,7 +549,7 @@ extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16
     } else {
         for (int j = 0; j < k; j++) {
             params[i0 + j] = p[j], m[i0 + j] = mi[j], v[i0 + j] = vi[j];
-            if (params16) store(&params16[i0 + j], p[j]);
+            if (params16) write_x(&params16[i0 + j], p[j]);
         }
     }
 }

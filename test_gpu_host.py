@@ -587,8 +587,7 @@ def emulated(monkeypatch):
 def test_signatures_are_read():
     assert SIGNATURES["adamw_update_kernel"] == ["ptr"] * 6 + ["long", "ptr", "ptr"] + ["float"] * 4
     assert SIGNATURES["attention_forward_bf16_kernel_64"] == ["ptr"] * 3 + ["int"] * 3 + ["float"]
-    assert all(name in KERNELS for name in SIGNATURES if not name.startswith(("decode_", "attention_decode",
-                                                                               "argmax")))
+    assert set(KERNELS) <= set(SIGNATURES)                      # every emulation has its kernel
 
 
 def test_check_passes_on_the_emulated_gpu(emulated, capsys):
