@@ -22,6 +22,7 @@ banner check | tee -a $O/summary.log
 t timeout 240 python nanoeuler_cuda.py check > $O/check.log 2>&1
 rc=$?
 grep -c " OK$" $O/check.log | sed 's/^/check OK lines: /' | tee -a $O/summary.log
+grep "\[timing\]" $O/check.log | tee -a $O/summary.log
 grep -E "NOT OK|overall|Error|error" $O/check.log | tee -a $O/summary.log
 if [ $rc -ne 0 ]; then
   tail -30 $O/check.log
