@@ -1439,31 +1439,101 @@ def cmd_train(args):
 # the residual stream, the gate/up product with the MLP norm fused in, the down
 # product reading swiglu of gate/up and adding into the residual; and 3 more
 # (embedding, heads with the final norm, argmax with the acceptance rule).
+# kernels.cu's decoding section says why each kernel splits its work as it does.
 
 DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
+DECODE_LOADS = 4                # as in kernels.cu: 16-byte weight loads in flight per lane of decode_matvec
+DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
+DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
+SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
+# decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
+# "single", one block per query head and row (attention_decode_kernel, the kernel before it,
+# kept to fall back on; head dims the split one lacks always take it)
+DECODE_ATTENTION = "split"
+# programmatic dependent launch of a step's kernels (sm_90 on; see kernels.cu): not yet run
+# on a GPU, so off; `check` compares it with plain launches bit for bit
+DECODE_PDL = False
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured here)
 
 
-def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None):
+def matvec_splits(In, Out, elems, sms):
+    """warps per output of decode_matvec (1, 2, 4 or 8), from the matrix's shape alone (so
+    each row's sum runs in the same order whatever R): enough that a lane's part of a
+    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
+    that the matrix makes at least two blocks of 8 warps per SM"""
+    chunks, splits = In // elems, 1
+    while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or Out * splits < 16 * sms):
+        splits *= 2
+    return splits
+
+
+def decode_launch(name, grid, block, pdl, *args, shared=0):
+    """gpu.launch, or with pdl through cuLaunchKernelEx with programmatic stream
+    serialization: the kernel may start while the one before it still runs (each decode
+    kernel waits for it in decode_wait before it reads what it wrote)"""
+    if not pdl:
+        return gpu.launch(name, grid, block, *args, shared=shared)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid if isinstance(grid, tuple) else (grid, 1, 1)
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = shared, gpu.stream
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs, config.numAttrs = [attr], 1
+    gpu.last_kernel = name
+    with gpu.timed(name):
+        check(cu.cuLaunchKernelEx(config, gpu.function(name), ctypes.addressof(params), 0),
+              f"launching {name} (programmatic dependent launch; DECODE_PDL = False turns it off)")
+
+
+def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None, splits=None,
+                  pdl=False):
     """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
-    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16)"""
+    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16); splits: matvec_splits
+    of (In, Out) unless given"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
-    gpu.launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8), 256, P(out), P(x), P(w), P(norm_w), I(R),
-               I(In), I(Out), I(ld_out or Out), I(int(accumulate)))
+    splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
+    decode_launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8 // splits), 256, pdl, P(out), P(x), P(w),
+                  P(norm_w), I(R), I(In), I(Out), I(ld_out or Out), I(int(accumulate)), I(splits))
 
 
-def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D):
-    """and rope, and the cache write of the R rows' keys and values (see the kernel)"""
-    warps = 8
-    gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
-               P(sin), P(pos), I(Hq), I(Hkv), I(D), F(1 / math.sqrt(D)), shared=4 * (D + 2 * warps + warps * D))
+def attention_kernel(D, attention=None):
+    """"split" or "single": the attention kernel decoding runs at head dim D"""
+    attention = attention or DECODE_ATTENTION
+    if attention not in ("split", "single"):
+        raise NanoEulerError(f"DECODE_ATTENTION is {attention!r}; it must be 'split' or 'single'")
+    return "split" if attention == "split" and D in SPLIT_HEAD_DIMS else "single"
 
 
-def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads):
-    gpu.launch("argmax_accept_kernel", 1, 1024, P(ids), P(pos), P(counter), P(ring), P(amax), P(logits), I(V), I(R),
-               I(n_heads), I(RING))
+def split_scratch(cfg):
+    """(floats of partial records, ints of counts) the split attention needs for up to T rows"""
+    blocks = cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS)
+    return cfg.T * blocks * ceil_div(cfg.T, DECODE_CHUNK) * DECODE_HEADS * (cfg.D + 2), cfg.T * blocks
+
+
+def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
+                     pdl=False):
+    """and rope, and the cache write of the R rows' keys and values (see the kernels); keys: the
+    most keys a row of the pass can see (T in a step, n in a prefill); scratch: (partial, count)
+    for the split kernel (split_scratch; count zeroed once)"""
+    scale = F(1 / math.sqrt(D))
+    if kernel == "single":                     # launched plainly: it has no decode_wait
+        warps = 8
+        gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
+                   P(sin), P(pos), I(Hq), I(Hkv), I(D), scale, shared=4 * (D + 2 * warps + warps * D))
+        return
+    grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
+    decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, P(y), P(scratch[0]), P(scratch[1]),
+                  P(k_cache), P(v_cache), P(qkv), P(cos), P(sin), P(pos), I(Hq), I(Hkv), scale)
+
+
+def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
+    decode_launch("argmax_accept_kernel", 1, 1024, pdl, P(ids), P(pos), P(counter), P(ring), P(amax), P(logits),
+                  I(V), I(R), I(n_heads), I(RING))
 
 
 class HostRing:
@@ -1494,12 +1564,16 @@ def decode_check_sizes(cfg):
 
 
 class GPUDecoder:
-    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above)"""
+    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
+    attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
+    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only)"""
 
-    def __init__(self, cfg, flat, precision="bf16"):
+    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None):
         decode_check_sizes(cfg)
         init_gpu(precision)
         self.cfg, self.precision = cfg, precision
+        self.attention = attention_kernel(cfg.D, attention)
+        self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
         C, D, F_, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
         QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
         n = num_params(cfg)
@@ -1513,10 +1587,14 @@ class GPUDecoder:
             for name, w16 in self.weights.items():
                 self.params[name].bf16 = w16                           # prefill's cuBLAS products read them
         self.heads = self.weights["heads.0"].view(0, (cfg.K * V, C))   # heads 0..K-1 lie one after another
+        # head 0's sums in the order of a one-head product whatever n_heads: plain == speculative
+        self.head_splits = matvec_splits(C, V, 8 if precision == "bf16" else 4, gpu.sms)
         cos, sin = ne.rope_table(T, D, 0, np.float32)
         self.cos, self.sin = to_gpu(cos), to_gpu(sin)
         self.k_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
         self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        partial, count = split_scratch(cfg)
+        self.split = (DeviceArray((partial,)), DeviceArray((count,), np.int32).zero())   # counts reset themselves
         # the prefill's activations (T rows) and the step's (R rows)
         self.p_ids, self.p_x, self.p_h = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
         self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
@@ -1531,34 +1609,38 @@ class GPUDecoder:
         self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
         self.graphs = {}                                               # (R, n_heads) -> executable graph
 
-    def layers(self, x, R, pos, scratch):
+    def attend(self, l, y, qkv, R, keys, pdl=False):
+        """attention of layer l over R rows of qkv at *pos (and their cache write) into y"""
+        cfg = self.cfg
+        attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, R, cfg.Hq, cfg.Hkv,
+                         cfg.D, keys, self.attention, self.split, pdl)
+
+    def layers(self, x, R):
         """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
-        cfg, w = self.cfg, self.weights
-        C, D, F_ = cfg.C, cfg.D, cfg.F
-        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
-        qkv, y, gu = scratch
+        cfg, w, pdl = self.cfg, self.weights, self.pdl
+        C, F_, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
         for l in range(cfg.L):
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
-            decode_matvec(qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm")
-            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, pos, R, cfg.Hq, cfg.Hkv,
-                             D)
-            decode_matvec(x, y, lw("wo"), None, R, HD, C, accumulate=True)
-            decode_matvec(gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm")
-            decode_matvec(x, gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True)
+            decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl)
+            self.attend(l, self.y, self.qkv, R, cfg.T, pdl)
+            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl)
+            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm", pdl=pdl)
+            decode_matvec(x, self.gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True, pdl=pdl)
 
-    def tail(self, x, R, n_heads):
+    def tail(self, x, R, n_heads, pdl=False):
         """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
         cfg = self.cfg
-        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm")
-        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads)
+        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm",
+                      splits=self.head_splits, pdl=pdl)
+        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads, pdl)
         self.passes += 1
 
     def step(self, R, n_heads):
         """one decoding pass over the R fed ids at *pos (see the kernels)"""
         embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
-        self.layers(self.x, R, self.pos, (self.qkv, self.y, self.gu))
-        self.tail(self.x, R, n_heads)
+        self.layers(self.x, R)
+        self.tail(self.x, R, n_heads, self.pdl)
 
     def launch_step(self, R, n_heads):
         """step() replayed from its CUDA graph (captured on first use); -> its ring entry"""
@@ -1598,8 +1680,7 @@ class GPUDecoder:
             w = lambda name: p[f"layers.{l}.{name}"]
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
             matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
-            attention_decode(self.p_y, self.k_cache[l], self.v_cache[l], self.p_qkv, self.cos, self.sin, self.pos,
-                             n, cfg.Hq, cfg.Hkv, D)
+            self.attend(l, self.p_y, self.p_qkv, n, n)
             matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
