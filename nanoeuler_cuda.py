@@ -995,53 +995,86 @@ def margin_model(cfg, rng):
     return flat.astype(np.float32)
 
 
-def check_decoding(rng, report, precision):
-    """prefill + steps against nanoeuler.model_forward with a KV cache; speculative == plain greedy"""
-    cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
-    flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
-    flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
-    ref_flat = bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64)
-    params, V = ne.carve(ref_flat, cfg), cfg.V
-    dec = GPUDecoder(cfg, flat, precision)
-    kv = ne.new_kv_cache(cfg, 1, np.float64)
-    ids = rng.integers(0, V, 24).tolist()
-    what = f"decode {precision}"
-    dec.wait(dec.prefill(ids[:12], 1))
-    ref = ne.model_forward(params, cfg, np.array([ids[:12]]), pos=0, kv=kv)[0][0, -1]
-    report(f"{what} prefill (12 tokens) logits", rel_diff(dec.logits.view(0, (V,)).download(), ref))
-    singles = []
-    for pos in range(12, 16):                                  # four one-token steps
+def check_decode_logits(report, what, cfg, flat, params, precision, ids, n0, attention=None, pdl=None):
+    """GPUDecoder's logits after a prefill of ids[:n0], one-token steps at n0..n0+3 and a
+    3-row pass after them, against nanoeuler.model_forward with a KV cache (params: the
+    float64 model); and a 3-row pass over n0..n0+2 == those one-token steps, bit for bit.
+    -> every logit read, in order"""
+    dec, kv, V = GPUDecoder(cfg, flat, precision, attention, pdl), ne.new_kv_cache(cfg, 1, np.float64), cfg.V
+
+    def compare(name, feed, pos, R):
+        seen.append(dec.logits.view(0, (R, V)).download())
+        ref = ne.model_forward(params, cfg, np.array([feed]), pos=pos, kv=kv)[0][0, -R:]
+        report(f"{what} {name} logits", rel_diff(seen[-1], ref))
+
+    seen = []
+    dec.wait(dec.prefill(ids[:n0], 1))
+    compare(f"prefill ({n0} tokens)", ids[:n0], 0, 1)
+    for pos in range(n0, n0 + 4):                              # four one-token steps
         dec.set_feed([ids[pos]], pos)
         dec.wait(dec.launch_step(1, 1))
-        singles.append(dec.logits.view(0, (V,)).download())
-        ref = ne.model_forward(params, cfg, np.array([ids[pos:pos + 1]]), pos=pos, kv=kv)[0][0, -1]
-        report(f"{what} step at {pos} logits", rel_diff(singles[-1], ref))
-    dec.set_feed(ids[16:19], 16)                               # a pass over three rows (a verifying pass)
+        compare(f"step at {pos}", ids[pos:pos + 1], pos, 1)
+    dec.set_feed(ids[n0 + 4:n0 + 7], n0 + 4)                   # a pass over three rows (a verifying pass)
     dec.wait(dec.launch_step(3, 1))
-    rows = dec.logits.view(0, (3, V)).download()
-    ref = ne.model_forward(params, cfg, np.array([ids[16:19]]), pos=16, kv=kv)[0][0]
-    report(f"{what} 3-row pass at 16 logits", rel_diff(rows, ref))
-    dec.set_feed(ids[12:15], 12)                               # rows of a pass == one-row steps, bit for bit
+    compare(f"3-row pass at {n0 + 4}", ids[n0 + 4:n0 + 7], n0 + 4, 3)
+    dec.set_feed(ids[n0:n0 + 3], n0)                           # rows of a pass == one-row steps, bit for bit
     dec.wait(dec.launch_step(3, 1))
-    report(f"{what} 3-row pass == 1-row steps", float(np.any(dec.logits.view(0, (3, V)).download() != singles[:3])))
-    # greedy: speculative == plain, over several window slides, on a model with clear margins
+    seen.append(dec.logits.view(0, (3, V)).download())
+    report(f"{what} 3-row pass == 1-row steps", float(np.any(seen[-1] != np.concatenate(seen[1:4]))))
+    return seen
+
+
+def check_decoding(rng, report, precision):
+    """check_decode_logits with the attention kernel in use and the other one, on a model
+    whose rows see one chunk of keys and on one (D = 64 as the big model's, G = 8 query
+    heads per kv head: two blocks each) whose rows see up to three, the 3-row pass
+    straddling a chunk's end; on sm_90 the step's kernels with programmatic dependent
+    launch give the bits of plain launches; then check_speculative"""
+    cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
+    wide = Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
+    other = "single" if attention_kernel(cfg.D) == "split" else "split"
+    for c, n0 in ((cfg, 12), (wide, 126)):
+        flat = ne.init_params(c, seed=int(rng.integers(1 << 30)))
+        flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
+        params = ne.carve(bf16_matrices(flat, c) if precision == "bf16" else flat.astype(np.float64), c)
+        ids = rng.integers(0, c.V, n0 + 8).tolist()
+        what = f"decode {precision}" + (f" D={c.D} G={c.Hq // c.Hkv}" if c is wide else "")
+        seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)
+        check_decode_logits(report, f"{what} {other}", c, flat, params, precision, ids, n0, attention=other)
+        if int(gpu.arch) >= 90:
+            try:
+                pdl = check_decode_logits(lambda *_: None, what, c, flat, params, precision, ids, n0, pdl=True)
+                same = all(np.array_equal(a, b) for a, b in zip(seen, pdl))
+            except NanoEulerError as e:
+                print(f"  programmatic dependent launch failed: {e}")
+                same = False
+            report(f"{what} PDL launches == plain (bits)", float(not same))
+        if c is cfg:
+            check_speculative(report, precision, cfg, flat, ids[:5])
+
+
+def check_speculative(report, precision, cfg, flat, prompt):
+    """greedy speculative == plain == nanoeuler.py over several window slides on a model with
+    clear margins, == plain on the random model (flat) too; sampling as nanoeuler.py's"""
+    what = f"decode {precision}"
     mcfg = Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=20, F=48, K=4)
     mflat = margin_model(mcfg, np.random.default_rng(7))
     mdec, mparams = GPUDecoder(mcfg, mflat, precision), ne.carve(mflat.astype(np.float64), mcfg)
-    for prompt in ([1], [3, 5, 7], [i % mcfg.V for i in range(mcfg.T + 5)]):
-        plain = list(generate(mdec, mcfg, prompt, 3 * mcfg.T, temperature=0))
-        cpu = list(ne.generate(mparams, mcfg, prompt, 3 * mcfg.T, temperature=0))
-        report(f"{what} greedy == nanoeuler.py, {len(prompt)}-token prompt", float(plain != cpu))
+    for start in ([1], [3, 5, 7], [i % mcfg.V for i in range(mcfg.T + 5)]):
+        plain = list(generate(mdec, mcfg, start, 3 * mcfg.T, temperature=0))
+        cpu = list(ne.generate(mparams, mcfg, start, 3 * mcfg.T, temperature=0))
+        report(f"{what} greedy == nanoeuler.py, {len(start)}-token prompt", float(plain != cpu))
         for drafts in (None, 1, 2):
             stats = {}
-            spec = list(generate(mdec, mcfg, prompt, 3 * mcfg.T, temperature=0, speculative=True, stats=stats,
+            spec = list(generate(mdec, mcfg, start, 3 * mcfg.T, temperature=0, speculative=True, stats=stats,
                                  drafts=drafts))
             report(f"{what} speculative ({drafts or mcfg.K - 1} drafts) == plain", float(spec != plain))
             report(f"{what}   tokens per pass {stats['tokens'] / stats['steps']:.2f} > 1.3",
                    float(stats["tokens"] / stats["steps"] <= 1.3))
     # the random model too: bits equal, whatever the margins (rows are computed alike)
-    plain = list(generate(dec, cfg, ids[:5], 3 * cfg.T, temperature=0))
-    spec = list(generate(dec, cfg, ids[:5], 3 * cfg.T, temperature=0, speculative=True))
+    dec = GPUDecoder(cfg, flat, precision)
+    plain = list(generate(dec, cfg, prompt, 3 * cfg.T, temperature=0))
+    spec = list(generate(dec, cfg, prompt, 3 * cfg.T, temperature=0, speculative=True))
     report(f"{what} random model: speculative == plain", float(spec != plain))
     if precision == "fp32":                                    # sampling: the host's path, same seed as the CPU
         got = list(generate(mdec, mcfg, [3, 5], 2 * mcfg.T, temperature=1.5, seed=3, speculative=True, drafts=2))
