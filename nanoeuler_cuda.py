@@ -1932,9 +1932,8 @@ def cmd_bench(args):
 BENCH_PROMPT = "ROMEO:\nWhat say you"
 
 
-def profile_decoding(dec, prompt, replays=100):
-    """GPU time of a plain step (one row) replayed from its graph, and by kernel when launched one by one"""
-    dec.wait(dec.prefill(prompt, 1))
+def replay_time(dec, replays):
+    """microseconds of GPU time per replay of the plain step's graph, replayed `replays` times from *pos"""
     dec.wait(dec.launch_step(1, 1))                     # captured now if it was not yet
     a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
     check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
@@ -1944,6 +1943,23 @@ def profile_decoding(dec, prompt, replays=100):
     gpu.sync()
     dec.passes += replays                               # the replays' accept kernels counted too
     us = check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") * 1e3 / replays
+    for e in (a, b):
+        cu.cuEventDestroy(e)
+    return us
+
+
+def profile_decoding(dec, prompt, replays=100):
+    """GPU time of a plain step (one row) replayed from its graph, after the prompt and with
+    the cache nearly full (attention's share grows with the keys); by kernel when launched
+    one by one"""
+    T = dec.cfg.T
+    dec.wait(dec.prefill(prompt, 1))
+    us = replay_time(dec, replays)
+    if T > len(prompt) + replays + 2:                   # a prompt that leaves room for the replays, no more
+        late = (prompt * T)[:T - replays - 2]
+        dec.wait(dec.prefill(late, 1))
+        print(f"  one step at positions {len(late) + 1}..{len(late) + replays}: {replay_time(dec, replays):.1f} us of GPU "
+              f"time replayed from its graph")
     dec.wait(dec.prefill(prompt, 1))
     gpu.profile = []
     dec.step(1, 1)
@@ -1956,11 +1972,54 @@ def profile_decoding(dec, prompt, replays=100):
         print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
 
 
+def time_generate(dec, cfg, prompt, n, speculative=False, drafts=None):
+    """-> (tokens, seconds, stats) of greedy generate, the median of 3 runs after a warm-up"""
+    times = []
+    for _ in range(4):
+        stats = {}
+        gpu.sync()
+        t0 = time.perf_counter()
+        out = list(generate(dec, cfg, prompt, n, temperature=0, speculative=speculative, stats=stats, drafts=drafts))
+        times.append(time.perf_counter() - t0)
+    return out, float(np.median(times[1:])), stats
+
+
+def print_speeds(dec, cfg, prompt, n, drafts_list, what=""):
+    """plain and speculative tokens/s of dec -> plain's (tokens, seconds)"""
+    plain, dt, _ = time_generate(dec, cfg, prompt, n)
+    print(f"  {'plain KV cache' + what:<32} {len(plain) / dt:8,.0f} tok/s  ({dt * 1e3 / len(plain):.3f} ms/token)")
+    for drafts in drafts_list:
+        spec, dt_s, stats = time_generate(dec, cfg, prompt, n, True, drafts)
+        same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(plain))
+        default = " (default)" if drafts == DEFAULT_DRAFTS else ""
+        name = f"speculative, {drafts} draft" + "s" * (drafts > 1) + default + what
+        print(f"  {name:<32} {len(spec) / dt_s:8,.0f} tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, "
+              f"{dt / dt_s:.2f}x plain, same as plain for {same} of {len(plain)} tokens")
+    return plain, dt
+
+
+def bench_variants(cfg, flat, precision, prompt, n, plain):
+    """the other attention kernel, and PDL launches (sm_90 on), plain and with the default drafts"""
+    other = "single" if attention_kernel(cfg.D) == "split" else "split"
+    variants = [(f", {other} attention", dict(attention=other))]
+    if int(gpu.arch) >= 90:
+        variants.append((", PDL launches", dict(pdl=True)))
+    for what, kwargs in variants:
+        try:
+            dec = GPUDecoder(cfg, flat, precision, **kwargs)
+            got, _ = print_speeds(dec, cfg, prompt, n, [DEFAULT_DRAFTS], what)
+        except NanoEulerError as e:
+            print(f"  {what[2:]}: {e}")
+            continue
+        same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), len(plain))
+        print(f"    ({what[2:]}: the same tokens as the default kernels for {same} of {len(plain)})")
+
+
 def bench_decoding(args):
     """batch-1 decoding: plain greedy and speculative tokens/s (the median of 3 runs of
     --max-new-tokens after a warm-up, BENCH_PROMPT's first 16 tokens at most, the window
     sliding past T as it must), prefill of a 500-token prompt, on --model or on random
-    weights of the preset"""
+    weights of the preset; --decode-variants: also the other attention kernel and PDL"""
     if args.model:
         cfg, flat, tok = ne.load_model(args.model)
         prompt, what = tok.encode(BENCH_PROMPT)[:16], args.model
@@ -1972,28 +2031,11 @@ def bench_decoding(args):
     for precision in args.decode_precision.split(","):
         dec = GPUDecoder(cfg, flat, precision)
         print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
-              f"{n} new tokens (median of 3 after a warm-up), {what}")
-
-        def timed(speculative, drafts):
-            times = []
-            for _ in range(4):
-                stats = {}
-                gpu.sync()
-                t0 = time.perf_counter()
-                out = list(generate(dec, cfg, prompt, n, temperature=0, speculative=speculative, stats=stats,
-                                    drafts=drafts))
-                times.append(time.perf_counter() - t0)
-            return out, float(np.median(times[1:])), stats
-
-        plain, dt, _ = timed(False, None)
-        print(f"  {'plain KV cache':<26} {len(plain) / dt:8,.0f} tok/s  ({dt * 1e3 / len(plain):.3f} ms/token)")
-        for drafts in range(1, min(cfg.K, max_rows(cfg))):
-            spec, dt_s, stats = timed(True, drafts)
-            same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(plain))
-            default = " (default)" if drafts == DEFAULT_DRAFTS else ""
-            print(f"  {f'speculative, {drafts} draft' + 's' * (drafts > 1) + default:<26} {len(spec) / dt_s:8,.0f} "
-                  f"tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, {dt / dt_s:.2f}x plain, "
-                  f"same as plain for {same} of {len(plain)} tokens")
+              f"{n} new tokens (median of 3 after a warm-up), {what}; {dec.attention} attention"
+              f"{', PDL launches' if dec.pdl else ''}")
+        plain, _ = print_speeds(dec, cfg, prompt, n, range(1, min(cfg.K, max_rows(cfg))))
+        if args.decode_variants:
+            bench_variants(cfg, flat, precision, prompt, n, plain)
         if args.profile:
             profile_decoding(dec, prompt)
         long = (prompt * (500 // len(prompt) + 1))[:min(500, cfg.T)]
@@ -2047,6 +2089,8 @@ def build_parser():
     sp.add_argument("--max-new-tokens", type=ne.positive_int, default=500, help="decoding: tokens to generate")
     sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
     sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
+    sp.add_argument("--decode-variants", action="store_true",
+                    help="decoding: also time the other attention kernel and programmatic dependent launch")
     add_gpus_flags(sp)
     sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=ne.nonnegative_float, default=0.1, help=argparse.SUPPRESS)
