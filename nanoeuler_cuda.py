@@ -1706,7 +1706,7 @@ class GPUDecoder:
         gpu.precision = self.precision                                 # cuBLAS's, for this decoder
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
-        self.pos.upload(np.zeros(1, np.int32))
+        self.pos.zero()                                                # a memset: no wait for the GPU
         x = self.p_x
         embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
         for l in range(cfg.L):
@@ -1721,7 +1721,7 @@ class GPUDecoder:
             swiglu_forward(self.p_s, self.p_gu, n, F_)
             matmul(self.p_tmp, self.p_s, w("w_down"), n, C, F_, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
-        self.pos.upload(np.array([n - 1], np.int32))                   # the tail's row; accept moves it to n
+        self.pos.fill_bits(n - 1)                                      # the tail's row; accept moves it to n
         self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
         return self.record()
 
@@ -1734,7 +1734,7 @@ class GPUDecoder:
     def set_feed(self, ids, pos):
         """sampling: the host's choice of the next feed and position, in place of the argmax's"""
         self.ids.view(0, (len(ids),)).upload(np.asarray(ids, np.int32))
-        self.pos.upload(np.array([pos], np.int32))
+        self.pos.fill_bits(pos)
 
 
 def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
