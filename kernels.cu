@@ -675,15 +675,16 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
 // *pos + r in row r's block writes it and its value into the cache (no block reads the
 // cache there in this pass). Every sum runs in an order fixed by D, G, the row's position
 // and the chunk: rows computed in one pass have the bits of rows computed one pass each.
-// A prefill is a pass of all its rows with *pos = 0.
-// block 256; grid = (Hkv * ceil(G / DECODE_HEADS), R, at least ceil((*pos + R) / DECODE_CHUNK)
-// (blocks past a row's keys return)); D = 8, 16, 32, 64 or 128 (the entry points);
-// partial: R * gridDim.x * gridDim.z records of DECODE_HEADS * (D + 2) floats; count:
-// R * gridDim.x ints, 0 before the first launch
+// A prefill is a pass of all its rows with *pos = 0, launched over slices of its rows: the
+// launch takes rows row0 .. row0 + gridDim.y - 1 of the pass (row0 = 0 in a step).
+// block 256; grid = (Hkv * ceil(G / DECODE_HEADS), rows, at least ceil((*pos + row0 + rows) /
+// DECODE_CHUNK) (blocks past a row's keys return)); D = 8, 16, 32, 64 or 128 (the entry
+// points); partial: rows * gridDim.x * gridDim.z records of DECODE_HEADS * (D + 2) floats;
+// count: rows * gridDim.x ints, 0 before the first launch
 template <int D>
 __device__ void attention_decode_split(float* y, float* partial, int* count, float* k_cache, float* v_cache,
-                                       const float* qkv, const float* cos, const float* sin, const int* pos, int Hq,
-                                       int Hkv, float scale) {
+                                       const float* qkv, const float* cos, const float* sin, const int* pos, int row0,
+                                       int Hq, int Hkv, float scale) {
     constexpr int S = D / 4, HALF = D / 2, KEYS = 256 / S, SWEEPS = (DECODE_CHUNK + KEYS - 1) / KEYS;
     constexpr int REC = DECODE_HEADS * (D + 2);                    // a record: acc (heads x D), m, l (heads)
     __shared__ float sh_m[8][DECODE_HEADS], sh_l[8][DECODE_HEADS];
@@ -691,7 +692,7 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
     __shared__ int sh_last;
     int G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS, group = blockIdx.x % groups;
     int kvh = blockIdx.x / groups, h0 = kvh * G + group * DECODE_HEADS, nh = min(DECODE_HEADS, G - group * DECODE_HEADS);
-    int r = blockIdx.y, first = blockIdx.z * DECODE_CHUNK, H = Hq + 2 * Hkv;
+    int b = blockIdx.y, r = row0 + b, first = blockIdx.z * DECODE_CHUNK, H = Hq + 2 * Hkv;   // b: row in the launch
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, s = tid % S, jj = tid / S;
     bool lo = s < S / 2;                                           // elements 4s.. are in the first half
     int other = 4 * (s ^ (S / 2)), pair = 4 * (s % (S / 2));       // the other half's 4; rope's pair index
@@ -793,7 +794,7 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
         if (lane == 0) sh_l[warp][g] = l[g];
     }
     __syncthreads();
-    float* rec = partial + (((long)r * gridDim.x + blockIdx.x) * gridDim.z + blockIdx.z) * REC;
+    float* rec = partial + (((long)b * gridDim.x + blockIdx.x) * gridDim.z + blockIdx.z) * REC;
     for (int e = tid; e < nh * D; e += blockDim.x) {               // over the warps, in order
         int g = e / D, d = e % D;
         float a = 0.0f, den = 0.0f, mg = sh_m[0][g];
@@ -810,13 +811,13 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
     __threadfence();                                               // the record, before the count
     __syncthreads();
     if (tid == 0) {
-        sh_last = atomicAdd(count + r * gridDim.x + blockIdx.x, 1) == chunks - 1;
+        sh_last = atomicAdd(count + b * gridDim.x + blockIdx.x, 1) == chunks - 1;
         __threadfence();                                           // the count, before the records
     }
     __syncthreads();
     if (!sh_last) return;
-    if (tid == 0) count[r * gridDim.x + blockIdx.x] = 0;
-    const float* recs = partial + ((long)r * gridDim.x + blockIdx.x) * gridDim.z * REC;
+    if (tid == 0) count[b * gridDim.x + blockIdx.x] = 0;
+    const float* recs = partial + ((long)b * gridDim.x + blockIdx.x) * gridDim.z * REC;
     for (int e = tid; e < nh * D; e += blockDim.x) {               // the chunks, in order (__ldcg: from L2)
         int g = e / D, d = e % D;
         float M = -INFINITY, num = 0.0f, den = 0.0f;
@@ -834,28 +835,28 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
 // the entry points, one per head dim, written out
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_8(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int Hq, int Hkv, float scale) {
-    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_16(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int Hq, int Hkv, float scale) {
-    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_32(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int Hq, int Hkv, float scale) {
-    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_64(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int Hq, int Hkv, float scale) {
-    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_128(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int Hq, int Hkv, float scale) {
-    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 
 // the argmax of every row of logits (R * n_heads, V) (the first index on ties, as np.argmax)

@@ -1479,6 +1479,7 @@ DECODE_LOADS = 4                # as in kernels.cu: 16-byte weight loads in flig
 DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
 DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
 SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
+DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split attention (its scratch grows with them)
 # decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
 # "single", one block per query head and row (attention_decode_kernel, the kernel before it,
 # kept to fall back on; head dims the split one lacks always take it)
@@ -1543,16 +1544,18 @@ def attention_kernel(D, attention=None):
 
 
 def split_scratch(cfg):
-    """(floats of partial records, ints of counts) the split attention needs for up to T rows"""
-    blocks = cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS)
-    return cfg.T * blocks * ceil_div(cfg.T, DECODE_CHUNK) * DECODE_HEADS * (cfg.D + 2), cfg.T * blocks
+    """(floats of partial records, ints of counts) the split attention needs: a record per
+    (row, block, chunk of keys), a count per (row, block), for the rows of one launch"""
+    rows, blocks = min(cfg.T, DECODE_PREFILL_ROWS), cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS)
+    return rows * blocks * ceil_div(cfg.T, DECODE_CHUNK) * DECODE_HEADS * (cfg.D + 2), rows * blocks
 
 
 def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
-                     pdl=False):
+                     pdl=False, row0=0):
     """and rope, and the cache write of the R rows' keys and values (see the kernels); keys: the
-    most keys a row of the pass can see (T in a step, n in a prefill); scratch: (partial, count)
-    for the split kernel (split_scratch; count zeroed once)"""
+    most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
+    the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
+    (split only)"""
     scale = F(1 / math.sqrt(D))
     if kernel == "single":                     # launched plainly: it has no decode_wait
         warps = 8
@@ -1561,7 +1564,7 @@ def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, key
         return
     grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
     decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, P(y), P(scratch[0]), P(scratch[1]),
-                  P(k_cache), P(v_cache), P(qkv), P(cos), P(sin), P(pos), I(Hq), I(Hkv), scale)
+                  P(k_cache), P(v_cache), P(qkv), P(cos), P(sin), P(pos), I(row0), I(Hq), I(Hkv), scale)
 
 
 def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
@@ -1642,11 +1645,15 @@ class GPUDecoder:
         self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
         self.graphs = {}                                               # (R, n_heads) -> executable graph
 
-    def attend(self, l, y, qkv, R, keys, pdl=False):
-        """attention of layer l over R rows of qkv at *pos (and their cache write) into y"""
+    def attend(self, l, y, qkv, R, prefill=False, pdl=False):
+        """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
+        prefill's rows DECODE_PREFILL_ROWS at a time (the split kernel's scratch)"""
         cfg = self.cfg
-        attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, R, cfg.Hq, cfg.Hkv,
-                         cfg.D, keys, self.attention, self.split, pdl)
+        step = DECODE_PREFILL_ROWS if prefill and self.attention == "split" else R
+        for row0 in range(0, R, step):
+            rows = min(step, R - row0)
+            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, rows, cfg.Hq,
+                             cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0)
 
     def layers(self, x, R):
         """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
@@ -1656,7 +1663,7 @@ class GPUDecoder:
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
             decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl)
-            self.attend(l, self.y, self.qkv, R, cfg.T, pdl)
+            self.attend(l, self.y, self.qkv, R, pdl=pdl)
             decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl)
             decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm", pdl=pdl)
             decode_matvec(x, self.gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True, pdl=pdl)
@@ -1713,7 +1720,7 @@ class GPUDecoder:
             w = lambda name: p[f"layers.{l}.{name}"]
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
             matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
-            self.attend(l, self.p_y, self.p_qkv, n, n)
+            self.attend(l, self.p_y, self.p_qkv, n, prefill=True)
             matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)

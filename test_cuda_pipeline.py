@@ -284,6 +284,8 @@ def test_attention_kernel_and_its_scratch():
     assert nc.split_scratch(ne.PRESETS["big"]) == (512 * 4 * 8 * 4 * 66, 512 * 4)
     many = ne.Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)     # G = 8: two blocks per kv head
     assert nc.split_scratch(many) == (160 * 2 * 3 * 4 * 66, 160 * 2)
+    longest = ne.Config(V=96, C=512, Hq=8, Hkv=8, L=1, T=8192, F=176, K=2)   # a prefill launches 512 rows at most
+    assert nc.split_scratch(longest) == (512 * 8 * 128 * 4 * 66, 512 * 8)
 
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
@@ -302,26 +304,28 @@ def emulated(monkeypatch):
 
 @needs_nvrtc
 @needs_gxx
-def test_decode_kernels_on_the_cpu_emulator(emulated):
+def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
     # kernels.cu run on the CPU against nanoeuler.model_forward with a KV cache: rows that see
     # one to three chunks of keys (D = 64, 8 query heads per kv head), both attention kernels,
-    # fp32 and bf16; a 3-row pass == one-row steps; PDL launches the same bits as plain ones
+    # fp32 and bf16; a 3-row pass == one-row steps; PDL launches, and a prefill's attention
+    # launched over slices of its rows, give the same bits as plain launches of all rows
     cfg = ne.Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
     rng = np.random.default_rng(0)
     flat = ne.init_params(cfg, seed=1) + rng.normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
     ids = rng.integers(0, cfg.V, 134).tolist()
-    failed = []
-    for precision, attention, pdl in (("fp32", "split", False), ("fp32", "single", False), ("fp32", "split", True),
-                                      ("bf16", "split", False)):
+    failed, seen = [], {}
+    for precision, attention, pdl, slice_rows in (("fp32", "split", False, 512), ("fp32", "single", False, 512),
+                                                  ("fp32", "split", True, 512), ("fp32", "split", False, 48),
+                                                  ("bf16", "split", False, 512)):
+        monkeypatch.setattr(nc, "DECODE_PREFILL_ROWS", slice_rows)            # 126 rows: 48 + 48 + 30
         params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
         report = lambda what, err: failed.extend([] if err < nc.DECODE_TOLERANCE[precision] else [(what, err)])
-        seen = nc.check_decode_logits(report, f"{precision} {attention} pdl={pdl}", cfg, flat, params, precision,
-                                      ids, 126, attention, pdl)
-        if pdl:
-            assert all(np.array_equal(a, b) for a, b in zip(seen, plain))
-        elif precision == "fp32" and attention == "split":
-            plain = seen
+        what = f"{precision} {attention} pdl={pdl} slices of {slice_rows}"
+        seen[what] = nc.check_decode_logits(report, what, cfg, flat, params, precision, ids, 126, attention, pdl)
     assert not failed, failed
+    plain = seen["fp32 split pdl=False slices of 512"]
+    for what in ("fp32 split pdl=True slices of 512", "fp32 split pdl=False slices of 48"):
+        assert all(np.array_equal(a, b) for a, b in zip(seen[what], plain)), what
     assert emulated.programmatic > 0
 
 
