@@ -24,7 +24,8 @@ are fp32 in every mode; in bf16 mode each matmul input (and attention's qkv
 and dy) also has a bf16 twin, which the kernel that makes it writes alongside:
 only the weights take a rounding pass of their own.
 
-No kernel uses atomics, so a run is the same bits every time.
+No sum uses atomics (decoding's split attention counts its finished blocks
+with one, then adds their parts in a fixed order), so a run is the same bits every time.
 Decoding (sample, chat) keeps a KV cache and replays each step from a CUDA graph
 (the decoding section). What training leaves out, for now: CUDA graphs.
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
