@@ -3,8 +3,8 @@ Runs kernels.cu on the CPU, to check the kernels' logic (indices, masks, the ord
 of sums, graph capture bookkeeping) on a machine without a GPU. Not part of
 NanoEuler: nothing imports it but the tests.
 
-    python tools/emulate_cuda.py               # nanoeuler_cuda.check_decoding, fp32 and bf16
-    python tools/emulate_cuda.py --fast        # check_decode_logits only (what the CI test runs)
+    python tools/emulate_cuda.py               # nanoeuler_cuda.check_decoding, fp32 and bf16 (~5 min)
+    python tools/emulate_cuda.py --fast        # check_decode_logits on rows of up to 3 chunks (~5 s)
 
 How: kernels.cu is compiled as C++ with g++ against a small header (EMULATOR
 below) in which every CUDA thread of a block is a fiber; blocks run one after
