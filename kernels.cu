@@ -410,6 +410,19 @@ __device__ __forceinline__ float matvec_rstd(const float* in, int In, int r, int
     return 1.0f / sqrtf(warp_sum(ss) / In + 1e-5f);
 }
 
+// Asks L2 for `bytes` bytes from p, spread over the grid's threads, 128 bytes each: the
+// weights of the next product (nanoeuler_cuda.DECODE_PREFETCH), so that they stream in from
+// memory while this kernel finishes and the next one launches. A hint: no result depends on it.
+__device__ __forceinline__ void prefetch_l2(const char* p, long bytes) {
+    long threads = (long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+    long i = ((long)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    for (i *= 128; i < bytes; i += threads * 128) {
+#ifdef __CUDA_ARCH__
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
+#endif
+    }
+}
+
 // one round of a lane's weight loads: chunks c, c+32, .. (DECODE_LOADS of them) below c1
 __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c, int c1) {
 #pragma unroll
@@ -433,11 +446,12 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // row while the weights are on their way (the same order in every block; kept out of the
 // main loop, whose registers it would take). No kernel writes a weight, so with
 // programmatic launch the first round's loads go out before the wait for the kernel that
-// wrote `in`.
+// wrote `in`. next: the next product's weights (next_bytes of them) to prefetch into L2 once
+// this warp's own have come, or nullptr.
 // block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
-                              int ld_out, int accumulate, int splits) {
+                              int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
     __shared__ float part_sum[8][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, outputs = 8 / splits;
@@ -473,6 +487,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             }
         }
     }
+    if (next) prefetch_l2(next, next_bytes);
 #pragma unroll
     for (int r = 0; r < DECODE_MAX_ROWS; r++) {
         if (r >= R) break;
@@ -493,33 +508,33 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 // the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
 extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits) {
-    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_rmsnorm_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits) {
-    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_swiglu_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits) {
-    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_plain_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits) {
-    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_rmsnorm_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits) {
-    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_swiglu_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits) {
-    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,

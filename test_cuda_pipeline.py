@@ -314,17 +314,18 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
     flat = ne.init_params(cfg, seed=1) + rng.normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
     ids = rng.integers(0, cfg.V, 134).tolist()
     failed, seen = [], {}
-    for precision, attention, pdl, slice_rows in (("fp32", "split", False, 512), ("fp32", "single", False, 512),
-                                                  ("fp32", "split", True, 512), ("fp32", "split", False, 48),
-                                                  ("bf16", "split", False, 512)):
+    for precision, attention, extra, slice_rows in (("fp32", "split", {}, 512), ("fp32", "single", {}, 512),
+                                                    ("fp32", "split", {"pdl": True, "prefetch": True}, 512),
+                                                    ("fp32", "split", {}, 48), ("bf16", "split", {}, 512)):
         monkeypatch.setattr(nc, "DECODE_PREFILL_ROWS", slice_rows)            # 126 rows: 48 + 48 + 30
         params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
         report = lambda what, err: failed.extend([] if err < nc.DECODE_TOLERANCE[precision] else [(what, err)])
-        what = f"{precision} {attention} pdl={pdl} slices of {slice_rows}"
-        seen[what] = nc.check_decode_logits(report, what, cfg, flat, params, precision, ids, 126, attention, pdl)
+        what = f"{precision} {attention} {sorted(extra)} slices of {slice_rows}"
+        seen[what] = nc.check_decode_logits(report, what, cfg, flat, params, precision, ids, 126,
+                                            attention=attention, **extra)
     assert not failed, failed
-    plain = seen["fp32 split pdl=False slices of 512"]
-    for what in ("fp32 split pdl=True slices of 512", "fp32 split pdl=False slices of 48"):
+    plain = seen["fp32 split [] slices of 512"]
+    for what in ("fp32 split ['pdl', 'prefetch'] slices of 512", "fp32 split [] slices of 48"):
         assert all(np.array_equal(a, b) for a, b in zip(seen[what], plain)), what
     assert emulated.programmatic > 0
 
