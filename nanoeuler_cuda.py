@@ -28,7 +28,8 @@ A training step (forward, backward, gradient norm and clip, AdamW) is one
 CUDA graph, captured once and replayed; the host uploads the batch before it
 and reads the loss and gradient norm after it, and a non-finite loss or norm
 stops the update on the GPU (GRAPH_STEP, --no-graph: kernel by kernel).
-No kernel uses atomics, so a run is the same bits every time.
+No sum uses atomics (decoding's split attention counts its finished blocks
+with one, then adds their parts in a fixed order), so a run is the same bits every time.
 Decoding (sample, chat) keeps a KV cache and replays each step from a CUDA graph
 (the decoding section).
 Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
@@ -1372,53 +1373,87 @@ def margin_model(cfg, rng):
     return flat.astype(np.float32)
 
 
-def check_decoding(rng, report, precision):
-    """prefill + steps against nanoeuler.model_forward with a KV cache; speculative == plain greedy"""
-    cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
-    flat = ne.init_params(cfg, seed=int(rng.integers(1 << 30)))
-    flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
-    ref_flat = bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64)
-    params, V = ne.carve(ref_flat, cfg), cfg.V
-    dec = GPUDecoder(cfg, flat, precision)
-    kv = ne.new_kv_cache(cfg, 1, np.float64)
-    ids = rng.integers(0, V, 24).tolist()
-    what = f"decode {precision}"
-    dec.wait(dec.prefill(ids[:12], 1))
-    ref = ne.model_forward(params, cfg, np.array([ids[:12]]), pos=0, kv=kv)[0][0, -1]
-    report(f"{what} prefill (12 tokens) logits", rel_diff(dec.logits.view(0, (V,)).download(), ref))
-    singles = []
-    for pos in range(12, 16):                                  # four one-token steps
+def check_decode_logits(report, what, cfg, flat, params, precision, ids, n0, **options):
+    """GPUDecoder's logits (options: its attention, pdl, prefetch) after a prefill of ids[:n0],
+    one-token steps at n0..n0+3 and a 3-row pass after them, against nanoeuler.model_forward
+    with a KV cache (params: the float64 model); and a 3-row pass over n0..n0+2 == those
+    one-token steps, bit for bit. -> every logit read, in order"""
+    dec, kv, V = GPUDecoder(cfg, flat, precision, **options), ne.new_kv_cache(cfg, 1, np.float64), cfg.V
+
+    def compare(name, feed, pos, R):
+        seen.append(dec.logits.view(0, (R, V)).download())
+        ref = ne.model_forward(params, cfg, np.array([feed]), pos=pos, kv=kv)[0][0, -R:]
+        report(f"{what} {name} logits", rel_diff(seen[-1], ref))
+
+    seen = []
+    dec.wait(dec.prefill(ids[:n0], 1))
+    compare(f"prefill ({n0} tokens)", ids[:n0], 0, 1)
+    for pos in range(n0, n0 + 4):                              # four one-token steps
         dec.set_feed([ids[pos]], pos)
         dec.wait(dec.launch_step(1, 1))
-        singles.append(dec.logits.view(0, (V,)).download())
-        ref = ne.model_forward(params, cfg, np.array([ids[pos:pos + 1]]), pos=pos, kv=kv)[0][0, -1]
-        report(f"{what} step at {pos} logits", rel_diff(singles[-1], ref))
-    dec.set_feed(ids[16:19], 16)                               # a pass over three rows (a verifying pass)
+        compare(f"step at {pos}", ids[pos:pos + 1], pos, 1)
+    dec.set_feed(ids[n0 + 4:n0 + 7], n0 + 4)                   # a pass over three rows (a verifying pass)
     dec.wait(dec.launch_step(3, 1))
-    rows = dec.logits.view(0, (3, V)).download()
-    ref = ne.model_forward(params, cfg, np.array([ids[16:19]]), pos=16, kv=kv)[0][0]
-    report(f"{what} 3-row pass at 16 logits", rel_diff(rows, ref))
-    dec.set_feed(ids[12:15], 12)                               # rows of a pass == one-row steps, bit for bit
+    compare(f"3-row pass at {n0 + 4}", ids[n0 + 4:n0 + 7], n0 + 4, 3)
+    dec.set_feed(ids[n0:n0 + 3], n0)                           # rows of a pass == one-row steps, bit for bit
     dec.wait(dec.launch_step(3, 1))
-    report(f"{what} 3-row pass == 1-row steps", float(np.any(dec.logits.view(0, (3, V)).download() != singles[:3])))
-    # greedy: speculative == plain, over several window slides, on a model with clear margins
+    seen.append(dec.logits.view(0, (3, V)).download())
+    report(f"{what} 3-row pass == 1-row steps", float(np.any(seen[-1] != np.concatenate(seen[1:4]))))
+    return seen
+
+
+def check_decoding(rng, report, precision):
+    """check_decode_logits with the attention kernel in use and the other one, on a model
+    whose rows see one chunk of keys and on one (D = 64 as the big model's, G = 8 query
+    heads per kv head: two blocks each) whose rows see up to three, the 3-row pass
+    straddling a chunk's end; L2 prefetch, and on sm_90 the step's kernels with
+    programmatic dependent launch, give the bits of plain launches; then check_speculative"""
+    cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
+    wide = Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
+    other = "single" if attention_kernel(cfg.D) == "split" else "split"
+    for c, n0 in ((cfg, 12), (wide, 126)):
+        flat = ne.init_params(c, seed=int(rng.integers(1 << 30)))
+        flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
+        params = ne.carve(bf16_matrices(flat, c) if precision == "bf16" else flat.astype(np.float64), c)
+        ids = rng.integers(0, c.V, n0 + 8).tolist()
+        what = f"decode {precision}" + (f" D={c.D} G={c.Hq // c.Hkv}" if c is wide else "")
+        seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)
+        check_decode_logits(report, f"{what} {other}", c, flat, params, precision, ids, n0, attention=other)
+        variants = [("L2 prefetch", dict(prefetch=True))] + [("PDL launches", dict(pdl=True))] * (int(gpu.arch) >= 90)
+        for name, options in variants:
+            try:
+                got = check_decode_logits(lambda *_: None, what, c, flat, params, precision, ids, n0, **options)
+                same = all(np.array_equal(a, b) for a, b in zip(seen, got))
+            except NanoEulerError as e:
+                print(f"  {name} failed: {e}")
+                same = False
+            report(f"{what} {name} == plain (bits)", float(not same))
+        if c is cfg:
+            check_speculative(report, precision, cfg, flat, ids[:5])
+
+
+def check_speculative(report, precision, cfg, flat, prompt):
+    """greedy speculative == plain == nanoeuler.py over several window slides on a model with
+    clear margins, == plain on the random model (flat) too; sampling as nanoeuler.py's"""
+    what = f"decode {precision}"
     mcfg = Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=20, F=48, K=4)
     mflat = margin_model(mcfg, np.random.default_rng(7))
     mdec, mparams = GPUDecoder(mcfg, mflat, precision), ne.carve(mflat.astype(np.float64), mcfg)
-    for prompt in ([1], [3, 5, 7], [i % mcfg.V for i in range(mcfg.T + 5)]):
-        plain = list(generate(mdec, mcfg, prompt, 3 * mcfg.T, temperature=0))
-        cpu = list(ne.generate(mparams, mcfg, prompt, 3 * mcfg.T, temperature=0))
-        report(f"{what} greedy == nanoeuler.py, {len(prompt)}-token prompt", float(plain != cpu))
+    for start in ([1], [3, 5, 7], [i % mcfg.V for i in range(mcfg.T + 5)]):
+        plain = list(generate(mdec, mcfg, start, 3 * mcfg.T, temperature=0))
+        cpu = list(ne.generate(mparams, mcfg, start, 3 * mcfg.T, temperature=0))
+        report(f"{what} greedy == nanoeuler.py, {len(start)}-token prompt", float(plain != cpu))
         for drafts in (None, 1, 2):
             stats = {}
-            spec = list(generate(mdec, mcfg, prompt, 3 * mcfg.T, temperature=0, speculative=True, stats=stats,
+            spec = list(generate(mdec, mcfg, start, 3 * mcfg.T, temperature=0, speculative=True, stats=stats,
                                  drafts=drafts))
             report(f"{what} speculative ({drafts or mcfg.K - 1} drafts) == plain", float(spec != plain))
             report(f"{what}   tokens per pass {stats['tokens'] / stats['steps']:.2f} > 1.3",
                    float(stats["tokens"] / stats["steps"] <= 1.3))
     # the random model too: bits equal, whatever the margins (rows are computed alike)
-    plain = list(generate(dec, cfg, ids[:5], 3 * cfg.T, temperature=0))
-    spec = list(generate(dec, cfg, ids[:5], 3 * cfg.T, temperature=0, speculative=True))
+    dec = GPUDecoder(cfg, flat, precision)
+    plain = list(generate(dec, cfg, prompt, 3 * cfg.T, temperature=0))
+    spec = list(generate(dec, cfg, prompt, 3 * cfg.T, temperature=0, speculative=True))
     report(f"{what} random model: speculative == plain", float(spec != plain))
     if precision == "fp32":                                    # sampling: the host's path, same seed as the CPU
         got = list(generate(mdec, mcfg, [3, 5], 2 * mcfg.T, temperature=1.5, seed=3, speculative=True, drafts=2))
@@ -1833,31 +1868,108 @@ def cmd_train(args):
 # the residual stream, the gate/up product with the MLP norm fused in, the down
 # product reading swiglu of gate/up and adding into the residual; and 3 more
 # (embedding, heads with the final norm, argmax with the acceptance rule).
+# kernels.cu's decoding section says why each kernel splits its work as it does.
 
 DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
+DECODE_LOADS = 4                # as in kernels.cu: 16-byte weight loads in flight per lane of decode_matvec
+DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
+DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
+SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
+DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split attention (its scratch grows with them)
+# decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
+# "single", one block per query head and row (attention_decode_kernel, the kernel before it,
+# kept to fall back on; head dims the split one lacks always take it)
+DECODE_ATTENTION = "split"
+# programmatic dependent launch of a step's kernels (sm_90 on; see kernels.cu): not yet run
+# on a GPU, so off; `check` compares it with plain launches bit for bit
+DECODE_PDL = False
+# each product of a step asks L2 for the next product's weights once its own have come (a hint
+# that cannot change a result; whether it pays is for bench --decode-variants to say), so off
+DECODE_PREFETCH = False
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured here)
 
 
-def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None):
+def matvec_splits(In, Out, elems, sms):
+    """warps per output of decode_matvec (1, 2, 4 or 8), from the matrix's shape alone (so
+    each row's sum runs in the same order whatever R): enough that a lane's part of a
+    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
+    that the matrix makes at least two blocks of 8 warps per SM"""
+    chunks, splits = In // elems, 1
+    while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or Out * splits < 16 * sms):
+        splits *= 2
+    return splits
+
+
+def decode_launch(name, grid, block, pdl, *args, shared=0):
+    """gpu.launch, or with pdl through cuLaunchKernelEx with programmatic stream
+    serialization: the kernel may start while the one before it still runs (each decode
+    kernel waits for it in decode_wait before it reads what it wrote)"""
+    if not pdl:
+        return gpu.launch(name, grid, block, *args, shared=shared)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid if isinstance(grid, tuple) else (grid, 1, 1)
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = shared, gpu.stream
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs, config.numAttrs = [attr], 1
+    gpu.last_kernel = name
+    with gpu.timed(name):
+        check(cu.cuLaunchKernelEx(config, gpu.function(name), ctypes.addressof(params), 0),
+              f"launching {name} (programmatic dependent launch; DECODE_PDL = False turns it off)")
+
+
+def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None, splits=None,
+                  pdl=False, prefetch=None):
     """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
-    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16)"""
+    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16); splits: matvec_splits
+    of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
-    gpu.launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8), 256, P(out), P(x), P(w), P(norm_w), I(R),
-               I(In), I(Out), I(ld_out or Out), I(int(accumulate)))
+    splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
+    decode_launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8 // splits), 256, pdl, P(out), P(x), P(w),
+                  P(norm_w), I(R), I(In), I(Out), I(ld_out or Out), I(int(accumulate)), I(splits), P(prefetch),
+                  L(prefetch.nbytes if prefetch else 0))
 
 
-def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D):
-    """and rope, and the cache write of the R rows' keys and values (see the kernel)"""
-    warps = 8
-    gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
-               P(sin), P(pos), I(Hq), I(Hkv), I(D), F(1 / math.sqrt(D)), shared=4 * (D + 2 * warps + warps * D))
+def attention_kernel(D, attention=None):
+    """"split" or "single": the attention kernel decoding runs at head dim D"""
+    attention = attention or DECODE_ATTENTION
+    if attention not in ("split", "single"):
+        raise NanoEulerError(f"DECODE_ATTENTION is {attention!r}; it must be 'split' or 'single'")
+    return "split" if attention == "split" and D in SPLIT_HEAD_DIMS else "single"
 
 
-def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads):
-    gpu.launch("argmax_accept_kernel", 1, 1024, P(ids), P(pos), P(counter), P(ring), P(amax), P(logits), I(V), I(R),
-               I(n_heads), I(RING))
+def split_scratch(cfg):
+    """(floats of partial records, ints of counts) the split attention needs: a record per
+    (row, block, chunk of keys), a count per (row, block), for the rows of one launch"""
+    rows, blocks = min(cfg.T, DECODE_PREFILL_ROWS), cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS)
+    return rows * blocks * ceil_div(cfg.T, DECODE_CHUNK) * DECODE_HEADS * (cfg.D + 2), rows * blocks
+
+
+def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
+                     pdl=False, row0=0):
+    """and rope, and the cache write of the R rows' keys and values (see the kernels); keys: the
+    most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
+    the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
+    (split only)"""
+    scale = F(1 / math.sqrt(D))
+    if kernel == "single":                     # launched plainly: it has no decode_wait
+        warps = 8
+        gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
+                   P(sin), P(pos), I(Hq), I(Hkv), I(D), scale, shared=4 * (D + 2 * warps + warps * D))
+        return
+    grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
+    decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, P(y), P(scratch[0]), P(scratch[1]),
+                  P(k_cache), P(v_cache), P(qkv), P(cos), P(sin), P(pos), I(row0), I(Hq), I(Hkv), scale)
+
+
+def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
+    decode_launch("argmax_accept_kernel", 1, 1024, pdl, P(ids), P(pos), P(counter), P(ring), P(amax), P(logits),
+                  I(V), I(R), I(n_heads), I(RING))
 
 
 class HostRing:
@@ -1888,12 +2000,18 @@ def decode_check_sizes(cfg):
 
 
 class GPUDecoder:
-    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above)"""
+    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
+    attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
+    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only), prefetch:
+    each product prefetches the next one's weights into L2 (default DECODE_PREFETCH)"""
 
-    def __init__(self, cfg, flat, precision="bf16"):
+    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, prefetch=None):
         decode_check_sizes(cfg)
         init_gpu(precision)
         self.cfg, self.precision = cfg, precision
+        self.attention = attention_kernel(cfg.D, attention)
+        self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
+        self.prefetch = bool(DECODE_PREFETCH if prefetch is None else prefetch)
         C, D, F_, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
         QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
         n = num_params(cfg)
@@ -1907,10 +2025,14 @@ class GPUDecoder:
             for name, w16 in self.weights.items():
                 self.params[name].bf16 = w16                           # prefill's cuBLAS products read them
         self.heads = self.weights["heads.0"].view(0, (cfg.K * V, C))   # heads 0..K-1 lie one after another
+        # head 0's sums in the order of a one-head product whatever n_heads: plain == speculative
+        self.head_splits = matvec_splits(C, V, 8 if precision == "bf16" else 4, gpu.sms)
         cos, sin = ne.rope_table(T, D, 0, np.float32)
         self.cos, self.sin = to_gpu(cos), to_gpu(sin)
         self.k_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
         self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        partial, count = split_scratch(cfg)
+        self.split = (DeviceArray((partial,)), DeviceArray((count,), np.int32).zero())   # counts reset themselves
         # the prefill's activations (T rows) and the step's (R rows)
         self.p_ids, self.p_x, self.p_h = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
         self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
@@ -1925,34 +2047,49 @@ class GPUDecoder:
         self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
         self.graphs = {}                                               # (R, n_heads) -> executable graph
 
-    def layers(self, x, R, pos, scratch):
-        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
-        cfg, w = self.cfg, self.weights
-        C, D, F_ = cfg.C, cfg.D, cfg.F
-        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
-        qkv, y, gu = scratch
+    def attend(self, l, y, qkv, R, prefill=False, pdl=False):
+        """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
+        prefill's rows DECODE_PREFILL_ROWS at a time (the split kernel's scratch)"""
+        cfg = self.cfg
+        step = DECODE_PREFILL_ROWS if prefill and self.attention == "split" else R
+        for row0 in range(0, R, step):
+            rows = min(step, R - row0)
+            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, rows, cfg.Hq,
+                             cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0)
+
+    def layers(self, x, R, heads):
+        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small);
+        heads: the weights of the product after them (with prefetch, the last one's to ask for)"""
+        cfg, w, pdl = self.cfg, self.weights, self.pdl
+        C, F_, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
+        products = [w[f"layers.{l}.{name}"] for l in range(cfg.L) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        after = iter(products[1:] + [heads] if self.prefetch else [None] * len(products))   # each one's next
         for l in range(cfg.L):
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
-            decode_matvec(qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm")
-            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, pos, R, cfg.Hq, cfg.Hkv,
-                             D)
-            decode_matvec(x, y, lw("wo"), None, R, HD, C, accumulate=True)
-            decode_matvec(gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm")
-            decode_matvec(x, gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True)
+            decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl,
+                          prefetch=next(after))
+            self.attend(l, self.y, self.qkv, R, pdl=pdl)
+            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl,
+                          prefetch=next(after))
+            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm", pdl=pdl,
+                          prefetch=next(after))
+            decode_matvec(x, self.gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True, pdl=pdl,
+                          prefetch=next(after))
 
-    def tail(self, x, R, n_heads):
+    def tail(self, x, R, n_heads, pdl=False):
         """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
         cfg = self.cfg
-        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm")
-        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads)
+        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm",
+                      splits=self.head_splits, pdl=pdl)
+        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads, pdl)
         self.passes += 1
 
     def step(self, R, n_heads):
         """one decoding pass over the R fed ids at *pos (see the kernels)"""
         embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
-        self.layers(self.x, R, self.pos, (self.qkv, self.y, self.gu))
-        self.tail(self.x, R, n_heads)
+        self.layers(self.x, R, self.heads.view(0, (n_heads * self.cfg.V, self.cfg.C)))
+        self.tail(self.x, R, n_heads, self.pdl)
 
     def launch_step(self, R, n_heads):
         """step() replayed from its CUDA graph (captured on first use); -> its ring entry"""
@@ -1985,15 +2122,14 @@ class GPUDecoder:
         gpu.precision = self.precision                                 # cuBLAS's, for this decoder
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
-        self.pos.upload(np.zeros(1, np.int32))
+        self.pos.zero()                                                # a memset: no wait for the GPU
         x = self.p_x
         embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
         for l in range(cfg.L):
             w = lambda name: p[f"layers.{l}.{name}"]
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
             matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
-            attention_decode(self.p_y, self.k_cache[l], self.v_cache[l], self.p_qkv, self.cos, self.sin, self.pos,
-                             n, cfg.Hq, cfg.Hkv, D)
+            self.attend(l, self.p_y, self.p_qkv, n, prefill=True)
             matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
@@ -2001,7 +2137,7 @@ class GPUDecoder:
             swiglu_forward(self.p_s, self.p_gu, n, F_)
             matmul(self.p_tmp, self.p_s, w("w_down"), n, C, F_, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
-        self.pos.upload(np.array([n - 1], np.int32))                   # the tail's row; accept moves it to n
+        self.pos.fill_bits(n - 1)                                      # the tail's row; accept moves it to n
         self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
         return self.record()
 
@@ -2014,7 +2150,7 @@ class GPUDecoder:
     def set_feed(self, ids, pos):
         """sampling: the host's choice of the next feed and position, in place of the argmax's"""
         self.ids.view(0, (len(ids),)).upload(np.asarray(ids, np.int32))
-        self.pos.upload(np.array([pos], np.int32))
+        self.pos.fill_bits(pos)
 
 
 def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
@@ -2245,9 +2381,8 @@ def profile_step(engine, batch, step):
 BENCH_PROMPT = "ROMEO:\nWhat say you"
 
 
-def profile_decoding(dec, prompt, replays=100):
-    """GPU time of a plain step (one row) replayed from its graph, and by kernel when launched one by one"""
-    dec.wait(dec.prefill(prompt, 1))
+def replay_time(dec, replays):
+    """microseconds of GPU time per replay of the plain step's graph, replayed `replays` times from *pos"""
     dec.wait(dec.launch_step(1, 1))                     # captured now if it was not yet
     a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
     check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
@@ -2257,6 +2392,23 @@ def profile_decoding(dec, prompt, replays=100):
     gpu.sync()
     dec.passes += replays                               # the replays' accept kernels counted too
     us = check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") * 1e3 / replays
+    for e in (a, b):
+        cu.cuEventDestroy(e)
+    return us
+
+
+def profile_decoding(dec, prompt, replays=100):
+    """GPU time of a plain step (one row) replayed from its graph, after the prompt and with
+    the cache nearly full (attention's share grows with the keys); by kernel when launched
+    one by one"""
+    T = dec.cfg.T
+    dec.wait(dec.prefill(prompt, 1))
+    us = replay_time(dec, replays)
+    if T > len(prompt) + replays + 2:                   # a prompt that leaves room for the replays, no more
+        late = (prompt * T)[:T - replays - 2]
+        dec.wait(dec.prefill(late, 1))
+        print(f"  one step at positions {len(late) + 1}..{len(late) + replays}: {replay_time(dec, replays):.1f} us of GPU "
+              f"time replayed from its graph")
     dec.wait(dec.prefill(prompt, 1))
     gpu.profile = []
     dec.step(1, 1)
@@ -2269,11 +2421,55 @@ def profile_decoding(dec, prompt, replays=100):
         print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
 
 
+def time_generate(dec, cfg, prompt, n, speculative=False, drafts=None):
+    """-> (tokens, seconds, stats) of greedy generate, the median of 3 runs after a warm-up"""
+    times = []
+    for _ in range(4):
+        stats = {}
+        gpu.sync()
+        t0 = time.perf_counter()
+        out = list(generate(dec, cfg, prompt, n, temperature=0, speculative=speculative, stats=stats, drafts=drafts))
+        times.append(time.perf_counter() - t0)
+    return out, float(np.median(times[1:])), stats
+
+
+def print_speeds(dec, cfg, prompt, n, drafts_list, what=""):
+    """plain and speculative tokens/s of dec -> plain's (tokens, seconds)"""
+    plain, dt, _ = time_generate(dec, cfg, prompt, n)
+    print(f"  {'plain KV cache' + what:<32} {len(plain) / dt:8,.0f} tok/s  ({dt * 1e3 / len(plain):.3f} ms/token)")
+    for drafts in drafts_list:
+        spec, dt_s, stats = time_generate(dec, cfg, prompt, n, True, drafts)
+        same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(plain))
+        default = " (default)" if drafts == DEFAULT_DRAFTS else ""
+        name = f"speculative, {drafts} draft" + "s" * (drafts > 1) + default + what
+        print(f"  {name:<32} {len(spec) / dt_s:8,.0f} tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, "
+              f"{dt / dt_s:.2f}x plain, same as plain for {same} of {len(plain)} tokens")
+    return plain, dt
+
+
+def bench_variants(cfg, flat, precision, prompt, n, plain):
+    """the other attention kernel, L2 prefetch, and PDL launches (sm_90 on) with and without
+    it, plain and with the default drafts"""
+    other = "single" if attention_kernel(cfg.D) == "split" else "split"
+    variants = [(f", {other} attention", dict(attention=other)), (", L2 prefetch", dict(prefetch=True))]
+    if int(gpu.arch) >= 90:
+        variants += [(", PDL launches", dict(pdl=True)), (", PDL + L2 prefetch", dict(pdl=True, prefetch=True))]
+    for what, kwargs in variants:
+        try:
+            dec = GPUDecoder(cfg, flat, precision, **kwargs)
+            got, _ = print_speeds(dec, cfg, prompt, n, [DEFAULT_DRAFTS], what)
+        except NanoEulerError as e:
+            print(f"  {what[2:]}: {e}")
+            continue
+        same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), len(plain))
+        print(f"    ({what[2:]}: the same tokens as the default kernels for {same} of {len(plain)})")
+
+
 def bench_decoding(args):
     """batch-1 decoding: plain greedy and speculative tokens/s (the median of 3 runs of
     --max-new-tokens after a warm-up, BENCH_PROMPT's first 16 tokens at most, the window
     sliding past T as it must), prefill of a 500-token prompt, on --model or on random
-    weights of the preset"""
+    weights of the preset; --decode-variants: also the other attention kernel and PDL"""
     if args.model:
         cfg, flat, tok = ne.load_model(args.model)
         prompt, what = tok.encode(BENCH_PROMPT)[:16], args.model
@@ -2285,28 +2481,11 @@ def bench_decoding(args):
     for precision in args.decode_precision.split(","):
         dec = GPUDecoder(cfg, flat, precision)
         print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
-              f"{n} new tokens (median of 3 after a warm-up), {what}")
-
-        def timed(speculative, drafts):
-            times = []
-            for _ in range(4):
-                stats = {}
-                gpu.sync()
-                t0 = time.perf_counter()
-                out = list(generate(dec, cfg, prompt, n, temperature=0, speculative=speculative, stats=stats,
-                                    drafts=drafts))
-                times.append(time.perf_counter() - t0)
-            return out, float(np.median(times[1:])), stats
-
-        plain, dt, _ = timed(False, None)
-        print(f"  {'plain KV cache':<26} {len(plain) / dt:8,.0f} tok/s  ({dt * 1e3 / len(plain):.3f} ms/token)")
-        for drafts in range(1, min(cfg.K, max_rows(cfg))):
-            spec, dt_s, stats = timed(True, drafts)
-            same = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b), len(plain))
-            default = " (default)" if drafts == DEFAULT_DRAFTS else ""
-            print(f"  {f'speculative, {drafts} draft' + 's' * (drafts > 1) + default:<26} {len(spec) / dt_s:8,.0f} "
-                  f"tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, {dt / dt_s:.2f}x plain, "
-                  f"same as plain for {same} of {len(plain)} tokens")
+              f"{n} new tokens (median of 3 after a warm-up), {what}; {dec.attention} attention"
+              f"{', PDL launches' if dec.pdl else ''}{', L2 prefetch' if dec.prefetch else ''}")
+        plain, _ = print_speeds(dec, cfg, prompt, n, range(1, min(cfg.K, max_rows(cfg))))
+        if args.decode_variants:
+            bench_variants(cfg, flat, precision, prompt, n, plain)
         if args.profile:
             profile_decoding(dec, prompt)
         long = (prompt * (500 // len(prompt) + 1))[:min(500, cfg.T)]
@@ -2367,6 +2546,8 @@ def build_parser():
     sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
     sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
     sp.add_argument("--no-decode", action="store_true", help="training steps only, no decoding timings")
+    sp.add_argument("--decode-variants", action="store_true",
+                    help="decoding: also time the other attention kernel and programmatic dependent launch")
     add_gpus_flags(sp)
     add_graph_flag(sp)
     sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0, help=argparse.SUPPRESS)
