@@ -291,15 +291,19 @@ def test_attention_kernel_and_its_scratch():
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    """nanoeuler_cuda on tools/emulate_cuda.py's CPU emulator of kernels.cu"""
+def emulator_module():
     spec = importlib.util.spec_from_file_location("emulate_cuda", os.path.join(HERE, "tools", "emulate_cuda.py"))
     emulator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(emulator)
+    return emulator
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """nanoeuler_cuda on tools/emulate_cuda.py's CPU emulator of kernels.cu"""
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
-    return emulator.install(nc)
+    return emulator_module().install(nc)
 
 
 @needs_nvrtc
@@ -328,6 +332,24 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
     for what in ("fp32 split ['pdl', 'prefetch'] slices of 512", "fp32 split [] slices of 48"):
         assert all(np.array_equal(a, b) for a, b in zip(seen[what], plain)), what
     assert emulated.programmatic > 0
+
+
+@needs_nvrtc
+@needs_gxx
+def test_training_checks_on_the_cpu_emulator(emulated):
+    # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
+    # and bfloat16): every kernel against numpy, attention's fp32 passes, the model's loss and
+    # gradients and SFT rows in fp32 and in bf16 (its bf16 attention passes numpy stand-ins),
+    # and whole steps: AdamW against numpy, the NaN stop, and 3 steps replayed from the
+    # captured graph (per precision, and the NaN step) with the bits of kernel-by-kernel steps
+    failed = []
+
+    def reporter(tol):
+        return lambda what, err: failed.extend([] if err < tol else [(what, err)])
+
+    emulator_module().check_training(nc, np.random.default_rng(0), reporter)
+    assert not failed, failed
+    assert emulated.replays == 2 * (3 + 1)
 
 
 @needs_nvrtc

@@ -5,24 +5,29 @@ NanoEuler: nothing imports it but the tests.
 
     python tools/emulate_cuda.py               # training and decoding checks (see main)
     python tools/emulate_cuda.py kernels       # check_kernels (both builds) and check_optimizer
-    python tools/emulate_cuda.py training      # those, fp32 attention, the fp32 model and steps
+    python tools/emulate_cuda.py training      # those, fp32 attention, the model and steps (~35 s)
     python tools/emulate_cuda.py decoding      # nanoeuler_cuda.check_decoding, fp32 and bf16 (~5 min)
     python tools/emulate_cuda.py fast          # check_decode_logits on rows of up to 3 chunks (~5 s)
 
-How: kernels.cu is compiled as C++ with g++ against a small header (EMULATOR
-below) in which every CUDA thread of a block is a fiber; blocks run one after
-another, __syncthreads and each warp shuffle are barriers the fibers meet at,
-__shared__ becomes static. install() then puts a stand-in driver into
-nanoeuler_cuda (memory is host memory, filled with NaN bits when allocated, a
-launch runs the kernel at once or, during stream capture, joins the graph that a
-graph launch replays) and a GPU object with cuBLAS done by numpy, so GPUDecoder,
-generate and check_decoding run unchanged.
+How: each module of nanoeuler_cuda.MODULES (kernels.cu as it stands and with
+-DFLOATX=bfloat16, flash_attn.cu's CUDA-core passes) is compiled as C++ with g++
+against a small header (EMULATOR below) in which every CUDA thread of a block is
+a fiber; blocks run one after another, __syncthreads and each warp shuffle or
+ballot are barriers the fibers meet at, __shared__ becomes static, and the bf16
+conversions' inline PTX becomes C++ (PTX). install() then puts a stand-in driver
+into nanoeuler_cuda (memory is host memory, filled with NaN bits when allocated;
+a launch, a memset or a cuBLAS product runs at once or, during stream capture,
+joins the graph that a graph launch replays; what a capture may not do fails)
+and a GPU object with cuBLAS done by numpy, so GPUModel, GPUEngine, GPUDecoder
+and the checks run unchanged. flash_attn.cu's tensor-core passes (mma.sync,
+ldmatrix, cp.async) are not emulated: the bf16 ones have numpy stand-ins
+(stand_in), so that the model and steps run in bf16 too; tf32 has none.
 
 What it cannot tell: speed, memory order (fences and atomics are plain), and the
 GPU's exact bits (expf is libm's, not --use_fast_math's), so it compares with
 numpy at the same bars as `check` does and pins equalities between two runs of
-the emulator (speculative == plain), not GPU bits. Needs g++ (C++20) and
-cuda-python (for the enums and launch structs; no driver).
+the emulator (speculative == plain, graph == one by one), not GPU bits. Needs g++
+(C++20) and cuda-python (for the enums and launch structs; no driver).
 """
 
 import argparse
@@ -309,6 +314,100 @@ class Function:
         self.lib, self.index, self.name = lib, index, name
 
 
+# -----------------------------------------------------------------------------
+# flash_attn.cu's bf16 tensor-core passes (inline PTX: not emulated) as numpy stand-ins,
+# so that the model and whole steps with bf16 activations run: the math of the passes
+# (causal grouped-query softmax attention, natural-log lse, dk with the scale) in float64,
+# each output rounded once to bf16. They check what surrounds the passes, not the passes:
+# `check` on a GPU does that (check_attention).
+
+def attention_heads(qkv, T, Hq, Hkv, D):
+    """qkv bf16 bits (B*T, (Hq+2Hkv)*D) -> q, k, v float64 (B, H, T, D), k and v per query head"""
+    x = from_bits(qkv).reshape(-1, T, Hq + 2 * Hkv, D).transpose(0, 2, 1, 3)
+    G = Hq // Hkv
+    return x[:, :Hq], np.repeat(x[:, Hq:Hq + Hkv], G, 1), np.repeat(x[:, Hq + Hkv:], G, 1)
+
+
+def from_bits(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def to_bits(x):
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def attention_probs(q, k, T, scale, lse=None):
+    """causal p = softmax(scale q k.T) (from lse when given) -> p, lse"""
+    s = scale * q @ k.transpose(0, 1, 3, 2)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    if lse is None:
+        m = s.max(-1, keepdims=True)
+        lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    return np.exp(s - lse[..., None]), lse
+
+
+def attention_forward_bf16(B, D, y16, lse, qkv16, T, Hq, Hkv, scale):
+    q, k, v = attention_heads(mem(qkv16, np.uint16, B * T * (Hq + 2 * Hkv) * D), T, Hq, Hkv, D)
+    p, lse_ = attention_probs(q, k, T, scale)
+    mem(y16, np.uint16, B * T * Hq * D)[:] = to_bits((p @ v).transpose(0, 2, 1, 3).reshape(-1))
+    mem(lse, np.float32, B * Hq * T)[:] = lse_.reshape(-1)
+
+
+def attention_backward_bf16(part, B, D, dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale):
+    """part "dq": the q columns of dqkv; "dkv": the k and v columns, summed over each kv head's query heads"""
+    QKV = (Hq + 2 * Hkv) * D
+    q, k, v = attention_heads(mem(qkv16, np.uint16, B * T * QKV), T, Hq, Hkv, D)
+    dy = from_bits(mem(dy16, np.uint16, B * T * Hq * D)).reshape(B, T, Hq, D).transpose(0, 2, 1, 3)
+    p, _ = attention_probs(q, k, T, scale, mem(lse, np.float32, B * Hq * T).reshape(B, Hq, T).astype(np.float64))
+    dp = dy @ v.transpose(0, 1, 3, 2)
+    ds = p * (dp - mem(delta, np.float32, B * Hq * T).reshape(B, Hq, T, 1))
+    out = mem(dqkv16, np.uint16, B * T * QKV).reshape(B, T, Hq + 2 * Hkv, D)
+    rows = lambda x: to_bits(x.transpose(0, 2, 1, 3))
+    if part == "dq":
+        out[:, :, :Hq] = rows(scale * ds @ k)
+    else:
+        group = lambda x: x.reshape(B, Hkv, Hq // Hkv, T, D).sum(2)
+        out[:, :, Hq:Hq + Hkv] = rows(group(scale * ds.transpose(0, 1, 3, 2) @ q))
+        out[:, :, Hq + Hkv:] = rows(group(p.transpose(0, 1, 3, 2) @ dy))
+
+
+def mem(ptr, dtype, n):
+    """n elements of dtype at the emulated device address ptr, as a numpy array (no copy)"""
+    return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(ptr), dtype)
+
+
+def stand_in(name):
+    """the numpy stand-in for a bf16 attention pass of flash_attn.cu: (grid, *args) -> None; or None"""
+    m = re.fullmatch(r"attention_(forward|backward_dq|backward_dkv)_bf16_kernel_(\d+)", name)
+    if not m:
+        return None
+    D = int(m.group(2))
+    if m.group(1) == "forward":
+        return lambda grid, *a: attention_forward_bf16(grid[1], D, *a)
+    return lambda grid, *a: attention_backward_bf16(m.group(1)[9:], grid[1], D, *a)
+
+
+class StandIn:
+    """a kernel done by numpy: its arguments (pointers as ints, ints, floats) as the
+    signature in the source says"""
+
+    def __init__(self, name, run, kinds):
+        self.name, self.run, self.kinds = name, run, kinds
+
+
+def signature(text, name):
+    """the ctypes of kernel `name`'s parameters in a .cu file's text"""
+    params = re.search(r'extern "C" __global__ void\s*(?:__launch_bounds__\([^)]*\)\s*)?' + name + r"\(([^)]*)\)",
+                       text).group(1)
+    kinds = []
+    for p in params.split(","):
+        p = " ".join(p.split())
+        kinds.append(ctypes.c_void_p if "*" in p else {"int": ctypes.c_int, "float": ctypes.c_float,
+                                                         "long": ctypes.c_longlong}[p.rsplit(" ", 1)[0]])
+    return kinds
+
+
 class Driver:
     """what nanoeuler_cuda asks of cuda.bindings.driver, on the emulator; enums and
     structs come from the real module. During a stream capture, launches and memsets
@@ -403,11 +502,20 @@ class Driver:
         return (0,)
 
     def cuModuleGetFunction(self, module, name):
-        index = module.emu_kernel(name)
-        return (self.real.CUresult.CUDA_ERROR_NOT_FOUND, None) if index < 0 else (0, Function(module, index,
-                                                                                             name.decode()))
+        index, text = module.emu_kernel(name), getattr(module, "stand_ins", None)
+        if index >= 0:
+            return (0, Function(module, index, name.decode()))
+        run = stand_in(name.decode()) if text else None
+        if run:
+            return (0, StandIn(name.decode(), run, signature(text, name.decode())))
+        return (self.real.CUresult.CUDA_ERROR_NOT_FOUND, None)
 
     def launch(self, f, grid, block, params):
+        if isinstance(f, StandIn):                                     # the arguments' values, read now
+            slots = (ctypes.c_void_p * len(f.kinds)).from_address(params)
+            args = [kind.from_address(slot).value or 0 for kind, slot in zip(f.kinds, slots)]
+            self.launches += 1
+            return self.enqueue(lambda: f.run(grid, *args))
         launch = f.lib.emu_launch(f.index, *grid, block, params)       # the arguments' values, copied now
         self.launches += 1
         if isinstance(self.capture, list):
@@ -474,6 +582,8 @@ def install(nc, sms=2, arch="90"):
     gpu.stream, gpu.sms, gpu.arch, gpu.name = real.CUstream(0), sms, arch, "CPU emulator"
     gpu.modules = {name: load(os.path.join(root, file), defines, select)
                    for name, (file, defines, select) in SOURCES.items()}
+    with open(os.path.join(root, "flash_attn.cu")) as f:
+        gpu.modules["flash_attn.cu"].stand_ins = f.read()          # its bf16 passes: numpy (stand_in)
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
@@ -481,17 +591,19 @@ def install(nc, sms=2, arch="90"):
 
 
 def check_training(nc, rng, reporter):
-    """nanoeuler_cuda's training checks that need no tensor cores: every kernels.cu
-    kernel in both builds, the optimizer's, attention's fp32 passes, the fp32 model
-    (loss and gradients), SFT rows, and whole fp32 steps (graph == one by one, bits)"""
+    """nanoeuler_cuda's training checks: every kernels.cu kernel in both builds, the
+    optimizer's, attention's fp32 passes, then in fp32 and in bf16 (the bf16 attention
+    passes being numpy stand-ins) the model's loss and gradients, SFT rows, and whole
+    steps (graph == one by one, bit for bit; AdamW; the NaN stop)"""
     nc.check_kernels(rng, reporter(nc.TOLERANCE["fp32"]), is_bf16=False)
     nc.check_kernels(rng, reporter(nc.KERNEL_BF16_TOLERANCE), is_bf16=True)
     nc.check_optimizer(rng, reporter(nc.TOLERANCE["fp32"]))
     nc.init_gpu("fp32")
     nc.check_attention(rng, reporter(nc.TOLERANCE["fp32"]))
-    nc.check_model(rng, reporter, "fp32")
-    nc.check_sft(rng, reporter, "fp32")
-    nc.check_step(rng, reporter(nc.TOLERANCE["fp32"]), "fp32")
+    for precision in ("fp32", "bf16"):
+        nc.check_model(rng, reporter, precision)
+        nc.check_sft(rng, reporter, precision)
+        nc.check_step(rng, reporter(nc.TOLERANCE["fp32"]), precision)
 
 
 def main():
@@ -499,7 +611,7 @@ def main():
     p.add_argument("what", nargs="*", default=["kernels", "training", "decoding"],
                    choices=["kernels", "training", "decoding", "fast"],
                    help="kernels: check_kernels and check_optimizer (both builds); training: those, attention's "
-                        "fp32 passes, the fp32 model and steps; decoding: check_decoding; fast: "
+                        "fp32 passes, the model and steps in fp32 and bf16; decoding: check_decoding; fast: "
                         "check_decode_logits on rows of up to 3 chunks, fp32")
     args = p.parse_args()
     sys.path.insert(0, HERE)
