@@ -298,6 +298,14 @@ def emulator_module():
     return emulator
 
 
+def check_parts_module():
+    """docs/gpu_check_parts.py: check part by part, the device script's fallback"""
+    spec = importlib.util.spec_from_file_location("gpu_check_parts", os.path.join(HERE, "docs", "gpu_check_parts.py"))
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    return parts
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """nanoeuler_cuda on tools/emulate_cuda.py's CPU emulator of kernels.cu"""
@@ -338,18 +346,46 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
 @needs_gxx
 def test_training_checks_on_the_cpu_emulator(emulated):
     # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
-    # and bfloat16): every kernel against numpy, attention's fp32 passes, the model's loss and
-    # gradients and SFT rows in fp32 and in bf16 (its bf16 attention passes numpy stand-ins),
-    # and whole steps: AdamW against numpy, the NaN stop, and 3 steps replayed from the
-    # captured graph (per precision, and the NaN step) with the bits of kernel-by-kernel steps
-    failed = []
+    # and bfloat16), part by part as docs/gpu_check_parts.py runs it on a GPU: every kernel
+    # against numpy, attention's fp32 passes, the model's loss and gradients and SFT rows in
+    # fp32 and in bf16 (its bf16 attention passes numpy stand-ins), and whole steps: AdamW
+    # against numpy, the NaN stop, and 3 steps replayed from the captured graph (per
+    # precision, and the NaN step) with the bits of kernel-by-kernel steps. Each line of
+    # output is named to the part that printed it, as the device script's fallback reads it.
+    parts = check_parts_module()
+    failed, misnamed, part = [], [], None
 
     def reporter(tol):
-        return lambda what, err: failed.extend([] if err < tol else [(what, err)])
+        def report(what, err):
+            failed.extend([] if err < tol else [(what, err)])
+            misnamed.extend([] if parts.part_of(what) == part else [(part, what)])
+        return report
 
-    emulator_module().check_training(nc, np.random.default_rng(0), reporter)
+    table = parts.parts(np.random.default_rng(0), reporter)
+    for part in ("kernels fp32", "kernels bf16", "optimizer", "attention fp32", "model fp32", "model bf16",
+                 "sft fp32", "sft bf16", "step fp32", "step bf16"):
+        table[part]()
     assert not failed, failed
+    assert not misnamed, misnamed
     assert emulated.replays == 2 * (3 + 1)
+    assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \
+        {f"{what} {p}" for what in ("step", "sft", "decoding", "kernels") for p in ("fp32", "bf16")} | {"optimizer"}
+
+
+def test_the_device_fallback_reruns_the_failed_parts_of_check_or_all_after_a_crash(tmp_path):
+    parts = check_parts_module()
+    names = ["kernels fp32", "kernels bf16", "optimizer", "attention bf16", "step fp32", "decoding bf16"]
+    log = tmp_path / "check.log"
+    log.write_text("GPU check on an H200\n"
+                   "rmsnorm_forward (bf16)                             1.2e-01  1e-03  NOT OK\n"
+                   "rmsnorm_forward                                    1.0e-07  1e-05  OK\n"
+                   "step fp32: graph == one by one, 4 steps (bits)     1.0e+00  1e-05  NOT OK\n"
+                   "decode bf16 D=64 G=8 single 3-row pass at 130 logits  5.0e-01  2e-02  NOT OK\n"
+                   "overall okay: 0\n")
+    assert parts.failed_parts(str(log), names) == ["kernels bf16", "step fp32", "decoding bf16"]
+    log.write_text("GPU check on an H200\nrmsnorm_forward                 1.0e-07  1e-05  OK\n"
+                   "CUDA error CUDA_ERROR_ILLEGAL_ADDRESS in a copy from the GPU\n")       # raised: all again
+    assert parts.failed_parts(str(log), names) == names
 
 
 @needs_nvrtc
