@@ -1216,12 +1216,15 @@ def rounded_backward(params, grads, cache, cfg):
 # lands on the other side of a rounding boundary in one computation moves a later value
 # by a bf16 step, which moves later roundings, so two correct bf16 computations drift
 # apart down the chain, and the gradients, sums with much cancellation, show it.
-# Attention's own rounding of p and ds adds a few 1e-3 of its outputs. Hence 2e-2;
-# wrong wiring gives far more (emulated: a missing residual path 0.86, rope's backward
+# Attention's own rounding of p and ds adds a few 1e-3 of its outputs: the kernels
+# themselves on tools/emulate_cuda.py (the tensor-core attention passes included), over
+# 8 seeds, came within 0.95e-2 .. 1.17e-2 on check_model's config (dheads.2 the worst)
+# and 0.91e-2 .. 1.40e-2 on check_sft's. Hence 3e-2, twice the worst seen, where wrong
+# wiring gives far more (emulated: a missing residual path 0.86, rope's backward
 # rotating the wrong way 0.35, a head's gradient missing 1.0). With BF16_ACTIVATIONS
 # off (fp32 activations, the matmuls' inputs rounded) the reference is plain float64,
 # which the same bar holds too: 9.5e-3 measured on an H200 at worst, before floatX.
-MODEL_BF16_TOLERANCE = 2e-2
+MODEL_BF16_TOLERANCE = 3e-2
 
 
 def model_errors(cfg, B, flat, idx, targets, precision):

@@ -5,28 +5,30 @@ NanoEuler: nothing imports it but the tests.
 
     python tools/emulate_cuda.py               # training and decoding checks (see main)
     python tools/emulate_cuda.py kernels       # check_kernels (both builds) and check_optimizer
-    python tools/emulate_cuda.py training      # those, fp32 attention, the model and steps (~35 s)
+    python tools/emulate_cuda.py training      # those, attention, the model and steps (~40 s)
     python tools/emulate_cuda.py decoding      # nanoeuler_cuda.check_decoding, fp32 and bf16 (~5 min)
     python tools/emulate_cuda.py fast          # check_decode_logits on rows of up to 3 chunks (~5 s)
+    python tools/emulate_cuda.py check         # `nanoeuler_cuda.py check`, all of it, as on a GPU (~6 min)
 
 How: each module of nanoeuler_cuda.MODULES (kernels.cu as it stands and with
--DFLOATX=bfloat16, flash_attn.cu's CUDA-core passes) is compiled as C++ with g++
-against a small header (EMULATOR below) in which every CUDA thread of a block is
-a fiber; blocks run one after another, __syncthreads and each warp shuffle or
-ballot are barriers the fibers meet at, __shared__ becomes static, and the bf16
-conversions' inline PTX becomes C++ (PTX). install() then puts a stand-in driver
-into nanoeuler_cuda (memory is host memory, filled with NaN bits when allocated;
-a launch, a memset or a cuBLAS product runs at once or, during stream capture,
-joins the graph that a graph launch replays; what a capture may not do fails)
-and a GPU object with cuBLAS done by numpy, so GPUModel, GPUEngine, GPUDecoder
-and the checks run unchanged. flash_attn.cu's tensor-core passes (mma.sync,
-ldmatrix, cp.async) are not emulated: the bf16 ones have numpy stand-ins
-(stand_in), so that the model and steps run in bf16 too; tf32 has none.
+-DFLOATX=bfloat16, flash_attn.cu) is compiled as C++ with g++ against a small
+header (EMULATOR below) in which every CUDA thread of a block is a fiber; blocks
+run one after another, __syncthreads and each warp shuffle or ballot are
+barriers the fibers meet at, __shared__ becomes static, and inline PTX becomes
+C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
+helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
+as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
+puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
+NaN bits when allocated; a launch, a memset or a cuBLAS product runs at once
+or, during stream capture, joins the graph that a graph launch replays; what a
+capture may not do fails) and a GPU object with cuBLAS done by numpy, so
+GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
 
 What it cannot tell: speed, memory order (fences and atomics are plain), and the
 GPU's exact bits (expf is libm's, not --use_fast_math's), so it compares with
 numpy at the same bars as `check` does and pins equalities between two runs of
-the emulator (speculative == plain, graph == one by one), not GPU bits. Needs g++
+the emulator (speculative == plain, graph == one by one), not GPU bits; a tensor
+core's sums are in fp32 in k order here. Needs g++
 (C++20) and cuda-python (for the enums and launch structs; no driver).
 """
 
@@ -206,6 +208,76 @@ static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
                 }
             }
 }
+
+// ---- flash_attn.cu's tensor-core helpers (TENSOR_CORE_HELPERS), as the PTX ISA defines them
+// cvt.rna.tf32.f32: 10 mantissa bits, to nearest, ties away from zero
+static inline unsigned emu_tf32_bits(float x) {
+    unsigned u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) return u;
+    return (u + 0x1000u) & 0xFFFFE000u;
+}
+static unsigned emu_frag[32][32][10];                     // a warp's mma fragments, by lane
+static const unsigned short* emu_rows[32][32];            // a warp's ldmatrix row addresses, by lane
+static inline float emu_lo(unsigned w) { return __uint_as_float(w << 16); }
+static inline float emu_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
+// d (16x8) += a b over the warp: each lane holds its fragments (g = lane / 4, t = lane % 4), A(row, k)
+// and B(k, col) read from the lanes that hold them, k summed in order in fp32
+template <class FA, class FB>
+static void emu_mma(float* d, int K, FA A, FB B) {
+    int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        float s = d[i];
+        for (int k = 0; k < K; k++) s += A(row, k) * B(k, col);
+        out[i] = s;
+    }
+    warp_barrier();                                       // every lane has read the fragments
+    for (int i = 0; i < 4; i++) d[i] = out[i];
+}
+// m16n8k16 bf16: a reg j: rows g (+8 for odd j), k 2t, 2t+1 (+8 for j >= 2); b reg j: k 2t, 2t+1 (+8 for j = 1), col g
+static void mma_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    int w = threadIdx.x / 32;
+    unsigned* f = emu_frag[w][threadIdx.x % 32];
+    f[0] = a[0], f[1] = a[1], f[2] = a[2], f[3] = a[3], f[4] = b0, f[5] = b1;
+    warp_barrier();
+    auto half = [](unsigned r, int k) { return k % 2 ? emu_hi(r) : emu_lo(r); };
+    emu_mma(d, 16, [&](int row, int k) { return half(emu_frag[w][row % 8 * 4 + k % 8 / 2][row / 8 + 2 * (k / 8)], k); },
+            [&](int k, int col) { return half(emu_frag[w][col * 4 + k % 8 / 2][4 + k / 8], k); });
+}
+// m16n8k8 tf32: a reg j: row g (+8 for odd j), k t (+4 for j >= 2); b reg j: k t (+4 for j = 1), col g
+static void mma_tf32(float* d, const unsigned* a, const unsigned* b) {
+    int w = threadIdx.x / 32;
+    unsigned* f = emu_frag[w][threadIdx.x % 32];
+    f[0] = a[0], f[1] = a[1], f[2] = a[2], f[3] = a[3], f[4] = b[0], f[5] = b[1];
+    warp_barrier();
+    auto tf = [](unsigned r) { return __uint_as_float(r & 0xFFFFE000u); };
+    emu_mma(d, 8, [&](int row, int k) { return tf(emu_frag[w][row % 8 * 4 + k % 4][row / 8 + 2 * (k / 4)]); },
+            [&](int k, int col) { return tf(emu_frag[w][col * 4 + k % 4][4 + k / 4]); });
+}
+// ldmatrix .x4: lane l gives row l % 8 of matrix l / 8 and receives row g, columns 2t, 2t+1 of each
+// matrix (.trans: column g, rows 2t, 2t+1)
+static void emu_ldmatrix(unsigned* r, const unsigned short* row, bool trans) {
+    int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    emu_rows[w][threadIdx.x % 32] = row;
+    warp_barrier();
+    for (int i = 0; i < 4; i++) {
+        unsigned short lo = trans ? emu_rows[w][8 * i + 2 * t][g] : emu_rows[w][8 * i + g][2 * t];
+        unsigned short hi = trans ? emu_rows[w][8 * i + 2 * t + 1][g] : emu_rows[w][8 * i + g][2 * t + 1];
+        r[i] = lo | (unsigned)hi << 16;
+    }
+    warp_barrier();
+}
+static void ldmatrix_x4(unsigned* r, const unsigned short* row) { emu_ldmatrix(r, row, false); }
+static void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) { emu_ldmatrix(r, row, true); }
+// cp.async: copied at once (stricter than the GPU: a buffer still being read is overwritten now)
+static void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) {
+    if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16);
+}
+static void cp_async4(float* dst, const float* src, bool valid) { *dst = valid ? *src : 0.0f; }
+static void cp_async_commit() {}
+template <int N> static void cp_async_wait() {}
 #undef INFINITY
 """
 
@@ -237,7 +309,8 @@ extern "C" void emu_free(void* p) { delete (Launch*)p; }
 # conversions to bf16 (one value, or two packed: the first operand into the upper half)
 PTX = [(r'asm\("cvt\.rn\.bf16\.f32 %0, %1;" : "=h"\((\w+)\) : "f"\(([^()]+)\)\);', r"\1 = emu_bf16_bits(\2);"),
        (r'asm\("cvt\.rn\.bf16x2\.f32 %0, %1, %2;" : "=r"\((\w+)\) : "f"\(([^()]+)\), "f"\(([^()]+)\)\);',
-        r"\1 = (unsigned)emu_bf16_bits(\2) << 16 | emu_bf16_bits(\3);")]
+        r"\1 = (unsigned)emu_bf16_bits(\2) << 16 | emu_bf16_bits(\3);"),
+       (r'asm\("cvt\.rna\.tf32\.f32 %0, %1;" : "=r"\((\w+)\) : "f"\(([^()]+)\)\);', r"\1 = emu_tf32_bits(\2);")]
 
 
 def emulator_source(kernels, defines=()):
@@ -258,24 +331,33 @@ def emulator_source(kernels, defines=()):
     return EMULATOR + head + src + API % {"thunks": "\n".join(thunks), "table": ",\n".join(rows)}
 
 
-def attention_fp32_source(text):
-    """flash_attn.cu's CUDA-core (fp32) passes and their entry points: the text before its
-    tensor-core sections (inline PTX mma.sync, ldmatrix, cp.async: not emulated), and the
-    entry points that call only what that text defines"""
-    sections = re.split(r"\n(?=// -{20,}\n)", text)
-    kept = []
-    for section in sections:
-        if "asm" in section and "extern \"C\"" not in section:
-            break
-        kept.append(section)
-    entries = re.findall(r'extern "C" __global__ void[^{]*\{[^}]*\}\n', text)
-    fp32 = [e for e in entries if not re.search(r"(tf32|bf16)_kernel_\d+", e)]
-    return "\n".join(kept) + "\n" + "\n".join(fp32)
+# flash_attn.cu's helpers whose inline PTX (mma.sync, ldmatrix, cp.async) the emulator's
+# header defines in C++ instead
+TENSOR_CORE_HELPERS = ("shared_address", "mma_tf32", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16",
+                       "cp_async4", "cp_async_commit", "cp_async_wait")
+
+
+def without_helpers(text, names=TENSOR_CORE_HELPERS):
+    """text less the definitions of the __device__ functions `names` (one line, or up to the
+    first line that is a lone closing brace; a template line before one goes too)"""
+    lines, out, skip = text.split("\n"), [], False
+    for i, line in enumerate(lines):
+        if skip:
+            skip = line != "}"
+            continue
+        m = re.match(r"__device__ __forceinline__ [\w ]+?\b(\w+)\(", line)
+        if m and m.group(1) in names:
+            if out and out[-1].startswith("template"):
+                out.pop()
+            skip = not line.rstrip().endswith("}")
+            continue
+        out.append(line)
+    return "\n".join(out)
 
 
 # the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it
 SOURCES = {"kernels.cu": ("kernels.cu", (), None), "kernels.cu bf16": ("kernels.cu", ("-DFLOATX=bfloat16",), None),
-           "flash_attn.cu": ("flash_attn.cu", (), attention_fp32_source)}
+           "flash_attn.cu": ("flash_attn.cu", (), without_helpers)}
 
 
 def build(path, defines=(), select=None, cache_dir=CACHE_DIR):
@@ -312,100 +394,6 @@ def load(path, defines=(), select=None):
 class Function:
     def __init__(self, lib, index, name):
         self.lib, self.index, self.name = lib, index, name
-
-
-# -----------------------------------------------------------------------------
-# flash_attn.cu's bf16 tensor-core passes (inline PTX: not emulated) as numpy stand-ins,
-# so that the model and whole steps with bf16 activations run: the math of the passes
-# (causal grouped-query softmax attention, natural-log lse, dk with the scale) in float64,
-# each output rounded once to bf16. They check what surrounds the passes, not the passes:
-# `check` on a GPU does that (check_attention).
-
-def attention_heads(qkv, T, Hq, Hkv, D):
-    """qkv bf16 bits (B*T, (Hq+2Hkv)*D) -> q, k, v float64 (B, H, T, D), k and v per query head"""
-    x = from_bits(qkv).reshape(-1, T, Hq + 2 * Hkv, D).transpose(0, 2, 1, 3)
-    G = Hq // Hkv
-    return x[:, :Hq], np.repeat(x[:, Hq:Hq + Hkv], G, 1), np.repeat(x[:, Hq + Hkv:], G, 1)
-
-
-def from_bits(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-
-def to_bits(x):
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def attention_probs(q, k, T, scale, lse=None):
-    """causal p = softmax(scale q k.T) (from lse when given) -> p, lse"""
-    s = scale * q @ k.transpose(0, 1, 3, 2)
-    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-    if lse is None:
-        m = s.max(-1, keepdims=True)
-        lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
-    return np.exp(s - lse[..., None]), lse
-
-
-def attention_forward_bf16(B, D, y16, lse, qkv16, T, Hq, Hkv, scale):
-    q, k, v = attention_heads(mem(qkv16, np.uint16, B * T * (Hq + 2 * Hkv) * D), T, Hq, Hkv, D)
-    p, lse_ = attention_probs(q, k, T, scale)
-    mem(y16, np.uint16, B * T * Hq * D)[:] = to_bits((p @ v).transpose(0, 2, 1, 3).reshape(-1))
-    mem(lse, np.float32, B * Hq * T)[:] = lse_.reshape(-1)
-
-
-def attention_backward_bf16(part, B, D, dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale):
-    """part "dq": the q columns of dqkv; "dkv": the k and v columns, summed over each kv head's query heads"""
-    QKV = (Hq + 2 * Hkv) * D
-    q, k, v = attention_heads(mem(qkv16, np.uint16, B * T * QKV), T, Hq, Hkv, D)
-    dy = from_bits(mem(dy16, np.uint16, B * T * Hq * D)).reshape(B, T, Hq, D).transpose(0, 2, 1, 3)
-    p, _ = attention_probs(q, k, T, scale, mem(lse, np.float32, B * Hq * T).reshape(B, Hq, T).astype(np.float64))
-    dp = dy @ v.transpose(0, 1, 3, 2)
-    ds = p * (dp - mem(delta, np.float32, B * Hq * T).reshape(B, Hq, T, 1))
-    out = mem(dqkv16, np.uint16, B * T * QKV).reshape(B, T, Hq + 2 * Hkv, D)
-    rows = lambda x: to_bits(x.transpose(0, 2, 1, 3))
-    if part == "dq":
-        out[:, :, :Hq] = rows(scale * ds @ k)
-    else:
-        group = lambda x: x.reshape(B, Hkv, Hq // Hkv, T, D).sum(2)
-        out[:, :, Hq:Hq + Hkv] = rows(group(scale * ds.transpose(0, 1, 3, 2) @ q))
-        out[:, :, Hq + Hkv:] = rows(group(p.transpose(0, 1, 3, 2) @ dy))
-
-
-def mem(ptr, dtype, n):
-    """n elements of dtype at the emulated device address ptr, as a numpy array (no copy)"""
-    return np.frombuffer((ctypes.c_char * (n * np.dtype(dtype).itemsize)).from_address(ptr), dtype)
-
-
-def stand_in(name):
-    """the numpy stand-in for a bf16 attention pass of flash_attn.cu: (grid, *args) -> None; or None"""
-    m = re.fullmatch(r"attention_(forward|backward_dq|backward_dkv)_bf16_kernel_(\d+)", name)
-    if not m:
-        return None
-    D = int(m.group(2))
-    if m.group(1) == "forward":
-        return lambda grid, *a: attention_forward_bf16(grid[1], D, *a)
-    return lambda grid, *a: attention_backward_bf16(m.group(1)[9:], grid[1], D, *a)
-
-
-class StandIn:
-    """a kernel done by numpy: its arguments (pointers as ints, ints, floats) as the
-    signature in the source says"""
-
-    def __init__(self, name, run, kinds):
-        self.name, self.run, self.kinds = name, run, kinds
-
-
-def signature(text, name):
-    """the ctypes of kernel `name`'s parameters in a .cu file's text"""
-    params = re.search(r'extern "C" __global__ void\s*(?:__launch_bounds__\([^)]*\)\s*)?' + name + r"\(([^)]*)\)",
-                       text).group(1)
-    kinds = []
-    for p in params.split(","):
-        p = " ".join(p.split())
-        kinds.append(ctypes.c_void_p if "*" in p else {"int": ctypes.c_int, "float": ctypes.c_float,
-                                                         "long": ctypes.c_longlong}[p.rsplit(" ", 1)[0]])
-    return kinds
 
 
 class Driver:
@@ -502,20 +490,11 @@ class Driver:
         return (0,)
 
     def cuModuleGetFunction(self, module, name):
-        index, text = module.emu_kernel(name), getattr(module, "stand_ins", None)
-        if index >= 0:
-            return (0, Function(module, index, name.decode()))
-        run = stand_in(name.decode()) if text else None
-        if run:
-            return (0, StandIn(name.decode(), run, signature(text, name.decode())))
-        return (self.real.CUresult.CUDA_ERROR_NOT_FOUND, None)
+        index = module.emu_kernel(name)
+        return (self.real.CUresult.CUDA_ERROR_NOT_FOUND, None) if index < 0 else (0, Function(module, index,
+                                                                                             name.decode()))
 
     def launch(self, f, grid, block, params):
-        if isinstance(f, StandIn):                                     # the arguments' values, read now
-            slots = (ctypes.c_void_p * len(f.kinds)).from_address(params)
-            args = [kind.from_address(slot).value or 0 for kind, slot in zip(f.kinds, slots)]
-            self.launches += 1
-            return self.enqueue(lambda: f.run(grid, *args))
         launch = f.lib.emu_launch(f.index, *grid, block, params)       # the arguments' values, copied now
         self.launches += 1
         if isinstance(self.capture, list):
@@ -582,8 +561,6 @@ def install(nc, sms=2, arch="90"):
     gpu.stream, gpu.sms, gpu.arch, gpu.name = real.CUstream(0), sms, arch, "CPU emulator"
     gpu.modules = {name: load(os.path.join(root, file), defines, select)
                    for name, (file, defines, select) in SOURCES.items()}
-    with open(os.path.join(root, "flash_attn.cu")) as f:
-        gpu.modules["flash_attn.cu"].stand_ins = f.read()          # its bf16 passes: numpy (stand_in)
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
@@ -592,32 +569,37 @@ def install(nc, sms=2, arch="90"):
 
 def check_training(nc, rng, reporter):
     """nanoeuler_cuda's training checks: every kernels.cu kernel in both builds, the
-    optimizer's, attention's fp32 passes, then in fp32 and in bf16 (the bf16 attention
-    passes being numpy stand-ins) the model's loss and gradients, SFT rows, and whole
-    steps (graph == one by one, bit for bit; AdamW; the NaN stop)"""
+    optimizer's, attention's passes in fp32, tf32 and bf16, then in each precision the
+    model's loss and gradients, and in fp32 and bf16 SFT rows and whole steps (graph
+    == one by one, bit for bit; AdamW; the NaN stop)"""
     nc.check_kernels(rng, reporter(nc.TOLERANCE["fp32"]), is_bf16=False)
     nc.check_kernels(rng, reporter(nc.KERNEL_BF16_TOLERANCE), is_bf16=True)
     nc.check_optimizer(rng, reporter(nc.TOLERANCE["fp32"]))
-    nc.init_gpu("fp32")
-    nc.check_attention(rng, reporter(nc.TOLERANCE["fp32"]))
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "tf32", "bf16"):
+        nc.init_gpu(precision)
+        nc.check_attention(rng, reporter(nc.TOLERANCE[precision]))
+    for precision in ("fp32", "tf32", "bf16"):
         nc.check_model(rng, reporter, precision)
-        nc.check_sft(rng, reporter, precision)
+    for precision in ("fp32", "bf16"):
         nc.check_step(rng, reporter(nc.TOLERANCE["fp32"]), precision)
+        nc.check_sft(rng, reporter, precision)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     p.add_argument("what", nargs="*", default=["kernels", "training", "decoding"],
-                   choices=["kernels", "training", "decoding", "fast"],
-                   help="kernels: check_kernels and check_optimizer (both builds); training: those, attention's "
-                        "fp32 passes, the model and steps in fp32 and bf16; decoding: check_decoding; fast: "
+                   choices=["kernels", "training", "decoding", "fast", "check"],
+                   help="kernels: check_kernels and check_optimizer (both builds); training: those, attention, "
+                        "the model, SFT rows and steps; check: `nanoeuler_cuda.py check` itself, all of it; decoding: check_decoding; fast: "
                         "check_decode_logits on rows of up to 3 chunks, fp32")
     args = p.parse_args()
     sys.path.insert(0, HERE)
     import nanoeuler as ne
     import nanoeuler_cuda as nc
     driver = install(nc)
+    if "check" in args.what:
+        nc.main(["check"])
+        return
     failed = []
 
     def reporter(tol):
