@@ -173,40 +173,46 @@ static void fiber_main() {
     _longjmp(scheduler, 1);
 }
 
+// the order blocks, and a block's fibers between two barriers, run in: reversed, a kernel
+// whose result depends on it (a missing barrier, a last block that sums in its own order) shows
+static int emu_reverse;
+extern "C" void emu_set_reverse(int r) { emu_reverse = r; }
+
 // body(arg) in every thread of every block of the grid, the threads of a block as fibers
 static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
     if (block > 1024 || block % 32) { fprintf(stderr, "emulator: block of %d threads\n", block); abort(); }
     if (!fibers) fibers = new Fiber[1024], stacks = (char*)malloc(1024 * STACK);
     gridDim = grid, blockDim = dim3e{(unsigned)block, 1, 1}, body = fn, body_arg = arg;
-    for (unsigned z = 0; z < grid.z; z++)
-        for (unsigned y = 0; y < grid.y; y++)
-            for (unsigned x = 0; x < grid.x; x++) {
-                blockIdx = dim3e{x, y, z};
-                live = block, bar_arrived = 0;
-                for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
-                for (int t = 0; t < block; t++) {
-                    Fiber& f = fibers[t];
-                    f.started = f.done = false, f.tid = t;
-                    getcontext(&f.uc);
-                    f.uc.uc_stack.ss_sp = stacks + (size_t)t * STACK;
-                    f.uc.uc_stack.ss_size = STACK;
-                    f.uc.uc_link = nullptr;
-                    makecontext(&f.uc, fiber_main, 0);
+    long blocks = (long)grid.x * grid.y * grid.z;
+    for (long i = 0; i < blocks; i++) {
+        long b = emu_reverse ? blocks - 1 - i : i;
+        blockIdx = dim3e{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
+        live = block, bar_arrived = 0;
+        for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
+        for (int t = 0; t < block; t++) {
+            Fiber& f = fibers[t];
+            f.started = f.done = false, f.tid = t;
+            getcontext(&f.uc);
+            f.uc.uc_stack.ss_sp = stacks + (size_t)t * STACK;
+            f.uc.uc_stack.ss_size = STACK;
+            f.uc.uc_link = nullptr;
+            makecontext(&f.uc, fiber_main, 0);
+        }
+        for (int running = block; running;) {
+            running = 0;
+            for (int k = 0; k < block; k++) {
+                int t = emu_reverse ? block - 1 - k : k;
+                Fiber& f = fibers[t];
+                if (f.done) continue;
+                cur = t, threadIdx = dim3e{f.tid, 0, 0};
+                if (!_setjmp(scheduler)) {
+                    if (!f.started) f.started = true, setcontext(&f.uc);
+                    else _longjmp(f.jb, 1);
                 }
-                for (int running = block; running;) {
-                    running = 0;
-                    for (int t = 0; t < block; t++) {
-                        Fiber& f = fibers[t];
-                        if (f.done) continue;
-                        cur = t, threadIdx = dim3e{f.tid, 0, 0};
-                        if (!_setjmp(scheduler)) {
-                            if (!f.started) f.started = true, setcontext(&f.uc);
-                            else _longjmp(f.jb, 1);
-                        }
-                        running += !f.done;
-                    }
-                }
+                running += !f.done;
             }
+        }
+    }
 }
 
 // ---- flash_attn.cu's tensor-core helpers (TENSOR_CORE_HELPERS), as the PTX ISA defines them
@@ -551,9 +557,9 @@ class Cublas:
             o[...] = o + A @ B if accumulate else A @ B
 
 
-def install(nc, sms=2, arch="90"):
+def install(nc, sms=2, arch="90", reverse=False):
     """nanoeuler_cuda (the module nc) on the emulator: its driver and its GPU, with the
-    modules of nc.MODULES (flash_attn.cu's fp32 passes only); -> the driver"""
+    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; -> the driver"""
     from cuda.bindings import driver as real
     root = os.path.dirname(os.path.abspath(nc.__file__))
     nc.cu = driver = Driver(real)
@@ -561,6 +567,8 @@ def install(nc, sms=2, arch="90"):
     gpu.stream, gpu.sms, gpu.arch, gpu.name = real.CUstream(0), sms, arch, "CPU emulator"
     gpu.modules = {name: load(os.path.join(root, file), defines, select)
                    for name, (file, defines, select) in SOURCES.items()}
+    for lib in gpu.modules.values():
+        lib.emu_set_reverse(int(reverse))
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
@@ -592,11 +600,13 @@ def main():
                    help="kernels: check_kernels and check_optimizer (both builds); training: those, attention, "
                         "the model, SFT rows and steps; check: `nanoeuler_cuda.py check` itself, all of it; decoding: check_decoding; fast: "
                         "check_decode_logits on rows of up to 3 chunks, fp32")
+    p.add_argument("--reverse", action="store_true",
+                   help="run blocks, and a block's threads between barriers, in reverse order (races show)")
     args = p.parse_args()
     sys.path.insert(0, HERE)
     import nanoeuler as ne
     import nanoeuler_cuda as nc
-    driver = install(nc)
+    driver = install(nc, reverse=args.reverse)
     if "check" in args.what:
         nc.main(["check"])
         return
