@@ -21,7 +21,9 @@ as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
 NaN bits when allocated; a launch, a memset or a cuBLAS product runs at once
 or, during stream capture, joins the graph that a graph launch replays; what a
-capture may not do fails) and a GPU object with cuBLAS done by numpy, so
+capture may not do fails; each allocation lies between two guards of canary
+bytes, which are read after every kernel, so a write past either end is named)
+and a GPU object with cuBLAS done by numpy, so
 GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
 
 What it cannot tell: speed, memory order (fences and atomics are plain), and the
@@ -422,12 +424,24 @@ class Driver:
         self.capture = "invalidated by " + what
         return (self.real.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
 
+    GUARD = 256                                   # bytes of canary before and after each allocation
+
     def alloc(self, n, fill):
-        buf = ctypes.create_string_buffer(max(n, 4) + 64)
-        ptr = (ctypes.addressof(buf) + 63) // 64 * 64
-        ctypes.memset(ptr, fill, max(n, 4))
-        self.memory[ptr] = buf
+        """n bytes (64-aligned) between two guards of canary bytes, which check_guards reads"""
+        n = max(n, 4)
+        buf = ctypes.create_string_buffer(n + 2 * self.GUARD + 64)
+        ptr = (ctypes.addressof(buf) + self.GUARD + 63) // 64 * 64
+        ctypes.memset(ptr - self.GUARD, 0xA5, n + 2 * self.GUARD)
+        ctypes.memset(ptr, fill, n)
+        self.memory[ptr] = (buf, n)
         return ptr
+
+    def check_guards(self, kernel):
+        """a kernel that wrote past either end of an allocation: named, with the allocation"""
+        canary = b"\xa5" * self.GUARD
+        for ptr, (_, n) in self.memory.items():
+            if ctypes.string_at(ptr - self.GUARD, self.GUARD) != canary or ctypes.string_at(ptr + n, self.GUARD) != canary:
+                raise AssertionError(f"{kernel} wrote outside an allocation of {n} bytes at {ptr:#x}")
 
     def fill(self, ptr, bits, n, ctype):
         def run():
@@ -503,10 +517,15 @@ class Driver:
     def launch(self, f, grid, block, params):
         launch = f.lib.emu_launch(f.index, *grid, block, params)       # the arguments' values, copied now
         self.launches += 1
-        if isinstance(self.capture, list):
-            self.capture.append(lambda: f.lib.emu_run(launch))
-        elif self.capture is None:
+
+        def run():
             f.lib.emu_run(launch)
+            self.check_guards(f.name)
+
+        if isinstance(self.capture, list):
+            self.capture.append(run)
+        elif self.capture is None:
+            run()
             f.lib.emu_free(launch)
         return (0,)
 
