@@ -19,11 +19,11 @@ C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
 helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
 as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
-NaN bits when allocated; a launch, a memset or a cuBLAS product runs at once
-or, during stream capture, joins the graph that a graph launch replays; what a
-capture may not do fails; each allocation lies between two guards of canary
-bytes, which are read after every kernel, so a write past either end is named)
-and a GPU object with cuBLAS done by numpy, so
+NaN bits when allocated, between two guards of NaN bytes that are read after
+every kernel, so a write past either end is named and a read past one spreads
+NaN; a launch, a memset or a cuBLAS product runs at once or, during stream
+capture, joins the graph that a graph launch replays; what a capture may not do
+fails) and a GPU object with cuBLAS done by numpy, so
 GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
 
 What it cannot tell: speed, memory order (fences and atomics are plain), and the
@@ -431,14 +431,14 @@ class Driver:
         n = max(n, 4)
         buf = ctypes.create_string_buffer(n + 2 * self.GUARD + 64)
         ptr = (ctypes.addressof(buf) + self.GUARD + 63) // 64 * 64
-        ctypes.memset(ptr - self.GUARD, 0xA5, n + 2 * self.GUARD)
+        ctypes.memset(ptr - self.GUARD, 0xFF, n + 2 * self.GUARD)      # NaN: a read past an end spreads
         ctypes.memset(ptr, fill, n)
         self.memory[ptr] = (buf, n)
         return ptr
 
     def check_guards(self, kernel):
         """a kernel that wrote past either end of an allocation: named, with the allocation"""
-        canary = b"\xa5" * self.GUARD
+        canary = b"\xff" * self.GUARD
         for ptr, (_, n) in self.memory.items():
             if ctypes.string_at(ptr - self.GUARD, self.GUARD) != canary or ctypes.string_at(ptr + n, self.GUARD) != canary:
                 raise AssertionError(f"{kernel} wrote outside an allocation of {n} bytes at {ptr:#x}")
