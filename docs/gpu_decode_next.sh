@@ -1,4 +1,5 @@
 #!/bin/bash
+# Superseded by docs/gpu_next.sh (the merged branch: training and decoding in one device command).
 # One device run for issue 11's decoding speed (split-K attention, decode_matvec over every SM in
 # one round of loads, argmax in one round; programmatic dependent launch behind DECODE_PDL, off),
 # from the repository root: bash docs/gpu_decode_next.sh ($OUT: where the logs go). In order of

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Superseded by docs/gpu_next.sh (the merged branch: training and decoding in one device command).
 # One device run for issue 13's training step (bf16 activations as floatX, fused norms, one CUDA
 # graph a step), from the repository root: bash docs/gpu_train_next.sh ($OUT: where the logs go).
 # In order of what matters most, each step under its own timeout, the optional ones only while
