@@ -42,7 +42,7 @@ step() {
   [ $((LIMIT - SECONDS)) -lt $budget ] && budget=$((LIMIT - SECONDS))
   banner "$name" | tee -a $S
   local s=$EPOCHREALTIME
-  timeout $budget "$@" > $G/$log 2>&1
+  timeout $budget "$@" < /dev/null > $G/$log 2>&1
   local rc=$?
   local note=""
   [ $rc -eq 124 ] && note=" TIMED OUT after ${budget} s"
@@ -98,7 +98,6 @@ main() {
   grep -E "NOT OK|overall|Error|error|failed" $G/check.log | head -30 | sed 's/^/check: /' | key
   if [ $check_rc -ne 0 ]; then
     tail -15 $G/check.log | tee -a $S
-    # each part on its own, then a failed one with its fallback switch
     # the parts with NOT OK lines, or all of them if check raised; each on its own, then a failed
     # one with its fallback switch
     python docs/gpu_check_parts.py --failed $G/check.log > $G/parts.txt 2>&1 || echo "kernels fp32" > $G/parts.txt
