@@ -282,6 +282,7 @@ extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, c
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
     float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
     for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
+    __syncwarp();                         // zeroed by one lane, added to by another (dw_slot)
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
         long r0 = (long)row * C;
         float r = rstd[row], dot = 0.0f;
