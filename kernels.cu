@@ -1,8 +1,10 @@
 /*
 NanoEuler's elementwise and reduction kernels, the GPU twins of the numpy layers
 in nanoeuler.py (same names: rmsnorm_forward there, rmsnorm_forward_kernel here,
-rmsnorm_forward the launcher in nanoeuler_cuda.py). Matrix products are not here:
-they go through cuBLAS. Attention is in flash_attn.cu.
+rmsnorm_forward the launcher in nanoeuler_cuda.py), and decoding's kernels (the
+last section). Training's matrix products are not here: they go through cuBLAS;
+decoding's matrix-vector products and its attention over the KV cache are.
+Training's attention is in flash_attn.cu.
 
 Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
 (-std=c++17 --use_fast_math), cached on disk by source hash, and twice: as it
@@ -30,8 +32,8 @@ stream, without bias. PyTorch's autocast keeps them fp32; `check` compares the
 whole model with a float64 reference that rounds where these kernels round,
 so its bar measures the kernels, not bf16 (nanoeuler_cuda.check_model).
 Element counts along rows (C, F, D/2, the qkv stride) are multiples of 8, so
-that PACK elements move in one 16-byte load or store (nanoeuler_cuda.GPUModel
-checks the sizes).
+that PACK elements move in one 16-byte load or store (nanoeuler_cuda.check_sizes
+and decode_check_sizes refuse other models).
 All kernels are extern "C" so their names survive compilation unmangled.
 
 Gradient rule: parameter gradients +=, activation gradients =, except where a

@@ -13,7 +13,12 @@ product in cuBLAS, called through ctypes. No framework.
 It shares with nanoeuler.py (imported, not copied): Config and the presets, the
 tokenizer, the data pipeline, the checkpoint files and the training loop's log
 and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
-the other way round.
+the other way round. Its sections follow nanoeuler.py's order, under the same
+names (rmsnorm_backward is a numpy layer there, a launcher here and
+rmsnorm_backward_kernel in kernels.cu): compiling and launching the kernels (the
+layers), the model, check (in the gradient check's place), decoding
+(generation), training, SFT and chat, the benchmark, the command line; the
+data-parallel part (--gpus, NCCL) is the last section.
 
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
@@ -311,7 +316,7 @@ class GPU:
         return self.functions[name, bf16]
 
     def launch(self, name, grid, block, *args, shared=0, bf16=False):
-        """args are ctypes values (see P, I, L, F below); kept alive for the call. bf16: the
+        """args are ctypes values (see ptr_arg, int_arg, long_arg, float_arg below); kept alive for the call. bf16: the
         kernel's activations are bfloat16 (kernels.cu's bf16 build)"""
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         grid = grid if isinstance(grid, tuple) else (grid, 1, 1)
@@ -364,12 +369,13 @@ class EventTimer:
         self.gpu.profile.append((self.name, *self.events))
 
 
-def P(a):
-    """a device pointer argument (None: nullptr)"""
+def ptr_arg(a):
+    """a kernel's pointer argument: a DeviceArray's address, or a raw one (None: nullptr)"""
     return ctypes.c_void_p(a.ptr if isinstance(a, DeviceArray) else int(a or 0))
 
 
-I, L, F = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+# a kernel's int, long (64 bits) and float arguments
+int_arg, long_arg, float_arg = ctypes.c_int, ctypes.c_longlong, ctypes.c_float
 
 
 def init_gpu(precision="fp32", device=0):
@@ -398,26 +404,27 @@ def pack(a):
 
 def embedding_forward(x, idx, tok_emb, N, C):
     block = 256
-    gpu.launch("embedding_forward_kernel", ceil_div(N * C, block), block, P(x), P(idx), P(tok_emb), I(N), I(C),
-               bf16=bf16(x))
+    gpu.launch("embedding_forward_kernel", ceil_div(N * C, block), block, ptr_arg(x), ptr_arg(idx), ptr_arg(tok_emb),
+               int_arg(N), int_arg(C), bf16=bf16(x))
 
 
 def embedding_backward(dtok_emb, idx, dx, N, C, V):
     """one block per vocabulary entry, each finding its rows in idx (no sort on the host)"""
-    gpu.launch("embedding_backward_kernel", V, 256, P(dtok_emb), P(idx), P(dx), I(N), I(C), bf16=bf16(dx))
+    gpu.launch("embedding_backward_kernel", V, 256, ptr_arg(dtok_emb), ptr_arg(idx), ptr_arg(dx), int_arg(N),
+               int_arg(C), bf16=bf16(dx))
 
 
 def rmsnorm_forward(out, rstd, x, w, N, C):
     block = 256                                              # 8 rows per block, a warp each
-    gpu.launch("rmsnorm_forward_kernel", ceil_div(N, block // 32), block, P(out), P(rstd), P(x), P(w), I(N), I(C),
-               bf16=bf16(x))
+    gpu.launch("rmsnorm_forward_kernel", ceil_div(N, block // 32), block, ptr_arg(out), ptr_arg(rstd), ptr_arg(x),
+               ptr_arg(w), int_arg(N), int_arg(C), bf16=bf16(x))
 
 
 def residual_rmsnorm_forward(x, out, rstd, x_in, a, w, N, C):
     """x = x_in + a (the residual add), out = rmsnorm(x) * w, in one pass"""
     block = 256
-    gpu.launch("residual_rmsnorm_forward_kernel", ceil_div(N, block // 32), block, P(x), P(out), P(rstd), P(x_in),
-               P(a), P(w), I(N), I(C), bf16=bf16(x))
+    gpu.launch("residual_rmsnorm_forward_kernel", ceil_div(N, block // 32), block, ptr_arg(x), ptr_arg(out),
+               ptr_arg(rstd), ptr_arg(x_in), ptr_arg(a), ptr_arg(w), int_arg(N), int_arg(C), bf16=bf16(x))
 
 
 def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=None):
@@ -427,76 +434,93 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=No
     grid = min(ceil_div(N, block // 32), 4 * gpu.sms)        # few blocks: few partial sums of dw
     partial = gpu.scratch(grid * C) if partial is None else partial
     assert partial.size >= grid * C
-    gpu.launch("rmsnorm_backward_kernel", grid, block, P(dx), P(partial), P(dout), P(x), P(w), P(rstd), I(N), I(C),
-               I(int(accumulate)), shared=4 * C * block // 32, bf16=bf16(dx))
-    gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 32), 256, P(dw), P(partial), I(grid), I(C), bf16=bf16(dx))
+    gpu.launch("rmsnorm_backward_kernel", grid, block, ptr_arg(dx), ptr_arg(partial), ptr_arg(dout), ptr_arg(x),
+               ptr_arg(w), ptr_arg(rstd), int_arg(N), int_arg(C), int_arg(int(accumulate)), shared=4 * C * block // 32,
+               bf16=bf16(dx))
+    gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 32), 256, ptr_arg(dw), ptr_arg(partial), int_arg(grid),
+               int_arg(C), bf16=bf16(dx))
 
 
 def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
     block = 256
-    gpu.launch("rope_forward_kernel", ceil_div(N * n_heads * D // 2 // pack(qkv), block), block, P(qkv), P(cos),
-               P(sin), I(N), I(T), I(n_heads), I(D), I(stride), I(pos), bf16=bf16(qkv))
+    gpu.launch("rope_forward_kernel", ceil_div(N * n_heads * D // 2 // pack(qkv), block), block, ptr_arg(qkv),
+               ptr_arg(cos), ptr_arg(sin), int_arg(N), int_arg(T), int_arg(n_heads), int_arg(D), int_arg(stride),
+               int_arg(pos), bf16=bf16(qkv))
 
 
 def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
     block = 256
-    gpu.launch("rope_backward_kernel", ceil_div(N * n_heads * D // 2 // pack(dqkv), block), block, P(dqkv), P(cos),
-               P(sin), I(N), I(T), I(n_heads), I(D), I(stride), I(pos), bf16=bf16(dqkv))
+    gpu.launch("rope_backward_kernel", ceil_div(N * n_heads * D // 2 // pack(dqkv), block), block, ptr_arg(dqkv),
+               ptr_arg(cos), ptr_arg(sin), int_arg(N), int_arg(T), int_arg(n_heads), int_arg(D), int_arg(stride),
+               int_arg(pos), bf16=bf16(dqkv))
 
 
-def swiglu_forward(out, gu, N, F_):
+def swiglu_forward(out, gu, N, F):
     block = 256
-    gpu.launch("swiglu_forward_kernel", ceil_div(N * F_ // pack(out), block), block, P(out), P(gu), I(N), I(F_),
-               bf16=bf16(out))
+    gpu.launch("swiglu_forward_kernel", ceil_div(N * F // pack(out), block), block, ptr_arg(out), ptr_arg(gu),
+               int_arg(N), int_arg(F), bf16=bf16(out))
 
 
-def swiglu_backward(dgu, dout, gu, N, F_):
+def swiglu_backward(dgu, dout, gu, N, F):
     block = 256
-    gpu.launch("swiglu_backward_kernel", ceil_div(N * F_ // pack(dgu), block), block, P(dgu), P(dout), P(gu), I(N),
-               I(F_), bf16=bf16(dgu))
+    gpu.launch("swiglu_backward_kernel", ceil_div(N * F // pack(dgu), block), block, ptr_arg(dgu), ptr_arg(dout),
+               ptr_arg(gu), int_arg(N), int_arg(F), bf16=bf16(dgu))
 
 
 def residual_forward(out, x, a, n):
     block = 256
-    gpu.launch("residual_forward_kernel", ceil_div(n, block), block, P(out), P(x), P(a), L(n), bf16=bf16(out))
+    gpu.launch("residual_forward_kernel", ceil_div(n, block), block, ptr_arg(out), ptr_arg(x), ptr_arg(a),
+               long_arg(n), bf16=bf16(out))
 
 
 def cross_entropy_forward(logits, losses, targets, dscale, N, V, K):
     """logits (N, K, V) -> d loss / d logits in place, losses (K, N)"""
     block = 256
-    gpu.launch("cross_entropy_forward_kernel", N * K, block, P(logits), P(losses), P(targets), P(dscale), I(N), I(V),
-               I(K), bf16=bf16(logits))
+    gpu.launch("cross_entropy_forward_kernel", N * K, block, ptr_arg(logits), ptr_arg(losses), ptr_arg(targets),
+               ptr_arg(dscale), int_arg(N), int_arg(V), int_arg(K), bf16=bf16(logits))
 
 
 def cross_entropy_sum(sums, losses, N, K):
     """sums[k] (float64) = head k's losses added up"""
-    gpu.launch("cross_entropy_sum_kernel", K, 256, P(sums), P(losses), I(N))
+    gpu.launch("cross_entropy_sum_kernel", K, 256, ptr_arg(sums), ptr_arg(losses), int_arg(N))
 
 
 def to_bf16(out, x, n):
     block = 256
-    gpu.launch("to_bf16_kernel", ceil_div(n, 4 * block), block, P(out), P(x), L(n))
+    gpu.launch("to_bf16_kernel", ceil_div(n, 4 * block), block, ptr_arg(out), ptr_arg(x), long_arg(n))
 
 
 def grad_norm(partial, grads, n):
     """partial[b] = block b's share of the sum of squares (partial.size blocks)"""
-    gpu.launch("grad_norm_kernel", partial.size, 512, P(partial), P(grads), L(n))
+    gpu.launch("grad_norm_kernel", partial.size, 512, ptr_arg(partial), ptr_arg(grads), long_arg(n))
 
 
 def clip_grad_norm(results, clip, partial, K, max_norm):
     """results[K] = the gradient norm; clip = (scale, apply): see clip_grad_norm_kernel"""
-    gpu.launch("clip_grad_norm_kernel", 1, 32, P(results), P(clip), P(partial), I(partial.size), I(K), F(max_norm))
+    gpu.launch("clip_grad_norm_kernel", 1, 32, ptr_arg(results), ptr_arg(clip), ptr_arg(partial),
+               int_arg(partial.size), int_arg(K), float_arg(max_norm))
 
 
 def adamw_update(params, params16, grads, m, v, decay, n, hyper, clip, beta1=0.9, beta2=0.95, eps=1e-8,
                  weight_decay=0.1):
     """hyper = (lr, 1 - beta1^step, 1 - beta2^step) and clip (clip_grad_norm's) in GPU memory"""
     block = 256
-    gpu.launch("adamw_update_kernel", ceil_div(n, 4 * block), block, P(params), P(params16), P(grads), P(m), P(v),
-               P(decay), L(n), P(hyper), P(clip), F(beta1), F(beta2), F(eps), F(weight_decay))
+    gpu.launch("adamw_update_kernel", ceil_div(n, 4 * block), block, ptr_arg(params), ptr_arg(params16),
+               ptr_arg(grads), ptr_arg(m), ptr_arg(v), ptr_arg(decay), long_arg(n), ptr_arg(hyper), ptr_arg(clip),
+               float_arg(beta1), float_arg(beta2), float_arg(eps), float_arg(weight_decay))
 
 
 BF16_HEAD_DIMS = (16, 32, 64)                  # flash_attn.cu's bf16 passes
+ATTENTION_ROWS = 64     # as in flash_attn.cu: query rows (dk/dv: keys) per block of every pass
+# flash_attn.cu's entry points by version: forward, dk/dv, dq, each written out for D in HEAD_DIMS
+ATTENTION_KERNELS = {
+    "fp32": ("attention_forward_kernel_{D}", "attention_backward_dkv_kernel_{D}",
+             "attention_backward_dq_kernel_{D}"),
+    "tf32": ("attention_forward_tf32_kernel_{D}", "attention_backward_dkv_tf32_kernel_{D}",
+             "attention_backward_dq_tf32_kernel_{D}"),
+    "bf16": ("attention_forward_bf16_kernel_{D}", "attention_backward_dkv_bf16_kernel_{D}",
+             "attention_backward_dq_bf16_kernel_{D}"),
+}
 
 
 def attention_path(D, qkv):
@@ -510,35 +534,34 @@ def attention_path(D, qkv):
 
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
     """y (B*T, Hq*D) and lse (B, Hq, T) from qkv (B*T, (Hq+2Hkv)*D), q and k rotated"""
-    scale = F(1 / math.sqrt(D))
     path = attention_path(D, qkv)
-    args = (P(y), P(lse), P(qkv), I(T), I(Hq), I(Hkv), scale)
-    if path == "bf16":
-        gpu.launch(f"attention_forward_bf16_kernel_{D}", (Hq, B, ceil_div(T, 64)), 128, *args)
-    elif path == "fp32":                                             # one thread per query row
-        gpu.launch(f"attention_forward_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, *args)
-    else:
-        gpu.launch(f"attention_forward_tf32_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
+    kernel = ATTENTION_KERNELS[path][0].format(D=D)
+    args = (ptr_arg(y), ptr_arg(lse), ptr_arg(qkv), int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(D)))
+    blocks = ceil_div(T, ATTENTION_ROWS)
+    if path == "bf16":                                               # the last query tiles (most keys) first
+        gpu.launch(kernel, (Hq, B, blocks), 128, *args)
+    else:                                                            # fp32: one thread per query row
+        gpu.launch(kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, *args)
 
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     """dqkv = d loss / d qkv (dq and dk before rope's backward)"""
     block, path = 256, attention_path(D, qkv)
-    delta_args = (P(delta), P(dy), P(y), I(B), I(T), I(Hq), I(D))
+    delta_args = (ptr_arg(delta), ptr_arg(dy), ptr_arg(y), int_arg(B), int_arg(T), int_arg(Hq), int_arg(D))
     if path == "bf16":
         gpu.launch("attention_backward_delta_bf16_kernel", ceil_div(B * T * Hq, block // 32), block, *delta_args)
     else:
         gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, *delta_args)
-    args = (P(dqkv), P(qkv), P(dy), P(lse), P(delta), I(T), I(Hq), I(Hkv), F(1 / math.sqrt(D)))
+    args = (ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(dy), ptr_arg(lse), ptr_arg(delta), int_arg(T), int_arg(Hq),
+            int_arg(Hkv), float_arg(1 / math.sqrt(D)))
+    _, dkv_kernel, dq_kernel = (name.format(D=D) for name in ATTENTION_KERNELS[path])
+    blocks = ceil_div(T, ATTENTION_ROWS)
     if path == "bf16":
-        gpu.launch(f"attention_backward_dkv_bf16_kernel_{D}", (Hkv, B, ceil_div(T, 64)), 128, *args)
-        gpu.launch(f"attention_backward_dq_bf16_kernel_{D}", (Hq, B, ceil_div(T, 64)), 128, *args)
-    elif path == "fp32":
-        gpu.launch(f"attention_backward_dkv_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *args)
-        gpu.launch(f"attention_backward_dq_kernel_{D}", (ceil_div(T, 64), Hq, B), 64, *args)
-    else:
-        gpu.launch(f"attention_backward_dkv_tf32_kernel_{D}", (ceil_div(T, 64), Hkv, B), 128, *args)
-        gpu.launch(f"attention_backward_dq_tf32_kernel_{D}", (ceil_div(T, 64), Hq, B), 128, *args)
+        gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, *args)
+        gpu.launch(dq_kernel, (Hq, B, blocks), 128, *args)
+    else:                                                            # fp32 dq: one thread per query row
+        gpu.launch(dkv_kernel, (blocks, Hkv, B), 128, *args)
+        gpu.launch(dq_kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, *args)
 
 
 # -----------------------------------------------------------------------------
@@ -678,13 +701,13 @@ class GPUModel:
         check_sizes(cfg)
         self.cfg, self.B, self.N = cfg, B, B * cfg.T
         self.bf16 = activations_bf16(cfg)
-        self.n_params = P_ = num_params(cfg)
-        chunk = ceil_div(ceil_div(P_, shards), 8) * 8                # 8: AdamW's 16-byte loads stay aligned
+        self.n_params = n_params = num_params(cfg)
+        chunk = ceil_div(ceil_div(n_params, shards), 8) * 8                # 8: AdamW's 16-byte loads stay aligned
         self.lo, self.hi = shard * chunk, (shard + 1) * chunk        # this rank's part of the moments
-        padded = lambda a: np.pad(a, (0, chunk * shards - P_))
+        padded = lambda a: np.pad(a, (0, chunk * shards - n_params))
         self.flat = DeviceArray((chunk * shards,)).upload(padded(ne.init_params(cfg) if flat is None else flat))
         self.grads = DeviceArray((chunk * shards,)).zero()
-        zeros = np.zeros(P_, np.float32)
+        zeros = np.zeros(n_params, np.float32)
         self.m = DeviceArray((chunk,)).upload(padded(zeros if m is None else m)[self.lo:self.hi])
         self.v = DeviceArray((chunk,)).upload(padded(zeros if v is None else v)[self.lo:self.hi])
         self.decay = to_gpu(padded(ne.decay_mask(cfg)), np.uint8)   # 1 for matrices, 0 for norm weights
@@ -727,23 +750,24 @@ class GPUModel:
         """what the backward reads, per layer, plus a few buffers that every layer reuses, all
         floatX; and the step's inputs and outputs"""
         cfg, N, B, K = self.cfg, self.N, self.B, self.cfg.K
-        C, QKV, HD, F_ = cfg.C, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D, cfg.F
+        C, QKV, HD, F = cfg.C, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D, cfg.F
         act = lambda *shape: DeviceArray(shape, np.uint16 if self.bf16 else np.float32)
         f32 = lambda *shape: DeviceArray(shape)
         per_layer = lambda make: [make() for _ in range(cfg.L)]
         self.x = [act(N, C) for _ in range(cfg.L + 1)]              # the residual stream into each layer
         self.x_mid = per_layer(lambda: act(N, C))                   # and after each layer's attention
-        self.h, self.m_ = per_layer(lambda: act(N, C)), per_layer(lambda: act(N, C))   # the norms' outputs
+        # the norms' outputs, the attention's and the MLP's inputs (nanoeuler.py's h and m)
+        self.attn_in, self.mlp_in = per_layer(lambda: act(N, C)), per_layer(lambda: act(N, C))
         self.rstd_attn, self.rstd_mlp = per_layer(lambda: f32(N)), per_layer(lambda: f32(N))
         self.qkv, self.y = per_layer(lambda: act(N, QKV)), per_layer(lambda: act(N, HD))   # q, k rotated in place
         self.lse = per_layer(lambda: f32(B, cfg.Hq, cfg.T))
-        self.gu, self.s = per_layer(lambda: act(N, 2 * F_)), per_layer(lambda: act(N, F_))
+        self.gu, self.s = per_layer(lambda: act(N, 2 * F)), per_layer(lambda: act(N, F))
         self.xf, self.rstd_final = act(N, C), f32(N)
         self.logits, self.losses = act(N, K * cfg.V), f32(K, N)    # logits: d loss / d logits after the loss
         self.tmp = act(N, C)                    # a product on its way into the residual stream
         # scratch for the backward: each layer overwrites what the layer after it used
         self.dx, self.dh = act(N, C), act(N, C)                     # dx: the residual stream's gradient
-        self.ds, self.dgu, self.dy, self.dqkv = act(N, F_), act(N, 2 * F_), act(N, HD), act(N, QKV)
+        self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
         self.norm_partial = f32(4 * gpu.sms * C)                    # rmsnorm_backward's dw per block
         # the step's inputs, uploaded into these same buffers before each step (a graph reads them)
@@ -794,26 +818,26 @@ class GPUModel:
         """the forward of the staged batch: logits, then with_loss the cross entropy (d loss
         / d logits in place of the logits) and the loss sums into results"""
         cfg, T, N = self.cfg, self.cfg.T, self.n_tokens
-        C, D, F_, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
+        C, D, F, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         B, p = N // T, self.params
         embedding_forward(self.x[0], self.idx, p["tok_emb"], N, C)
-        rmsnorm_forward(self.h[0], self.rstd_attn[0], self.x[0], p["layers.0.attn_norm"], N, C)
+        rmsnorm_forward(self.attn_in[0], self.rstd_attn[0], self.x[0], p["layers.0.attn_norm"], N, C)
         for l in range(cfg.L):
             w = lambda name: p[f"layers.{l}.{name}"]
-            matmul(self.qkv[l], self.h[l], w("wqkv"), N, QKV, C, trans_b=True)
+            matmul(self.qkv[l], self.attn_in[l], w("wqkv"), N, QKV, C, trans_b=True)
             rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
             matmul(self.tmp, self.y[l], w("wo"), N, C, HD, trans_b=True)
             # x_mid = x + y @ wo.T (residual), and its norm for the MLP, in one pass
-            residual_rmsnorm_forward(self.x_mid[l], self.m_[l], self.rstd_mlp[l], self.x[l], self.tmp, w("mlp_norm"),
-                                     N, C)
-            matmul(self.gu[l], self.m_[l], w("w_gate_up"), N, 2 * F_, C, trans_b=True)
-            swiglu_forward(self.s[l], self.gu[l], N, F_)
-            matmul(self.tmp, self.s[l], w("w_down"), N, C, F_, trans_b=True)
+            residual_rmsnorm_forward(self.x_mid[l], self.mlp_in[l], self.rstd_mlp[l], self.x[l], self.tmp,
+                                     w("mlp_norm"), N, C)
+            matmul(self.gu[l], self.mlp_in[l], w("w_gate_up"), N, 2 * F, C, trans_b=True)
+            swiglu_forward(self.s[l], self.gu[l], N, F)
+            matmul(self.tmp, self.s[l], w("w_down"), N, C, F, trans_b=True)
             # x[l+1] = x_mid + s @ w_down.T (residual), and its norm: the next layer's, or the final one
             last = l == cfg.L - 1
-            out, rstd = (self.xf, self.rstd_final) if last else (self.h[l + 1], self.rstd_attn[l + 1])
+            out, rstd = (self.xf, self.rstd_final) if last else (self.attn_in[l + 1], self.rstd_attn[l + 1])
             norm_w = p["final_norm"] if last else p[f"layers.{l + 1}.attn_norm"]
             residual_rmsnorm_forward(self.x[l + 1], out, rstd, self.x_mid[l], self.tmp, norm_w, N, C)
         matmul(self.logits, self.xf, p["heads"], N, K * V, C, trans_b=True)   # (N, K*V): the K heads side by side
@@ -824,7 +848,7 @@ class GPUModel:
     def backward(self):
         """adds d loss / d params into self.grads; mirrors forward in reverse"""
         cfg, T, N = self.cfg, self.cfg.T, self.n_tokens
-        C, D, F_, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
+        C, D, F, V, K = cfg.C, cfg.D, cfg.F, cfg.V, cfg.K
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         B, p, g = N // T, self.params, self.dparams
         # the chain starts in self.logits: the fused cross entropy wrote d loss / d logits there;
@@ -838,11 +862,11 @@ class GPUModel:
             w = lambda name: p[f"layers.{l}.{name}"]
             dw = lambda name: g[f"layers.{l}.{name}"]
             # forward was: x[l+1] = x_mid + s @ w_down.T
-            matmul(self.ds, self.dx, w("w_down"), N, F_, C)
-            matmul(dw("w_down"), self.dx, self.s[l], C, F_, N, trans_a=True, accumulate=True)
-            swiglu_backward(self.dgu, self.ds, self.gu[l], N, F_)
-            matmul(self.dh, self.dgu, w("w_gate_up"), N, C, 2 * F_)
-            matmul(dw("w_gate_up"), self.dgu, self.m_[l], 2 * F_, C, N, trans_a=True, accumulate=True)
+            matmul(self.ds, self.dx, w("w_down"), N, F, C)
+            matmul(dw("w_down"), self.dx, self.s[l], C, F, N, trans_a=True, accumulate=True)
+            swiglu_backward(self.dgu, self.ds, self.gu[l], N, F)
+            matmul(self.dh, self.dgu, w("w_gate_up"), N, C, 2 * F)
+            matmul(dw("w_gate_up"), self.dgu, self.mlp_in[l], 2 * F, C, N, trans_a=True, accumulate=True)
             # dx += : the residual stream's gradient takes both paths
             rmsnorm_backward(self.dx, dw("mlp_norm"), self.dh, self.x_mid[l], w("mlp_norm"), self.rstd_mlp[l], N, C,
                              partial=self.norm_partial)
@@ -853,7 +877,7 @@ class GPUModel:
                                B, T, cfg.Hq, cfg.Hkv, D)
             rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             matmul(self.dh, self.dqkv, w("wqkv"), N, C, QKV)
-            matmul(dw("wqkv"), self.dqkv, self.h[l], QKV, C, N, trans_a=True, accumulate=True)
+            matmul(dw("wqkv"), self.dqkv, self.attn_in[l], QKV, C, N, trans_a=True, accumulate=True)
             rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C,
                              partial=self.norm_partial)
             self.grads_done(l)
@@ -948,7 +972,7 @@ def check_kernels(rng, report, is_bf16):
     rnd = bf16_round if is_bf16 else (lambda a: np.asarray(a, np.float32))     # as the kernels store
     f64 = lambda a: np.asarray(a, np.float64)
     name = lambda what: what + (" (bf16)" if is_bf16 else "")
-    B, T, C, V, F_, K = 3, 100, 96, 200, 160, 3                  # T: not a multiple of any tile
+    B, T, C, V, F, K = 3, 100, 96, 200, 160, 3                  # T: not a multiple of any tile
     N = B * T
     # embedding; token 5 fills every third row, so its rows span several of the backward's chunks
     idx, tok_emb = rng.integers(0, V, (B, T)), f32(V, C)
@@ -965,10 +989,10 @@ def check_kernels(rng, report, is_bf16):
     check_rmsnorm(rng, report, is_bf16, N, C)
     check_rope(rng, report, is_bf16, B, T)
     # swiglu
-    gu, dout = rnd(f32(N, 2 * F_) * 3), rnd(f32(N, F_))
-    out, dgu = poisoned((N, F_), is_bf16), poisoned((N, 2 * F_), is_bf16)
-    swiglu_forward(out, activation(gu, is_bf16), N, F_)
-    swiglu_backward(dgu, activation(dout, is_bf16), activation(gu, is_bf16), N, F_)
+    gu, dout = rnd(f32(N, 2 * F) * 3), rnd(f32(N, F))
+    out, dgu = poisoned((N, F), is_bf16), poisoned((N, 2 * F), is_bf16)
+    swiglu_forward(out, activation(gu, is_bf16), N, F)
+    swiglu_backward(dgu, activation(dout, is_bf16), activation(gu, is_bf16), N, F)
     ref, cache = ne.swiglu_forward(f64(gu))
     report(name("swiglu_forward"), rel_diff(values(out), rnd(ref)))
     report(name("swiglu_backward"), rel_diff(values(dgu), rnd(ne.swiglu_backward(f64(dout), cache))))
@@ -1497,359 +1521,6 @@ def cmd_check(args):
 
 
 # -----------------------------------------------------------------------------
-# training
-
-PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495, "bf16": 989}, "H200": {"fp32": 67, "tf32": 495, "bf16": 989},
-               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312}}        # dense, from the vendors' datasheets
-
-
-def flops_per_token(cfg):
-    """6 per weight of every matmul (forward + backward), plus causal attention's two matmuls"""
-    matmul_params = num_params(cfg) - cfg.V * cfg.C - (2 * cfg.L + 1) * cfg.C      # no lookup, no norms
-    return 6 * matmul_params + 6 * cfg.L * cfg.Hq * cfg.D * cfg.T      # 12 L Hq D T, halved by the mask
-
-
-# a training step is one CUDA graph, captured at the second step and replayed (the first
-# runs kernel by kernel, so that cuBLAS has set itself up before a capture); False, or
-# --no-graph: every step kernel by kernel. Both give the same bits.
-GRAPH_STEP = True
-
-
-def capture_graph(run, what):
-    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph.
-    The garbage collector waits meanwhile: a DeviceArray freed inside a capture (cuMemFree)
-    would end it with an error."""
-    import gc
-    check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
-          "cuStreamBeginCapture")
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        run()
-    finally:
-        if collecting:
-            gc.enable()
-        graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
-    executable = check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
-    check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
-    return executable
-
-
-class GPUEngine:
-    """nanoeuler.train_loop's engine, on the GPU"""
-
-    def __init__(self, cfg, flat, m, v, args, rank=0, world=1):
-        self.cfg, self.args = cfg, args
-        rows = shard_rows(args.batch, world, rank)
-        self.zero = args.zero
-        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if self.zero else 1,
-                              rank if self.zero else 0)
-        peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
-        self.peak = peak[gpu.precision] * 1e12 if peak else None
-        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T / world    # this GPU's share
-        # not where cuBLAS rounds fp32 inputs into scratch (BF16_ACTIVATIONS off): it may move
-        self.use_graph = GRAPH_STEP and not getattr(args, "no_graph", False) and \
-            (gpu.precision != "bf16" or self.model.bf16)
-        self.graph, self.steps = None, 0
-
-    def step(self, idx, targets, lr, step):
-        """upload the batch and the step's numbers, one step on the GPU (from the graph when
-        there is one), then read the loss sums and the norm: the host waits once. A non-finite
-        loss or norm has left the weights and moments as they were (see run_update)."""
-        m = self.model
-        counts = m.stage(idx, targets)
-        m.stage_hyper(lr, step)
-        if self.use_graph and self.steps > 0 and len(idx) == m.B and gpu.profile is None:
-            if self.graph is None:
-                self.graph = capture_graph(lambda: m.run_step(self.args.clip, self.args.weight_decay),
-                                           "a training step")
-            check(cu.cuGraphLaunch(self.graph, gpu.stream), "cuGraphLaunch (a training step)")
-        else:
-            m.run_step(self.args.clip, self.args.weight_decay)
-        self.steps += 1
-        results = m.results.download()
-        loss, ce = m.loss(results[:self.cfg.K], counts)
-        return loss, ce, float(results[self.cfg.K])
-
-    def evaluate(self, batches, token_bytes):
-        def ce_of(idx, targets):                       # in parts of B rows: B/N of the batch on N GPUs
-            counts, B = (targets >= 0).sum(axis=(0, 1)), self.model.B
-            return sum(self.model.forward(idx[i:i + B], targets[i:i + B], counts)[1] for i in range(0, len(idx), B))
-        return ne.evaluate(ce_of, batches, token_bytes)
-
-    def host_params(self):
-        return self.model.flat.view(0, (self.model.n_params,)).download()
-
-    def host_weights(self):
-        n = self.model.n_params
-        return self.host_params(), self.model.m.download()[:n], self.model.v.download()[:n]
-
-    def mfu(self, dt):
-        return self.flops_per_step / dt / self.peak if self.peak else None
-
-    def close(self):
-        gpu.sync()
-
-
-# -----------------------------------------------------------------------------
-# several GPUs: data parallel over NCCL
-#
-# One process per GPU, each this program with NANOEULER_RANK set (launch_ranks
-# starts them). Every rank draws the same global batch (same seed, same random
-# state) and runs only its own rows, dividing by the whole batch's target
-# counts: so the ranks' gradients sum to the one-GPU gradient, and NCCL's
-# all-reduce sums them, a layer at a time on a second stream while the backward
-# goes on with the layers below. Rank 0 runs nanoeuler.train_loop (log,
-# evaluation, checkpoints); the others follow() what it broadcasts.
-# --zero (ZeRO-1): each rank keeps AdamW's moments for 1/N of the parameters and
-# updates only those; an all-gather then gives every rank all the parameters.
-
-NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
-STEP, GATHER, STOP = 1, 2, 3                   # what rank 0 tells the others
-nccl = None                                    # libnccl through ctypes, once load_nccl ran
-
-
-class NcclUniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_char * 128)]
-
-
-def load_nccl():
-    global nccl
-    if nccl is None:
-        # NVLink multicast (NVLS) off, before NCCL reads its settings: on a host whose GPUs
-        # others share it can put them out of service; the ranks inherit this too
-        os.environ["NCCL_NVLS_ENABLE"] = "0"
-        import cuda.pathfinder as pf
-        try:
-            lib = ctypes.CDLL(pf.load_nvidia_dynamic_lib("nccl").abs_path)
-        except Exception:
-            raise NanoEulerError("--gpus needs NCCL: pip install nvidia-nccl-cu13 (see requirements-cuda.txt)") \
-                from None
-        vp, ci, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-        lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [ci], ctypes.c_char_p
-        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(NcclUniqueId)]
-        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), ci, NcclUniqueId, ci]
-        lib.ncclAllReduce.argtypes = [vp, vp, sz, ci, ci, vp, vp]
-        lib.ncclBroadcast.argtypes = [vp, vp, sz, ci, ci, vp, vp]
-        lib.ncclAllGather.argtypes = [vp, vp, sz, ci, vp, vp]
-        lib.ncclCommDestroy.argtypes = [vp]
-        nccl = lib
-    return nccl
-
-
-def nccl_check(status, what):
-    if status:
-        raise NanoEulerError(f"NCCL error in {what}: {nccl.ncclGetErrorString(status).decode()}")
-
-
-def nccl_unique_id():
-    """the 128 bytes every rank needs to find the others, as hex (made by the launcher)"""
-    uid = NcclUniqueId()
-    nccl_check(load_nccl().ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-    return bytes(uid).hex()
-
-
-class Comm:
-    """one rank's NCCL communicator: sums, broadcasts and gathers of DeviceArrays, in place"""
-
-    def __init__(self, unique_id, world, rank):
-        load_nccl()
-        comm, uid = ctypes.c_void_p(), NcclUniqueId.from_buffer_copy(bytes.fromhex(unique_id))
-        nccl_check(nccl.ncclCommInitRank(ctypes.byref(comm), world, uid, rank), f"ncclCommInitRank ({rank} of {world})")
-        self.comm, self.rank = comm.value, rank
-
-    @staticmethod
-    def dtype(a):
-        return NCCL_FLOAT64 if a.dtype == np.float64 else NCCL_FLOAT32
-
-    def all_reduce(self, a, stream):
-        nccl_check(nccl.ncclAllReduce(a.ptr, a.ptr, a.size, self.dtype(a), NCCL_SUM, self.comm, int(stream)),
-                   f"ncclAllReduce of {a.size:,} numbers")
-
-    def broadcast(self, a, stream):
-        nccl_check(nccl.ncclBroadcast(a.ptr, a.ptr, a.size, self.dtype(a), 0, self.comm, int(stream)), "ncclBroadcast")
-
-    def all_gather(self, part, whole, stream):
-        """whole = every rank's part, one after another (part may be rank's own slice of whole)"""
-        nccl_check(nccl.ncclAllGather(part.ptr, whole.ptr, part.size, self.dtype(part), self.comm, int(stream)),
-                   f"ncclAllGather of {whole.size:,} numbers")
-
-    def close(self):
-        nccl.ncclCommDestroy(self.comm)
-
-
-def shard_rows(B, world, rank):
-    """the rows of a batch of B that rank runs: contiguous, as even as can be"""
-    if B < world:
-        raise NanoEulerError(f"a batch of {B} rows cannot be shared by {world} GPUs; raise --batch")
-    return slice(rank * B // world, (rank + 1) * B // world)
-
-
-class DataParallelEngine(GPUEngine):
-    """GPUEngine as rank `rank` of `world`; see the section's comment"""
-
-    def __init__(self, cfg, flat, m, v, args, rank, world):
-        self.rank, self.world = rank, world
-        self.comm = Comm(os.environ["NANOEULER_NCCL_ID"], world, rank)
-        super().__init__(cfg, flat, m, v, args, rank, world)
-        self.comm_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
-        no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
-        self.ready, self.reduced = (check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(2))
-        self.order = DeviceArray((3,), np.float64)                # command, lr, step
-        self.ce = DeviceArray((cfg.K,), np.float64)
-        self.model.on_grads = self.all_reduce_grads
-
-    def command(self, *order):
-        """rank 0: tell the others what comes next; the others: wait for it -> (command, lr, step)"""
-        if self.rank == 0:
-            self.order.upload(np.array(order + (0,) * (3 - len(order)), np.float64))
-        self.comm.broadcast(self.order, gpu.stream)
-        return self.order.download()
-
-    def all_reduce_grads(self, lo, hi):
-        """the backward has finished grads[lo:hi]: sum them over the ranks, on the second stream"""
-        check(cu.cuEventRecord(self.ready, gpu.stream), "cuEventRecord")
-        check(cu.cuStreamWaitEvent(self.comm_stream, self.ready, 0), "cuStreamWaitEvent")
-        self.comm.all_reduce(self.model.grads.view(lo, (hi - lo,)), self.comm_stream)
-
-    def step(self, idx, targets, lr, step):
-        if self.rank == 0:
-            self.command(STEP, lr, step)
-        counts = (targets >= 0).sum(axis=(0, 1))            # of the whole batch
-        rows = shard_rows(len(idx), self.world, self.rank)
-        self.model.grads.zero()
-        _, ce = self.model.forward(idx[rows], targets[rows], counts)
-        ce = self.ce.upload(ce)
-        self.comm.all_reduce(ce, gpu.stream)
-        ce = ce.download()                                  # the whole batch's, the same on every rank
-        loss = float(np.dot(ne.mtp_weights(self.cfg), ce))
-        if not np.isfinite(loss):
-            return loss, ce, float("nan")
-        self.model.backward()                               # which starts the all-reduces
-        check(cu.cuEventRecord(self.reduced, self.comm_stream), "cuEventRecord")
-        check(cu.cuStreamWaitEvent(gpu.stream, self.reduced, 0), "cuStreamWaitEvent")
-        norm = self.model.update(lr, step, self.args.clip, self.args.weight_decay)
-        if self.zero:                                       # each rank's updated part, to every rank
-            m = self.model
-            self.comm.all_gather(m.flat.view(m.lo, (m.hi - m.lo,)), m.flat, gpu.stream)
-            m.refresh_bf16()                                # AdamW wrote this rank's part of the bf16 copy
-        return loss, ce, norm
-
-    def gather_moments(self):
-        """ZeRO: every rank's part of m and v, whole, on the host (the gradients' buffer,
-        free between steps, holds them on the way)"""
-        m, n = self.model, self.model.n_params
-        moments = []
-        for part in (m.m, m.v):
-            self.comm.all_gather(part, m.grads, gpu.stream)
-            moments.append(m.grads.view(0, (n,)).download())
-        return moments
-
-    def host_weights(self):
-        if not self.zero:
-            return super().host_weights()
-        self.command(GATHER)
-        return (self.host_params(), *self.gather_moments())
-
-    def close(self):
-        if self.rank == 0:
-            self.command(STOP)
-        gpu.sync()
-        self.comm.close()
-
-
-def follow(engine, next_batch, rng):
-    """ranks 1..N-1, in place of nanoeuler.train_loop: do what rank 0 says until it says stop"""
-    while True:
-        command, lr, step = engine.command()
-        if command == STEP:
-            loss, _, norm = engine.step(*next_batch(rng), lr, int(step))
-            if not (np.isfinite(loss) and np.isfinite(norm)):
-                return                                      # rank 0 saw the same and says why
-        elif command == GATHER:
-            engine.gather_moments()
-        else:
-            break
-    engine.close()
-
-
-def launch_ranks(argv, world, program=os.path.abspath(__file__)):
-    """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
-    Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
-    which saves a checkpoint and tells the others to stop (SIGTERM too). If a
-    rank fails, the rest are stopped: they would wait for it for ever. The
-    launcher holds --out's lock (run_command); the ranks, its children, share it."""
-    n = count_gpus()
-    if world > n:
-        raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
-    env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
-           "NCCL_NVLS_ENABLE": "0"}
-    procs = [subprocess.Popen([sys.executable, program, *argv],
-                              env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
-                              stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
-    previous = {sig: signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}             # rank 0 saves, then stops the others
-    culprit = None                                           # the first rank to fail
-    try:
-        while culprit is None and procs[0].poll() is None:
-            culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
-            time.sleep(0.1)
-        culprit = 0 if culprit is None and procs[0].returncode else culprit
-        deadline = time.time() + (30 if culprit is None else 0)   # the others had their STOP
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.01, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if culprit == 0:
-        sys.exit(procs[0].returncode)                        # rank 0 has said why
-    if culprit:
-        raise NanoEulerError(f"GPU {culprit}'s process stopped with exit code {procs[culprit].returncode} "
-                             "(its message is above), so every rank stopped; resume with --resume")
-
-
-def rank_and_world(args):
-    """(rank, world) of this process: (0, 0) when it is the only one, without NCCL.
-    Refuses --zero without --gpus, before anything starts."""
-    if args.zero and not args.gpus:
-        raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
-    return int(os.environ.get("NANOEULER_RANK", 0)), int(os.environ.get("NANOEULER_WORLD", 0))
-
-
-def cmd_train(args):
-    if args.model_size not in PRESETS:
-        raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
-    cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
-    rank, world = rank_and_world(args)
-    if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
-        ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
-        return launch_ranks(args.argv, args.gpus)
-    init_gpu(args.precision, rank)
-    if world:
-        make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
-    else:
-        make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
-
-    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
-        follow(engine, next_batch, ne.saved_rng(state))
-
-    ne.pretrain(args, cfg.validate(), make_engine,
-                lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
-                                           f"{args.precision} matmuls, peak "
-                                           f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +
-                                           (", data parallel over NCCL" + (", ZeRO-1" if args.zero else "")
-                                            if world else ""))],
-                loop=ne.train_loop if rank == 0 else follow_rank0)
-
-
-# -----------------------------------------------------------------------------
 # decoding: nanoeuler.py's generation section on the GPU
 #
 # GPUDecoder holds the weights for decoding (bf16, or fp32 with --precision fp32),
@@ -1933,9 +1604,10 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
     of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
     splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
-    decode_launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8 // splits), 256, pdl, P(out), P(x), P(w),
-                  P(norm_w), I(R), I(In), I(Out), I(ld_out or Out), I(int(accumulate)), I(splits), P(prefetch),
-                  L(prefetch.nbytes if prefetch else 0))
+    decode_launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8 // splits), 256, pdl, ptr_arg(out),
+                  ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
+                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
+                  long_arg(prefetch.nbytes if prefetch else 0))
 
 
 def attention_kernel(D, attention=None):
@@ -1959,20 +1631,22 @@ def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, key
     most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
     the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
     (split only)"""
-    scale = F(1 / math.sqrt(D))
+    scale = float_arg(1 / math.sqrt(D))
     if kernel == "single":                     # launched plainly: it has no decode_wait
         warps = 8
-        gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, P(y), P(k_cache), P(v_cache), P(qkv), P(cos),
-                   P(sin), P(pos), I(Hq), I(Hkv), I(D), scale, shared=4 * (D + 2 * warps + warps * D))
+        gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, ptr_arg(y), ptr_arg(k_cache),
+                   ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin), ptr_arg(pos), int_arg(Hq),
+                   int_arg(Hkv), int_arg(D), scale, shared=4 * (D + 2 * warps + warps * D))
         return
     grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
-    decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, P(y), P(scratch[0]), P(scratch[1]),
-                  P(k_cache), P(v_cache), P(qkv), P(cos), P(sin), P(pos), I(row0), I(Hq), I(Hkv), scale)
+    decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, ptr_arg(y), ptr_arg(scratch[0]),
+                  ptr_arg(scratch[1]), ptr_arg(k_cache), ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin),
+                  ptr_arg(pos), int_arg(row0), int_arg(Hq), int_arg(Hkv), scale)
 
 
 def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
-    decode_launch("argmax_accept_kernel", 1, 1024, pdl, P(ids), P(pos), P(counter), P(ring), P(amax), P(logits),
-                  I(V), I(R), I(n_heads), I(RING))
+    decode_launch("argmax_accept_kernel", 1, 1024, pdl, ptr_arg(ids), ptr_arg(pos), ptr_arg(counter), ptr_arg(ring),
+                  ptr_arg(amax), ptr_arg(logits), int_arg(V), int_arg(R), int_arg(n_heads), int_arg(RING))
 
 
 class HostRing:
@@ -2015,7 +1689,7 @@ class GPUDecoder:
         self.attention = attention_kernel(cfg.D, attention)
         self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
         self.prefetch = bool(DECODE_PREFETCH if prefetch is None else prefetch)
-        C, D, F_, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
+        C, D, F, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
         QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
         n = num_params(cfg)
         self.flat = to_gpu(flat)
@@ -2039,9 +1713,9 @@ class GPUDecoder:
         # the prefill's activations (T rows) and the step's (R rows)
         self.p_ids, self.p_x, self.p_h = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
         self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
-        self.p_gu, self.p_s, self.p_tmp = DeviceArray((T, 2 * F_)), DeviceArray((T, F_)), DeviceArray((T, C))
+        self.p_gu, self.p_s, self.p_tmp = DeviceArray((T, 2 * F)), DeviceArray((T, F)), DeviceArray((T, C))
         self.ids, self.x, self.qkv = DeviceArray((R,), np.int32), DeviceArray((R, C)), DeviceArray((R, QKV))
-        self.y, self.gu = DeviceArray((R, HD)), DeviceArray((R, 2 * F_))
+        self.y, self.gu = DeviceArray((R, HD)), DeviceArray((R, 2 * F))
         self.logits, self.amax = DeviceArray((R, cfg.K * V)), DeviceArray((R, cfg.K), np.int32)
         self.pos, self.counter = DeviceArray((1,), np.int32).zero(), DeviceArray((1,), np.int32).zero()
         self.ring = HostRing(RING * (1 + DECODE_MAX_ROWS))
@@ -2064,7 +1738,7 @@ class GPUDecoder:
         """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small);
         heads: the weights of the product after them (with prefetch, the last one's to ask for)"""
         cfg, w, pdl = self.cfg, self.weights, self.pdl
-        C, F_, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
+        C, F, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
         products = [w[f"layers.{l}.{name}"] for l in range(cfg.L) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
         after = iter(products[1:] + [heads] if self.prefetch else [None] * len(products))   # each one's next
         for l in range(cfg.L):
@@ -2075,9 +1749,9 @@ class GPUDecoder:
             self.attend(l, self.y, self.qkv, R, pdl=pdl)
             decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl,
                           prefetch=next(after))
-            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F_, "rmsnorm", pdl=pdl,
+            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F, "rmsnorm", pdl=pdl,
                           prefetch=next(after))
-            decode_matvec(x, self.gu, lw("w_down"), None, R, F_, C, "swiglu", accumulate=True, pdl=pdl,
+            decode_matvec(x, self.gu, lw("w_down"), None, R, F, C, "swiglu", accumulate=True, pdl=pdl,
                           prefetch=next(after))
 
     def tail(self, x, R, n_heads, pdl=False):
@@ -2121,7 +1795,7 @@ class GPUDecoder:
         """tokens at positions 0..n-1, in one pass (cuBLAS products over the n rows); the
         tail at the last row as after a step -> its ring entry"""
         cfg, p = self.cfg, self.params
-        n, C, D, F_ = len(tokens), cfg.C, cfg.D, cfg.F
+        n, C, D, F = len(tokens), cfg.C, cfg.D, cfg.F
         gpu.precision = self.precision                                 # cuBLAS's, for this decoder
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
@@ -2136,9 +1810,9 @@ class GPUDecoder:
             matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
-            matmul(self.p_gu, self.p_h, w("w_gate_up"), n, 2 * F_, C, trans_b=True)
-            swiglu_forward(self.p_s, self.p_gu, n, F_)
-            matmul(self.p_tmp, self.p_s, w("w_down"), n, C, F_, trans_b=True)
+            matmul(self.p_gu, self.p_h, w("w_gate_up"), n, 2 * F, C, trans_b=True)
+            swiglu_forward(self.p_s, self.p_gu, n, F)
+            matmul(self.p_tmp, self.p_s, w("w_down"), n, C, F, trans_b=True)
             residual_forward(x, x, self.p_tmp, n * C)
         self.pos.fill_bits(n - 1)                                      # the tail's row; accept moves it to n
         self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
@@ -2249,6 +1923,128 @@ def cmd_sample(args):
         sys.stdout.write(decoder_utf8.decode(tok.vocab[t]))
         sys.stdout.flush()
     sys.stdout.write(decoder_utf8.decode(b"", final=True) + "\n")
+
+
+# -----------------------------------------------------------------------------
+# training
+
+PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495, "bf16": 989}, "H200": {"fp32": 67, "tf32": 495, "bf16": 989},
+               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312}}        # dense, from the vendors' datasheets
+
+
+def flops_per_token(cfg):
+    """6 per weight of every matmul (forward + backward), plus causal attention's two matmuls"""
+    matmul_params = num_params(cfg) - cfg.V * cfg.C - (2 * cfg.L + 1) * cfg.C      # no lookup, no norms
+    return 6 * matmul_params + 6 * cfg.L * cfg.Hq * cfg.D * cfg.T      # 12 L Hq D T, halved by the mask
+
+
+# a training step is one CUDA graph, captured at the second step and replayed (the first
+# runs kernel by kernel, so that cuBLAS has set itself up before a capture); False, or
+# --no-graph: every step kernel by kernel. Both give the same bits.
+GRAPH_STEP = True
+
+
+def capture_graph(run, what):
+    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph.
+    The garbage collector waits meanwhile: a DeviceArray freed inside a capture (cuMemFree)
+    would end it with an error."""
+    import gc
+    check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+          "cuStreamBeginCapture")
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        run()
+    finally:
+        if collecting:
+            gc.enable()
+        graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
+    executable = check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
+    check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+    return executable
+
+
+class GPUEngine:
+    """nanoeuler.train_loop's engine, on the GPU"""
+
+    def __init__(self, cfg, flat, m, v, args, rank=0, world=1):
+        self.cfg, self.args = cfg, args
+        rows = shard_rows(args.batch, world, rank)
+        self.zero = args.zero
+        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if self.zero else 1,
+                              rank if self.zero else 0)
+        peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
+        self.peak = peak[gpu.precision] * 1e12 if peak else None
+        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T / world    # this GPU's share
+        # not where cuBLAS rounds fp32 inputs into scratch (BF16_ACTIVATIONS off): it may move
+        self.use_graph = GRAPH_STEP and not getattr(args, "no_graph", False) and \
+            (gpu.precision != "bf16" or self.model.bf16)
+        self.graph, self.steps = None, 0
+
+    def step(self, idx, targets, lr, step):
+        """upload the batch and the step's numbers, one step on the GPU (from the graph when
+        there is one), then read the loss sums and the norm: the host waits once. A non-finite
+        loss or norm has left the weights and moments as they were (see run_update)."""
+        m = self.model
+        counts = m.stage(idx, targets)
+        m.stage_hyper(lr, step)
+        if self.use_graph and self.steps > 0 and len(idx) == m.B and gpu.profile is None:
+            if self.graph is None:
+                self.graph = capture_graph(lambda: m.run_step(self.args.clip, self.args.weight_decay),
+                                           "a training step")
+            check(cu.cuGraphLaunch(self.graph, gpu.stream), "cuGraphLaunch (a training step)")
+        else:
+            m.run_step(self.args.clip, self.args.weight_decay)
+        self.steps += 1
+        results = m.results.download()
+        loss, ce = m.loss(results[:self.cfg.K], counts)
+        return loss, ce, float(results[self.cfg.K])
+
+    def evaluate(self, batches, token_bytes):
+        def ce_of(idx, targets):                       # in parts of B rows: B/N of the batch on N GPUs
+            counts, B = (targets >= 0).sum(axis=(0, 1)), self.model.B
+            return sum(self.model.forward(idx[i:i + B], targets[i:i + B], counts)[1] for i in range(0, len(idx), B))
+        return ne.evaluate(ce_of, batches, token_bytes)
+
+    def host_params(self):
+        return self.model.flat.view(0, (self.model.n_params,)).download()
+
+    def host_weights(self):
+        n = self.model.n_params
+        return self.host_params(), self.model.m.download()[:n], self.model.v.download()[:n]
+
+    def mfu(self, dt):
+        return self.flops_per_step / dt / self.peak if self.peak else None
+
+    def close(self):
+        gpu.sync()
+
+
+def cmd_train(args):
+    """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
+    if args.model_size not in PRESETS:
+        raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
+    cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
+    rank, world = rank_and_world(args)
+    if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
+        ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
+        return launch_ranks(args.argv, args.gpus)
+    init_gpu(args.precision, rank)
+    if world:
+        make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
+    else:
+        make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
+
+    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+        follow(engine, next_batch, ne.saved_rng(state))
+
+    ne.pretrain(args, cfg.validate(), make_engine,
+                lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
+                                           f"{args.precision} matmuls, peak "
+                                           f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +
+                                           (", data parallel over NCCL" + (", ZeRO-1" if args.zero else "")
+                                            if world else ""))],
+                loop=ne.train_loop if rank == 0 else follow_rank0)
 
 
 # -----------------------------------------------------------------------------
@@ -2502,7 +2298,7 @@ def bench_decoding(args):
 
 
 # -----------------------------------------------------------------------------
-# main
+# command line
 
 vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID <= n <= ne.MAX_V,
                                       f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
@@ -2587,6 +2383,239 @@ def main(argv=None):
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
                 "chat": cmd_chat}
     ne.run_command(commands[args.command], args)
+
+
+
+# -----------------------------------------------------------------------------
+# several GPUs: data parallel over NCCL
+#
+# One process per GPU, each this program with NANOEULER_RANK set (launch_ranks
+# starts them). Every rank draws the same global batch (same seed, same random
+# state) and runs only its own rows, dividing by the whole batch's target
+# counts: so the ranks' gradients sum to the one-GPU gradient, and NCCL's
+# all-reduce sums them, a layer at a time on a second stream while the backward
+# goes on with the layers below. Rank 0 runs nanoeuler.train_loop (log,
+# evaluation, checkpoints); the others follow() what it broadcasts.
+# --zero (ZeRO-1): each rank keeps AdamW's moments for 1/N of the parameters and
+# updates only those; an all-gather then gives every rank all the parameters.
+
+NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
+STEP, GATHER, STOP = 1, 2, 3                   # what rank 0 tells the others
+nccl = None                                    # libnccl through ctypes, once load_nccl ran
+
+
+class NcclUniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+def load_nccl():
+    global nccl
+    if nccl is None:
+        # NVLink multicast (NVLS) off, before NCCL reads its settings: on a host whose GPUs
+        # others share it can put them out of service; the ranks inherit this too
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        import cuda.pathfinder as pf
+        try:
+            lib = ctypes.CDLL(pf.load_nvidia_dynamic_lib("nccl").abs_path)
+        except Exception:
+            raise NanoEulerError("--gpus needs NCCL: pip install nvidia-nccl-cu13 (see requirements-cuda.txt)") \
+                from None
+        vp, ci, sz = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+        lib.ncclGetErrorString.argtypes, lib.ncclGetErrorString.restype = [ci], ctypes.c_char_p
+        lib.ncclGetUniqueId.argtypes = [ctypes.POINTER(NcclUniqueId)]
+        lib.ncclCommInitRank.argtypes = [ctypes.POINTER(vp), ci, NcclUniqueId, ci]
+        lib.ncclAllReduce.argtypes = [vp, vp, sz, ci, ci, vp, vp]
+        lib.ncclBroadcast.argtypes = [vp, vp, sz, ci, ci, vp, vp]
+        lib.ncclAllGather.argtypes = [vp, vp, sz, ci, vp, vp]
+        lib.ncclCommDestroy.argtypes = [vp]
+        nccl = lib
+    return nccl
+
+
+def nccl_check(status, what):
+    if status:
+        raise NanoEulerError(f"NCCL error in {what}: {nccl.ncclGetErrorString(status).decode()}")
+
+
+def nccl_unique_id():
+    """the 128 bytes every rank needs to find the others, as hex (made by the launcher)"""
+    uid = NcclUniqueId()
+    nccl_check(load_nccl().ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+    return bytes(uid).hex()
+
+
+class Comm:
+    """one rank's NCCL communicator: sums, broadcasts and gathers of DeviceArrays, in place"""
+
+    def __init__(self, unique_id, world, rank):
+        load_nccl()
+        comm, uid = ctypes.c_void_p(), NcclUniqueId.from_buffer_copy(bytes.fromhex(unique_id))
+        nccl_check(nccl.ncclCommInitRank(ctypes.byref(comm), world, uid, rank), f"ncclCommInitRank ({rank} of {world})")
+        self.comm, self.rank = comm.value, rank
+
+    @staticmethod
+    def dtype(a):
+        return NCCL_FLOAT64 if a.dtype == np.float64 else NCCL_FLOAT32
+
+    def all_reduce(self, a, stream):
+        nccl_check(nccl.ncclAllReduce(a.ptr, a.ptr, a.size, self.dtype(a), NCCL_SUM, self.comm, int(stream)),
+                   f"ncclAllReduce of {a.size:,} numbers")
+
+    def broadcast(self, a, stream):
+        nccl_check(nccl.ncclBroadcast(a.ptr, a.ptr, a.size, self.dtype(a), 0, self.comm, int(stream)), "ncclBroadcast")
+
+    def all_gather(self, part, whole, stream):
+        """whole = every rank's part, one after another (part may be rank's own slice of whole)"""
+        nccl_check(nccl.ncclAllGather(part.ptr, whole.ptr, part.size, self.dtype(part), self.comm, int(stream)),
+                   f"ncclAllGather of {whole.size:,} numbers")
+
+    def close(self):
+        nccl.ncclCommDestroy(self.comm)
+
+
+def shard_rows(B, world, rank):
+    """the rows of a batch of B that rank runs: contiguous, as even as can be"""
+    if B < world:
+        raise NanoEulerError(f"a batch of {B} rows cannot be shared by {world} GPUs; raise --batch")
+    return slice(rank * B // world, (rank + 1) * B // world)
+
+
+class DataParallelEngine(GPUEngine):
+    """GPUEngine as rank `rank` of `world`; see the section's comment"""
+
+    def __init__(self, cfg, flat, m, v, args, rank, world):
+        self.rank, self.world = rank, world
+        self.comm = Comm(os.environ["NANOEULER_NCCL_ID"], world, rank)
+        super().__init__(cfg, flat, m, v, args, rank, world)
+        self.comm_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+        no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        self.ready, self.reduced = (check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(2))
+        self.order = DeviceArray((3,), np.float64)                # command, lr, step
+        self.ce = DeviceArray((cfg.K,), np.float64)
+        self.model.on_grads = self.all_reduce_grads
+
+    def command(self, *order):
+        """rank 0: tell the others what comes next; the others: wait for it -> (command, lr, step)"""
+        if self.rank == 0:
+            self.order.upload(np.array(order + (0,) * (3 - len(order)), np.float64))
+        self.comm.broadcast(self.order, gpu.stream)
+        return self.order.download()
+
+    def all_reduce_grads(self, lo, hi):
+        """the backward has finished grads[lo:hi]: sum them over the ranks, on the second stream"""
+        check(cu.cuEventRecord(self.ready, gpu.stream), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(self.comm_stream, self.ready, 0), "cuStreamWaitEvent")
+        self.comm.all_reduce(self.model.grads.view(lo, (hi - lo,)), self.comm_stream)
+
+    def step(self, idx, targets, lr, step):
+        if self.rank == 0:
+            self.command(STEP, lr, step)
+        counts = (targets >= 0).sum(axis=(0, 1))            # of the whole batch
+        rows = shard_rows(len(idx), self.world, self.rank)
+        self.model.grads.zero()
+        _, ce = self.model.forward(idx[rows], targets[rows], counts)
+        ce = self.ce.upload(ce)
+        self.comm.all_reduce(ce, gpu.stream)
+        ce = ce.download()                                  # the whole batch's, the same on every rank
+        loss = float(np.dot(ne.mtp_weights(self.cfg), ce))
+        if not np.isfinite(loss):
+            return loss, ce, float("nan")
+        self.model.backward()                               # which starts the all-reduces
+        check(cu.cuEventRecord(self.reduced, self.comm_stream), "cuEventRecord")
+        check(cu.cuStreamWaitEvent(gpu.stream, self.reduced, 0), "cuStreamWaitEvent")
+        norm = self.model.update(lr, step, self.args.clip, self.args.weight_decay)
+        if self.zero:                                       # each rank's updated part, to every rank
+            m = self.model
+            self.comm.all_gather(m.flat.view(m.lo, (m.hi - m.lo,)), m.flat, gpu.stream)
+            m.refresh_bf16()                                # AdamW wrote this rank's part of the bf16 copy
+        return loss, ce, norm
+
+    def gather_moments(self):
+        """ZeRO: every rank's part of m and v, whole, on the host (the gradients' buffer,
+        free between steps, holds them on the way)"""
+        m, n = self.model, self.model.n_params
+        moments = []
+        for part in (m.m, m.v):
+            self.comm.all_gather(part, m.grads, gpu.stream)
+            moments.append(m.grads.view(0, (n,)).download())
+        return moments
+
+    def host_weights(self):
+        if not self.zero:
+            return super().host_weights()
+        self.command(GATHER)
+        return (self.host_params(), *self.gather_moments())
+
+    def close(self):
+        if self.rank == 0:
+            self.command(STOP)
+        gpu.sync()
+        self.comm.close()
+
+
+def follow(engine, next_batch, rng):
+    """ranks 1..N-1, in place of nanoeuler.train_loop: do what rank 0 says until it says stop"""
+    while True:
+        command, lr, step = engine.command()
+        if command == STEP:
+            loss, _, norm = engine.step(*next_batch(rng), lr, int(step))
+            if not (np.isfinite(loss) and np.isfinite(norm)):
+                return                                      # rank 0 saw the same and says why
+        elif command == GATHER:
+            engine.gather_moments()
+        else:
+            break
+    engine.close()
+
+
+def launch_ranks(argv, world, program=os.path.abspath(__file__)):
+    """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
+    Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
+    which saves a checkpoint and tells the others to stop (SIGTERM too). If a
+    rank fails, the rest are stopped: they would wait for it for ever. The
+    launcher holds --out's lock (run_command); the ranks, its children, share it."""
+    n = count_gpus()
+    if world > n:
+        raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
+    env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
+           "NCCL_NVLS_ENABLE": "0"}
+    procs = [subprocess.Popen([sys.executable, program, *argv],
+                              env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
+                              stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
+    previous = {sig: signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}             # rank 0 saves, then stops the others
+    culprit = None                                           # the first rank to fail
+    try:
+        while culprit is None and procs[0].poll() is None:
+            culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
+            time.sleep(0.1)
+        culprit = 0 if culprit is None and procs[0].returncode else culprit
+        deadline = time.time() + (30 if culprit is None else 0)   # the others had their STOP
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.01, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if culprit == 0:
+        sys.exit(procs[0].returncode)                        # rank 0 has said why
+    if culprit:
+        raise NanoEulerError(f"GPU {culprit}'s process stopped with exit code {procs[culprit].returncode} "
+                             "(its message is above), so every rank stopped; resume with --resume")
+
+
+def rank_and_world(args):
+    """(rank, world) of this process: (0, 0) when it is the only one, without NCCL.
+    Refuses --zero without --gpus, before anything starts."""
+    if args.zero and not args.gpus:
+        raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
+    return int(os.environ.get("NANOEULER_RANK", 0)), int(os.environ.get("NANOEULER_WORLD", 0))
 
 
 if __name__ == "__main__":

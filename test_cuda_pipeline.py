@@ -259,11 +259,11 @@ def test_matvec_splits_of_the_big_model_on_an_h200():
     # 132 SMs: each lane at most 4 loads of 16 bytes (128 chunks a warp), and at least
     # 2 blocks of 8 warps per SM (2112 warps), the fewest warps per output that give both
     big, sms = ne.PRESETS["big"], 132
-    C, F_, V, QKV = big.C, big.F, big.V, (big.Hq + 2 * big.Hkv) * big.D
-    bf16 = {(C, QKV): 2, (C, C): 4, (C, 2 * F_): 1, (F_, C): 4, (C, V): 1}     # wqkv, wo, gate/up, down, a head
+    C, F, V, QKV = big.C, big.F, big.V, (big.Hq + 2 * big.Hkv) * big.D
+    bf16 = {(C, QKV): 2, (C, C): 4, (C, 2 * F): 1, (F, C): 4, (C, V): 1}     # wqkv, wo, gate/up, down, a head
     for (In, Out), splits in bf16.items():
         assert nc.matvec_splits(In, Out, 8, sms) == splits, (In, Out)
-    assert nc.matvec_splits(C, QKV, 4, sms) == 2 and nc.matvec_splits(F_, C, 4, sms) == 4    # fp32: 4 a load
+    assert nc.matvec_splits(C, QKV, 4, sms) == 2 and nc.matvec_splits(F, C, 4, sms) == 4    # fp32: 4 a load
     assert nc.matvec_splits(8192, 4096, 8, sms) == 8                          # 1024 chunks: 8 parts of 128
     assert nc.matvec_splits(32768, 4096, 8, sms) == 8                         # at most 8; the kernel loops
     for In in (64, 768, 2048, 8192):

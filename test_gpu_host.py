@@ -231,17 +231,17 @@ KERNELS["rope_backward_kernel"] = lambda t, a, grid, block: rope(t, a, grid, blo
 
 @kernel("swiglu_forward_kernel")
 def swiglu_forward(t, a, grid, block):
-    out, gu, N, F_ = a
-    covers(grid, block, N * F_, 8 if t.bf16 else 4)
-    t.put_x(out, ne.swiglu_forward(t.x(gu, N * 2 * F_).reshape(N, 2 * F_))[0])
+    out, gu, N, F = a
+    covers(grid, block, N * F, 8 if t.bf16 else 4)
+    t.put_x(out, ne.swiglu_forward(t.x(gu, N * 2 * F).reshape(N, 2 * F))[0])
 
 
 @kernel("swiglu_backward_kernel")
 def swiglu_backward(t, a, grid, block):
-    dgu, dout, gu, N, F_ = a
-    covers(grid, block, N * F_, 8 if t.bf16 else 4)
-    _, cache = ne.swiglu_forward(t.x(gu, N * 2 * F_).reshape(N, 2 * F_))
-    t.put_x(dgu, ne.swiglu_backward(t.x(dout, N * F_).reshape(N, F_), cache))
+    dgu, dout, gu, N, F = a
+    covers(grid, block, N * F, 8 if t.bf16 else 4)
+    _, cache = ne.swiglu_forward(t.x(gu, N * 2 * F).reshape(N, 2 * F))
+    t.put_x(dgu, ne.swiglu_backward(t.x(dout, N * F).reshape(N, F), cache))
 
 
 @kernel("residual_forward_kernel")
