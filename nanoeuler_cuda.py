@@ -585,13 +585,15 @@ class Cublas:
         except Exception:
             raise NanoEulerError("cuBLAS was not found: pip install nvidia-cublas (see requirements-cuda.txt)") \
                 from None
-        vp, ci = ctypes.c_void_p, ctypes.c_int
-        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
-        lib.cublasSetStream_v2.argtypes = [vp, vp]
-        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
-        lib.cublasGemmEx.argtypes = [vp, ci, ci, ci, ci, ci, vp, vp, ci, ci, vp, ci, ci, vp, vp, ci, ci, ci, ci]
-        lib.cublasGetStatusName.argtypes, lib.cublasGetStatusName.restype = [ci], ctypes.c_char_p
-        self.lib, handle = lib, vp()
+        pointer, integer = ctypes.c_void_p, ctypes.c_int         # handles, streams and addresses; ints and enums
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(pointer)]
+        lib.cublasSetStream_v2.argtypes = [pointer, pointer]
+        lib.cublasSetWorkspace_v2.argtypes = [pointer, pointer, ctypes.c_size_t]
+        # handle, transa, transb, m, n, k, alpha, (A, Atype, lda), (B, Btype, ldb), beta, C, Ctype, ldc, compute, algo
+        lib.cublasGemmEx.argtypes = [pointer, *[integer] * 5, pointer, *[pointer, integer, integer] * 2,
+                                     pointer, pointer, *[integer] * 4]
+        lib.cublasGetStatusName.argtypes, lib.cublasGetStatusName.restype = [integer], ctypes.c_char_p
+        self.lib, handle = lib, pointer()
         self.check(lib.cublasCreate_v2(ctypes.byref(handle)), "cublasCreate")
         self.handle = handle.value
         self.check(lib.cublasSetStream_v2(self.handle, int(stream)), "cublasSetStream")
@@ -764,9 +766,11 @@ class GPUModel:
         self.gu, self.s = per_layer(lambda: act(N, 2 * F)), per_layer(lambda: act(N, F))
         self.xf, self.rstd_final = act(N, C), f32(N)
         self.logits, self.losses = act(N, K * cfg.V), f32(K, N)    # logits: d loss / d logits after the loss
-        self.tmp = act(N, C)                    # a product on its way into the residual stream
+        self.branch_out = act(N, C)             # the attention's or the MLP's output, on its way into the stream
         # scratch for the backward: each layer overwrites what the layer after it used
-        self.dx, self.dh = act(N, C), act(N, C)                     # dx: the residual stream's gradient
+        self.dx = act(N, C)                                         # the residual stream's gradient
+        # d loss / d (a norm's output): nanoeuler.py's dxf, dm and dh in turn, in one buffer
+        self.dnorm_out = act(N, C)
         self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
         self.norm_partial = f32(4 * gpu.sms * C)                    # rmsnorm_backward's dw per block
@@ -828,18 +832,18 @@ class GPUModel:
             matmul(self.qkv[l], self.attn_in[l], w("wqkv"), N, QKV, C, trans_b=True)
             rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
-            matmul(self.tmp, self.y[l], w("wo"), N, C, HD, trans_b=True)
+            matmul(self.branch_out, self.y[l], w("wo"), N, C, HD, trans_b=True)
             # x_mid = x + y @ wo.T (residual), and its norm for the MLP, in one pass
-            residual_rmsnorm_forward(self.x_mid[l], self.mlp_in[l], self.rstd_mlp[l], self.x[l], self.tmp,
+            residual_rmsnorm_forward(self.x_mid[l], self.mlp_in[l], self.rstd_mlp[l], self.x[l], self.branch_out,
                                      w("mlp_norm"), N, C)
             matmul(self.gu[l], self.mlp_in[l], w("w_gate_up"), N, 2 * F, C, trans_b=True)
             swiglu_forward(self.s[l], self.gu[l], N, F)
-            matmul(self.tmp, self.s[l], w("w_down"), N, C, F, trans_b=True)
+            matmul(self.branch_out, self.s[l], w("w_down"), N, C, F, trans_b=True)
             # x[l+1] = x_mid + s @ w_down.T (residual), and its norm: the next layer's, or the final one
             last = l == cfg.L - 1
             out, rstd = (self.xf, self.rstd_final) if last else (self.attn_in[l + 1], self.rstd_attn[l + 1])
             norm_w = p["final_norm"] if last else p[f"layers.{l + 1}.attn_norm"]
-            residual_rmsnorm_forward(self.x[l + 1], out, rstd, self.x_mid[l], self.tmp, norm_w, N, C)
+            residual_rmsnorm_forward(self.x[l + 1], out, rstd, self.x_mid[l], self.branch_out, norm_w, N, C)
         matmul(self.logits, self.xf, p["heads"], N, K * V, C, trans_b=True)   # (N, K*V): the K heads side by side
         if with_loss:
             cross_entropy_forward(self.logits, self.losses, self.targets, self.dscale, N, V, K)
@@ -853,10 +857,10 @@ class GPUModel:
         B, p, g = N // T, self.params, self.dparams
         # the chain starts in self.logits: the fused cross entropy wrote d loss / d logits there;
         # one product over all K heads sums their gradients into the input they share (here dh)
-        matmul(self.dh, self.logits, p["heads"], N, C, K * V)
+        matmul(self.dnorm_out, self.logits, p["heads"], N, C, K * V)
         matmul(g["heads"], self.logits, self.xf, K * V, C, N, trans_a=True, accumulate=True)
-        rmsnorm_backward(self.dx, g["final_norm"], self.dh, self.x[cfg.L], p["final_norm"], self.rstd_final, N, C,
-                         accumulate=False, partial=self.norm_partial)
+        rmsnorm_backward(self.dx, g["final_norm"], self.dnorm_out, self.x[cfg.L], p["final_norm"], self.rstd_final,
+                         N, C, accumulate=False, partial=self.norm_partial)
         self.grads_done("heads")
         for l in reversed(range(cfg.L)):
             w = lambda name: p[f"layers.{l}.{name}"]
@@ -865,21 +869,21 @@ class GPUModel:
             matmul(self.ds, self.dx, w("w_down"), N, F, C)
             matmul(dw("w_down"), self.dx, self.s[l], C, F, N, trans_a=True, accumulate=True)
             swiglu_backward(self.dgu, self.ds, self.gu[l], N, F)
-            matmul(self.dh, self.dgu, w("w_gate_up"), N, C, 2 * F)
+            matmul(self.dnorm_out, self.dgu, w("w_gate_up"), N, C, 2 * F)
             matmul(dw("w_gate_up"), self.dgu, self.mlp_in[l], 2 * F, C, N, trans_a=True, accumulate=True)
             # dx += : the residual stream's gradient takes both paths
-            rmsnorm_backward(self.dx, dw("mlp_norm"), self.dh, self.x_mid[l], w("mlp_norm"), self.rstd_mlp[l], N, C,
-                             partial=self.norm_partial)
+            rmsnorm_backward(self.dx, dw("mlp_norm"), self.dnorm_out, self.x_mid[l], w("mlp_norm"), self.rstd_mlp[l],
+                             N, C, partial=self.norm_partial)
             # forward was: x_mid = x[l] + y @ wo.T
             matmul(self.dy, self.dx, w("wo"), N, HD, C)
             matmul(dw("wo"), self.dx, self.y[l], C, HD, N, trans_a=True, accumulate=True)
             attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta,
                                B, T, cfg.Hq, cfg.Hkv, D)
             rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
-            matmul(self.dh, self.dqkv, w("wqkv"), N, C, QKV)
+            matmul(self.dnorm_out, self.dqkv, w("wqkv"), N, C, QKV)
             matmul(dw("wqkv"), self.dqkv, self.attn_in[l], QKV, C, N, trans_a=True, accumulate=True)
-            rmsnorm_backward(self.dx, dw("attn_norm"), self.dh, self.x[l], w("attn_norm"), self.rstd_attn[l], N, C,
-                             partial=self.norm_partial)
+            rmsnorm_backward(self.dx, dw("attn_norm"), self.dnorm_out, self.x[l], w("attn_norm"), self.rstd_attn[l],
+                             N, C, partial=self.norm_partial)
             self.grads_done(l)
         embedding_backward(g["tok_emb"], self.idx, self.dx, N, C, V)
         self.grads_done("tok_emb")
@@ -1713,7 +1717,7 @@ class GPUDecoder:
         # the prefill's activations (T rows) and the step's (R rows)
         self.p_ids, self.p_x, self.p_h = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
         self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
-        self.p_gu, self.p_s, self.p_tmp = DeviceArray((T, 2 * F)), DeviceArray((T, F)), DeviceArray((T, C))
+        self.p_gu, self.p_s, self.p_branch_out = DeviceArray((T, 2 * F)), DeviceArray((T, F)), DeviceArray((T, C))
         self.ids, self.x, self.qkv = DeviceArray((R,), np.int32), DeviceArray((R, C)), DeviceArray((R, QKV))
         self.y, self.gu = DeviceArray((R, HD)), DeviceArray((R, 2 * F))
         self.logits, self.amax = DeviceArray((R, cfg.K * V)), DeviceArray((R, cfg.K), np.int32)
@@ -1807,13 +1811,13 @@ class GPUDecoder:
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
             matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
             self.attend(l, self.p_y, self.p_qkv, n, prefill=True)
-            matmul(self.p_tmp, self.p_y, w("wo"), n, C, HD, trans_b=True)
-            residual_forward(x, x, self.p_tmp, n * C)
+            matmul(self.p_branch_out, self.p_y, w("wo"), n, C, HD, trans_b=True)
+            residual_forward(x, x, self.p_branch_out, n * C)
             rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
             matmul(self.p_gu, self.p_h, w("w_gate_up"), n, 2 * F, C, trans_b=True)
             swiglu_forward(self.p_s, self.p_gu, n, F)
-            matmul(self.p_tmp, self.p_s, w("w_down"), n, C, F, trans_b=True)
-            residual_forward(x, x, self.p_tmp, n * C)
+            matmul(self.p_branch_out, self.p_s, w("w_down"), n, C, F, trans_b=True)
+            residual_forward(x, x, self.p_branch_out, n * C)
         self.pos.fill_bits(n - 1)                                      # the tail's row; accept moves it to n
         self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
         return self.record()
