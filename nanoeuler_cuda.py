@@ -15,10 +15,11 @@ tokenizer, the data pipeline, the checkpoint files and the training loop's log
 and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
 the other way round. Its sections follow nanoeuler.py's order, under the same
 names (rmsnorm_backward is a numpy layer there, a launcher here and
-rmsnorm_backward_kernel in kernels.cu): compiling and launching the kernels (the
-layers), the model, check (in the gradient check's place), decoding
-(generation), training, SFT and chat, the benchmark, the command line; the
-data-parallel part (--gpus, NCCL) is the last section.
+rmsnorm_backward_kernel in kernels.cu): compiling the kernels and the CUDA
+plumbing first, then the kernel launchers and cuBLAS's matmuls (the layers), the
+model, check (in the gradient check's place), decoding (generation), training,
+SFT and chat, the benchmark, the command line; the data-parallel part (--gpus,
+NCCL) is the last section.
 
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
@@ -1553,6 +1554,12 @@ DECODE_LOADS = 4                # as in kernels.cu: 16-byte weight loads in flig
 DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
 DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
 SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
+# kernels.cu's decode_matvec entry points by (the input's treatment, the weights' type)
+DECODE_MATVEC_KERNELS = {
+    ("plain", "f32"): "decode_matvec_plain_f32_kernel", ("plain", "bf16"): "decode_matvec_plain_bf16_kernel",
+    ("rmsnorm", "f32"): "decode_matvec_rmsnorm_f32_kernel", ("rmsnorm", "bf16"): "decode_matvec_rmsnorm_bf16_kernel",
+    ("swiglu", "f32"): "decode_matvec_swiglu_f32_kernel", ("swiglu", "bf16"): "decode_matvec_swiglu_bf16_kernel",
+}
 DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split attention (its scratch grows with them)
 # decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
 # "single", one block per query head and row (attention_decode_kernel, the kernel before it,
@@ -1608,7 +1615,7 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
     of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
     splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
-    decode_launch(f"decode_matvec_{mode}_{kind}_kernel", ceil_div(Out, 8 // splits), 256, pdl, ptr_arg(out),
+    decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 // splits), 256, pdl, ptr_arg(out),
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
                   int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
                   long_arg(prefetch.nbytes if prefetch else 0))
@@ -1714,8 +1721,8 @@ class GPUDecoder:
         self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
         partial, count = split_scratch(cfg)
         self.split = (DeviceArray((partial,)), DeviceArray((count,), np.int32).zero())   # counts reset themselves
-        # the prefill's activations (T rows) and the step's (R rows)
-        self.p_ids, self.p_x, self.p_h = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
+        # the prefill's activations (T rows; p_norm_out: h, then m) and the step's (R rows)
+        self.p_ids, self.p_x, self.p_norm_out = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
         self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
         self.p_gu, self.p_s, self.p_branch_out = DeviceArray((T, 2 * F)), DeviceArray((T, F)), DeviceArray((T, C))
         self.ids, self.x, self.qkv = DeviceArray((R,), np.int32), DeviceArray((R, C)), DeviceArray((R, QKV))
@@ -1808,13 +1815,13 @@ class GPUDecoder:
         embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
         for l in range(cfg.L):
             w = lambda name: p[f"layers.{l}.{name}"]
-            rmsnorm_forward(self.p_h, self.p_rstd, x, w("attn_norm"), n, C)
-            matmul(self.p_qkv, self.p_h, w("wqkv"), n, QKV, C, trans_b=True)
+            rmsnorm_forward(self.p_norm_out, self.p_rstd, x, w("attn_norm"), n, C)
+            matmul(self.p_qkv, self.p_norm_out, w("wqkv"), n, QKV, C, trans_b=True)
             self.attend(l, self.p_y, self.p_qkv, n, prefill=True)
             matmul(self.p_branch_out, self.p_y, w("wo"), n, C, HD, trans_b=True)
             residual_forward(x, x, self.p_branch_out, n * C)
-            rmsnorm_forward(self.p_h, self.p_rstd, x, w("mlp_norm"), n, C)
-            matmul(self.p_gu, self.p_h, w("w_gate_up"), n, 2 * F, C, trans_b=True)
+            rmsnorm_forward(self.p_norm_out, self.p_rstd, x, w("mlp_norm"), n, C)
+            matmul(self.p_gu, self.p_norm_out, w("w_gate_up"), n, 2 * F, C, trans_b=True)
             swiglu_forward(self.p_s, self.p_gu, n, F)
             matmul(self.p_branch_out, self.p_s, w("w_down"), n, C, F, trans_b=True)
             residual_forward(x, x, self.p_branch_out, n * C)

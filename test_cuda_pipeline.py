@@ -241,7 +241,8 @@ def test_nvrtc_compiles_the_decode_kernels(tmp_path):
     cubin = nc.compile_kernels("90", str(tmp_path))["kernels.cu"]
     names = ["attention_decode_kernel", "argmax_accept_kernel"]
     names += [f"attention_decode_split_kernel_{D}" for D in nc.SPLIT_HEAD_DIMS]
-    names += [f"decode_matvec_{mode}_{w}_kernel" for mode in ("plain", "rmsnorm", "swiglu") for w in ("f32", "bf16")]
+    names += list(nc.DECODE_MATVEC_KERNELS.values())
+    assert len(set(names)) == 2 + len(nc.SPLIT_HEAD_DIMS) + 6
     for name in names:
         assert name.encode() in cubin, name                         # extern "C": the name is in the CUBIN
 

@@ -751,14 +751,13 @@ def test_every_launched_kernel_exists_in_the_sources():
     src = "".join(open(os.path.join(HERE, f)).read() for f in ("kernels.cu", "flash_attn.cu"))
     defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(', src))
     assert "##" not in src                                      # entry points written out, no names pasted
-    for version in ("", "_tf32", "_bf16"):                      # each pass at every head dim (HEAD_DIMS)
-        for d in (16, 32, 64):
-            assert {f"attention_{p}{version}_kernel_{d}" for p in ("forward", "backward_dkv", "backward_dq")} <= defined
     import nanoeuler_cuda as nc
+    # each of the three passes, in each of the three versions, at every head dim
     attention = {name.format(D=d) for names in nc.ATTENTION_KERNELS.values() for name in names for d in nc.HEAD_DIMS}
-    assert attention <= defined
+    assert len(attention) == 3 * 3 * 3 and nc.HEAD_DIMS == (16, 32, 64) and attention <= defined
     py = open(os.path.join(HERE, "nanoeuler_cuda.py")).read()
-    launched = set(re.findall(r'gpu\.launch\("(\w+)"', py))              # the names written whole
+    launched = set(re.findall(r'(?:gpu\.launch|decode_launch)\("(\w+)"', py))     # the names written whole
+    launched |= set(nc.DECODE_MATVEC_KERNELS.values())
     assert len(launched) > 15 and launched <= defined, launched - defined
     # and the numpy layer of each kernel family exists under the same name
     for family in ("embedding", "rmsnorm", "rope", "swiglu", "attention"):
