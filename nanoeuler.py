@@ -3,7 +3,7 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus (~6 min, 2 cores)
+    python nanoeuler.py train     # train the small model on the embedded corpus (about 6 min on 2 idle cores)
     python nanoeuler.py chat --model out/small/best.safetensors
 
 and sample (continue a prompt), sft (fine-tune on instructions, loss on the
@@ -26,21 +26,28 @@ backward), model, gradient check, optimizer, generation, tokenizer, data,
 checkpoints, training, fine-tuning and chat, command line.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
-float64 in the check), gradient accumulation, more than one process or
-machine, batched generation (one sequence at a time), any autograd or
-framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
+float64 in the check), a gradient-accumulation flag (micro-batches only spread
+one batch over threads), training on more than one process or machine
+(tokenizing a corpus does use every core), batched generation (one sequence at
+a time), any autograd or framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
 config, tokenizer, data, checkpoint and training-loop code from here and
 checks its kernels against the layers here.
 """
 
 import argparse
+import codecs
 import contextlib
 import errno
+import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
 import functools
+import hashlib
+import heapq
+import io
 import json
 import math
 import os
 import re
+import select
 import signal
 import sys
 import time
@@ -48,7 +55,6 @@ import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
-from itertools import repeat
 
 # one BLAS thread: training runs threads of its own (why: "a training step on
 # every core", below); BLAS reads this when numpy loads it, so it must come first
@@ -69,6 +75,7 @@ class NanoEulerError(Exception):
 SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
 MAX_V = 65536           # token ids are cached as uint16
 MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
+MAX_PARAMS = 2 ** 31    # 8 GB of float32 weights, 32 GB with AdamW's moments and a gradient; big has 0.1 billion
 
 
 @dataclass
@@ -111,6 +118,12 @@ class Config:
         if self.T > MAX_T:
             fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
                  "(attention holds a T x T matrix per head)")
+        # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
+        per_layer = 2 * self.C + (self.Hq + 2 * self.Hkv) * self.D * self.C + self.C * self.Hq * self.D \
+            + 3 * self.F * self.C
+        n = (1 + self.K) * self.V * self.C + self.C + self.L * per_layer
+        if n > MAX_PARAMS:
+            fail(f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
         return self
 
 
@@ -160,7 +173,7 @@ def linear_backward(dout, cache):
 
 def rmsnorm_forward(x, w, eps=1e-5):
     """x (..., C), w (C,) -> out (..., C) = x / sqrt(mean(x^2) + eps) * w"""
-    rstd = 1.0 / np.sqrt(np.add.reduce(x * x, axis=-1, keepdims=True) / x.shape[-1] + eps)   # (...,1)
+    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)       # (...,1)
     return x * rstd * w, (x, w, rstd)
 
 
@@ -427,13 +440,13 @@ def block_forward(x, p, cfg, pos=0, kv=None):
         kv[0][:, pos:pos + T], kv[1][:, pos:pos + T] = k, v
         k, v = kv[0][:, :pos + T], kv[1][:, :pos + T]
     y, c_att = attention_forward(q, k, v)                              # (B,T,Hq,D)
-    a, c_wo = linear_forward(y.reshape(B, T, Hq * D), p["wo"])         # (B,T,C)
-    x = x + a                                                          # residual
+    attn_out, c_wo = linear_forward(y.reshape(B, T, Hq * D), p["wo"])  # (B,T,C)
+    x = x + attn_out                                                   # residual
     m, c_mlp_norm = rmsnorm_forward(x, p["mlp_norm"])                  # (B,T,C)
     gu, c_gate_up = linear_forward(m, p["w_gate_up"])                  # (B,T,2F)
     s, c_swiglu = swiglu_forward(gu)                                   # (B,T,F)
-    d, c_down = linear_forward(s, p["w_down"])                         # (B,T,C)
-    x = x + d                                                          # residual
+    mlp_out, c_down = linear_forward(s, p["w_down"])                   # (B,T,C)
+    x = x + mlp_out                                                    # residual
     return x, (c_attn_norm, c_wqkv, c_rope, c_att, c_wo, c_mlp_norm, c_gate_up, c_swiglu, c_down)
 
 
@@ -516,7 +529,7 @@ def split_rows(rows, T, K):
 #
 # float64 central differences (five-point stencil, below) against the hand-written
 # backward. Error = |analytic - numeric| / max(1e-6, |analytic| + |numeric|);
-# a tensor passes below 1e-6. Correct layers land near 1e-9; a wrong formula
+# a tensor passes below 1e-6. Correct layers land between 1e-13 and 1e-7; a wrong formula
 # lands near 1. Each layer is checked alone with the scalar sum(out * dout) for
 # a random dout, then the whole model with its real loss.
 
@@ -557,7 +570,7 @@ def layer_cases(rng):
     r = lambda *shape: rng.normal(size=shape)
     B, T, C, Hq, Hkv, D = 2, 5, 6, 4, 2, 4
     idx = rng.integers(0, 7, size=(B, T))
-    cfg3 = Config(V=7, C=C, Hq=2, Hkv=1, L=1, T=T, F=8, K=3)
+    cfg_heads = Config(V=7, C=C, Hq=2, Hkv=1, L=1, T=T, F=8, K=3)
     targets = rng.integers(0, 7, size=(B * T, 3))
     targets[[1, 4, 7], [0, 2, 1]] = -1
     return [
@@ -574,7 +587,7 @@ def layer_cases(rng):
         ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),
         ("cross_entropy", lambda logits: cross_entropy_forward(logits, targets[:, 0]),
          lambda d, c: (cross_entropy_backward(d, c),), {"logits": r(B * T, 7)}),
-        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg3)[::2],
+        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg_heads)[::2],
          mtp_heads_backward, {"x": r(B * T, C), "heads": r(3, 7, C)}),
     ]
 
@@ -582,11 +595,10 @@ def layer_cases(rng):
 def check_layer(name, forward, backward, inputs, rng, report):
     """compare every input's analytic gradient with central differences of sum(out * dout)"""
     names = list(inputs)
-    out, _ = forward(*inputs.values())
+    out, cache = forward(*inputs.values())
     scalar = np.ndim(out) == 0                          # losses are checked as they are
     dout = 1.0 if scalar else rng.normal(size=np.shape(out))
     f = lambda: float(np.sum(forward(*inputs.values())[0] * dout))
-    _, cache = forward(*inputs.values())
     grads = backward(dout, cache)
     for arg, grad in zip(names, grads):
         entries = sample_entries(inputs[arg], rng)
@@ -608,7 +620,7 @@ def check_model(cfg, rng, report, B=2):
     targets = targets.copy()
     targets[0, 2, 0] = targets[1, 5, 1] = targets[1, 0, cfg.K - 1] = -1
     grad_flat = np.zeros_like(flat)
-    loss, ce, cache = model_forward(params, cfg, idx, targets)
+    _, _, cache = model_forward(params, cfg, idx, targets)
     model_backward(carve(grad_flat, cfg), cache)
     grads = carve(grad_flat, cfg)
     f = lambda: model_forward(params, cfg, idx, targets)[0]
@@ -616,7 +628,6 @@ def check_model(cfg, rng, report, B=2):
         entries = sample_entries(params[name], rng)
         num = numeric_grad(f, params[name], entries)
         report("model", name, rel_error(grads[name].flat[entries], num), len(entries), params[name].size)
-    return (B, cfg.T, int((targets < 0).sum()))
 
 
 def gradient_check(seed=1337, out=print):
@@ -627,18 +638,19 @@ def gradient_check(seed=1337, out=print):
     out(f"config tiny: V={cfg.V} C={cfg.C} Hq={cfg.Hq} Hkv={cfg.Hkv} D={cfg.D} L={cfg.L} "
         f"F={cfg.F} K={cfg.K}, B=2 T={cfg.T} (3 targets = -1)")
     out(f"{'layer':<14} {'tensor':<22} {'max rel err':>11}")
-    worst = [0.0]
+    worst = 0.0
 
     def report(layer, tensor, err, n, size):
-        worst[0] = max(worst[0], err)
+        nonlocal worst
+        worst = max(worst, err)
         sampled = f"   ({n} of {size} sampled)" if n < size else ""
         out(f"{layer:<14} {tensor:<22} {err:>11.1e}   {'OK' if err < CHECK_TOL else 'NOT OK'}{sampled}")
 
     for name, forward, backward, inputs in layer_cases(rng):
         check_layer(name, forward, backward, inputs, rng, report)
     check_model(cfg, rng, report)
-    ok = worst[0] < CHECK_TOL
-    out(f"worst relative error {worst[0]:.1e}")
+    ok = worst < CHECK_TOL
+    out(f"worst relative error {worst:.1e}")
     out(f"overall okay: {int(ok)}")
     return ok
 
@@ -705,11 +717,21 @@ def decode_params(params):
     return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
 
+class LogitsNotFinite(NanoEulerError):
+    """generation met a NaN or infinite logit; sample and chat name the model file (generating)"""
+
+
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
     """logits (V,) -> token id: greedy at temperature 0, else sampled from the kept tokens"""
+    if not np.isfinite(logits).all():                  # a broken model: no token is more likely than another
+        raise LogitsNotFinite("its logits are not finite (NaN or infinite): its weights are broken or too "
+                              "large; use another checkpoint")
     if temperature <= 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
+    # the max is subtracted before dividing: a tiny temperature (1e-320) then sends the
+    # others to -inf (probability 0) and the max to 0, where dividing first overflowed to inf - inf
+    with np.errstate(over="ignore"):                   # -inf is what we want there
+        z = (logits.astype(np.float64) - logits.max()) / temperature
     if 0 < top_k < len(z):
         z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest
     p = np.exp(z - z.max())
@@ -721,6 +743,18 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
         keep[order[:cut]] = p[order[:cut]]
         p = keep / keep.sum()
     return int(rng.choice(len(p), p=p))
+
+
+@contextlib.contextmanager
+def generating(model_path):
+    """sample and chat: numpy's overflow warnings from a model with huge weights are not
+    printed (they show source lines), and non-finite logits are named by the model file"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            yield
+        except LogitsNotFinite as e:
+            raise NanoEulerError(f"{model_path}: {e}") from None
 
 
 def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
@@ -924,7 +958,6 @@ class Tokenizer:
         pair are recounted. A heap finds the most frequent pair; its stale
         entries (counts that have since changed) are skipped when popped.
         Ties go to the smallest pair of ids, so training is deterministic."""
-        import heapq
         n_merges = vocab_size - FIRST_MERGE_ID
         if n_merges < 0:
             raise NanoEulerError(f"vocab size {vocab_size} is below the {FIRST_MERGE_ID} bytes and special tokens")
@@ -979,7 +1012,7 @@ class Tokenizer:
             seq = list(part)
             while len(seq) >= 2:
                 # the pair learned first is the one with the lowest new id; unlearned pairs rank inf
-                new_id = min(map(self.ranks.get, zip(seq, seq[1:]), repeat(math.inf)))
+                new_id = min(self.ranks.get(pair, math.inf) for pair in zip(seq, seq[1:]))
                 if new_id == math.inf:
                     break
                 seq = merge(seq, self.merges[new_id - FIRST_MERGE_ID], new_id)
@@ -998,7 +1031,7 @@ class Tokenizer:
             piece_ids = cache.get(piece)
             if piece_ids is None:
                 piece_ids = self.encode_piece(piece)
-                if len(piece) <= self.max_piece_bytes:
+                if len(piece) <= self.max_piece_bytes:             # characters: a cheap bound
                     cache[piece] = piece_ids
             ids += piece_ids
         return ids
@@ -1025,8 +1058,8 @@ class Tokenizer:
         if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
             raise ValueError("its special tokens differ from this program's")
         bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
-        if type(bound) is not int or not 1 <= bound <= 1 << 20:
-            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 1 to 1,048,576")
+        if type(bound) is not int or not 4 <= bound <= 1 << 20:
+            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 4 to 1,048,576")
         return cls(check_merges(d.get("merges")), bound)
 
 
@@ -1054,6 +1087,17 @@ SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 
 
+def not_a_file(path, noun, advice):
+    """the error for a path that is not a regular file: what it is instead, then advice"""
+    if os.path.isdir(path):
+        what = f"is a folder, not {noun}"
+    elif os.path.exists(path):
+        what = f"is not {noun} (it is a device, a pipe or a socket)"
+    else:
+        what = "does not exist"
+    return NanoEulerError(f"{path} {what}; {advice}")
+
+
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     if os.path.isdir(path):
@@ -1066,7 +1110,7 @@ def corpus_files(path):
             raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
         return files
     if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; pass a UTF-8 text file or a folder of .txt files")
+        raise not_a_file(path, "a text file", "pass a UTF-8 text file or a folder of .txt files")
     return [path]
 
 
@@ -1133,7 +1177,9 @@ def text_chunks(files):
 
 
 def token_dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+    """the token cache's type: uint16, which every id below MAX_V fits (Config refuses a larger V)"""
+    assert vocab_size <= MAX_V
+    return np.dtype("<u2")
 
 
 def encode_chunk(tok, path, offset, data, ends_document):
@@ -1169,6 +1215,16 @@ def _encode_chunk(chunk):
     return encode_chunk(_worker_tokenizer, *chunk)
 
 
+@contextlib.contextmanager
+def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
+    """hold these signals back while inside; one that came meanwhile is delivered on leaving"""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 def encoded_chunks(files, tok, workers):
     """yield (token ids, bytes read) for every chunk of the files, in order, encoded
     by `workers` processes (or by this one when workers is 1).
@@ -1185,19 +1241,18 @@ def encoded_chunks(files, tok, workers):
     from collections import deque
     from concurrent.futures import ProcessPoolExecutor
     from concurrent.futures.process import BrokenProcessPool
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
-                               initargs=(tok.merges, tok.max_piece_bytes))
+    # Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
+    # processes started here (the workers, multiprocessing's resource tracker) inherit
+    # both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
+    # ignores only SIGINT and SIGTERM); this process gets them at the unblock.
+    with signals_blocked():
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                                   initargs=(tok.merges, tok.max_piece_bytes))
     pending = deque()
     try:
         for chunk in text_chunks(files):
-            # Ctrl-C reaches every process of the terminal. A worker that submit
-            # starts inherits this mask, so it cannot die of Ctrl-C before
-            # _start_worker ignores it; the signal waits here until the unblock.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
-            try:
+            with signals_blocked():                    # submit may start a worker
                 pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             while len(pending) > 2 * workers or (pending and pending[0][0].done()):
                 future, nbytes = pending.popleft()
                 yield future.result(), nbytes
@@ -1223,8 +1278,36 @@ def progress_text(done, total, seconds):
     return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's
+    KeyboardInterrupt is, so that every cleanup on the way out runs (workers stopped,
+    temp files and train.lock removed); run_command then exits with 128 + signum"""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_handled(signals, handler):
+    """handler(signum, frame) for these signals while inside, the previous ones after;
+    a signal that was ignored when we started (nohup, a background job) stays ignored"""
+    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def signals_interrupt():
+    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
+    process as Ctrl-C does, rather than kill it midway with its workers and lock left behind"""
+    return signals_handled((signal.SIGTERM, signal.SIGHUP), _raise_interrupt)
 
 
 def available_cores():
@@ -1239,19 +1322,16 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
         workers = available_cores() if total >= POOL_MIN_BYTES else 1
     done, n_tokens, t0 = 0, 0, time.time()
     chunks = encoded_chunks(files, tok, workers)
-    # SIGTERM (a scheduler's or docker's stop) cleans up as Ctrl-C does, not killing this process
-    # midway and leaving its workers behind
-    sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for ids, nbytes in chunks:
-            write(ids)
-            n_tokens += len(ids)
-            done += nbytes
-            if progress:
-                progress_line(progress_text(done, total, time.time() - t0))
+        with signals_interrupt():                      # also where run_command has not set it up
+            for ids, nbytes in chunks:
+                write(ids)
+                n_tokens += len(ids)
+                done += nbytes
+                if progress:
+                    progress_line(progress_text(done, total, time.time() - t0))
     finally:
         chunks.close()                                 # stops the workers now, also on Ctrl-C
-        signal.signal(signal.SIGTERM, sigterm)
     if progress:
         progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
                       f"{n_tokens:,} tokens", done=True)
@@ -1260,7 +1340,6 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
 
 def npy_header(dtype, n):
     """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
-    import io
     f = io.BytesIO()
     np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
                                              "fortran_order": False, "shape": (n,)})
@@ -1270,29 +1349,51 @@ def npy_header(dtype, n):
 def write_tokens(path, files, tok, workers=None, progress=True):
     """tokenize files into the .npy file path as the ids come. The header, which
     holds their count, is written last into the room left for it. All goes to
-    path.tmp, renamed when complete: an interrupted run leaves no token file."""
-    dtype, tmp = token_dtype(tok.vocab_size), path + ".tmp"
+    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
+    and two runs that share the cache each write their own temp file."""
+    dtype = token_dtype(tok.vocab_size)
+
+    def write(f):
+        f.seek(len(npy_header(dtype, 0)))
+        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+        f.seek(0)
+        f.write(npy_header(dtype, n))
+    atomic_write(path, write)
+
+
+TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's temp files
+STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
+
+
+def process_exists(pid):
     try:
-        with open(tmp, "wb") as f:
-            f.seek(len(npy_header(dtype, 0)))
-            n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
-            f.seek(0)
-            f.write(npy_header(dtype, n))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        os.kill(pid, 0)                                # signal 0: nothing is sent, the pid is checked
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:                            # another user's process
+        return True
+    return True
+
+
+def remove_stale_tmp(folder):
+    """delete the temp files (name.<pid>.tmp) that killed writers left in the shared cache:
+    those whose process is gone and that nobody wrote for STALE_TMP_SECONDS (a writer in
+    another container shares the folder but not our pids)"""
+    now = time.time()
+    for name in os.listdir(folder):
+        m = TMP_FILE.fullmatch(name)
+        path = os.path.join(folder, name)
+        if m and not process_exists(int(m.group(1))):
+            with contextlib.suppress(OSError):         # another run may remove it first
+                if now - os.path.getmtime(path) > STALE_TMP_SECONDS:
+                    os.remove(path)
 
 
 def file_digest(files):
     """sha256 over the names and contents of the corpus files: the cache key"""
-    import hashlib
     h = hashlib.sha256()
     for path in files:
-        h.update(os.path.basename(path).encode())
+        h.update(os.fsencode(os.path.basename(path)))     # a name that is not UTF-8 is bytes we kept
         with open(path, "rb") as f:
             while block := f.read(1 << 24):
                 h.update(block)
@@ -1347,16 +1448,42 @@ def atomic_write_bytes(path, data):
     atomic_write(path, lambda f: f.write(data))
 
 
-def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers=None):
+def load_tokens(path, vocab_size, chunk=1 << 24):
+    """the cached token file, memory-mapped -> (tokens, None), or (None, what is wrong) unless
+    it holds what write_tokens writes: a 1-D array of the tokenizer's dtype, exactly as long
+    as its header says, every id below vocab_size (checked chunk by chunk: no copy in memory)"""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            if fmt.read_magic(f) != (1, 0):
+                return None, "not a version 1.0 .npy file"
+            shape, _, dtype = fmt.read_array_header_1_0(f)
+            offset = f.tell()
+        if dtype != token_dtype(vocab_size) or len(shape) != 1:
+            return None, f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids"
+        size = os.path.getsize(path)
+        if size != offset + shape[0] * dtype.itemsize:
+            return None, (f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
+                          f"{size - offset:,} bytes")
+        tokens = np.load(path, mmap_mode="r")
+    except ValueError as e:                            # not a .npy file, a broken header
+        return None, f"not a .npy file: {e}"
+    for i in range(0, len(tokens), chunk):
+        if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
+            return None, f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids"
+    return tokens, None
+
+
+def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
     and the tokens written once, both cached under cache_dir by the corpus's
-    hash (the tokens also by the tokenizer's)"""
-    import hashlib
+    hash (the tokens also by the tokenizer's); a damaged cache file is made again"""
     files = corpus_files(path)
-    if vocab_size > 65536:
-        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most 65,536)")
+    if vocab_size > MAX_V:
+        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
     corpus = file_digest(files)
     os.makedirs(cache_dir, exist_ok=True)
+    remove_stale_tmp(cache_dir)
     tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
     tok = cached_tokenizer(tok_path)
     if tok is None:
@@ -1367,17 +1494,15 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, retry=True, workers
         atomic_write_bytes(tok_path, tok.to_json().encode())
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
-    if not os.path.exists(tokens_path):
+    tokens, problem = load_tokens(tokens_path, tok.vocab_size) if os.path.exists(tokens_path) else (None, None)
+    if problem:
+        print(f"{tokens_path} is damaged ({problem}); tokenizing again", file=sys.stderr)
+    if tokens is None:
         write_tokens(tokens_path, files, tok, workers, progress)
-    try:
-        return tok, np.load(tokens_path, mmap_mode="r")
-    except Exception as e:                             # a damaged cache file: make it once more
-        if not retry:
-            raise NanoEulerError(f"{tokens_path} cannot be read ({type(e).__name__}); delete it and run again") \
-                from None
-        print(f"{tokens_path} cannot be read ({type(e).__name__}); tokenizing again", file=sys.stderr)
-        os.remove(tokens_path)
-        return prepare_data(path, vocab_size, cache_dir, progress, False, workers)
+        tokens, problem = load_tokens(tokens_path, tok.vocab_size)
+        if problem:
+            raise NanoEulerError(f"{tokens_path} cannot be read back ({problem}); delete it and run again")
+    return tok, tokens
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -1469,7 +1594,7 @@ def read_safetensors(path):
     after them, as the safetensors library demands), so nothing is allocated
     beyond the file itself, and that only once its header adds up."""
     if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; train one with: python nanoeuler.py train")
+        raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
 
     def bad(problem):
         return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
@@ -1511,6 +1636,17 @@ def save_model(path, cfg, flat, tok):
     write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
 
 
+def tensor_mismatch(tensors, want, n_want):
+    """what differs between a file's tensors and SPEC's (want: name -> shape), in words"""
+    if len(tensors) != n_want:
+        return f"{len(tensors)} tensors, SPEC expects {n_want}"
+    missing = [name for name in want if name not in tensors]
+    if missing:
+        return f"it lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
+    name = next(n for n in want if tuple(tensors[n].shape) != want[n])
+    return f"{name} has shape {tuple(tensors[name].shape)}, SPEC expects {want[name]}"
+
+
 def load_model(path):
     """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence"""
     tensors, meta = read_safetensors(path)
@@ -1539,7 +1675,7 @@ def load_model(path):
     # we write tensors in SPEC order; other writers may order them otherwise
     if {n: tuple(t.shape) for n, t in tensors.items()} != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({len(tensors)} tensors, SPEC expects {n_want} for {asdict(cfg)})")
+                             f"({tensor_mismatch(tensors, want, n_want)} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
     bad = [name for name in want if not np.isfinite(tensors[name]).all()]
@@ -1551,21 +1687,30 @@ def load_model(path):
     return cfg, flat, tok
 
 
+def checkpoint_path(out_dir, step, kind="model"):
+    """out_dir/model_000120.safetensors (kind "state": its training state)"""
+    return os.path.join(out_dir, f"{kind}_{step:06d}.safetensors")
+
+
 def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
     """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
     meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
-    write_safetensors(os.path.join(out_dir, f"state_{step:06d}.safetensors"), [("m", m), ("v", v)], meta)
-    path = os.path.join(out_dir, f"model_{step:06d}.safetensors")
+    write_safetensors(checkpoint_path(out_dir, step, "state"), [("m", m), ("v", v)], meta)
+    path = checkpoint_path(out_dir, step)
     save_model(path, cfg, flat, tok)
     return path
 
 
+def model_steps(out_dir):
+    """the steps of the model_<step>.safetensors files in out_dir, newest first"""
+    return sorted((int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
+                  reverse=True)
+
+
 def checkpoint_steps(out_dir):
     """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
-    steps = [int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))] \
-        if os.path.isdir(out_dir) else []
-    return sorted((s for s in steps if os.path.exists(os.path.join(out_dir, f"state_{s:06d}.safetensors"))),
-                  reverse=True)
+    steps = model_steps(out_dir) if os.path.isdir(out_dir) else []
+    return [s for s in steps if os.path.exists(checkpoint_path(out_dir, s, "state"))]
 
 
 def latest_checkpoint(out_dir):
@@ -1574,18 +1719,37 @@ def latest_checkpoint(out_dir):
     return steps[0] if steps else None
 
 
+def check_state(state, step):
+    """raise ValueError (or KeyError, TypeError, OverflowError) saying what is wrong with a
+    training state's JSON, so that --resume sets it aside rather than fail on it later"""
+    if type(state["step"]) is not int or state["step"] != step:
+        raise ValueError(f"it says step {state['step']!r}")
+    saved_rng(state)                                   # numpy refuses what is not a PCG64 state
+    for name in ("best_val", "best_bpb"):
+        if name in state and type(state[name]) not in (int, float):
+            raise ValueError(f"its {name} = {state[name]!r} is not a number")
+    for name in ("best_step", "planned_steps"):
+        if name in state and (type(state[name]) is not int or state[name] < 1):
+            raise ValueError(f"its {name} = {state[name]!r} is not a positive integer")
+    if not isinstance(state.get("args", {}), dict):
+        raise ValueError(f"its args = {state['args']!r:.40} is not a map")
+
+
 def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
-    cfg, flat, tok = load_model(os.path.join(out_dir, f"model_{step:06d}.safetensors"))
-    path = os.path.join(out_dir, f"state_{step:06d}.safetensors")
+    cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
+    path = checkpoint_path(out_dir, step, "state")
     tensors, meta = read_safetensors(path)
-    if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or tensors["m"].size != flat.size:
+    if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or \
+            tensors["m"].shape != flat.shape or tensors["v"].shape != flat.shape:
         raise NanoEulerError(f"{path} is not the training state of its model file")
+    # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
+    if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
+        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
     try:
         state = json.loads(meta["state"])
-        if state["step"] != step or not isinstance(state["rng"], dict):
-            raise ValueError(f"it says step {state['step']}")
-    except (KeyError, TypeError, ValueError) as e:
+        check_state(state, step)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
         raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 
@@ -1605,7 +1769,7 @@ def newest_readable_checkpoint(out_dir):
             continue
         for bad, why in skipped:
             for kind in ("model", "state"):
-                path = os.path.join(out_dir, f"{kind}_{bad:06d}.safetensors")
+                path = checkpoint_path(out_dir, bad, kind)
                 os.replace(path, path + ".broken")
             print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
                   f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
@@ -1618,13 +1782,15 @@ def newest_readable_checkpoint(out_dir):
 
 def prune_checkpoints(out_dir, keep=2):
     """delete all but the newest `keep` checkpoint pairs (best.safetensors stays)"""
-    steps = sorted(int(m.group(1)) for f in os.listdir(out_dir)
-                   if (m := re.fullmatch(r"model_(\d+)\.safetensors", f)))
-    for s in steps[:-keep]:
-        for kind in ("model", "state"):
-            path = os.path.join(out_dir, f"{kind}_{s:06d}.safetensors")
-            if os.path.exists(path):
-                os.remove(path)
+    for step in model_steps(out_dir)[keep:]:
+        remove_checkpoint(out_dir, step)
+
+
+def remove_checkpoint(out_dir, step):
+    """the pair of step's files, model first: a state alone is no checkpoint"""
+    for kind in ("model", "state"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(checkpoint_path(out_dir, step, kind))
 
 
 # One run per folder. A second trainer on a folder that is training refuses at
@@ -1641,10 +1807,6 @@ def lock_out(out_dir):
     it for us. flock: the kernel lets go of it when its process ends, however it ends,
     so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
     the file is there to name the holder."""
-    try:
-        import fcntl
-    except ImportError:                                # not POSIX: no lock
-        return None
     path = os.path.join(out_dir, LOCK_NAME)
     while True:
         f = open(path, "a+")
@@ -1681,7 +1843,7 @@ def claim_out(out_dir, resume):
     try:
         if lock:                                       # temp files of killed writers: nobody else writes here
             for f in os.listdir(out_dir):
-                if re.fullmatch(r".+\.\d+\.tmp", f):
+                if TMP_FILE.fullmatch(f):
                     os.remove(os.path.join(out_dir, f))
         if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
             raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
@@ -1701,13 +1863,14 @@ def claim_out(out_dir, resume):
 # calls), each into a gradient buffer of its own, and AdamW runs on slices of
 # the flat buffer at once. BLAS is held to one thread per caller (the setting
 # above `import numpy`): two layers of threads on two cores made every step
-# twice as slow. With these and keep_freed_memory, a step on 2 cores keeps
-# level with PyTorch's eager CPU step (BENCHMARKS.md).
+# twice as slow. With these and keep_freed_memory, a step on 2 cores runs
+# 1.2x PyTorch's eager CPU step; without any one of them it falls behind
+# (BENCHMARKS.md, "what the reference keeps for speed").
 
 def keep_freed_memory():
     """numpy makes a fresh array for every result. Above 128 KB glibc maps new
     pages from the OS for each one and unmaps them on free, and those page
-    faults cost a fifth of a training step (measured: 18.8 -> 15.4 ms per row).
+    faults cost a quarter of a training step (measured, B=8: 76 -> 57 ms).
     So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
     once, when this file is imported."""
     try:
@@ -1752,6 +1915,45 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
     return sum(r[0] for r in results), sum(r[1] for r in results)
 
 
+def activation_bytes(cfg, rows):
+    """what one thread's forward and backward over `rows` rows hold at their peak, estimated:
+    the forward's caches per token (per layer the block's inputs, q k v, the roped q k, the
+    attention matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's
+    largest temporaries (one layer's attention gradient), and its gradient temporaries of
+    the heads, the embedding and a layer's largest matrix (within 5% of tracemalloc's peak)"""
+    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
+    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
+    return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
+
+
+def available_memory():
+    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read (not Linux)"""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def check_memory(cfg, batch, threads, available=available_memory):
+    """refuse, before anything is allocated, a --batch whose step would not fit in memory:
+    the weights, m, v and a gradient buffer per micro-batch (CPUEngine), the batch's ids,
+    and the activations of the micro-batches in flight, one per thread (an evaluation
+    runs the same micro-batches)"""
+    have = available()
+    if have is None:
+        return
+    threads = max(1, min(threads, batch))
+    parts = micro_batches(batch, threads)
+    rows = -(-batch // parts)                          # a micro-batch's rows, at most
+    weights = 4 * (3 + parts) * num_params(cfg)
+    need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    if need > have:
+        raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
+                             f"of weights, moments and {parts:,} gradient buffers, {threads} x {rows:,} rows of "
+                             f"activations), more than the {have / 1e9:,.1f} GB available; lower --batch")
+
+
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
     """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
     bounds = np.linspace(0, flat.size, n + 1).astype(int)
@@ -1781,7 +1983,7 @@ class CPUEngine:
 
     def __init__(self, cfg, flat, m, v, args):
         self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
-        self.clip, self.weight_decay = args.clip, args.weight_decay
+        self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.mask = decay_mask(cfg)
         self.n_threads = max(1, min(args.threads, args.batch))
         self.grad_bufs = [np.zeros_like(flat) for _ in range(micro_batches(args.batch, self.n_threads))]
@@ -1798,8 +2000,12 @@ class CPUEngine:
 
     def evaluate(self, batches, token_bytes):
         params = carve(self.flat, self.cfg)
+        # in a step's micro-batches: a forward keeps its caches, so 32 rows at once would
+        # need more memory than the step (check_memory counts a step's)
+        n = -(-self.batch // len(self.grad_bufs))
+        parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
         return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
-                        batches, token_bytes, self.pool)
+                        parts, token_bytes, self.pool)
 
     def host_params(self):
         """flat params as a float32 numpy array"""
@@ -1844,14 +2050,12 @@ def print_table(rows):
 
 def plot_log(csv_path, out=print):
     """the loss curve: a PNG when matplotlib is installed, else a plot in the terminal"""
-    import csv
-    with open(csv_path) as f:
-        rows = list(csv.DictReader(f))
-    steps = [int(r["step"]) for r in rows]
-    loss = [float(r["loss"]) for r in rows]
-    val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r["val_loss"]]
+    with open(csv_path, encoding="utf-8", errors="replace") as f:
+        rows = [row for line in f if (row := log_row(line))]
     if not rows:
         return
+    steps, loss = [r[0] for r in rows], [r[1] for r in rows]
+    val = [(r[0], r[2]) for r in rows if r[2] is not None]
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -1881,29 +2085,46 @@ def plot_log(csv_path, out=print):
         out(" " * 7 + "+" + "-" * len(levels))
 
 
+def silence_lost_output():
+    """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
+    terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
+    words cannot fail on them; a file or a live terminal keeps its output"""
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    for fd, events in poll.poll(0):
+        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def output_lost(e):
+    """an error of writing our output (a closed pipe, a hung-up terminal), not of a file:
+    atomic_write names its file in every error it raises"""
+    return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
+
+
 class StopFlag:
-    """Ctrl-C (SIGINT) or SIGTERM (what a scheduler or `docker stop` sends) asks the loop to
-    stop after the step in flight and save; a second one stops at once"""
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    """Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
+    terminal closed) asks the loop to stop after the step in flight and save; a second one
+    stops at once. A signal that was ignored when we started (nohup, a background job)
+    stays ignored."""
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
     def __init__(self):
-        self.stop = False
-
-    def __enter__(self):
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in self.SIGNALS}
-        return self
+        self.stop, self.signum, self.lost = False, None, None
 
     def handle(self, signum, frame):
-        if self.stop:
-            raise KeyboardInterrupt
-        self.stop = True
+        if self.signum is not None:                    # a second signal (not a lost output's stop):
+            raise Interrupted(signum)                  # run_command names the last complete checkpoint
+        self.stop, self.signum = True, signum
+        if signum == signal.SIGHUP:
+            silence_lost_output()                      # the terminal is most likely gone
         name = self.SIGNALS[signum]
-        print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
-              file=sys.stderr)
-
-    def __exit__(self, *exc):
-        for sig, previous in self.previous.items():
-            signal.signal(sig, previous)
+        with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
+            print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
+                  file=sys.stderr)
 
 
 def data_cache(out_dir):
@@ -1919,6 +2140,7 @@ def saved_rng(state):
 
 
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
+MAX_PLANNED_STEPS = 10 ** 9
 
 
 def plan_at(args, state, start):
@@ -1930,14 +2152,24 @@ def plan_steps(args, step, step_time, eval_time, elapsed):
     """--minutes: how many steps, evaluations included, end the run on time. Set
     within the warmup (while the learning rate does not depend on the total),
     once, and kept in the training state, so a resumed run keeps the plan."""
-    left = args.minutes * 60 - elapsed
-    total = step + max(1, int(left / (step_time + eval_time / args.eval_every)))
+    left, per_step = args.minutes * 60 - elapsed, step_time + eval_time / args.eval_every
+    # capped: a clock that barely moved (a step of 0 s) must not plan infinitely many steps
+    total = step + max(1, int(min(left / per_step if per_step > 0 else math.inf, MAX_PLANNED_STEPS)))
     print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
           f"{eval_time:.1f} s an evaluation every {args.eval_every})")
     if args.warmup < step:
         print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
               "so far followed --steps's schedule")
     return total
+
+
+def steps_text(args, state):
+    """the settings table's steps: with --minutes the plan is made later (plan_steps prints it)"""
+    if "planned_steps" in state:
+        return f"{state['planned_steps']} (planned for --minutes)"
+    if getattr(args, "minutes", 0) > 0:
+        return f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
+    return str(args.steps)
 
 
 def stop_at(args, start, total):
@@ -1950,18 +2182,27 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
     to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
     if one was saved, is removed (resuming from it meets the same value at once), while
     every older checkpoint was followed by a finite step."""
+    if made_by == 0:                                      # no update yet: neither --lr nor --weight-decay did it
+        raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
+                             "any update, so training stopped; with sft, the --model file gives it: use another model")
     removed = ""
-    if made_by is not None and os.path.exists(os.path.join(out_dir, f"model_{made_by:06d}.safetensors")):
-        for kind in ("model", "state"):                   # model first: a state alone is no checkpoint
-            os.remove(os.path.join(out_dir, f"{kind}_{made_by:06d}.safetensors"))
+    if made_by is not None and os.path.exists(checkpoint_path(out_dir, made_by)):
+        remove_checkpoint(out_dir, made_by)
         removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
     good = latest_checkpoint(out_dir)
     if good is None:
         raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
-                             f"checkpoint{removed}; lower --lr and start again with --resume")
+                             f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
     raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
-                         f"is {os.path.join(out_dir, f'model_{good:06d}.safetensors')}{removed}; lower --lr and "
-                         "continue from it with --resume")
+                         f"is {checkpoint_path(out_dir, good)}{removed}; lower --lr (or "
+                         "--weight-decay) and continue from it with --resume")
+
+
+def stop_if_weights_broke(flat, step, out_dir):
+    """no model is written with weights that are NaN or infinite: an update can make them
+    after a finite loss (a huge --weight-decay), and best.safetensors must stay good"""
+    if not np.isfinite(flat).all():
+        stop_on_nan("weights", "NaN or infinite", step, out_dir)
 
 
 def stop_if_diverged(loss, norm, step, out_dir):
@@ -1975,17 +2216,29 @@ def stop_if_diverged(loss, norm, step, out_dir):
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
 
 
+def log_row(line):
+    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
+    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
+    cells = line.rstrip("\n").split(",")
+    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
+        return None
+    try:
+        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
+    except ValueError:
+        return None
+
+
 def open_log(csv_path, step):
     """log.csv with the header and the rows up to step, open to append: a resumed run
-    drops the rows past its checkpoint (and any half-written line), a fresh run starts
-    it anew, so the log always matches the run"""
+    drops the rows past its checkpoint (and any half-written or garbled line), a fresh
+    run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
+    read as U+FFFD: a damaged log never stops a resume."""
     rows = []
     if step > 0 and os.path.exists(csv_path):
-        with open(csv_path) as f:
-            rows = [ln for ln in f if ln.endswith("\n") and ln.split(",", 1)[0].isdigit()
-                    and int(ln.split(",", 1)[0]) <= step]
+        with open(csv_path, encoding="utf-8", errors="replace") as f:
+            rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
     atomic_write_bytes(csv_path, (LOG_HEADER + "".join(rows)).encode())
-    return open(csv_path, "a")
+    return open(csv_path, "a", encoding="utf-8")
 
 
 def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
@@ -2022,6 +2275,7 @@ def validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
           f"{len(val_batches)} batches | {elapsed()} elapsed")
     flat = engine.host_params()                    # one copy for both, and no moments
+    stop_if_weights_broke(flat, step, out_dir)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
         save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
@@ -2033,7 +2287,9 @@ def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
     """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
     t0 = clock()
     state.update(step=step, rng=rng.bit_generator.state)
-    path = save_checkpoint(out_dir, step, cfg, *engine.host_weights(), tok, state)
+    flat, m, v = engine.host_weights()
+    stop_if_weights_broke(flat, step, out_dir)
+    path = save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state)
     prune_checkpoints(out_dir)
     print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
     return path
@@ -2046,58 +2302,98 @@ def print_summary(steps, elapsed, times, state, out_dir, last_path):
     print(f"done: {steps} steps in {elapsed}, {mean_ms}; {best}; last checkpoint {last_path}")
 
 
+def exit_stopped(signum, step, last_path):
+    """a signal stopped the run, saved: say where it stands and exit as the signal's
+    killing would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)"""
+    name = StopFlag.SIGNALS[signum]
+    if last_path:
+        print(f"{name}: stopped at step {step}, saved as {last_path}; continue with --resume", file=sys.stderr)
+    else:
+        print(f"{name}: stopped before the first step; nothing to save", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+@contextlib.contextmanager
+def output_may_go(flag):
+    """end the steps, not the run, when our output is gone (`train | head` has exited, the
+    terminal closed): the loop saves, then ends quietly (flag.lost holds the error)"""
+    try:
+        yield
+    except OSError as e:
+        if not output_lost(e):
+            raise
+        flag.stop, flag.lost = True, e
+        silence_lost_output()
+
+
+def timed_step(engine, batch, step, total, args, out_dir, clock):
+    """update number `step` on batch() -> ce (K,), lr, gradient norm, seconds (the batch's
+    making included); stops the run if it diverged"""
+    t0 = clock()
+    lr = lr_schedule(step - 1, total, args.lr, args.warmup)
+    loss, ce, norm = engine.step(*batch(), lr, step)
+    stop_if_diverged(loss, norm, step, out_dir)
+    return ce, lr, norm, clock() - t0
+
+
+def finish_if_complete(engine, out_dir, start, total, last_path):
+    """--resume of a run that has made all its steps: say so, and there is nothing to do"""
+    if start < total:
+        return False
+    engine.close()
+    print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
+          "nothing to do")
+    return True
+
+
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
                clock=time.perf_counter):
-    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step,
-    log, evaluate, save, and stop cleanly.
-
-    next_batch(rng) -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those.
-    state holds step, rng state and the best validation so far. The log's samples
-    continue sample_prompt (ids; default: the start of a document). clock: seconds,
-    for the timings and --minutes's plan (a test passes a fake one)."""
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log, evaluate,
+    save, and stop cleanly (on a signal or when our output is gone: saved first). next_batch(rng)
+    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
+    the best validation. The log's samples continue sample_prompt (ids; default: a document's
+    start). clock: seconds, for the timings and --minutes's plan (a test passes a fake one)."""
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
-    start = state["step"]
+    start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    if start >= total:
-        engine.close()
-        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint "
-              f"{os.path.join(out_dir, f'model_{start:06d}.safetensors')}; nothing to do")
+    last_path = checkpoint_path(out_dir, start) if start else None
+    if finish_if_complete(engine, out_dir, start, total, last_path):
         return start
     os.makedirs(out_dir, exist_ok=True)
-    rng, tokens = saved_rng(state), args.batch * cfg.T
-    csv_path = os.path.join(out_dir, "log.csv")
+    rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
-    times, t_start, last_path, step = [], clock(), None, start
+    times, t_start = [], clock()
     elapsed = lambda: fmt_time(clock() - t_start)
-    with StopFlag() as flag, warnings.catch_warnings():
+    flag = StopFlag()
+    with signals_handled(StopFlag.SIGNALS, flag.handle), warnings.catch_warnings():
         # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
-        while step < stop_at(args, start, total) and not flag.stop:
-            t0 = clock()
-            lr = lr_schedule(step, total, args.lr, args.warmup)
-            loss, ce, norm = engine.step(*next_batch(rng), lr, step + 1)
-            stop_if_diverged(loss, norm, step + 1, out_dir)
-            step += 1
-            dt = clock() - t0
-            if step > start + 1:
-                times.append(dt)                          # the first step warms up: left out
-            mfu = engine.mfu(dt)
-            log_step(step, total, ce, lr, norm, dt, times, tokens, mfu)
-            val = ()
-            if step == plan_step or step % args.eval_every == 0 or step == total:
-                t_eval = clock()
-                val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
-                if step == plan_step:
-                    total = plan_steps(args, step, np.mean(times), clock() - t_eval, clock() - t_start)
-                    state["planned_steps"] = total
-            log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, *val)
-            if step % args.save_every == 0 or step == total:
-                last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
-        if step > start and step % args.save_every and step != total:
-            # stopped early: a signal or --stop-after
+        with output_may_go(flag):
+            while step < stop_at(args, start, total) and not flag.stop:
+                step += 1
+                ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, out_dir, clock)
+                if step > start + 1:
+                    times.append(dt)                      # the first step warms up: left out
+                log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu := engine.mfu(dt))
+                val = ()
+                # after a signal the save comes first: no evaluation, sample or plan before it
+                if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
+                    t_eval = clock()
+                    val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
+                    if step == plan_step:
+                        total = state["planned_steps"] = plan_steps(args, step, np.mean(times), clock() - t_eval,
+                                                                    clock() - t_start)
+                log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
+                if step % args.save_every == 0 or step == total:
+                    saved, last_path = step, checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+        if step > saved:                                  # stopped early: a signal, --stop-after, lost output
             last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
     csv.close()
     engine.close()
+    if flag.signum:
+        exit_stopped(flag.signum, step, last_path)
+    if flag.lost:
+        raise flag.lost                                   # run_command: quiet on a closed pipe, one line otherwise
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
@@ -2116,10 +2412,15 @@ def resume_or_init(args, cfg, tok, init_flat):
         return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
             start_state(args, args.seed)
     step, (cfg2, flat, tok2, m, v, state) = found
+    # a train run and an sft run in one folder would mix their logs, best models and steps
+    made_by, command = state.get("args", {}).get("command"), getattr(args, "command", None)
+    if made_by and command and made_by != command:
+        raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
+                             f"{command} its own --out")
     if cfg2 != cfg or tok2.merges != tok.merges:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
                              "or tokenizer; pass the same --data and settings, or another --out")
-    print(f"resuming from {os.path.join(args.out, f'model_{step:06d}.safetensors')} at step {step}")
+    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
     return flat, m, v, state
 
 
@@ -2142,8 +2443,8 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
                  ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
                           f"vocab {tok.vocab_size}"),
                  ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
-                 ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}, "
-                           f"weight decay {args.weight_decay}, clip {args.clip}"),
+                 ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
+                           f"{args.lr / 10:g}, weight decay {args.weight_decay}, clip {args.clip}"),
                  ("out", args.out)])
 
     def next_batch(rng):
@@ -2168,14 +2469,26 @@ def render_turn(tok, instruction, response=None):
     return ids, train_on
 
 
+def jsonl_records(text):
+    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named"""
+    records = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {n} is not JSON: {e.msg} at column {e.colno}") from None
+    return records
+
+
 def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
     if not os.path.isfile(path):
-        raise NanoEulerError(f"{path} does not exist; pass --data a JSONL or Alpaca JSON file of instructions")
-    text = read_text(path).strip()
+        raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
+    text = read_text(path)
     try:
-        records = json.loads(text) if text.startswith("[") else [json.loads(ln) for ln in text.splitlines() if ln.strip()]
+        records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
         pairs = []
         for i, r in enumerate(records):
             if not isinstance(r, dict):
@@ -2220,6 +2533,8 @@ def sft_targets(rows, mask, T, K):
 def cmd_sft(args, make_engine=None, engine=None):
     """make_engine(cfg, flat, m, v), engine (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)
+    if make_engine is None:
+        check_memory(cfg, args.batch, args.threads)
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
     keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
@@ -2238,7 +2553,8 @@ def cmd_sft(args, make_engine=None, engine=None):
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                  ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples, loss on responses only"),
                  ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or f'{args.threads} threads'}"),
-                 ("steps", f"{args.steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr / 10:g}"),
+                 ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
+                           f"{args.lr / 10:g}"),
                  ("out", args.out)])
 
     def next_batch(rng):
@@ -2252,10 +2568,18 @@ def cmd_sft(args, make_engine=None, engine=None):
     train_loop(args, cfg, tok, engine, next_batch, val, args.out, state, prompt)
 
 
+def check_drafts(args, cfg):
+    """--speculative --drafts N: a model has K-1 draft heads; say so when N asks for more"""
+    if args.speculative and args.drafts > cfg.K - 1:
+        heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
+        print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
+              f"{cfg.K - 1}", file=sys.stderr)
+        args.drafts = cfg.K - 1
+
+
 def chat_reply(params, cfg, tok, history, args, out, gen=None):
     """generate the assistant's turn after history, streaming its text to out; -> reply ids.
     gen: generate's twin (nanoeuler_cuda.generate, with its decoder for params)"""
-    import codecs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end, reply = tok.special("<|end|>"), []
     gen = gen or generate
@@ -2275,6 +2599,7 @@ def cmd_chat(args, make_params=None, gen=None):
     """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D) leaves.
     make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder and generate"""
     cfg, flat, tok = load_model(args.model)
+    check_drafts(args, cfg)
     params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
     out = sys.stdout
     interactive = sys.stdin.isatty()
@@ -2303,15 +2628,19 @@ def cmd_chat(args, make_params=None, gen=None):
             ids, _ = render_turn(tok, text)
             # naive: keeps the whole conversation and re-feeds it each turn; the
             # oldest tokens are dropped once it outgrows the context
-            room = cfg.T - 1 - min(args.max_new_tokens, cfg.T // 2)        # what the reply leaves
+            reply_room = min(args.max_new_tokens, cfg.T // 2)
+            room = max(1, cfg.T - 1 - reply_room)          # what the question may take: at T = 2, its last token
             if len(ids) > room:
-                print(f"note: the question is {len(ids)} tokens, longer than the context of {cfg.T} leaves "
-                      f"beside the reply; keeping its last {room}", file=sys.stderr)
+                print(f"note: the question is {len(ids)} tokens, more than fit in the context of {cfg.T} with room "
+                      f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)
             history = (history + ids)[-room:]
             out.write("bot> ")
-            reply = chat_reply(params, cfg, tok, history, args, out, gen)
+            with generating(args.model):
+                reply = chat_reply(params, cfg, tok, history, args, out, gen)
             history += reply + [tok.special("<|end|>")]
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):                 # SIGTERM or SIGHUP: run_command says so and exits 143/129
+            raise
         out.write("\n")
     print("bye")
 
@@ -2338,6 +2667,7 @@ def bench_train(cfg, B, threads, steps=20):
 
 
 def cmd_bench(args):
+    model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
     print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
     cfg = PRESETS["small"]
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
@@ -2359,9 +2689,8 @@ def cmd_bench(args):
         dt = time.time() - t0
         print(f"  encode, {cache} cache:    {nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
               f"{nbytes / len(ids):.2f} bytes per token)")
-    if args.model:
-        cfg, flat, tok = load_model(args.model)
-        what = args.model
+    if model:
+        (cfg, flat, tok), what = model, args.model
     else:
         flat, tok, what = init_params(cfg), Tokenizer(), "random weights (pass --model for a trained one)"
     params = carve(flat, cfg)
@@ -2396,7 +2725,9 @@ def cmd_prepare(args):
 
 
 def cmd_train(args):
-    cfg = Config(**{**asdict(PRESETS[args.model_size]), "V": args.vocab_size}).validate()
+    preset = PRESETS[args.model_size]
+    cfg = Config(**{**asdict(preset), "V": args.vocab_size or preset.V}).validate()
+    check_memory(cfg, args.batch, args.threads)
     pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
              lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
 
@@ -2413,18 +2744,19 @@ def argv_text(text):
 
 def cmd_sample(args):
     cfg, flat, tok = load_model(args.model)
+    check_drafts(args, cfg)
     args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
               f"keeping its last {cfg.T - 1}", file=sys.stderr)
-    import codecs
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
-    for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                      args.top_p, args.seed, args.speculative, drafts=args.drafts):
-        sys.stdout.write(decoder.decode(tok.vocab[t]))
-        sys.stdout.flush()
+    with generating(args.model):
+        for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                          args.top_p, args.seed, args.speculative, drafts=args.drafts):
+            sys.stdout.write(decoder.decode(tok.vocab[t]))
+            sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
 
 
@@ -2451,6 +2783,9 @@ positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive numb
 nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
 probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
 positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
+MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
+minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} "
+                           "(10 days)")
 positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
 
 
@@ -2458,10 +2793,22 @@ vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
 
 
+MAX_WORKERS = 4 * available_cores()     # more encoding processes than that only share the cores
+workers_count = number_type(int, lambda n: 1 <= n <= MAX_WORKERS,
+                            f"a number of processes from 1 to {MAX_WORKERS} (4 per core)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """every flag's default in --help, unless its help already says it in words"""
+
+    def _get_help_string(self, action):
+        return action.help if "(default: " in (action.help or "") else super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose --help shows every flag's default; subcommands inherit it"""
 
-    def __init__(self, *args, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw):
+    def __init__(self, *args, formatter_class=HelpFormatter, **kw):
         super().__init__(*args, formatter_class=formatter_class, **kw)
 
 
@@ -2469,7 +2816,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out):
     """the flags train and sft share (and nanoeuler_cuda.py's train)"""
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type=nonnegative_float, default=0,
+    g.add_argument("--minutes", type=minutes_type, default=0,
                    help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
@@ -2497,17 +2844,19 @@ def build_parser():
         "--seed", type=nonnegative_int, default=1337, help="random seed of the check")
 
     # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
-    sp = sub.add_parser("train", help="pretrain the small model")
+    sp = sub.add_parser("train", help="pretrain a model (the small preset unless --model-size)")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type=vocab_size, default=None,
+                    help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
     add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, os.path.join("out", "small"))
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=int, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
     sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
-    sp.add_argument("--workers", type=int, default=None, help="processes that encode (default: every core; one for a corpus under 4 MB)")
+    sp.add_argument("--workers", type=workers_count, default=None,
+                    help="processes that encode (default: every core; one for a corpus under 4 MB)")
 
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
@@ -2543,25 +2892,75 @@ def os_error_sentence(e):
     advice = {errno.ENOSPC: "the disk is full; free some space, or train into another --out",
               errno.EDQUOT: "the disk quota is used up; free some space, or train into another --out",
               errno.EROFS: "the file system is read-only; train into another --out",
-              errno.EACCES: "permission denied; check its permissions"}
-    what = advice.get(e.errno, f"{e.strerror or e}".lower())
+              errno.EACCES: "permission denied; check its permissions",
+              errno.ENOTDIR: "a part of this path is a file, not a folder; give a path through folders",
+              errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
+              errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
+    reason = str(e.strerror or e).lower()
+    if e.filename is None and (stream := failed_stream()):
+        return f"writing to {stream} failed ({reason}); send it to another file or device"
+    what = advice.get(e.errno, reason)
     return f"{e.filename}: {what}" if e.filename else what
 
 
+def failed_stream():
+    """the output stream (stdout, stderr) that refuses even an empty write, or None: what a
+    write error without a file name came from (stdout > /dev/full)"""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            return name
+    return None
+
+
+def exit_interrupted(signum, out_dir):
+    """a signal stopped the command outside the training loop's saving stop (while the data
+    is prepared, or a second signal during a save): say so, and for train and sft name the
+    last complete checkpoint; exit 128 + signum (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)"""
+    for sig in StopFlag.SIGNALS:                       # a further signal must not cut these last words
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGHUP:
+        silence_lost_output()                          # the terminal is most likely gone
+    step = None
+    with contextlib.suppress(OSError):
+        step = latest_checkpoint(out_dir) if out_dir else None
+    where = (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
+             "continue with --resume") if step is not None else ""
+    with contextlib.suppress(OSError):
+        print(f"\n{StopFlag.SIGNALS[signum]}: interrupted{where}", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
+
+
+def refuse_empty_paths(args):
+    """--out "" would put prepare's cache in ../cache and --model "" reads as "does not exist":
+    say which flag is empty"""
+    for flag, what in PATH_FLAGS.items():
+        if getattr(args, flag, None) == "":
+            raise NanoEulerError(f"--{flag} is empty; give {what}")
+
+
 def run_command(command, args):
-    """run a subcommand; a NanoEulerError or an OSError becomes one sentence on stderr
-    and exit code 2. train and sft hold their --out folder while they run (claim_out);
+    """run a subcommand; a NanoEulerError, an OSError or a MemoryError becomes one sentence
+    on stderr and exit code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. train and sft hold their --out folder while they run (claim_out);
     prepare only writes the cache beside it, so it holds nothing."""
+    run = hasattr(args, "out") and hasattr(args, "resume")
     try:
-        run = hasattr(args, "out") and hasattr(args, "resume")
-        with claim_out(args.out, args.resume) if run else contextlib.nullcontext():
+        refuse_empty_paths(args)
+        with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext():
             command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        exit_interrupted(getattr(e, "signum", signal.SIGINT), args.out if run else None)
+    except MemoryError as e:                           # numpy's says what it could not allocate
+        lower = "lower --batch, or " if hasattr(args, "batch") else ""
+        print(f"error: out of memory ({e or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)
+        sys.exit(2)
     except BrokenPipeError:
         # the reader of our output went away (sample | head): stop quietly; stdout now
         # goes nowhere, so Python's own flush at exit cannot fail again (Python's docs' recipe)
@@ -2572,8 +2971,45 @@ def run_command(command, args):
         sys.exit(2)
 
 
+def stream_open(fd, name):
+    """whether sys.<name> is there and fd open for its direction: a launcher that ran
+    with fd 1 or 2 closed (pyenv's shim script) may have left a read-only file there"""
+    if getattr(sys, name) is None:
+        return False
+    try:
+        return fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError:
+        return False
+
+
+def reopen_closed_streams():
+    """stdin, stdout or stderr closed at start (`>&-`) become /dev/null, so that no write
+    fails on None and no file we open later takes their descriptor; a text that cannot
+    be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it
+    lacks. -> the names of the ones that were closed"""
+    closed = []
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        if not stream_open(fd, name):
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+            closed.append(name)
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+    return closed
+
+
 def main(argv=None):
+    closed = reopen_closed_streams()
     args = build_parser().parse_args(argv)
+    needs = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}.get(args.command, [])
+    for name in (n for n in needs if n in closed):
+        print(f"error: {args.command} needs its {name}, which is closed; run it without closing {name} "
+              f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
+        sys.exit(2)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
     run_command(commands[args.command], args)

@@ -2038,6 +2038,7 @@ def cmd_train(args):
     cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
     rank, world = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
+        count_gpus()                            # no driver, no GPU: said before minutes of preparing data
         ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
         return launch_ranks(args.argv, args.gpus)
     init_gpu(args.precision, rank)

@@ -8,6 +8,7 @@ train/validation split, and Ctrl-C while tokenizing.
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import hashlib
 import json
 import os
 import re
@@ -288,6 +289,103 @@ def test_prepared_tokens_are_memory_mapped_and_keyed_by_corpus_and_tokenizer(tmp
     assert not [p for p in os.listdir(cache) if p.endswith(".tmp")]
 
 
+TOKEN_WRITER = """
+import sys
+import numpy as np
+import nanoeuler as ne
+
+def tokenize_files(files, tok, write, workers=None, progress=True):   # half the ids, then wait for the parent
+    write(np.arange(0, 50, dtype=np.uint16))
+    print("half", flush=True)
+    sys.stdin.readline()
+    write(np.arange(50, 100, dtype=np.uint16))
+    return 100
+
+ne.tokenize_files = tokenize_files
+ne.write_tokens(sys.argv[1], [], ne.Tokenizer(), progress=False)
+"""
+
+
+def test_two_runs_sharing_the_cache_write_their_own_token_files(tmp_path):
+    path = tmp_path / "tokens.npy"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("to be or not to be", encoding="utf-8")
+    child = subprocess.Popen([sys.executable, "-c", TOKEN_WRITER, str(path)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    assert child.stdout.readline() == b"half\n"
+    tok = ne.Tokenizer()                                 # bytes only: the ids are the UTF-8 bytes
+    ne.write_tokens(str(path), [str(corpus)], tok, workers=1, progress=False)   # while the child's is half written
+    assert np.load(path).tolist() == list(b"to be or not to be") + [EOT]
+    _, err = child.communicate(b"go\n", timeout=60)
+    assert child.returncode == 0, err.decode()
+    assert np.load(path).tolist() == list(range(100))   # the last rename wins, whole
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_temp_files_of_killed_runs_are_removed_and_never_read(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = time.time() - ne.STALE_TMP_SECONDS - 60
+    stale = tmp_path / f"tokens_x.npy.{dead.pid}.tmp"   # a killed run's, untouched for long
+    recent = tmp_path / f"tokens_y.npy.{dead.pid}.tmp"  # perhaps another container's writer, still writing
+    alive = tmp_path / f"tokens_z.npy.{os.getppid()}.tmp"
+    for p in (stale, recent, alive):
+        p.write_bytes(b"\x93NUMPY half a file")
+    os.utime(stale, (old, old))
+    os.utime(alive, (old, old))
+    ne.remove_stale_tmp(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([recent.name, alive.name])
+    # prepare never takes a temp file for the cache: it tokenizes, and the result is whole
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:5_000], encoding="utf-8")
+    tok, tokens = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    digest = ne.file_digest([str(corpus)])
+    leftover = tmp_path / "cache" / (os.path.basename(tokens.filename) + f".{dead.pid}.tmp")
+    os.remove(tokens.filename)
+    leftover.write_bytes(b"\x93NUMPY half a file")
+    tok2, tokens2 = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    assert digest in tokens2.filename and tokens2.tolist() == expected_tokens(tok, [str(corpus)])
+
+
+def damage_token_file(path, how):
+    data = open(path, "rb").read()
+    if how == "truncated":
+        data = data[:-7]
+    elif how == "longer than its header":
+        data += b"\x00\x00"
+    elif how == "an id beyond the vocabulary":
+        ids = np.frombuffer(data[128:], dtype="<u2").copy()
+        ids[len(ids) // 2] = 300                         # the tokenizer has 270 ids
+        data = data[:128] + ids.tobytes()
+    elif how == "int64 ids":
+        ids = np.frombuffer(data[128:], dtype="<u2").astype("<i8")
+        np.save(path, ids)
+        return
+    elif how == "not a .npy file":
+        data = b"garbage " * 100
+    open(path, "wb").write(data)
+
+
+@pytest.mark.parametrize("how, words", [
+    ("truncated", ["header says", "its data is"]), ("longer than its header", ["header says"]),
+    ("an id beyond the vocabulary", ["the id 300", "270 ids"]), ("int64 ids", ["int64"]),
+    ("not a .npy file", ["not a .npy file"]),
+])
+def test_a_damaged_token_cache_is_said_and_made_again(tmp_path, capsys, how, words):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:5_000], encoding="utf-8")
+    tok, tokens = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    path = tokens.filename
+    del tokens
+    damage_token_file(path, how)
+    capsys.readouterr()
+    tok2, tokens2 = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{path} is damaged (") and err[0].endswith("; tokenizing again")
+    assert all(w in err[0] for w in words), err[0]
+    assert tokens2.tolist() == expected_tokens(tok, [str(corpus)])
+
+
 def test_training_rows_never_overlap_validation_rows():
     tokens = np.arange(10_000)                               # each token names its position
     rows_len = 17
@@ -356,22 +454,27 @@ def assert_group_ends(p):
     pytest.fail("a worker process outlived its run")
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup", "group-sigterm", "group-sighup"])
 def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     p = start_slow_prepare(tmp_path)
     if how == "ctrl-c":
         os.killpg(p.pid, signal.SIGINT)                      # a terminal's Ctrl-C: every process of the job
-    else:
-        os.kill(p.pid, signal.SIGTERM)                       # docker stop, a scheduler: the main process
+    elif how.startswith("group-"):
+        os.killpg(p.pid, signal.SIGTERM if how == "group-sigterm" else signal.SIGHUP)
+    else:                                                    # docker stop, a scheduler, a closed terminal
+        os.kill(p.pid, signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
     try:
         _, err = p.communicate(timeout=60)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    err = err.decode()
-    assert p.returncode == 130, err
+    err = err.decode(); open("/tmp/err_" + how + ".txt", "w").write(err)
+    how = how.replace("group-", "")
+    sig = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}[how]
+    assert p.returncode == 128 + sig, err                    # as the signal's killing would have: 130, 143, 129
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    assert [line for line in err.splitlines() if line.strip()][-1] == "interrupted"
+    name = {"ctrl-c": "Ctrl-C", "sigterm": "SIGTERM", "sighup": "SIGHUP"}[how]
+    assert [line for line in err.splitlines() if line.strip()][-1] == f"{name}: interrupted"
     assert err.count("interrupted") == 1
     cache = tmp_path / "out" / "cache"
     assert not [f for f in os.listdir(cache) if f.startswith("tokens_")]          # no partial token file
@@ -384,3 +487,17 @@ def test_workers_end_when_the_main_process_is_killed(tmp_path):
     p.wait(timeout=60)
     assert_group_ends(p)
     assert not [f for f in os.listdir(tmp_path / "out" / "cache") if f.endswith(".npy")]   # only a .tmp
+
+
+def test_a_corpus_file_whose_name_is_not_utf8_is_read_and_keyed_by_its_bytes(tmp_path):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    text = open(SHAKESPEARE, encoding="utf-8").read()[:3_000]
+    name = b"bad\xffname.txt"
+    with open(os.path.join(os.fsencode(folder), name), "wb") as f:
+        f.write(text.encode())
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "prepare", "--data", str(folder),
+                        "--vocab-size", "270", "--out", str(tmp_path / "run")], capture_output=True, timeout=120)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
+    key = hashlib.sha256(name + text.encode()).hexdigest()[:16]
+    assert [f for f in os.listdir(tmp_path / "cache") if key in f]

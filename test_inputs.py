@@ -135,11 +135,48 @@ def test_config_that_is_not_a_config_map_is_refused(tmp_path, config, words):
 def test_huge_layer_or_head_count_is_refused_without_listing_the_tensors(tmp_path):
     # L = 10^18 once made load_model build a list of 7 * 10^18 tensor shapes
     tensors, meta = model_parts()
-    for change in ({"L": 10 ** 18}, {"K": 2 ** 62}):
+    for change in ({"L": 10 ** 18}, {"K": 2 ** 62}, {"C": 262144, "Hq": 2}, {"F": 2 ** 40}):
         meta["config"] = json.dumps({**ne.asdict(CFG), **change})
         path = str(tmp_path / "layers.safetensors")
         ne.write_safetensors(path, tensors, meta)
-        refused(path, "do not match its config")
+        refused(path, "unusable", "parameters", "2,147,483,648")
+
+
+def test_many_layers_within_the_bound_are_refused_without_listing_the_tensors(tmp_path, monkeypatch):
+    # L = 10^7 narrow layers: 2.6e8 parameters pass validate, and 7e7 shapes would take gigabytes
+    tensors, meta = model_parts()
+    meta["config"] = json.dumps({**ne.asdict(CFG), "C": 2, "Hq": 1, "Hkv": 1, "F": 1, "K": 1, "L": 10 ** 7})
+    path = str(tmp_path / "deep.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    shapes = ne.param_shapes
+
+    def listed(cfg):
+        assert cfg.L < 1000, "the shapes of 10^7 layers were listed"
+        return shapes(cfg)
+    monkeypatch.setattr(ne, "param_shapes", listed)
+    refused(path, "do not match its config", f"{len(tensors)} tensors, SPEC expects {3 + 7 * 10 ** 7}")
+
+
+@pytest.mark.parametrize("cfg", [CFG, ne.PRESETS["small"], ne.PRESETS["big"],
+                                 ne.Config(V=300, C=24, Hq=6, Hkv=2, L=3, T=8, F=40, K=3)])
+def test_the_parameter_bound_counts_every_tensor(cfg, monkeypatch):
+    n = sum(math.prod(shape) for _, shape in ne.param_shapes(cfg))
+    monkeypatch.setattr(ne, "MAX_PARAMS", n)
+    cfg.validate()
+    monkeypatch.setattr(ne, "MAX_PARAMS", n - 1)
+    with pytest.raises(ne.NanoEulerError, match=f"{n:,} parameters"):
+        cfg.validate()
+
+
+def test_a_header_claiming_a_huge_width_is_refused_before_reading(tmp_path):
+    # C = 262,144 once read 1.5 GB, then said "out of memory; lower --batch" naming no file
+    cfg = {**ne.asdict(CFG), "C": 262144, "Hq": 2, "Hkv": 1, "T": 2, "F": 8, "K": 1, "L": 1}
+    path = write_raw(tmp_path / "wide.safetensors", {"__metadata__": {
+        "format": "nanoeuler", "version": "1", "config": json.dumps(cfg), "tokenizer": ne.Tokenizer().to_json()},
+        "tok_emb": {"dtype": "F32", "shape": [260, 262144], "data_offsets": [0, 4 * 260 * 262144]}})
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) + 4 * 260 * 262144)          # sparse: no disk used
+    assert_one_sentence(run("nanoeuler.py", "sample", "--model", path), "wide.safetensors", "parameters")
 
 
 def test_config_missing_from_metadata_is_refused(tmp_path):
@@ -226,6 +263,8 @@ def overlap(h, d):
     (lambda h, d: h.update(tok_emb=[0, 1]), ["'tok_emb' is not a map"]),
     (overlap, ["'final_norm'", "previous tensor"]),
     (lambda h, d: d + b"\0" * 12, ["12 bytes follow"]),
+    (lambda h, d: h["tok_emb"].update(shape=[8, 260]), ["tok_emb has shape (8, 260), SPEC expects (260, 8)"]),
+    (lambda h, d: h.update({"heads.9": h.pop("heads.1")}), ["it lacks heads.1 for"]),
 ])
 def test_crafted_header_is_refused(tmp_path, edit, words):
     refused(crafted(tmp_path, edit), *words)
@@ -424,7 +463,8 @@ def test_sft_every_prompt_longer_than_the_context(model, tmp_path, capsys, sft_d
 
 
 def test_sft_errors_from_the_command_line(model, tmp_path):
-    r = run("nanoeuler.py", "sft", "--model", model, "--data", str(tmp_path / "none.jsonl"))
+    r = run("nanoeuler.py", "sft", "--model", model, "--data", str(tmp_path / "none.jsonl"),
+            "--out", str(tmp_path / "sft"))                   # not out/sft in the repository
     assert_one_sentence(r, "none.jsonl")
 
 
@@ -444,12 +484,89 @@ def test_argv_text():
 
 
 # -----------------------------------------------------------------------------
+# paths that are not files
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "pipe.txt"
+    os.mkfifo(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["sample", "chat", "sft", "bench"])
+def test_a_model_that_is_a_folder_or_a_device_is_named_so(tmp_path, command):
+    extra = ["--out", str(tmp_path / "sft")] if command == "sft" else []
+    last = assert_one_sentence(run("nanoeuler.py", command, "--model", str(tmp_path), *extra), str(tmp_path))
+    assert f"{tmp_path} is a folder, not a model file" in last
+    last = assert_one_sentence(run("nanoeuler.py", command, "--model", os.devnull, *extra), os.devnull)
+    assert f"{os.devnull} is not a model file (it is a device" in last
+
+
+def test_a_corpus_that_is_a_pipe_or_a_device_is_named_so(tmp_path, fifo):
+    for path in (fifo, os.devnull):
+        last = assert_one_sentence(run("nanoeuler.py", "prepare", "--data", path, "--out", str(tmp_path / "run")), path)
+        assert f"{path} is not a text file (it is a device, a pipe or a socket)" in last
+
+
+def test_sft_data_that_is_a_folder_is_named_so(model, tmp_path, capsys):
+    msg = sft_error(model, str(tmp_path), tmp_path, capsys)
+    assert f"{tmp_path} is a folder, not a file of instructions" in msg
+
+
+def test_a_jsonl_line_that_is_not_json_is_named_by_its_number(tmp_path):
+    path = tmp_path / "data.jsonl"
+    good = json.dumps({"instruction": "Hi", "response": "Hello"})
+    cut = '{"instruction": "Hi", "response": '           # the value is missing after its last character
+    path.write_text(f"\n{good}\n\n{good}\n{cut}\n{good}\n")
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_instructions(str(path))
+    assert f"line 5 is not JSON: Expecting value at column {len(cut) + 1}" in str(e.value) and "\n" not in str(e.value)
+
+
+# -----------------------------------------------------------------------------
+# what sample, chat and bench say
+
+@pytest.mark.parametrize("command", ["sample", "chat"])
+def test_more_drafts_than_the_model_has_heads_are_said(model, command):
+    # CFG has K = 2: one draft head
+    args = ["--model", model, "--max-new-tokens", "3", "--temperature", "0", "--speculative", "--drafts", "3"]
+    r = run("nanoeuler.py", command, *args, *(["--prompt", "ab"] if command == "sample" else []), stdin=b"hi\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stderr.decode().strip() == f"note: {model} has 1 draft head (K = 2), fewer than --drafts 3; drafting with 1"
+    r = run("nanoeuler.py", command, *args[:-1], "1", *(["--prompt", "ab"] if command == "sample" else []),
+            stdin=b"hi\n")
+    assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
+
+
+def test_the_settings_table_says_when_minutes_sets_the_steps(tmp_path, capsys):
+    data = tmp_path / "c.txt"
+    data.write_text(open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:20_000])
+    ne.main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--vocab-size", "270", "--batch", "2",
+             "--minutes", "1.5", "--stop-after", "1"])
+    table = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("steps")]
+    assert len(table) == 1 and table[0].split("|")[1].startswith(" as many as fit in 1.5 minutes (planned after 20 "
+                                                                 "steps), warmup"), table
+    args = ne.build_parser().parse_args(["train", "--minutes", "1.5"])
+    assert ne.steps_text(args, {"planned_steps": 345}) == "345 (planned for --minutes)"
+    assert ne.steps_text(ne.build_parser().parse_args(["train", "--steps", "77"]), {}) == "77"
+
+
+def test_bench_refuses_a_bad_model_before_timing_anything(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 100)
+    r = run("nanoeuler.py", "bench", "--model", str(bad))
+    assert_one_sentence(r, "bad.safetensors")
+    assert r.stdout == b""                               # not a line of timings before the refusal
+
+
+# -----------------------------------------------------------------------------
 # flags
 
 BAD_FLAGS = [
     ("train", "--batch", "0"), ("train", "--eval-every", "0"), ("train", "--save-every", "0"),
     ("train", "--steps", "0"), ("train", "--steps", "-5"), ("train", "--steps", "1.5"), ("train", "--lr", "-1"),
     ("train", "--lr", "nan"), ("train", "--lr", "inf"), ("train", "--minutes", "-1"), ("train", "--minutes", "nan"),
+    ("train", "--minutes", "1e307"), ("train", "--minutes", "14400.5"), ("train", "--minutes", "inf"),
     ("train", "--warmup", "-1"), ("train", "--weight-decay", "-0.1"), ("train", "--clip", "0"),
     ("train", "--threads", "0"), ("train", "--seed", "-1"), ("train", "--stop-after", "0"),
     ("train", "--eval-batches", "0"), ("train", "--vocab-size", "100"), ("train", "--vocab-size", "70000"),
@@ -458,6 +575,8 @@ BAD_FLAGS = [
     ("sample", "--top-p", "2"), ("sample", "--top-p", "0"), ("sample", "--top-k", "-1"), ("sample", "--drafts", "-1"),
     ("sample", "--seed", "-3"), ("chat", "--temperature", "nan"), ("chat", "--max-new-tokens", "0"),
     ("bench", "--threads", "0"), ("check", "--seed", "x"),
+    ("prepare", "--workers", "0"), ("prepare", "--workers", "-2"), ("prepare", "--workers", "2.5"),
+    ("prepare", "--workers", str(4 * ne.available_cores() + 1)), ("prepare", "--workers", str(10 ** 9)),
 ]
 
 
@@ -511,6 +630,15 @@ def test_help_shows_defaults():
     assert "greedy, deterministic (default: 0.8)" in out and "1 = off (default: 0.95)" in out
     out = " ".join(run("nanoeuler_cuda.py", "train", "--help").stdout.decode().split())
     assert "matmul precision (default: bf16)" in out and out.count("(default: ") >= 15
+    out = " ".join(run("nanoeuler.py", "prepare", "--help").stdout.decode().split())
+    assert "processes that encode (default: every core; one for a corpus under 4 MB)" in out
+    assert "(default: None)" not in out and out.count("(default: ") == 4     # --data, --vocab-size, --out, --workers
+
+
+def test_workers_up_to_four_per_core_are_accepted():
+    most = 4 * ne.available_cores()
+    for n in (1, most):
+        assert ne.build_parser().parse_args(["prepare", "--workers", str(n)]).workers == n
 
 
 # -----------------------------------------------------------------------------
@@ -527,3 +655,136 @@ def test_dangling_symlink_in_a_data_folder_is_skipped_with_a_warning(tmp_path, c
     (folder / "a.txt").unlink()
     with pytest.raises(ne.NanoEulerError, match="holds no .txt files"):
         ne.corpus_files(str(folder))
+
+
+@pytest.mark.parametrize("size, V", [("small", 512), ("big", 4096)])
+def test_train_builds_the_presets_vocabulary_unless_vocab_size_is_given(monkeypatch, size, V):
+    """--model-size big is SPEC's big model (V = 4,096), not big with the small V"""
+    seen = []
+    monkeypatch.setattr(ne, "check_memory", lambda cfg, *a: seen.append(cfg.V))
+    monkeypatch.setattr(ne, "pretrain", lambda *a, **k: None)
+    ne.cmd_train(ne.build_parser().parse_args(["train", "--model-size", size]))
+    ne.cmd_train(ne.build_parser().parse_args(["train", "--model-size", size, "--vocab-size", "300"]))
+    assert seen == [V, 300]
+
+
+@pytest.mark.parametrize("temperature", [1e-320, 1e-300, 5e-324])
+def test_a_tiny_temperature_picks_the_likeliest_token(temperature):
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.normal(size=300).astype(np.float32) * 10
+        expected = int(np.argmax(logits))                     # the limit of softmax(z / t) as t -> 0
+        assert ne.sample_token(logits, rng, temperature, top_k=40, top_p=0.95) == expected
+        assert ne.sample_token(logits, rng, temperature) == expected
+
+
+@pytest.mark.parametrize("command, temperature", [("sample", "0"), ("sample", "0.8"), ("sample", "1e-320"),
+                                                  ("chat", "0.8")])
+def test_a_model_whose_logits_are_not_finite_is_named_so(tmp_path, command, temperature):
+    tensors, meta = model_parts()
+    # finite weights whose product overflows float32: 1e36 * 1e20 per logit
+    tensors = [(n, t * np.float32(1e36) if n == "heads.0" else t * np.float32(1e20) if n == "final_norm" else t)
+               for n, t in tensors]
+    path = str(tmp_path / "huge.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    r = run("nanoeuler.py", command, "--model", path, "--temperature", temperature, "--max-new-tokens", "3",
+            *(["--prompt", "hi"] if command == "sample" else []), stdin=b"hello\n")
+    assert_one_sentence(r, path, "not finite")
+    assert b"Warning" not in r.stderr, r.stderr.decode()
+
+
+def test_minutes_plans_at_most_a_billion_steps(capsys):
+    args = ne.build_parser().parse_args(["train", "--minutes", "14400", "--eval-every", "10"])
+    assert args.minutes == 14400
+    for step_time, eval_time in ((0.0, 0.0), (1e-300, 0.0), (0.5, 5.0)):
+        total = ne.plan_steps(args, 20, step_time, eval_time, 3.0)
+        # 864,000 s left, less the 3 s spent; 0.5 s a step + 5 s / 10 an evaluation = 1 s a step
+        assert total == (20 + 10 ** 9 if step_time < 0.5 else 20 + 863_997)
+
+
+def test_text_the_output_encoding_lacks_is_said_with_question_marks(model):
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample", "--model", model, "--prompt",
+                        "h\u00e9llo", "--max-new-tokens", "3", "--temperature", "0"], capture_output=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode()
+    assert r.stdout.startswith(b"h?llo")
+
+
+@pytest.mark.parametrize("command, closes, name", [("sample", ">&-", "stdout"), ("chat", ">&-", "stdout"),
+                                                   ("chat", "<&-", "stdin")])
+def test_a_closed_stream_that_the_command_needs_is_one_sentence(model, command, closes, name):
+    # sh closes the descriptor before Python starts, which then finds sys.stdout (or stdin) None
+    r = subprocess.run(["sh", "-c", f'"$0" "$@" {closes}', sys.executable, os.path.join(HERE, "nanoeuler.py"),
+                        command, "--model", model, "--max-new-tokens", "3"], capture_output=True, timeout=120)
+    assert_one_sentence(r, f"{command} needs its {name}, which is closed")
+
+
+def test_a_closed_stderr_does_not_hide_the_exit_code(tmp_path):
+    r = subprocess.run(["sh", "-c", '"$0" "$@" 2>&-', sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample",
+                        "--model", str(tmp_path / "missing.safetensors")], capture_output=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == b""
+
+
+def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path):
+    import nanoeuler_cuda
+    try:
+        nanoeuler_cuda.count_gpus()
+        pytest.skip("this machine has a GPU")
+    except ne.NanoEulerError:
+        pass
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text to tokenize\n" * 100)
+    r = run("nanoeuler_cuda.py", "train", "--gpus", "2", "--data", str(corpus), "--out", str(tmp_path / "run"))
+    assert_one_sentence(r, "no NVIDIA")
+    assert not (tmp_path / "cache").exists() and b"tokeniz" not in r.stderr
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("nanoeuler.py", ["train", "--out", ""], "--out"), ("nanoeuler.py", ["prepare", "--out", ""], "--out"),
+    ("nanoeuler.py", ["train", "--data", ""], "--data"), ("nanoeuler.py", ["sample", "--model", ""], "--model"),
+    ("nanoeuler.py", ["sft", "--model", ""], "--model"), ("nanoeuler_cuda.py", ["sample", "--model", ""], "--model"),
+])
+def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
+    r = subprocess.run([sys.executable, os.path.join(HERE, script), *argv], capture_output=True, timeout=120,
+                       cwd=tmp_path)
+    assert assert_one_sentence(r, f"{flag} is empty").startswith(f"error: {flag} is empty; give ")
+    assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
+
+
+def test_chat_with_a_context_of_two_keeps_the_last_token_of_the_question(tmp_path, monkeypatch, capsys):
+    import io
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=2, F=16, K=2)
+    path = str(tmp_path / "t2.safetensors")
+    ne.save_model(path, cfg, ne.init_params(cfg), ne.Tokenizer())
+    seen = []
+
+    def gen(params, cfg, history, *args, **kw):
+        seen.append(list(history))
+        yield ne.Tokenizer().special("<|end|>")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
+    ne.cmd_chat(ne.build_parser().parse_args(["chat", "--model", path]), gen=gen)
+    # T - 1 = 1 token for the prompt; the reply's room (T // 2 = 1) leaves none, so the last token is kept
+    assert seen == [[ne.Tokenizer().special("<|assistant|>")]]
+    assert "keeping its last 1 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full")
+def test_stdout_to_a_full_device_is_named_as_stdout(model):
+    with open("/dev/full", "wb") as full:
+        r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "sample", "--model", model,
+                            "--max-new-tokens", "3"], stdout=full, stderr=subprocess.PIPE, timeout=120)
+    assert_one_sentence(r, "writing to stdout failed (no space left on device)")
+    assert "--out" not in r.stderr.decode()
+
+
+def test_sft_on_a_model_whose_loss_is_nan_at_once_says_the_model_gives_it(tmp_path, capsys, sft_data):
+    tensors, meta = model_parts()
+    tensors = [(n, t * np.float32(1e36) if n == "heads.0" else t * np.float32(1e20) if n == "final_norm" else t)
+               for n, t in tensors]
+    path = str(tmp_path / "huge.safetensors")
+    ne.write_safetensors(path, tensors, meta)
+    data = sft_data([{"instruction": f"say {i}", "response": f"{i} said"} for i in range(4)])
+    err = sft_error(path, data, tmp_path, capsys)
+    assert "became nan at step 1, from the weights the run started with" in err and "--model file" in err, err
+    assert "--lr" not in err                                    # no update made it

@@ -132,7 +132,7 @@ def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus,
     finally:
         first.send_signal(signal.SIGINT)
         _, err = first.communicate(timeout=120)
-    assert first.returncode == 0, err.decode()[-2000:]
+    assert first.returncode == 130, err.decode()[-2000:]     # 128 + SIGINT: stopped, not done
     assert not (out / ne.LOCK_NAME).exists()
     # a run killed with -9 leaves its lock file behind; its pid is dead, so the lock is free
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -160,6 +160,39 @@ def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
         assert child() == (f"{tmp_path} is in use by another training run (pid {os.getpid()}); wait for it "
                            "to end, or train into another --out")
     assert not (tmp_path / ne.LOCK_NAME).exists()
+
+
+def sft_args(model, out, data, *extra):
+    return ["sft", "--model", str(model), "--out", str(out), "--data", str(data), "--batch", "2",
+            "--eval-every", "2", "--save-every", "2", "--warmup", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def instructions(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sft") / "data.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Say {w}.", "response": w}) + "\n"
+                            for w in ("yes", "no", "maybe", "never", "always", "soon")))
+    return path
+
+
+def test_sft_resumed_into_a_pretraining_folder_is_refused(finished_run, instructions, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    before = files_of(out)
+    err = one_sentence(run_cli(*sft_args(out / "best.safetensors", out, instructions, "--steps", "12", "--resume")))
+    assert err == f"error: {out} holds checkpoints of train, which sft cannot continue; give sft its own --out"
+    assert files_of(out) == before
+
+
+def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instructions, corpus, tmp_path):
+    out = tmp_path / "sft"
+    r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "2"))
+    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 2, r.stderr.decode()[-2000:]
+    before = files_of(out)
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "8", "--resume")))
+    assert err == f"error: {out} holds checkpoints of sft, which train cannot continue; give train its own --out"
+    assert files_of(out) == before
+    r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "4", "--resume"))
+    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 4, r.stderr.decode()[-2000:]
 
 
 WRITER = """
@@ -214,6 +247,46 @@ def test_the_nan_stop_names_a_checkpoint_whose_loss_was_finite(corpus, tmp_path)
     assert ne.latest_checkpoint(str(out)) == bad + 4
 
 
+def test_weights_that_are_not_finite_are_never_saved(finished_run, corpus, tmp_path):
+    # a weight decay of 1e308 sends the matrices to infinity in one update, after a finite loss
+    out = copy_of(finished_run, tmp_path)
+    best = (out / "best.safetensors").read_bytes()
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume", "--weight-decay", "1e308", "--save-every", "1",
+                            "--eval-every", "1"))
+    err = one_sentence(r)
+    assert re.search(r"became (nan|NaN or infinite) at step 9,", err) and "--weight-decay" in err, err
+    assert str(out / "model_000008.safetensors") in err
+    assert (out / "best.safetensors").read_bytes() == best
+    assert ne.checkpoint_steps(str(out)) == [8, 4]
+    r = run_cli(*train_args(tmp_path / "fresh", corpus, "--steps", "4", "--weight-decay", "1e308", "--save-every",
+                            "1", "--eval-every", "1"))
+    assert "before any good checkpoint" in one_sentence(r)
+    assert not [f for f in os.listdir(tmp_path / "fresh") if f.endswith(".safetensors")]
+
+
+def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
+    flat = ne.init_params(cfg)
+    flat[5] = np.inf
+
+    class Engine:
+        def host_weights(self):
+            return flat, np.zeros_like(flat), np.zeros_like(flat)
+
+        def host_params(self):
+            return flat
+
+        def evaluate(self, batches, token_bytes):
+            return 1.0, 1.0                               # a finite loss: the weights must still be checked
+    state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
+    rng = np.random.default_rng(0)
+    with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
+        ne.checkpoint(str(tmp_path), 3, cfg, ne.Tokenizer(), Engine(), state, rng, lambda: 0.0)
+    with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
+        ne.validate(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s")
+    assert os.listdir(tmp_path) == []
+
+
 # -----------------------------------------------------------------------------
 # broken checkpoint files
 
@@ -227,8 +300,34 @@ def bad_state_json(path):
     ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state='{"step": 8, "rng": '))
 
 
+def edit_state(change=None, m=None):
+    """a spoiler of a state file: its JSON updated with change, or its m replaced by m(m)"""
+    def spoil(path):
+        tensors, meta = ne.read_safetensors(str(path))
+        state = {**json.loads(meta["state"]), **(change or {})}
+        tensors = dict(tensors, m=m(tensors["m"].copy()) if m else tensors["m"])
+        ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state=json.dumps(state)))
+    return spoil
+
+
+def with_nan(a):
+    a[3] = np.nan
+    return a
+
+
 DAMAGE = {"truncated model": ("model", truncate), "truncated state": ("state", truncate),
-          "state that is not JSON": ("state", bad_state_json)}
+          "state that is not JSON": ("state", bad_state_json),
+          "rng of another state": ("state", edit_state({"rng": {"bit_generator": "PCG64", "state": {
+              "state": "x", "inc": 1}, "has_uint32": 0, "uinteger": 0}})),
+          "rng that is no state": ("state", edit_state({"rng": {"foo": 1}})),
+          "rng of another generator": ("state", edit_state({"rng": {"bit_generator": "MT19937",
+                                                                    "state": {"key": [1], "pos": 0}}})),
+          "best_val that is text": ("state", edit_state({"best_val": "abc"})),
+          "planned_steps that is text": ("state", edit_state({"planned_steps": "x"})),
+          "args that are a list": ("state", edit_state({"args": [1]})),
+          "step that is a bool": ("state", edit_state({"step": True})),
+          "m of another shape": ("state", edit_state(m=lambda a: a.reshape(-1, 2))),
+          "m that holds a NaN": ("state", edit_state(m=with_nan))}
 
 
 @pytest.mark.parametrize("damage", DAMAGE)
@@ -256,7 +355,50 @@ def test_resume_with_no_readable_pair_says_so(finished_run, corpus, tmp_path):
 # -----------------------------------------------------------------------------
 # signals
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_while_the_tokenizer_trains_says_so_and_frees_the_folder(tmp_path, sig):
+    out = tmp_path / "run"
+    # the whole of Shakespeare and a 4,096-token vocabulary: the tokenizer trains for seconds
+    proc = start_cli("train", "--data", os.path.join(HERE, "data", "tinyshakespeare.txt"), "--out", str(out),
+                     "--vocab-size", "4096")
+    for line in proc.stderr:
+        if line.startswith(b"tokenizer: "):
+            break
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    name = {signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}[sig]
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"{name}: interrupted"
+    assert os.listdir(out) == []                                  # train.lock removed
+
+
+def test_an_interrupted_save_names_the_last_complete_checkpoint(finished_run, tmp_path, capsys):
+    out = copy_of(finished_run, tmp_path)
+    flag = ne.StopFlag()
+    flag.handle(signal.SIGTERM, None)                             # the first asks for a save
+    with pytest.raises(ne.Interrupted) as e:
+        flag.handle(signal.SIGTERM, None)                         # the second quits at once
+    assert e.value.signum == signal.SIGTERM
+
+    def interrupted_save(args):                                   # a state file written, its model not yet
+        (out / "state_000012.safetensors").write_bytes(b"half")
+        raise e.value
+    handlers = {sig: signal.getsignal(sig) for sig in ne.StopFlag.SIGNALS}
+    try:
+        with pytest.raises(SystemExit) as done:
+            ne.run_command(interrupted_save, ne.build_parser().parse_args(["train", "--out", str(out), "--resume"]))
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN     # the last words cannot be cut
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert done.value.code == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == (f"SIGTERM: interrupted; the last complete checkpoint is {out / 'model_000008.safetensors'}, "
+                    "continue with --resume")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
     out = tmp_path / "run"
     proc = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
@@ -264,13 +406,172 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
     wait_for_step(proc, 3)
     proc.send_signal(sig)
     said, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err.decode()[-2000:]
+    # the shell's convention: a process a signal ended exits 128 + its number (130, 143, 129)
+    assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], err.decode()
     step = ne.latest_checkpoint(str(out))
     assert step is not None and step >= 3 and f"model_{step:06d}.safetensors".encode() in said
-    assert b"saving a checkpoint" in err and b"Traceback" not in err
+    last = err.decode().strip().splitlines()[-1]
+    assert f"stopped at step {step}, saved as {out / f'model_{step:06d}.safetensors'}" in last and "--resume" in last
+    assert b"saving a checkpoint" in err and b"Traceback" not in err and b"done:" not in said
     r = run_cli(*train_args(out, corpus, "--steps", str(step + 2), "--resume"))
     assert r.returncode == 0, r.stderr.decode()
     assert f"at step {step}".encode() in r.stdout and ne.latest_checkpoint(str(out)) == step + 2
+
+
+def test_a_hangup_that_was_ignored_at_start_stays_ignored(corpus, tmp_path):
+    # nohup starts a program with SIGHUP ignored, so that it outlives the terminal
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-u", PROGRAM, *train_args(out, corpus, "--steps", "100000",
+                                                                        "--save-every", "100000",
+                                                                        "--eval-every", "100000")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    wait_for_step(proc, 3)
+    proc.send_signal(signal.SIGHUP)
+    wait_for_step(proc, 6)                               # still training
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and b"SIGHUP" not in err, err.decode()[-2000:]
+    assert ne.latest_checkpoint(str(out)) >= 6
+
+
+def test_a_closed_terminal_saves_a_checkpoint(corpus, tmp_path):
+    # the program's terminal is a pseudo-terminal whose other end we close, as a closed
+    # ssh session does: the kernel sends SIGHUP and every later write fails (EIO)
+    import fcntl
+    import pty
+    import termios
+    out = tmp_path / "run"
+    master, slave = pty.openpty()
+
+    def own_terminal():                                  # a session whose controlling terminal is the pty
+        os.setsid()
+        fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+    proc = subprocess.Popen([sys.executable, "-u", PROGRAM, *train_args(out, corpus, "--steps", "100000",
+                                                                        "--save-every", "100000",
+                                                                        "--eval-every", "100000")],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=HERE, preexec_fn=own_terminal)
+    os.close(slave)
+    seen = b""
+    while not re.search(rb"step +3/", seen):
+        chunk = os.read(master, 4096)
+        assert chunk, seen.decode()[-2000:]
+        seen += chunk
+    os.close(master)                                     # the terminal hangs up
+    proc.wait(timeout=120)
+    assert proc.returncode == 129
+    step = ne.latest_checkpoint(str(out))
+    assert step is not None and step >= 3
+    r = run_cli(*train_args(out, corpus, "--steps", str(step + 1), "--resume"))
+    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == step + 1, r.stderr.decode()
+
+
+def test_a_closed_pipe_saves_a_checkpoint_and_ends_quietly(corpus, tmp_path):
+    out = tmp_path / "run"
+    proc = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
+                                 "--eval-every", "100000"))
+    wait_for_step(proc, 3)
+    proc.stdout.close()                                  # as `| head` does when it has its lines
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err and "error" not in err, err[-2000:]
+    step = ne.latest_checkpoint(str(out))
+    assert step is not None and step >= 3
+    rows = [ln.split(",")[0] for ln in (out / "log.csv").read_text().splitlines()[1:]]
+    assert rows == [str(s) for s in range(1, len(rows) + 1)] and len(rows) >= step - 1
+
+
+def test_a_stop_saves_before_any_evaluation_or_sample(corpus, tmp_path, capsys, monkeypatch):
+    # the signal comes during step 4, a step that evaluates and saves: it saves and no more
+    calls = []
+    step = ne.CPUEngine.step
+
+    def step_and_signal(self, idx, targets, lr, n):
+        if n == 4:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, idx, targets, lr, n)
+    evaluate = ne.CPUEngine.evaluate
+    monkeypatch.setattr(ne.CPUEngine, "step", step_and_signal)
+    monkeypatch.setattr(ne.CPUEngine, "evaluate", lambda self, *a: calls.append("evaluate") or evaluate(self, *a))
+    monkeypatch.setattr(ne, "sample_text_for_log", lambda *a, **k: calls.append("sample") or "")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        ne.main(train_args(out, corpus, "--steps", "100", "--eval-every", "2", "--save-every", "100"))
+    assert e.value.code == 143
+    said = capsys.readouterr()
+    assert calls == ["evaluate", "sample"]               # step 2's only
+    assert re.search(r"val +2/100", said.out) and not re.search(r"val +4/100", said.out)
+    assert ne.latest_checkpoint(str(out)) == 4 and "stopped at step 4" in said.err
+    assert (out / "log.csv").read_text().splitlines()[-1].startswith("4,")
+
+
+def test_a_garbled_log_never_stops_a_resume(finished_run, corpus, tmp_path):
+    out = copy_of(finished_run, tmp_path)
+    log = out / "log.csv"
+    good = log.read_bytes()
+    # bytes that are not UTF-8, a step that str.isdigit takes but int() does not, a row cut short
+    log.write_bytes(good + b"\xff\xfe\x00garbage\n" + "²,1.0,1,1,1,1,,,\n".encode() + b"3,\xff,,,,,,,\n9,2.5")
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert log.read_bytes().startswith(good)
+    assert [ln.split(",")[0] for ln in log.read_text().splitlines()[1:]] == [str(s) for s in range(1, 13)]
+
+
+# -----------------------------------------------------------------------------
+# memory
+
+@pytest.mark.parametrize("cfg, rows", [(ne.PRESETS["small"], 1), (ne.PRESETS["small"], 8),
+                                       (ne.Config(V=260, C=64, Hq=4, Hkv=1, L=3, T=256, F=176, K=2), 4)])
+def test_the_activation_estimate_is_within_10_percent_of_the_measured_peak(cfg, rows):
+    import tracemalloc                                   # numpy reports its arrays to it
+    flat = ne.init_params(cfg)
+    grads = [np.zeros_like(flat)]
+    idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, cfg.V, (rows, cfg.T + cfg.K)), cfg.T, cfg.K)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ne.loss_and_grads(flat, cfg, idx, targets, grads)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert peak <= ne.activation_bytes(cfg, rows) <= 1.1 * peak
+
+
+def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
+    cfg = ne.PRESETS["small"]
+    P = ne.num_params(cfg)
+    # 64 rows on 2 threads: 8 micro-batches of 8 rows (micro_batches), two at a time
+    need = 4 * (3 + 8) * P + 2 * ne.activation_bytes(cfg, 8) + 64 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    ne.check_memory(cfg, 64, 2, available=lambda: need)
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.check_memory(cfg, 64, 2, available=lambda: need - 1)
+    assert str(e.value).startswith(f"--batch 64 needs about {need / 1e9:.1f} GB of memory") and "lower --batch" in str(e.value)
+    ne.check_memory(cfg, 10 ** 9, 2, available=lambda: None)    # no /proc/meminfo: no check
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
+    # a billion rows: 125 million gradient buffers of 3.7 MB, on any machine more than it has
+    args = ["--batch", str(10 ** 9), "--out", str(tmp_path / "run")]
+    r = run_cli(*(["train", "--data", corpus] if command == "train" else
+                  ["sft", "--model", str(finished_run / "run" / "best.safetensors")]), *args)
+    err = one_sentence(r)
+    assert "--batch 1000000000 needs about" in err and "lower --batch" in err
+    assert not (tmp_path / "cache").exists()             # refused before the data is prepared
+
+
+def test_out_of_memory_is_one_sentence(capsys, tmp_path):
+    def allocate(args):
+        np.ones(1 << 62, dtype=np.uint8)                 # 4 EiB: no machine has it
+    with pytest.raises(SystemExit) as e:
+        ne.run_command(allocate, ne.build_parser().parse_args(["check"]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: out of memory (")
+    assert err[0].endswith("; free some memory")                 # check has no --batch to lower
+    with pytest.raises(SystemExit) as e:
+        ne.run_command(allocate, ne.build_parser().parse_args(["train", "--out", str(tmp_path / "run")]))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[0].endswith("lower --batch, or free some memory")
 
 
 # -----------------------------------------------------------------------------
@@ -319,6 +620,18 @@ def test_a_read_only_disk_gives_one_sentence(corpus, tmpfs):
         assert "read-only" in err and str(folder) in err
 
 
+@pytest.mark.parametrize("make, path, says", [
+    (lambda t: (t / "afile").write_text("x"), "afile/run", "not a folder; give a path through folders"),
+    (lambda t: (t / "cache").write_text("x"), "run", "cache: a file is there where a folder should be; move it away"),
+    (lambda t: (t / "run" / "train.lock").mkdir(parents=True), "run",
+     "train.lock: a folder is there where a file should be; move it away"),
+])
+def test_a_path_of_the_wrong_kind_says_what_to_do(corpus, tmp_path, make, path, says):
+    make(tmp_path)
+    err = one_sentence(run_cli(*train_args(tmp_path / path, corpus, "--steps", "4")))
+    assert says in err, err
+
+
 def test_out_that_is_a_file_gives_one_sentence(corpus, tmp_path):
     out = tmp_path / "run"
     out.write_text("not a folder")
@@ -347,4 +660,15 @@ def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
     assert r.returncode == 0, r.stderr.decode()
     err = r.stderr.decode()
     # room for the question: T - 1 less the reply's max_new_tokens = 128 - 1 - 8
-    assert "longer than the context of 128" in err and "keeping its last 119" in err
+    assert "more than fit in the context of 128 with room for a reply of 8; keeping its last 119 tokens" in err
+
+
+def test_a_first_signal_after_lost_output_still_lets_the_save_finish():
+    """lost output sets stop without a signal: the first SIGTERM after it is a first signal
+    (it finishes the step and saves), only a second one quits at once"""
+    flag = ne.StopFlag()
+    flag.stop = True                                   # what output_may_go does when stdout is gone
+    flag.handle(signal.SIGTERM, None)                  # must not raise
+    assert flag.signum == signal.SIGTERM
+    with pytest.raises(ne.Interrupted):
+        flag.handle(signal.SIGTERM, None)
