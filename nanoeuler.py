@@ -2742,9 +2742,12 @@ def argv_text(text):
     return raw.decode("utf-8", "replace")
 
 
-def cmd_sample(args):
+def cmd_sample(args, make_params=None, gen=None):
+    """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
+    and generate (the model file is read, and refused, before either)"""
     cfg, flat, tok = load_model(args.model)
     check_drafts(args, cfg)
+    params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
     args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
@@ -2753,8 +2756,8 @@ def cmd_sample(args):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     with generating(args.model):
-        for t in generate(carve(flat, cfg), cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                          args.top_p, args.seed, args.speculative, drafts=args.drafts):
+        for t in (gen or generate)(params, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                                   args.top_p, args.seed, args.speculative, drafts=args.drafts):
             sys.stdout.write(decoder.decode(tok.vocab[t]))
             sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")

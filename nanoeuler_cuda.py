@@ -1913,27 +1913,9 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
             decoder.set_feed(feed, pos)
 
 
-def load_decoder(path, precision):
-    cfg, flat, tok = ne.load_model(path)
-    return GPUDecoder(cfg, flat, precision), cfg, tok
-
-
 def cmd_sample(args):
-    """continue a prompt, streaming; as nanoeuler.py's sample"""
-    decoder, cfg, tok = load_decoder(args.model, args.precision)   # a bad file is refused before the GPU starts
-    args.prompt = ne.argv_text(args.prompt)                        # bytes that are not UTF-8 become U+FFFD
-    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
-    if len(prompt) > cfg.T - 1:
-        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
-              f"keeping its last {cfg.T - 1}", file=sys.stderr)
-    import codecs
-    decoder_utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    sys.stdout.write(args.prompt)
-    for t in generate(decoder, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                      args.seed, args.speculative, drafts=args.drafts):
-        sys.stdout.write(decoder_utf8.decode(tok.vocab[t]))
-        sys.stdout.flush()
-    sys.stdout.write(decoder_utf8.decode(b"", final=True) + "\n")
+    """nanoeuler.py's sample (the prompt, streaming, its notes), generating on the GPU"""
+    ne.cmd_sample(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
 
 
 # -----------------------------------------------------------------------------

@@ -232,6 +232,23 @@ def test_chat_runs_nanoeuler_repl_with_the_gpu_generate(tmp_path, monkeypatch, c
     assert "(history cleared)" in transcripts[0] and transcripts[0].count("bot> ") == 2
 
 
+def test_gpu_sample_is_nanoeuler_sample_with_the_gpu_generate(tmp_path, monkeypatch, capsys):
+    """the GPU's sample runs nanoeuler.py's (its notes on --drafts too), generating with the GPU's generate"""
+    tok = ne.Tokenizer()
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=2, Hkv=1, L=1, T=64, F=48, K=3)
+    model = str(tmp_path / "m.safetensors")
+    ne.save_model(model, cfg, np.random.default_rng(4).normal(0, 0.3, ne.num_params(cfg)).astype(np.float32), tok)
+    monkeypatch.setattr(nc, "GPUDecoder", lambda cfg_, flat_, precision: StandInDecoder(ne.carve(flat_, cfg_), cfg_))
+    argv = ["sample", "--model", model, "--prompt", "ab", "--temperature", "0", "--max-new-tokens", "20",
+            "--speculative", "--drafts", "5"]
+    outputs = []
+    for module in (ne, nc):
+        module.cmd_sample(module.build_parser().parse_args(argv))
+        outputs.append(capsys.readouterr())
+    assert outputs[0].out == outputs[1].out and outputs[0].out.startswith("ab")
+    assert "fewer than --drafts 5; drafting with 2" in outputs[1].err
+
+
 needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cuda") is None,
                                  reason="cuda-python is not installed (pip install -r requirements-dev.txt)")
 

@@ -678,15 +678,20 @@ def test_a_tiny_temperature_picks_the_likeliest_token(temperature):
         assert ne.sample_token(logits, rng, temperature) == expected
 
 
-@pytest.mark.parametrize("command, temperature", [("sample", "0"), ("sample", "0.8"), ("sample", "1e-320"),
-                                                  ("chat", "0.8")])
-def test_a_model_whose_logits_are_not_finite_is_named_so(tmp_path, command, temperature):
+def huge_logits_model(tmp_path):
+    """a model file of finite weights whose logits overflow float32: 1e36 * 1e20 per logit"""
     tensors, meta = model_parts()
-    # finite weights whose product overflows float32: 1e36 * 1e20 per logit
     tensors = [(n, t * np.float32(1e36) if n == "heads.0" else t * np.float32(1e20) if n == "final_norm" else t)
                for n, t in tensors]
     path = str(tmp_path / "huge.safetensors")
     ne.write_safetensors(path, tensors, meta)
+    return path
+
+
+@pytest.mark.parametrize("command, temperature", [("sample", "0"), ("sample", "0.8"), ("sample", "1e-320"),
+                                                  ("chat", "0.8")])
+def test_a_model_whose_logits_are_not_finite_is_named_so(tmp_path, command, temperature):
+    path = huge_logits_model(tmp_path)
     r = run("nanoeuler.py", command, "--model", path, "--temperature", temperature, "--max-new-tokens", "3",
             *(["--prompt", "hi"] if command == "sample" else []), stdin=b"hello\n")
     assert_one_sentence(r, path, "not finite")
@@ -779,11 +784,7 @@ def test_stdout_to_a_full_device_is_named_as_stdout(model):
 
 
 def test_sft_on_a_model_whose_loss_is_nan_at_once_says_the_model_gives_it(tmp_path, capsys, sft_data):
-    tensors, meta = model_parts()
-    tensors = [(n, t * np.float32(1e36) if n == "heads.0" else t * np.float32(1e20) if n == "final_norm" else t)
-               for n, t in tensors]
-    path = str(tmp_path / "huge.safetensors")
-    ne.write_safetensors(path, tensors, meta)
+    path = huge_logits_model(tmp_path)
     data = sft_data([{"instruction": f"say {i}", "response": f"{i} said"} for i in range(4)])
     err = sft_error(path, data, tmp_path, capsys)
     assert "became nan at step 1, from the weights the run started with" in err and "--model file" in err, err
