@@ -13,22 +13,23 @@ an online softmax so that the (T x T) attention matrix is never stored
 
 Layout: qkv is (B, T, (Hq + 2 Hkv) D) row-major, as the wqkv matmul writes it:
 q heads, then k heads, then v heads. y is (B, T, Hq D); lse and delta (B, Hq, T).
+qkv, y, dy and dqkv are the model's activations: fp32 (--precision fp32 and
+tf32) or bf16 (--precision bf16; nanoeuler_cuda's floatX); lse and delta fp32.
 Three versions of the three passes, read in this order:
 - fp32 (--precision fp32), exact, on CUDA cores. In the forward and the dq
   kernel one thread owns one query row, its accumulators in registers. In the
   dk/dv kernel two threads share a key row, each owning every other one of its
   D dims (neighbouring words of shared memory: different banks); the halves of
   each dot product meet in one shuffle.
-- tf32 tensor cores (--precision tf32, and bf16 at D other than 64): the same
-  passes with tf32 mma.sync, a warp per 16 rows; see "tensor cores" below. On
-  an H200, for the big model: 13 ms of attention per step against 43 ms on
-  CUDA cores.
-- bf16 tensor cores (--precision bf16 at D = 64): bf16 mma.sync reading bf16
-  copies of qkv and dy, each score tile kept in registers from the first
-  product into the second; see "bf16 tensor cores" below.
+- tf32 tensor cores (--precision tf32): the same passes with tf32 mma.sync, a
+  warp per 16 rows; see "tensor cores" below. On an H200, for the big model:
+  13 ms of attention per step against 43 ms on CUDA cores.
+- bf16 tensor cores (--precision bf16): bf16 mma.sync reading and writing
+  bf16 activations, each score tile kept in registers from the first product
+  into the second; see "bf16 tensor cores" below.
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
-without opting in), the bf16 ones for 64.
+without opting in).
 
 Tiles (fp32): 64 query rows per block; keys loaded 32 at a time into shared
 memory, 2 x 32 x D floats = 16 KB at D = 64, and 32 scores per row in registers.
@@ -38,6 +39,8 @@ owns them, so every run gives the same bits.
 
 #define BR 64   // query rows per block (= threads per block in the forward and dq)
 #define BC 32   // key rows per shared-memory tile
+#define DKV_KEYS 64   // keys per block of the dk/dv pass, two threads to a key
+#define DKV_THREADS (2 * DKV_KEYS)
 
 // NVRTC compiles without the C headers, so infinity is spelled out in its bits
 #define INFINITY __int_as_float(0x7f800000)
@@ -47,21 +50,6 @@ owns them, so every run gives the same bits.
 
 // keys and values k0..k0+BC-1 of kv head kvh into shared memory (zeros past T),
 // between two barriers; the BR threads of the block share the copy
-// float32 -> bfloat16 bits, rounded to nearest even (as kernels.cu's bf16_bits): in
-// bf16 mode the kernels that write y and dv write their bf16 copies too (out16),
-// which the bf16 matmuls read; nullptr otherwise
-__device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int bits = __float_as_uint(x);
-    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-}
-
-// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 template <int D>
 __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, int k0, int T, int stride,
                              int Hq, int Hkv, int kvh) {
@@ -76,8 +64,7 @@ __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, 
 
 // grid = (ceil(T / BR), Hq, B); block = BR threads, one per query row
 template <int D>
-__device__ void attention_forward(float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv,
-                                  float scale) {
+__device__ void attention_forward(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
     __shared__ float ks[BC][D], vs[BC][D];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv);
     int i = blockIdx.x * BR + threadIdx.x;
@@ -114,7 +101,6 @@ __device__ void attention_forward(float* y, unsigned short* y16, float* lse, con
     for (int d = 0; d < D; d++) {
         long e = ((long)b * T + i) * Hq * D + h * D + d;
         y[e] = o[d] / l;
-        if (y16) y16[e] = bf16_bits(y[e]);
     }
     lse[((long)b * Hq + h) * T + i] = m + logf(l);
 }
@@ -122,28 +108,32 @@ __device__ void attention_forward(float* y, unsigned short* y16, float* lse, con
 // -----------------------------------------------------------------------------
 // backward
 
-// delta = rowsum(dy * y), the softmax backward's correction term. For the bf16
-// passes (dy16 not nullptr) it also writes dy rounded to bf16, which they read,
-// and sums with that rounding, so that delta matches the dp they compute.
+// two neighbouring elements of a row of dy or y, as the passes read them: fp32, or bf16
+// (the bf16 passes' activations, nanoeuler_cuda's floatX)
+__device__ __forceinline__ float2 load_pair(const float* p) { return *(const float2*)p; }
+
+__device__ __forceinline__ float2 load_pair(const unsigned short* p) {
+    unsigned two = *(const unsigned*)p;
+    return make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xFFFF0000u));
+}
+
+// delta = rowsum(dy * y), the softmax backward's correction term, from dy and y in the
+// type the passes read them (X: float, or unsigned short for bf16), so that delta
+// matches the dp the passes compute.
 // one warp per (b, query row, head), in memory order, so a warp reads one
-// contiguous row of D floats and neighbouring warps the next heads' rows;
+// contiguous row of D elements and neighbouring warps the next heads' rows;
 // grid = ceil(B*T*Hq / warps per block)
-__device__ void attention_backward_delta(float* delta, unsigned short* dy16, const float* dy, const float* y, int B,
-                                         int T, int Hq, int D) {
+template <typename X>
+__device__ void attention_backward_delta(float* delta, const X* dy, const X* y, int B, int T, int Hq, int D) {
     long e = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;   // (b * T + i) * Hq + h
     int lane = threadIdx.x % 32;
     if (e >= (long)B * T * Hq) return;
     int h = e % Hq, i = (e / Hq) % T;
     long b = e / ((long)Hq * T);
     float s = 0.0f;
-    for (int d = 2 * lane; d < D; d += 64) {                         // D is even: pairs, one load each
-        float2 g = *(const float2*)&dy[e * D + d], o = *(const float2*)&y[e * D + d];
-        if (dy16) {
-            unsigned two = pack_bf16(g.x, g.y);
-            *(unsigned*)&dy16[e * D + d] = two;
-            g = make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xFFFF0000u));
-        }
-        s += g.x * o.x + g.y * o.y;
+    for (int d = 2 * lane; d < D; d += 2 * 32) {                     // D is even: pairs, one load each
+        float2 dy2 = load_pair(&dy[e * D + d]), y2 = load_pair(&y[e * D + d]);
+        s += dy2.x * y2.x + dy2.y * y2.y;
     }
     for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
     if (lane == 0) delta[(b * Hq + h) * T + i] = s;
@@ -155,15 +145,15 @@ __device__ void attention_backward_delta(float* delta, unsigned short* dy16, con
 // shared-memory row: different banks); k, v, dk and dv stay in registers, and
 // the two halves of each dot product meet in one shuffle. Query tiles of BC
 // rows are loaded into shared memory and read by every thread.
-// grid = (ceil(T / 64), Hkv, B); block = 128 threads, two per key row
+// grid = (ceil(T / DKV_KEYS), Hkv, B); block = DKV_THREADS, two per key row
 template <int D>
-__device__ void attention_backward_dkv(float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy,
+__device__ void attention_backward_dkv(float* dqkv, const float* qkv, const float* dy,
                                        const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
-    constexpr int KEYS = 64, HALF = D / 2;
+    constexpr int HALF = D / 2;
     __shared__ float qs[BC][D], dys[BC][D], lse_s[BC], delta_s[BC];
     int b = blockIdx.z, kvh = blockIdx.y, G = Hq / Hkv;
     int half = threadIdx.x & 1;
-    int j = blockIdx.x * KEYS + threadIdx.x / 2;
+    int j = blockIdx.x * DKV_KEYS + threadIdx.x / 2;
     int stride = (Hq + 2 * Hkv) * D;
     const float* base = qkv + (long)b * T * stride;
     float k[HALF], v[HALF], dk[HALF], dv[HALF];
@@ -174,7 +164,7 @@ __device__ void attention_backward_dkv(float* dqkv, unsigned short* dqkv16, cons
         dk[e] = dv[e] = 0.0f;
     }
     for (int h = kvh * G; h < (kvh + 1) * G; h++) {
-        for (int q0 = blockIdx.x * KEYS; q0 < T; q0 += BC) {          // causal: queries from the first key on
+        for (int q0 = blockIdx.x * DKV_KEYS; q0 < T; q0 += BC) {      // causal: queries from the first key on
             __syncthreads();
             for (int e = threadIdx.x; e < BC * D; e += blockDim.x) {
                 int r = e / D, d = e % D, i = q0 + r;
@@ -210,7 +200,6 @@ __device__ void attention_backward_dkv(float* dqkv, unsigned short* dqkv16, cons
     for (int e = 0; e < HALF; e++) {
         dqkv[row + (Hq + kvh) * D + 2 * e + half] = dk[e];
         dqkv[row + (Hq + Hkv + kvh) * D + 2 * e + half] = dv[e];
-        if (dqkv16) dqkv16[row + (Hq + Hkv + kvh) * D + 2 * e + half] = bf16_bits(dv[e]);   // dk: after rope
     }
 }
 
@@ -255,15 +244,21 @@ __device__ void attention_backward_dq(float* dqkv, const float* qkv, const float
 //
 // For --precision tf32 and bf16. Each warp owns 16 rows; scores, softmax and
 // accumulators stay in the mma fragments' registers, whose layout the PTX ISA
-// fixes (lane = 4 g + t):  A (16x8, row-major): a0 = A[g][t], a1 = A[g+8][t],
+// fixes: lane = 4 group + in_group (the ISA's groupID and threadID_in_group; g and t
+// in this table): A (16x8, row-major): a0 = A[g][t], a1 = A[g+8][t],
 // a2 = A[g][t+4], a3 = A[g+8][t+4];  B (8x8): b0 = B[t][g], b1 = B[t+4][g];
 // C (16x8): c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1].
-// A row's values sit in the 4 lanes of one g, so row reductions are two
+// A row's values sit in the 4 lanes of one group, so row reductions are two
 // shuffles. Every loop over fragments is unrolled, so that they stay in
-// registers (an array indexed at run time would go to local memory). A score tile goes through shared memory once, from the C layout
-// into the A layout, on its way into the second product.
+// registers (an array indexed at run time would go to local memory). A score
+// tile goes through shared memory once, from the C layout into the A layout, on
+// its way into the second product: mma_scores_tf32 makes the scores (a @ tile.T),
+// mma_weighted_sum_tf32 adds the rows of a tile weighted by them (p @ tile).
 
 #define MMA_ROWS 16   // rows per warp
+#define MMA_WARPS 4   // warps per block, here and in the bf16 passes
+#define MMA_THREADS (32 * MMA_WARPS)
+#define MMA_BLOCK_ROWS (MMA_WARPS * MMA_ROWS)   // 64 rows per block
 #define BK 32         // keys (or queries) per shared-memory tile
 
 __device__ __forceinline__ unsigned tf32(float x) {
@@ -293,28 +288,28 @@ __device__ __forceinline__ float group_sum(float v) {
 // A fragments of rows r0.. of a row-major global matrix (row stride ld), all D/8 steps
 template <int D>
 __device__ void load_a_rows(unsigned (*a)[4], const float* m, long ld, int r0, int T, float scale) {
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     #pragma unroll
     for (int kk = 0; kk < D / 8; kk++) {
-        int c = kk * 8 + t;
-        a[kk][0] = tf32(r0 + g < T ? m[(r0 + g) * ld + c] * scale : 0.0f);
-        a[kk][1] = tf32(r0 + g + 8 < T ? m[(r0 + g + 8) * ld + c] * scale : 0.0f);
-        a[kk][2] = tf32(r0 + g < T ? m[(r0 + g) * ld + c + 4] * scale : 0.0f);
-        a[kk][3] = tf32(r0 + g + 8 < T ? m[(r0 + g + 8) * ld + c + 4] * scale : 0.0f);
+        int c = kk * 8 + in_group;
+        a[kk][0] = tf32(r0 + group < T ? m[(r0 + group) * ld + c] * scale : 0.0f);
+        a[kk][1] = tf32(r0 + group + 8 < T ? m[(r0 + group + 8) * ld + c] * scale : 0.0f);
+        a[kk][2] = tf32(r0 + group < T ? m[(r0 + group) * ld + c + 4] * scale : 0.0f);
+        a[kk][3] = tf32(r0 + group + 8 < T ? m[(r0 + group + 8) * ld + c + 4] * scale : 0.0f);
     }
 }
 
 // c (16 x 8n) = a (16 x D) @ rows.T, where rows is a shared (8n x D) tf32 tile: scores
 template <int D, int N>
-__device__ void mma_rows_t(float (*c)[4], unsigned (*a)[4], const float* rows, int ld) {
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+__device__ void mma_scores_tf32(float (*c)[4], unsigned (*a)[4], const float* rows, int ld) {
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     #pragma unroll
     for (int nt = 0; nt < N / 8; nt++) {
         c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
         #pragma unroll
         for (int kk = 0; kk < D / 8; kk++) {
-            unsigned b[2] = {__float_as_uint(rows[(nt * 8 + g) * ld + kk * 8 + t]),
-                             __float_as_uint(rows[(nt * 8 + g) * ld + kk * 8 + t + 4])};
+            unsigned b[2] = {__float_as_uint(rows[(nt * 8 + group) * ld + kk * 8 + in_group]),
+                             __float_as_uint(rows[(nt * 8 + group) * ld + kk * 8 + in_group + 4])};
             mma_tf32(c[nt], a[kk], b);
         }
     }
@@ -322,26 +317,27 @@ __device__ void mma_rows_t(float (*c)[4], unsigned (*a)[4], const float* rows, i
 
 // acc (16 x D) += p (16 x N, C layout, staged through this warp's shared scratch) @ m (shared N x D, tf32)
 template <int D, int N>
-__device__ void mma_p_m(float (*acc)[4], float (*p)[4], float* scratch, const float* m, int ld) {
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+__device__ void mma_weighted_sum_tf32(float (*acc)[4], float (*p)[4], float* scratch, const float* m, int ld) {
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     #pragma unroll
     for (int nt = 0; nt < N / 8; nt++) {                       // C layout -> shared, rows of N + 4
-        scratch[g * (N + 4) + nt * 8 + 2 * t] = __uint_as_float(tf32(p[nt][0]));
-        scratch[g * (N + 4) + nt * 8 + 2 * t + 1] = __uint_as_float(tf32(p[nt][1]));
-        scratch[(g + 8) * (N + 4) + nt * 8 + 2 * t] = __uint_as_float(tf32(p[nt][2]));
-        scratch[(g + 8) * (N + 4) + nt * 8 + 2 * t + 1] = __uint_as_float(tf32(p[nt][3]));
+        scratch[group * (N + 4) + nt * 8 + 2 * in_group] = __uint_as_float(tf32(p[nt][0]));
+        scratch[group * (N + 4) + nt * 8 + 2 * in_group + 1] = __uint_as_float(tf32(p[nt][1]));
+        scratch[(group + 8) * (N + 4) + nt * 8 + 2 * in_group] = __uint_as_float(tf32(p[nt][2]));
+        scratch[(group + 8) * (N + 4) + nt * 8 + 2 * in_group + 1] = __uint_as_float(tf32(p[nt][3]));
     }
     __syncwarp();
     #pragma unroll
     for (int kk = 0; kk < N / 8; kk++) {
         const float* sc = scratch;
-        unsigned a[4] = {__float_as_uint(sc[g * (N + 4) + kk * 8 + t]), __float_as_uint(sc[(g + 8) * (N + 4) + kk * 8 + t]),
-                         __float_as_uint(sc[g * (N + 4) + kk * 8 + t + 4]),
-                         __float_as_uint(sc[(g + 8) * (N + 4) + kk * 8 + t + 4])};
+        unsigned a[4] = {__float_as_uint(sc[group * (N + 4) + kk * 8 + in_group]),
+                         __float_as_uint(sc[(group + 8) * (N + 4) + kk * 8 + in_group]),
+                         __float_as_uint(sc[group * (N + 4) + kk * 8 + in_group + 4]),
+                         __float_as_uint(sc[(group + 8) * (N + 4) + kk * 8 + in_group + 4])};
         #pragma unroll
         for (int nt = 0; nt < D / 8; nt++) {
-            unsigned b[2] = {__float_as_uint(m[(kk * 8 + t) * ld + nt * 8 + g]),
-                             __float_as_uint(m[(kk * 8 + t + 4) * ld + nt * 8 + g])};
+            unsigned b[2] = {__float_as_uint(m[(kk * 8 + in_group) * ld + nt * 8 + group]),
+                             __float_as_uint(m[(kk * 8 + in_group + 4) * ld + nt * 8 + group])};
             mma_tf32(acc[nt], a, b);
         }
     }
@@ -368,50 +364,47 @@ __device__ void load_tile(float* tile, const float* m, long stride, int col, int
 }
 
 // write a warp's accumulator c (16 x D, C layout) to rows r0.. of a row-major global
-// matrix out (row stride ld), and its bf16 copy to out16 unless that is nullptr,
+// matrix out (row stride ld),
 // row r scaled by f[r >= r0 + 8], rows past T skipped
 template <int D>
-__device__ void store_rows(float* out, unsigned short* out16, long ld, int r0, int T, float (*c)[4], const float* f) {
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+__device__ void store_rows(float* out, long ld, int r0, int T, float (*c)[4], const float* f) {
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     #pragma unroll
     for (int nt = 0; nt < D / 8; nt++)
         #pragma unroll
         for (int i = 0; i < 4; i++) {
-            int row = r0 + g + 8 * (i >> 1);
-            long e = row * ld + nt * 8 + 2 * t + (i & 1);
-            if (row < T) {
-                out[e] = c[nt][i] * f[i >> 1];
-                if (out16) out16[e] = bf16_bits(out[e]);
-            }
+            int row = r0 + group + 8 * (i >> 1);
+            long e = row * ld + nt * 8 + 2 * in_group + (i & 1);
+            if (row < T) out[e] = c[nt][i] * f[i >> 1];
         }
 }
 
 // grid = (ceil(T / 64), Hq, B); block = 128 threads, 4 warps of 16 query rows
 template <int D>
-__device__ void attention_forward_tf32(float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq,
+__device__ void attention_forward_tf32(float* y, float* lse, const float* qkv, int T, int Hq,
                                       int Hkv, float scale) {
-    __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
+    __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[MMA_WARPS][MMA_ROWS * (BK + 4)];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv), warp = threadIdx.x / 32;
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
-    int r0 = blockIdx.x * 64 + warp * MMA_ROWS;                // this warp's first query row
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
+    int r0 = blockIdx.x * MMA_BLOCK_ROWS + warp * MMA_ROWS;    // this warp's first query row
     long stride = (Hq + 2 * Hkv) * D;
     const float* base = qkv + (long)b * T * stride;
     unsigned qa[D / 8][4];
     load_a_rows<D>(qa, base + h * D, stride, r0, T, scale);
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    int last = min(T - 1, blockIdx.x * 64 + 63);
+    int last = min(T - 1, blockIdx.x * MMA_BLOCK_ROWS + MMA_BLOCK_ROWS - 1);
     for (int k0 = 0; k0 <= last; k0 += BK) {
         load_tile<D>(ks, base, stride, (Hq + kvh) * D, k0, T, 1.0f);
         load_tile<D>(vs, base, stride, (Hq + Hkv + kvh) * D, k0, T, 1.0f);
         if (k0 > r0 + MMA_ROWS - 1) continue;                   // the whole warp is before these keys
         float s[BK / 8][4];
-        mma_rows_t<D, BK>(s, qa, ks, D + 4);
+        mma_scores_tf32<D, BK>(s, qa, ks, D + 4);
         float mt[2] = {m[0], m[1]};
         #pragma unroll
         for (int nt = 0; nt < BK / 8; nt++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
+                int row = r0 + group + 8 * (i >> 1), col = k0 + nt * 8 + 2 * in_group + (i & 1);
                 if (col > row || col >= T) s[nt][i] = -INFINITY;  // causal mask, and keys past T
                 mt[i >> 1] = fmaxf(mt[i >> 1], s[nt][i]);
             }
@@ -437,14 +430,15 @@ __device__ void attention_forward_tf32(float* y, unsigned short* y16, float* lse
         for (int nt = 0; nt < D / 8; nt++)
             #pragma unroll
             for (int i = 0; i < 4; i++) o[nt][i] *= correction[i >> 1];
-        mma_p_m<D, BK>(o, s, scratch[warp], vs, D + 4);
+        mma_weighted_sum_tf32<D, BK>(o, s, scratch[warp], vs, D + 4);
     }
     float inv_l[2] = {1.0f / l[0], 1.0f / l[1]};
     long y0 = (long)b * T * Hq * D + h * D;
-    store_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0, T, o, inv_l);
+    store_rows<D>(y + y0, (long)Hq * D, r0, T, o, inv_l);
     #pragma unroll
     for (int r = 0; r < 2; r++)
-        if (t == 0 && r0 + g + 8 * r < T) lse[((long)b * Hq + h) * T + r0 + g + 8 * r] = m[r] + logf(l[r]);
+        if (in_group == 0 && r0 + group + 8 * r < T)
+            lse[((long)b * Hq + h) * T + r0 + group + 8 * r] = m[r] + logf(l[r]);
 }
 
 // dq for 16 query rows per warp: dq = scale * sum over keys of p (dp - delta) k
@@ -452,10 +446,10 @@ __device__ void attention_forward_tf32(float* y, unsigned short* y16, float* lse
 template <int D>
 __device__ void attention_backward_dq_tf32(float* dqkv, const float* qkv, const float* dy, const float* lse,
                                           const float* delta, int T, int Hq, int Hkv, float scale) {
-    __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
+    __shared__ float ks[BK * (D + 4)], vs[BK * (D + 4)], scratch[MMA_WARPS][MMA_ROWS * (BK + 4)];
     int b = blockIdx.z, h = blockIdx.y, kvh = h / (Hq / Hkv), warp = threadIdx.x / 32;
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
-    int r0 = blockIdx.x * 64 + warp * MMA_ROWS;
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
+    int r0 = blockIdx.x * MMA_BLOCK_ROWS + warp * MMA_ROWS;
     long stride = (Hq + 2 * Hkv) * D;
     const float* base = qkv + (long)b * T * stride;
     unsigned qa[D / 8][4], dya[D / 8][4];
@@ -464,30 +458,30 @@ __device__ void attention_backward_dq_tf32(float* dqkv, const float* qkv, const 
     float lse_r[2], delta_r[2], dq[D / 8][4] = {};
     #pragma unroll
     for (int r = 0; r < 2; r++) {
-        int row = r0 + g + 8 * r;
+        int row = r0 + group + 8 * r;
         lse_r[r] = row < T ? lse[((long)b * Hq + h) * T + row] : 0.0f;
         delta_r[r] = row < T ? delta[((long)b * Hq + h) * T + row] : 0.0f;
     }
-    int last = min(T - 1, blockIdx.x * 64 + 63);
+    int last = min(T - 1, blockIdx.x * MMA_BLOCK_ROWS + MMA_BLOCK_ROWS - 1);
     for (int k0 = 0; k0 <= last; k0 += BK) {
         load_tile<D>(ks, base, stride, (Hq + kvh) * D, k0, T, 1.0f);
         load_tile<D>(vs, base, stride, (Hq + Hkv + kvh) * D, k0, T, 1.0f);
         if (k0 > r0 + MMA_ROWS - 1) continue;
         float s[BK / 8][4], dp[BK / 8][4];
-        mma_rows_t<D, BK>(s, qa, ks, D + 4);
-        mma_rows_t<D, BK>(dp, dya, vs, D + 4);
+        mma_scores_tf32<D, BK>(s, qa, ks, D + 4);
+        mma_scores_tf32<D, BK>(dp, dya, vs, D + 4);
         #pragma unroll
         for (int nt = 0; nt < BK / 8; nt++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
+                int row = r0 + group + 8 * (i >> 1), col = k0 + nt * 8 + 2 * in_group + (i & 1);
                 float p = col > row || col >= T || row >= T ? 0.0f : expf(s[nt][i] - lse_r[i >> 1]);
                 s[nt][i] = p * (dp[nt][i] - delta_r[i >> 1]);     // ds, the softmax backward
             }
-        mma_p_m<D, BK>(dq, s, scratch[warp], ks, D + 4);
+        mma_weighted_sum_tf32<D, BK>(dq, s, scratch[warp], ks, D + 4);
     }
     float scales[2] = {scale, scale};
-    store_rows<D>(dqkv + (long)b * T * stride + h * D, nullptr, stride, r0, T, dq, scales);   // bf16: after rope
+    store_rows<D>(dqkv + (long)b * T * stride + h * D, stride, r0, T, dq, scales);
 }
 
 // dk and dv for 16 keys per warp (64 per block) of one kv head, summed over its G
@@ -495,14 +489,14 @@ __device__ void attention_backward_dq_tf32(float* dqkv, const float* qkv, const 
 // dv = pt dy and dk = dst (q scale)
 // grid = (ceil(T / 64), Hkv, B); block = 128 threads
 template <int D>
-__device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy,
+__device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const float* dy,
                                            const float* lse, const float* delta, int T, int Hq, int Hkv,
                                            float scale) {
-    __shared__ float qs[BK * (D + 4)], dys[BK * (D + 4)], scratch[4][MMA_ROWS * (BK + 4)];
+    __shared__ float qs[BK * (D + 4)], dys[BK * (D + 4)], scratch[MMA_WARPS][MMA_ROWS * (BK + 4)];
     __shared__ float lse_s[BK], delta_s[BK];
     int b = blockIdx.z, kvh = blockIdx.y, G = Hq / Hkv, warp = threadIdx.x / 32;
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
-    int r0 = blockIdx.x * 64 + warp * MMA_ROWS;                // this warp's first key
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
+    int r0 = blockIdx.x * MMA_BLOCK_ROWS + warp * MMA_ROWS;    // this warp's first key
     long stride = (Hq + 2 * Hkv) * D;
     const float* base = qkv + (long)b * T * stride;
     unsigned ka[D / 8][4], va[D / 8][4];
@@ -510,7 +504,8 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
     load_a_rows<D>(va, base + (Hq + Hkv + kvh) * D, stride, r0, T, 1.0f);
     float dk[D / 8][4] = {}, dv[D / 8][4] = {};
     for (int h = kvh * G; h < (kvh + 1) * G; h++) {
-        for (int q0 = blockIdx.x * 64; q0 < T; q0 += BK) {          // causal: queries from the block's first key
+        // causal: queries from the block's first key
+        for (int q0 = blockIdx.x * MMA_BLOCK_ROWS; q0 < T; q0 += BK) {
             load_tile<D>(qs, base, stride, h * D, q0, T, scale);
             load_tile<D>(dys, dy + (long)b * T * Hq * D, (long)Hq * D, h * D, q0, T, 1.0f);
             if (threadIdx.x < BK) {
@@ -521,40 +516,40 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
             __syncthreads();
             if (q0 + BK - 1 < r0) continue;                        // every query before this warp's keys
             float st[BK / 8][4], dpt[BK / 8][4];
-            mma_rows_t<D, BK>(st, ka, qs, D + 4);
-            mma_rows_t<D, BK>(dpt, va, dys, D + 4);
+            mma_scores_tf32<D, BK>(st, ka, qs, D + 4);
+            mma_scores_tf32<D, BK>(dpt, va, dys, D + 4);
             #pragma unroll
             for (int nt = 0; nt < BK / 8; nt++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    int key = r0 + g + 8 * (i >> 1), c = nt * 8 + 2 * t + (i & 1), query = q0 + c;
+                    int key = r0 + group + 8 * (i >> 1), c = nt * 8 + 2 * in_group + (i & 1), query = q0 + c;
                     float p = query < key || query >= T ? 0.0f : expf(st[nt][i] - lse_s[c]);
                     st[nt][i] = p;
                     dpt[nt][i] = p * (dpt[nt][i] - delta_s[c]);
                 }
-            mma_p_m<D, BK>(dv, st, scratch[warp], dys, D + 4);
-            mma_p_m<D, BK>(dk, dpt, scratch[warp], qs, D + 4);        // qs holds q * scale already
+            mma_weighted_sum_tf32<D, BK>(dv, st, scratch[warp], dys, D + 4);
+            mma_weighted_sum_tf32<D, BK>(dk, dpt, scratch[warp], qs, D + 4);   // qs holds q * scale already
         }
     }
     float ones[2] = {1.0f, 1.0f};
     long k0 = (long)b * T * stride + (Hq + kvh) * D, v0 = (long)b * T * stride + (Hq + Hkv + kvh) * D;
-    store_rows<D>(dqkv + k0, nullptr, stride, r0, T, dk, ones);                     // dk's bf16: after rope
-    store_rows<D>(dqkv + v0, dqkv16 ? dqkv16 + v0 : nullptr, stride, r0, T, dv, ones);
+    store_rows<D>(dqkv + k0, stride, r0, T, dk, ones);
+    store_rows<D>(dqkv + v0, stride, r0, T, dv, ones);
 }
 
 // -----------------------------------------------------------------------------
 // bf16 tensor cores: the same three passes with bf16 mma.sync (m16n8k16), fp32 sums
 //
-// For --precision bf16 at D = 64 (the big model; other D take the tf32 path).
-// Inputs are bf16: qkv16, the bf16 twin of qkv (rotated q and k, then v), and
-// dy16, dy's twin, which attention_backward_delta writes. Each warp owns 16 rows
+// For --precision bf16, where the activations are bf16: qkv16 (q and k rotated by
+// rope_forward, then v) and dy16 in, y16 and dqkv16 (dq and dk before rope_backward
+// rotates them back, then dv) out, each rounded once as it is stored. Each warp owns 16 rows
 // (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
 // and dq follow the block size) and walks the other side in tiles of 64 rows,
 // copied into shared memory by cp.async two tiles deep (the next tile is on its
 // way while this one is multiplied).
 //
-// Fragments, as the PTX ISA fixes them for m16n8k16 (lane = 4 g + t; two bf16
-// to a register, the lower column in the lower half):
+// Fragments, as the PTX ISA fixes them for m16n8k16 (lane = 4 group + in_group, g and t
+// in this table; two bf16 to a register, the lower column in the lower half):
 //   A (16x16): a0 = A[g][2t..2t+1], a1 = A[g+8][2t..], a2 = A[g][2t+8..], a3 = A[g+8][2t+8..]
 //   B (16x8):  b0 = B[2t..2t+1][g], b1 = B[2t+8..2t+9][g]
 //   C (16x8):  c0 = C[g][2t], c1 = C[g][2t+1], c2 = C[g+8][2t], c3 = C[g+8][2t+1]
@@ -574,6 +569,13 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, unsigned short* dqkv16,
 #define PAD 8         // bf16 elements of padding per shared row
 #define LOG2E 1.4426950408889634f
 
+// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
 // d (16x8, fp32) += a (16x16, bf16) b (16x8, bf16)
 __device__ __forceinline__ void mma_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -587,7 +589,8 @@ __device__ __forceinline__ unsigned shared_address(const void* p) {
 }
 
 // four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8
-// of matrix l / 8 and receives row g, columns 2t..2t+1 of each (.trans: column g, rows 2t..2t+1)
+// of matrix l / 8 and receives row group, columns 2 in_group and 2 in_group + 1 of each
+// (.trans: column group, the same rows)
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const unsigned short* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(row)));
@@ -628,22 +631,23 @@ __device__ void load_tile_async(unsigned short (*tile)[D + PAD], const unsigned 
 // A fragments of 16 rows r0.. (zeros past T) of a row-major bf16 matrix m (row stride ld), every k-step of D
 template <int D>
 __device__ void load_a_bf16(unsigned (*a)[4], const unsigned short* m, long ld, int r0, int T) {
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
-    const unsigned* lo = (const unsigned*)(m + (long)(r0 + g) * ld);
-    const unsigned* hi = (const unsigned*)(m + (long)(r0 + g + 8) * ld);
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
+    const unsigned* lo = (const unsigned*)(m + (long)(r0 + group) * ld);
+    const unsigned* hi = (const unsigned*)(m + (long)(r0 + group + 8) * ld);
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        a[kk][0] = r0 + g < T ? lo[kk * 8 + t] : 0u;
-        a[kk][1] = r0 + g + 8 < T ? hi[kk * 8 + t] : 0u;
-        a[kk][2] = r0 + g < T ? lo[kk * 8 + 4 + t] : 0u;
-        a[kk][3] = r0 + g + 8 < T ? hi[kk * 8 + 4 + t] : 0u;
+        a[kk][0] = r0 + group < T ? lo[kk * 8 + in_group] : 0u;
+        a[kk][1] = r0 + group + 8 < T ? hi[kk * 8 + in_group] : 0u;
+        a[kk][2] = r0 + group < T ? lo[kk * 8 + 4 + in_group] : 0u;
+        a[kk][3] = r0 + group + 8 < T ? hi[kk * 8 + 4 + in_group] : 0u;
     }
 }
 
 // c (16 x TILE) = a (16 x D) @ tile.T, for each of MT m-tiles of 16 rows: scores of
 // a warp's rows against a shared tile's TILE rows; each B fragment serves every m-tile
 template <int D, int MT>
-__device__ void mma_a_tile_t(float (*c)[TILE / 8][4], unsigned (*a)[D / 16][4], unsigned short (*tile)[D + PAD]) {
+__device__ void mma_scores_bf16(float (*c)[TILE / 8][4], unsigned (*a)[D / 16][4],
+                                unsigned short (*tile)[D + PAD]) {
     int lane = threadIdx.x % 32;
     #pragma unroll
     for (int mt = 0; mt < MT; mt++)
@@ -666,7 +670,8 @@ __device__ void mma_a_tile_t(float (*c)[TILE / 8][4], unsigned (*a)[D / 16][4], 
 // acc (16 x D) += p (16 x TILE, C layout, fp32) @ tile, for each of MT m-tiles: p
 // rounded to bf16 in registers into the A layout (see above), the tile read with ldmatrix .trans
 template <int D, int MT>
-__device__ void mma_c_tile(float (*acc)[D / 8][4], float (*p)[TILE / 8][4], unsigned short (*tile)[D + PAD]) {
+__device__ void mma_weighted_sum_bf16(float (*acc)[D / 8][4], float (*p)[TILE / 8][4],
+                                      unsigned short (*tile)[D + PAD]) {
     int lane = threadIdx.x % 32;
     #pragma unroll
     for (int kk = 0; kk < TILE / 16; kk++) {
@@ -691,21 +696,19 @@ __device__ void mma_c_tile(float (*acc)[D / 8][4], float (*p)[TILE / 8][4], unsi
     }
 }
 
-// write a warp's c (16 x D, C layout) times f[row half] to rows r0.. of a row-major
-// fp32 matrix out (row stride ld), and its bf16 copy to out16 unless nullptr; rows past T skipped
+// write a warp's c (16 x D, C layout) times f[row half], rounded to bf16, to rows r0.. of a
+// row-major bf16 matrix out (row stride ld); rows past T skipped
 template <int D>
-__device__ void store_c_rows(float* out, unsigned short* out16, long ld, int r0, int T, float (*c)[4], const float* f) {
-    int g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+__device__ void store_c_rows(unsigned short* out, long ld, int r0, int T, float (*c)[4], const float* f) {
+    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     #pragma unroll
     for (int half = 0; half < 2; half++) {
-        int row = r0 + g + 8 * half;
+        int row = r0 + group + 8 * half;
         if (row >= T) continue;
         #pragma unroll
         for (int nt = 0; nt < D / 8; nt++) {
-            long e = row * ld + nt * 8 + 2 * t;
-            float2 v = make_float2(c[nt][2 * half] * f[half], c[nt][2 * half + 1] * f[half]);
-            *(float2*)&out[e] = v;
-            if (out16) *(unsigned*)&out16[e] = pack_bf16(v.x, v.y);
+            long e = row * ld + nt * 8 + 2 * in_group;
+            *(unsigned*)&out[e] = pack_bf16(c[nt][2 * half] * f[half], c[nt][2 * half + 1] * f[half]);
         }
     }
 }
@@ -716,12 +719,12 @@ __device__ void store_c_rows(float* out, unsigned short* out16, long ld, int r0,
 // grid = (Hq, B, ceil(T / rows)) with rows = 16 MT (block / 32), the last query tiles (most keys)
 // first; block = 128 threads (rows = 64 MT)
 template <int D, int MT>
-__device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse, const unsigned short* qkv16, int T,
-                                       int Hq, int Hkv, float scale) {
+__device__ void attention_forward_bf16(unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq,
+                                       int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
     int rows = 16 * MT * (blockDim.x / 32);                        // query rows of this block
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;
-    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int warp = threadIdx.x / 32, group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     int r0 = q0 + warp * 16 * MT;                                  // this warp's first query row
     long stride = (long)(Hq + 2 * Hkv) * D;
     const unsigned short* base = qkv16 + (long)b * T * stride;
@@ -752,16 +755,16 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
         __syncthreads();
         if (k0 <= r0 + 16 * MT - 1) {                              // else every key is after this warp's rows
             float s[MT][TILE / 8][4];
-            mma_a_tile_t<D, MT>(s, qa, ks[cur]);
+            mma_scores_bf16<D, MT>(s, qa, ks[cur]);
             #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
-                int row = r0 + 16 * mt + g;                        // and row + 8
+                int row = r0 + 16 * mt + group;                    // and row + 8
                 if (k0 + TILE - 1 > r0 + 16 * mt)                  // the diagonal: mask keys after the query
                     #pragma unroll
                     for (int nt = 0; nt < TILE / 8; nt++)
                         #pragma unroll
                         for (int i = 0; i < 4; i++)
-                            if (k0 + nt * 8 + 2 * t + (i & 1) > row + 8 * (i >> 1)) s[mt][nt][i] = -INFINITY;
+                            if (k0 + nt * 8 + 2 * in_group + (i & 1) > row + 8 * (i >> 1)) s[mt][nt][i] = -INFINITY;
                 float mx[2] = {m[mt][0], m[mt][1]}, correction[2], ms[2];
                 #pragma unroll
                 for (int nt = 0; nt < TILE / 8; nt++)
@@ -787,7 +790,7 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
                     #pragma unroll
                     for (int i = 0; i < 4; i++) o[mt][nt][i] *= correction[i >> 1];
             }
-            mma_c_tile<D, MT>(o, s, vs[cur]);
+            mma_weighted_sum_bf16<D, MT>(o, s, vs[cur]);
         }
         __syncthreads();                                           // before the next copy overwrites it
     }
@@ -797,12 +800,12 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
         float inv_l[2];
         #pragma unroll
         for (int r = 0; r < 2; r++) {
-            int row = r0 + 16 * mt + g + 8 * r;
+            int row = r0 + 16 * mt + group + 8 * r;
             l[mt][r] = group_sum(l[mt][r]);
             inv_l[r] = 1.0f / l[mt][r];
-            if (t == 0 && row < T) lse[((long)b * Hq + h) * T + row] = m[mt][r] * scale + logf(l[mt][r]);
+            if (in_group == 0 && row < T) lse[((long)b * Hq + h) * T + row] = m[mt][r] * scale + logf(l[mt][r]);
         }
-        store_c_rows<D>(y + y0, y16 ? y16 + y0 : nullptr, (long)Hq * D, r0 + 16 * mt, T, o[mt], inv_l);
+        store_c_rows<D>(y16 + y0, (long)Hq * D, r0 + 16 * mt, T, o[mt], inv_l);
     }
 }
 
@@ -810,12 +813,13 @@ __device__ void attention_forward_bf16(float* y, unsigned short* y16, float* lse
 // dp = dy v.T and ds = p (dp - delta): dq = scale ds k, over the key tiles up to the diagonal
 // grid = (Hq, B, ceil(T / rows)) with rows = 16 (block / 32), the last query tiles first; block = 128 threads
 template <int D>
-__device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qkv16, const unsigned short* dy16,
-                                           const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+__device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
+                                           const unsigned short* dy16, const float* lse, const float* delta, int T,
+                                           int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
     int rows = 16 * (blockDim.x / 32);                             // query rows of this block
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;
-    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int warp = threadIdx.x / 32, group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     int r0 = q0 + warp * 16;
     long stride = (long)(Hq + 2 * Hkv) * D;
     const unsigned short* base = qkv16 + (long)b * T * stride;
@@ -830,7 +834,7 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
     float lse2[2], delta_r[2], dq[D / 8][4] = {};
     #pragma unroll
     for (int r = 0; r < 2; r++) {
-        int row = r0 + g + 8 * r;
+        int row = r0 + group + 8 * r;
         lse2[r] = row < T ? lse[((long)b * Hq + h) * T + row] * LOG2E : 0.0f;
         delta_r[r] = row < T ? delta[((long)b * Hq + h) * T + row] : 0.0f;
     }
@@ -848,23 +852,23 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
         __syncthreads();
         if (k0 <= r0 + 15) {
             float s[TILE / 8][4], dp[TILE / 8][4];
-            mma_a_tile_t<D, 1>(&s, &qa, ks[cur]);
-            mma_a_tile_t<D, 1>(&dp, &dya, vs[cur]);
+            mma_scores_bf16<D, 1>(&s, &qa, ks[cur]);
+            mma_scores_bf16<D, 1>(&dp, &dya, vs[cur]);
             bool diagonal = k0 + TILE - 1 > r0;
             #pragma unroll
             for (int nt = 0; nt < TILE / 8; nt++)
                 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     float p = exp2f(fmaf(s[nt][i], scale2, -lse2[i >> 1]));
-                    if (diagonal && k0 + nt * 8 + 2 * t + (i & 1) > r0 + g + 8 * (i >> 1)) p = 0.0f;
+                    if (diagonal && k0 + nt * 8 + 2 * in_group + (i & 1) > r0 + group + 8 * (i >> 1)) p = 0.0f;
                     s[nt][i] = p * (dp[nt][i] - delta_r[i >> 1]);   // ds, the softmax backward
                 }
-            mma_c_tile<D, 1>(&dq, &s, ks[cur]);
+            mma_weighted_sum_bf16<D, 1>(&dq, &s, ks[cur]);
         }
         __syncthreads();
     }
     float scales[2] = {scale, scale};
-    store_c_rows<D>(dqkv + (long)b * T * stride + h * D, nullptr, stride, r0, T, dq, scales);   // bf16: after rope
+    store_c_rows<D>(dqkv16 + (long)b * T * stride + h * D, stride, r0, T, dq, scales);   // rope_backward rotates it
 }
 
 // dk and dv for 64 keys of one kv head, 16 per warp, summed over its G query heads
@@ -873,13 +877,13 @@ __device__ void attention_backward_dq_bf16(float* dqkv, const unsigned short* qk
 // dv = pt dy, dk = scale dst q, both second products fed from registers
 // grid = (Hkv, B, ceil(T / 64)), the first key tiles (most queries) first; block = 128 threads
 template <int D>
-__device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16, const unsigned short* qkv16,
+__device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
                                             const unsigned short* dy16, const float* lse, const float* delta, int T,
                                             int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short qs[2][TILE][D + PAD], dys[2][TILE][D + PAD];
     __shared__ float lse_s[2][TILE], delta_s[2][TILE];
     int kvh = blockIdx.x, b = blockIdx.y, G = Hq / Hkv, k0 = blockIdx.z * TILE;
-    int warp = threadIdx.x / 32, g = (threadIdx.x % 32) >> 2, t = threadIdx.x & 3;
+    int warp = threadIdx.x / 32, group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
     int r0 = k0 + warp * 16;                                       // this warp's first key
     long stride = (long)(Hq + 2 * Hkv) * D;
     const unsigned short* base = qkv16 + (long)b * T * stride;
@@ -913,47 +917,53 @@ __device__ void attention_backward_dkv_bf16(float* dqkv, unsigned short* dqkv16,
         }
         __syncthreads();
         float st[TILE / 8][4], dpt[TILE / 8][4];
-        mma_a_tile_t<D, 1>(&st, &ka, qs[cur]);
-        mma_a_tile_t<D, 1>(&dpt, &va, dys[cur]);
+        mma_scores_bf16<D, 1>(&st, &ka, qs[cur]);
+        mma_scores_bf16<D, 1>(&dpt, &va, dys[cur]);
         bool edge = q0 < r0 + 16 || q0 + TILE > T;                 // the diagonal, or queries past T
         #pragma unroll
         for (int nt = 0; nt < TILE / 8; nt++)
             #pragma unroll
             for (int i = 0; i < 4; i++) {
-                int c = nt * 8 + 2 * t + (i & 1), query = q0 + c, key = r0 + g + 8 * (i >> 1);
+                int c = nt * 8 + 2 * in_group + (i & 1), query = q0 + c, key = r0 + group + 8 * (i >> 1);
                 float p = exp2f(fmaf(st[nt][i], scale2, -lse_s[cur][c] * LOG2E));
                 if (edge && (query < key || query >= T)) p = 0.0f;
                 st[nt][i] = p;
                 dpt[nt][i] = p * (dpt[nt][i] - delta_s[cur][c]);
             }
-        mma_c_tile<D, 1>(&dv, &st, dys[cur]);
-        mma_c_tile<D, 1>(&dk, &dpt, qs[cur]);
+        mma_weighted_sum_bf16<D, 1>(&dv, &st, dys[cur]);
+        mma_weighted_sum_bf16<D, 1>(&dk, &dpt, qs[cur]);
         __syncthreads();
     }
     float ones[2] = {1.0f, 1.0f}, scales[2] = {scale, scale};
     long kc = (long)b * T * stride + (Hq + kvh) * D, vc = (long)b * T * stride + (Hq + Hkv + kvh) * D;
-    store_c_rows<D>(dqkv + kc, nullptr, stride, r0, T, dk, scales);                  // dk's bf16: after rope
-    store_c_rows<D>(dqkv + vc, dqkv16 ? dqkv16 + vc : nullptr, stride, r0, T, dv, ones);
+    store_c_rows<D>(dqkv16 + kc, stride, r0, T, dk, scales);                         // rope_backward rotates dk
+    store_c_rows<D>(dqkv16 + vc, stride, r0, T, dv, ones);
 }
 
 // -----------------------------------------------------------------------------
-// entry points: the CUDA-core (fp32) and tf32 passes for D = 16, 32, 64, the bf16
-// passes for D = 64; nanoeuler_cuda.py picks one by --precision and D
+// entry points: the CUDA-core (fp32), tf32 and bf16 passes for D = 16, 32 and 64;
+// nanoeuler_cuda.py picks one by --precision and D
 
-extern "C" __global__ void attention_backward_delta_kernel(float* delta, unsigned short* dy16, const float* dy,
-                                                           const float* y, int B, int T, int Hq, int D) {
-    attention_backward_delta(delta, dy16, dy, y, B, T, Hq, D);
+extern "C" __global__ void attention_backward_delta_kernel(float* delta, const float* dy, const float* y, int B,
+                                                           int T, int Hq, int D) {
+    attention_backward_delta(delta, dy, y, B, T, Hq, D);
+}
+
+extern "C" __global__ void attention_backward_delta_bf16_kernel(float* delta, const unsigned short* dy16,
+                                                                const unsigned short* y16, int B, int T, int Hq,
+                                                                int D) {
+    attention_backward_delta(delta, dy16, y16, B, T, Hq, D);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_16(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward<16>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward<16>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_16(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv<16>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(DKV_THREADS) attention_backward_dkv_kernel_16(
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv<16>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_16(
@@ -963,14 +973,14 @@ extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_16
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_32(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward<32>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward<32>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_32(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv<32>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(DKV_THREADS) attention_backward_dkv_kernel_32(
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv<32>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_32(
@@ -980,14 +990,14 @@ extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_32
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_forward_kernel_64(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward<64>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward<64>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_kernel_64(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv<64>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(DKV_THREADS) attention_backward_dkv_kernel_64(
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_64(
@@ -996,72 +1006,107 @@ extern "C" __global__ void __launch_bounds__(BR) attention_backward_dq_kernel_64
     attention_backward_dq<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_forward_tf32_kernel_16(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tf32<16>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_tf32_kernel_16(
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tf32<16>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_tf32_kernel_16(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tf32<16>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dkv_tf32_kernel_16(
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv_tf32<16>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_kernel_16(
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_tf32_kernel_16(
     float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
     float scale) {
     attention_backward_dq_tf32<16>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_forward_tf32_kernel_32(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tf32<32>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_tf32_kernel_32(
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tf32<32>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_tf32_kernel_32(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tf32<32>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dkv_tf32_kernel_32(
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv_tf32<32>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_kernel_32(
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_tf32_kernel_32(
     float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
     float scale) {
     attention_backward_dq_tf32<32>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_forward_tf32_kernel_64(
-    float* y, unsigned short* y16, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tf32<64>(y, y16, lse, qkv, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_tf32_kernel_64(
+    float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tf32<64>(y, lse, qkv, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dkv_tf32_kernel_64(
-    float* dqkv, unsigned short* dqkv16, const float* qkv, const float* dy, const float* lse, const float* delta,
-    int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tf32<64>(dqkv, dqkv16, qkv, dy, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dkv_tf32_kernel_64(
+    float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dkv_tf32<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_tf32_kernel_64(
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_tf32_kernel_64(
     float* dqkv, const float* qkv, const float* dy, const float* lse, const float* delta, int T, int Hq, int Hkv,
     float scale) {
     attention_backward_dq_tf32<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-// one m-tile per warp: two (32 rows a warp, 254 registers, 2 blocks an SM) measured no faster on an H200
-extern "C" __global__ void __launch_bounds__(128) attention_forward_bf16_kernel_64(
-    float* y, unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
-    attention_forward_bf16<64, 1>(y, y16, lse, qkv16, T, Hq, Hkv, scale);
+// the bf16 passes for D = 16, 32 and 64. One m-tile per warp in the forward: two (32 rows a warp,
+// 254 registers, 2 blocks an SM) measured no faster on an H200 at D = 64
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_16(
+    unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
+    attention_forward_bf16<16, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_16(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<16>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_16(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_bf16<16>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_32(
+    unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
+    attention_forward_bf16<32, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_32(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<32>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_32(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_bf16<32>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_64(
+    unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
+    attention_forward_bf16<64, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
 // 168 registers instead of 177 (no spills), so that 3 blocks fit an SM: 3% faster at B = 16, 14% at 64
-extern "C" __global__ void __launch_bounds__(128, 3) attention_backward_dkv_bf16_kernel_64(
-    float* dqkv, unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_64(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
     const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<64>(dqkv, dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    attention_backward_dkv_bf16<64>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(128) attention_backward_dq_bf16_kernel_64(
-    float* dqkv, const unsigned short* qkv16, const unsigned short* dy16, const float* lse, const float* delta, int T,
-    int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<64>(dqkv, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_64(
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
+    const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_bf16<64>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }

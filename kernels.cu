@@ -1,16 +1,39 @@
 /*
 NanoEuler's elementwise and reduction kernels, the GPU twins of the numpy layers
 in nanoeuler.py (same names: rmsnorm_forward there, rmsnorm_forward_kernel here,
-rmsnorm_forward the launcher in nanoeuler_cuda.py). Matrix products are not here:
-they go through cuBLAS. Attention is in flash_attn.cu.
+rmsnorm_forward the launcher in nanoeuler_cuda.py), and decoding's kernels (the
+last section). Training's matrix products are not here: they go through cuBLAS;
+decoding's matrix-vector products and its attention over the KV cache are.
+Training's attention is in flash_attn.cu.
 
 Compiled at run time by nanoeuler_cuda.py with NVRTC to a CUBIN for the device
-(-std=c++17 --use_fast_math), cached on disk by source hash. Everything is fp32.
-For the bf16 matmuls, a kernel whose output feeds one also writes that output
-rounded to bf16 into an out16 twin (nullptr: none, in fp32 and tf32 modes), so no
-pass of its own re-reads it; where only matmuls read the output (rmsnorm_forward,
-swiglu both ways, the cross entropy), it writes the twin alone. to_bf16_kernel
-rounds the weights.
+(-std=c++17 --use_fast_math), cached on disk by source hash, and twice: as it
+stands, where floatX is float (--precision fp32 and tf32), and with
+-DFLOATX=bfloat16 (--precision bf16). floatX is the type of the activations and
+of their gradients, as llm.c's: whatever one kernel (or cuBLAS) writes for the
+next to read is floatX, so in bf16 every activation moves half the bytes of
+fp32, and no activation has a second copy in another type. What stays fp32 in
+both builds, and why:
+  - the master weights, their gradients and AdamW's moments: an update is a
+    small change of a weight, which bf16's 8 bits would round away, and a
+    weight's gradient is a sum over the whole batch (cuBLAS adds each product
+    into it in fp32); the matmuls read a bf16 copy of the weights that
+    adamw_update_kernel writes as it updates them;
+  - per-row statistics and sums: rmsnorm's rstd, attention's lse and delta,
+    the losses and their sums, the gradient norm: few numbers, which the
+    backward and the NaN stop need exact;
+  - every value inside a kernel: a kernel reads floatX, computes in fp32 and
+    rounds once, as it writes (a kernel that writes a value and also uses it
+    uses the rounded value, as the next kernel will).
+The residual stream and its gradient are floatX too, as in llm.c: they are the
+biggest thing the norm kernels move (in fp32 they would cost about 2.5 GB of
+traffic a step of the big model at batch 16), and an add rounds to 2^-9 of the
+stream, without bias. PyTorch's autocast keeps them fp32; `check` compares the
+whole model with a float64 reference that rounds where these kernels round,
+so its bar measures the kernels, not bf16 (nanoeuler_cuda.check_model).
+Element counts along rows (C, F, D/2, the qkv stride) are multiples of 8, so
+that PACK elements move in one 16-byte load or store (nanoeuler_cuda.check_sizes
+and decode_check_sizes refuse other models).
 All kernels are extern "C" so their names survive compilation unmangled.
 
 Gradient rule: parameter gradients +=, activation gradients =, except where a
@@ -24,13 +47,76 @@ Launch geometry is written above each kernel.
 // -----------------------------------------------------------------------------
 // helpers
 
-// float32 -> bfloat16 bits, rounded to nearest even
+// float32 -> bfloat16 bits, rounded to nearest even. The conversion instruction keeps a
+// NaN a NaN (adding 0x7FFF to the bits would carry the GPU's NaN, 0x7FFFFFFF, into -0)
 __device__ __forceinline__ unsigned short bf16_bits(float x) {
-    unsigned int bits = __float_as_uint(x);
-    return (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    unsigned short r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+
+// two floats -> one word of two bfloat16, lo in the lower half (the one at the lower address)
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// bfloat16 in memory: the upper half of a float32 (8 exponent bits, 7 mantissa bits)
+struct bfloat16 {
+    unsigned short bits;
+};
+
+#ifndef FLOATX
+#define FLOATX float
+#endif
+typedef FLOATX floatX;          // the activations' type: float, or bfloat16 with -DFLOATX=bfloat16
+
+// a float or bfloat16 as a float; a float written as *p's type holds it (bf16: rounded)
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bfloat16 x) { return __uint_as_float((unsigned)x.bits << 16); }
+__device__ __forceinline__ void write_x(float* p, float x) { *p = x; }
+__device__ __forceinline__ void write_x(bfloat16* p, float x) { p->bits = bf16_bits(x); }
+
+// x as a floatX holds it: rounded to bf16 in the bf16 build, itself in the float build
+__device__ __forceinline__ float round_x(float x) {
+    floatX r;
+    write_x(&r, x);
+    return to_float(r);
+}
+
+// PACK floatX in 16 bytes (4 float or 8 bfloat16), moved by one load or store; p 16-byte aligned
+constexpr int PACK = 16 / sizeof(floatX);
+
+__device__ __forceinline__ void load_pack(float* f, const float* p) {
+    float4 v = *(const float4*)p;
+    f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+}
+
+__device__ __forceinline__ void load_pack(float* f, const bfloat16* p) {
+    uint4 v = *(const uint4*)p;
+    unsigned u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(u[i] << 16);
+        f[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
+    }
+}
+
+__device__ __forceinline__ void store_pack(float* p, const float* f) {
+    *(float4*)p = make_float4(f[0], f[1], f[2], f[3]);
+}
+
+__device__ __forceinline__ void store_pack(bfloat16* p, const float* f) {
+    *(uint4*)p = make_uint4(pack_bf16(f[0], f[1]), pack_bf16(f[2], f[3]), pack_bf16(f[4], f[5]), pack_bf16(f[6], f[7]));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffff, v, offset);
     return v;
 }
@@ -40,15 +126,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// every thread of the block gets the total; blockDim.x a multiple of 32, at most 1024
-__device__ float block_sum(float v) {
-    __shared__ float partial[32];
+// every thread of the block gets the total, summed in the same order every run;
+// blockDim.x a multiple of 32, at most 1024
+template <typename T>
+__device__ T block_sum(T v) {
+    __shared__ T partial[32];
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     v = warp_sum(v);
     __syncthreads();                      // partial may still be read by a previous call
     if (lane == 0) partial[warp] = v;
     __syncthreads();
-    v = lane < blockDim.x / 32 ? partial[lane] : 0.0f;
+    v = lane < blockDim.x / 32 ? partial[lane] : (T)0;
     return warp_sum(v);
 }
 
@@ -63,217 +151,322 @@ __device__ float block_max(float v) {
     return warp_max(v);
 }
 
+// neither infinite nor NaN, read from the exponent bits (whatever fast math assumes)
+__device__ __forceinline__ bool is_finite(double x) {
+    return (__double_as_longlong(x) & 0x7FF0000000000000LL) != 0x7FF0000000000000LL;
+}
+
 // -----------------------------------------------------------------------------
 // embedding
 
 // one thread per output element; grid = ceil(N*C / block)
-extern "C" __global__ void embedding_forward_kernel(float* x, const int* idx, const float* tok_emb, int N, int C) {
+extern "C" __global__ void embedding_forward_kernel(floatX* x, const int* idx, const float* tok_emb, int N, int C) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (long)N * C) return;
     int n = i / C, c = i % C;
-    x[i] = tok_emb[(long)idx[n] * C + c];
+    write_x(&x[i], tok_emb[(long)idx[n] * C + c]);
 }
 
-// one block per distinct token u: the rows where it occurs, order[starts[u]] ..
-// order[starts[u+1]-1] (nanoeuler_cuda.token_rows lists them), added up in that
-// order. No atomics, so the sum has the same bits every run.
-extern "C" __global__ void embedding_backward_kernel(float* dtok_emb, const int* idx, const int* order,
-                                                     const int* starts, const float* dx, int C) {
-    int first = starts[blockIdx.x], last = starts[blockIdx.x + 1];
-    long token = idx[order[first]];
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float sum = 0.0f;
-        for (int j = first; j < last; j++) sum += dx[(long)order[j] * C + c];
-        dtok_emb[token * C + c] += sum;
+// dtok_emb[v] += the dx rows of the positions n where idx[n] == v, added in increasing n: no
+// atomics and no sort on the host, and the same bits every run. One block per vocabulary
+// entry v walks idx 256 positions at a time: each warp votes on its 32 (ballot), the
+// matches are listed in order in shared memory, then each thread adds their elements in its
+// columns (c0 + thread + 256 j, EMB_COLS of them in registers; wider rows take more slices).
+// block 256, grid = V
+#define EMB_COLS 4
+
+extern "C" __global__ void __launch_bounds__(256) embedding_backward_kernel(float* dtok_emb, const int* idx,
+                                                                            const floatX* dx, int N, int C) {
+    __shared__ int rows[256], counts[8];
+    int v = blockIdx.x, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int c0 = 0; c0 < C; c0 += 256 * EMB_COLS) {
+        float sum[EMB_COLS] = {};
+        for (int n0 = 0; n0 < N; n0 += 256) {
+            int n = n0 + threadIdx.x;
+            bool hit = n < N && idx[n] == v;
+            unsigned votes = __ballot_sync(0xffffffff, hit);
+            if (lane == 0) counts[warp] = __popc(votes);
+            __syncthreads();
+            int before = 0, total = 0;                             // matches in the warps before this one
+            for (int w = 0; w < 8; w++) {
+                before += w < warp ? counts[w] : 0;
+                total += counts[w];
+            }
+            if (hit) rows[before + __popc(votes & ((1u << lane) - 1))] = n;
+            __syncthreads();
+            for (int j = 0; j < total; j++) {
+                const floatX* r = dx + (long)rows[j] * C + c0;
+#pragma unroll
+                for (int k = 0; k < EMB_COLS; k++)
+                    if (c0 + threadIdx.x + 256 * k < C) sum[k] += to_float(r[threadIdx.x + 256 * k]);
+            }
+            __syncthreads();                                       // rows, counts: rewritten next
+        }
+#pragma unroll
+        for (int k = 0; k < EMB_COLS; k++) {
+            int c = c0 + threadIdx.x + 256 * k;
+            if (c < C) dtok_emb[(long)v * C + c] += sum[k];
+        }
     }
 }
 
 // -----------------------------------------------------------------------------
 // rmsnorm
 
-// one warp per row; grid = ceil(N / warps per block)
-extern "C" __global__ void rmsnorm_forward_kernel(float* out, unsigned short* out16, float* rstd, const float* x,
-                                                  const float* w, int N, int C) {
+// x_in's PACK elements, plus a's when a is given, rounded as floatX holds the sum
+__device__ __forceinline__ void load_sum(float* x, const floatX* x_in, const floatX* a) {
+    load_pack(x, x_in);
+    if (!a) return;
+    float y[PACK];
+    load_pack(y, a);
+#pragma unroll
+    for (int i = 0; i < PACK; i++) x[i] = round_x(x[i] + y[i]);
+}
+
+// one row per warp: out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), where x is
+// x_in, or with a given, x_in + a (the residual add, fused in), which is written to x_out
+// too and normalised as written. Each lane takes PACK elements at a time; the row is read
+// twice, the second time from the cache.
+__device__ void rmsnorm_rows(floatX* out, float* rstd, floatX* x_out, const floatX* x_in, const floatX* a,
+                             const float* w, int N, int C) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
-    const float* xr = x + (long)row * C;
+    long r0 = (long)row * C;
+    const floatX* ar = a ? a + r0 : nullptr;
     float ss = 0.0f;
-    for (int c = lane; c < C; c += 32) ss += xr[c] * xr[c];
+    for (int c = lane * PACK; c < C; c += 32 * PACK) {
+        float x[PACK];
+        load_sum(x, x_in + r0 + c, ar ? ar + c : nullptr);
+#pragma unroll
+        for (int i = 0; i < PACK; i++) ss += x[i] * x[i];
+    }
     float r = 1.0f / sqrtf(warp_sum(ss) / C + 1e-5f);
-    for (int c = lane; c < C; c += 32) {
-        float o = xr[c] * r * w[c];
-        if (out16) out16[(long)row * C + c] = bf16_bits(o);        // only matmuls read it
-        else out[(long)row * C + c] = o;
+    for (int c = lane * PACK; c < C; c += 32 * PACK) {
+        float x[PACK], o[PACK];
+        load_sum(x, x_in + r0 + c, ar ? ar + c : nullptr);
+        if (x_out) store_pack(x_out + r0 + c, x);
+#pragma unroll
+        for (int i = 0; i < PACK; i++) o[i] = x[i] * r * w[c + i];
+        store_pack(out + r0 + c, o);
     }
     if (lane == 0) rstd[row] = r;
 }
 
-// one warp per row, rows in a grid-stride loop. dw: each warp adds up its rows'
-// share in a row of shared memory of its own (warps x C floats, dynamic), the
-// block adds its warps in order into partial[block], and rmsnorm_backward_dw_kernel
-// adds the blocks in order: no atomics, so dw has the same bits every run.
-// dx += : the residual stream's gradient takes both paths.
-extern "C" __global__ void rmsnorm_backward_kernel(float* dx, unsigned short* dx16, float* partial,
-                                                   const float* dout, const float* x, const float* w,
-                                                   const float* rstd, int N, int C) {
+// block 256 (8 rows), grid = ceil(N / 8)
+extern "C" __global__ void rmsnorm_forward_kernel(floatX* out, float* rstd, const floatX* x, const float* w, int N,
+                                                  int C) {
+    rmsnorm_rows(out, rstd, nullptr, x, nullptr, w, N, C);
+}
+
+// x = x_in + a (the residual add: a is the product that adds into the stream), then
+// out = rmsnorm(x) * w: one pass where residual_forward and rmsnorm_forward take two
+// block 256 (8 rows), grid = ceil(N / 8)
+extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* out, float* rstd, const floatX* x_in,
+                                                           const floatX* a, const float* w, int N, int C) {
+    rmsnorm_rows(out, rstd, x, x_in, a, w, N, C);
+}
+
+// where column c of a warp's dw row lies in shared memory: lane l's PACK columns
+// l PACK .. l PACK + PACK-1 land in PACK different rows of C / PACK words, at word l, so
+// the 32 lanes of an update hit 32 different banks
+__device__ __forceinline__ int dw_slot(int c, int C) { return (c % PACK) * (C / PACK) + c / PACK; }
+
+// one row per warp, rows in a grid-stride loop, PACK elements per lane at a time:
+// dx = (accumulate ? dx : 0) + rstd * (g - xhat * mean(g * xhat)), g = dout * w, xhat = x * rstd.
+// accumulate: the residual stream's gradient takes both paths (+=); the final norm's starts it.
+// dw: each warp adds up its rows' dout * xhat in a row of shared memory of its own (warps x C
+// floats, dynamic), the block adds its warps in order into partial[block], and
+// rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
+// every run. block 256, grid = min(ceil(N / 8), a few per SM)
+extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, const floatX* dout, const floatX* x,
+                                                   const float* w, const float* rstd, int N, int C, int accumulate) {
     extern __shared__ float dw_warp[];
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
     float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
     for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
+    __syncwarp();                         // zeroed by one lane, added to by another (dw_slot)
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
-        const float* xr = x + (long)row * C;
-        const float* dr = dout + (long)row * C;
+        long r0 = (long)row * C;
         float r = rstd[row], dot = 0.0f;
-        for (int c = lane; c < C; c += 32) dot += dr[c] * w[c] * xr[c] * r;   // sum of g * xhat
+        for (int c = lane * PACK; c < C; c += 32 * PACK) {
+            float d[PACK], xv[PACK];
+            load_pack(d, dout + r0 + c);
+            load_pack(xv, x + r0 + c);
+#pragma unroll
+            for (int i = 0; i < PACK; i++) dot += d[i] * w[c + i] * xv[i] * r;   // sum of g * xhat
+        }
         dot = warp_sum(dot) / C;
-        for (int c = lane; c < C; c += 32) {
-            float xhat = xr[c] * r;
-            float d = dx[(long)row * C + c] + r * (dr[c] * w[c] - xhat * dot);
-            dx[(long)row * C + c] = d;
-            if (dx16) dx16[(long)row * C + c] = bf16_bits(d);
-            dw_mine[c] += dr[c] * xhat;
+        for (int c = lane * PACK; c < C; c += 32 * PACK) {
+            float d[PACK], xv[PACK], g[PACK];
+            load_pack(d, dout + r0 + c);
+            load_pack(xv, x + r0 + c);
+            if (accumulate) load_pack(g, dx + r0 + c);
+#pragma unroll
+            for (int i = 0; i < PACK; i++) {
+                float xhat = xv[i] * r;
+                g[i] = (accumulate ? g[i] : 0.0f) + r * (d[i] * w[c + i] - xhat * dot);
+                dw_mine[dw_slot(c + i, C)] += d[i] * xhat;
+            }
+            store_pack(dx + r0 + c, g);
         }
     }
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float sum = 0.0f;
-        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + c];
+        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + dw_slot(c, C)];
         partial[(long)blockIdx.x * C + c] = sum;
     }
 }
 
-// dw[c] += the blocks' partial sums, in block order; one thread per c
+// dw[c] += the blocks' partial sums, in block order: lane l of warp j adds the partials of
+// column 32 block + l from blocks j, j + 8, ..., then warp 0 adds the 8 warps' in order
+// block 256, grid = ceil(C / 32)
 extern "C" __global__ void rmsnorm_backward_dw_kernel(float* dw, const float* partial, int blocks, int C) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float part[8][32];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = blockIdx.x * 32 + lane;
     float sum = 0.0f;
-    for (int b = 0; b < blocks; b++) sum += partial[(long)b * C + c];
+    if (c < C)
+        for (int b = warp; b < blocks; b += 8) sum += partial[(long)b * C + c];
+    part[warp][lane] = sum;
+    __syncthreads();
+    if (warp != 0 || c >= C) return;
+    sum = 0.0f;
+    for (int j = 0; j < 8; j++) sum += part[j][lane];
     dw[c] += sum;
 }
 
 // -----------------------------------------------------------------------------
 // rope
 
-// rotate-half RoPE in place on the first n_heads heads of each row of qkv (the q
-// and k heads); cos/sin tables (positions, D/2) come from nanoeuler.rope_table.
-// The backward is the rotation by the opposite angle: the same code with -sin.
-// With qkv16 (bf16 mode) it writes the bf16 copy of the rotated heads too, and
-// of the n_copied heads after them as they are (the forward's v heads, so that
-// attention's bf16 passes find all of q, k, v rounded without a pass of their own).
-// one thread per (row, head, pair); grid = ceil(N*(n_heads+n_copied)*D/2 / block)
-__device__ void rope(float* qkv, unsigned short* qkv16, const float* cos, const float* sin, int N, int T,
-                     int n_heads, int n_copied, int D, int stride, int pos, float sign) {
+// rotate-half RoPE in place on the first n_heads heads of each row of qkv (the q and k
+// heads): the pair (a, b) = (x[p], x[p + D/2]) of the row's position t becomes
+// (a cos - b sin, b cos + a sin); cos/sin tables (positions, D/2) come from
+// nanoeuler.rope_table. The backward is the rotation by the opposite angle: the same
+// code with -sin. Each thread rotates PACK pairs (D/2 a multiple of PACK).
+// grid = ceil(N * n_heads * D/2 / PACK / block)
+__device__ void rope(floatX* qkv, const float* cos, const float* sin, int N, int T, int n_heads, int D, int stride,
+                     int pos, float sign) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    int half = D / 2, heads = n_heads + n_copied;
-    if (i >= (long)N * heads * half) return;
-    int p = i % half, h = (i / half) % heads;
-    long n = i / ((long)half * heads);
-    long e = n * stride + h * D + p;
-    float a = qkv[e], b = qkv[e + half];
-    if (h < n_heads) {
-        int t = pos + n % T;
-        float c = cos[t * half + p], s = sign * sin[t * half + p];
-        float ra = a * c - b * s, rb = b * c + a * s;
-        qkv[e] = a = ra;
-        qkv[e + half] = b = rb;
+    int half = D / 2, packs = half / PACK;
+    if (i >= (long)N * n_heads * packs) return;
+    int p = i % packs * PACK, h = (i / packs) % n_heads;
+    long n = i / ((long)packs * n_heads);
+    floatX* e = qkv + n * stride + h * D + p;
+    const float *c = cos + (pos + n % T) * half + p, *s = sin + (pos + n % T) * half + p;
+    float a[PACK], b[PACK];
+    load_pack(a, e);
+    load_pack(b, e + half);
+#pragma unroll
+    for (int j = 0; j < PACK; j++) {
+        float ra = a[j] * c[j] - b[j] * sign * s[j], rb = b[j] * c[j] + a[j] * sign * s[j];
+        a[j] = ra;
+        b[j] = rb;
     }
-    if (qkv16) {
-        qkv16[e] = bf16_bits(a);
-        qkv16[e + half] = bf16_bits(b);
-    }
+    store_pack(e, a);
+    store_pack(e + half, b);
 }
 
-extern "C" __global__ void rope_forward_kernel(float* qkv, unsigned short* qkv16, const float* cos, const float* sin,
-                                               int N, int T, int n_heads, int n_copied, int D, int stride, int pos) {
-    rope(qkv, qkv16, cos, sin, N, T, n_heads, n_copied, D, stride, pos, 1.0f);
+extern "C" __global__ void rope_forward_kernel(floatX* qkv, const float* cos, const float* sin, int N, int T,
+                                               int n_heads, int D, int stride, int pos) {
+    rope(qkv, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);
 }
 
-// and, in bf16 mode, the bf16 copy of the rotated dq and dk (attention's dk/dv kernel writes dv's)
-extern "C" __global__ void rope_backward_kernel(float* dqkv, unsigned short* dqkv16, const float* cos, const float* sin,
-                                                int N, int T, int n_heads, int D, int stride, int pos) {
-    rope(dqkv, dqkv16, cos, sin, N, T, n_heads, 0, D, stride, pos, -1.0f);
+extern "C" __global__ void rope_backward_kernel(floatX* dqkv, const float* cos, const float* sin, int N, int T,
+                                                int n_heads, int D, int stride, int pos) {
+    rope(dqkv, cos, sin, N, T, n_heads, D, stride, pos, -1.0f);
 }
 
 // -----------------------------------------------------------------------------
 // swiglu
 
-// gu (N, 2F) holds gate then up; one thread per output; grid = ceil(N*F / block)
-extern "C" __global__ void swiglu_forward_kernel(float* out, unsigned short* out16, const float* gu, int N, int F) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+// gu (N, 2F) holds gate then up: out (N, F) = silu(gate) * up. PACK outputs per thread
+// (F a multiple of PACK); grid = ceil(N*F / PACK / block)
+extern "C" __global__ void swiglu_forward_kernel(floatX* out, const floatX* gu, int N, int F) {
+    long i = PACK * ((long)blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
-    float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
-    float o = gate / (1.0f + expf(-gate)) * up;
-    if (out16) out16[i] = bf16_bits(o);                            // only matmuls read it
-    else out[i] = o;
+    float gate[PACK], up[PACK], o[PACK];
+    load_pack(gate, gu + n * 2 * F + f);
+    load_pack(up, gu + n * 2 * F + F + f);
+#pragma unroll
+    for (int j = 0; j < PACK; j++) o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+    store_pack(out + i, o);
 }
 
-extern "C" __global__ void swiglu_backward_kernel(float* dgu, unsigned short* dgu16, const float* dout, const float* gu,
-                                                  int N, int F) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+// dgu (N, 2F) = d gate then d up; as the forward, PACK outputs of it per thread
+extern "C" __global__ void swiglu_backward_kernel(floatX* dgu, const floatX* dout, const floatX* gu, int N, int F) {
+    long i = PACK * ((long)blockIdx.x * blockDim.x + threadIdx.x);
     if (i >= (long)N * F) return;
     long n = i / F, f = i % F;
-    float gate = gu[n * 2 * F + f], up = gu[n * 2 * F + F + f];
-    float sig = 1.0f / (1.0f + expf(-gate)), silu = gate * sig;
-    float dgate = dout[i] * up * (sig + silu * (1.0f - sig)), dup = dout[i] * silu;   // d silu / d gate
-    if (dgu16) {                                                   // only matmuls read it
-        dgu16[n * 2 * F + f] = bf16_bits(dgate);
-        dgu16[n * 2 * F + F + f] = bf16_bits(dup);
-    } else {
-        dgu[n * 2 * F + f] = dgate;
-        dgu[n * 2 * F + F + f] = dup;
+    float gate[PACK], up[PACK], d[PACK], dgate[PACK], dup[PACK];
+    load_pack(gate, gu + n * 2 * F + f);
+    load_pack(up, gu + n * 2 * F + F + f);
+    load_pack(d, dout + i);
+#pragma unroll
+    for (int j = 0; j < PACK; j++) {
+        float sig = 1.0f / (1.0f + expf(-gate[j])), silu = gate[j] * sig;
+        dgate[j] = d[j] * up[j] * (sig + silu * (1.0f - sig));    // d silu / d gate
+        dup[j] = d[j] * silu;                                      // forward was: out = silu * up
     }
+    store_pack(dgu + n * 2 * F + f, dgate);
+    store_pack(dgu + n * 2 * F + F + f, dup);
 }
 
 // -----------------------------------------------------------------------------
 // residual
 
-// out = x + a; one thread per element; grid = ceil(n / block)
-extern "C" __global__ void residual_forward_kernel(float* out, const float* x, const float* a, long n) {
+// out = x + a; one thread per element; grid = ceil(n / block). Training fuses the add into
+// residual_rmsnorm_forward_kernel; decoding's prefill uses this one.
+extern "C" __global__ void residual_forward_kernel(floatX* out, const floatX* x, const floatX* a, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = x[i] + a[i];
+    if (i < n) write_x(&out[i], to_float(x[i]) + to_float(a[i]));
 }
 
 // -----------------------------------------------------------------------------
 // cross entropy over the K heads
 
-// Fused softmax + loss + gradient, in place: logits (K, N, V) come in, and
-// d loss / d logits go out in the same memory (or, when dlogits16 is given, only
-// to it, in bf16: the backward's matmuls read nothing else), so the
-// probabilities are never stored. targets (N, K), -1 = ignored; dscale[k] = weight of head k / its count
-// of kept targets (SPEC: loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)).
-// losses (K, N): -log p(target) per row, 0 where ignored.
-// one block of 256 threads per (row, head); grid = N*K
-extern "C" __global__ void cross_entropy_forward_kernel(float* logits, unsigned short* dlogits16, float* losses,
-                                                        const int* targets, const float* dscale, int N, int V,
-                                                        int K) {
-    int n = blockIdx.x % N, k = blockIdx.x / N;
-    float* row = logits + ((long)k * N + n) * V;
-    int t = targets[n * K + k];
+// Fused softmax + loss + gradient, in place: logits (N, K, V) come in (the K heads side
+// by side, as their one matmul writes them), and d loss / d logits go out in the same
+// memory, so the probabilities are never stored. targets (N, K), -1 = ignored; dscale[k]
+// = weight of head k / its count of kept targets (SPEC: loss = CE_0 + mtp_weight *
+// mean(CE_1..CE_K-1)). losses (K, N): -log p(target) per row, 0 where ignored. The row is
+// read three times, the second and third from the cache.
+// one block of 256 threads per (row, head): block n K + k; grid = N*K
+extern "C" __global__ void cross_entropy_forward_kernel(floatX* logits, float* losses, const int* targets,
+                                                        const float* dscale, int N, int V, int K) {
+    int n = blockIdx.x / K, k = blockIdx.x % K;
+    floatX* row = logits + (long)blockIdx.x * V;
+    int t = targets[blockIdx.x];
     float m = -INFINITY;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, row[v]);
+    for (int v = threadIdx.x; v < V; v += blockDim.x) m = fmaxf(m, to_float(row[v]));
     m = block_max(m);
     float sum = 0.0f;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(row[v] - m);
+    for (int v = threadIdx.x; v < V; v += blockDim.x) sum += expf(to_float(row[v]) - m);
     float lse = m + logf(block_sum(sum));
-    float target_logit = t >= 0 ? row[t] : 0.0f;
+    float target_logit = t >= 0 ? to_float(row[t]) : 0.0f;
     __syncthreads();                      // everyone has read row[t] before it is overwritten
     if (threadIdx.x == 0) losses[(long)k * N + n] = t >= 0 ? lse - target_logit : 0.0f;
     float scale = t >= 0 ? dscale[k] : 0.0f;
-    unsigned short* row16 = dlogits16 ? dlogits16 + ((long)k * N + n) * V : nullptr;
-    for (int v = threadIdx.x; v < V; v += blockDim.x) {
-        float d = (expf(row[v] - lse) - (v == t ? 1.0f : 0.0f)) * scale;
-        if (row16) row16[v] = bf16_bits(d);
-        else row[v] = d;
-    }
+    for (int v = threadIdx.x; v < V; v += blockDim.x)
+        write_x(&row[v], (expf(to_float(row[v]) - lse) - (v == t ? 1.0f : 0.0f)) * scale);
+}
+
+// sums[k] = the sum of head k's N losses, in double and in the same order every run (each
+// thread its strided share, then a tree): what the host reads as the loss, and what
+// clip_grad_norm_kernel checks before the update
+// one block of 256 per head; grid = K
+extern "C" __global__ void cross_entropy_sum_kernel(double* sums, const float* losses, int N) {
+    double s = 0.0;
+    for (int n = threadIdx.x; n < N; n += blockDim.x) s += losses[(long)blockIdx.x * N + n];
+    s = block_sum(s);
+    if (threadIdx.x == 0) sums[blockIdx.x] = s;
 }
 
 // -----------------------------------------------------------------------------
 // bf16
 
-// float32 -> bfloat16, rounded to nearest even: the inputs of the bf16 matmuls
-// (cuBLAS multiplies them on tensor cores and accumulates in fp32) that no
-// kernel wrote in bf16 itself: the weights after each update
+// float32 -> bfloat16, rounded to nearest even: the weights' bf16 copy once (adamw_update
+// keeps it up to date after that), and decoding's
 // four elements per thread (a quarter of the threads, the same bytes); grid = ceil(n / (4 block))
 extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, long n) {
     long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
@@ -283,25 +476,8 @@ extern "C" __global__ void to_bf16_kernel(unsigned short* out, const float* in, 
 // -----------------------------------------------------------------------------
 // adamw
 
-// AdamW on the flat buffers, as nanoeuler.adamw_update; decay is 1 for matrices,
-// 0 for norm weights; grad_scale applies the grad-norm clip.
-// one thread per parameter; grid = ceil(n / block)
-extern "C" __global__ void adamw_update_kernel(float* params, const float* grads, float* m, float* v, const float* decay,
-                                        long n, float lr, float beta1, float beta2, float bias1, float bias2,
-                                        float eps, float weight_decay, float grad_scale) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float g = grads[i] * grad_scale;
-    float mi = beta1 * m[i] + (1.0f - beta1) * g;
-    float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    float p = params[i] * (1.0f - lr * weight_decay * decay[i]);       // decoupled weight decay
-    params[i] = p - lr / bias1 * mi / (sqrtf(vi / bias2) + eps);
-}
-
-// sum of squares of the gradients, one partial sum per block (the host adds the
-// partials: deterministic, and the step syncs for the loss anyway)
+// sum of squares of the gradients, one partial sum per block, which
+// clip_grad_norm_kernel adds up in block order (deterministic)
 // grid-stride loop; grid = a few blocks per SM
 extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, long n) {
     float s = 0.0f;
@@ -311,6 +487,76 @@ extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, 
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
+// The gradient norm, and what the update does with it (nanoeuler.clip_grad_norm and
+// train_loop's NaN stop, on the GPU so that a step needs no host in the middle):
+// norm = sqrt(the partial sums, added in double in block order) -> results[K], beside
+// the K loss sums in results[0..K-1] (the host reads them together); clip[0] = max_norm
+// / norm when max_norm > 0 and norm > max_norm, else 1; clip[1] = 1 when the norm and
+// the loss sums are finite, else 0, and then adamw_update_kernel changes nothing.
+// one warp; grid = 1
+extern "C" __global__ void clip_grad_norm_kernel(double* results, float* clip, const float* partial, int blocks,
+                                                 int K, float max_norm) {
+    double s = 0.0;
+    for (int b = threadIdx.x; b < blocks; b += 32) s += partial[b];
+    s = warp_sum(s);
+    if (threadIdx.x != 0) return;
+    double norm = sqrt(s);
+    bool ok = is_finite(norm);
+    for (int k = 0; k < K; k++) ok = ok && is_finite(results[k]);
+    results[K] = norm;
+    clip[0] = max_norm > 0.0f && norm > max_norm ? (float)(max_norm / norm) : 1.0f;
+    clip[1] = ok ? 1.0f : 0.0f;
+}
+
+// AdamW on the flat buffers, as nanoeuler.adamw_update; decay (a byte each) is 1 for
+// matrices, 0 for norm weights. The step's numbers are read from GPU memory, so that a
+// captured step replays with the next step's: hyper = (lr, 1 - beta1^step, 1 - beta2^step),
+// uploaded before the step, and clip = (grad scale, apply) from clip_grad_norm_kernel;
+// with apply = 0 nothing changes (the host then stops: no non-finite weight is ever
+// applied or saved). With params16 (bf16 mode) the updated weights are also written
+// rounded to bf16, the copy the matmuls read, in the same pass.
+// four parameters per thread (the buffers 16-byte aligned); grid = ceil(n / (4 block))
+extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16, const float* grads, float* m,
+                                               float* v, const unsigned char* decay, long n, const float* hyper,
+                                               const float* clip, float beta1, float beta2, float eps,
+                                               float weight_decay) {
+    long i0 = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i0 >= n || clip[1] == 0.0f) return;
+    float lr = hyper[0], bias1 = hyper[1], bias2 = hyper[2], grad_scale = clip[0];
+    int k = n - i0 < 4 ? n - i0 : 4;                                // the last thread may have fewer
+    float p[4] = {}, g[4] = {}, mi[4] = {}, vi[4] = {}, d[4] = {};
+    if (k == 4) {
+        float4 a = *(const float4*)(params + i0), b = *(const float4*)(grads + i0);
+        float4 c = *(const float4*)(m + i0), e = *(const float4*)(v + i0);
+        uchar4 f = *(const uchar4*)(decay + i0);
+        p[0] = a.x, p[1] = a.y, p[2] = a.z, p[3] = a.w, g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
+        mi[0] = c.x, mi[1] = c.y, mi[2] = c.z, mi[3] = c.w, vi[0] = e.x, vi[1] = e.y, vi[2] = e.z, vi[3] = e.w;
+        d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
+    } else {
+        for (int j = 0; j < k; j++)
+            p[j] = params[i0 + j], g[j] = grads[i0 + j], mi[j] = m[i0 + j], vi[j] = v[i0 + j], d[j] = decay[i0 + j];
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float gj = g[j] * grad_scale;
+        mi[j] = beta1 * mi[j] + (1.0f - beta1) * gj;
+        vi[j] = beta2 * vi[j] + (1.0f - beta2) * gj * gj;
+        float pj = p[j] * (1.0f - lr * weight_decay * d[j]);        // decoupled weight decay
+        p[j] = pj - lr / bias1 * mi[j] / (sqrtf(vi[j] / bias2) + eps);
+    }
+    if (k == 4) {
+        *(float4*)(params + i0) = make_float4(p[0], p[1], p[2], p[3]);
+        *(float4*)(m + i0) = make_float4(mi[0], mi[1], mi[2], mi[3]);
+        *(float4*)(v + i0) = make_float4(vi[0], vi[1], vi[2], vi[3]);
+        if (params16) *(uint2*)(params16 + i0) = make_uint2(pack_bf16(p[0], p[1]), pack_bf16(p[2], p[3]));
+    } else {
+        for (int j = 0; j < k; j++) {
+            params[i0 + j] = p[j], m[i0 + j] = mi[j], v[i0 + j] = vi[j];
+            if (params16) write_x(&params16[i0 + j], p[j]);
+        }
+    }
+}
+
 // -----------------------------------------------------------------------------
 // decoding (nanoeuler.py's generation section; nanoeuler_cuda.py's GPUDecoder)
 //
@@ -318,14 +564,45 @@ extern "C" __global__ void grad_norm_kernel(float* partial, const float* grads, 
 // drafts after it, at positions *pos .. *pos+R-1. pos, the token ids and a step
 // counter live in GPU memory and the kernels update them, so one captured CUDA
 // graph per R replays every step and only the chosen ids go to the host.
-// Each row is computed the same way whatever R is (no sum runs across rows), so a
-// verifying pass over several rows gives the bits of one-row steps: speculative
+// Each row is computed the same way whatever R is (no sum runs across rows, and the
+// order of every sum is fixed by the model's shapes and the row's own position), so
+// a verifying pass over several rows gives the bits of one-row steps: speculative
 // greedy output equals plain greedy output in every precision.
 // The weights are fp32 or bf16 (W), the activations and the KV cache fp32.
+//
+// At batch 1 a step reads every weight once (233 MB in bf16, about 50 us at the
+// H200's 4.8 TB/s) and does little arithmetic, so what it costs is latency: each
+// kernel's launch and its chain of dependent memory reads. So each kernel issues
+// all the loads a thread needs before it uses the first (one trip to memory where
+// the old kernels made several), and spreads over all the SMs.
+//
+// Programmatic dependent launch (nanoeuler_cuda.DECODE_PDL, sm_90 on, off by
+// default): a kernel launched with it may start while the kernel before it still
+// runs. Each decode kernel first lets the next one start (decode_launch_next), reads
+// what no kernel of the step writes (the weights; the cache before *pos), then waits
+// for the kernels before it (decode_wait) before it reads their outputs or writes
+// anything. Launched without it, and before sm_90, both are no-ops.
 
 #define DECODE_MAX_ROWS 8       // R at most; nanoeuler_cuda.DECODE_MAX_ROWS
+#define DECODE_LOADS 4          // 16-byte weight loads in flight per lane; nanoeuler_cuda.DECODE_LOADS
+#define DECODE_CHUNK 64         // keys per block of attention_decode_split; nanoeuler_cuda.DECODE_CHUNK
+#define DECODE_HEADS 4          // query heads per block of attention_decode_split; nanoeuler_cuda.DECODE_HEADS
 
-// what decode_matvec's blocks build in shared memory from `in` (R rows) before the product
+__device__ __forceinline__ void decode_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void decode_launch_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ float4 load4(const float* p) { return *(const float4*)p; }
+
+// what decode_matvec builds from `in` (R rows) as it multiplies
 #define IN_PLAIN 0              // in (R, In) itself
 #define IN_RMSNORM 1            // rmsnorm(in) * norm_w, in (R, In): the norm fused into the next product
 #define IN_SWIGLU 2             // silu(gate) * up, in (R, 2 In) holding gate then up: swiglu fused too
@@ -344,103 +621,166 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
 }
 
 // the E inputs of chunk c (elements c*E ..) of row r as MODE builds them: in itself, in * norm_w
-// (the norm's 1/rms multiplies the whole sum at the end) or silu(gate) * up; and ss += in^2
-// for the norm. 16-byte loads: In a multiple of 8, the rows and norm_w 16-byte aligned.
+// (the norm's 1/rms multiplies the whole sum at the end) or silu(gate) * up. 16-byte loads:
+// In a multiple of 8, the rows and norm_w 16-byte aligned.
 template <int MODE, int E>
-__device__ __forceinline__ void matvec_input(float* v, float& ss, const float* in, const float* norm_w, int In, int r,
-                                             int c) {
+__device__ __forceinline__ void matvec_input(float* v, const float* in, const float* norm_w, int In, int r, int c) {
 #pragma unroll
     for (int e = 0; e < E; e += 4) {
         if (MODE == IN_SWIGLU) {
             const float* gu = in + (long)r * 2 * In + c * E + e;
-            float4 g = *(const float4*)gu, u = *(const float4*)(gu + In);
+            float4 g = load4(gu), u = load4(gu + In);
             v[e] = g.x / (1.0f + expf(-g.x)) * u.x;
             v[e + 1] = g.y / (1.0f + expf(-g.y)) * u.y;
             v[e + 2] = g.z / (1.0f + expf(-g.z)) * u.z;
             v[e + 3] = g.w / (1.0f + expf(-g.w)) * u.w;
         } else {
-            float4 x = *(const float4*)(in + (long)r * In + c * E + e);
+            float4 x = load4(in + (long)r * In + c * E + e);
             v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
             if (MODE == IN_RMSNORM) {
-                ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
-                float4 n = *(const float4*)(norm_w + c * E + e);
+                float4 n = load4(norm_w + c * E + e);
                 v[e] *= n.x, v[e + 1] *= n.y, v[e + 2] *= n.z, v[e + 3] *= n.w;
             }
         }
     }
 }
 
+// 1 / rms of row r of in (R, In), summed by one warp in a fixed order
+__device__ __forceinline__ float matvec_rstd(const float* in, int In, int r, int lane) {
+    float ss = 0.0f;
+#pragma unroll 8
+    for (int i = 4 * lane; i < In; i += 128) {                    // the loads of 8 iterations in flight
+        float4 x = load4(in + (long)r * In + i);
+        ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
+    }
+    return 1.0f / sqrtf(warp_sum(ss) / In + 1e-5f);
+}
+
+// Asks L2 for `bytes` bytes from p, spread over the grid's threads, 128 bytes each: the
+// weights of the next product (nanoeuler_cuda.DECODE_PREFETCH), so that they stream in from
+// memory while this kernel finishes and the next one launches. A hint: no result depends on it.
+__device__ __forceinline__ void prefetch_l2(const char* p, long bytes) {
+    long threads = (long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+    long i = ((long)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+    for (i *= 128; i < bytes; i += threads * 128) {
+#ifdef __CUDA_ARCH__
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
+#endif
+    }
+}
+
+// one round of a lane's weight loads: chunks c, c+32, .. (DECODE_LOADS of them) below c1
+__device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c, int c1) {
+#pragma unroll
+    for (int u = 0; u < DECODE_LOADS; u++)
+        if (c + 32 * u < c1) raw[u] = row[c + 32 * u];
+}
+
 // out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
-// as MODE says. A decoding step reads every weight once, so this is bound by memory
-// latency: one warp per output, no shared memory and no block barrier; each lane reads
-// its 16-byte chunks of the weight row (U loads in flight) and the matching elements
-// of each row's input, so the lanes' chunks cover the input once and the norm's sum of
-// squares is a warp sum; each weight is used for all R rows. accumulate: out += (the
-// residual add fused in). Each row's sums run in the same order whatever R.
-// block 256 (8 outputs), grid = ceil(Out / 8)
+// as MODE says; accumulate: out += (the residual add fused in).
+// At batch 1 this streams the weights, each used R times: its time is the trip to
+// memory and how many bytes are in flight, not arithmetic. The block's 8 warps take
+// 8 / splits outputs, `splits` warps to an output, each warp a contiguous part of the
+// weight row: each lane loads its 16-byte chunks of the part (at most DECODE_LOADS a
+// round, all issued before the first is used) and the matching elements of each row's
+// input. The host picks splits from the matrix's shape (nanoeuler_cuda.matvec_splits):
+// enough that a lane's chunks fit in one round, and that even a 768-row matrix makes two
+// blocks per SM, so every SM has requests in flight (one warp per output left 36 of the
+// H200's 132 SMs idle on the 768-row products). The parts' sums meet in shared memory and
+// are added in part order: each row's sum runs in an order fixed by In and splits,
+// whatever R. The norm's 1/rms of row r is summed by warp r of every block over the whole
+// row while the weights are on their way (the same order in every block; kept out of the
+// main loop, whose registers it would take). No kernel writes a weight, so with
+// programmatic launch the first round's loads go out before the wait for the kernel that
+// wrote `in`. next: the next product's weights (next_bytes of them) to prefetch into L2 once
+// this warp's own have come, or nullptr.
+// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
-                              int ld_out, int accumulate) {
-    int o = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (o >= Out) return;
-    const int E = 16 / sizeof(W), U = 4, chunks = In / E;          // E weights per 16-byte load
-    const uint4* row = (const uint4*)(w + (long)o * In);
-    float acc[DECODE_MAX_ROWS], ss[DECODE_MAX_ROWS];
+                              int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
+    __shared__ float part_sum[8][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
+    const int E = 16 / sizeof(W);                                  // weights per 16-byte load
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, outputs = 8 / splits;
+    int o = blockIdx.x * outputs + warp / splits, part = warp % splits;
+    int chunks = In / E, per_part = (chunks + splits - 1) / splits;
+    int c0 = part * per_part, c1 = o < Out ? min(chunks, c0 + per_part) : c0;   // c1 <= c0: no work
+    const uint4* row = (const uint4*)(w + (long)min(o, Out - 1) * In);
+    uint4 raw[DECODE_LOADS];
+    decode_launch_next();
+    matvec_load(raw, row, c0 + lane, c1);
+    decode_wait();
+    if (MODE == IN_RMSNORM && warp < R) {
+        float rs = matvec_rstd(in, In, warp, lane);
+        if (lane == 0) rstd[warp] = rs;
+    }
+    float acc[DECODE_MAX_ROWS];
 #pragma unroll
-    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = ss[r] = 0.0f;
-    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
-        uint4 raw[U];
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int base = c0; base < c1; base += 32 * DECODE_LOADS) {
+        if (base > c0) matvec_load(raw, row, base + lane, c1);     // rows longer than one round
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (c0 + 32 * u < chunks) raw[u] = row[c0 + 32 * u];
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int c = c0 + 32 * u;
-            if (c >= chunks) break;
+        for (int u = 0; u < DECODE_LOADS; u++) {
+            int c = base + lane + 32 * u;
+            if (c >= c1) break;
             float wf[8], v[8];
             unpack16(raw[u], wf, w);
 #pragma unroll
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
-                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c);
+                matvec_input<MODE, E>(v, in, norm_w, In, r, c);
 #pragma unroll
                 for (int e = 0; e < E; e++) acc[r] += wf[e] * v[e];
             }
         }
     }
+    if (next) prefetch_l2(next, next_bytes);
 #pragma unroll
     for (int r = 0; r < DECODE_MAX_ROWS; r++) {
         if (r >= R) break;
-        float s = warp_sum(acc[r]);
-        if (MODE == IN_RMSNORM) s *= 1.0f / sqrtf(warp_sum(ss[r]) / In + 1e-5f);
-        if (lane == 0) out[(long)r * ld_out + o] = (accumulate ? out[(long)r * ld_out + o] : 0.0f) + s;
+        float a = warp_sum(acc[r]);
+        if (lane == 0) part_sum[warp][r] = a;
     }
+    __syncthreads();
+    int t = threadIdx.x, r = t % R, first = (t / R) * splits;      // thread t: output t / R of the block, row r
+    o = blockIdx.x * outputs + t / R;
+    if (t >= outputs * R || o >= Out) return;
+    float s = 0.0f;
+    for (int k = 0; k < splits; k++) s += part_sum[first + k][r];
+    if (MODE == IN_RMSNORM) s *= rstd[r];
+    float* dst = out + (long)r * ld_out + o;
+    *dst = (accumulate ? *dst : 0.0f) + s;
 }
 
 // the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
-extern "C" __global__ void __launch_bounds__(256) decode_matvec_plain_f32_kernel(
-    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
-    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_plain_f32_kernel(
+    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256) decode_matvec_rmsnorm_f32_kernel(
-    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
-    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_rmsnorm_f32_kernel(
+    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256) decode_matvec_swiglu_f32_kernel(
-    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
-    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_swiglu_f32_kernel(
+    float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256) decode_matvec_plain_bf16_kernel(
-    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
-    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_plain_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256) decode_matvec_rmsnorm_bf16_kernel(
-    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
-    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_rmsnorm_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256) decode_matvec_swiglu_bf16_kernel(
-    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out, int accumulate) {
-    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate);
+extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_swiglu_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, const char* next, long next_bytes) {
+    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
@@ -451,6 +791,25 @@ __device__ __forceinline__ void rope_pair(float& a, float& b, float c, float s) 
     float b2 = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     a = a2;
     b = b2;
+}
+
+// rope_pair for 4 elements of one half of a head vector: own = x[i..i+3], other = the
+// same 4 of the other half, c and s at pairs i..i+3 (i mod D/2); first: own is in the
+// first half (own plays a in rope_pair, else b): the same operations, so the same bits
+__device__ __forceinline__ float4 rope4(float4 own, float4 other, float4 c, float4 s, bool first) {
+    float4 r;
+    if (first) {
+        r.x = __fsub_rn(__fmul_rn(own.x, c.x), __fmul_rn(other.x, s.x));
+        r.y = __fsub_rn(__fmul_rn(own.y, c.y), __fmul_rn(other.y, s.y));
+        r.z = __fsub_rn(__fmul_rn(own.z, c.z), __fmul_rn(other.z, s.z));
+        r.w = __fsub_rn(__fmul_rn(own.w, c.w), __fmul_rn(other.w, s.w));
+    } else {
+        r.x = __fadd_rn(__fmul_rn(own.x, c.x), __fmul_rn(other.x, s.x));
+        r.y = __fadd_rn(__fmul_rn(own.y, c.y), __fmul_rn(other.y, s.y));
+        r.z = __fadd_rn(__fmul_rn(own.z, c.z), __fmul_rn(other.z, s.z));
+        r.w = __fadd_rn(__fmul_rn(own.w, c.w), __fmul_rn(other.w, s.w));
+    }
+    return r;
 }
 
 // Attention of one query row over the cache, causal, grouped-query, with rope and the cache
@@ -552,29 +911,251 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
     }
 }
 
+
+// The same attention, split over the keys ("flash decoding"): y[r, h] = softmax(q k.T /
+// sqrt(D)) v over the keys at positions 0 .. *pos + r of kv head h / G (G = Hq / Hkv),
+// with rope and the cache write fused in as above (the same bits in the cache).
+// Why: the kernel above gives a whole row's keys to one block per query head, 12 blocks
+// for the big model on 132 SMs; each lane reads a whole key (lanes 1 KB apart) and the
+// warps walk the keys with a shuffle per key, and the G query heads of a kv head each
+// read the same keys: a long chain of dependent reads that grows with the position.
+// Here a block takes one chunk of DECODE_CHUNK keys (chunk c: keys 64c .. 64c+63, fixed in
+// absolute positions) of one kv head for one row, and scores all its query heads (up to
+// DECODE_HEADS; more make more blocks) from one read of each key and value. Thread (j, s)
+// of the block holds elements 4s .. 4s+3 (a 16-byte load; the D/4 threads of a key read
+// its D floats in one stretch) of keys j, j + 256/(D/4), .. of the chunk, and the same of
+// their values: every load of the block is issued before any is used, one trip to memory.
+// The scores' D-long sums meet in shuffles over the key's D/4 lanes, the chunk's max and
+// sum of exp and its p-weighted values in shared memory, added in warp order. A row that
+// sees one chunk writes y directly. A row that sees several writes the chunk's (m, l, acc)
+// to `partial`; the last of its blocks to finish (counted in `count`, which it resets to 0
+// for the next launch) combines them in chunk order: y = sum_c e^(m_c - M) acc_c /
+// sum_c e^(m_c - M) l_c. Keys before *pos come from the cache, read before the wait for the
+// kernel that wrote qkv (programmatic launch; no kernel of the pass writes there); this
+// pass's own keys come from qkv, rotated as they are read, and the thread that reads key
+// *pos + r in row r's block writes it and its value into the cache (no block reads the
+// cache there in this pass). Every sum runs in an order fixed by D, G, the row's position
+// and the chunk: rows computed in one pass have the bits of rows computed one pass each.
+// A prefill is a pass of all its rows with *pos = 0, launched over slices of its rows: the
+// launch takes rows row0 .. row0 + gridDim.y - 1 of the pass (row0 = 0 in a step).
+// block 256; grid = (Hkv * ceil(G / DECODE_HEADS), rows, at least ceil((*pos + row0 + rows) /
+// DECODE_CHUNK) (blocks past a row's keys return)); D = 8, 16, 32, 64 or 128 (the entry
+// points); partial: rows * gridDim.x * gridDim.z records of DECODE_HEADS * (D + 2) floats;
+// count: rows * gridDim.x ints, 0 before the first launch
+template <int D>
+__device__ void attention_decode_split(float* y, float* partial, int* count, float* k_cache, float* v_cache,
+                                       const float* qkv, const float* cos, const float* sin, const int* pos, int row0,
+                                       int Hq, int Hkv, float scale) {
+    constexpr int S = D / 4, HALF = D / 2, KEYS = 256 / S, SWEEPS = (DECODE_CHUNK + KEYS - 1) / KEYS;
+    constexpr int REC = DECODE_HEADS * (D + 2);                    // a record: acc (heads x D), m, l (heads)
+    __shared__ float sh_m[8][DECODE_HEADS], sh_l[8][DECODE_HEADS];
+    __shared__ __align__(16) float sh_acc[8][DECODE_HEADS][D];     // written as float4
+    __shared__ int sh_last;
+    int G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS, group = blockIdx.x % groups;
+    int kvh = blockIdx.x / groups, h0 = kvh * G + group * DECODE_HEADS, nh = min(DECODE_HEADS, G - group * DECODE_HEADS);
+    int b = blockIdx.y, r = row0 + b, first = blockIdx.z * DECODE_CHUNK, H = Hq + 2 * Hkv;   // b: row in the launch
+    int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, s = tid % S, jj = tid / S;
+    bool lo = s < S / 2;                                           // elements 4s.. are in the first half
+    int other = 4 * (s ^ (S / 2)), pair = 4 * (s % (S / 2));       // the other half's 4; rope's pair index
+    decode_launch_next();
+    int p0 = *pos, t_row = p0 + r, n = t_row + 1;                  // n: keys this row sees
+    if (first >= n) {                                              // a chunk after the row's keys
+        decode_wait();
+        return;
+    }
+    int chunks = (n + DECODE_CHUNK - 1) / DECODE_CHUNK;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    float4 k[SWEEPS], v[SWEEPS];
+#pragma unroll
+    for (int i = 0; i < SWEEPS; i++) {                             // the cache's keys
+        int j = first + jj + KEYS * i;
+        k[i] = v[i] = zero;
+        if (jj + KEYS * i < DECODE_CHUNK && j < n && j < p0) {
+            long e = ((long)j * Hkv + kvh) * D + 4 * s;
+            k[i] = load4(k_cache + e);
+            v[i] = load4(v_cache + e);
+        }
+    }
+    decode_wait();
+#pragma unroll
+    for (int i = 0; i < SWEEPS; i++) {                             // this pass's keys
+        int j = first + jj + KEYS * i;
+        if (jj + KEYS * i < DECODE_CHUNK && j < n && j >= p0) {
+            const float* kr = qkv + (long)(j - p0) * H * D + (Hq + kvh) * D;
+            k[i] = rope4(load4(kr + 4 * s), load4(kr + other), load4(cos + j * HALF + pair),
+                         load4(sin + j * HALF + pair), lo);
+            v[i] = load4(kr + Hkv * D + 4 * s);
+            if (j == t_row && group == 0) {
+                long e = ((long)j * Hkv + kvh) * D + 4 * s;
+                *(float4*)(k_cache + e) = k[i];
+                *(float4*)(v_cache + e) = v[i];
+            }
+        }
+    }
+    float4 q[DECODE_HEADS];                                        // row r's query heads, rotated, scaled
+    const float* qr = qkv + (long)r * H * D;
+    float4 c = load4(cos + t_row * HALF + pair), sn = load4(sin + t_row * HALF + pair);
+#pragma unroll
+    for (int g = 0; g < DECODE_HEADS; g++) {
+        q[g] = zero;
+        if (g < nh) {
+            const float* qh = qr + (h0 + g) * D;
+            float4 a = rope4(load4(qh + 4 * s), load4(qh + other), c, sn, lo);
+            q[g] = make_float4(a.x * scale, a.y * scale, a.z * scale, a.w * scale);
+        }
+    }
+    float sc[SWEEPS][DECODE_HEADS], m[DECODE_HEADS];               // scores; the chunk's max
+#pragma unroll
+    for (int g = 0; g < DECODE_HEADS; g++) m[g] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < SWEEPS; i++) {
+        bool seen = jj + KEYS * i < DECODE_CHUNK && first + jj + KEYS * i < n;
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++) {
+            float d = q[g].x * k[i].x + q[g].y * k[i].y + q[g].z * k[i].z + q[g].w * k[i].w;
+#pragma unroll
+            for (int off = S / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffff, d, off);
+            sc[i][g] = seen ? d : -INFINITY;
+            m[g] = fmaxf(m[g], sc[i][g]);
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < DECODE_HEADS; g++) {
+        float wm = warp_max(m[g]);
+        if (lane == 0) sh_m[warp][g] = wm;
+    }
+    __syncthreads();
+    float l[DECODE_HEADS], acc[DECODE_HEADS][4];
+#pragma unroll
+    for (int g = 0; g < DECODE_HEADS; g++) {
+        m[g] = sh_m[0][g];                                         // finite: key `first` is seen
+        for (int w = 1; w < 8; w++) m[g] = fmaxf(m[g], sh_m[w][g]);
+        l[g] = acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < SWEEPS; i++)
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++) {
+            float p = expf(sc[i][g] - m[g]);                       // 0 for keys the row does not see
+            l[g] += p;
+            acc[g][0] += p * v[i].x;
+            acc[g][1] += p * v[i].y;
+            acc[g][2] += p * v[i].z;
+            acc[g][3] += p * v[i].w;
+        }
+#pragma unroll
+    for (int g = 0; g < DECODE_HEADS; g++) {                       // over the warp's keys: lanes with the same s
+#pragma unroll
+        for (int off = 16; off >= S; off >>= 1) {
+            l[g] += __shfl_xor_sync(0xffffffff, l[g], off);
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[g][e] += __shfl_xor_sync(0xffffffff, acc[g][e], off);
+        }
+        if (lane < S) *(float4*)&sh_acc[warp][g][4 * s] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+        if (lane == 0) sh_l[warp][g] = l[g];
+    }
+    __syncthreads();
+    float* rec = partial + (((long)b * gridDim.x + blockIdx.x) * gridDim.z + blockIdx.z) * REC;
+    for (int e = tid; e < nh * D; e += blockDim.x) {               // over the warps, in order
+        int g = e / D, d = e % D;
+        float a = 0.0f, den = 0.0f, mg = sh_m[0][g];
+        for (int w = 0; w < 8; w++) a += sh_acc[w][g][d], den += sh_l[w][g];
+        for (int w = 1; w < 8; w++) mg = fmaxf(mg, sh_m[w][g]);
+        if (chunks == 1) {
+            y[((long)r * Hq + h0 + g) * D + d] = a / den;
+        } else {
+            rec[g * D + d] = a;
+            if (d == 0) rec[DECODE_HEADS * D + g] = mg, rec[DECODE_HEADS * (D + 1) + g] = den;
+        }
+    }
+    if (chunks == 1) return;
+    __threadfence();                                               // the record, before the count
+    __syncthreads();
+    if (tid == 0) {
+        sh_last = atomicAdd(count + b * gridDim.x + blockIdx.x, 1) == chunks - 1;
+        __threadfence();                                           // the count, before the records
+    }
+    __syncthreads();
+    if (!sh_last) return;
+    if (tid == 0) count[b * gridDim.x + blockIdx.x] = 0;
+    const float* recs = partial + ((long)b * gridDim.x + blockIdx.x) * gridDim.z * REC;
+    for (int e = tid; e < nh * D; e += blockDim.x) {               // the chunks, in order (__ldcg: from L2)
+        int g = e / D, d = e % D;
+        float M = -INFINITY, num = 0.0f, den = 0.0f;
+        for (int ch = 0; ch < chunks; ch++) M = fmaxf(M, __ldcg(recs + ch * REC + DECODE_HEADS * D + g));
+        for (int ch = 0; ch < chunks; ch++) {
+            const float* rc = recs + ch * REC;
+            float f = expf(__ldcg(rc + DECODE_HEADS * D + g) - M);
+            num += f * __ldcg(rc + g * D + d);
+            den += f * __ldcg(rc + DECODE_HEADS * (D + 1) + g);
+        }
+        y[((long)r * Hq + h0 + g) * D + d] = num / den;
+    }
+}
+
+// the entry points, one per head dim, written out
+extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_8(
+    float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_16(
+    float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_32(
+    float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_64(
+    float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+}
+extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_128(
+    float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+}
+
 // the argmax of every row of logits (R * n_heads, V) (the first index on ties, as np.argmax)
 // into amax (R, n_heads): head 0's choice and the draft heads' guesses at each fed row;
 // then nanoeuler.generate's acceptance rule over the R fed rows ids[0..R-1] (the last
 // token, then the drafts): row j's choice is kept while the draft fed after it agreed, so
 // j+1 tokens are emitted, into ring[*counter % ring_size] = (j+1, tokens...); the next
 // feed is the last choice and the guesses made at its row, and pos moves by j+1.
+// The rows are few and short, so the time is trips to memory: each thread loads 16 of a
+// row's logits at once before comparing them (V = 4096: one round), the fed ids, pos and
+// counter are read while the rows are searched, and the choices stay in shared memory
+// for the acceptance rule.
 // one block of 1024 threads: 4 groups of 256 take the rows 4 at a time; thread 0 accepts
 extern "C" __global__ void __launch_bounds__(1024) argmax_accept_kernel(int* ids, int* pos, int* counter, int* ring,
                                                                         int* amax, const float* logits, int V, int R,
                                                                         int n_heads, int ring_size) {
     __shared__ float best_v[32];
-    __shared__ int best_i[32];
+    __shared__ int best_i[32], fed[DECODE_MAX_ROWS], chosen[DECODE_MAX_ROWS * DECODE_MAX_ROWS];
     int group = threadIdx.x / 256, t = threadIdx.x % 256, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int rows = R * n_heads;
+    int rows = R * n_heads, p = 0, step = 0;
+    decode_launch_next();
+    decode_wait();
+    if (threadIdx.x < R) fed[threadIdx.x] = ids[threadIdx.x];     // read by thread 0 after a barrier below
+    if (threadIdx.x == 0) p = *pos, step = *counter;
     for (int base = 0; base < rows; base += 4) {                   // the same trip count for every thread
         int row_i = base + group;
         float bv = -INFINITY;
         int bi = 0x7FFFFFFF;
         if (row_i < rows) {
             const float* row = logits + (long)row_i * V;
-#pragma unroll 4
-            for (int v = t; v < V; v += 256)
-                if (row[v] > bv) bv = row[v], bi = v;              // strided: each thread's first best
+            for (int v0 = t; v0 < V; v0 += 256 * 16) {
+                float x[16];
+#pragma unroll
+                for (int u = 0; u < 16; u++) x[u] = v0 + 256 * u < V ? row[v0 + 256 * u] : -INFINITY;
+#pragma unroll
+                for (int u = 0; u < 16; u++)
+                    if (x[u] > bv) bv = x[u], bi = v0 + 256 * u;   // ascending: each thread's first best
+            }
         }
         for (int offset = 16; offset > 0; offset >>= 1) {
             float ov = __shfl_xor_sync(0xffffffff, bv, offset);
@@ -589,17 +1170,17 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_accept_kernel(int* ids
                 int oi = best_i[warp + k];
                 if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
             }
-            amax[row_i] = bi == 0x7FFFFFFF ? 0 : bi;               // all NaN: token 0
+            chosen[row_i] = amax[row_i] = bi == 0x7FFFFFFF ? 0 : bi;   // all NaN: token 0
         }
         __syncthreads();
     }
     if (threadIdx.x != 0) return;
     int j = 0;
-    while (j < R - 1 && ids[1 + j] == amax[j * n_heads]) j++;
-    int* entry = ring + (*counter % ring_size) * (1 + DECODE_MAX_ROWS);
+    while (j < R - 1 && fed[1 + j] == chosen[j * n_heads]) j++;
+    int* entry = ring + (step % ring_size) * (1 + DECODE_MAX_ROWS);
     entry[0] = j + 1;
-    for (int i = 0; i <= j; i++) entry[1 + i] = amax[i * n_heads];
-    for (int k = 0; k < n_heads; k++) ids[k] = amax[j * n_heads + k];
-    *pos += j + 1;
-    *counter += 1;
+    for (int i = 0; i <= j; i++) entry[1 + i] = chosen[i * n_heads];
+    for (int k = 0; k < n_heads; k++) ids[k] = chosen[j * n_heads + k];
+    *pos = p + j + 1;
+    *counter = step + 1;
 }

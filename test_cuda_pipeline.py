@@ -4,8 +4,10 @@ generate's host loop (passes queued ahead, the window slide, fewer drafts near
 the window's end, sampling) against nanoeuler.generate through a stand-in for
 GPUDecoder that computes each pass with nanoeuler.model_forward and applies
 the acceptance rule of argmax_accept_kernel; the NVRTC compile of the
-decode kernels; the sft and chat command lines. `python nanoeuler_cuda.py check`
-tests the kernels themselves on a GPU.
+decode kernels and the sizes their launches are given; the decode kernels
+themselves run on the CPU by tools/emulate_cuda.py (a thread of a block = a
+fiber), through GPUDecoder, against nanoeuler.model_forward; the sft and chat
+command lines. `python nanoeuler_cuda.py check` tests the kernels on a GPU.
 """
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
@@ -14,6 +16,7 @@ import importlib.util
 import io
 import math
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -254,9 +257,166 @@ needs_nvrtc = pytest.mark.skipif(importlib.util.find_spec("cuda") is None,
 def test_nvrtc_compiles_the_decode_kernels(tmp_path):
     cubin = nc.compile_kernels("90", str(tmp_path))["kernels.cu"]
     names = ["attention_decode_kernel", "argmax_accept_kernel"]
-    names += [f"decode_matvec_{mode}_{w}_kernel" for mode in ("plain", "rmsnorm", "swiglu") for w in ("f32", "bf16")]
+    names += [f"attention_decode_split_kernel_{D}" for D in nc.SPLIT_HEAD_DIMS]
+    names += list(nc.DECODE_MATVEC_KERNELS.values())
+    assert len(set(names)) == 2 + len(nc.SPLIT_HEAD_DIMS) + 6
     for name in names:
         assert name.encode() in cubin, name                         # extern "C": the name is in the CUBIN
+
+
+def test_the_kernels_constants_match():
+    with open(os.path.join(HERE, "kernels.cu")) as f:
+        source = f.read()
+    for name in ("DECODE_MAX_ROWS", "DECODE_LOADS", "DECODE_CHUNK", "DECODE_HEADS"):
+        assert f"#define {name} {getattr(nc, name)} " in source, name
+    for D in nc.SPLIT_HEAD_DIMS:
+        assert f"attention_decode_split<{D}>(" in source, D
+
+
+def test_matvec_splits_of_the_big_model_on_an_h200():
+    # 132 SMs: each lane at most 4 loads of 16 bytes (128 chunks a warp), and at least
+    # 2 blocks of 8 warps per SM (2112 warps), the fewest warps per output that give both
+    big, sms = ne.PRESETS["big"], 132
+    C, F, V, QKV = big.C, big.F, big.V, (big.Hq + 2 * big.Hkv) * big.D
+    bf16 = {(C, QKV): 2, (C, C): 4, (C, 2 * F): 1, (F, C): 4, (C, V): 1}     # wqkv, wo, gate/up, down, a head
+    for (In, Out), splits in bf16.items():
+        assert nc.matvec_splits(In, Out, 8, sms) == splits, (In, Out)
+    assert nc.matvec_splits(C, QKV, 4, sms) == 2 and nc.matvec_splits(F, C, 4, sms) == 4    # fp32: 4 a load
+    assert nc.matvec_splits(8192, 4096, 8, sms) == 8                          # 1024 chunks: 8 parts of 128
+    assert nc.matvec_splits(32768, 4096, 8, sms) == 8                         # at most 8; the kernel loops
+    for In in (64, 768, 2048, 8192):
+        for Out in (8, 768, 4096, 16384):
+            s = nc.matvec_splits(In, Out, 8, sms)
+            assert s in (1, 2, 4, 8)
+            fits = lambda k: math.ceil(In / 8 / k) <= 128 and Out * k >= 16 * sms
+            assert (fits(s) or s == 8) and (s == 1 or not fits(s // 2)), (In, Out, s)
+
+
+def test_attention_kernel_and_its_scratch():
+    assert nc.attention_kernel(64) == "split" and nc.attention_kernel(64, "single") == "single"
+    assert nc.attention_kernel(24) == "single"                               # no split kernel for D = 24
+    with pytest.raises(ne.NanoEulerError, match="'split' or 'single'"):
+        nc.attention_kernel(64, "flash")
+    # big: 4 kv heads of 3 query heads (one block each), 8 chunks of 64 keys, 512 rows at most,
+    # a record of 4 heads x (64 + 2) floats per (row, block, chunk); a count per (row, block)
+    assert nc.split_scratch(ne.PRESETS["big"]) == (512 * 4 * 8 * 4 * 66, 512 * 4)
+    many = ne.Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)     # G = 8: two blocks per kv head
+    assert nc.split_scratch(many) == (160 * 2 * 3 * 4 * 66, 160 * 2)
+    longest = ne.Config(V=96, C=512, Hq=8, Hkv=8, L=1, T=8192, F=176, K=2)   # a prefill launches 512 rows at most
+    assert nc.split_scratch(longest) == (512 * 8 * 128 * 4 * 66, 512 * 8)
+
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
+
+
+def emulator_module():
+    spec = importlib.util.spec_from_file_location("emulate_cuda", os.path.join(HERE, "tools", "emulate_cuda.py"))
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    return emulator
+
+
+def check_parts_module():
+    """docs/gpu_check_parts.py: check part by part, the device script's fallback"""
+    spec = importlib.util.spec_from_file_location("gpu_check_parts", os.path.join(HERE, "docs", "gpu_check_parts.py"))
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    return parts
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """nanoeuler_cuda on tools/emulate_cuda.py's CPU emulator of kernels.cu"""
+    monkeypatch.setattr(nc, "cu", nc.cu)
+    monkeypatch.setattr(nc, "gpu", nc.gpu)
+    return emulator_module().install(nc)
+
+
+@needs_nvrtc
+@needs_gxx
+def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
+    # kernels.cu run on the CPU against nanoeuler.model_forward with a KV cache: rows that see
+    # one to three chunks of keys (D = 64, 8 query heads per kv head), both attention kernels,
+    # fp32 and bf16; a 3-row pass == one-row steps; PDL launches, and a prefill's attention
+    # launched over slices of its rows, give the same bits as plain launches of all rows
+    cfg = ne.Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
+    rng = np.random.default_rng(0)
+    flat = ne.init_params(cfg, seed=1) + rng.normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
+    ids = rng.integers(0, cfg.V, 134).tolist()
+    failed, seen = [], {}
+    for precision, attention, extra, slice_rows in (("fp32", "split", {}, 512), ("fp32", "single", {}, 512),
+                                                    ("fp32", "split", {"pdl": True, "prefetch": True}, 512),
+                                                    ("fp32", "split", {}, 48), ("bf16", "split", {}, 512)):
+        monkeypatch.setattr(nc, "DECODE_PREFILL_ROWS", slice_rows)            # 126 rows: 48 + 48 + 30
+        params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
+        report = lambda what, err: failed.extend([] if err < nc.DECODE_TOLERANCE[precision] else [(what, err)])
+        what = f"{precision} {attention} {sorted(extra)} slices of {slice_rows}"
+        seen[what] = nc.check_decode_logits(report, what, cfg, flat, params, precision, ids, 126,
+                                            attention=attention, **extra)
+    assert not failed, failed
+    plain = seen["fp32 split [] slices of 512"]
+    for what in ("fp32 split ['pdl', 'prefetch'] slices of 512", "fp32 split [] slices of 48"):
+        assert all(np.array_equal(a, b) for a, b in zip(seen[what], plain)), what
+    assert emulated.programmatic > 0
+
+
+@needs_nvrtc
+@needs_gxx
+def test_training_checks_on_the_cpu_emulator(emulated):
+    # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
+    # and bfloat16) and flash_attn.cu (its tensor-core passes too), part by part as
+    # docs/gpu_check_parts.py runs it on a GPU: every kernel against numpy, attention in fp32,
+    # tf32 and bf16, the model's loss and gradients in each, SFT rows, and whole steps in fp32
+    # and bf16: AdamW against numpy, the NaN stop, and 3 steps replayed from the captured graph
+    # (per precision, and the NaN step) with the bits of kernel-by-kernel steps. Each line of
+    # output is named to the part that printed it, as the device script's fallback reads it.
+    parts = check_parts_module()
+    failed, misnamed, part = [], [], None
+
+    def reporter(tol):
+        def report(what, err):
+            failed.extend([] if err < tol else [(what, err)])
+            misnamed.extend([] if parts.part_of(what) == part else [(part, what)])
+        return report
+
+    table = parts.parts(np.random.default_rng(0), reporter)
+    for part in table:
+        if not part.startswith("decoding"):                       # the tests above and below
+            table[part]()
+    assert not failed, failed
+    assert not misnamed, misnamed
+    assert emulated.replays == 2 * (3 + 1)
+    assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \
+        {f"{what} {p}" for what in ("step", "sft", "decoding", "kernels") for p in ("fp32", "bf16")} | {"optimizer"}
+
+
+def test_the_device_fallback_reruns_the_failed_parts_of_check_or_all_after_a_crash(tmp_path):
+    parts = check_parts_module()
+    names = ["kernels fp32", "kernels bf16", "optimizer", "attention bf16", "step fp32", "decoding bf16"]
+    log = tmp_path / "check.log"
+    log.write_text("GPU check on an H200\n"
+                   "rmsnorm_forward (bf16)                             1.2e-01  1e-03  NOT OK\n"
+                   "rmsnorm_forward                                    1.0e-07  1e-05  OK\n"
+                   "step fp32: graph == one by one, 4 steps (bits)     1.0e+00  1e-05  NOT OK\n"
+                   "decode bf16 D=64 G=8 single 3-row pass at 130 logits  5.0e-01  2e-02  NOT OK\n"
+                   "overall okay: 0\n")
+    assert parts.failed_parts(str(log), names) == ["kernels bf16", "step fp32", "decoding bf16"]
+    log.write_text("GPU check on an H200\nrmsnorm_forward                 1.0e-07  1e-05  OK\n"
+                   "CUDA error CUDA_ERROR_ILLEGAL_ADDRESS in a copy from the GPU\n")       # raised: all again
+    assert parts.failed_parts(str(log), names) == names
+
+
+@needs_nvrtc
+@needs_gxx
+def test_speculative_equals_plain_greedy_on_the_cpu_emulator(emulated):
+    params = margin_model(CFG)
+    want = list(ne.generate(params, CFG, [3, 5, 7], 2 * CFG.T, temperature=0))
+    dec = nc.GPUDecoder(CFG, nc.margin_model(CFG, np.random.default_rng(7)), "bf16")
+    assert list(nc.generate(dec, CFG, [3, 5, 7], 2 * CFG.T, temperature=0)) == want
+    stats = {}
+    assert list(nc.generate(dec, CFG, [3, 5, 7], 2 * CFG.T, temperature=0, speculative=True, drafts=2,
+                            stats=stats)) == want
+    assert stats["tokens"] / stats["steps"] > 1.3
 
 
 @pytest.mark.parametrize("argv", [["sft", "--model", "{missing}"], ["bench", "--model", "{missing}"]])

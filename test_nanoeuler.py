@@ -696,11 +696,14 @@ needs_gpu = pytest.mark.skipif(not gpu_available(), reason="no NVIDIA GPU and dr
 def test_nvrtc_compiles_every_kernel(arch, tmp_path):
     import nanoeuler_cuda as nc
     cubins = nc.compile_kernels(arch, str(tmp_path))
-    assert set(cubins) == set(nc.SOURCES)
+    assert set(cubins) == set(nc.MODULES)                      # kernels.cu twice: floatX float and bfloat16
     for name, cubin in cubins.items():
         assert cubin[:4] == b"\x7fELF", name                   # a CUBIN is an ELF file
+    assert cubins["kernels.cu"] != cubins["kernels.cu bf16"]
+    for kernel in (b"rmsnorm_backward_kernel", b"residual_rmsnorm_forward_kernel", b"adamw_update_kernel"):
+        assert kernel in cubins["kernels.cu"] and kernel in cubins["kernels.cu bf16"]
     again = nc.compile_kernels(arch, str(tmp_path))            # now from the disk cache
-    assert again == cubins and len(os.listdir(tmp_path)) == 2
+    assert again == cubins and len(os.listdir(tmp_path)) == 3
     # NVRTC writes into the buffers it is given: they must not be Python's shared b" "
     assert " ".encode()[0] == 32 and "a b".split() == ["a", "b"]
 
@@ -718,13 +721,14 @@ def test_every_launched_kernel_exists_in_the_sources():
     src = "".join(open(os.path.join(HERE, f)).read() for f in ("kernels.cu", "flash_attn.cu"))
     defined = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([\w, ]+\) )?(\w+)\(', src))
     assert "##" not in src                                      # entry points written out, no names pasted
-    for version in ("", "_tf32"):                               # each pass at every head dim (HEAD_DIMS)
-        for d in (16, 32, 64):
-            assert {f"attention_{p}{version}_kernel_{d}" for p in ("forward", "backward_dkv", "backward_dq")} <= defined
+    import nanoeuler_cuda as nc
+    # each of the three passes, in each of the three versions, at every head dim
+    attention = {name.format(D=d) for names in nc.ATTENTION_KERNELS.values() for name in names for d in nc.HEAD_DIMS}
+    assert len(attention) == 3 * 3 * 3 and nc.HEAD_DIMS == (16, 32, 64) and attention <= defined
     py = open(os.path.join(HERE, "nanoeuler_cuda.py")).read()
-    launched = set(re.findall(r'gpu\.launch\(f?"(\w+?)(?:_\{D\})?"', py))
-    for name in launched:
-        assert name in defined or any(n.startswith(name + "_") for n in defined), name
+    launched = set(re.findall(r'(?:gpu\.launch|decode_launch)\("(\w+)"', py))     # the names written whole
+    launched |= set(nc.DECODE_MATVEC_KERNELS.values())
+    assert len(launched) > 15 and launched <= defined, launched - defined
     # and the numpy layer of each kernel family exists under the same name
     for family in ("embedding", "rmsnorm", "rope", "swiglu", "attention"):
         assert hasattr(ne, f"{family}_forward") and hasattr(ne, f"{family}_backward")
@@ -895,16 +899,52 @@ def train_losses(tmp_path, name, *flags):
     return np.array([float(row[1]) for row in rows]), out
 
 
-def test_token_rows_list_each_tokens_rows_in_order():
+def rounded_model(nc, cfg, rnd, seed=0):
+    """nanoeuler_cuda's rounding reference on a random batch with ignored targets -> loss, grads, flat, batch"""
+    rng = np.random.default_rng(seed)
+    flat = ne.init_params(cfg, seed=seed).astype(np.float64) + rng.normal(0, 0.05, ne.num_params(cfg))
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (3, cfg.T + cfg.K)), cfg.T, cfg.K)
+    targets = targets.copy()
+    targets[0, :4, 1] = targets[2, 3:9] = -1
+    params, grads = ne.carve(flat, cfg), np.zeros_like(flat)
+    loss, ce, cache = nc.rounded_forward(params, cfg, idx, targets, rnd)
+    nc.rounded_backward(params, ne.carve(grads, cfg), cache, cfg)
+    return loss, grads, flat, (idx, targets)
+
+
+def test_rounding_reference_without_rounding_is_nanoeulers_model():
+    # check's reference for bf16 activations is nanoeuler.py's model with roundings added:
+    # with none it must be that model, loss and every gradient
     nc = pytest.importorskip("nanoeuler_cuda")
-    idx = np.random.default_rng(0).integers(0, 30, 500)
-    order, starts = nc.token_rows(idx)
-    assert starts[0] == 0 and starts[-1] == len(idx) and np.all(np.diff(starts) > 0)
-    assert sorted(order) == list(range(len(idx)))
-    for u in range(len(starts) - 1):                           # one distinct token per segment, rows ascending
-        rows = order[starts[u]:starts[u + 1]]
-        assert len(set(idx[rows])) == 1 and np.all(np.diff(rows) > 0)
-    assert len(starts) - 1 == len(set(idx))
+    cfg = ne.Config(V=40, C=32, Hq=4, Hkv=2, L=2, T=12, F=88, K=3)
+    loss, grads, flat, (idx, targets) = rounded_model(nc, cfg, lambda a: a)
+    want, _, cache = ne.model_forward(ne.carve(flat, cfg), cfg, idx, targets)
+    want_grads = np.zeros_like(flat)
+    ne.model_backward(ne.carve(want_grads, cfg), cache)
+    assert abs(loss - want) < 1e-12 * want
+    assert np.allclose(grads, want_grads, rtol=1e-9, atol=1e-14)
+
+
+def test_rounding_reference_rounds_to_bf16():
+    # with bf16 rounding the gradients move by bf16's noise (a fraction of 1e-2 here), no more
+    nc = pytest.importorskip("nanoeuler_cuda")
+    cfg = ne.Config(V=40, C=32, Hq=4, Hkv=2, L=2, T=12, F=88, K=3)
+    loss, grads, _, _ = rounded_model(nc, cfg, nc.rnd_bf16)
+    plain, want_grads, _, _ = rounded_model(nc, cfg, lambda a: a)
+    r = nc.rnd_bf16(np.array([1 + 2.0 ** -9, 3.0 + 2.0 ** -7, 1e-3]))
+    assert r.dtype == np.float64 and r.tolist() == [1.0, 3.0, float(nc.bf16_round(np.float32(1e-3)))]
+    err = np.linalg.norm(grads - want_grads) / np.linalg.norm(want_grads)
+    assert 1e-4 < err < 5e-2 and abs(loss - plain) < 1e-2 * plain
+
+
+def test_gpu_training_sizes():
+    nc = pytest.importorskip("nanoeuler_cuda")
+    nc.check_sizes(ne.PRESETS["big"])
+    nc.check_sizes(ne.PRESETS["small"])
+    with pytest.raises(ne.NanoEulerError, match="C and F multiples of 8"):
+        nc.check_sizes(ne.Config(V=50, C=64, Hq=2, Hkv=1, L=1, T=8, F=100, K=2))
+    with pytest.raises(ne.NanoEulerError, match="no attention kernel"):
+        nc.check_sizes(ne.Config(V=50, C=48, Hq=1, Hkv=1, L=1, T=8, F=128, K=2))
 
 
 @needs_gpu

@@ -1,0 +1,662 @@
+"""
+Runs kernels.cu on the CPU, to check the kernels' logic (indices, masks, the order
+of sums, graph capture bookkeeping) on a machine without a GPU. Not part of
+NanoEuler: nothing imports it but the tests.
+
+    python tools/emulate_cuda.py               # training and decoding checks (see main)
+    python tools/emulate_cuda.py kernels       # check_kernels (both builds) and check_optimizer
+    python tools/emulate_cuda.py training      # those, attention, the model and steps (~40 s)
+    python tools/emulate_cuda.py decoding      # nanoeuler_cuda.check_decoding, fp32 and bf16 (~5 min)
+    python tools/emulate_cuda.py fast          # check_decode_logits on rows of up to 3 chunks (~5 s)
+    python tools/emulate_cuda.py check         # `nanoeuler_cuda.py check`, all of it, as on a GPU (~6 min)
+
+How: each module of nanoeuler_cuda.MODULES (kernels.cu as it stands and with
+-DFLOATX=bfloat16, flash_attn.cu) is compiled as C++ with g++ against a small
+header (EMULATOR below) in which every CUDA thread of a block is a fiber; blocks
+run one after another, __syncthreads and each warp shuffle or ballot are
+barriers the fibers meet at, __shared__ becomes static, and inline PTX becomes
+C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
+helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
+as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
+puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
+NaN bits when allocated, between two guards of NaN bytes that are read after
+every kernel, so a write past either end is named and a read past one spreads
+NaN; a launch, a memset or a cuBLAS product runs at once or, during stream
+capture, joins the graph that a graph launch replays; what a capture may not do
+fails) and a GPU object with cuBLAS done by numpy, so
+GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
+
+What it cannot tell: speed, memory order (fences and atomics are plain), and the
+GPU's exact bits (expf is libm's, not --use_fast_math's), so it compares with
+numpy at the same bars as `check` does and pins equalities between two runs of
+the emulator (speculative == plain, graph == one by one), not GPU bits; a tensor
+core's sums are in fp32 in k order here. Needs g++
+(C++20) and cuda-python (for the enums and launch structs; no driver).
+"""
+
+import argparse
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanoeuler", "emulator")
+
+EMULATOR = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <cstdio>
+#include <algorithm>
+#include <setjmp.h>
+#include <ucontext.h>
+using std::min;
+using std::max;
+// CUDA's min and max of an int and an unsigned compare as unsigned
+static inline unsigned min(int a, unsigned b) { return std::min((unsigned)a, b); }
+static inline unsigned min(unsigned a, int b) { return std::min(a, (unsigned)b); }
+static inline unsigned max(int a, unsigned b) { return std::max((unsigned)a, b); }
+static inline unsigned max(unsigned a, int b) { return std::max(a, (unsigned)b); }
+
+struct float2 { float x, y; };
+struct float4 { float x, y, z, w; };
+struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
+struct uchar4 { unsigned char x, y, z, w; };
+struct dim3e { unsigned x, y, z; };
+static inline float2 make_float2(float a, float b) { return float2{a, b}; }
+static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
+static inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+static dim3e threadIdx, blockIdx, gridDim, blockDim;       // threadIdx: the running fiber's
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline float __uint_as_float(unsigned i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
+static inline long long __double_as_longlong(double d) { long long i; memcpy(&i, &d, 8); return i; }
+static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+template <class T> static inline T __ldcg(const T* p) { return *p; }
+static inline void __threadfence() {}
+static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+
+// cvt.rn.bf16.f32 (what __float2bfloat16 does): round to nearest even, a NaN the canonical NaN
+static inline unsigned short emu_bf16_bits(float x) {
+    unsigned u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FFF;
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+struct Fiber { jmp_buf jb; ucontext_t uc; bool started, done; unsigned tid; };
+static const size_t STACK = 64 * 1024;
+static Fiber* fibers;
+static char* stacks;
+static jmp_buf scheduler;
+static int cur, live, bar_arrived, warp_arrived[32], warp_live[32];
+static unsigned bar_gen, warp_gen[32];
+static unsigned long long warp_buf[32][32];
+static void (*body)(void*);
+static void* body_arg;
+static char emu_dynamic_shared[64 * 1024];
+
+static void yield_fiber() {
+    if (!_setjmp(fibers[cur].jb)) _longjmp(scheduler, 1);
+    threadIdx = dim3e{fibers[cur].tid, 0, 0};
+}
+static void release_block() { if (bar_arrived > 0 && bar_arrived == live) bar_arrived = 0, bar_gen++; }
+static void release_warp(int w) {
+    if (warp_arrived[w] > 0 && warp_arrived[w] == warp_live[w]) warp_arrived[w] = 0, warp_gen[w]++;
+}
+static void __syncthreads() {
+    unsigned g = bar_gen;
+    bar_arrived++;
+    release_block();
+    while (bar_gen == g) yield_fiber();
+}
+static void warp_barrier() {
+    int w = threadIdx.x / 32;
+    unsigned g = warp_gen[w];
+    warp_arrived[w]++;
+    release_warp(w);
+    while (warp_gen[w] == g) yield_fiber();
+}
+template <class T> static T shuffle(T v, int src) {       // 4- or 8-byte values
+    static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+    int w = threadIdx.x / 32;
+    unsigned long long bits = 0;
+    memcpy(&bits, &v, sizeof(T));
+    warp_buf[w][threadIdx.x % 32] = bits;
+    warp_barrier();
+    bits = warp_buf[w][src & 31];
+    warp_barrier();
+    memcpy(&v, &bits, sizeof(T));
+    return v;
+}
+template <class T> static T __shfl_xor_sync(unsigned, T v, int off) { return shuffle(v, (threadIdx.x % 32) ^ off); }
+template <class T> static T __shfl_sync(unsigned, T v, int src) { return shuffle(v, src); }
+// the lanes whose predicate is true; lanes that have exited count as false
+static unsigned __ballot_sync(unsigned, int pred) {
+    int w = threadIdx.x / 32;
+    for (int l = 0; l < 32; l++) warp_buf[w][l] = 0;        // every live lane clears, then sets its own
+    warp_barrier();
+    warp_buf[w][threadIdx.x % 32] = pred != 0;
+    warp_barrier();
+    unsigned votes = 0;
+    for (int l = 0; l < 32; l++) votes |= (unsigned)(warp_buf[w][l] != 0) << l;
+    warp_barrier();
+    return votes;
+}
+static void __syncwarp(unsigned = 0xffffffff) { warp_barrier(); }
+
+static void fiber_main() {
+    body(body_arg);
+    Fiber& f = fibers[cur];
+    f.done = true;
+    live--;
+    warp_live[f.tid / 32]--;
+    release_block();
+    release_warp(f.tid / 32);
+    _longjmp(scheduler, 1);
+}
+
+// the order blocks, and a block's fibers between two barriers, run in: reversed, a kernel
+// whose result depends on it (a missing barrier, a last block that sums in its own order) shows
+static int emu_reverse;
+extern "C" void emu_set_reverse(int r) { emu_reverse = r; }
+
+// body(arg) in every thread of every block of the grid, the threads of a block as fibers
+static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
+    if (block > 1024 || block % 32) { fprintf(stderr, "emulator: block of %d threads\n", block); abort(); }
+    if (!fibers) fibers = new Fiber[1024], stacks = (char*)malloc(1024 * STACK);
+    gridDim = grid, blockDim = dim3e{(unsigned)block, 1, 1}, body = fn, body_arg = arg;
+    long blocks = (long)grid.x * grid.y * grid.z;
+    for (long i = 0; i < blocks; i++) {
+        long b = emu_reverse ? blocks - 1 - i : i;
+        blockIdx = dim3e{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
+        live = block, bar_arrived = 0;
+        for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
+        for (int t = 0; t < block; t++) {
+            Fiber& f = fibers[t];
+            f.started = f.done = false, f.tid = t;
+            getcontext(&f.uc);
+            f.uc.uc_stack.ss_sp = stacks + (size_t)t * STACK;
+            f.uc.uc_stack.ss_size = STACK;
+            f.uc.uc_link = nullptr;
+            makecontext(&f.uc, fiber_main, 0);
+        }
+        for (int running = block; running;) {
+            running = 0;
+            for (int k = 0; k < block; k++) {
+                int t = emu_reverse ? block - 1 - k : k;
+                Fiber& f = fibers[t];
+                if (f.done) continue;
+                cur = t, threadIdx = dim3e{f.tid, 0, 0};
+                if (!_setjmp(scheduler)) {
+                    if (!f.started) f.started = true, setcontext(&f.uc);
+                    else _longjmp(f.jb, 1);
+                }
+                running += !f.done;
+            }
+        }
+    }
+}
+
+// ---- flash_attn.cu's tensor-core helpers (TENSOR_CORE_HELPERS), as the PTX ISA defines them
+// cvt.rna.tf32.f32: 10 mantissa bits, to nearest, ties away from zero
+static inline unsigned emu_tf32_bits(float x) {
+    unsigned u;
+    memcpy(&u, &x, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u) return u;
+    return (u + 0x1000u) & 0xFFFFE000u;
+}
+static unsigned emu_frag[32][32][10];                     // a warp's mma fragments, by lane
+static const unsigned short* emu_rows[32][32];            // a warp's ldmatrix row addresses, by lane
+static inline float emu_lo(unsigned w) { return __uint_as_float(w << 16); }
+static inline float emu_hi(unsigned w) { return __uint_as_float(w & 0xFFFF0000u); }
+// d (16x8) += a b over the warp: each lane holds its fragments (g = lane / 4, t = lane % 4), A(row, k)
+// and B(k, col) read from the lanes that hold them, k summed in order in fp32
+template <class FA, class FB>
+static void emu_mma(float* d, int K, FA A, FB B) {
+    int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    float out[4];
+    for (int i = 0; i < 4; i++) {
+        int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        float s = d[i];
+        for (int k = 0; k < K; k++) s += A(row, k) * B(k, col);
+        out[i] = s;
+    }
+    warp_barrier();                                       // every lane has read the fragments
+    for (int i = 0; i < 4; i++) d[i] = out[i];
+}
+// m16n8k16 bf16: a reg j: rows g (+8 for odd j), k 2t, 2t+1 (+8 for j >= 2); b reg j: k 2t, 2t+1 (+8 for j = 1), col g
+static void mma_bf16(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    int w = threadIdx.x / 32;
+    unsigned* f = emu_frag[w][threadIdx.x % 32];
+    f[0] = a[0], f[1] = a[1], f[2] = a[2], f[3] = a[3], f[4] = b0, f[5] = b1;
+    warp_barrier();
+    auto half = [](unsigned r, int k) { return k % 2 ? emu_hi(r) : emu_lo(r); };
+    emu_mma(d, 16, [&](int row, int k) { return half(emu_frag[w][row % 8 * 4 + k % 8 / 2][row / 8 + 2 * (k / 8)], k); },
+            [&](int k, int col) { return half(emu_frag[w][col * 4 + k % 8 / 2][4 + k / 8], k); });
+}
+// m16n8k8 tf32: a reg j: row g (+8 for odd j), k t (+4 for j >= 2); b reg j: k t (+4 for j = 1), col g
+static void mma_tf32(float* d, const unsigned* a, const unsigned* b) {
+    int w = threadIdx.x / 32;
+    unsigned* f = emu_frag[w][threadIdx.x % 32];
+    f[0] = a[0], f[1] = a[1], f[2] = a[2], f[3] = a[3], f[4] = b[0], f[5] = b[1];
+    warp_barrier();
+    auto tf = [](unsigned r) { return __uint_as_float(r & 0xFFFFE000u); };
+    emu_mma(d, 8, [&](int row, int k) { return tf(emu_frag[w][row % 8 * 4 + k % 4][row / 8 + 2 * (k / 4)]); },
+            [&](int k, int col) { return tf(emu_frag[w][col * 4 + k % 4][4 + k / 4]); });
+}
+// ldmatrix .x4: lane l gives row l % 8 of matrix l / 8 and receives row g, columns 2t, 2t+1 of each
+// matrix (.trans: column g, rows 2t, 2t+1)
+static void emu_ldmatrix(unsigned* r, const unsigned short* row, bool trans) {
+    int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    emu_rows[w][threadIdx.x % 32] = row;
+    warp_barrier();
+    for (int i = 0; i < 4; i++) {
+        unsigned short lo = trans ? emu_rows[w][8 * i + 2 * t][g] : emu_rows[w][8 * i + g][2 * t];
+        unsigned short hi = trans ? emu_rows[w][8 * i + 2 * t + 1][g] : emu_rows[w][8 * i + g][2 * t + 1];
+        r[i] = lo | (unsigned)hi << 16;
+    }
+    warp_barrier();
+}
+static void ldmatrix_x4(unsigned* r, const unsigned short* row) { emu_ldmatrix(r, row, false); }
+static void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) { emu_ldmatrix(r, row, true); }
+// cp.async: copied at once (stricter than the GPU: a buffer still being read is overwritten now)
+static void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) {
+    if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16);
+}
+static void cp_async4(float* dst, const float* src, bool valid) { *dst = valid ? *src : 0.0f; }
+static void cp_async_commit() {}
+template <int N> static void cp_async_wait() {}
+#undef INFINITY
+"""
+
+API = r"""
+struct Kernel { const char* name; int n; size_t sizes[16]; void (*thunk)(void**); };
+%(thunks)s
+static Kernel table[] = {
+%(table)s
+};
+struct Launch { int k; dim3e grid; int block; void* args[16]; char values[16][8]; };
+extern "C" int emu_kernel(const char* name) {
+    for (int i = 0; i < (int)(sizeof(table) / sizeof(table[0])); i++)
+        if (!strcmp(table[i].name, name)) return i;
+    return -1;
+}
+extern "C" void* emu_launch(int k, int gx, int gy, int gz, int block, void** params) {  // the values, copied
+    Launch* l = new Launch;
+    l->k = k, l->grid = dim3e{(unsigned)gx, (unsigned)gy, (unsigned)gz}, l->block = block;
+    for (int i = 0; i < table[k].n; i++) memcpy(l->values[i], params[i], table[k].sizes[i]), l->args[i] = l->values[i];
+    return l;
+}
+static void launch_body(void* p) { Launch* l = (Launch*)p; table[l->k].thunk(l->args); }
+extern "C" void emu_run(void* p) { Launch* l = (Launch*)p; run_grid(l->grid, l->block, launch_body, l); }
+extern "C" void emu_free(void* p) { delete (Launch*)p; }
+"""
+
+
+# the inline PTX that kernels.cu runs outside `#if __CUDA_ARCH__` blocks, as C++: the
+# conversions to bf16 (one value, or two packed: the first operand into the upper half)
+PTX = [(r'asm\("cvt\.rn\.bf16\.f32 %0, %1;" : "=h"\((\w+)\) : "f"\(([^()]+)\)\);', r"\1 = emu_bf16_bits(\2);"),
+       (r'asm\("cvt\.rn\.bf16x2\.f32 %0, %1, %2;" : "=r"\((\w+)\) : "f"\(([^()]+)\), "f"\(([^()]+)\)\);',
+        r"\1 = (unsigned)emu_bf16_bits(\2) << 16 | emu_bf16_bits(\3);"),
+       (r'asm\("cvt\.rna\.tf32\.f32 %0, %1;" : "=r"\((\w+)\) : "f"\(([^()]+)\)\);', r"\1 = emu_tf32_bits(\2);")]
+
+
+def emulator_source(kernels, defines=()):
+    """a .cu file's text -> C++ for g++: the emulator, the defines (-DNAME=VALUE), the
+    kernels, a table of entry points"""
+    src = re.sub(r"extern __shared__ float (\w+)\[\];", r"float* \1 = (float*)emu_dynamic_shared;", kernels)
+    src = src.replace("__shared__", "static")
+    for pattern, replacement in PTX:
+        src = re.sub(pattern, replacement, src)
+    head = "".join("#define {} {}\n".format(*d[2:].split("=", 1)) for d in defines)
+    entries = re.findall(r'extern "C" __global__ void\s*(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(([^)]*)\)', src)
+    thunks, rows = [], []
+    for i, (name, params) in enumerate(entries):
+        types = [re.sub(r"\s*\b\w+$", "", " ".join(p.split())) for p in params.split(",")]
+        args = ", ".join(f"*({t}*)a[{j}]" for j, t in enumerate(types))
+        thunks.append(f"static void thunk_{i}(void** a) {{ {name}({args}); }}")
+        rows.append(f'  {{"{name}", {len(types)}, {{{", ".join(f"sizeof({t})" for t in types)}}}, thunk_{i}}}')
+    return EMULATOR + head + src + API % {"thunks": "\n".join(thunks), "table": ",\n".join(rows)}
+
+
+# flash_attn.cu's helpers whose inline PTX (mma.sync, ldmatrix, cp.async) the emulator's
+# header defines in C++ instead
+TENSOR_CORE_HELPERS = ("shared_address", "mma_tf32", "mma_bf16", "ldmatrix_x4", "ldmatrix_x4_trans", "cp_async16",
+                       "cp_async4", "cp_async_commit", "cp_async_wait")
+
+
+def without_helpers(text, names=TENSOR_CORE_HELPERS):
+    """text less the definitions of the __device__ functions `names` (one line, or up to the
+    first line that is a lone closing brace; a template line before one goes too)"""
+    lines, out, skip = text.split("\n"), [], False
+    for i, line in enumerate(lines):
+        if skip:
+            skip = line != "}"
+            continue
+        m = re.match(r"__device__ __forceinline__ [\w ]+?\b(\w+)\(", line)
+        if m and m.group(1) in names:
+            if out and out[-1].startswith("template"):
+                out.pop()
+            skip = not line.rstrip().endswith("}")
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
+# the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it
+SOURCES = {"kernels.cu": ("kernels.cu", (), None), "kernels.cu bf16": ("kernels.cu", ("-DFLOATX=bfloat16",), None),
+           "flash_attn.cu": ("flash_attn.cu", (), without_helpers)}
+
+
+def build(path, defines=(), select=None, cache_dir=CACHE_DIR):
+    """-> the emulator's shared library for the .cu file at path (select: the part of its
+    text to emulate), compiled once per source"""
+    with open(path) as f:
+        text = f.read()
+    source = emulator_source(select(text) if select else text, defines)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    lib = os.path.join(cache_dir, f"{stem}_{hashlib.sha256(source.encode()).hexdigest()[:16]}.so")
+    if not os.path.exists(lib):
+        if shutil.which("g++") is None:
+            raise RuntimeError("the CUDA emulator needs g++")
+        os.makedirs(cache_dir, exist_ok=True)
+        cpp = lib[:-3] + f".{os.getpid()}.cpp"
+        with open(cpp, "w") as f:
+            f.write(source)
+        subprocess.run(["g++", "-O1", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-w", "-o",
+                        lib + ".tmp", cpp], check=True)
+        os.replace(lib + ".tmp", lib)
+        os.remove(cpp)
+    return lib
+
+
+def load(path, defines=(), select=None):
+    """the emulator's library for a .cu file, its entry points typed for ctypes"""
+    lib = ctypes.CDLL(build(path, defines, select))
+    lib.emu_kernel.argtypes, lib.emu_kernel.restype = [ctypes.c_char_p], ctypes.c_int
+    lib.emu_launch.argtypes, lib.emu_launch.restype = [ctypes.c_int] * 5 + [ctypes.c_void_p], ctypes.c_void_p
+    lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+class Function:
+    def __init__(self, lib, index, name):
+        self.lib, self.index, self.name = lib, index, name
+
+
+class Driver:
+    """what nanoeuler_cuda asks of cuda.bindings.driver, on the emulator; enums and
+    structs come from the real module. During a stream capture, launches and memsets
+    join the graph (run when it is launched), and what a capture may not do on a GPU
+    (synchronise, copy from the host, allocate or free) fails as it would there."""
+
+    def __init__(self, real):
+        self.real, self.memory, self.capture = real, {}, None
+        self.launches = self.programmatic = self.replays = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def capture_error(self, what):
+        """(the error) when a capture is on: it is over, as a GPU ends it"""
+        if self.capture is None:
+            return None
+        self.capture = "invalidated by " + what
+        return (self.real.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
+
+    GUARD = 256                                   # bytes of canary before and after each allocation
+
+    def alloc(self, n, fill):
+        """n bytes (64-aligned) between two guards of canary bytes, which check_guards reads"""
+        n = max(n, 4)
+        buf = ctypes.create_string_buffer(n + 2 * self.GUARD + 64)
+        ptr = (ctypes.addressof(buf) + self.GUARD + 63) // 64 * 64
+        ctypes.memset(ptr - self.GUARD, 0xFF, n + 2 * self.GUARD)      # NaN: a read past an end spreads
+        ctypes.memset(ptr, fill, n)
+        self.memory[ptr] = (buf, n)
+        return ptr
+
+    def check_guards(self, kernel):
+        """a kernel that wrote past either end of an allocation: named, with the allocation"""
+        canary = b"\xff" * self.GUARD
+        for ptr, (_, n) in self.memory.items():
+            if ctypes.string_at(ptr - self.GUARD, self.GUARD) != canary or ctypes.string_at(ptr + n, self.GUARD) != canary:
+                raise AssertionError(f"{kernel} wrote outside an allocation of {n} bytes at {ptr:#x}")
+
+    def fill(self, ptr, bits, n, ctype):
+        def run():
+            np.ctypeslib.as_array((ctype * n).from_address(int(ptr)))[:] = bits
+        return self.enqueue(run)
+
+    def enqueue(self, run):
+        """run now, or at each replay of the graph being captured"""
+        if isinstance(self.capture, list):
+            self.capture.append(run)
+        elif self.capture is None:
+            run()
+        return (0,)
+
+    def cuMemAlloc(self, n):
+        return self.capture_error("cuMemAlloc") or (0, self.alloc(n, 0xFF))   # unwritten memory reads as NaN
+
+    def cuMemHostAlloc(self, n, flags): return (0, self.alloc(n, 0))
+    def cuMemHostGetDevicePointer(self, host, flags): return (0, int(host))
+
+    def cuMemFree(self, p):
+        self.memory.pop(int(p), None)                    # freed for good even then: nothing reads it again
+        return self.capture_error("cuMemFree") or (0,)
+
+    def cuMemFreeHost(self, p):
+        self.memory.pop(int(p), None)
+        return (0,)
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream):
+        if self.capture is not None:                     # a graph replays no copy from the host here
+            return self.capture_error("a copy to the GPU")
+        ctypes.memmove(int(dst), int(src), n)
+        return (0,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, stream):
+        return self.cuMemcpyHtoDAsync(dst, src, n, stream)
+
+    def cuMemsetD32Async(self, p, bits, n, stream): return self.fill(p, bits, n, ctypes.c_uint32)
+    def cuMemsetD16Async(self, p, bits, n, stream): return self.fill(p, bits, n, ctypes.c_uint16)
+    def cuStreamSynchronize(self, stream): return self.capture_error("cuStreamSynchronize") or (0,)
+    def cuStreamWaitEvent(self, stream, event, flags): return (0,)
+    def cuGetErrorName(self, err): return (0, getattr(err, "name", "CUDA_ERROR_EMULATED").encode())
+    def cuEventCreate(self, flags=0): return (0, object())
+    def cuEventRecord(self, event, stream): return (0,)
+    def cuEventSynchronize(self, event): return self.capture_error("cuEventSynchronize") or (0,)
+    def cuEventElapsedTime(self, a, b): return (0, 0.0)
+    def cuEventDestroy(self, event): return (0,)
+    def cuGraphInstantiate(self, graph, flags): return (0, list(graph))
+    def cuGraphDestroy(self, graph): return (0,)
+
+    def cuStreamBeginCapture(self, stream, mode):
+        assert self.capture is None, "a capture within a capture"
+        self.capture = []
+        return (0,)
+
+    def cuStreamEndCapture(self, stream):
+        graph, self.capture = self.capture, None
+        if isinstance(graph, str):
+            return (self.real.CUresult.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, None)
+        return (0, graph)
+
+    def cuGraphLaunch(self, graph, stream):
+        self.replays += 1
+        for run in graph:
+            run()
+        return (0,)
+
+    def cuModuleGetFunction(self, module, name):
+        index = module.emu_kernel(name)
+        return (self.real.CUresult.CUDA_ERROR_NOT_FOUND, None) if index < 0 else (0, Function(module, index,
+                                                                                             name.decode()))
+
+    def launch(self, f, grid, block, params):
+        launch = f.lib.emu_launch(f.index, *grid, block, params)       # the arguments' values, copied now
+        self.launches += 1
+
+        def run():
+            f.lib.emu_run(launch)
+            self.check_guards(f.name)
+
+        if isinstance(self.capture, list):
+            self.capture.append(run)
+        elif self.capture is None:
+            run()
+            f.lib.emu_free(launch)
+        return (0,)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        assert by == bz == 1 and shared <= 64 * 1024
+        return self.launch(f, (gx, gy, gz), bx, params)
+
+    def cuLaunchKernelEx(self, config, f, params, extra):
+        attr = config.attrs[0]
+        assert config.numAttrs == 1 and attr.value.programmaticStreamSerializationAllowed == 1
+        assert attr.id == self.real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self.programmatic += 1
+        return self.launch(f, (config.gridDimX, config.gridDimY, config.gridDimZ), config.blockDimX, params)
+
+
+class Cublas:
+    """GPU.cublas's gemm in numpy, with cuBLAS's types: a uint16 (bf16) array is read and
+    written as bf16, an fp32 input read as bf16 in bf16 mode (its bf16 copy when it has
+    one, else rounded, as Cublas.to_bf16 does), sums in float64, a bf16 output rounded once"""
+
+    def __init__(self, nc):
+        self.nc = nc
+
+    def read(self, x, rows, cols):
+        nc, n = self.nc, rows * cols
+        if x.dtype == np.uint16 or (nc.gpu.precision == "bf16" and x.bf16 is not None):
+            bits = x if x.dtype == np.uint16 else x.bf16
+            v = nc.from_bf16(np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(bits.ptr)))
+        else:
+            v = np.ctypeslib.as_array((ctypes.c_float * n).from_address(x.ptr)).copy()
+            v = nc.bf16_round(v) if nc.gpu.precision == "bf16" else v
+        return v.reshape(rows, cols).astype(np.float64)
+
+    def gemm(self, out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
+        """now, or at each replay of the graph being captured, as cuBLAS's kernels run"""
+        self.nc.cu.enqueue(lambda: self.product(out, a, b, M, N, K, trans_a, trans_b, accumulate))
+
+    def product(self, out, a, b, M, N, K, trans_a, trans_b, accumulate):
+        nc = self.nc
+        A = self.read(a, K, M).T if trans_a else self.read(a, M, K)
+        B = self.read(b, N, K).T if trans_b else self.read(b, K, N)
+        if out.dtype == np.uint16:
+            o = np.ctypeslib.as_array((ctypes.c_uint16 * (M * N)).from_address(out.ptr)).reshape(M, N)
+            r = (nc.from_bf16(o).astype(np.float64) if accumulate else 0) + A @ B
+            o[...] = nc.bf16_round(r.astype(np.float32)).view(np.uint32) >> 16
+        else:
+            o = np.ctypeslib.as_array((ctypes.c_float * (M * N)).from_address(out.ptr)).reshape(M, N)
+            o[...] = o + A @ B if accumulate else A @ B
+
+
+def install(nc, sms=2, arch="90", reverse=False):
+    """nanoeuler_cuda (the module nc) on the emulator: its driver and its GPU, with the
+    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; -> the driver"""
+    from cuda.bindings import driver as real
+    root = os.path.dirname(os.path.abspath(nc.__file__))
+    nc.cu = driver = Driver(real)
+    gpu = object.__new__(nc.GPU)                      # the GPU's state, without a device behind it
+    gpu.stream, gpu.sms, gpu.arch, gpu.name = real.CUstream(0), sms, arch, "CPU emulator"
+    gpu.modules = {name: load(os.path.join(root, file), defines, select)
+                   for name, (file, defines, select) in SOURCES.items()}
+    for lib in gpu.modules.values():
+        lib.emu_set_reverse(int(reverse))
+    gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
+    gpu.cublas = Cublas(nc)
+    nc.gpu = gpu
+    return driver
+
+
+def check_training(nc, rng, reporter):
+    """nanoeuler_cuda's training checks: every kernels.cu kernel in both builds, the
+    optimizer's, attention's passes in fp32, tf32 and bf16, then in each precision the
+    model's loss and gradients, and in fp32 and bf16 SFT rows and whole steps (graph
+    == one by one, bit for bit; AdamW; the NaN stop)"""
+    nc.check_kernels(rng, reporter(nc.TOLERANCE["fp32"]), is_bf16=False)
+    nc.check_kernels(rng, reporter(nc.KERNEL_BF16_TOLERANCE), is_bf16=True)
+    nc.check_optimizer(rng, reporter(nc.TOLERANCE["fp32"]))
+    for precision in ("fp32", "tf32", "bf16"):
+        nc.init_gpu(precision)
+        nc.check_attention(rng, reporter(nc.TOLERANCE[precision]))
+    for precision in ("fp32", "tf32", "bf16"):
+        nc.check_model(rng, reporter, precision)
+    for precision in ("fp32", "bf16"):
+        nc.check_step(rng, reporter(nc.TOLERANCE["fp32"]), precision)
+        nc.check_sft(rng, reporter, precision)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("what", nargs="*", default=["kernels", "training", "decoding"],
+                   choices=["kernels", "training", "decoding", "fast", "check"],
+                   help="kernels: check_kernels and check_optimizer (both builds); training: those, attention, "
+                        "the model, SFT rows and steps; check: `nanoeuler_cuda.py check` itself, all of it; decoding: check_decoding; fast: "
+                        "check_decode_logits on rows of up to 3 chunks, fp32")
+    p.add_argument("--reverse", action="store_true",
+                   help="run blocks, and a block's threads between barriers, in reverse order (races show)")
+    args = p.parse_args()
+    sys.path.insert(0, HERE)
+    import nanoeuler as ne
+    import nanoeuler_cuda as nc
+    driver = install(nc, reverse=args.reverse)
+    if "check" in args.what:
+        nc.main(["check"])
+        return
+    failed = []
+
+    def reporter(tol):
+        def report(what, err):
+            failed.extend([] if err < tol else [what])
+            print(f"{what:<56} {err:9.1e}  {tol:.0e}  {'OK' if err < tol else 'NOT OK'}", flush=True)
+        return report
+
+    rng = np.random.default_rng(1337)
+    if "training" in args.what:
+        check_training(nc, rng, reporter)
+    elif "kernels" in args.what:
+        nc.check_kernels(rng, reporter(nc.TOLERANCE["fp32"]), is_bf16=False)
+        nc.check_kernels(rng, reporter(nc.KERNEL_BF16_TOLERANCE), is_bf16=True)
+        nc.check_optimizer(rng, reporter(nc.TOLERANCE["fp32"]))
+    if "fast" in args.what:
+        cfg = ne.Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
+        flat = ne.init_params(cfg, seed=3) + rng.normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
+        ids = rng.integers(0, cfg.V, 134).tolist()
+        nc.check_decode_logits(reporter(nc.DECODE_TOLERANCE["fp32"]), "decode", cfg, flat,
+                               ne.carve(flat.astype(np.float64), cfg), "fp32", ids, 126)
+    if "decoding" in args.what:
+        for precision in ("fp32", "bf16"):
+            nc.check_decoding(rng, reporter(nc.DECODE_TOLERANCE[precision]), precision)
+    print(f"{driver.launches} launches ({driver.programmatic} programmatic, {driver.replays} graph replays); "
+          f"overall okay: {int(not failed)}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
