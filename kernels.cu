@@ -576,7 +576,7 @@ extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16
 // all the loads a thread needs before it uses the first (one trip to memory where
 // the old kernels made several), and spreads over all the SMs.
 //
-// Programmatic dependent launch (nanoeuler_cuda.DECODE_PDL, sm_90 on, off by
+// Programmatic dependent launch (nanoeuler_cuda.DECODE_PDL, sm_90 on, on by
 // default): a kernel launched with it may start while the kernel before it still
 // runs. Each decode kernel first lets the next one start (decode_launch_next), reads
 // what no kernel of the step writes (the weights; the cache before *pos), then waits

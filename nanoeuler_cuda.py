@@ -1451,7 +1451,8 @@ def check_decoding(rng, report, precision):
         what = f"decode {precision}" + (f" D={c.D} G={c.Hq // c.Hkv}" if c is wide else "")
         seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)
         check_decode_logits(report, f"{what} {other}", c, flat, params, precision, ids, n0, attention=other)
-        variants = [("L2 prefetch", dict(prefetch=True))] + [("PDL launches", dict(pdl=True))] * (int(gpu.arch) >= 90)
+        variants = [("L2 prefetch", dict(prefetch=True))] + \
+            [("without PDL" if DECODE_PDL else "PDL launches", dict(pdl=not DECODE_PDL))] * (int(gpu.arch) >= 90)
         for name, options in variants:
             try:
                 got = check_decode_logits(lambda *_: None, what, c, flat, params, precision, ids, n0, **options)
@@ -1459,7 +1460,7 @@ def check_decoding(rng, report, precision):
             except NanoEulerError as e:
                 print(f"  {name} failed: {e}")
                 same = False
-            report(f"{what} {name} == plain (bits)", float(not same))
+            report(f"{what} {name} == default (bits)", float(not same))
         if c is cfg:
             check_speculative(report, precision, cfg, flat, ids[:5])
 
@@ -1565,9 +1566,10 @@ DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split atten
 # "single", one block per query head and row (attention_decode_kernel, the kernel before it,
 # kept to fall back on; head dims the split one lacks always take it)
 DECODE_ATTENTION = "split"
-# programmatic dependent launch of a step's kernels (sm_90 on; see kernels.cu): not yet run
-# on a GPU, so off; `check` compares it with plain launches bit for bit
-DECODE_PDL = False
+# programmatic dependent launch of a step's kernels (sm_90 on; see kernels.cu): on an H200
+# 3,300 tokens/s against 2,768 without (BENCHMARKS.md); `check` compares it with plain
+# launches bit for bit
+DECODE_PDL = True
 # each product of a step asks L2 for the next product's weights once its own have come (a hint
 # that cannot change a result; whether it pays is for bench --decode-variants to say), so off
 DECODE_PREFETCH = False
@@ -2245,8 +2247,10 @@ def bench_variants(cfg, flat, precision, prompt, n, plain):
     it, plain and with the default drafts"""
     other = "single" if attention_kernel(cfg.D) == "split" else "split"
     variants = [(f", {other} attention", dict(attention=other)), (", L2 prefetch", dict(prefetch=True))]
-    if int(gpu.arch) >= 90:
-        variants += [(", PDL launches", dict(pdl=True)), (", PDL + L2 prefetch", dict(pdl=True, prefetch=True))]
+    if int(gpu.arch) >= 90:                    # launches the other way than DECODE_PDL's
+        flip = "without PDL" if DECODE_PDL else "PDL launches"
+        variants += [(f", {flip}", dict(pdl=not DECODE_PDL)), (f", {flip} + L2 prefetch", dict(pdl=not DECODE_PDL,
+                                                                                            prefetch=True))]
     for what, kwargs in variants:
         try:
             dec = GPUDecoder(cfg, flat, precision, **kwargs)

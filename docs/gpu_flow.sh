@@ -1,5 +1,6 @@
 #!/bin/bash
-# one device run, from the repository root (bash docs/gpu_flow.sh; $OUT: where the logs go): check, the whole flow (train big -> sft -> chat), decoding bench with PyTorch's in the same run
+# one device run, from the repository root (bash docs/gpu_flow.sh; $OUT: where the logs go): check, the whole flow
+# (train big -> sft -> chat), decoding speed on the trained models (PyTorch's: docs/gpu_next.sh)
 export PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}
 t() { local s=$EPOCHREALTIME; "$@"; local rc=$?; echo "[timing] $* : $(awk "BEGIN{print $EPOCHREALTIME - $s}") s (rc $rc)"; return $rc; }
@@ -14,9 +15,6 @@ for s in "" "--speculative"; do
 done
 t python nanoeuler_cuda.py chat --model $M --seed 1 --max-new-tokens 80 < /tmp/chat_in.txt 2>&1 | tee -a $O/flow.log
 t python nanoeuler_cuda.py sample --model out/big/best.safetensors --prompt "ROMEO:" --temperature 0 --max-new-tokens 60 2>&1 | tee -a $O/flow.log
-t python nanoeuler_cuda.py bench --decode-only --profile --model $M --decode-precision bf16,fp32 2>&1 | tee $O/bench.log
+t python nanoeuler_cuda.py bench --decode-only --profile --model $M 2>&1 | tee $O/bench.log
 t python nanoeuler_cuda.py bench --decode-only --model out/big/best.safetensors 2>&1 | tee -a $O/bench.log
-t python docs/pytorch_reference.py --decode 2>&1 | tail -3 | tee -a $O/bench.log
-t timeout 150 python docs/pytorch_reference.py --decode --compile 2>&1 | tail -3 | tee -a $O/bench.log
-t python nanoeuler_cuda.py bench --decode-only --model $M 2>&1 | tee -a $O/bench.log
 cp out/big/log.csv $O/train_log.csv; cp out/sft/log.csv $O/sft_log.csv
