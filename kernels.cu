@@ -88,13 +88,17 @@ __device__ __forceinline__ float round_x(float x) {
 // PACK floatX in 16 bytes (4 float or 8 bfloat16), moved by one load or store; p 16-byte aligned
 constexpr int PACK = 16 / sizeof(floatX);
 
-__device__ __forceinline__ void load_pack(float* f, const float* p) {
-    float4 v = *(const float4*)p;
-    f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+// a pack's 16 bytes as they lie in memory, whatever the type: how a kernel holds a row in
+// registers before it uses it (unpack, below, reads them)
+__device__ __forceinline__ uint4 load_bits(const void* p) { return *(const uint4*)p; }
+
+// the floats in a pack's 16 bytes, read as the type p points to (p only names it)
+__device__ __forceinline__ void unpack(float* f, uint4 v, const float*) {
+    f[0] = __uint_as_float(v.x), f[1] = __uint_as_float(v.y), f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
 }
 
-__device__ __forceinline__ void load_pack(float* f, const bfloat16* p) {
-    uint4 v = *(const uint4*)p;
+__device__ __forceinline__ void unpack(float* f, uint4 v, const bfloat16*) {
     unsigned u[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -102,6 +106,10 @@ __device__ __forceinline__ void load_pack(float* f, const bfloat16* p) {
         f[2 * i + 1] = __uint_as_float(u[i] & 0xFFFF0000u);
     }
 }
+
+// PACK elements from p (16-byte aligned) as floats
+template <typename T>
+__device__ __forceinline__ void load_pack(float* f, const T* p) { unpack(f, load_bits(p), p); }
 
 __device__ __forceinline__ void store_pack(float* p, const float* f) {
     *(float4*)p = make_float4(f[0], f[1], f[2], f[3]);
@@ -213,40 +221,50 @@ extern "C" __global__ void __launch_bounds__(256) embedding_backward_kernel(floa
 // -----------------------------------------------------------------------------
 // rmsnorm
 
-// x_in's PACK elements, plus a's when a is given, rounded as floatX holds the sum
-__device__ __forceinline__ void load_sum(float* x, const floatX* x_in, const floatX* a) {
-    load_pack(x, x_in);
-    if (!a) return;
-    float y[PACK];
-    load_pack(y, a);
-#pragma unroll
-    for (int i = 0; i < PACK; i++) x[i] = round_x(x[i] + y[i]);
-}
+// the widest row the norm kernels take (nanoeuler_cuda.check_sizes), and so the packs of a
+// row one lane holds in registers: 6 in bf16, 12 in fp32 (48 floats' worth either way)
+constexpr int MAX_C = 1536, ROW_PACKS = MAX_C / (32 * PACK);
 
 // one row per warp: out = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps), where x is
-// x_in, or with a given, x_in + a (the residual add, fused in), which is written to x_out
-// too and normalised as written. Each lane takes PACK elements at a time; the row is read
-// twice, the second time from the cache.
+// x_in, or with a given, x_in + a (the residual add, fused in), rounded as floatX holds it,
+// which is written to x_out too and normalised as written. Lane l takes the packs at
+// columns (32 j + l) PACK; its share of the row stays in registers between the sum and
+// the output, so the row is read from memory once, all its loads issued together.
 __device__ void rmsnorm_rows(floatX* out, float* rstd, floatX* x_out, const floatX* x_in, const floatX* a,
                              const float* w, int N, int C) {
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     long r0 = (long)row * C;
-    const floatX* ar = a ? a + r0 : nullptr;
-    float ss = 0.0f;
-    for (int c = lane * PACK; c < C; c += 32 * PACK) {
-        float x[PACK];
-        load_sum(x, x_in + r0 + c, ar ? ar + c : nullptr);
+    uint4 x_bits[ROW_PACKS], a_bits[ROW_PACKS];
 #pragma unroll
-        for (int i = 0; i < PACK; i++) ss += x[i] * x[i];
+    for (int j = 0; j < ROW_PACKS; j++) {
+        int c = (32 * j + lane) * PACK;
+        if (c < C) x_bits[j] = load_bits(x_in + r0 + c);
+        if (c < C && a) a_bits[j] = load_bits(a + r0 + c);
+    }
+    float x[ROW_PACKS][PACK], ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ROW_PACKS; j++) {
+        if ((32 * j + lane) * PACK >= C) continue;
+        unpack(x[j], x_bits[j], x_in);
+        if (a) {
+            float y[PACK];
+            unpack(y, a_bits[j], a);
+#pragma unroll
+            for (int i = 0; i < PACK; i++) x[j][i] = round_x(x[j][i] + y[i]);
+        }
+#pragma unroll
+        for (int i = 0; i < PACK; i++) ss += x[j][i] * x[j][i];
     }
     float r = 1.0f / sqrtf(warp_sum(ss) / C + 1e-5f);
-    for (int c = lane * PACK; c < C; c += 32 * PACK) {
-        float x[PACK], o[PACK];
-        load_sum(x, x_in + r0 + c, ar ? ar + c : nullptr);
-        if (x_out) store_pack(x_out + r0 + c, x);
 #pragma unroll
-        for (int i = 0; i < PACK; i++) o[i] = x[i] * r * w[c + i];
+    for (int j = 0; j < ROW_PACKS; j++) {
+        int c = (32 * j + lane) * PACK;
+        if (c >= C) continue;
+        if (x_out) store_pack(x_out + r0 + c, x[j]);
+        float o[PACK];
+#pragma unroll
+        for (int i = 0; i < PACK; i++) o[i] = x[j][i] * r * w[c + i];
         store_pack(out + r0 + c, o);
     }
     if (lane == 0) rstd[row] = r;
@@ -271,12 +289,13 @@ extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* ou
 // the 32 lanes of an update hit 32 different banks
 __device__ __forceinline__ int dw_slot(int c, int C) { return (c % PACK) * (C / PACK) + c / PACK; }
 
-// one row per warp, rows in a grid-stride loop, PACK elements per lane at a time:
+// one row per warp, rows in a grid-stride loop, lanes over the row as in rmsnorm_rows:
 // dx = (accumulate ? dx : 0) + rstd * (g - xhat * mean(g * xhat)), g = dout * w, xhat = x * rstd.
 // accumulate: the residual stream's gradient takes both paths (+=); the final norm's starts it.
-// dw: each warp adds up its rows' dout * xhat in a row of shared memory of its own (warps x C
-// floats, dynamic), the block adds its warps in order into partial[block], and
-// rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
+// The lane's share of the row's dout and x (and dx, when added to) is loaded at once and stays
+// in registers from the first sum to dx, so each is read once. dw: each warp adds up its rows' dout * xhat in a row of shared memory of
+// its own (warps x C floats, dynamic), the block adds its warps in order into partial[block],
+// and rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
 // every run. block 256, grid = min(ceil(N / 8), a few per SM)
 extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, const floatX* dout, const floatX* x,
                                                    const float* w, const float* rstd, int N, int C, int accumulate) {
@@ -287,20 +306,33 @@ extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, c
     __syncwarp();                         // zeroed by one lane, added to by another (dw_slot)
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
         long r0 = (long)row * C;
+        uint4 d_bits[ROW_PACKS], x_bits[ROW_PACKS], dx_bits[ROW_PACKS];
+#pragma unroll
+        for (int j = 0; j < ROW_PACKS; j++) {
+            int c = (32 * j + lane) * PACK;
+            if (c < C) d_bits[j] = load_bits(dout + r0 + c), x_bits[j] = load_bits(x + r0 + c);
+            if (c < C && accumulate) dx_bits[j] = load_bits(dx + r0 + c);
+        }
         float r = rstd[row], dot = 0.0f;
-        for (int c = lane * PACK; c < C; c += 32 * PACK) {
+#pragma unroll
+        for (int j = 0; j < ROW_PACKS; j++) {
+            int c = (32 * j + lane) * PACK;
+            if (c >= C) continue;
             float d[PACK], xv[PACK];
-            load_pack(d, dout + r0 + c);
-            load_pack(xv, x + r0 + c);
+            unpack(d, d_bits[j], dout);
+            unpack(xv, x_bits[j], x);
 #pragma unroll
             for (int i = 0; i < PACK; i++) dot += d[i] * w[c + i] * xv[i] * r;   // sum of g * xhat
         }
         dot = warp_sum(dot) / C;
-        for (int c = lane * PACK; c < C; c += 32 * PACK) {
+#pragma unroll
+        for (int j = 0; j < ROW_PACKS; j++) {
+            int c = (32 * j + lane) * PACK;
+            if (c >= C) continue;
             float d[PACK], xv[PACK], g[PACK];
-            load_pack(d, dout + r0 + c);
-            load_pack(xv, x + r0 + c);
-            if (accumulate) load_pack(g, dx + r0 + c);
+            unpack(d, d_bits[j], dout);
+            unpack(xv, x_bits[j], x);
+            if (accumulate) unpack(g, dx_bits[j], dx);
 #pragma unroll
             for (int i = 0; i < PACK; i++) {
                 float xhat = xv[i] * r;
@@ -515,44 +547,48 @@ extern "C" __global__ void clip_grad_norm_kernel(double* results, float* clip, c
 // with apply = 0 nothing changes (the host then stops: no non-finite weight is ever
 // applied or saved). With params16 (bf16 mode) the updated weights are also written
 // rounded to bf16, the copy the matmuls read, in the same pass.
-// four parameters per thread (the buffers 16-byte aligned); grid = ceil(n / (4 block))
+// Four parameters per thread at a time (the buffers 16-byte aligned), in a grid-stride loop:
+// a thread reads hyper and clip once, and then its loads of the five streams are all it
+// waits on (one block a thread's four, as this kernel was first, ran at 1.7 TB/s on an
+// H200: each block's first wait was on clip). grid = a few blocks per SM
 extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16, const float* grads, float* m,
                                                float* v, const unsigned char* decay, long n, const float* hyper,
                                                const float* clip, float beta1, float beta2, float eps,
                                                float weight_decay) {
-    long i0 = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
-    if (i0 >= n || clip[1] == 0.0f) return;
+    if (clip[1] == 0.0f) return;
     float lr = hyper[0], bias1 = hyper[1], bias2 = hyper[2], grad_scale = clip[0];
-    int k = n - i0 < 4 ? n - i0 : 4;                                // the last thread may have fewer
-    float p[4] = {}, g[4] = {}, mi[4] = {}, vi[4] = {}, d[4] = {};
-    if (k == 4) {
-        float4 a = *(const float4*)(params + i0), b = *(const float4*)(grads + i0);
-        float4 c = *(const float4*)(m + i0), e = *(const float4*)(v + i0);
-        uchar4 f = *(const uchar4*)(decay + i0);
-        p[0] = a.x, p[1] = a.y, p[2] = a.z, p[3] = a.w, g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
-        mi[0] = c.x, mi[1] = c.y, mi[2] = c.z, mi[3] = c.w, vi[0] = e.x, vi[1] = e.y, vi[2] = e.z, vi[3] = e.w;
-        d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
-    } else {
-        for (int j = 0; j < k; j++)
-            p[j] = params[i0 + j], g[j] = grads[i0 + j], mi[j] = m[i0 + j], vi[j] = v[i0 + j], d[j] = decay[i0 + j];
-    }
+    for (long i0 = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x); i0 < n; i0 += 4L * gridDim.x * blockDim.x) {
+        int k = n - i0 < 4 ? n - i0 : 4;                            // the last four may be fewer
+        float p[4] = {}, g[4] = {}, mi[4] = {}, vi[4] = {}, d[4] = {};
+        if (k == 4) {
+            float4 a = *(const float4*)(params + i0), b = *(const float4*)(grads + i0);
+            float4 c = *(const float4*)(m + i0), e = *(const float4*)(v + i0);
+            uchar4 f = *(const uchar4*)(decay + i0);
+            p[0] = a.x, p[1] = a.y, p[2] = a.z, p[3] = a.w, g[0] = b.x, g[1] = b.y, g[2] = b.z, g[3] = b.w;
+            mi[0] = c.x, mi[1] = c.y, mi[2] = c.z, mi[3] = c.w, vi[0] = e.x, vi[1] = e.y, vi[2] = e.z, vi[3] = e.w;
+            d[0] = f.x, d[1] = f.y, d[2] = f.z, d[3] = f.w;
+        } else {
+            for (int j = 0; j < k; j++)
+                p[j] = params[i0 + j], g[j] = grads[i0 + j], mi[j] = m[i0 + j], vi[j] = v[i0 + j], d[j] = decay[i0 + j];
+        }
 #pragma unroll
-    for (int j = 0; j < 4; j++) {
-        float gj = g[j] * grad_scale;
-        mi[j] = beta1 * mi[j] + (1.0f - beta1) * gj;
-        vi[j] = beta2 * vi[j] + (1.0f - beta2) * gj * gj;
-        float pj = p[j] * (1.0f - lr * weight_decay * d[j]);        // decoupled weight decay
-        p[j] = pj - lr / bias1 * mi[j] / (sqrtf(vi[j] / bias2) + eps);
-    }
-    if (k == 4) {
-        *(float4*)(params + i0) = make_float4(p[0], p[1], p[2], p[3]);
-        *(float4*)(m + i0) = make_float4(mi[0], mi[1], mi[2], mi[3]);
-        *(float4*)(v + i0) = make_float4(vi[0], vi[1], vi[2], vi[3]);
-        if (params16) *(uint2*)(params16 + i0) = make_uint2(pack_bf16(p[0], p[1]), pack_bf16(p[2], p[3]));
-    } else {
-        for (int j = 0; j < k; j++) {
-            params[i0 + j] = p[j], m[i0 + j] = mi[j], v[i0 + j] = vi[j];
-            if (params16) write_x(&params16[i0 + j], p[j]);
+        for (int j = 0; j < 4; j++) {
+            float gj = g[j] * grad_scale;
+            mi[j] = beta1 * mi[j] + (1.0f - beta1) * gj;
+            vi[j] = beta2 * vi[j] + (1.0f - beta2) * gj * gj;
+            float pj = p[j] * (1.0f - lr * weight_decay * d[j]);    // decoupled weight decay
+            p[j] = pj - lr / bias1 * mi[j] / (sqrtf(vi[j] / bias2) + eps);
+        }
+        if (k == 4) {
+            *(float4*)(params + i0) = make_float4(p[0], p[1], p[2], p[3]);
+            *(float4*)(m + i0) = make_float4(mi[0], mi[1], mi[2], mi[3]);
+            *(float4*)(v + i0) = make_float4(vi[0], vi[1], vi[2], vi[3]);
+            if (params16) *(uint2*)(params16 + i0) = make_uint2(pack_bf16(p[0], p[1]), pack_bf16(p[2], p[3]));
+        } else {
+            for (int j = 0; j < k; j++) {
+                params[i0 + j] = p[j], m[i0 + j] = mi[j], v[i0 + j] = vi[j];
+                if (params16) write_x(&params16[i0 + j], p[j]);
+            }
         }
     }
 }

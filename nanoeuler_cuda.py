@@ -432,7 +432,8 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=No
     """dx += (or = without accumulate) the input gradient, dw += the weight gradient;
     partial: scratch for dw's per-block sums (GPUModel's own, which a graph may hold)"""
     block = 256
-    grid = min(ceil_div(N, block // 32), 4 * gpu.sms)        # few blocks: few partial sums of dw
+    # few blocks, few partial sums of dw: two an SM, as many as fit at once (128 registers a thread in bf16)
+    grid = min(ceil_div(N, block // 32), 2 * gpu.sms)
     partial = gpu.scratch(grid * C) if partial is None else partial
     assert partial.size >= grid * C
     gpu.launch("rmsnorm_backward_kernel", grid, block, ptr_arg(dx), ptr_arg(partial), ptr_arg(dout), ptr_arg(x),
@@ -506,7 +507,8 @@ def adamw_update(params, params16, grads, m, v, decay, n, hyper, clip, beta1=0.9
                  weight_decay=0.1):
     """hyper = (lr, 1 - beta1^step, 1 - beta2^step) and clip (clip_grad_norm's) in GPU memory"""
     block = 256
-    gpu.launch("adamw_update_kernel", ceil_div(n, 4 * block), block, ptr_arg(params), ptr_arg(params16),
+    grid = min(ceil_div(n, 4 * block), 8 * gpu.sms)             # a grid-stride loop: see the kernel
+    gpu.launch("adamw_update_kernel", grid, block, ptr_arg(params), ptr_arg(params16),
                ptr_arg(grads), ptr_arg(m), ptr_arg(v), ptr_arg(decay), long_arg(n), ptr_arg(hyper), ptr_arg(clip),
                float_arg(beta1), float_arg(beta2), float_arg(eps), float_arg(weight_decay))
 
@@ -774,7 +776,7 @@ class GPUModel:
         self.dnorm_out = act(N, C)
         self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
-        self.norm_partial = f32(4 * gpu.sms * C)                    # rmsnorm_backward's dw per block
+        self.norm_partial = f32(2 * gpu.sms * C)                    # rmsnorm_backward's dw per block
         # the step's inputs, uploaded into these same buffers before each step (a graph reads them)
         self.inputs = DeviceArray((N + N * K + K,), np.int32)
         self.idx, self.targets = self.inputs.view(0, (N,)), self.inputs.view(N, (N, K))

@@ -1,0 +1,37 @@
+#!/bin/bash
+# One device run for the training step's speed (issue 13), from the repository root, in one
+# device command: bash docs/gpu_speed.sh   ($OUT: where the logs go). About 6 minutes on an H200:
+# check; bench big at batch 16 and 64, each also with --profile; tf32 at batch 16; PyTorch
+# (docs/pytorch_reference.py, torch.compile with CUDA graphs) at batch 16 and 64 in the same run;
+# train big (600 steps, the README's figure); the GPU test that a resumed run is bit-identical.
+export PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+S=$O/summary.log; : > "$S"
+t() {   # t LOG CMD...: CMD's output into $O/LOG, its wall time and rc into the summary
+  local log=$1; shift
+  local s=$EPOCHREALTIME
+  "$@" < /dev/null > "$O/$log" 2>&1
+  local rc=$?
+  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; git log --oneline -1; } | tee -a "$S"
+t check.log python nanoeuler_cuda.py check
+echo "check: $(grep -c ' OK$' "$O/check.log") OK, $(grep -c 'NOT OK' "$O/check.log") NOT OK; $(tail -1 "$O/check.log")" | tee -a "$S"
+grep "NOT OK" "$O/check.log" | head -20 | tee -a "$S"
+for b in 16 64; do
+  t bench_b$b.log python nanoeuler_cuda.py bench big --batch $b
+  grep -E "ms/step" "$O/bench_b$b.log" | tee -a "$S"
+  t bench_b${b}_profile.log python nanoeuler_cuda.py bench big --batch $b --profile
+done
+t bench_tf32.log python nanoeuler_cuda.py bench big --batch 16 --precision tf32
+grep -E "ms/step" "$O/bench_tf32.log" | tee -a "$S"
+for b in 16 64; do
+  t torch_b$b.log python docs/pytorch_reference.py --compile reduce-overhead --batch $b
+  grep -E "^PyTorch|Error" "$O/torch_b$b.log" | tail -2 | tee -a "$S"
+done
+t bench_b16_after.log python nanoeuler_cuda.py bench big --batch 16
+grep -E "ms/step" "$O/bench_b16_after.log" | tee -a "$S"
+t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
+grep -vE "^step |^sample" "$O/train.log" | tail -4 | tee -a "$S"
+t test_resume.log python -m pytest -q -x test_nanoeuler.py -k test_gpu_training_resumes_bit_identically
+tail -1 "$O/test_resume.log" | tee -a "$S"
