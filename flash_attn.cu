@@ -117,26 +117,42 @@ __device__ __forceinline__ float2 load_pair(const unsigned short* p) {
     return make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xFFFF0000u));
 }
 
+// the dot product of two 16-byte packs of a row of dy and y: 4 floats, or 8 bf16
+__device__ __forceinline__ float dot_pack(const float* a, const float* b) {
+    float4 x = *(const float4*)a, y = *(const float4*)b;
+    return x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+}
+
+__device__ __forceinline__ float dot_pack(const unsigned short* a, const unsigned short* b) {
+    uint4 x = *(const uint4*)a, y = *(const uint4*)b;
+    unsigned xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        s += __uint_as_float(xs[i] << 16) * __uint_as_float(ys[i] << 16) +
+             __uint_as_float(xs[i] & 0xFFFF0000u) * __uint_as_float(ys[i] & 0xFFFF0000u);
+    return s;
+}
+
 // delta = rowsum(dy * y), the softmax backward's correction term, from dy and y in the
 // type the passes read them (X: float, or unsigned short for bf16), so that delta
 // matches the dp the passes compute.
-// one warp per (b, query row, head), in memory order, so a warp reads one
-// contiguous row of D elements and neighbouring warps the next heads' rows;
-// grid = ceil(B*T*Hq / warps per block)
+// P = D * sizeof(X) / 16 neighbouring lanes per (b, query row, head), a 16-byte pack each,
+// rows in memory order: a warp reads 512 contiguous bytes of dy and of y, and the P
+// lanes' sums meet in log2(P) shuffles. (One warp a row, a 4-byte pair a lane, as this
+// kernel was first, moved 1 TB/s on an H200.) grid = ceil(B*T*Hq*P / block)
 template <typename X>
 __device__ void attention_backward_delta(float* delta, const X* dy, const X* y, int B, int T, int Hq, int D) {
-    long e = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;   // (b * T + i) * Hq + h
-    int lane = threadIdx.x % 32;
-    if (e >= (long)B * T * Hq) return;
+    constexpr int PACK = 16 / sizeof(X);
+    int P = D / PACK;                                                 // lanes per row: 2..16, a power of 2
+    long t = (long)blockIdx.x * blockDim.x + threadIdx.x, e = t / P;  // e = (b * T + i) * Hq + h
+    bool live = e < (long)B * T * Hq;
+    float s = live ? dot_pack(&dy[t * PACK], &y[t * PACK]) : 0.0f;  // pack t % P of row e
+    for (int offset = P / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
+    if (!live || t % P != 0) return;
     int h = e % Hq, i = (e / Hq) % T;
     long b = e / ((long)Hq * T);
-    float s = 0.0f;
-    for (int d = 2 * lane; d < D; d += 2 * 32) {                     // D is even: pairs, one load each
-        float2 dy2 = load_pair(&dy[e * D + d]), y2 = load_pair(&y[e * D + d]);
-        s += dy2.x * y2.x + dy2.y * y2.y;
-    }
-    for (int offset = 16; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffff, s, offset);
-    if (lane == 0) delta[(b * Hq + h) * T + i] = s;
+    delta[(b * Hq + h) * T + i] = s;
 }
 
 // dk and dv for 64 keys of one kv head, summed over its G query heads and every

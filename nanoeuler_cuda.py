@@ -428,17 +428,26 @@ def residual_rmsnorm_forward(x, out, rstd, x_in, a, w, N, C):
                ptr_arg(rstd), ptr_arg(x_in), ptr_arg(a), ptr_arg(w), int_arg(N), int_arg(C), bf16=bf16(x))
 
 
+def rmsnorm_lanes(C, bf16):
+    """kernels.cu's lanes_per_row: the lanes that share a row in rmsnorm_backward_kernel"""
+    row_packs, pack = (6, 8) if bf16 else (12, 4)                    # kernels.cu's ROW_PACKS and PACK
+    lanes = 1
+    while lanes < 32 and lanes * row_packs * pack < C:
+        lanes *= 2
+    return lanes
+
+
 def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=None):
     """dx += (or = without accumulate) the input gradient, dw += the weight gradient;
     partial: scratch for dw's per-block sums (GPUModel's own, which a graph may hold)"""
-    block = 256
-    # few blocks, few partial sums of dw: two an SM, as many as fit at once (128 registers a thread in bf16)
-    grid = min(ceil_div(N, block // 32), 2 * gpu.sms)
+    block, lanes = 128, rmsnorm_lanes(C, bf16(dx))
+    slots = block // lanes                                           # rows a block takes at once
+    grid = min(ceil_div(N, slots), 4 * gpu.sms)                      # few blocks, few partial sums of dw
     partial = gpu.scratch(grid * C) if partial is None else partial
     assert partial.size >= grid * C
     gpu.launch("rmsnorm_backward_kernel", grid, block, ptr_arg(dx), ptr_arg(partial), ptr_arg(dout), ptr_arg(x),
-               ptr_arg(w), ptr_arg(rstd), int_arg(N), int_arg(C), int_arg(int(accumulate)), shared=4 * C * block // 32,
-               bf16=bf16(dx))
+               ptr_arg(w), ptr_arg(rstd), int_arg(N), int_arg(C), int_arg(int(accumulate)),
+               shared=4 * slots * (C + lanes), bf16=bf16(dx))
     gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 32), 256, ptr_arg(dw), ptr_arg(partial), int_arg(grid),
                int_arg(C), bf16=bf16(dx))
 
@@ -551,10 +560,9 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
     """dqkv = d loss / d qkv (dq and dk before rope's backward)"""
     block, path = 256, attention_path(D, qkv)
     delta_args = (ptr_arg(delta), ptr_arg(dy), ptr_arg(y), int_arg(B), int_arg(T), int_arg(Hq), int_arg(D))
-    if path == "bf16":
-        gpu.launch("attention_backward_delta_bf16_kernel", ceil_div(B * T * Hq, block // 32), block, *delta_args)
-    else:
-        gpu.launch("attention_backward_delta_kernel", ceil_div(B * T * Hq, block // 32), block, *delta_args)
+    lanes = D * (2 if path == "bf16" else 4) // 16                  # a 16-byte pack of a row each
+    gpu.launch("attention_backward_delta_bf16_kernel" if path == "bf16" else "attention_backward_delta_kernel",
+               ceil_div(B * T * Hq * lanes, block), block, *delta_args)
     args = (ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(dy), ptr_arg(lse), ptr_arg(delta), int_arg(T), int_arg(Hq),
             int_arg(Hkv), float_arg(1 / math.sqrt(D)))
     _, dkv_kernel, dq_kernel = (name.format(D=D) for name in ATTENTION_KERNELS[path])
@@ -679,7 +687,7 @@ def activations_bf16(cfg):
 
 def check_sizes(cfg):
     """what the training kernels need: an attention kernel for D, rows of C and F in
-    16-byte packs, and rmsnorm_backward's 8 rows of C floats in 48 KB of shared memory"""
+    16-byte packs, and rows of at most kernels.cu's MAX_C (the norms hold a row in registers)"""
     if cfg.D not in HEAD_DIMS:
         raise NanoEulerError(f"head dim D = C/Hq = {cfg.D} has no attention kernel; flash_attn.cu is "
                              f"instantiated for D in {HEAD_DIMS}")
@@ -776,7 +784,7 @@ class GPUModel:
         self.dnorm_out = act(N, C)
         self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
-        self.norm_partial = f32(2 * gpu.sms * C)                    # rmsnorm_backward's dw per block
+        self.norm_partial = f32(4 * gpu.sms * C)                    # rmsnorm_backward's dw per block
         # the step's inputs, uploaded into these same buffers before each step (a graph reads them)
         self.inputs = DeviceArray((N + N * K + K,), np.int32)
         self.idx, self.targets = self.inputs.view(0, (N,)), self.inputs.view(N, (N, K))
@@ -1008,7 +1016,8 @@ def check_kernels(rng, report, is_bf16):
     out = poisoned((N, C), is_bf16)
     residual_forward(out, activation(a, is_bf16), activation(b, is_bf16), N * C)
     report(name("residual_forward"), rel_diff(values(out), rnd(f64(a) + b)))
-    check_cross_entropy(rng, report, is_bf16, N, V, K)
+    for vocab in (V, V + 3):                                        # V + 3: not in 16-byte packs
+        check_cross_entropy(rng, report, is_bf16, N, vocab, K)
 
 
 def check_rmsnorm(rng, report, is_bf16, N, C):
@@ -1071,8 +1080,8 @@ def check_cross_entropy(rng, report, is_bf16, N, V, K):
     got_d, got_sums = values(lg), sums.download()
     for k in range(K):
         ref_loss, cache = ne.cross_entropy_forward(logits[:, k].astype(np.float64), targets[:, k])
-        report(name(f"cross_entropy head {k} loss"), abs(got_sums[k] / counts[k] - ref_loss) / ref_loss)
-        report(name(f"cross_entropy head {k} dlogits"),
+        report(name(f"cross_entropy V={V} head {k} loss"), abs(got_sums[k] / counts[k] - ref_loss) / ref_loss)
+        report(name(f"cross_entropy V={V} head {k} dlogits"),
                rel_diff(got_d[:, k], rnd(ne.cross_entropy_backward(weights[k], cache))))
 
 

@@ -191,7 +191,8 @@ def residual_rmsnorm_forward(t, a, grid, block):
 @kernel("rmsnorm_backward_kernel")
 def rmsnorm_backward(t, a, grid, block, shared):
     dx, partial, dout, x, w, rstd, N, C, accumulate = a
-    assert shared >= 4 * C * block // 32 and grid[0] * block // 32 >= 1
+    lanes = nc.rmsnorm_lanes(C, t.bf16)
+    assert shared >= 4 * (block // lanes) * (C + lanes) and grid[0] >= 1
     xs, d, r = t.x(x, N * C).reshape(N, C), t.x(dout, N * C).reshape(N, C), t.f32(rstd, N)[:, None]
     wv = t.f32(w, C)
     xhat = xs * r
@@ -301,7 +302,7 @@ def clip_grad_norm(t, a, grid, block):
 @kernel("adamw_update_kernel")
 def adamw_update(t, a, grid, block):
     params, params16, grads, m, v, decay, n, hyper, clip, beta1, beta2, eps, weight_decay = a
-    covers(grid, block, n, 4)
+    assert grid[0] >= 1 and block % 32 == 0                                # a grid-stride loop covers any n
     for ptr in (params, grads, m, v):
         assert ptr % 16 == 0, "adamw_update_kernel loads 16 bytes at a time"
     scale, apply = t.f32(clip, 2)
@@ -378,7 +379,7 @@ for _name in SIGNATURES:
 @kernel("attention_backward_delta_kernel", "attention_backward_delta_bf16_kernel")
 def attention_backward_delta(t, a, grid, block):
     delta, dy, y, B, T, Hq, D = a
-    covers(grid, block // 32, B * T * Hq)
+    covers(grid, block, B * T * Hq * D // (8 if t.bf16 else 4))            # a 16-byte pack a thread
     prod = (t.x(dy, B * T * Hq * D) * t.x(y, B * T * Hq * D)).reshape(B, T, Hq, D).sum(-1)
     t.f32(delta, B * Hq * T)[:] = prod.transpose(0, 2, 1).reshape(-1)
 

@@ -35,3 +35,14 @@ t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
 grep -vE "^step |^sample" "$O/train.log" | tail -4 | tee -a "$S"
 t test_resume.log python -m pytest -q -x test_nanoeuler.py -k test_gpu_training_resumes_bit_identically
 tail -1 "$O/test_resume.log" | tee -a "$S"
+# data parallel through NCCL with one rank (--gpus 1) against the one-GPU engine: the same losses, fp32 and bf16
+for p in fp32 bf16; do
+  run() { python nanoeuler_cuda.py train big --steps 20 --batch 8 --eval-batches 1 --warmup 5 --precision $p "$@"; }
+  rm -rf /tmp/one /tmp/rank1
+  run --out /tmp/one > "$O/gpus1_$p.log" 2>&1 && run --out /tmp/rank1 --gpus 1 >> "$O/gpus1_$p.log" 2>&1
+  python - "$p" <<'PY' | tee -a "$S"
+import sys, numpy as np
+a, b = (np.loadtxt(f"/tmp/{d}/log.csv", delimiter=",", skiprows=1, usecols=1) for d in ("one", "rank1"))
+print(f"--gpus 1 == one GPU ({sys.argv[1]}, 20 steps, losses as logged):", len(a) == 20 and np.array_equal(a, b), a[-1], b[-1])
+PY
+done
