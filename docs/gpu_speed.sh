@@ -1,11 +1,11 @@
 #!/bin/bash
 # One device run for the training step's speed (issue 13), from the repository root, in one
-# device command: bash docs/gpu_speed.sh   ($OUT: where the logs go). About 6 minutes on an H200:
+# device command: bash docs/gpu_speed.sh   ($OUT: summary.log and logs.tar.gz). About 6 minutes on an H200:
 # check; bench big at batch 16 and 64, each also with --profile; tf32 at batch 16; PyTorch
 # (docs/pytorch_reference.py, torch.compile with CUDA graphs) at batch 16 and 64 in the same run;
 # train big (600 steps, the README's figure); the GPU test that a resumed run is bit-identical.
 export PYTHONUNBUFFERED=1
-O=${OUT:-/tmp/out}; mkdir -p "$O"
+R=${OUT:-/tmp/out}; O=/tmp/gpu_speed; mkdir -p "$R" "$O"     # every log in $O, tarred into $R at the end
 S=$O/summary.log; : > "$S"
 t() {   # t LOG CMD...: CMD's output into $O/LOG, its wall time and rc into the summary
   local log=$1; shift
@@ -46,3 +46,4 @@ a, b = (np.loadtxt(f"/tmp/{d}/log.csv", delimiter=",", skiprows=1, usecols=1) fo
 print(f"--gpus 1 == one GPU ({sys.argv[1]}, 20 steps, losses as logged):", len(a) == 20 and np.array_equal(a, b), a[-1], b[-1])
 PY
 done
+tar czf "$R/logs.tar.gz" -C "$O" . && cp "$S" "$R/summary.log"
