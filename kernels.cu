@@ -284,67 +284,51 @@ extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* ou
     rmsnorm_rows(out, rstd, x, x_in, a, w, N, C);
 }
 
-// the lanes that share a row in rmsnorm_backward: the fewest (a power of 2, at most 32)
-// whose ROW_PACKS packs each cover C, so that a lane's registers hold as much of a row as
-// they can (C = 768 in bf16: 16 lanes, two rows a warp)
-__device__ __forceinline__ int lanes_per_row(int C) {
-    int L = 1;
-    while (L < 32 && L * ROW_PACKS * PACK < C) L *= 2;
-    return L;
-}
-
-// where column c of a dw row lies in shared memory: a lane's PACK columns c .. c + PACK-1
-// land in PACK different stretches of C / PACK words, each at the lane's pack index, so the
-// lanes of a row hit different banks
+// where column c of a warp's dw row lies in shared memory: lane l's PACK columns
+// l PACK .. l PACK + PACK-1 land in PACK different rows of C / PACK words, at word l, so
+// the 32 lanes of an update hit 32 different banks
 __device__ __forceinline__ int dw_slot(int c, int C) { return (c % PACK) * (C / PACK) + c / PACK; }
 
-// One row per L = lanes_per_row(C) lanes (32 / L rows a warp at once), rows in a grid-stride
-// loop; lane g of a row takes the packs at columns (j L + g) PACK, j < ROW_PACKS:
+// one row per warp, rows in a grid-stride loop, lanes over the row as in rmsnorm_rows:
 // dx = (accumulate ? dx : 0) + rstd * (g - xhat * mean(g * xhat)), g = dout * w, xhat = x * rstd.
 // accumulate: the residual stream's gradient takes both paths (+=); the final norm's starts it.
 // The lane's share of the row's dout and x (and dx, when added to) is loaded at once and stays
-// in registers from the first sum to dx, so each is read once. dw: the L lanes of each row
-// slot add up their rows' dout * xhat in a row of shared memory of their own (dynamic: block/32
-// x 32/L rows of C + L floats; the L pads put the slots' lanes on different banks), the block
-// adds those rows in order into partial[block], and rmsnorm_backward_dw_kernel adds the blocks
-// in order: no atomics, so dw has the same bits every run.
-// block 128, grid = min(rows / (rows a block takes at once), a few per SM)
+// in registers from the first sum to dx, so each is read once. dw: each warp adds up its rows' dout * xhat in a row of shared memory of
+// its own (warps x C floats, dynamic), the block adds its warps in order into partial[block],
+// and rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
+// every run. block 256, grid = min(ceil(N / 8), a few per SM)
 extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, const floatX* dout, const floatX* x,
                                                    const float* w, const float* rstd, int N, int C, int accumulate) {
-    extern __shared__ float dw_rows[];
-    int L = lanes_per_row(C), slots = blockDim.x / L, lane = threadIdx.x % L, slot = threadIdx.x / L;
-    float* dw_mine = dw_rows + slot * (C + L);
-    for (int c = lane; c < C; c += L) dw_mine[c] = 0.0f;
+    extern __shared__ float dw_warp[];
+    int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+    float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
+    for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
     __syncwarp();                         // zeroed by one lane, added to by another (dw_slot)
-    // every lane of a warp goes round the loop the same number of times: the shuffles need all 32
-    for (int first = blockIdx.x * slots; first < N; first += gridDim.x * slots) {
-        int row = first + slot;
-        bool live = row < N;
+    for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
         long r0 = (long)row * C;
         uint4 d_bits[ROW_PACKS], x_bits[ROW_PACKS], dx_bits[ROW_PACKS];
 #pragma unroll
         for (int j = 0; j < ROW_PACKS; j++) {
-            int c = (j * L + lane) * PACK;
-            if (live && c < C) d_bits[j] = load_bits(dout + r0 + c), x_bits[j] = load_bits(x + r0 + c);
-            if (live && c < C && accumulate) dx_bits[j] = load_bits(dx + r0 + c);
+            int c = (32 * j + lane) * PACK;
+            if (c < C) d_bits[j] = load_bits(dout + r0 + c), x_bits[j] = load_bits(x + r0 + c);
+            if (c < C && accumulate) dx_bits[j] = load_bits(dx + r0 + c);
         }
-        float r = live ? rstd[row] : 0.0f, dot = 0.0f;
+        float r = rstd[row], dot = 0.0f;
 #pragma unroll
         for (int j = 0; j < ROW_PACKS; j++) {
-            int c = (j * L + lane) * PACK;
-            if (!live || c >= C) continue;
+            int c = (32 * j + lane) * PACK;
+            if (c >= C) continue;
             float d[PACK], xv[PACK];
             unpack(d, d_bits[j], dout);
             unpack(xv, x_bits[j], x);
 #pragma unroll
             for (int i = 0; i < PACK; i++) dot += d[i] * w[c + i] * xv[i] * r;   // sum of g * xhat
         }
-        for (int offset = L / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, offset);
-        dot /= C;
+        dot = warp_sum(dot) / C;
 #pragma unroll
         for (int j = 0; j < ROW_PACKS; j++) {
-            int c = (j * L + lane) * PACK;
-            if (!live || c >= C) continue;
+            int c = (32 * j + lane) * PACK;
+            if (c >= C) continue;
             float d[PACK], xv[PACK], g[PACK];
             unpack(d, d_bits[j], dout);
             unpack(xv, x_bits[j], x);
@@ -361,7 +345,7 @@ extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, c
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float sum = 0.0f;
-        for (int k = 0; k < slots; k++) sum += dw_rows[k * (C + L) + dw_slot(c, C)];
+        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + dw_slot(c, C)];
         partial[(long)blockIdx.x * C + c] = sum;
     }
 }

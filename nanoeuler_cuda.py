@@ -428,26 +428,17 @@ def residual_rmsnorm_forward(x, out, rstd, x_in, a, w, N, C):
                ptr_arg(rstd), ptr_arg(x_in), ptr_arg(a), ptr_arg(w), int_arg(N), int_arg(C), bf16=bf16(x))
 
 
-def rmsnorm_lanes(C, bf16):
-    """kernels.cu's lanes_per_row: the lanes that share a row in rmsnorm_backward_kernel"""
-    row_packs, pack = (6, 8) if bf16 else (12, 4)                    # kernels.cu's ROW_PACKS and PACK
-    lanes = 1
-    while lanes < 32 and lanes * row_packs * pack < C:
-        lanes *= 2
-    return lanes
-
-
 def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=None):
     """dx += (or = without accumulate) the input gradient, dw += the weight gradient;
     partial: scratch for dw's per-block sums (GPUModel's own, which a graph may hold)"""
-    block, lanes = 128, rmsnorm_lanes(C, bf16(dx))
-    slots = block // lanes                                           # rows a block takes at once
-    grid = min(ceil_div(N, slots), 4 * gpu.sms)                      # few blocks, few partial sums of dw
+    block = 256
+    # few blocks, few partial sums of dw: two an SM, as many as fit at once (128 registers a thread in bf16)
+    grid = min(ceil_div(N, block // 32), 2 * gpu.sms)
     partial = gpu.scratch(grid * C) if partial is None else partial
     assert partial.size >= grid * C
     gpu.launch("rmsnorm_backward_kernel", grid, block, ptr_arg(dx), ptr_arg(partial), ptr_arg(dout), ptr_arg(x),
-               ptr_arg(w), ptr_arg(rstd), int_arg(N), int_arg(C), int_arg(int(accumulate)),
-               shared=4 * slots * (C + lanes), bf16=bf16(dx))
+               ptr_arg(w), ptr_arg(rstd), int_arg(N), int_arg(C), int_arg(int(accumulate)), shared=4 * C * block // 32,
+               bf16=bf16(dx))
     gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 32), 256, ptr_arg(dw), ptr_arg(partial), int_arg(grid),
                int_arg(C), bf16=bf16(dx))
 
@@ -784,7 +775,7 @@ class GPUModel:
         self.dnorm_out = act(N, C)
         self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
-        self.norm_partial = f32(4 * gpu.sms * C)                    # rmsnorm_backward's dw per block
+        self.norm_partial = f32(2 * gpu.sms * C)                    # rmsnorm_backward's dw per block
         # the step's inputs, uploaded into these same buffers before each step (a graph reads them)
         self.inputs = DeviceArray((N + N * K + K,), np.int32)
         self.idx, self.targets = self.inputs.view(0, (N,)), self.inputs.view(N, (N, K))
