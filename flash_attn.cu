@@ -825,63 +825,62 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
     }
 }
 
-// dq for 64 query rows of one query head, 16 per warp: with s = q k.T, p = exp(scale s - lse),
-// dp = dy v.T and ds = p (dp - delta): dq = scale ds k, over the key tiles up to the diagonal
-// grid = (Hq, B, ceil(T / rows)) with rows = 16 (block / 32), the last query tiles first; block = 128 threads
+// where the dk/dv pass leaves ds for the dq pass: for each (b, query head) the causal pairs of
+// 64-row tiles, query tile qi's key tiles kj <= qi at pair qi (qi + 1) / 2 + kj, each tile
+// TILE keys x TILE queries (keys as rows, as the dk/dv pass holds it), bf16
+__device__ __forceinline__ long ds_tile(int b, int h, int Hq, int T, int qi, int kj) {
+    int tiles = (T - 1) / TILE + 1;
+    return (((long)b * Hq + h) * (tiles * (tiles + 1) / 2) + qi * (qi + 1) / 2 + kj) * TILE * TILE;
+}
+
+// dq for 64 query rows of one query head, 16 per warp: dq = scale ds k, over the key tiles up
+// to the diagonal, with ds as the dk/dv pass stored it (rounded to bf16, as it enters every
+// product), read transposed from shared memory by ldmatrix .trans straight into A fragments.
+// (This pass once recomputed s, p and dp from q, k, v and dy: three products a tile where
+// one is left, for a write and a read of ds, B Hq T^2 bytes; on an H200 at the big model's
+// shape the two passes together went from ... to ... us a layer.)
+// grid = (Hq, B, ceil(T / 64)), the last query tiles first; block = 128 threads
 template <int D>
 __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
-                                           const unsigned short* dy16, const float* lse, const float* delta, int T,
-                                           int Hq, int Hkv, float scale) {
-    __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
-    int rows = 16 * (blockDim.x / 32);                             // query rows of this block
-    int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;
-    int warp = threadIdx.x / 32, group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
-    int r0 = q0 + warp * 16;
+                                           const unsigned short* ds16, int T, int Hq, int Hkv, float scale) {
+    __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], dss[2][TILE][TILE + PAD];
+    int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), qi = gridDim.z - 1 - blockIdx.z;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = qi * TILE + warp * 16;
     long stride = (long)(Hq + 2 * Hkv) * D;
-    const unsigned short* base = qkv16 + (long)b * T * stride;
-    const unsigned short *kbase = base + (Hq + kvh) * D, *vbase = base + (Hq + Hkv + kvh) * D;
-    int tiles = min(T - 1, q0 + rows - 1) / TILE + 1;
-    load_tile_async<D>(ks[0], kbase, stride, 0, T);
-    load_tile_async<D>(vs[0], vbase, stride, 0, T);
-    cp_async_commit();
-    unsigned qa[D / 16][4], dya[D / 16][4];
-    load_a_bf16<D>(qa, base + h * D, stride, r0, T);
-    load_a_bf16<D>(dya, dy16 + (long)b * T * Hq * D + h * D, (long)Hq * D, r0, T);
-    float lse2[2], delta_r[2], dq[D / 8][4] = {};
-    #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        int row = r0 + group + 8 * r;
-        lse2[r] = row < T ? lse[((long)b * Hq + h) * T + row] * LOG2E : 0.0f;
-        delta_r[r] = row < T ? delta[((long)b * Hq + h) * T + row] : 0.0f;
-    }
-    const float scale2 = scale * LOG2E;
-    for (int j = 0; j < tiles; j++) {
-        int cur = j & 1, k0 = j * TILE;
-        if (j + 1 < tiles) {
-            load_tile_async<D>(ks[cur ^ 1], kbase, stride, k0 + TILE, T);
-            load_tile_async<D>(vs[cur ^ 1], vbase, stride, k0 + TILE, T);
-            cp_async_commit();
+    const unsigned short* kbase = qkv16 + (long)b * T * stride + (Hq + kvh) * D;
+    const unsigned short* dsbase = ds16 + ds_tile(b, h, Hq, T, qi, 0);
+    auto load = [&](int kj, int buf) {                             // key tile kj and its ds tile
+        load_tile_async<D>(ks[buf], kbase, stride, kj * TILE, T);
+        load_tile_async<TILE>(dss[buf], dsbase + (long)kj * TILE * TILE, TILE, 0, TILE);
+        cp_async_commit();
+    };
+    load(0, 0);
+    float dq[D / 8][4] = {};
+    for (int kj = 0; kj <= qi; kj++) {
+        int cur = kj & 1;
+        if (kj < qi) {
+            load(kj + 1, cur ^ 1);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (k0 <= r0 + 15) {
-            float s[TILE / 8][4], dp[TILE / 8][4];
-            mma_scores_bf16<D, 1>(&s, &qa, ks[cur]);
-            mma_scores_bf16<D, 1>(&dp, &dya, vs[cur]);
-            bool diagonal = k0 + TILE - 1 > r0;
+        #pragma unroll
+        for (int kk = 0; kk < TILE / 16; kk++) {
+            if (kj == qi && kk > warp) break;                      // keys after every row of this warp: ds = 0
+            // A (16 rows x 16 keys) = the tile's keys kk*16.. x queries warp*16.., transposed:
+            // matrix m of the four holds A's rows + 8 (m & 1) and keys + 8 (m >> 1)
+            unsigned a[4];
+            ldmatrix_x4_trans(a, &dss[cur][kk * 16 + (lane & 7) + (lane >> 4) * 8][warp * 16 + ((lane >> 3) & 1) * 8]);
             #pragma unroll
-            for (int nt = 0; nt < TILE / 8; nt++)
-                #pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float p = exp2f(fmaf(s[nt][i], scale2, -lse2[i >> 1]));
-                    if (diagonal && k0 + nt * 8 + 2 * in_group + (i & 1) > r0 + group + 8 * (i >> 1)) p = 0.0f;
-                    s[nt][i] = p * (dp[nt][i] - delta_r[i >> 1]);   // ds, the softmax backward
-                }
-            mma_weighted_sum_bf16<D, 1>(&dq, &s, ks[cur]);
+            for (int np = 0; np < D / 16; np++) {                  // B = the key tile's rows, as in mma_weighted_sum_bf16
+                unsigned bf[4];
+                ldmatrix_x4_trans(bf, &ks[cur][kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][np * 16 + (lane >> 4) * 8]);
+                mma_bf16(dq[2 * np], a, bf[0], bf[1]);
+                mma_bf16(dq[2 * np + 1], a, bf[2], bf[3]);
+            }
         }
-        __syncthreads();
+        __syncthreads();                                           // before the next copy overwrites it
     }
     float scales[2] = {scale, scale};
     store_c_rows<D>(dqkv16 + (long)b * T * stride + h * D, stride, r0, T, dq, scales);   // rope_backward rotates it
@@ -890,10 +889,11 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
 // dk and dv for 64 keys of one kv head, 16 per warp, summed over its G query heads
 // and every query tile from the keys' own on. Keys are the rows here: st = k q.T,
 // pt = exp(scale st - lse), dpt = v dy.T, dst = pt (dpt - delta);
-// dv = pt dy, dk = scale dst q, both second products fed from registers
+// dv = pt dy, dk = scale dst q, both second products fed from registers; and dst, rounded to
+// bf16, stored for the dq pass (ds_tile)
 // grid = (Hkv, B, ceil(T / 64)), the first key tiles (most queries) first; block = 128 threads
 template <int D>
-__device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
+__device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16,
                                             const unsigned short* dy16, const float* lse, const float* delta, int T,
                                             int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short qs[2][TILE][D + PAD], dys[2][TILE][D + PAD];
@@ -946,6 +946,13 @@ __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, const unsign
                 st[nt][i] = p;
                 dpt[nt][i] = p * (dpt[nt][i] - delta_s[cur][c]);
             }
+        unsigned short* ds_mine = ds16 + ds_tile(b, kvh * G + j / qtiles, Hq, T, q0 / TILE, blockIdx.z) + warp * 16 * TILE;
+        #pragma unroll
+        for (int nt = 0; nt < TILE / 8; nt++)                      // this warp's 16 keys x 64 queries of it
+            #pragma unroll
+            for (int half = 0; half < 2; half++)
+                *(unsigned*)&ds_mine[(group + 8 * half) * TILE + nt * 8 + 2 * in_group] =
+                    pack_bf16(dpt[nt][2 * half], dpt[nt][2 * half + 1]);
         mma_weighted_sum_bf16<D, 1>(&dv, &st, dys[cur]);
         mma_weighted_sum_bf16<D, 1>(&dk, &dpt, qs[cur]);
         __syncthreads();
@@ -1081,15 +1088,15 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_16(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
-    const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<16>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
+    const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<16>(dqkv16, ds16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_16(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
-    const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<16>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dq_bf16<16>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_32(
@@ -1098,15 +1105,15 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_32(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
-    const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<32>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
+    const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<32>(dqkv16, ds16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_32(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
-    const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<32>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dq_bf16<32>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_64(
@@ -1116,13 +1123,13 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
 
 // 168 registers instead of 177 (no spills), so that 3 blocks fit an SM: 3% faster at B = 16, 14% at 64
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_64(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
-    const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<64>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
+    const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<64>(dqkv16, ds16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_64(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* dy16, const float* lse,
-    const float* delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<64>(dqkv16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dq_bf16<64>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }

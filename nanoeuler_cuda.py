@@ -547,23 +547,33 @@ def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
         gpu.launch(kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, *args)
 
 
-def attention_backward(dqkv, dy, qkv, y, lse, delta, B, T, Hq, Hkv, D):
-    """dqkv = d loss / d qkv (dq and dk before rope's backward)"""
+def attention_ds_size(B, T, Hq):
+    """elements of the bf16 dk/dv pass's ds tiles for the dq pass (flash_attn.cu's ds_tile):
+    ATTENTION_ROWS x ATTENTION_ROWS for each causal pair of tiles of each (b, query head)"""
+    tiles = ceil_div(T, ATTENTION_ROWS)
+    return B * Hq * tiles * (tiles + 1) // 2 * ATTENTION_ROWS ** 2
+
+
+def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D):
+    """dqkv = d loss / d qkv (dq and dk before rope's backward); delta (B, Hq, T) and, for
+    the bf16 passes, ds (attention_ds_size bf16 elements) are scratch"""
     block, path = 256, attention_path(D, qkv)
     delta_args = (ptr_arg(delta), ptr_arg(dy), ptr_arg(y), int_arg(B), int_arg(T), int_arg(Hq), int_arg(D))
     lanes = D * (2 if path == "bf16" else 4) // 16                  # a 16-byte pack of a row each
     gpu.launch("attention_backward_delta_bf16_kernel" if path == "bf16" else "attention_backward_delta_kernel",
                ceil_div(B * T * Hq * lanes, block), block, *delta_args)
-    args = (ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(dy), ptr_arg(lse), ptr_arg(delta), int_arg(T), int_arg(Hq),
-            int_arg(Hkv), float_arg(1 / math.sqrt(D)))
+    inputs = (ptr_arg(qkv), ptr_arg(dy), ptr_arg(lse), ptr_arg(delta))
+    sizes = (int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(D)))
     _, dkv_kernel, dq_kernel = (name.format(D=D) for name in ATTENTION_KERNELS[path])
     blocks = ceil_div(T, ATTENTION_ROWS)
-    if path == "bf16":
-        gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, *args)
-        gpu.launch(dq_kernel, (Hq, B, blocks), 128, *args)
+    if path == "bf16":                                               # dq from the ds that the dk/dv pass stores
+        assert ds is not None and ds.size >= attention_ds_size(B, T, Hq) and ds.dtype == np.uint16
+        gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, ptr_arg(dqkv), ptr_arg(ds), *inputs, *sizes)
+        gpu.launch(dq_kernel, (Hq, B, blocks), 128, ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(ds), *sizes)
     else:                                                            # fp32 dq: one thread per query row
-        gpu.launch(dkv_kernel, (blocks, Hkv, B), 128, *args)
-        gpu.launch(dq_kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, *args)
+        gpu.launch(dkv_kernel, (blocks, Hkv, B), 128, ptr_arg(dqkv), *inputs, *sizes)
+        gpu.launch(dq_kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, ptr_arg(dqkv), *inputs,
+                   *sizes)
 
 
 # -----------------------------------------------------------------------------
@@ -775,6 +785,8 @@ class GPUModel:
         self.dnorm_out = act(N, C)
         self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
+        # attention's ds (d loss / d scores), from the bf16 dk/dv pass to the dq pass
+        self.attention_ds = DeviceArray((attention_ds_size(B, cfg.T, cfg.Hq) if self.bf16 else 1,), np.uint16)
         self.norm_partial = f32(2 * gpu.sms * C)                    # rmsnorm_backward's dw per block
         # the step's inputs, uploaded into these same buffers before each step (a graph reads them)
         self.inputs = DeviceArray((N + N * K + K,), np.int32)
@@ -879,7 +891,7 @@ class GPUModel:
             # forward was: x_mid = x[l] + y @ wo.T
             matmul(self.dy, self.dx, w("wo"), N, HD, C)
             matmul(dw("wo"), self.dx, self.y[l], C, HD, N, trans_a=True, accumulate=True)
-            attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta,
+            attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta, self.attention_ds,
                                B, T, cfg.Hq, cfg.Hkv, D)
             rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             matmul(self.dnorm_out, self.dqkv, w("wqkv"), N, C, QKV)
@@ -1145,7 +1157,8 @@ def check_attention(rng, report):
         report(f"{what} forward", rel_diff(values(y), ref.reshape(N, -1)))
         dq, dk, dv = ne.attention_backward(dy.astype(np.float64).reshape(B, T, Hq, D), cache)
         dqkv = poisoned((N, QKV), is_bf16)
-        attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), B, T, Hq, Hkv, D)
+        ds = poisoned((attention_ds_size(B, T, Hq),), True)       # every tile the dq pass reads must be written
+        attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), ds, B, T, Hq, Hkv, D)
         got = values(dqkv)
         report(f"{what} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
         report(f"{what} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
@@ -2072,7 +2085,7 @@ def time_attention(model, reps=20):
     cfg, B = model.cfg, model.B
     forward = lambda: attention_forward(model.y[0], model.lse[0], model.qkv[0], B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
     backward = lambda: attention_backward(model.dqkv, model.dy, model.qkv[0], model.y[0], model.lse[0], model.delta,
-                                          B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
+                                          model.attention_ds, B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
     times = []
     for passes in ([forward], [forward, backward]):
         for f in passes:                                             # warm-up

@@ -353,9 +353,17 @@ def attention_forward(t, a, grid, block, name):
 
 
 def attention_backward(t, a, grid, block, name):
-    """the dk/dv kernel writes dk and dv, the dq kernel dq, from qkv, dy, lse and delta"""
-    dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale = a
-    D, kv = kernel_dim(name), "_dkv_" in name
+    """the dk/dv kernel writes dk and dv, the dq kernel dq, from qkv, dy, lse and delta; in
+    bf16 the dk/dv kernel also stores ds, tile by tile (flash_attn.cu's ds_tile), and the
+    dq kernel reads dq = scale ds k from those tiles"""
+    bf16_pass, kv = "bf16" in name, "_dkv_" in name
+    if bf16_pass and not kv:
+        return attention_backward_dq_from_ds(t, a, grid, name)
+    if bf16_pass:
+        dqkv, ds_tiles, qkv, dy, lse, delta, T, Hq, Hkv, scale = a
+    else:
+        dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale = a
+    D = kernel_dim(name)
     B = attention_grid(name, grid, T, Hq, Hkv, kv)
     q, k, v = attention_inputs(t, qkv, B, T, Hq, Hkv, D)
     _, cache = ne.attention_forward(q, k, v)
@@ -365,6 +373,48 @@ def attention_backward(t, a, grid, block, name):
         out[:, :, Hq:Hq + Hkv], out[:, :, Hq + Hkv:] = dk, dv
     else:
         out[:, :, :Hq] = dq
+    t.put_x(dqkv, out)
+    if bf16_pass:                                                   # ds (B, Hq, T, T), rounded, into tiles
+        ds = attention_ds(t, qkv, dy, B, T, Hq, Hkv, D)
+        tiles = ds_tile_views(t, ds_tiles, B, T, Hq)
+        for (qi, kj), tile in tiles.items():
+            rows = ds[:, :, qi * 64:(qi + 1) * 64, kj * 64:(kj + 1) * 64]
+            tile[:] = 0
+            tile[:, :, :rows.shape[3], :rows.shape[2]] = to_bf16_bits(rows.transpose(0, 1, 3, 2))   # keys as rows
+
+
+def attention_ds(t, qkv, dy, B, T, Hq, Hkv, D):
+    """d loss / d scores (B, Hq, T, T), as nanoeuler.attention_backward makes it"""
+    q, k, v = attention_inputs(t, qkv, B, T, Hq, Hkv, D)
+    G = Hq // Hkv
+    kr, vr = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)          # (B, T, Hq, D): head h reads kv head h // G
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(D) + ne.causal_mask(T, T, 1, np.float64)
+    att = np.exp(s - s.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    datt = np.einsum("bqhd,bkhd->bhqk", t.x(dy, B * T * Hq * D).reshape(B, T, Hq, D), vr)
+    return att * (datt - (datt * att).sum(-1, keepdims=True))
+
+
+def ds_tile_views(t, ds_tiles, B, T, Hq):
+    """{(query tile, key tile): (B, Hq, 64, 64) view of the bf16 buffer}, laid out as ds_tile"""
+    n = -(-T // 64)
+    pairs = [(qi, kj) for qi in range(n) for kj in range(qi + 1)]       # pair index qi (qi + 1) / 2 + kj
+    buf = t.mem.array(ds_tiles, np.uint16, B * Hq * len(pairs) * 64 * 64, t.name).reshape(B, Hq, len(pairs), 64, 64)
+    return {pair: buf[:, :, i] for i, pair in enumerate(pairs)}
+
+
+def attention_backward_dq_from_ds(t, a, grid, name):
+    dqkv, qkv, ds_tiles, T, Hq, Hkv, scale = a
+    D = kernel_dim(name)
+    B = attention_grid(name, grid, T, Hq, Hkv, False)
+    _, k, _ = attention_inputs(t, qkv, B, T, Hq, Hkv, D)
+    ds = np.zeros((B, Hq, T, T))
+    for (qi, kj), tile in ds_tile_views(t, ds_tiles, B, T, Hq).items():
+        rows = ds[:, :, qi * 64:(qi + 1) * 64, kj * 64:(kj + 1) * 64]
+        rows[:] = nc.from_bf16(tile.copy()).transpose(0, 1, 3, 2)[:, :, :rows.shape[2], :rows.shape[3]]
+    dq = scale * np.einsum("bhqk,bkhd->bqhd", ds, np.repeat(k, Hq // Hkv, axis=2))
+    out = t.x(dqkv, B * T * (Hq + 2 * Hkv) * D).reshape(B, T, Hq + 2 * Hkv, D)
+    out[:, :, :Hq] = dq
     t.put_x(dqkv, out)
 
 
