@@ -8,7 +8,7 @@
 # sampled), sample, and decoding speed on both models.
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; O=/tmp/gpu_speed; mkdir -p "$R" "$O"     # every log in $O, tarred into $R at the end
-S=$O/summary.log; : > "$S"
+S=$R/summary.log; : > "$S"                                 # in $R as it grows: a cut-off run keeps it
 t() {   # t LOG CMD...: CMD's output into $O/LOG (its input: $T_IN or nothing), wall time and rc into the summary
   local log=$1; shift
   local s=$EPOCHREALTIME
@@ -61,4 +61,4 @@ t decode_sft.log python nanoeuler_cuda.py bench --decode-only --model $M
 t decode_big.log python nanoeuler_cuda.py bench --decode-only --model out/big/best.safetensors
 grep -hE "tok/s|prefill|agree" "$O/decode_sft.log" "$O/decode_big.log" | tee -a "$S"
 cp out/big/log.csv "$O/train_log.csv"; cp out/sft/log.csv "$O/sft_log.csv"
-tar czf "$R/logs.tar.gz" -C "$O" . && cp "$S" "$R/summary.log"
+tar czf "$R/logs.tar.gz" -C "$O" .
