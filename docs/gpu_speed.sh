@@ -46,6 +46,7 @@ a, b = (np.loadtxt(f"/tmp/{d}/log.csv", delimiter=",", skiprows=1, usecols=1) fo
 print(f"--gpus 1 == one GPU ({sys.argv[1]}, 20 steps, losses as logged):", len(a) == 20 and np.array_equal(a, b), a[-1], b[-1])
 PY
 done
+tar czf "$R/logs.tar.gz" -C "$O" .                           # so far (again at the end)
 # the flow after train big: SFT, chat, sample, decoding speed
 t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
 grep -vE "^step |^sample" "$O/sft.log" | tail -4 | tee -a "$S"
