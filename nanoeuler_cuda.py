@@ -1864,6 +1864,40 @@ class GPUDecoder:
         self.pos.fill_bits(pos)
 
 
+def queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T):
+    """generate's queue of passes in flight, (ring entry, rows fed; 0 = a prefill), filled up
+    to lookahead while the furthest the position can be leaves room for n_heads rows
+    -> feed, pos (a slide, when the cache is full, re-feeds the last T/2 tokens from 0)"""
+    while len(queue) < lookahead:
+        reach = pos + sum(rows for _, rows in queue)
+        if reach + n_heads <= T:
+            queue.append((decoder.launch_step(n_heads, n_heads), n_heads))
+        elif queue:
+            break                                                      # near the end: wait for the queue
+        elif pos + 1 <= T:                                             # fewer drafts, as the CPU feeds
+            queue.append((decoder.launch_step(T - pos, n_heads), T - pos))
+        else:                                                          # the cache is full: slide
+            queue.append((decoder.prefill(tokens[-(T // 2):], n_heads), 0))
+            feed, pos = tokens[-(T // 2):], T // 2
+    return feed, pos
+
+
+def sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p):
+    """sampling: the tokens a finished pass over rows rows gives, by nanoeuler.generate's
+    rule (sample row j; go on while it equals the draft fed at row j+1) -> chosen, and the
+    heads' argmax of each row (the next drafts)"""
+    R = max(rows, 1)
+    logits = decoder.logits.view(0, (R, n_heads * cfg.V)).download()[:, :cfg.V]
+    amax = decoder.amax.view(0, (R, n_heads)).download()
+    guesses = feed[1:rows]
+    chosen = []
+    for j in range(len(guesses) + 1):
+        chosen.append(ne.sample_token(logits[j], rng, temperature, top_k, top_p))
+        if j == len(guesses) or guesses[j] != chosen[-1]:
+            break
+    return chosen, amax
+
+
 def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
              speculative=False, stop=None, stats=None, drafts=None):
     """nanoeuler.generate on the GPU, the same arguments with a GPUDecoder for params:
@@ -1894,32 +1928,13 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
     queue.append((decoder.prefill(tokens, n_heads), 0))
     pos = len(tokens)
     while True:
-        # queue passes while the furthest the position can be leaves room for n_heads rows
-        while len(queue) < lookahead:
-            reach = pos + sum(rows for _, rows in queue)
-            if reach + n_heads <= T:
-                queue.append((decoder.launch_step(n_heads, n_heads), n_heads))
-            elif queue:
-                break                                                  # near the end: wait for the queue
-            elif pos + 1 <= T:                                         # fewer drafts, as the CPU feeds
-                queue.append((decoder.launch_step(T - pos, n_heads), T - pos))
-            else:                                                      # the cache is full: slide
-                queue.append((decoder.prefill(tokens[-(T // 2):], n_heads), 0))
-                feed, pos = tokens[-(T // 2):], T // 2
+        feed, pos = queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T)
         entry, rows = queue.pop(0)
         if greedy:
             chosen = decoder.wait(entry)
         else:
             decoder.wait(entry)
-            R = max(rows, 1)
-            logits = decoder.logits.view(0, (R, n_heads * cfg.V)).download()[:, :cfg.V]
-            amax = decoder.amax.view(0, (R, n_heads)).download()
-            guesses = feed[1:rows]
-            chosen = []
-            for j in range(len(guesses) + 1):
-                chosen.append(ne.sample_token(logits[j], rng, temperature, top_k, top_p))
-                if j == len(guesses) or guesses[j] != chosen[-1]:
-                    break
+            chosen, amax = sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p)
         if rows:
             pos += len(chosen)
         if stats is not None:
