@@ -9,7 +9,8 @@ an online softmax so that the (T x T) attention matrix is never stored
   backward: recompute p = exp(s - lse) tile by tile. One kernel owns a tile of
             keys of one kv head and sums dk, dv over every query head that
             reads it (GQA: query head h reads kv head h / (Hq/Hkv)), so no
-            atomics and no repeated k/v; another owns query rows and sums dq.
+            atomics and no repeated k/v; another owns query rows and sums dq
+            (in bf16 from the ds that the first one stores, not recomputed).
 
 Layout: qkv is (B, T, (Hq + 2 Hkv) D) row-major, as the wqkv matmul writes it:
 q heads, then k heads, then v heads. y is (B, T, Hq D); lse and delta (B, Hq, T).
@@ -26,7 +27,8 @@ Three versions of the three passes, read in this order:
   13 ms of attention per step against 43 ms on CUDA cores.
 - bf16 tensor cores (--precision bf16): bf16 mma.sync reading and writing
   bf16 activations, each score tile kept in registers from the first product
-  into the second; see "bf16 tensor cores" below.
+  into the second; the dk/dv pass also stores ds, from which the dq pass makes
+  dq in one product; see "bf16 tensor cores" below.
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
 without opting in).
@@ -136,7 +138,7 @@ __device__ __forceinline__ float dot_pack(const unsigned short* a, const unsigne
 
 // delta = rowsum(dy * y), the softmax backward's correction term, from dy and y in the
 // type the passes read them (X: float, or unsigned short for bf16), so that delta
-// matches the dp the passes compute.
+// matches the dp the passes compute (in bf16, the dk/dv pass alone).
 // P = D * sizeof(X) / 16 neighbouring lanes per (b, query row, head), a 16-byte pack each,
 // rows in memory order: a warp reads 512 contiguous bytes of dy and of y, and the P
 // lanes' sums meet in log2(P) shuffles. (One warp a row, a 4-byte pair a lane, as this
@@ -554,13 +556,13 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const
 }
 
 // -----------------------------------------------------------------------------
-// bf16 tensor cores: the same three passes with bf16 mma.sync (m16n8k16), fp32 sums
+// bf16 tensor cores: the three passes with bf16 mma.sync (m16n8k16), fp32 sums; dq from ds
 //
 // For --precision bf16, where the activations are bf16: qkv16 (q and k rotated by
 // rope_forward, then v) and dy16 in, y16 and dqkv16 (dq and dk before rope_backward
 // rotates them back, then dv) out, each rounded once as it is stored. Each warp owns 16 rows
 // (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
-// and dq follow the block size) and walks the other side in tiles of 64 rows,
+// follows the block size) and walks the other side in tiles of 64 rows,
 // copied into shared memory by cp.async two tiles deep (the next tile is on its
 // way while this one is multiplied).
 //
@@ -572,7 +574,7 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const
 // so the C tiles of columns 16j..16j+7 and 16j+8..16j+15, rounded to bf16 in
 // pairs, are exactly the A fragment of k-step j: a score tile (or p, ds) goes
 // from one product into the next in registers, without a trip through shared
-// memory. B fragments come from shared tiles by ldmatrix: a row-major tile X
+// memory (the dq pass alone reads its ds back from memory: ds_tile). B fragments come from shared tiles by ldmatrix: a row-major tile X
 // (rows x D) gives B = X.T as it stands (scores: q k.T) and B = X with .trans
 // (p v). Rows are padded by 8 bf16 (16 bytes), so the 8 rows one ldmatrix
 // matrix reads fall in 8 different groups of 4 banks.
@@ -826,8 +828,12 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
 }
 
 // where the dk/dv pass leaves ds for the dq pass: for each (b, query head) the causal pairs of
-// 64-row tiles, query tile qi's key tiles kj <= qi at pair qi (qi + 1) / 2 + kj, each tile
-// TILE keys x TILE queries (keys as rows, as the dk/dv pass holds it), bf16
+// 64-row tiles, query tile qi's key tiles kj <= qi at pair qi (qi + 1) / 2 + kj, 64 x 64 bf16
+// each, as the dk/dv pass's registers hold it (keys as rows, C layout): warp w's 16 keys at
+// word 512 w of the tile, its register r (n-tile r / 2, row half r % 2) at word 32 r + lane.
+// So each store of a warp writes 128 contiguous bytes, and the 16 bytes at bf16 1024 w +
+// 64 r + 8 group hold key 16 w + 8 (r % 2) + group's 8 queries 8 (r / 2) ..: a row of an 8x8
+// matrix, as ldmatrix reads one
 __device__ __forceinline__ long ds_tile(int b, int h, int Hq, int T, int qi, int kj) {
     int tiles = (T - 1) / TILE + 1;
     return (((long)b * Hq + h) * (tiles * (tiles + 1) / 2) + qi * (qi + 1) / 2 + kj) * TILE * TILE;
@@ -843,7 +849,7 @@ __device__ __forceinline__ long ds_tile(int b, int h, int Hq, int T, int qi, int
 template <int D>
 __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
                                            const unsigned short* ds16, int T, int Hq, int Hkv, float scale) {
-    __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], dss[2][TILE][TILE + PAD];
+    __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], dss[2][TILE * TILE];
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), qi = gridDim.z - 1 - blockIdx.z;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = qi * TILE + warp * 16;
     long stride = (long)(Hq + 2 * Hkv) * D;
@@ -851,7 +857,8 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
     const unsigned short* dsbase = ds16 + ds_tile(b, h, Hq, T, qi, 0);
     auto load = [&](int kj, int buf) {                             // key tile kj and its ds tile
         load_tile_async<D>(ks[buf], kbase, stride, kj * TILE, T);
-        load_tile_async<TILE>(dss[buf], dsbase + (long)kj * TILE * TILE, TILE, 0, TILE);
+        for (int c = threadIdx.x; c < TILE * TILE / 8; c += blockDim.x)
+            cp_async16(&dss[buf][8 * c], dsbase + (long)kj * TILE * TILE + 8 * c, true);
         cp_async_commit();
     };
     load(0, 0);
@@ -868,10 +875,11 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
         #pragma unroll
         for (int kk = 0; kk < TILE / 16; kk++) {
             if (kj == qi && kk > warp) break;                      // keys after every row of this warp: ds = 0
-            // A (16 rows x 16 keys) = the tile's keys kk*16.. x queries warp*16.., transposed:
-            // matrix m of the four holds A's rows + 8 (m & 1) and keys + 8 (m >> 1)
+            // A (16 rows x 16 keys) = the tile's keys 16 kk.. x queries 16 warp.., transposed: matrix
+            // m of the four holds A's rows + 8 (m & 1) (n-tile 2 warp + (m & 1)) and keys + 8 (m >> 1)
             unsigned a[4];
-            ldmatrix_x4_trans(a, &dss[cur][kk * 16 + (lane & 7) + (lane >> 4) * 8][warp * 16 + ((lane >> 3) & 1) * 8]);
+            int m = lane >> 3, r = 2 * (2 * warp + (m & 1)) + (m >> 1);
+            ldmatrix_x4_trans(a, &dss[cur][1024 * kk + 64 * r + 8 * (lane & 7)]);
             #pragma unroll
             for (int np = 0; np < D / 16; np++) {                  // B = the key tile's rows, as in mma_weighted_sum_bf16
                 unsigned bf[4];
@@ -946,14 +954,14 @@ __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned sho
                 st[nt][i] = p;
                 dpt[nt][i] = p * (dpt[nt][i] - delta_s[cur][c]);
             }
-        unsigned short* ds_mine = ds16 + ds_tile(b, kvh * G + j / qtiles, Hq, T, q0 / TILE, blockIdx.z) + warp * 16 * TILE;
+        mma_weighted_sum_bf16<D, 1>(&dv, &st, dys[cur]);
+        unsigned* ds_mine = (unsigned*)(ds16 + ds_tile(b, kvh * G + j / qtiles, Hq, T, q0 / TILE, blockIdx.z)) +
+                            512 * warp + threadIdx.x % 32;
         #pragma unroll
         for (int nt = 0; nt < TILE / 8; nt++)                      // this warp's 16 keys x 64 queries of it
             #pragma unroll
             for (int half = 0; half < 2; half++)
-                *(unsigned*)&ds_mine[(group + 8 * half) * TILE + nt * 8 + 2 * in_group] =
-                    pack_bf16(dpt[nt][2 * half], dpt[nt][2 * half + 1]);
-        mma_weighted_sum_bf16<D, 1>(&dv, &st, dys[cur]);
+                ds_mine[32 * (2 * nt + half)] = pack_bf16(dpt[nt][2 * half], dpt[nt][2 * half + 1]);
         mma_weighted_sum_bf16<D, 1>(&dk, &dpt, qs[cur]);
         __syncthreads();
     }
@@ -1121,7 +1129,8 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
     attention_forward_bf16<64, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
-// 168 registers instead of 177 (no spills), so that 3 blocks fit an SM: 3% faster at B = 16, 14% at 64
+// 168 registers instead of 177, so that 3 blocks fit an SM: 3% faster at B = 16, 14% at 64 (with no
+// spills then; since it stores ds, 12 bytes spill)
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_64(
     unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
     const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {

@@ -296,7 +296,7 @@ __device__ __forceinline__ int dw_slot(int c, int C) { return (c % PACK) * (C / 
 // in registers from the first sum to dx, so each is read once. dw: each warp adds up its rows' dout * xhat in a row of shared memory of
 // its own (warps x C floats, dynamic), the block adds its warps in order into partial[block],
 // and rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
-// every run. block 256, grid = min(ceil(N / 8), a few per SM)
+// every run. block 256, grid = min(ceil(N / 8), two per SM)
 extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, const floatX* dout, const floatX* x,
                                                    const float* w, const float* rstd, int N, int C, int accumulate) {
     extern __shared__ float dw_warp[];

@@ -432,7 +432,8 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=No
     """dx += (or = without accumulate) the input gradient, dw += the weight gradient;
     partial: scratch for dw's per-block sums (GPUModel's own, which a graph may hold)"""
     block = 256
-    # few blocks, few partial sums of dw: two an SM, as many as fit at once (128 registers a thread in bf16)
+    # few blocks, few partial sums of dw: two an SM, as many as fit at once in bf16 (128 registers
+    # a thread; the fp32 build's 226 fit one)
     grid = min(ceil_div(N, block // 32), 2 * gpu.sms)
     partial = gpu.scratch(grid * C) if partial is None else partial
     assert partial.size >= grid * C

@@ -376,11 +376,12 @@ def attention_backward(t, a, grid, block, name):
     t.put_x(dqkv, out)
     if bf16_pass:                                                   # ds (B, Hq, T, T), rounded, into tiles
         ds = attention_ds(t, qkv, dy, B, T, Hq, Hkv, D)
-        tiles = ds_tile_views(t, ds_tiles, B, T, Hq)
+        tiles, store = ds_tile_views(t, ds_tiles, B, T, Hq)
         for (qi, kj), tile in tiles.items():
             rows = ds[:, :, qi * 64:(qi + 1) * 64, kj * 64:(kj + 1) * 64]
             tile[:] = 0
             tile[:, :, :rows.shape[3], :rows.shape[2]] = to_bf16_bits(rows.transpose(0, 1, 3, 2))   # keys as rows
+            store((qi, kj), tile)
 
 
 def attention_ds(t, qkv, dy, B, T, Hq, Hkv, D):
@@ -395,12 +396,27 @@ def attention_ds(t, qkv, dy, B, T, Hq, Hkv, D):
     return att * (datt - (datt * att).sum(-1, keepdims=True))
 
 
+def ds_tile_order():
+    """flat index in a stored ds tile (flash_attn.cu's ds_tile: the dk/dv pass's registers)
+    of (key, query) of a 64 x 64 tile, as a (64, 64) array"""
+    key, query = np.meshgrid(np.arange(64), np.arange(64), indexing="ij")
+    warp, half, group = key // 16, key % 16 // 8, key % 8
+    nt, in_group, odd = query // 8, query % 8 // 2, query % 2
+    word = 512 * warp + 32 * (2 * nt + half) + 4 * group + in_group     # register 2 nt + half of lane 4 group + in_group
+    return 2 * word + odd
+
+
 def ds_tile_views(t, ds_tiles, B, T, Hq):
-    """{(query tile, key tile): (B, Hq, 64, 64) view of the bf16 buffer}, laid out as ds_tile"""
-    n = -(-T // 64)
+    """{(query tile, key tile): (B, Hq, 64 keys, 64 queries) copy}, and a function that stores
+    such an array into its tile, the bf16 buffer laid out as ds_tile"""
+    n, order = -(-T // 64), ds_tile_order()
     pairs = [(qi, kj) for qi in range(n) for kj in range(qi + 1)]       # pair index qi (qi + 1) / 2 + kj
-    buf = t.mem.array(ds_tiles, np.uint16, B * Hq * len(pairs) * 64 * 64, t.name).reshape(B, Hq, len(pairs), 64, 64)
-    return {pair: buf[:, :, i] for i, pair in enumerate(pairs)}
+    buf = t.mem.array(ds_tiles, np.uint16, B * Hq * len(pairs) * 64 * 64, t.name).reshape(B, Hq, len(pairs), 4096)
+    tiles = {pair: buf[:, :, i][..., order] for i, pair in enumerate(pairs)}
+
+    def store(pair, bits):
+        buf[:, :, pairs.index(pair), order.reshape(-1)] = bits.reshape(B, Hq, 4096)
+    return tiles, store
 
 
 def attention_backward_dq_from_ds(t, a, grid, name):
@@ -409,9 +425,9 @@ def attention_backward_dq_from_ds(t, a, grid, name):
     B = attention_grid(name, grid, T, Hq, Hkv, False)
     _, k, _ = attention_inputs(t, qkv, B, T, Hq, Hkv, D)
     ds = np.zeros((B, Hq, T, T))
-    for (qi, kj), tile in ds_tile_views(t, ds_tiles, B, T, Hq).items():
+    for (qi, kj), tile in ds_tile_views(t, ds_tiles, B, T, Hq)[0].items():
         rows = ds[:, :, qi * 64:(qi + 1) * 64, kj * 64:(kj + 1) * 64]
-        rows[:] = nc.from_bf16(tile.copy()).transpose(0, 1, 3, 2)[:, :, :rows.shape[2], :rows.shape[3]]
+        rows[:] = nc.from_bf16(tile).transpose(0, 1, 3, 2)[:, :, :rows.shape[2], :rows.shape[3]]
     dq = scale * np.einsum("bhqk,bkhd->bqhd", ds, np.repeat(k, Hq // Hkv, axis=2))
     out = t.x(dqkv, B * T * (Hq + 2 * Hkv) * D).reshape(B, T, Hq + 2 * Hkv, D)
     out[:, :, :Hq] = dq

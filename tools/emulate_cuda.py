@@ -1,5 +1,5 @@
 """
-Runs kernels.cu on the CPU, to check the kernels' logic (indices, masks, the order
+Runs kernels.cu and flash_attn.cu on the CPU, to check the kernels' logic (indices, masks, the order
 of sums, graph capture bookkeeping) on a machine without a GPU. Not part of
 NanoEuler: nothing imports it but the tests.
 
