@@ -1,0 +1,30 @@
+#!/bin/bash
+# A short device run after a kernel change (bash docs/gpu_recheck.sh; $OUT: summary.log and the
+# logs), about 4 minutes on an H200: check; bench big --profile at batch 16 and 64; PyTorch
+# (torch.compile with CUDA graphs) at 16 and 64 in the same run; bench at 64 again; train big.
+export PYTHONUNBUFFERED=1
+R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
+t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
+  local log=$1; shift
+  local s=$EPOCHREALTIME
+  "$@" < /dev/null > "$R/$log" 2>&1
+  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $?" | tee -a "$S"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
+t check.log python nanoeuler_cuda.py check
+echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
+grep "NOT OK" "$R/check.log" | head | tee -a "$S"
+for b in 16 64; do
+  t bench_b${b}_profile.log python nanoeuler_cuda.py bench big --batch $b --profile
+  grep -E "ms/step|replayed from its graph:|attention_backward|attention_forward|attention of one" "$R/bench_b${b}_profile.log" | tee -a "$S"
+done
+for b in 16 64; do
+  t torch_b$b.log python docs/pytorch_reference.py --compile reduce-overhead --batch $b
+  grep -E "^PyTorch|Error" "$R/torch_b$b.log" | tail -2 | tee -a "$S"
+done
+for b in 64 16; do
+  t bench_b${b}_after.log python nanoeuler_cuda.py bench big --batch $b
+  grep -E "ms/step" "$R/bench_b${b}_after.log" | tee -a "$S"
+done
+t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
+grep -vE "^step |^sample" "$R/train.log" | tail -4 | tee -a "$S"
