@@ -8,7 +8,8 @@ t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the 
   local log=$1; shift
   local s=$EPOCHREALTIME
   "$@" < /dev/null > "$R/$log" 2>&1
-  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $?" | tee -a "$S"
+  local rc=$?
+  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
 t check.log python nanoeuler_cuda.py check
