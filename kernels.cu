@@ -284,49 +284,57 @@ extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* ou
     rmsnorm_rows(out, rstd, x, x_in, a, w, N, C);
 }
 
-// where column c of a warp's dw row lies in shared memory: lane l's PACK columns
-// l PACK .. l PACK + PACK-1 land in PACK different rows of C / PACK words, at word l, so
-// the 32 lanes of an update hit 32 different banks
-__device__ __forceinline__ int dw_slot(int c, int C) { return (c % PACK) * (C / PACK) + c / PACK; }
-
 // one row per warp, rows in a grid-stride loop, lanes over the row as in rmsnorm_rows:
 // dx = (accumulate ? dx : 0) + rstd * (g - xhat * mean(g * xhat)), g = dout * w, xhat = x * rstd.
 // accumulate: the residual stream's gradient takes both paths (+=); the final norm's starts it.
 // The lane's share of the row's dout and x (and dx, when added to) is loaded at once and stays
-// in registers from the first sum to dx, so each is read once. dw: each warp adds up its rows' dout * xhat in a row of shared memory of
-// its own (warps x C floats, dynamic), the block adds its warps in order into partial[block],
-// and rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
+// in registers from the first sum to dx, so each is read once. A lane always holds the same
+// columns, so its share of w and of dw stays in registers across its rows too: reading w
+// again for each row and adding dw in shared memory took 95.6 us against 69.8 at the big
+// model's batch 64 (H200, docs/variants/). To keep those registers few the kernel comes in
+// the widths of row it takes (WIDTH, a multiple of 32 PACK: rmsnorm_backward_kernel_768
+// holds 3 packs a lane in bf16, 6 in fp32); the host picks the narrowest that fits C.
+// dw: each warp writes its sums into a row of shared memory of its own (warps x C floats,
+// dynamic), the block adds its warps in order into partial[block], and
+// rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits
 // every run. block 256, grid = min(ceil(N / 8), two per SM)
-extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, const floatX* dout, const floatX* x,
-                                                   const float* w, const float* rstd, int N, int C, int accumulate) {
+template <int WIDTH>
+__device__ void rmsnorm_backward(floatX* dx, float* partial, const floatX* dout, const floatX* x, const float* w,
+                                 const float* rstd, int N, int C, int accumulate) {
+    constexpr int PACKS = WIDTH / (32 * PACK);
     extern __shared__ float dw_warp[];
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
-    float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
-    for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
-    __syncwarp();                         // zeroed by one lane, added to by another (dw_slot)
+    float w_mine[PACKS][PACK], dw_mine[PACKS][PACK];          // the lane's columns of w and dw
+#pragma unroll
+    for (int j = 0; j < PACKS; j++)
+#pragma unroll
+        for (int i = 0; i < PACK; i++) {
+            int c = (32 * j + lane) * PACK + i;
+            w_mine[j][i] = c < C ? w[c] : 0.0f;
+            dw_mine[j][i] = 0.0f;
+        }
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
         long r0 = (long)row * C;
-        uint4 d_bits[ROW_PACKS], x_bits[ROW_PACKS], dx_bits[ROW_PACKS];
+        uint4 d_bits[PACKS], x_bits[PACKS], dx_bits[PACKS];
 #pragma unroll
-        for (int j = 0; j < ROW_PACKS; j++) {
+        for (int j = 0; j < PACKS; j++) {
             int c = (32 * j + lane) * PACK;
             if (c < C) d_bits[j] = load_bits(dout + r0 + c), x_bits[j] = load_bits(x + r0 + c);
             if (c < C && accumulate) dx_bits[j] = load_bits(dx + r0 + c);
         }
         float r = rstd[row], dot = 0.0f;
 #pragma unroll
-        for (int j = 0; j < ROW_PACKS; j++) {
-            int c = (32 * j + lane) * PACK;
-            if (c >= C) continue;
+        for (int j = 0; j < PACKS; j++) {
+            if ((32 * j + lane) * PACK >= C) continue;
             float d[PACK], xv[PACK];
             unpack(d, d_bits[j], dout);
             unpack(xv, x_bits[j], x);
 #pragma unroll
-            for (int i = 0; i < PACK; i++) dot += d[i] * w[c + i] * xv[i] * r;   // sum of g * xhat
+            for (int i = 0; i < PACK; i++) dot += d[i] * w_mine[j][i] * xv[i] * r;   // sum of g * xhat
         }
         dot = warp_sum(dot) / C;
 #pragma unroll
-        for (int j = 0; j < ROW_PACKS; j++) {
+        for (int j = 0; j < PACKS; j++) {
             int c = (32 * j + lane) * PACK;
             if (c >= C) continue;
             float d[PACK], xv[PACK], g[PACK];
@@ -336,18 +344,41 @@ extern "C" __global__ void rmsnorm_backward_kernel(floatX* dx, float* partial, c
 #pragma unroll
             for (int i = 0; i < PACK; i++) {
                 float xhat = xv[i] * r;
-                g[i] = (accumulate ? g[i] : 0.0f) + r * (d[i] * w[c + i] - xhat * dot);
-                dw_mine[dw_slot(c + i, C)] += d[i] * xhat;
+                g[i] = (accumulate ? g[i] : 0.0f) + r * (d[i] * w_mine[j][i] - xhat * dot);
+                dw_mine[j][i] += d[i] * xhat;
             }
             store_pack(dx + r0 + c, g);
         }
     }
+    float* dw_row = dw_warp + (threadIdx.x / 32) * C;
+#pragma unroll
+    for (int j = 0; j < PACKS; j++)
+#pragma unroll
+        for (int i = 0; i < PACK; i++) {
+            int c = (32 * j + lane) * PACK + i;
+            if (c < C) dw_row[c] = dw_mine[j][i];
+        }
     __syncthreads();
     for (int c = threadIdx.x; c < C; c += blockDim.x) {
         float sum = 0.0f;
-        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + dw_slot(c, C)];
+        for (int k = 0; k < warps; k++) sum += dw_warp[k * C + c];
         partial[(long)blockIdx.x * C + c] = sum;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_kernel_256(floatX* dx, float* partial,
+        const floatX* dout, const floatX* x, const float* w, const float* rstd, int N, int C, int accumulate) {
+    rmsnorm_backward<256>(dx, partial, dout, x, w, rstd, N, C, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_kernel_768(floatX* dx, float* partial,
+        const floatX* dout, const floatX* x, const float* w, const float* rstd, int N, int C, int accumulate) {
+    rmsnorm_backward<768>(dx, partial, dout, x, w, rstd, N, C, accumulate);
+}
+
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_kernel_1536(floatX* dx, float* partial,
+        const floatX* dout, const floatX* x, const float* w, const float* rstd, int N, int C, int accumulate) {
+    rmsnorm_backward<MAX_C>(dx, partial, dout, x, w, rstd, N, C, accumulate);
 }
 
 // dw[c] += the blocks' partial sums, in block order: lane l of warp j adds the partials of

@@ -15,7 +15,7 @@ tokenizer, the data pipeline, the checkpoint files and the training loop's log
 and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
 the other way round. Its sections follow nanoeuler.py's order, under the same
 names (rmsnorm_backward is a numpy layer there, a launcher here and
-rmsnorm_backward_kernel in kernels.cu): compiling the kernels and the CUDA
+rmsnorm_backward_kernel_<width> in kernels.cu): compiling the kernels and the CUDA
 plumbing first, then the kernel launchers and cuBLAS's matmuls (the layers), the
 model, check (in the gradient check's place), decoding (generation), training,
 SFT and chat, the benchmark, the command line; the data-parallel part (--gpus,
@@ -65,6 +65,7 @@ MODULES = {"kernels.cu": ("kernels.cu", ()), "kernels.cu bf16": ("kernels.cu", (
            "flash_attn.cu": ("flash_attn.cu", ())}
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanoeuler")
 HEAD_DIMS = (16, 32, 64)                       # flash_attn.cu is instantiated for these
+RMSNORM_WIDTHS = (256, 768, 1536)              # rmsnorm_backward_kernel_<width>: rows of up to width (MAX_C)
 
 
 # -----------------------------------------------------------------------------
@@ -432,12 +433,13 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=No
     """dx += (or = without accumulate) the input gradient, dw += the weight gradient;
     partial: scratch for dw's per-block sums (GPUModel's own, which a graph may hold)"""
     block = 256
-    # few blocks, few partial sums of dw: two an SM, as many as fit at once in bf16 (128 registers
-    # a thread; the fp32 build's 226 fit one)
+    # few blocks, few partial sums of dw: two an SM, as many as fit at once in bf16 at C = 768 (126
+    # registers a thread; the fp32 build's 151 fit one); the narrowest build of the kernel that takes C
     grid = min(ceil_div(N, block // 32), 2 * gpu.sms)
     partial = gpu.scratch(grid * C) if partial is None else partial
     assert partial.size >= grid * C
-    gpu.launch("rmsnorm_backward_kernel", grid, block, ptr_arg(dx), ptr_arg(partial), ptr_arg(dout), ptr_arg(x),
+    width = next(width for width in RMSNORM_WIDTHS if C <= width)
+    gpu.launch(f"rmsnorm_backward_kernel_{width}", grid, block, ptr_arg(dx), ptr_arg(partial), ptr_arg(dout), ptr_arg(x),
                ptr_arg(w), ptr_arg(rstd), int_arg(N), int_arg(C), int_arg(int(accumulate)), shared=4 * C * block // 32,
                bf16=bf16(dx))
     gpu.launch("rmsnorm_backward_dw_kernel", ceil_div(C, 32), 256, ptr_arg(dw), ptr_arg(partial), int_arg(grid),
@@ -1011,7 +1013,8 @@ def check_kernels(rng, report, is_bf16):
         embedding_backward(d, to_gpu(ids, np.int32), activation(dx, is_bf16), rows, width, 7)
         report(name(f"embedding_backward C={width}"),
                rel_diff(d.download(), start + ne.embedding_backward(f64(dx), (ids, (7, width)))))
-    check_rmsnorm(rng, report, is_bf16, N, C)
+    for width in (C, 520, 1040):                                    # each build of rmsnorm_backward_kernel
+        check_rmsnorm(rng, report, is_bf16, N if width == C else 40, width)
     check_rope(rng, report, is_bf16, B, T)
     # swiglu
     gu, dout = rnd(f32(N, 2 * F) * 3), rnd(f32(N, F))
@@ -1034,7 +1037,7 @@ def check_rmsnorm(rng, report, is_bf16, N, C):
     """rmsnorm_forward, the residual add fused into it, and rmsnorm_backward (+= and =)"""
     f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
     rnd = bf16_round if is_bf16 else (lambda a: np.asarray(a, np.float32))
-    name = lambda what: what + (" (bf16)" if is_bf16 else "")
+    name = lambda what: what + (f" C={C}" if C > 256 else "") + (" (bf16)" if is_bf16 else "")
     x_in, a, w, dout, dx0, dw0 = rnd(f32(N, C)), rnd(f32(N, C)), f32(C), rnd(f32(N, C)), rnd(f32(N, C)), f32(C)
     out, rstd = poisoned((N, C), is_bf16), poisoned((N,))
     rmsnorm_forward(out, rstd, activation(x_in, is_bf16), to_gpu(w), N, C)

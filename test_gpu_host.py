@@ -188,7 +188,7 @@ def residual_rmsnorm_forward(t, a, grid, block):
     t.f32(rstd, N)[:] = r
 
 
-@kernel("rmsnorm_backward_kernel")
+@kernel("rmsnorm_backward_kernel_256", "rmsnorm_backward_kernel_768", "rmsnorm_backward_kernel_1536")
 def rmsnorm_backward(t, a, grid, block, shared):
     dx, partial, dout, x, w, rstd, N, C, accumulate = a
     assert shared >= 4 * C * block // 32 and grid[0] * block // 32 >= 1
@@ -569,7 +569,7 @@ class Driver:
         bf16 = f.module == "kernels.cu bf16" or f.module == "flash_attn.cu" and "bf16" in f.name
         typed = Typed(self.mem, bf16, f.name)
         run = KERNELS[f.name]
-        extra_args = {"shared": shared} if f.name == "rmsnorm_backward_kernel" else {}
+        extra_args = {"shared": shared} if f.name.startswith("rmsnorm_backward_kernel") else {}
         self.run(lambda: run(typed, args, (gx, gy, gz), bx, **extra_args))
         return (self.OK,)
 
