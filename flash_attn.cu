@@ -28,9 +28,7 @@ Three versions of the three passes, read in this order:
 - bf16 tensor cores (--precision bf16): bf16 mma.sync reading and writing
   bf16 activations, each score tile kept in registers from the first product
   into the second; the dk/dv pass also stores ds, from which the dq pass makes
-  dq in one product, and both rotate dq and dk back by rope's backward as
-  they store them (the other versions leave that to rope_backward_kernel);
-  see "bf16 tensor cores" below.
+  dq in one product; see "bf16 tensor cores" below.
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
 without opting in).
@@ -561,9 +559,8 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const
 // bf16 tensor cores: the three passes with bf16 mma.sync (m16n8k16), fp32 sums; dq from ds
 //
 // For --precision bf16, where the activations are bf16: qkv16 (q and k rotated by
-// rope_forward, then v) and dy16 in, y16 and dqkv16 (dq and dk already rotated back by
-// rope's backward, store_c_rows_rope_backward, then dv) out, each rounded once as it is
-// stored. Each warp owns 16 rows
+// rope_forward, then v) and dy16 in, y16 and dqkv16 (dq and dk before rope_backward
+// rotates them back, then dv) out, each rounded once as it is stored. Each warp owns 16 rows
 // (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
 // follows the block size) and walks the other side in tiles of 64 rows,
 // copied into shared memory by cp.async two tiles deep (the next tile is on its
@@ -734,33 +731,6 @@ __device__ void store_c_rows(unsigned short* out, long ld, int r0, int T, float 
     }
 }
 
-// store_c_rows with rope's backward done first (the bf16 dq and dk/dv passes): the pair
-// (a, b) = (c[p], c[p + D/2]) of row t, times f, becomes (a cos + b sin, b cos - a sin) with
-// cos and sin of position t from the tables rope_backward_kernel reads ((positions, D/2),
-// nanoeuler.rope_table), before its one rounding to bf16. A lane holds both halves of a pair:
-// column p in n-tile p / 8, column p + D/2 in n-tile p / 8 + D/16. So dq and dk leave these
-// passes as d loss / d (q, k before rope), and no rope_backward pass reads and writes them again.
-template <int D>
-__device__ void store_c_rows_rope_backward(unsigned short* out, long ld, int r0, int T, float (*c)[4], float f,
-                                           const float* cos, const float* sin) {
-    int group = (threadIdx.x % 32) >> 2, in_group = threadIdx.x & 3;
-    #pragma unroll
-    for (int half = 0; half < 2; half++) {
-        int row = r0 + group + 8 * half;
-        if (row >= T) continue;
-        #pragma unroll
-        for (int nt = 0; nt < D / 16; nt++) {
-            int p = nt * 8 + 2 * in_group;
-            float2 cs = *(const float2*)&cos[row * (D / 2) + p], sn = *(const float2*)&sin[row * (D / 2) + p];
-            float a0 = c[nt][2 * half] * f, a1 = c[nt][2 * half + 1] * f;
-            float b0 = c[nt + D / 16][2 * half] * f, b1 = c[nt + D / 16][2 * half + 1] * f;
-            long e = row * ld + p;
-            *(unsigned*)&out[e] = pack_bf16(a0 * cs.x + b0 * sn.x, a1 * cs.y + b1 * sn.y);
-            *(unsigned*)&out[e + D / 2] = pack_bf16(b0 * cs.x - a0 * sn.x, b1 * cs.y - a1 * sn.y);
-        }
-    }
-}
-
 // y and lse for 64 MT query rows of one query head, 16 MT per warp (MT m-tiles
 // of 16 rows, which share every B fragment read from shared memory), walking the
 // key tiles up to the diagonal with the online softmax of attention_forward
@@ -878,8 +848,7 @@ __device__ __forceinline__ long ds_tile(int b, int h, int Hq, int T, int qi, int
 // grid = (Hq, B, ceil(T / 64)), the last query tiles first; block = 128 threads
 template <int D>
 __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigned short* qkv16,
-                                           const unsigned short* ds16, const float* cos, const float* sin, int T,
-                                           int Hq, int Hkv, float scale) {
+                                           const unsigned short* ds16, int T, int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], dss[2][TILE * TILE];
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), qi = gridDim.z - 1 - blockIdx.z;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = qi * TILE + warp * 16;
@@ -921,7 +890,8 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
         }
         __syncthreads();                                           // before the next copy overwrites it
     }
-    store_c_rows_rope_backward<D>(dqkv16 + (long)b * T * stride + h * D, stride, r0, T, dq, scale, cos, sin);
+    float scales[2] = {scale, scale};
+    store_c_rows<D>(dqkv16 + (long)b * T * stride + h * D, stride, r0, T, dq, scales);   // rope_backward rotates it
 }
 
 // dk and dv for 64 keys of one kv head, 16 per warp, summed over its G query heads
@@ -932,8 +902,8 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
 // grid = (Hkv, B, ceil(T / 64)), the first key tiles (most queries) first; block = 128 threads
 template <int D>
 __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16,
-                                            const unsigned short* dy16, const float* lse, const float* delta,
-                                            const float* cos, const float* sin, int T, int Hq, int Hkv, float scale) {
+                                            const unsigned short* dy16, const float* lse, const float* delta, int T,
+                                            int Hq, int Hkv, float scale) {
     __shared__ __align__(16) unsigned short qs[2][TILE][D + PAD], dys[2][TILE][D + PAD];
     __shared__ float lse_s[2][TILE], delta_s[2][TILE];
     int kvh = blockIdx.x, b = blockIdx.y, G = Hq / Hkv, k0 = blockIdx.z * TILE;
@@ -995,9 +965,9 @@ __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned sho
         mma_weighted_sum_bf16<D, 1>(&dk, &dpt, qs[cur]);
         __syncthreads();
     }
-    float ones[2] = {1.0f, 1.0f};
+    float ones[2] = {1.0f, 1.0f}, scales[2] = {scale, scale};
     long kc = (long)b * T * stride + (Hq + kvh) * D, vc = (long)b * T * stride + (Hq + Hkv + kvh) * D;
-    store_c_rows_rope_backward<D>(dqkv16 + kc, stride, r0, T, dk, scale, cos, sin);
+    store_c_rows<D>(dqkv16 + kc, stride, r0, T, dk, scales);                         // rope_backward rotates dk
     store_c_rows<D>(dqkv16 + vc, stride, r0, T, dv, ones);
 }
 
@@ -1127,14 +1097,14 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_16(
     unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
-    const float* lse, const float* delta, const float* cos, const float* sin, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<16>(dqkv16, ds16, qkv16, dy16, lse, delta, cos, sin, T, Hq, Hkv, scale);
+    const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<16>(dqkv16, ds16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_16(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, const float* cos,
-    const float* sin, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<16>(dqkv16, qkv16, ds16, cos, sin, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dq_bf16<16>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_32(
@@ -1144,14 +1114,14 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_32(
     unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
-    const float* lse, const float* delta, const float* cos, const float* sin, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<32>(dqkv16, ds16, qkv16, dy16, lse, delta, cos, sin, T, Hq, Hkv, scale);
+    const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<32>(dqkv16, ds16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_32(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, const float* cos,
-    const float* sin, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<32>(dqkv16, qkv16, ds16, cos, sin, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dq_bf16<32>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_64(
@@ -1163,12 +1133,12 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16
 // spills then; since it stores ds, 12 bytes spill)
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_64(
     unsigned short* dqkv16, unsigned short* ds16, const unsigned short* qkv16, const unsigned short* dy16,
-    const float* lse, const float* delta, const float* cos, const float* sin, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_bf16<64>(dqkv16, ds16, qkv16, dy16, lse, delta, cos, sin, T, Hq, Hkv, scale);
+    const float* lse, const float* delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_bf16<64>(dqkv16, ds16, qkv16, dy16, lse, delta, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_bf16_kernel_64(
-    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, const float* cos,
-    const float* sin, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dq_bf16<64>(dqkv16, qkv16, ds16, cos, sin, T, Hq, Hkv, scale);
+    unsigned short* dqkv16, const unsigned short* qkv16, const unsigned short* ds16, int T, int Hq, int Hkv,
+    float scale) {
+    attention_backward_dq_bf16<64>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }

@@ -557,11 +557,9 @@ def attention_ds_size(B, T, Hq):
     return B * Hq * tiles * (tiles + 1) // 2 * ATTENTION_ROWS ** 2
 
 
-def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, cos, sin):
-    """dqkv = d loss / d qkv before rope: dq and dk rotated back by rope's backward (cos,
-    sin: rope_forward's tables), by the bf16 passes as they store them, else by
-    rope_backward after the passes; delta (B, Hq, T) and, for the bf16 passes, ds
-    (attention_ds_size bf16 elements) are scratch"""
+def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D):
+    """dqkv = d loss / d qkv (dq and dk before rope's backward); delta (B, Hq, T) and, for
+    the bf16 passes, ds (attention_ds_size bf16 elements) are scratch"""
     block, path = 256, attention_path(D, qkv)
     delta_args = (ptr_arg(delta), ptr_arg(dy), ptr_arg(y), int_arg(B), int_arg(T), int_arg(Hq), int_arg(D))
     lanes = D * (2 if path == "bf16" else 4) // 16                  # a 16-byte pack of a row each
@@ -573,14 +571,12 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, cos, 
     blocks = ceil_div(T, ATTENTION_ROWS)
     if path == "bf16":                                               # dq from the ds that the dk/dv pass stores
         assert ds is not None and ds.size >= attention_ds_size(B, T, Hq) and ds.dtype == np.uint16
-        tables = (ptr_arg(cos), ptr_arg(sin))
-        gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, ptr_arg(dqkv), ptr_arg(ds), *inputs, *tables, *sizes)
-        gpu.launch(dq_kernel, (Hq, B, blocks), 128, ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(ds), *tables, *sizes)
+        gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, ptr_arg(dqkv), ptr_arg(ds), *inputs, *sizes)
+        gpu.launch(dq_kernel, (Hq, B, blocks), 128, ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(ds), *sizes)
     else:                                                            # fp32 dq: one thread per query row
         gpu.launch(dkv_kernel, (blocks, Hkv, B), 128, ptr_arg(dqkv), *inputs, *sizes)
         gpu.launch(dq_kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, ptr_arg(dqkv), *inputs,
                    *sizes)
-        rope_backward(dqkv, cos, sin, B * T, T, Hq + Hkv, D, (Hq + 2 * Hkv) * D)
 
 
 # -----------------------------------------------------------------------------
@@ -905,7 +901,8 @@ class GPUModel:
             matmul(self.dy, self.dx, w("wo"), N, HD, C)
             matmul(dw("wo"), self.dx, self.y[l], C, HD, N, trans_a=True, accumulate=True)
             attention_backward(self.dqkv, self.dy, self.qkv[l], self.y[l], self.lse[l], self.delta, self.attention_ds,
-                               B, T, cfg.Hq, cfg.Hkv, D, self.cos, self.sin)         # and rope's backward
+                               B, T, cfg.Hq, cfg.Hkv, D)
+            rope_backward(self.dqkv, self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             matmul(self.dnorm_out, self.dqkv, w("wqkv"), N, C, QKV)
             matmul(dw("wqkv"), self.dqkv, self.attn_in[l], QKV, C, N, trans_a=True, accumulate=True)
             rmsnorm_backward(self.dx, dw("attn_norm"), self.dnorm_out, self.x[l], w("attn_norm"), self.rstd_attn[l],
@@ -1169,12 +1166,9 @@ def check_attention(rng, report):
         what = f"attention {path} D={D} G={Hq // Hkv}"
         report(f"{what} forward", rel_diff(values(y), ref.reshape(N, -1)))
         dq, dk, dv = ne.attention_backward(dy.astype(np.float64).reshape(B, T, Hq, D), cache)
-        rope = ne.rope_forward(q, 0)[1]                            # the tables, (T, 1, D/2)
-        dq, dk = ne.rope_backward(dq, rope), ne.rope_backward(dk, rope)
         dqkv = poisoned((N, QKV), is_bf16)
         ds = poisoned((attention_ds_size(B, T, Hq),), True)       # every tile the dq pass reads must be written
-        cos, sin = (to_gpu(table) for table in ne.rope_table(T, D, 0, np.float32))
-        attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), ds, B, T, Hq, Hkv, D, cos, sin)
+        attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), ds, B, T, Hq, Hkv, D)
         got = values(dqkv)
         report(f"{what} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
         report(f"{what} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
@@ -1258,9 +1252,8 @@ def rounded_backward(params, grads, cache, cfg):
         dx = rnd(dx + dxm)                                          # residual: both paths
         dy = rnd(dx @ lw("wo"))
         g("wo")[...] += dx.T @ y
-        dq, dk, dv = ne.attention_backward(dy.reshape(B, T, Hq, D), c_att)
-        dv = rnd(dv)
-        dqk = rnd(ne.rope_backward(np.concatenate([dq, dk], axis=2), c_rope))   # rotated back, then rounded once
+        dq, dk, dv = (rnd(d) for d in ne.attention_backward(dy.reshape(B, T, Hq, D), c_att))
+        dqk = rnd(ne.rope_backward(np.concatenate([dq, dk], axis=2), c_rope))
         dqkv = np.concatenate([dqk.reshape(N, -1), dv.reshape(N, -1)], -1)
         dh = rnd(dqkv @ lw("wqkv"))
         g("wqkv")[...] += dqkv.T @ h
@@ -2117,7 +2110,7 @@ def time_attention(model, reps=20):
     cfg, B = model.cfg, model.B
     forward = lambda: attention_forward(model.y[0], model.lse[0], model.qkv[0], B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
     backward = lambda: attention_backward(model.dqkv, model.dy, model.qkv[0], model.y[0], model.lse[0], model.delta,
-                                          model.attention_ds, B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D, model.cos, model.sin)
+                                          model.attention_ds, B, cfg.T, cfg.Hq, cfg.Hkv, cfg.D)
     times = []
     for passes in ([forward], [forward, backward]):
         for f in passes:                                             # warm-up

@@ -360,7 +360,7 @@ def attention_backward(t, a, grid, block, name):
     if bf16_pass and not kv:
         return attention_backward_dq_from_ds(t, a, grid, name)
     if bf16_pass:
-        dqkv, ds_tiles, qkv, dy, lse, delta, cos, sin, T, Hq, Hkv, scale = a
+        dqkv, ds_tiles, qkv, dy, lse, delta, T, Hq, Hkv, scale = a
     else:
         dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale = a
     D = kernel_dim(name)
@@ -368,8 +368,6 @@ def attention_backward(t, a, grid, block, name):
     q, k, v = attention_inputs(t, qkv, B, T, Hq, Hkv, D)
     _, cache = ne.attention_forward(q, k, v)
     dq, dk, dv = ne.attention_backward(t.x(dy, B * T * Hq * D).reshape(B, T, Hq, D), cache)
-    if bf16_pass:                                                   # rope's backward, as the pass stores dk
-        dk = ne.rope_backward(dk, rope_tables(t, cos, sin, T, D))
     out = t.x(dqkv, B * T * (Hq + 2 * Hkv) * D).reshape(B, T, Hq + 2 * Hkv, D)
     if kv:
         out[:, :, Hq:Hq + Hkv], out[:, :, Hq + Hkv:] = dk, dv
@@ -421,13 +419,8 @@ def ds_tile_views(t, ds_tiles, B, T, Hq):
     return tiles, store
 
 
-def rope_tables(t, cos, sin, T, D):
-    """the bf16 backward passes' cos and sin (T, D/2), as nanoeuler.rope_backward takes them"""
-    return tuple(t.f32(table, T * D // 2).reshape(T, 1, D // 2).astype(np.float64) for table in (cos, sin))
-
-
 def attention_backward_dq_from_ds(t, a, grid, name):
-    dqkv, qkv, ds_tiles, cos, sin, T, Hq, Hkv, scale = a
+    dqkv, qkv, ds_tiles, T, Hq, Hkv, scale = a
     D = kernel_dim(name)
     B = attention_grid(name, grid, T, Hq, Hkv, False)
     _, k, _ = attention_inputs(t, qkv, B, T, Hq, Hkv, D)
@@ -436,7 +429,6 @@ def attention_backward_dq_from_ds(t, a, grid, name):
         rows = ds[:, :, qi * 64:(qi + 1) * 64, kj * 64:(kj + 1) * 64]
         rows[:] = nc.from_bf16(tile).transpose(0, 1, 3, 2)[:, :, :rows.shape[2], :rows.shape[3]]
     dq = scale * np.einsum("bhqk,bkhd->bqhd", ds, np.repeat(k, Hq // Hkv, axis=2))
-    dq = ne.rope_backward(dq, rope_tables(t, cos, sin, T, D))      # as the pass stores it
     out = t.x(dqkv, B * T * (Hq + 2 * Hkv) * D).reshape(B, T, Hq + 2 * Hkv, D)
     out[:, :, :Hq] = dq
     t.put_x(dqkv, out)
