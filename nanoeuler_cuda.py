@@ -2367,7 +2367,7 @@ def build_parser():
     sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
-    # embedded books (35 s of steps on an H200; validation 1.83 bits per byte at step
+    # embedded books (32 s of steps on an H200; validation 1.83 bits per byte at step
     # 600, still falling); for more, bring more text (get_data.sh) and raise --steps
     ne.add_training_flags(sp, 600, 16, 6e-4, 100, os.path.join("out", "big"))
     add_gpus_flags(sp)
