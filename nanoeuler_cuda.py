@@ -42,6 +42,7 @@ Needs: pip install -r requirements-cuda.txt (cuda-python, NVRTC, the CUDA
 headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
 
+import argparse
 import contextlib
 import ctypes
 import hashlib
@@ -2354,25 +2355,7 @@ def add_graph_flag(sp):
                     help="launch each training step kernel by kernel, not as one CUDA graph (the same bits)")
 
 
-def build_parser():
-    import argparse
-    p = ne.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
-        "--seed", type=ne.nonnegative_int, default=1337, help="seed of the random inputs")
-    sp = sub.add_parser("train", help="train a model (big by default) on the GPU")
-    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
-    sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
-                    help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
-    # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
-    # embedded books (32 s of steps on an H200; validation 1.83 bits per byte at step
-    # 600, still falling); for more, bring more text (get_data.sh) and raise --steps
-    ne.add_training_flags(sp, 600, 16, 6e-4, 100, os.path.join("out", "big"))
-    add_gpus_flags(sp)
-    add_graph_flag(sp)
-    sp = sub.add_parser("bench", help="time training steps")
+def add_bench_flags(sp):
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--batch", type=ne.positive_int, default=16, help="rows of T+K tokens per step")
     sp.add_argument("--steps", type=ne.positive_int, default=10, help="timed steps")
@@ -2389,29 +2372,50 @@ def build_parser():
     add_graph_flag(sp)
     sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0, help=argparse.SUPPRESS)
     sp.add_argument("--weight-decay", type=ne.nonnegative_float, default=0.1, help=argparse.SUPPRESS)
+
+
+def add_generation_flags(sp):
+    """sample's and chat's"""
+    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp.add_argument("--max-new-tokens", type=ne.positive_int, default=200, help="tokens to generate")
+    sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+    sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+    sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
+    sp.add_argument("--seed", type=ne.nonnegative_int, default=None, help="seed of the sampler")
+    sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
+    sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
+                    help="with --speculative: draft with heads 1..N (at most K-1)")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
+
+
+def build_parser():
+    p = ne.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
+        "--seed", type=ne.nonnegative_int, default=1337, help="seed of the random inputs")
+    sp = sub.add_parser("train", help="train a model (big by default) on the GPU")
+    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
+    sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
+                    help="UTF-8 text file or folder of .txt files")
+    sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
+    # embedded books (32 s of steps on an H200; validation 1.83 bits per byte at step
+    # 600, still falling); for more, bring more text (get_data.sh) and raise --steps
+    ne.add_training_flags(sp, 600, 16, 6e-4, 100, os.path.join("out", "big"))
+    add_gpus_flags(sp)
+    add_graph_flag(sp)
+    add_bench_flags(sub.add_parser("bench", help="time training steps"))
     sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
     sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
     ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
-
-    def generation_flags(sp):
-        sp.add_argument("--model", required=True, help=".safetensors model file")
-        sp.add_argument("--max-new-tokens", type=ne.positive_int, default=200, help="tokens to generate")
-        sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
-        sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
-        sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
-        sp.add_argument("--seed", type=ne.nonnegative_int, default=None, help="seed of the sampler")
-        sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
-        sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
-                        help="with --speculative: draft with heads 1..N (at most K-1)")
-        sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                        help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
-
     sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
-    generation_flags(sp)
+    add_generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue")
-    generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
+    add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
     return p
 
 
