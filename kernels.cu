@@ -290,10 +290,11 @@ extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* ou
 // The lane's share of the row's dout and x (and dx, when added to) is loaded at once and stays
 // in registers from the first sum to dx, so each is read once. A lane always holds the same
 // columns, so its share of w and of dw stays in registers across its rows too: reading w
-// again for each row and adding dw in shared memory took 95.6 us against 69.8 at the big
+// again for each row and adding dw in shared memory took 95.6 us against 67.8 at the big
 // model's batch 64 (H200, docs/variants/). To keep those registers few the kernel comes in
 // the widths of row it takes (WIDTH, a multiple of 32 PACK: rmsnorm_backward_kernel_768
-// holds 3 packs a lane in bf16, 6 in fp32); the host picks the narrowest that fits C.
+// holds 3 packs a lane in bf16, 6 in fp32; the fp32 build's widest spills 52 bytes); the host
+// picks the narrowest that fits C.
 // dw: each warp writes its sums into a row of shared memory of its own (warps x C floats,
 // dynamic), the block adds its warps in order into partial[block], and
 // rmsnorm_backward_dw_kernel adds the blocks in order: no atomics, so dw has the same bits

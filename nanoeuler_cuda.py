@@ -23,7 +23,7 @@ NCCL) is the last section.
 
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
-default for train and bench: the activations and their gradients are
+default of every command: the activations and their gradients are
 bfloat16, the kernels' floatX, and every product and attention runs on
 tensor cores with fp32 sums). Master weights, their gradients and the
 optimizer's moments are fp32 in every mode; in bf16 mode the matmuls read a
