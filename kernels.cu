@@ -778,21 +778,17 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // blocks per SM, so every SM has requests in flight (one warp per output left 36 of the
 // H200's 132 SMs idle on the 768-row products). The parts' sums meet in shared memory and
 // are added in part order: each row's sum runs in an order fixed by In and splits,
-// whatever R. While the weights are on their way, the block builds the R rows' inputs
-// once (in' above: norm_w applied, or silu(gate) * up) into shared memory, where every
-// warp reads them (each warp building its own from memory cost a trip to L2 a row, and
-// SwiGLU's exp once per output), and warp r of every block sums the norm's 1/rms of row
-// r over the whole row (the same order in every block). No kernel writes a weight, so
-// with programmatic launch the first round's loads go out before the wait for the kernel
-// that wrote `in`. next: the next product's weights (next_bytes of them) to prefetch into
-// L2 once this warp's own have come, or nullptr.
-// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8;
-// dynamic shared memory 4 R In bytes
+// whatever R. The norm's 1/rms of row r is summed by warp r of every block over the whole
+// row while the weights are on their way (the same order in every block; kept out of the
+// main loop, whose registers it would take). No kernel writes a weight, so with
+// programmatic launch the first round's loads go out before the wait for the kernel that
+// wrote `in`. next: the next product's weights (next_bytes of them) to prefetch into L2 once
+// this warp's own have come, or nullptr.
+// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
     __shared__ float part_sum[8][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
-    extern __shared__ float in_built[];                            // (R, In): the rows' in'
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, outputs = 8 / splits;
     int o = blockIdx.x * outputs + warp / splits, part = warp % splits;
@@ -803,15 +799,10 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     decode_launch_next();
     matvec_load(raw, row, c0 + lane, c1);
     decode_wait();
-    for (int i = 4 * threadIdx.x; i < R * In; i += 4 * blockDim.x) {
-        int r = i / In;
-        matvec_input<MODE, 4>(in_built + i, in, norm_w, In, r, (i - r * In) / 4);
-    }
     if (MODE == IN_RMSNORM && warp < R) {
         float rs = matvec_rstd(in, In, warp, lane);
         if (lane == 0) rstd[warp] = rs;
     }
-    __syncthreads();
     float acc[DECODE_MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
@@ -826,12 +817,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
-                const float* built = in_built + r * In + c * E;
-#pragma unroll
-                for (int e = 0; e < E; e += 4) {
-                    float4 x = load4(built + e);
-                    v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
-                }
+                matvec_input<MODE, E>(v, in, norm_w, In, r, c);
 #pragma unroll
                 for (int e = 0; e < E; e++) acc[r] += wf[e] * v[e];
             }
