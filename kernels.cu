@@ -379,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_kernel_768(fl
 
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_kernel_1536(floatX* dx, float* partial,
         const floatX* dout, const floatX* x, const float* w, const float* rstd, int N, int C, int accumulate) {
-    rmsnorm_backward<MAX_C>(dx, partial, dout, x, w, rstd, N, C, accumulate);
+    rmsnorm_backward<1536>(dx, partial, dout, x, w, rstd, N, C, accumulate);   // MAX_C
 }
 
 // dw[c] += the blocks' partial sums, in block order: lane l of warp j adds the partials of

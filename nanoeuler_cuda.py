@@ -696,9 +696,9 @@ def check_sizes(cfg):
     if cfg.D not in HEAD_DIMS:
         raise NanoEulerError(f"head dim D = C/Hq = {cfg.D} has no attention kernel; flash_attn.cu is "
                              f"instantiated for D in {HEAD_DIMS}")
-    if cfg.C % 8 or cfg.F % 8 or cfg.C > 1536:
-        raise NanoEulerError(f"GPU training needs C and F multiples of 8 and C at most 1536 (this model: C={cfg.C}, "
-                             f"F={cfg.F}); nanoeuler.py trains it on the CPU")
+    if cfg.C % 8 or cfg.F % 8 or cfg.C > RMSNORM_WIDTHS[-1]:
+        raise NanoEulerError(f"GPU training needs C and F multiples of 8 and C at most {RMSNORM_WIDTHS[-1]} (this model: "
+                             f"C={cfg.C}, F={cfg.F}); nanoeuler.py trains it on the CPU")
 
 
 def target_counts(targets):

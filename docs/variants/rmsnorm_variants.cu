@@ -71,22 +71,18 @@ extern "C" __global__ void v0_rmsnorm_backward_kernel(floatX* dx, float* partial
 
 // (v1) as rmsnorm_backward_kernel, the lane's packs sized for the row (PACKS), not MAX_C
 // (v2) v1 with dw in registers (each lane always holds the same columns), shared memory at the end only
-// (v3) v2 with w in registers too
-template <int PACKS, bool DW_REGS, bool W_REGS>
+// (v3) v2 with w in registers too: kernels.cu's rmsnorm_backward<768>, as kept
+template <int PACKS, bool DW_REGS>
 __device__ void rmsnorm_backward_packs(floatX* dx, float* partial, const floatX* dout, const floatX* x,
                                        const float* w, const float* rstd, int N, int C, int accumulate) {
     extern __shared__ float dw_warp[];
     int warps = blockDim.x / 32, lane = threadIdx.x % 32;
     float* dw_mine = dw_warp + (threadIdx.x / 32) * C;
-    float dwr[PACKS][PACK], wr[W_REGS ? PACKS : 1][PACK];
+    float dwr[PACKS][PACK];
 #pragma unroll
     for (int j = 0; j < PACKS; j++)
 #pragma unroll
-        for (int i = 0; i < PACK; i++) {
-            dwr[j][i] = 0.0f;
-            int c = (32 * j + lane) * PACK;
-            if (W_REGS) wr[W_REGS ? j : 0][i] = c < C ? w[c + i] : 0.0f;
-        }
+        for (int i = 0; i < PACK; i++) dwr[j][i] = 0.0f;
     if (!DW_REGS) for (int c = lane; c < C; c += 32) dw_mine[c] = 0.0f;
     __syncwarp();
     for (int row = blockIdx.x * warps + threadIdx.x / 32; row < N; row += gridDim.x * warps) {
@@ -107,7 +103,7 @@ __device__ void rmsnorm_backward_packs(floatX* dx, float* partial, const floatX*
             unpack(d, d_bits[j], dout);
             unpack(xv, x_bits[j], x);
 #pragma unroll
-            for (int i = 0; i < PACK; i++) dot += d[i] * (W_REGS ? wr[W_REGS ? j : 0][i] : w[c + i]) * xv[i] * r;
+            for (int i = 0; i < PACK; i++) dot += d[i] * w[c + i] * xv[i] * r;
         }
         dot = warp_sum(dot) / C;
 #pragma unroll
@@ -121,7 +117,7 @@ __device__ void rmsnorm_backward_packs(floatX* dx, float* partial, const floatX*
 #pragma unroll
             for (int i = 0; i < PACK; i++) {
                 float xhat = xv[i] * r;
-                g[i] = (accumulate ? g[i] : 0.0f) + r * (d[i] * (W_REGS ? wr[W_REGS ? j : 0][i] : w[c + i]) - xhat * dot);
+                g[i] = (accumulate ? g[i] : 0.0f) + r * (d[i] * w[c + i] - xhat * dot);
                 if (DW_REGS) dwr[j][i] += d[i] * xhat;
                 else dw_mine[dw_slot(c + i, C)] += d[i] * xhat;
             }
@@ -149,19 +145,19 @@ __device__ void rmsnorm_backward_packs(floatX* dx, float* partial, const floatX*
     const float* rstd, int N, int C, int accumulate
 #define BWD_PASS dx, partial, dout, x, w, rstd, N, C, accumulate
 extern "C" __global__ void __launch_bounds__(256) v1_rmsnorm_backward_kernel(BWD_ARGS) {
-    rmsnorm_backward_packs<768 / (32 * PACK), false, false>(BWD_PASS);
+    rmsnorm_backward_packs<768 / (32 * PACK), false>(BWD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) v2_rmsnorm_backward_kernel(BWD_ARGS) {
-    rmsnorm_backward_packs<768 / (32 * PACK), true, false>(BWD_PASS);
+    rmsnorm_backward_packs<768 / (32 * PACK), true>(BWD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256) v3_rmsnorm_backward_kernel(BWD_ARGS) {
-    rmsnorm_backward_packs<768 / (32 * PACK), true, true>(BWD_PASS);
+    rmsnorm_backward<768>(BWD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256, 3) v2b_rmsnorm_backward_kernel(BWD_ARGS) {
-    rmsnorm_backward_packs<768 / (32 * PACK), true, false>(BWD_PASS);
+    rmsnorm_backward_packs<768 / (32 * PACK), true>(BWD_PASS);
 }
 extern "C" __global__ void __launch_bounds__(256, 4) v1b_rmsnorm_backward_kernel(BWD_ARGS) {
-    rmsnorm_backward_packs<768 / (32 * PACK), false, false>(BWD_PASS);
+    rmsnorm_backward_packs<768 / (32 * PACK), false>(BWD_PASS);
 }
 
 // (f1) residual_rmsnorm_forward with the lane's packs sized for the row
@@ -292,7 +288,7 @@ extern "C" __global__ void __launch_bounds__(256) v5_rmsnorm_backward_kernel(BWD
 }
 // (v6) v3 in blocks of 4 warps
 extern "C" __global__ void __launch_bounds__(128) v6_rmsnorm_backward_kernel(BWD_ARGS) {
-    rmsnorm_backward_packs<768 / (32 * PACK), true, true>(BWD_PASS);
+    rmsnorm_backward<768>(BWD_PASS);
 }
 
 // (f2) f1 with w in registers, loaded with the row
