@@ -2217,13 +2217,14 @@ def profile_step(engine, batch, step):
 BENCH_PROMPT = "ROMEO:\nWhat say you"
 
 
-def replay_time(dec, replays):
-    """microseconds of GPU time per replay of the plain step's graph, replayed `replays` times from *pos"""
-    dec.wait(dec.launch_step(1, 1))                     # captured now if it was not yet
+def replay_time(dec, replays, R=1, n_heads=1):
+    """microseconds of GPU time per replay of the graph of a step over R rows and n_heads
+    heads (the plain step: 1, 1), replayed `replays` times from *pos"""
+    dec.wait(dec.launch_step(R, n_heads))               # captured now if it was not yet
     a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
     check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
     for _ in range(replays):
-        check(cu.cuGraphLaunch(dec.graphs[1, 1], gpu.stream), "cuGraphLaunch")
+        check(cu.cuGraphLaunch(dec.graphs[R, n_heads], gpu.stream), "cuGraphLaunch")
     check(cu.cuEventRecord(b, gpu.stream), "cuEventRecord")
     gpu.sync()
     dec.passes += replays                               # the replays' accept kernels counted too
@@ -2254,6 +2255,20 @@ def profile_decoding(dec, prompt, replays=100):
           f"kernels); launched one by one, by kernel (CUDA events; {sum(ms for _, ms in totals.values()) * 1e3:.0f} "
           f"us in all):")
     for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
+    # what a speculative pass costs beside a plain one: more rows, more heads (a pass moves
+    # *pos by 1 to R, so fewer replays keep it inside the window)
+    rows = range(1, min(dec.cfg.K, max_rows(dec.cfg)) + 1)
+    for R, n_heads in sorted({(R, n) for R in rows for n in (1, R)}) if T > len(prompt) + 8 * 20 else []:
+        dec.wait(dec.prefill(prompt, 1))
+        print(f"  a pass over {R} row{'s' * (R > 1)} and {n_heads} head{'s' * (n_heads > 1)}: "
+              f"{replay_time(dec, 20, R, n_heads):.1f} us of GPU time replayed from its graph")
+    R = 1 + DEFAULT_DRAFTS
+    dec.wait(dec.prefill(prompt, 1))
+    gpu.profile = []
+    dec.step(R, R)
+    print(f"  a pass over {R} rows and {R} heads, launched one by one, by kernel:")
+    for name, (n, ms) in sorted(gpu.profile_report().items(), key=lambda kv: -kv[1][1]):
         print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
 
 
