@@ -1,5 +1,5 @@
 #!/bin/bash
-# A/B of the working tree against HEAD on one GPU (bash docs/gpu_ab.sh; $OUT: summary.log and
+# A/B of the working tree against $BASE (default HEAD) on one GPU (BASE=REF bash docs/gpu_ab.sh; $OUT: summary.log and
 # logs): check on the working tree, then bench big at batch 64 and 16 interleaved, the two trees
 # in turn, then the working tree's --profile and its decoding profile.
 export PYTHONUNBUFFERED=1
@@ -12,7 +12,7 @@ t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the 
   echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
-rm -rf ab && mkdir ab && git archive HEAD | tar -x -C ab --one-top-level=base
+rm -rf ab && mkdir ab && git archive ${BASE:-HEAD} | tar -x -C ab --one-top-level=base
 t check.log python nanoeuler_cuda.py check
 echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
 grep "NOT OK" "$R/check.log" | head | tee -a "$S"
