@@ -564,8 +564,7 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const
 // (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
 // follows the block size) and walks the other side in tiles of 64 rows,
 // copied into shared memory by cp.async two tiles deep (the next tile is on its
-// way while this one is multiplied), with one barrier a tile: the next tile's copy is
-// issued after the barrier that says every warp is done with the buffer it goes to.
+// way while this one is multiplied).
 //
 // Fragments, as the PTX ISA fixes them for m16n8k16 (lane = 4 group + in_group, g and t
 // in this table; two bf16 to a register, the lower column in the lower half):
@@ -763,13 +762,15 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
     const float scale2 = scale * LOG2E;
     for (int j = 0; j < tiles; j++) {
         int cur = j & 1, k0 = j * TILE;
-        cp_async_wait<0>();                                        // this thread's copies of tile j, then
-        __syncthreads();                                           // everyone's; and no warp still reads tile j-1
-        if (j + 1 < tiles) {                                       // so the next tile goes there, while this one is used
+        if (j + 1 < tiles) {                                       // the next tile, while this one is used
             load_tile_async<D>(ks[cur ^ 1], kbase, stride, k0 + TILE, T);
             load_tile_async<D>(vs[cur ^ 1], vbase, stride, k0 + TILE, T);
             cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
         }
+        __syncthreads();
         if (k0 <= r0 + 16 * MT - 1) {                              // else every key is after this warp's rows
             float s[MT][TILE / 8][4];
             mma_scores_bf16<D, MT>(s, qa, ks[cur]);
@@ -809,6 +810,7 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
             }
             mma_weighted_sum_bf16<D, MT>(o, s, vs[cur]);
         }
+        __syncthreads();                                           // before the next copy overwrites it
     }
     long y0 = (long)b * T * Hq * D + h * D;
     #pragma unroll
@@ -863,9 +865,13 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
     float dq[D / 8][4] = {};
     for (int kj = 0; kj <= qi; kj++) {
         int cur = kj & 1;
-        cp_async_wait<0>();                                        // tile kj, everyone's copies; tile kj-1 done with
+        if (kj < qi) {
+            load(kj + 1, cur ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        if (kj < qi) load(kj + 1, cur ^ 1);                        // the next, while this one is used
         #pragma unroll
         for (int kk = 0; kk < TILE / 16; kk++) {
             if (kj == qi && kk > warp) break;                      // keys after every row of this warp: ds = 0
@@ -882,6 +888,7 @@ __device__ void attention_backward_dq_bf16(unsigned short* dqkv16, const unsigne
                 mma_bf16(dq[2 * np + 1], a, bf[2], bf[3]);
             }
         }
+        __syncthreads();                                           // before the next copy overwrites it
     }
     float scales[2] = {scale, scale};
     store_c_rows<D>(dqkv16 + (long)b * T * stride + h * D, stride, r0, T, dq, scales);   // rope_backward rotates it
@@ -926,9 +933,13 @@ __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned sho
     const float scale2 = scale * LOG2E;
     for (int j = 0; j < steps; j++) {
         int cur = j & 1, q0 = k0 + j % qtiles * TILE;
-        cp_async_wait<0>();                                        // step j's tiles, everyone's copies; step j-1's
-        __syncthreads();                                           // buffer no longer read
-        if (j + 1 < steps) load(j + 1, cur ^ 1);                   // the next, while this one is used
+        if (j + 1 < steps) {
+            load(j + 1, cur ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
         float st[TILE / 8][4], dpt[TILE / 8][4];
         mma_scores_bf16<D, 1>(&st, &ka, qs[cur]);
         mma_scores_bf16<D, 1>(&dpt, &va, dys[cur]);
@@ -952,6 +963,7 @@ __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned sho
             for (int half = 0; half < 2; half++)
                 ds_mine[32 * (2 * nt + half)] = pack_bf16(dpt[nt][2 * half], dpt[nt][2 * half + 1]);
         mma_weighted_sum_bf16<D, 1>(&dk, &dpt, qs[cur]);
+        __syncthreads();
     }
     float ones[2] = {1.0f, 1.0f}, scales[2] = {scale, scale};
     long kc = (long)b * T * stride + (Hq + kvh) * D, vc = (long)b * T * stride + (Hq + Hkv + kvh) * D;
