@@ -709,3 +709,50 @@ def test_a_smaller_batch_runs_kernel_by_kernel(emulated):
     want = ne.model_forward(ne.carve(engine.host_params().astype(np.float64), cfg), cfg, idx[:2], targets[:2])[1]
     got = engine.model.forward(idx[:2], targets[:2])[1]
     assert np.allclose(got, want, rtol=2e-2)
+
+
+# -----------------------------------------------------------------------------
+# decode_matvec's shared memory: 4 bytes x R rows x In inputs (one row more, norm_w, for the norm), R <= K
+
+class SharedMemoryDriver:
+    """cuDeviceGetAttribute's opt-in limit and cuFuncSetAttribute, recorded"""
+    CUdevice_attribute = types.SimpleNamespace(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN="opt-in")
+    CUfunction_attribute = types.SimpleNamespace(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES="dynamic")
+
+    def __init__(self, most):
+        self.most, self.set = most, []
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        assert attr == "opt-in"
+        return (0, self.most)
+
+    def cuFuncSetAttribute(self, f, attr, n):
+        self.set.append((f, attr, n))
+        return (0,)
+
+
+@pytest.mark.parametrize("most", [227 * 1024, 64 * 1024 - 1])
+def test_decode_matvec_asks_for_shared_memory_past_48_kb(monkeypatch, most):
+    driver = SharedMemoryDriver(most)
+    monkeypatch.setattr(nc, "cu", driver)
+    monkeypatch.setattr(nc, "gpu", types.SimpleNamespace(dev=0, function=lambda name: "f:" + name))
+    nc.matvec_shared_memory(nc.PRESETS["big"])                     # 4 x 4 rows x 2048 = 32 KB: nothing to ask
+    assert driver.set == []
+    wide = ne.Config(**{**ne.asdict(nc.PRESETS["big"]), "F": 4096})  # 4 x 4 rows x 4096 = 64 KB
+    if most < 65536:
+        with pytest.raises(ne.NanoEulerError, match="needs 64 KB of shared memory a block and this GPU has 63 KB"):
+            nc.matvec_shared_memory(wide)
+        assert driver.set == []
+    else:
+        nc.matvec_shared_memory(wide)
+        assert sorted(driver.set) == sorted(("f:" + name, "dynamic", 65536) for name in nc.DECODE_MATVEC_KERNELS.values())
+
+
+def test_decode_matvec_shared_memory_counts_norm_w_beside_the_rows(monkeypatch):
+    driver = SharedMemoryDriver(227 * 1024)
+    monkeypatch.setattr(nc, "cu", driver)
+    monkeypatch.setattr(nc, "gpu", types.SimpleNamespace(dev=0, function=lambda name: "f:" + name))
+    assert [nc.matvec_shared_bytes(3, 768, mode) for mode in ("plain", "rmsnorm", "swiglu")] == [9216, 12288, 9216]
+    # C = 2560: the norm's 4 x (4 + 1) x 2560 = 51,200 bytes (the others 4 x 4 x 2560 = 40,960)
+    nc.matvec_shared_memory(ne.Config(V=4096, C=2560, Hq=20, Hkv=4, L=1, T=64, F=2048, K=4))
+    assert sorted(driver.set) == sorted(("f:" + name, "dynamic", 51200) for name in nc.DECODE_MATVEC_KERNELS.values())

@@ -1,0 +1,37 @@
+#!/bin/bash
+# Decoding A/B of the working tree against $BASE (default HEAD) on one GPU, on the SFT model of
+# the README's flow (BASE=REF bash docs/gpu_decode_ab.sh; $OUT: summary.log and the logs): check,
+# train big, sft, then bench --decode-only on that model, the two trees in turn, twice; the
+# working tree's decoding profile; PyTorch's compiled decoding in the same run.
+export PYTHONUNBUFFERED=1
+R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
+t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
+  local log=$1; shift
+  local s=$EPOCHREALTIME
+  "$@" < /dev/null > "$R/$log" 2>&1
+  local rc=$?
+  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
+rm -rf ab && mkdir ab && git archive ${BASE:-HEAD} | tar -x -C ab --one-top-level=base
+t check.log python nanoeuler_cuda.py check
+echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
+grep "NOT OK" "$R/check.log" | head | tee -a "$S"
+t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
+grep -E "^done" "$R/train.log" | tee -a "$S"
+t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
+grep -E "^done" "$R/sft.log" | tee -a "$S"
+M=$PWD/out/sft/best.safetensors
+for round in 1 2; do
+  for tree in . ab/base; do
+    echo "== round $round, $tree" | tee -a "$S" >> "$R/decode_ab.log"
+    (cd $tree && python nanoeuler_cuda.py bench --decode-only --model $M) > "$R/d.log" 2>&1
+    cat "$R/d.log" >> "$R/decode_ab.log"; grep -E "tok/s|prefill" "$R/d.log" | tee -a "$S"
+  done
+done
+rm -f "$R/d.log"
+t decode_profile.log python nanoeuler_cuda.py bench --decode-only --profile --model $M
+grep -E "replayed|a pass over" "$R/decode_profile.log" | tee -a "$S"
+t torch_decode.log timeout 150 python docs/pytorch_reference.py --decode --compile reduce-overhead
+tail -3 "$R/torch_decode.log" | tee -a "$S"
+rm -rf ab
