@@ -710,27 +710,37 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
     }
 }
 
-// the E inputs of chunk c (elements c*E ..) of row r of decode_matvec's shared copy: the row
-// itself (in, or silu(gate) * up as the copy computed it) or, for the norm, row * norm_w (the
-// norm's 1/rms multiplies the whole sum at the end)
-template <bool NORM, int E>
-__device__ __forceinline__ void matvec_input(float* v, const float* in_s, const float* norm_w, int In, int r, int c) {
+// the E inputs of chunk c (elements c*E ..) of row r as MODE builds them: in itself, in * norm_w
+// (the norm's 1/rms multiplies the whole sum at the end) or silu(gate) * up. 16-byte loads:
+// In a multiple of 8, the rows and norm_w 16-byte aligned.
+template <int MODE, int E>
+__device__ __forceinline__ void matvec_input(float* v, const float* in, const float* norm_w, int In, int r, int c) {
 #pragma unroll
     for (int e = 0; e < E; e += 4) {
-        float4 x = load4(in_s + r * In + c * E + e);
-        v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
-        if (NORM) {
-            float4 n = load4(norm_w + c * E + e);
-            v[e] *= n.x, v[e + 1] *= n.y, v[e + 2] *= n.z, v[e + 3] *= n.w;
+        if (MODE == IN_SWIGLU) {
+            const float* gu = in + (long)r * 2 * In + c * E + e;
+            float4 g = load4(gu), u = load4(gu + In);
+            v[e] = g.x / (1.0f + expf(-g.x)) * u.x;
+            v[e + 1] = g.y / (1.0f + expf(-g.y)) * u.y;
+            v[e + 2] = g.z / (1.0f + expf(-g.z)) * u.z;
+            v[e + 3] = g.w / (1.0f + expf(-g.w)) * u.w;
+        } else {
+            float4 x = load4(in + (long)r * In + c * E + e);
+            v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
+            if (MODE == IN_RMSNORM) {
+                float4 n = load4(norm_w + c * E + e);
+                v[e] *= n.x, v[e + 1] *= n.y, v[e + 2] *= n.z, v[e + 3] *= n.w;
+            }
         }
     }
 }
 
-// 1 / rms of row r of in_s (R, In), summed by one warp in a fixed order
-__device__ __forceinline__ float matvec_rstd(const float* in_s, int In, int r, int lane) {
+// 1 / rms of row r of in (R, In), summed by one warp in a fixed order
+__device__ __forceinline__ float matvec_rstd(const float* in, int In, int r, int lane) {
     float ss = 0.0f;
-    for (int i = 4 * lane; i < In; i += 128) {
-        float4 x = load4(in_s + r * In + i);
+#pragma unroll 8
+    for (int i = 4 * lane; i < In; i += 128) {                    // the loads of 8 iterations in flight
+        float4 x = load4(in + (long)r * In + i);
         ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
     }
     return 1.0f / sqrtf(warp_sum(ss) / In + 1e-5f);
@@ -768,24 +778,17 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // blocks per SM, so every SM has requests in flight (one warp per output left 36 of the
 // H200's 132 SMs idle on the 768-row products). The parts' sums meet in shared memory and
 // are added in part order: each row's sum runs in an order fixed by In and splits,
-// whatever R. The block first copies the R rows' inputs into shared memory (SwiGLU's
-// silu(gate) * up computed as they come, the norm's norm_w beside them), where every warp
-// reads them: the copy's loads, a few per thread, are all issued before the first is used,
-// so the rows' inputs cost one trip to memory whatever R (each warp reading its own from
-// memory, a trip per row and chunk, made each row of a pass cost about a fifth of a
-// one-row pass). Warp r then sums the norm's 1/rms of row r there, over the whole row in
-// a fixed order. No kernel writes a weight, so with programmatic launch the first round's
-// weight loads go out before the wait for the kernel that wrote `in`, and arrive while the
-// inputs are copied. next: the next product's weights (next_bytes of them) to prefetch
-// into L2 once this warp's own have come, or nullptr.
-// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8;
-// dynamic shared memory 4 (R + 1) In bytes for the norm (norm_w is the last row), 4 R In else
-#define BUILD_ROUND 8           // 16-byte slots a thread copies a round (half that for SwiGLU's two)
+// whatever R. The norm's 1/rms of row r is summed by warp r of every block over the whole
+// row while the weights are on their way (the same order in every block; kept out of the
+// main loop, whose registers it would take). No kernel writes a weight, so with
+// programmatic launch the first round's loads go out before the wait for the kernel that
+// wrote `in`. next: the next product's weights (next_bytes of them) to prefetch into L2 once
+// this warp's own have come, or nullptr.
+// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
     __shared__ float part_sum[8][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
-    extern __shared__ float in_s[];                                // (R, In): in, or silu(gate) up; then norm_w
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, outputs = 8 / splits;
     int o = blockIdx.x * outputs + warp / splits, part = warp % splits;
@@ -796,36 +799,8 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     decode_launch_next();
     matvec_load(raw, row, c0 + lane, c1);
     decode_wait();
-    constexpr int K = MODE == IN_SWIGLU ? BUILD_ROUND / 2 : BUILD_ROUND;
-    int per_row = In / 4, slots = (R + (MODE == IN_RMSNORM)) * per_row;   // 16-byte slots of in_s
-    for (int s0 = threadIdx.x; s0 < slots; s0 += K * blockDim.x) {
-        float4 a[K], b[K];
-#pragma unroll
-        for (int k = 0; k < K; k++) {                              // every load of the round, then their use
-            int sl = s0 + k * blockDim.x, r = sl / per_row, col = 4 * (sl - r * per_row);
-            if (sl >= slots) break;
-            if (MODE == IN_SWIGLU) {
-                a[k] = load4(in + (long)r * 2 * In + col);
-                b[k] = load4(in + (long)r * 2 * In + In + col);
-            } else {
-                a[k] = load4(r < R ? in + (long)r * In + col : norm_w + col);
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < K; k++) {
-            int sl = s0 + k * blockDim.x;
-            if (sl >= slots) break;
-            if (MODE == IN_SWIGLU) {
-                float4 g = a[k], u = b[k];
-                a[k] = make_float4(g.x / (1.0f + expf(-g.x)) * u.x, g.y / (1.0f + expf(-g.y)) * u.y,
-                                   g.z / (1.0f + expf(-g.z)) * u.z, g.w / (1.0f + expf(-g.w)) * u.w);
-            }
-            *(float4*)&in_s[4 * sl] = a[k];
-        }
-    }
-    __syncthreads();
     if (MODE == IN_RMSNORM && warp < R) {
-        float rs = matvec_rstd(in_s, In, warp, lane);
+        float rs = matvec_rstd(in, In, warp, lane);
         if (lane == 0) rstd[warp] = rs;
     }
     float acc[DECODE_MAX_ROWS];
@@ -842,7 +817,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
-                matvec_input<MODE == IN_RMSNORM, E>(v, in_s, in_s + R * In, In, r, c);
+                matvec_input<MODE, E>(v, in, norm_w, In, r, c);
 #pragma unroll
                 for (int e = 0; e < E; e++) acc[r] += wf[e] * v[e];
             }

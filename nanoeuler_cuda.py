@@ -1646,7 +1646,7 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
     decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 // splits), 256, pdl, ptr_arg(out),
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
                   int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
-                  long_arg(prefetch.nbytes if prefetch else 0), shared=matvec_shared_bytes(R, In, mode))
+                  long_arg(prefetch.nbytes if prefetch else 0))
 
 
 def attention_kernel(D, attention=None):
@@ -1715,30 +1715,6 @@ def decode_check_sizes(cfg):
                              f"(this model: C={cfg.C}, F={cfg.F}, D={cfg.D}); nanoeuler.py samples it on the CPU")
 
 
-def matvec_shared_bytes(R, In, mode):
-    """decode_matvec's copy of its R rows' inputs in shared memory, and norm_w's for the norm"""
-    return 4 * (R + (mode == "rmsnorm")) * In
-
-
-def matvec_shared_memory(cfg):
-    """decode_matvec copies its R rows' inputs into shared memory (matvec_shared_bytes): past
-    the 48 KB a block gets without asking, ask for it, or say that this model decodes on the CPU"""
-    R = min(cfg.K, DECODE_MAX_ROWS)
-    need = max(matvec_shared_bytes(R, cfg.C, "rmsnorm"), matvec_shared_bytes(R, max(cfg.F, cfg.Hq * cfg.D), "plain"))
-    if need <= 48 * 1024:
-        return
-    attr = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
-    most = check(cu.cuDeviceGetAttribute(attr, gpu.dev), "cuDeviceGetAttribute")
-    if need > most:
-        raise NanoEulerError(f"GPU decoding of this model needs {need // 1024} KB of shared memory a block and this "
-                             f"GPU has {most // 1024} KB (C={cfg.C}, F={cfg.F}, K={cfg.K}); nanoeuler.py samples it "
-                             "on the CPU")
-    for name in DECODE_MATVEC_KERNELS.values():
-        check(cu.cuFuncSetAttribute(gpu.function(name),
-                                    cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need),
-              f"cuFuncSetAttribute ({name}: {need:,} bytes of shared memory)")
-
-
 class GPUDecoder:
     """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
     attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
@@ -1751,7 +1727,6 @@ class GPUDecoder:
         self.cfg, self.precision = cfg, precision
         self.attention = attention_kernel(cfg.D, attention)
         self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
-        matvec_shared_memory(cfg)
         self.prefetch = bool(DECODE_PREFETCH if prefetch is None else prefetch)
         C, D, F, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
         QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
