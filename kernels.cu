@@ -674,7 +674,8 @@ extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16
 // anything. Launched without it, and before sm_90, both are no-ops.
 
 #define DECODE_MAX_ROWS 8       // R at most; nanoeuler_cuda.DECODE_MAX_ROWS
-#define DECODE_LOADS 4          // 16-byte weight loads in flight per lane; nanoeuler_cuda.DECODE_LOADS
+#define DECODE_OUTS 4           // outputs a warp of decode_matvec; nanoeuler_cuda.DECODE_OUTS
+#define DECODE_LOADS 2          // 16-byte loads in flight a weight row per lane (8 in all); nanoeuler_cuda.DECODE_LOADS
 #define DECODE_CHUNK 64         // keys per block of attention_decode_split; nanoeuler_cuda.DECODE_CHUNK
 #define DECODE_HEADS 4          // query heads per block of attention_decode_split; nanoeuler_cuda.DECODE_HEADS
 
@@ -769,57 +770,70 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
 // as MODE says; accumulate: out += (the residual add fused in).
 // At batch 1 this streams the weights, each used R times: its time is the trip to
-// memory and how many bytes are in flight, not arithmetic. The block's 8 warps take
-// 8 / splits outputs, `splits` warps to an output, each warp a contiguous part of the
-// weight row: each lane loads its 16-byte chunks of the part (at most DECODE_LOADS a
-// round, all issued before the first is used) and the matching elements of each row's
-// input. The host picks splits from the matrix's shape (nanoeuler_cuda.matvec_splits):
-// enough that a lane's chunks fit in one round, and that even a 768-row matrix makes two
-// blocks per SM, so every SM has requests in flight (one warp per output left 36 of the
-// H200's 132 SMs idle on the 768-row products). The parts' sums meet in shared memory and
-// are added in part order: each row's sum runs in an order fixed by In and splits,
-// whatever R. The norm's 1/rms of row r is summed by warp r of every block over the whole
-// row while the weights are on their way (the same order in every block; kept out of the
-// main loop, whose registers it would take). No kernel writes a weight, so with
-// programmatic launch the first round's loads go out before the wait for the kernel that
-// wrote `in`. next: the next product's weights (next_bytes of them) to prefetch into L2 once
-// this warp's own have come, or nullptr.
-// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 / splits)); splits 1, 2, 4 or 8
+// memory and how many bytes are in flight, not arithmetic. A warp takes DECODE_OUTS
+// neighbouring outputs (weight rows) and `splits` warps share them, each warp a contiguous
+// part of the rows: each lane loads its 16-byte chunks of the part of every one of its rows
+// (at most DECODE_LOADS a row a round, all issued before the first is used) and the
+// matching elements of each pass row's input, which it then uses for all DECODE_OUTS
+// outputs. (With one output a warp, every warp read the whole input and norm_w again for
+// each pass row, and SwiGLU's exp for each output: per SM about 190 KB from L1 a row for
+// the gate/up product, so each row of a pass cost about a fifth of a one-row pass.) The host
+// picks splits from the matrix's shape (nanoeuler_cuda.matvec_splits): enough that a lane's
+// chunks fit in one round, and more while there are fewer warps than 8 an SM and each lane
+// keeps a chunk. The parts' sums meet in shared memory and are added in part order: each
+// row's sum runs in an order fixed by In and splits, whatever R. The norm's 1/rms of row r
+// is summed by warp r of every block over the whole row while the weights are on their way
+// (the same order in every block; kept out of the main loop, whose registers it would
+// take). No kernel writes a weight, so with programmatic launch the first round's loads go
+// out before the wait for the kernel that wrote `in`. next: the next product's weights
+// (next_bytes of them) to prefetch into L2 once this warp's own have come, or nullptr.
+// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 DECODE_OUTS / splits)); splits 1, 2, 4 or 8
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
-    __shared__ float part_sum[8][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
+    __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, outputs = 8 / splits;
-    int o = blockIdx.x * outputs + warp / splits, part = warp % splits;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, groups = 8 / splits;   // groups of outputs a block
+    int o0 = (blockIdx.x * groups + warp / splits) * DECODE_OUTS, part = warp % splits;
     int chunks = In / E, per_part = (chunks + splits - 1) / splits;
-    int c0 = part * per_part, c1 = o < Out ? min(chunks, c0 + per_part) : c0;   // c1 <= c0: no work
-    const uint4* row = (const uint4*)(w + (long)min(o, Out - 1) * In);
-    uint4 raw[DECODE_LOADS];
+    int c0 = part * per_part, c1 = o0 < Out ? min(chunks, c0 + per_part) : c0;   // c1 <= c0: no work
+    const uint4* rows[DECODE_OUTS];
+    uint4 raw[DECODE_OUTS][DECODE_LOADS];
+#pragma unroll
+    for (int j = 0; j < DECODE_OUTS; j++) rows[j] = (const uint4*)(w + (long)min(o0 + j, Out - 1) * In);
     decode_launch_next();
-    matvec_load(raw, row, c0 + lane, c1);
+#pragma unroll
+    for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
     decode_wait();
     if (MODE == IN_RMSNORM && warp < R) {
         float rs = matvec_rstd(in, In, warp, lane);
         if (lane == 0) rstd[warp] = rs;
     }
-    float acc[DECODE_MAX_ROWS];
+    float acc[DECODE_OUTS][DECODE_MAX_ROWS];
 #pragma unroll
-    for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[r] = 0.0f;
+    for (int j = 0; j < DECODE_OUTS; j++)
+#pragma unroll
+        for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[j][r] = 0.0f;
     for (int base = c0; base < c1; base += 32 * DECODE_LOADS) {
-        if (base > c0) matvec_load(raw, row, base + lane, c1);     // rows longer than one round
+        if (base > c0)                                             // rows longer than one round
+#pragma unroll
+            for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], base + lane, c1);
 #pragma unroll
         for (int u = 0; u < DECODE_LOADS; u++) {
             int c = base + lane + 32 * u;
             if (c >= c1) break;
-            float wf[8], v[8];
-            unpack16(raw[u], wf, w);
 #pragma unroll
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
+                float v[8];
                 matvec_input<MODE, E>(v, in, norm_w, In, r, c);
 #pragma unroll
-                for (int e = 0; e < E; e++) acc[r] += wf[e] * v[e];
+                for (int j = 0; j < DECODE_OUTS; j++) {
+                    float wf[8];
+                    unpack16(raw[j][u], wf, w);
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[j][r] += wf[e] * v[e];
+                }
             }
         }
     }
@@ -827,47 +841,51 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
     for (int r = 0; r < DECODE_MAX_ROWS; r++) {
         if (r >= R) break;
-        float a = warp_sum(acc[r]);
-        if (lane == 0) part_sum[warp][r] = a;
+#pragma unroll
+        for (int j = 0; j < DECODE_OUTS; j++) {
+            float a = warp_sum(acc[j][r]);
+            if (lane == 0) part_sum[warp][j][r] = a;
+        }
     }
     __syncthreads();
-    int t = threadIdx.x, r = t % R, first = (t / R) * splits;      // thread t: output t / R of the block, row r
-    o = blockIdx.x * outputs + t / R;
-    if (t >= outputs * R || o >= Out) return;
+    // thread t: output k = t / R of the block (output j of group g), row r
+    int t = threadIdx.x, r = t % R, k = t / R, g = k / DECODE_OUTS, j = k % DECODE_OUTS;
+    int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
+    if (k >= groups * DECODE_OUTS || o >= Out) return;
     float s = 0.0f;
-    for (int k = 0; k < splits; k++) s += part_sum[first + k][r];
+    for (int p = 0; p < splits; p++) s += part_sum[g * splits + p][j][r];
     if (MODE == IN_RMSNORM) s *= rstd[r];
     float* dst = out + (long)r * ld_out + o;
     *dst = (accumulate ? *dst : 0.0f) + s;
 }
 
 // the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
-extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_plain_f32_kernel(
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
     decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_rmsnorm_f32_kernel(
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
     decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_swiglu_f32_kernel(
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
     decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_plain_bf16_kernel(
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
     decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_rmsnorm_bf16_kernel(
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
     decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
-extern "C" __global__ void __launch_bounds__(256, 4) decode_matvec_swiglu_bf16_kernel(
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
     decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);

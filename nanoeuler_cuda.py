@@ -1577,7 +1577,8 @@ def cmd_check(args):
 # kernels.cu's decoding section says why each kernel splits its work as it does.
 
 DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
-DECODE_LOADS = 4                # as in kernels.cu: 16-byte weight loads in flight per lane of decode_matvec
+DECODE_OUTS = 4                 # as in kernels.cu: outputs (weight rows) a warp of decode_matvec
+DECODE_LOADS = 2                # as in kernels.cu: 16-byte loads in flight a weight row per lane of decode_matvec
 DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
 DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
 SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
@@ -1605,12 +1606,13 @@ DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured her
 
 
 def matvec_splits(In, Out, elems, sms):
-    """warps per output of decode_matvec (1, 2, 4 or 8), from the matrix's shape alone (so
+    """warps sharing decode_matvec's outputs (1, 2, 4 or 8), from the matrix's shape alone (so
     each row's sum runs in the same order whatever R): enough that a lane's part of a
     weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
-    that the matrix makes at least two blocks of 8 warps per SM"""
+    more while the matrix makes fewer than 8 warps per SM and each lane keeps a chunk"""
     chunks, splits = In // elems, 1
-    while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or Out * splits < 16 * sms):
+    while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or
+                          (Out * splits < 8 * DECODE_OUTS * sms and chunks >= 2 * 32 * splits)):
         splits *= 2
     return splits
 
@@ -1643,7 +1645,7 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
     of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
     splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
-    decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 // splits), 256, pdl, ptr_arg(out),
+    decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 * DECODE_OUTS // splits), 256, pdl, ptr_arg(out),
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
                   int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
                   long_arg(prefetch.nbytes if prefetch else 0))
