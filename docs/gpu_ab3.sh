@@ -1,0 +1,45 @@
+#!/bin/bash
+# Training and decoding A/B of the working tree against a copy of the reference tree in ab_base/
+# (made by hand: mkdir ab_base && git archive REF | tar -x -C ab_base), on one GPU ($OUT:
+# summary.log and the logs): check; the decode rows probe in both; bench big at batch 64, the
+# trees in turn, twice; the working tree's attention timing; train big and sft; bench
+# --decode-only on that SFT model in both trees, and the working tree's decoding profile.
+export PYTHONUNBUFFERED=1
+R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
+t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
+  local log=$1; shift
+  local s=$EPOCHREALTIME
+  "$@" < /dev/null > "$R/$log" 2>&1
+  local rc=$?
+  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
+t check.log python nanoeuler_cuda.py check
+echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
+grep "NOT OK" "$R/check.log" | head | tee -a "$S"
+for tree in . ab_base; do
+  echo "== rows probe, $tree" | tee -a "$S"
+  (cd $tree && python docs/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
+done
+for round in 1 2; do
+  for tree in . ab_base; do
+    (cd $tree && python nanoeuler_cuda.py bench big --batch 64 --no-decode) > "$R/b.log" 2>&1
+    echo "round $round b64 $tree: $(grep 'ms/step' "$R/b.log" | tail -1)" | tee -a "$S"
+  done
+done
+rm -f "$R/b.log"
+t profile.log python nanoeuler_cuda.py bench big --batch 64 --profile --no-decode
+grep -E "ms/step|replayed|attention_|attention of one" "$R/profile.log" | tee -a "$S"
+t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
+grep -E "^done" "$R/train.log" | tee -a "$S"
+t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
+grep -E "^done" "$R/sft.log" | tee -a "$S"
+M=$PWD/out/sft/best.safetensors
+for tree in . ab_base; do
+  echo "== decoding, $tree" | tee -a "$S" >> "$R/decode_ab.log"
+  (cd $tree && python nanoeuler_cuda.py bench --decode-only --model $M) > "$R/d.log" 2>&1
+  cat "$R/d.log" >> "$R/decode_ab.log"; grep -E "tok/s|prefill|rror" "$R/d.log" | tee -a "$S"
+done
+rm -f "$R/d.log"
+t decode_profile.log python nanoeuler_cuda.py bench --decode-only --profile --model $M
+grep -E "replayed|a pass over" "$R/decode_profile.log" | tee -a "$S"
