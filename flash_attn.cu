@@ -1124,8 +1124,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_
     attention_backward_dq_bf16<32>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
 
-// 96 registers instead of 123, so that 5 blocks fit an SM instead of 4 (16 bytes spill)
-extern "C" __global__ void __launch_bounds__(MMA_THREADS, 5) attention_forward_bf16_kernel_64(
+extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_64(
     unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
     attention_forward_bf16<64, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }

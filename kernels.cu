@@ -767,27 +767,6 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
         if (c + 32 * u < c1) raw[u] = row[c + 32 * u];
 }
 
-// Asks L1 for the input elements of every row (and norm_w's) that this lane will read for
-// its chunks c, c+32, .. below c1 (one round), all at once, so that the main loop, which
-// goes row after row, finds them there instead of making a trip to L2 for each row.
-// A hint: no result depends on it.
-template <int MODE, int E>
-__device__ __forceinline__ void matvec_prefetch_inputs(const float* in, const float* norm_w, int R, int In, int c,
-                                                       int c1) {
-#ifdef __CUDA_ARCH__
-#pragma unroll
-    for (int u = 0; u < DECODE_LOADS; u++, c += 32) {
-        if (c >= c1) break;
-        if (MODE == IN_RMSNORM) asm volatile("prefetch.global.L1 [%0];" ::"l"(norm_w + c * E));
-        for (int r = 0; r < R; r++) {
-            const float* x = in + (long)r * (MODE == IN_SWIGLU ? 2 * In : In) + c * E;
-            asm volatile("prefetch.global.L1 [%0];" ::"l"(x));
-            if (MODE == IN_SWIGLU) asm volatile("prefetch.global.L1 [%0];" ::"l"(x + In));
-        }
-    }
-#endif
-}
-
 // out (R, ld_out) [+]= in' @ w.T for the R rows, w (Out, In) row-major, in' built from in
 // as MODE says; accumulate: out += (the residual add fused in).
 // At batch 1 this streams the weights, each used R times: its time is the trip to
@@ -826,7 +805,6 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
     decode_wait();
-    matvec_prefetch_inputs<MODE, E>(in, norm_w, R, In, c0 + lane, c1);
     if (MODE == IN_RMSNORM && warp < R) {
         float rs = matvec_rstd(in, In, warp, lane);
         if (lane == 0) rstd[warp] = rs;
