@@ -364,6 +364,46 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
 
 @needs_nvrtc
 @needs_gxx
+def test_decode_matvec_on_the_cpu_emulator_against_float64(emulated):
+    # decode_matvec (nanoeuler_cuda's launcher, kernels.cu run on the CPU) against float64 numpy:
+    # every mode, fp32 and bf16 weights, 13 outputs (not a multiple of the 4 a warp takes, so
+    # the last group is partly empty), rows of 64, 1024 and 2048 inputs (1, 2, 4 and 8 warps to a
+    # group), += into a wider output; and each row of a 3-row launch has the bits of that row
+    # launched alone
+    nc.init_gpu("fp32")
+    rng = np.random.default_rng(5)
+    R, Out, ld = 3, 13, 16
+    for In in (64, 1024, 2048):
+        for kind in ("f32", "bf16"):
+            w = rng.normal(0, 1, (Out, In)).astype(np.float32)
+            w_ref = nc.bf16_round(w) if kind == "bf16" else w
+            w_gpu = nc.activation(w, kind == "bf16")
+            for mode in ("plain", "rmsnorm", "swiglu"):
+                width = 2 * In if mode == "swiglu" else In
+                x = rng.normal(0, 1, (R, width)).astype(np.float32)
+                norm_w = rng.normal(1, 0.2, In).astype(np.float32)
+                before = rng.normal(0, 1, (R, ld)).astype(np.float32)
+                xr = x.astype(np.float64)
+                if mode == "rmsnorm":
+                    xr = xr / np.sqrt((xr ** 2).mean(1, keepdims=True) + 1e-5) * norm_w
+                elif mode == "swiglu":
+                    g, u = xr[:, :In], xr[:, In:]
+                    xr = g / (1 + np.exp(-g)) * u
+                ref = before.astype(np.float64)
+                ref[:, :Out] += xr @ w_ref.astype(np.float64).T
+                out, x_gpu, n_gpu = nc.to_gpu(before), nc.to_gpu(x), nc.to_gpu(norm_w)
+                nc.decode_matvec(out, x_gpu, w_gpu, n_gpu, R, In, Out, mode, accumulate=True, ld_out=ld)
+                got = out.download()
+                assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (In, kind, mode)
+                for r in range(R):                                  # the same bits row by row
+                    one = nc.to_gpu(before[r:r + 1])
+                    nc.decode_matvec(one, nc.to_gpu(x[r:r + 1]), w_gpu, n_gpu, 1, In, Out, mode, accumulate=True,
+                                     ld_out=ld)
+                    assert np.array_equal(one.download()[0], got[r]), (In, kind, mode, r)
+
+
+@needs_nvrtc
+@needs_gxx
 def test_training_checks_on_the_cpu_emulator(emulated):
     # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
     # and bfloat16) and flash_attn.cu (its tensor-core passes too), part by part as
