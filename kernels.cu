@@ -823,21 +823,16 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             int c = base + lane + 32 * u;
             if (c >= c1) break;
 #pragma unroll
-            for (int r = 0; r < DECODE_MAX_ROWS; r += 2) {          // two rows at a time: their loads together
+            for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
-                bool two = r + 1 < R;
-                float v[2][8];
-                matvec_input<MODE, E>(v[0], in, norm_w, In, r, c);
-                matvec_input<MODE, E>(v[1], in, norm_w, In, two ? r + 1 : r, c);   // no branch between them
+                float v[8];
+                matvec_input<MODE, E>(v, in, norm_w, In, r, c);
 #pragma unroll
                 for (int j = 0; j < DECODE_OUTS; j++) {
                     float wf[8];
                     unpack16(raw[j][u], wf, w);
 #pragma unroll
-                    for (int e = 0; e < E; e++) acc[j][r] += wf[e] * v[0][e];
-                    if (two)
-#pragma unroll
-                        for (int e = 0; e < E; e++) acc[j][r + 1] += wf[e] * v[1][e];
+                    for (int e = 0; e < E; e++) acc[j][r] += wf[e] * v[e];
                 }
             }
         }
