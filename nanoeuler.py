@@ -2577,26 +2577,29 @@ def check_drafts(args, cfg):
         args.drafts = cfg.K - 1
 
 
-def chat_reply(params, cfg, tok, history, args, out, gen=None):
-    """generate the assistant's turn after history, streaming its text to out; -> reply ids.
-    gen: generate's twin (nanoeuler_cuda.generate, with its decoder for params)"""
+def chat_reply(params, cfg, tok, history, args, out, reply, gen=None):
+    """generate the assistant's turn after history, streaming its text to out and its ids
+    into reply as they come (so a Ctrl-C keeps what was said). gen: generate's twin
+    (nanoeuler_cuda.generate, with its decoder for params)"""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    end, reply = tok.special("<|end|>"), []
+    end = tok.special("<|end|>")
     gen = gen or generate
-    for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                 args.seed, args.speculative, stop=end, drafts=args.drafts):
-        if t == end or t >= 256 and t < FIRST_MERGE_ID:
-            break
-        reply.append(t)
-        out.write(decoder.decode(tok.vocab[t]))
+    try:
+        for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                     args.seed, args.speculative, stop=end, drafts=args.drafts):
+            if t == end or t >= 256 and t < FIRST_MERGE_ID:
+                break
+            reply.append(t)
+            out.write(decoder.decode(tok.vocab[t]))
+            out.flush()
+    finally:
+        out.write(decoder.decode(b"", final=True) + "\n")
         out.flush()
-    out.write(decoder.decode(b"", final=True) + "\n")
-    out.flush()
-    return reply
 
 
 def cmd_chat(args, make_params=None, gen=None):
-    """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D) leaves.
+    """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D, or Ctrl-C
+    at the prompt) leaves; Ctrl-C during a reply stops it, and what was said stays.
     make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder and generate"""
     cfg, flat, tok = load_model(args.model)
     check_drafts(args, cfg)
@@ -2635,8 +2638,14 @@ def cmd_chat(args, make_params=None, gen=None):
                       f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)
             history = (history + ids)[-room:]
             out.write("bot> ")
-            with generating(args.model):
-                reply = chat_reply(params, cfg, tok, history, args, out, gen)
+            reply = []
+            try:
+                with generating(args.model):
+                    chat_reply(params, cfg, tok, history, args, out, reply, gen)
+            except KeyboardInterrupt as e:                 # Ctrl-C stops the reply, not the chat
+                if isinstance(e, Interrupted):
+                    raise
+                print("(reply stopped; Ctrl-C at the prompt, /quit or Ctrl-D leaves)")
             history += reply + [tok.special("<|end|>")]
     except KeyboardInterrupt as e:
         if isinstance(e, Interrupted):                 # SIGTERM or SIGHUP: run_command says so and exits 143/129

@@ -1818,11 +1818,11 @@ class GPUDecoder:
                   "cuStreamBeginCapture")
             try:
                 self.step(R, n_heads)
-            finally:
+            finally:                                                   # also when a Ctrl-C stops a chat's reply
                 graph = check(cu.cuStreamEndCapture(gpu.stream), "cuStreamEndCapture (capturing a decoding step)")
+                self.passes = passes                                   # captured, not run
             self.graphs[key] = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
             check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
-            self.passes = passes                                       # captured, not run
         check(cu.cuGraphLaunch(self.graphs[key], gpu.stream), "cuGraphLaunch")
         self.passes += 1
         return self.record()

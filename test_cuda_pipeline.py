@@ -404,6 +404,30 @@ def test_decode_matvec_on_the_cpu_emulator_against_float64(emulated):
 
 @needs_nvrtc
 @needs_gxx
+def test_a_ctrl_c_while_a_decoding_step_is_captured_leaves_the_decoder_usable(emulated, monkeypatch):
+    # chat's Ctrl-C stops a reply wherever it lands: in the first step's graph capture, the
+    # pass the captured tail counted must not stay counted (the ring of chosen ids would then
+    # be read one entry off), and the next reply is what a fresh decoder gives
+    cfg = ne.Config(V=96, C=64, Hq=2, Hkv=1, L=1, T=32, F=48, K=2)
+    flat = ne.init_params(cfg, seed=2)
+    nc.init_gpu("fp32")
+    want = list(nc.generate(nc.GPUDecoder(cfg, flat, "fp32"), cfg, [1, 2, 3], 12, temperature=0))
+    dec = nc.GPUDecoder(cfg, flat, "fp32")
+    step = dec.step
+
+    def interrupted(R, n_heads):
+        step(R, n_heads)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(dec, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0))
+    assert dec.passes == 1 and not dec.graphs                    # the prefill's pass alone
+    monkeypatch.setattr(dec, "step", step)
+    assert list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0)) == want
+
+
+@needs_nvrtc
+@needs_gxx
 def test_training_checks_on_the_cpu_emulator(emulated):
     # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
     # and bfloat16) and flash_attn.cu (its tensor-core passes too), part by part as

@@ -9,6 +9,7 @@ tmpfs (skipped, with the reason, where the tests cannot mount one).
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import io
 import json
 import os
 import re
@@ -672,3 +673,35 @@ def test_a_first_signal_after_lost_output_still_lets_the_save_finish():
     assert flag.signum == signal.SIGTERM
     with pytest.raises(ne.Interrupted):
         flag.handle(signal.SIGTERM, None)
+
+
+def test_ctrl_c_during_a_reply_stops_the_reply_not_the_chat(tmp_path, monkeypatch, capsys):
+    tok = ne.Tokenizer()
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=2, Hkv=1, L=1, T=64, F=48, K=2)
+    model = str(tmp_path / "m.safetensors")
+    ne.save_model(model, cfg, ne.init_params(cfg), tok)
+    said, histories = [ord("a"), ord("b"), ord("c")], []
+
+    def gen(params, cfg_, history, *args, **kwargs):             # the first reply is stopped after "ab"
+        histories.append(list(history))
+        for i, t in enumerate(said):
+            if len(histories) == 1 and i == 2:
+                raise KeyboardInterrupt
+            yield t
+
+    args = ne.build_parser().parse_args(["chat", "--model", model])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one\ntwo\n")))
+    ne.cmd_chat(args, gen=gen)
+    out = capsys.readouterr().out
+    assert "bot> ab\n(reply stopped; Ctrl-C at the prompt, /quit or Ctrl-D leaves)\nyou> two\nbot> abc\nbye" in out
+    end = tok.special("<|end|>")
+    first, _ = ne.render_turn(tok, "one")
+    second, _ = ne.render_turn(tok, "two")
+    assert histories[1] == first + [ord("a"), ord("b"), end] + second       # what was said stays in the history
+
+    def stopped(*args, **kwargs):                                # SIGTERM / SIGHUP still end the command
+        raise ne.Interrupted(15)
+        yield
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one\ntwo\n")))
+    with pytest.raises(ne.Interrupted):
+        ne.cmd_chat(args, gen=stopped)
