@@ -2630,7 +2630,8 @@ def follow(engine, next_batch, rng):
 def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
-    which saves a checkpoint and tells the others to stop (SIGTERM too). If a
+    which saves a checkpoint and tells the others to stop (SIGTERM and SIGHUP too:
+    the ranks run in sessions of their own, so a closed terminal reaches only us). If a
     rank fails, the rest are stopped: they would wait for it for ever. The
     launcher holds --out's lock (run_command); the ranks, its children, share it."""
     n = count_gpus()
@@ -2642,7 +2643,7 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
                               env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
                               stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
     previous = {sig: signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}             # rank 0 saves, then stops the others
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}   # rank 0 saves, then stops the others
     culprit = None                                           # the first rank to fail
     try:
         while culprit is None and procs[0].poll() is None:

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -832,6 +833,16 @@ import os, sys, time
 rank, world = int(os.environ["NANOEULER_RANK"]), int(os.environ["NANOEULER_WORLD"])
 assert os.environ["NCCL_NVLS_ENABLE"] == "0" and len(os.environ["NANOEULER_NCCL_ID"]) == 256
 open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(f"{rank} of {world}")
+if sys.argv[2:] == ["wait"]:                  # rank 0 records the signal it is sent, as its stop would
+    import signal
+    def got(signum, frame):
+        open(os.path.join(sys.argv[1], "signal"), "w").write(str(signum))
+        sys.exit(128 + signum)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, got)
+    open(os.path.join(sys.argv[1], f"ready{rank}"), "w").close()
+    time.sleep(30 if rank == 0 else 60)
+    sys.exit(9)
 fail = {int(r): int(code) for r, code in (a.split("=") for a in sys.argv[2:])}
 if rank in fail:
     print(f"rank {rank} fails", file=sys.stderr)
@@ -867,6 +878,31 @@ def test_launcher_exits_with_rank_0s_code(fake_ranks):
     with pytest.raises(SystemExit) as e:
         fake_ranks("0=4")
     assert e.value.code == 4
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_launcher_passes_ctrl_c_sigterm_and_sighup_to_rank_0(fake_ranks, tmp_path, sig):
+    # rank 0 saves and stops the others; the launcher must not die first (SIGHUP: the
+    # terminal closed) and leave the ranks, in sessions of their own, running without it
+    signum = getattr(signal, sig)
+
+    def send():
+        deadline = time.time() + 20
+        while not all((tmp_path / f"ready{r}").exists() for r in range(3)) and time.time() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signum)
+    def not_passed_on(signum, frame):                        # rather than this test process dying of it
+        raise AssertionError(f"{sig} reached the launcher's caller instead of rank 0")
+    before = signal.signal(signum, not_passed_on)
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        with pytest.raises(SystemExit) as e:
+            fake_ranks("wait")
+    finally:
+        sender.join()
+        signal.signal(signum, before)
+    assert (tmp_path / "signal").read_text() == str(signum) and e.value.code == 128 + signum
 
 
 def test_launcher_refuses_more_gpus_than_there_are(fake_ranks):
