@@ -1926,13 +1926,28 @@ def activation_bytes(cfg, rows):
     return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
 
 
-def available_memory():
-    """MemAvailable of /proc/meminfo in bytes, or None where it cannot be read (not Linux)"""
+def available_memory(root="/"):
+    """bytes this process may still take: MemAvailable of /proc/meminfo, or less where a
+    container's memory limit leaves less (cgroup v2 memory.max, or v1 memory.limit_in_bytes,
+    less what is in use: inside a container MemAvailable is the whole machine's); None
+    where none of them can be read (not Linux)"""
+    have = []
     try:
-        with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+        with open(os.path.join(root, "proc/meminfo")) as f:
+            have.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")))
     except (OSError, ValueError, IndexError, StopIteration):
-        return None
+        pass
+    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
+                                                            "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join(root, "sys/fs/cgroup", limit)) as f, \
+                    open(os.path.join(root, "sys/fs/cgroup", usage)) as g:
+                limit, usage = f.read().strip(), g.read().strip()
+            if limit != "max":                         # v2's word for no limit (v1 gives a huge number)
+                have.append(max(0, int(limit) - int(usage)))
+        except (OSError, ValueError):
+            pass
+    return min(have) if have else None
 
 
 def check_memory(cfg, batch, threads, available=available_memory):

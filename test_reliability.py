@@ -550,6 +550,30 @@ def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
     ne.check_memory(cfg, 10 ** 9, 2, available=lambda: None)    # no /proc/meminfo: no check
 
 
+def test_available_memory_is_the_least_of_meminfo_and_a_containers_limit(tmp_path):
+    def machine(meminfo_kb=None, v2=None, v1=None):
+        root = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        (root / "proc").mkdir(parents=True)
+        (root / "sys/fs/cgroup/memory").mkdir(parents=True)
+        if meminfo_kb is not None:
+            (root / "proc/meminfo").write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {meminfo_kb} kB\n")
+        for (limit, usage), names in ((v2 or (None, None), ("memory.max", "memory.current")),
+                                      (v1 or (None, None), ("memory/memory.limit_in_bytes",
+                                                            "memory/memory.usage_in_bytes"))):
+            if limit is not None:
+                (root / "sys/fs/cgroup" / names[0]).write_text(f"{limit}\n")
+                (root / "sys/fs/cgroup" / names[1]).write_text(f"{usage}\n")
+        return ne.available_memory(str(root))
+
+    assert machine(8_000_000) == 8_192_000_000                               # no container: MemAvailable
+    assert machine(8_000_000, v2=(2_000_000_000, 500_000_000)) == 1_500_000_000   # a 2 GB container, 0.5 in use
+    assert machine(8_000_000, v2=("max", 500_000_000)) == 8_192_000_000      # a cgroup without a limit
+    assert machine(8_000_000, v1=(9223372036854771712, 10)) == 8_192_000_000  # v1's "no limit"
+    assert machine(8_000_000, v1=(3_000_000_000, 1_000_000_000)) == 2_000_000_000
+    assert machine(None, v2=(1_000_000_000, 2_000_000_000)) == 0            # over its limit already
+    assert machine() is None                                                 # nothing to read: no check
+
+
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
     # a billion rows: 125 million gradient buffers of 3.7 MB, on any machine more than it has
