@@ -777,7 +777,8 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // matching elements of each pass row's input, which it then uses for all DECODE_OUTS
 // outputs. (With one output a warp, every warp read the whole input and norm_w again for
 // each pass row, and SwiGLU's exp for each output: per SM about 190 KB from L1 a row for
-// the gate/up product, so each row of a pass cost about a fifth of a one-row pass.) The host
+// the gate/up product. A row of a pass still costs about a fifth of a one-row pass, now
+// mostly each warp's trip to memory for that row's input.) The host
 // picks splits from the matrix's shape (nanoeuler_cuda.matvec_splits): enough that a lane's
 // chunks fit in one round, and more while there are fewer warps than 8 an SM and each lane
 // keeps a chunk. The parts' sums meet in shared memory and are added in part order: each
@@ -787,7 +788,8 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // take). No kernel writes a weight, so with programmatic launch the first round's loads go
 // out before the wait for the kernel that wrote `in`. next: the next product's weights
 // (next_bytes of them) to prefetch into L2 once this warp's own have come, or nullptr.
-// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 DECODE_OUTS / splits)); splits 1, 2, 4 or 8
+// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 DECODE_OUTS / splits)); splits 1, 2, 4 or 8;
+// launch bounds (256, 2): at most 128 registers (the bf16 norm and SwiGLU builds spill 12-16 bytes)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate, int splits, const char* next, long next_bytes) {

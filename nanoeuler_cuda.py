@@ -1608,8 +1608,9 @@ DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured her
 def matvec_splits(In, Out, elems, sms):
     """warps sharing decode_matvec's outputs (1, 2, 4 or 8), from the matrix's shape alone (so
     each row's sum runs in the same order whatever R): enough that a lane's part of a
-    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
-    more while the matrix makes fewer than 8 warps per SM and each lane keeps a chunk"""
+    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads (at
+    most 8: past that the kernel loops), and more while the matrix makes fewer than 8
+    warps per SM and each lane keeps a chunk"""
     chunks, splits = In // elems, 1
     while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or
                           (Out * splits < 8 * DECODE_OUTS * sms and chunks >= 2 * 32 * splits)):

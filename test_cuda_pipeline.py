@@ -275,8 +275,8 @@ def test_the_kernels_constants_match():
 
 def test_matvec_splits_of_the_big_model_on_an_h200():
     # 132 SMs, 4 outputs a warp: each lane at most 2 loads of 16 bytes a weight row (64 chunks
-    # a warp), and more warps while there are fewer than 8 per SM (1056 warps: 4224 outputs x
-    # splits) and each lane keeps at least one chunk (64 chunks a part before the split)
+    # a warp), and more warps while there are fewer than 8 per SM (1056 warps, so while
+    # Out x splits < 4224) and each lane keeps at least one chunk (64 chunks a part before the split)
     big, sms = ne.PRESETS["big"], 132
     C, F, V, QKV = big.C, big.F, big.V, (big.Hq + 2 * big.Hkv) * big.D
     bf16 = {(C, QKV): 2, (C, C): 2, (C, 2 * F): 2, (F, C): 8, (C, V): 2}     # wqkv, wo, gate/up, down, a head

@@ -2,7 +2,7 @@
 # The README flow on one GPU, short: train big, sft, chat greedy and speculative, decoding speed on the SFT model ($OUT: flow.log and the logs)
 export PYTHONUNBUFFERED=1
 O=$OUT; S=$O/flow.log
-t() { local log=$1; shift; local s=$EPOCHREALTIME; "$@" < /dev/null > "$O/$log" 2>&1; echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $?" | tee -a $S; }
+t() { local log=$1; shift; local s=$EPOCHREALTIME; "$@" < /dev/null > "$O/$log" 2>&1; local rc=$?; echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a $S; }
 t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
 grep -vE "^step |^sample" "$O/train.log" | tail -3 | tee -a "$S"
 t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
