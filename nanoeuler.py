@@ -1860,7 +1860,7 @@ def claim_out(out_dir, resume):
 #
 # numpy works on one core at a time, so a step cuts its batch into parts that
 # run on a pool of threads (numpy lets go of the GIL inside its loops and BLAS
-# calls), each into a gradient buffer of its own, and AdamW runs on slices of
+# calls), each thread into a gradient buffer of its own, and AdamW runs on slices of
 # the flat buffer at once. BLAS is held to one thread per caller (the setting
 # above `import numpy`): two layers of threads on two cores made every step
 # twice as slow. With these and keep_freed_memory, a step on 2 cores runs
@@ -1892,25 +1892,33 @@ def micro_batches(B, n_threads):
     return n_threads * max(1, B // (8 * n_threads))
 
 
-def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None):
+def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
     """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
 
-    The batch is cut into len(grad_bufs) parts that run on the pool's threads,
-    each with a gradient buffer of its own; numpy lets go of the GIL inside its
-    loops and BLAS calls, so every core works. Every part divides by the whole
-    batch's target counts, so the parts add up exactly, and in a fixed order."""
+    The batch is cut into `parts` micro-batches (default: one per buffer) that run on
+    the pool's threads, a gradient buffer each: with n buffers, buffer t adds up the
+    gradients of parts t, t + n, t + 2n, .. in that order, so memory grows with the
+    threads, not with the batch. numpy lets go of the GIL inside its loops and BLAS
+    calls, so every core works. Every part divides by the whole batch's target counts,
+    so the parts add up exactly, and in an order fixed by parts and n alone."""
     counts = (targets >= 0).sum(axis=(0, 1))                          # (K,)
-    parts = [p for p in np.array_split(np.arange(len(idx)), len(grad_bufs)) if len(p)]
+    n = len(grad_bufs)
+    split = [p for p in np.array_split(np.arange(len(idx)), parts or n) if len(p)]
 
-    def run(i):
-        grad_bufs[i][...] = 0.0
-        rows = slice(parts[i][0], parts[i][-1] + 1)
-        loss, ce, cache = model_forward(carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
-        model_backward(carve(grad_bufs[i], cfg), cache)
+    def run(t):
+        grad_bufs[t][...] = 0.0
+        loss, ce = 0.0, 0.0
+        for p in split[t::n]:
+            rows = slice(p[0], p[-1] + 1)
+            part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
+            model_backward(carve(grad_bufs[t], cfg), cache)
+            del cache                                              # before the next part's forward
+            loss, ce = loss + part_loss, ce + part_ce
         return loss, ce
 
-    results = list(pool.map(run, range(len(parts)))) if pool and len(parts) > 1 else [run(i) for i in range(len(parts))]
-    for buf in grad_bufs[1:len(parts)]:
+    used = min(n, len(split))
+    results = list(pool.map(run, range(used))) if pool and used > 1 else [run(t) for t in range(used)]
+    for buf in grad_bufs[1:used]:
         grad_bufs[0] += buf
     return sum(r[0] for r in results), sum(r[1] for r in results)
 
@@ -1952,7 +1960,7 @@ def available_memory(root="/"):
 
 def check_memory(cfg, batch, threads, available=available_memory):
     """refuse, before anything is allocated, a --batch whose step would not fit in memory:
-    the weights, m, v and a gradient buffer per micro-batch (CPUEngine), the batch's ids,
+    the weights, m, v and a gradient buffer per thread (CPUEngine), the batch's ids,
     and the activations of the micro-batches in flight, one per thread (an evaluation
     runs the same micro-batches)"""
     have = available()
@@ -1961,11 +1969,11 @@ def check_memory(cfg, batch, threads, available=available_memory):
     threads = max(1, min(threads, batch))
     parts = micro_batches(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
-    weights = 4 * (3 + parts) * num_params(cfg)
+    weights = 4 * (3 + threads) * num_params(cfg)
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
-                             f"of weights, moments and {parts:,} gradient buffers, {threads} x {rows:,} rows of "
+                             f"of weights, moments and {threads} gradient buffers, {threads} x {rows:,} rows of "
                              f"activations), more than the {have / 1e9:,.1f} GB available; lower --batch")
 
 
@@ -2001,12 +2009,13 @@ class CPUEngine:
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.mask = decay_mask(cfg)
         self.n_threads = max(1, min(args.threads, args.batch))
-        self.grad_bufs = [np.zeros_like(flat) for _ in range(micro_batches(args.batch, self.n_threads))]
+        self.parts = micro_batches(args.batch, self.n_threads)
+        self.grad_bufs = [np.zeros_like(flat) for _ in range(self.n_threads)]
         self.pool = ThreadPoolExecutor(self.n_threads)
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
-        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool)
+        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool, self.parts)
         norm = clip_grad_norm(self.grad_bufs[0], self.clip)
         if np.isfinite(loss) and np.isfinite(norm):
             adamw_update_parallel(self.pool, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
@@ -2017,7 +2026,7 @@ class CPUEngine:
         params = carve(self.flat, self.cfg)
         # in a step's micro-batches: a forward keeps its caches, so 32 rows at once would
         # need more memory than the step (check_memory counts a step's)
-        n = -(-self.batch // len(self.grad_bufs))
+        n = -(-self.batch // self.parts)
         parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
         return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
                         parts, token_bytes, self.pool)
@@ -2676,14 +2685,14 @@ def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
     flat = init_params(cfg)
     m, v, mask = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
-    bufs = [np.zeros_like(flat) for _ in range(micro_batches(B, threads))]
+    bufs, parts = [np.zeros_like(flat) for _ in range(threads)], micro_batches(B, threads)
     rng = np.random.default_rng(0)
     times = []
     with ThreadPoolExecutor(threads) as pool:
         for step in range(steps + 2):
             idx, targets = split_rows(rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K)), cfg.T, cfg.K)
             t0 = time.perf_counter()
-            loss_and_grads(flat, cfg, idx, targets, bufs, pool)
+            loss_and_grads(flat, cfg, idx, targets, bufs, pool, parts)
             clip_grad_norm(bufs[0], 1.0)
             adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, mask)
             times.append(time.perf_counter() - t0)

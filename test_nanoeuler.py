@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -293,6 +294,20 @@ def test_micro_batches_add_up_to_the_batch():
     assert loss3 == pytest.approx(loss1, rel=1e-12)
     np.testing.assert_allclose(ce3, ce1, rtol=1e-12)
     np.testing.assert_allclose(parts[0], whole[0], rtol=1e-9, atol=1e-14)
+    # 5 micro-batches on 2 buffers (threads): buffer 0 adds parts 0, 2, 4 and buffer 1 parts
+    # 1, 3; the same sums, and the same bits on a pool as one after another
+    runs = []
+    for pool in (None, ThreadPoolExecutor(2)):
+        two = [np.zeros_like(flat) for _ in range(2)]
+        runs.append((ne.loss_and_grads(flat, cfg, idx, targets, two, pool, parts=5), two[0].copy()))
+    (loss5, ce5), grads5 = runs[0]
+    assert loss5 == pytest.approx(loss1, rel=1e-12)
+    np.testing.assert_allclose(ce5, ce1, rtol=1e-12)
+    np.testing.assert_allclose(grads5, whole[0], rtol=1e-9, atol=1e-14)
+    assert runs[1][0][0] == loss5 and np.array_equal(runs[1][0][1], ce5) and np.array_equal(runs[1][1], grads5)
+    by_part = [np.zeros_like(flat) for _ in range(5)]                 # buffer i > 0 keeps part i's alone
+    ne.loss_and_grads(flat, cfg, idx, targets, by_part)
+    np.testing.assert_allclose(two[1], by_part[1] + by_part[3], rtol=1e-9, atol=1e-14)   # buffer 1: parts 1, 3
 
 
 def test_decoding_forward_equals_the_training_forward():
