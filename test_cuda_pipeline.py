@@ -16,6 +16,7 @@ import importlib.util
 import io
 import math
 import os
+import re
 import shutil
 import sys
 
@@ -424,6 +425,26 @@ def test_a_ctrl_c_while_a_decoding_step_is_captured_leaves_the_decoder_usable(em
     assert dec.passes == 1 and not dec.graphs                    # the prefill's pass alone
     monkeypatch.setattr(dec, "step", step)
     assert list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0)) == want
+
+
+@needs_nvrtc
+@needs_gxx
+def test_the_decoding_profile_runs_on_the_cpu_emulator(emulated, capsys):
+    # bench --profile's decoding part (graph replays, a pass by kernel, passes over 1..K rows
+    # and heads) on a small model: every line it promises, and the decoder still decodes after
+    cfg = ne.Config(V=96, C=64, Hq=2, Hkv=1, L=1, T=256, F=96, K=3)
+    flat = ne.init_params(cfg, seed=3)
+    nc.init_gpu("fp32")
+    dec = nc.GPUDecoder(cfg, flat, "fp32")
+    nc.profile_decoding(dec, list(range(10)), replays=5)
+    out = capsys.readouterr().out
+    passes = re.findall(r"a pass over (\d) rows? and (\d) heads?: ", out)
+    assert passes == [("1", "1"), ("2", "1"), ("2", "2"), ("3", "1"), ("3", "3")], out
+    assert "one step at position 11" in out and "a pass over 2 rows and 2 heads, launched one by one" in out
+    assert "decode_matvec_rmsnorm_f32_kernel" in out and "argmax_accept_kernel" in out
+    fresh = nc.GPUDecoder(cfg, flat, "fp32")
+    assert list(nc.generate(dec, cfg, [1, 2, 3], 8, temperature=0)) == \
+        list(nc.generate(fresh, cfg, [1, 2, 3], 8, temperature=0))
 
 
 @needs_nvrtc
