@@ -1,4 +1,6 @@
 #!/bin/bash
+# BASE must be a commit that has landed: the device copy of the repository holds no other (there,
+# make the reference tree by hand as docs/gpu_decode_ab2.sh expects).
 # A/B of the working tree against $BASE (default HEAD) on one GPU (BASE=REF bash docs/gpu_ab.sh; $OUT: summary.log and
 # logs): check on the working tree, then bench big at batch 64 and 16 interleaved, the two trees
 # in turn, then the working tree's --profile and its decoding profile.

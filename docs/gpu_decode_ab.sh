@@ -1,4 +1,6 @@
 #!/bin/bash
+# BASE must be a commit that has landed: the device copy of the repository holds no other (there,
+# make the reference tree by hand as docs/gpu_decode_ab2.sh expects).
 # Decoding A/B of the working tree against $BASE (default HEAD) on one GPU, on the SFT model of
 # the README's flow (BASE=REF bash docs/gpu_decode_ab.sh; $OUT: summary.log and the logs): check,
 # train big, sft, then bench --decode-only on that model, the two trees in turn, twice; the
