@@ -1822,8 +1822,10 @@ class GPUDecoder:
             finally:                                                   # also when a Ctrl-C stops a chat's reply
                 graph = check(cu.cuStreamEndCapture(gpu.stream), "cuStreamEndCapture (capturing a decoding step)")
                 self.passes = passes                                   # captured, not run
-            self.graphs[key] = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-            check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+            try:
+                self.graphs[key] = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            finally:
+                check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
         check(cu.cuGraphLaunch(self.graphs[key], gpu.stream), "cuGraphLaunch")
         self.passes += 1
         return self.record()
@@ -1842,6 +1844,11 @@ class GPUDecoder:
         QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
         self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
         self.pos.zero()                                                # a memset: no wait for the GPU
+        # the ring starts again: no pass the host reads is in flight here (generate waits
+        # for the queue before a slide), and this puts the counts in step again if a Ctrl-C
+        # came between a launch and its count (chat goes on after one)
+        self.counter.zero()
+        self.passes = 0
         x = self.p_x
         embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
         for l in range(cfg.L):
@@ -2242,6 +2249,10 @@ def profile_decoding(dec, prompt, replays=100):
     the cache nearly full (attention's share grows with the keys); by kernel when launched
     one by one"""
     T = dec.cfg.T
+    replays = min(replays, T - 1 - len(prompt))         # a pass writes the cache at *pos: at most T - 1
+    if replays < 1:
+        print(f"  (no profile: the {len(prompt)}-token prompt leaves no room in the context of {T})")
+        return
     dec.wait(dec.prefill(prompt, 1))
     us = replay_time(dec, replays)
     if T > len(prompt) + replays + 2:                   # a prompt that leaves room for the replays, no more
@@ -2259,14 +2270,17 @@ def profile_decoding(dec, prompt, replays=100):
           f"us in all):")
     for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
-    # what a speculative pass costs beside a plain one: more rows, more heads (a pass moves
-    # *pos by 1 to R, so fewer replays keep it inside the window)
-    rows = range(1, min(dec.cfg.K, max_rows(dec.cfg)) + 1)
-    for R, n_heads in sorted({(R, n) for R in rows for n in (1, R)}) if T > len(prompt) + 8 * 20 else []:
+    # what a speculative pass costs beside a plain one: more rows, more heads (21 passes of R
+    # rows, each moving *pos by 1 to R, must stay inside the window)
+    most = min(dec.cfg.K, max_rows(dec.cfg))
+    rows = range(1, most + 1) if T >= len(prompt) + 21 * most else []
+    for R, n_heads in sorted({(R, n) for R in rows for n in (1, R)}):
         dec.wait(dec.prefill(prompt, 1))
         print(f"  a pass over {R} row{'s' * (R > 1)} and {n_heads} head{'s' * (n_heads > 1)}: "
               f"{replay_time(dec, 20, R, n_heads):.1f} us of GPU time replayed from its graph")
-    R = 1 + DEFAULT_DRAFTS
+    R = min(1 + DEFAULT_DRAFTS, most)                   # a model with one head has no drafts
+    if R < 2 or T < len(prompt) + R:
+        return
     dec.wait(dec.prefill(prompt, 1))
     gpu.profile = []
     dec.step(R, R)

@@ -425,6 +425,20 @@ def test_a_ctrl_c_while_a_decoding_step_is_captured_leaves_the_decoder_usable(em
     assert dec.passes == 1 and not dec.graphs                    # the prefill's pass alone
     monkeypatch.setattr(dec, "step", step)
     assert list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0)) == want
+    # and right after a step's launch, before the host counted it: the next prefill puts the
+    # counts in step again (else every later reply would read the ring one entry late)
+    launch, hits = nc.cu.cuGraphLaunch, []
+
+    def launched_then_interrupted(*a):
+        result = launch(*a)
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        return result
+    monkeypatch.setattr(nc.cu, "cuGraphLaunch", launched_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0))
+    assert list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0)) == want
 
 
 @needs_nvrtc
@@ -445,6 +459,13 @@ def test_the_decoding_profile_runs_on_the_cpu_emulator(emulated, capsys):
     fresh = nc.GPUDecoder(cfg, flat, "fp32")
     assert list(nc.generate(dec, cfg, [1, 2, 3], 8, temperature=0)) == \
         list(nc.generate(fresh, cfg, [1, 2, 3], 8, temperature=0))
+    # one head (no drafts) and a short context: no pass wider than the heads, none past T
+    one = ne.Config(V=96, C=64, Hq=2, Hkv=1, L=1, T=24, F=96, K=1)
+    nc.profile_decoding(nc.GPUDecoder(one, ne.init_params(one, seed=3), "fp32"), list(range(10)), replays=100)
+    out = capsys.readouterr().out
+    assert "one step at position 11" in out and "a pass over" not in out
+    nc.profile_decoding(nc.GPUDecoder(one, ne.init_params(one, seed=3), "fp32"), list(range(23)))
+    assert "no room in the context of 24" in capsys.readouterr().out
 
 
 @needs_nvrtc
