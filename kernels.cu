@@ -788,7 +788,7 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // take). No kernel writes a weight, so with programmatic launch the first round's loads go
 // out before the wait for the kernel that wrote `in`. next: the next product's weights
 // (next_bytes of them) to prefetch into L2 once this warp's own have come, or nullptr.
-// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 DECODE_OUTS / splits)); splits 1, 2, 4 or 8;
+// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 * DECODE_OUTS / splits)); splits 1, 2, 4 or 8;
 // launch bounds (256, 2): at most 128 registers (the bf16 norm and SwiGLU builds spill 12-16 bytes)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,

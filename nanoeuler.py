@@ -1936,26 +1936,74 @@ def activation_bytes(cfg, rows):
 
 def available_memory(root="/"):
     """bytes this process may still take: MemAvailable of /proc/meminfo, or less where a
-    container's memory limit leaves less (cgroup v2 memory.max, or v1 memory.limit_in_bytes,
-    less what is in use: inside a container MemAvailable is the whole machine's); None
-    where none of them can be read (not Linux)"""
+    cgroup memory limit leaves less (a container's, a batch job's; inside a container
+    MemAvailable is the whole machine's); None where none of them can be read (not Linux)"""
     have = []
     try:
         with open(os.path.join(root, "proc/meminfo")) as f:
             have.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")))
     except (OSError, ValueError, IndexError, StopIteration):
         pass
-    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes",
-                                                            "memory/memory.usage_in_bytes")):
-        try:
-            with open(os.path.join(root, "sys/fs/cgroup", limit)) as f, \
-                    open(os.path.join(root, "sys/fs/cgroup", usage)) as g:
-                limit, usage = f.read().strip(), g.read().strip()
-            if limit != "max":                         # v2's word for no limit (v1 gives a huge number)
-                have.append(max(0, int(limit) - int(usage)))
-        except (OSError, ValueError):
-            pass
+    for folder in memory_cgroups(root):
+        left = cgroup_memory_left(folder)
+        if left is not None:
+            have.append(left)
     return min(have) if have else None
+
+
+# cgroup v2 and v1 (its memory controller): the limit, the usage, and memory.stat's line of
+# the page cache the kernel would drop before it refused memory (counted as free, as docker does)
+CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def memory_cgroups(root="/"):
+    """(version, folder) of this process's memory cgroup and of each one above it (a limit
+    anywhere above applies too), from /proc/self/cgroup; inside a cgroup namespace its path
+    reads "/" and the mount's root is the container's own cgroup"""
+    found = []
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except OSError:
+        return found
+    for number, controllers, path in (ln for ln in lines if len(ln) == 3):
+        if number == "0" and controllers == "":
+            version, mount = "v2", os.path.join(root, "sys/fs/cgroup")
+        elif "memory" in controllers.split(","):
+            version, mount = "v1", os.path.join(root, "sys/fs/cgroup/memory")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        found += [(version, os.path.join(mount, *parts[:depth])) for depth in range(len(parts), -1, -1)]
+    return found
+
+
+def cgroup_memory_left(version_folder):
+    """bytes below one cgroup's memory limit, the droppable page cache counted as free; None
+    where it sets no limit or its files cannot be read"""
+    version, folder = version_folder
+    limit_file, usage_file, cache_line = CGROUP_FILES[version]
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_file)) as f:
+            usage = int(f.read())
+        if limit == "max":                             # v2's word for no limit (v1 gives a huge number)
+            return None
+        limit = int(limit)
+    except (OSError, ValueError):
+        return None
+    cache = 0
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == cache_line:
+                    cache = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, limit - usage + cache)
 
 
 def check_memory(cfg, batch, threads, available=available_memory):

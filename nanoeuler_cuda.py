@@ -45,6 +45,7 @@ headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 import argparse
 import contextlib
 import ctypes
+import gc
 import hashlib
 import math
 import os
@@ -1608,9 +1609,9 @@ DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured her
 def matvec_splits(In, Out, elems, sms):
     """warps sharing decode_matvec's outputs (1, 2, 4 or 8), from the matrix's shape alone (so
     each row's sum runs in the same order whatever R): enough that a lane's part of a
-    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads (at
-    most 8: past that the kernel loops), and more while the matrix makes fewer than 8
-    warps per SM and each lane keeps a chunk"""
+    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
+    more while the matrix makes fewer than 8 warps per SM and each lane keeps a chunk
+    (splits at most 8: past that a lane's part takes several rounds)"""
     chunks, splits = In // elems, 1
     while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or
                           (Out * splits < 8 * DECODE_OUTS * sms and chunks >= 2 * 32 * splits)):
@@ -1815,13 +1816,14 @@ class GPUDecoder:
         key = (R, n_heads)
         if key not in self.graphs:
             passes = self.passes
-            check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
-                  "cuStreamBeginCapture")
-            try:
-                self.step(R, n_heads)
-            finally:                                                   # also when a Ctrl-C stops a chat's reply
-                graph = check(cu.cuStreamEndCapture(gpu.stream), "cuStreamEndCapture (capturing a decoding step)")
-                self.passes = passes                                   # captured, not run
+            with collector_paused():
+                check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+                      "cuStreamBeginCapture")
+                try:
+                    self.step(R, n_heads)
+                finally:                                               # also when a Ctrl-C stops a chat's reply
+                    graph = check(cu.cuStreamEndCapture(gpu.stream), "cuStreamEndCapture (capturing a decoding step)")
+                    self.passes = passes                               # captured, not run
             try:
                 self.graphs[key] = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
             finally:
@@ -1990,21 +1992,28 @@ def flops_per_token(cfg):
 GRAPH_STEP = True
 
 
-def capture_graph(run, what):
-    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph.
-    The garbage collector waits meanwhile: a DeviceArray freed inside a capture (cuMemFree)
-    would end it with an error."""
-    import gc
-    check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
-          "cuStreamBeginCapture")
+@contextlib.contextmanager
+def collector_paused():
+    """the garbage collector waits inside, from before a stream capture begins to after it
+    ends: a DeviceArray it freed during one (cuMemFree) would end the capture with an error"""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        run()
+        yield
     finally:
         if collecting:
             gc.enable()
-        graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
+
+
+def capture_graph(run, what):
+    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph"""
+    with collector_paused():
+        check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+              "cuStreamBeginCapture")
+        try:
+            run()
+        finally:
+            graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
     executable = check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
     check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
     return executable
@@ -2654,13 +2663,19 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
     env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
            "NCCL_NVLS_ENABLE": "0"}
-    procs = [subprocess.Popen([sys.executable, program, *argv],
-                              env={**env, "NANOEULER_RANK": str(r)}, start_new_session=True,
-                              stdout=None if r == 0 else subprocess.DEVNULL) for r in range(world)]
-    previous = {sig: signal.signal(sig, lambda signum, frame: procs[0].send_signal(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}   # rank 0 saves, then stops the others
+    procs = []
+
+    def forward(signum, frame):                              # rank 0 saves, then stops the others
+        if not procs:                                        # none started yet: stop as one process would
+            raise KeyboardInterrupt if signum == signal.SIGINT else ne.Interrupted(signum)
+        procs[0].send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     culprit = None                                           # the first rank to fail
     try:
+        for r in range(world):                               # inside the try: a rank started is a rank stopped
+            procs.append(subprocess.Popen([sys.executable, program, *argv], env={**env, "NANOEULER_RANK": str(r)},
+                                          start_new_session=True, stdout=None if r == 0 else subprocess.DEVNULL))
         while culprit is None and procs[0].poll() is None:
             culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
             time.sleep(0.1)

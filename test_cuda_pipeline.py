@@ -367,40 +367,46 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
 @needs_gxx
 def test_decode_matvec_on_the_cpu_emulator_against_float64(emulated):
     # decode_matvec (nanoeuler_cuda's launcher, kernels.cu run on the CPU) against float64 numpy:
-    # every mode, fp32 and bf16 weights, 13 outputs (not a multiple of the 4 a warp takes, so
-    # the last group is partly empty), rows of 64, 1024 and 2048 inputs (1, 2, 4 and 8 warps to a
-    # group), += into a wider output; and each row of a 3-row launch has the bits of that row
-    # launched alone
+    # every mode, fp32 and bf16 weights, += into a wider output; 13 outputs (the 4 a warp takes
+    # leave the last group partly empty) with rows of 64, 1024 and 2048 inputs (the launcher's
+    # splits), and 45 outputs over two blocks, 8 rows at 1 warp a group (all 256 threads in the
+    # last phase) and 2 rows at 2; each row of a launch has the bits of that row launched alone
     nc.init_gpu("fp32")
     rng = np.random.default_rng(5)
-    R, Out, ld = 3, 13, 16
-    for In in (64, 1024, 2048):
-        for kind in ("f32", "bf16"):
-            w = rng.normal(0, 1, (Out, In)).astype(np.float32)
-            w_ref = nc.bf16_round(w) if kind == "bf16" else w
-            w_gpu = nc.activation(w, kind == "bf16")
-            for mode in ("plain", "rmsnorm", "swiglu"):
-                width = 2 * In if mode == "swiglu" else In
-                x = rng.normal(0, 1, (R, width)).astype(np.float32)
-                norm_w = rng.normal(1, 0.2, In).astype(np.float32)
-                before = rng.normal(0, 1, (R, ld)).astype(np.float32)
-                xr = x.astype(np.float64)
-                if mode == "rmsnorm":
-                    xr = xr / np.sqrt((xr ** 2).mean(1, keepdims=True) + 1e-5) * norm_w
-                elif mode == "swiglu":
-                    g, u = xr[:, :In], xr[:, In:]
-                    xr = g / (1 + np.exp(-g)) * u
-                ref = before.astype(np.float64)
-                ref[:, :Out] += xr @ w_ref.astype(np.float64).T
-                out, x_gpu, n_gpu = nc.to_gpu(before), nc.to_gpu(x), nc.to_gpu(norm_w)
-                nc.decode_matvec(out, x_gpu, w_gpu, n_gpu, R, In, Out, mode, accumulate=True, ld_out=ld)
-                got = out.download()
-                assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (In, kind, mode)
-                for r in range(R):                                  # the same bits row by row
-                    one = nc.to_gpu(before[r:r + 1])
-                    nc.decode_matvec(one, nc.to_gpu(x[r:r + 1]), w_gpu, n_gpu, 1, In, Out, mode, accumulate=True,
-                                     ld_out=ld)
-                    assert np.array_equal(one.download()[0], got[r]), (In, kind, mode, r)
+    for R, Out, In, splits in ((3, 13, 64, None), (3, 13, 1024, None), (3, 13, 2048, None), (8, 45, 768, 1),
+                               (2, 45, 768, 2)):
+        check_decode_matvec(rng, R, Out, In, splits)
+
+
+def check_decode_matvec(rng, R, Out, In, splits):
+    """decode_matvec with R rows, Out outputs, In inputs (splits: the launcher's, or these)
+    in every mode and with fp32 and bf16 weights, against float64"""
+    ld = Out + 3
+    for kind in ("f32", "bf16"):
+        w = rng.normal(0, 1, (Out, In)).astype(np.float32)
+        w_ref = (nc.bf16_round(w) if kind == "bf16" else w).astype(np.float64)
+        w_gpu = nc.activation(w, kind == "bf16")
+        for mode in ("plain", "rmsnorm", "swiglu"):
+            x = rng.normal(0, 1, (R, 2 * In if mode == "swiglu" else In)).astype(np.float32)
+            norm_w = rng.normal(1, 0.2, In).astype(np.float32)
+            before = rng.normal(0, 1, (R, ld)).astype(np.float32)
+            xr = x.astype(np.float64)
+            if mode == "rmsnorm":
+                xr = xr / np.sqrt((xr ** 2).mean(1, keepdims=True) + 1e-5) * norm_w
+            elif mode == "swiglu":
+                g, u = xr[:, :In], xr[:, In:]
+                xr = g / (1 + np.exp(-g)) * u
+            ref = before.astype(np.float64)
+            ref[:, :Out] += xr @ w_ref.T
+            out, x_gpu, n_gpu = nc.to_gpu(before), nc.to_gpu(x), nc.to_gpu(norm_w)
+            nc.decode_matvec(out, x_gpu, w_gpu, n_gpu, R, In, Out, mode, accumulate=True, ld_out=ld, splits=splits)
+            got = out.download()
+            assert np.abs(got - ref).max() < 1e-4 * np.abs(ref).max(), (R, Out, In, kind, mode)
+            for r in range(R):                                      # the same bits row by row
+                one = nc.to_gpu(before[r:r + 1])
+                nc.decode_matvec(one, nc.to_gpu(x[r:r + 1]), w_gpu, n_gpu, 1, In, Out, mode, accumulate=True,
+                                 ld_out=ld, splits=splits)
+                assert np.array_equal(one.download()[0], got[r]), (R, Out, In, kind, mode, r)
 
 
 @needs_nvrtc
@@ -439,6 +445,37 @@ def test_a_ctrl_c_while_a_decoding_step_is_captured_leaves_the_decoder_usable(em
     with pytest.raises(KeyboardInterrupt):
         list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0))
     assert list(nc.generate(dec, cfg, [1, 2, 3], 12, temperature=0)) == want
+
+
+@needs_nvrtc
+@needs_gxx
+def test_no_garbage_collection_frees_gpu_memory_inside_a_graph_capture(emulated):
+    # a DeviceArray in a reference cycle goes when the collector runs, which any allocation may
+    # trigger; a cuMemFree inside a capture ends it with an error (an interrupted reply leaves
+    # such cycles: frames, tracebacks). The collector is paused from before a capture begins
+    # (training's and decoding's) to after it ends: with it set to run at every allocation,
+    # none runs while the emulator captures
+    import gc
+    nc.init_gpu("fp32")
+    cfg = ne.Config(V=96, C=64, Hq=2, Hkv=1, L=1, T=32, F=48, K=2)
+    dec = nc.GPUDecoder(cfg, ne.init_params(cfg, seed=2), "fp32")
+    dec.wait(dec.prefill([1, 2, 3], 1))
+    x = nc.DeviceArray((4,)).zero()
+    during = []
+
+    def seen(phase, info):
+        if phase == "start" and emulated.capture is not None:
+            during.append(info["generation"])
+    threshold = gc.get_threshold()
+    gc.callbacks.append(seen)
+    try:
+        gc.set_threshold(1)
+        nc.capture_graph(lambda: x.zero(), "a memset")
+        dec.launch_step(1, 1)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(seen)
+    assert during == []
 
 
 @needs_nvrtc

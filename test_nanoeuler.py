@@ -297,14 +297,16 @@ def test_micro_batches_add_up_to_the_batch():
     # 5 micro-batches on 2 buffers (threads): buffer 0 adds parts 0, 2, 4 and buffer 1 parts
     # 1, 3; the same sums, and the same bits on a pool as one after another
     runs = []
-    for pool in (None, ThreadPoolExecutor(2)):
+    with ThreadPoolExecutor(2) as threads:
         two = [np.zeros_like(flat) for _ in range(2)]
-        runs.append((ne.loss_and_grads(flat, cfg, idx, targets, two, pool, parts=5), two[0].copy()))
+        for pool in (None, threads, threads):                      # the same buffers: each run starts from sums
+            runs.append((ne.loss_and_grads(flat, cfg, idx, targets, two, pool, parts=5), two[0].copy()))
     (loss5, ce5), grads5 = runs[0]
     assert loss5 == pytest.approx(loss1, rel=1e-12)
     np.testing.assert_allclose(ce5, ce1, rtol=1e-12)
     np.testing.assert_allclose(grads5, whole[0], rtol=1e-9, atol=1e-14)
-    assert runs[1][0][0] == loss5 and np.array_equal(runs[1][0][1], ce5) and np.array_equal(runs[1][1], grads5)
+    for (loss, ce), grads in runs[1:]:
+        assert loss == loss5 and np.array_equal(ce, ce5) and np.array_equal(grads, grads5)
     by_part = [np.zeros_like(flat) for _ in range(5)]                 # buffer i > 0 keeps part i's alone
     ne.loss_and_grads(flat, cfg, idx, targets, by_part)
     np.testing.assert_allclose(two[1], by_part[1] + by_part[3], rtol=1e-9, atol=1e-14)   # buffer 1: parts 1, 3
@@ -901,9 +903,10 @@ def test_launcher_passes_ctrl_c_sigterm_and_sighup_to_rank_0(fake_ranks, tmp_pat
     # terminal closed) and leave the ranks, in sessions of their own, running without it
     signum = getattr(signal, sig)
 
-    def send():
+    def send():                                              # once the ranks run and the launcher listens
         deadline = time.time() + 20
-        while not all((tmp_path / f"ready{r}").exists() for r in range(3)) and time.time() < deadline:
+        while time.time() < deadline and not (all((tmp_path / f"ready{r}").exists() for r in range(3)) and
+                                              signal.getsignal(signum) is not not_passed_on):
             time.sleep(0.05)
         os.kill(os.getpid(), signum)
     def not_passed_on(signum, frame):                        # rather than this test process dying of it

@@ -551,33 +551,47 @@ def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
     ne.check_memory(cfg, 10 ** 9, 2, available=lambda: None)    # no /proc/meminfo: no check
 
 
-def test_available_memory_is_the_least_of_meminfo_and_a_containers_limit(tmp_path):
-    def machine(meminfo_kb=None, v2=None, v1=None):
+def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_limit_above_us(tmp_path):
+    def machine(meminfo_kb=None, cgroup="0::/\n", folders=()):
+        """a fake root: /proc/meminfo, /proc/self/cgroup, and cgroup folders (path under
+        /sys/fs/cgroup, limit, usage, memory.stat text or None)"""
         root = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
-        (root / "proc").mkdir(parents=True)
-        (root / "sys/fs/cgroup/memory").mkdir(parents=True)
+        (root / "proc/self").mkdir(parents=True)
         if meminfo_kb is not None:
             (root / "proc/meminfo").write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {meminfo_kb} kB\n")
-        for (limit, usage), names in ((v2 or (None, None), ("memory.max", "memory.current")),
-                                      (v1 or (None, None), ("memory/memory.limit_in_bytes",
-                                                            "memory/memory.usage_in_bytes"))):
-            if limit is not None:
-                (root / "sys/fs/cgroup" / names[0]).write_text(f"{limit}\n")
-                (root / "sys/fs/cgroup" / names[1]).write_text(f"{usage}\n")
+        (root / "proc/self/cgroup").write_text(cgroup)
+        for path, limit, usage, stat in folders:
+            folder = root / "sys/fs/cgroup" / path
+            folder.mkdir(parents=True, exist_ok=True)
+            v1 = path.startswith("memory")
+            (folder / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{limit}\n")
+            (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
+            if stat is not None:
+                (folder / "memory.stat").write_text(stat)
         return ne.available_memory(str(root))
 
-    assert machine(8_000_000) == 8_192_000_000                               # no container: MemAvailable
-    assert machine(8_000_000, v2=(2_000_000_000, 500_000_000)) == 1_500_000_000   # a 2 GB container, 0.5 in use
-    assert machine(8_000_000, v2=("max", 500_000_000)) == 8_192_000_000      # a cgroup without a limit
-    assert machine(8_000_000, v1=(9223372036854771712, 10)) == 8_192_000_000  # v1's "no limit"
-    assert machine(8_000_000, v1=(3_000_000_000, 1_000_000_000)) == 2_000_000_000
-    assert machine(None, v2=(1_000_000_000, 2_000_000_000)) == 0            # over its limit already
-    assert machine() is None                                                 # nothing to read: no check
+    GB = 10 ** 9
+    assert machine(8_000_000) == 8_192_000_000                                  # no limit: MemAvailable
+    # a container (cgroup namespace: its own cgroup at the mount's root), v2: 2 GB, 0.5 GB in use
+    # of which 0.1 GB page cache the kernel would drop
+    assert machine(8_000_000, folders=[("", 2 * GB, GB // 2, "anon 1\ninactive_file 100000000\n")]) == 1_600_000_000
+    assert machine(8_000_000, folders=[("", "max", GB // 2, None)]) == 8_192_000_000   # v2 without a limit
+    # a batch job's cgroup, no namespace: the limit of the job's own folder and of one above it
+    job = "0::/jobs/42/step\n"
+    assert machine(8_000_000, job, [("jobs/42/step", 3 * GB, GB, None), ("jobs/42", "max", GB, None)]) == 2 * GB
+    assert machine(8_000_000, job, [("jobs/42/step", "max", GB, None), ("jobs", 1_500_000_000, GB, None)]) == GB // 2
+    # cgroup v1, the memory controller's line: v1's "no limit" is a huge number; total_inactive_file
+    v1 = "4:memory:/box\n3:cpu:/\n0::/\n"
+    assert machine(8_000_000, v1, [("memory/box", 9223372036854771712, 10, None)]) == 8_192_000_000
+    assert machine(8_000_000, v1, [("memory/box", 3 * GB, GB, "inactive_file 7\ntotal_inactive_file 500000000\n")]) \
+        == 2_500_000_000
+    assert machine(None, folders=[("", GB, 2 * GB, None)]) == 0                     # over its limit already
+    assert machine(cgroup="") is None                                              # nothing to read: no check
 
 
 @pytest.mark.parametrize("command", ["train", "sft"])
 def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
-    # a billion rows: 125 million gradient buffers of 3.7 MB, on any machine more than it has
+    # a billion rows: their token ids and targets alone take terabytes, more than any machine has
     args = ["--batch", str(10 ** 9), "--out", str(tmp_path / "run")]
     r = run_cli(*(["train", "--data", corpus] if command == "train" else
                   ["sft", "--model", str(finished_run / "run" / "best.safetensors")]), *args)
