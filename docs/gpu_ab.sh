@@ -4,20 +4,9 @@
 # A/B of the working tree against $BASE (default HEAD) on one GPU (BASE=REF bash docs/gpu_ab.sh; $OUT: summary.log and
 # logs): check on the working tree, then bench big at batch 64 and 16 interleaved, the two trees
 # in turn, then the working tree's --profile and its decoding profile.
-export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
-t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
-  local log=$1; shift
-  local s=$EPOCHREALTIME
-  "$@" < /dev/null > "$R/$log" 2>&1
-  local rc=$?
-  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
+source "$(dirname "$0")/gpu_common.sh"
 rm -rf ab && mkdir ab && git archive ${BASE:-HEAD} | tar -x -C ab --one-top-level=base
-t check.log python nanoeuler_cuda.py check
-echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
-grep "NOT OK" "$R/check.log" | head | tee -a "$S"
+run_check
 for round in 1 2; do
   for b in 64 16; do
     for tree in . ab/base; do

@@ -4,23 +4,9 @@
 # summary.log and the logs): check; the decode rows probe in both; bench big at batch 64, the
 # trees in turn, twice; the working tree's attention timing; train big and sft; bench
 # --decode-only on that SFT model in both trees, and the working tree's decoding profile.
-export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
-t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
-  local log=$1; shift
-  local s=$EPOCHREALTIME
-  "$@" < /dev/null > "$R/$log" 2>&1
-  local rc=$?
-  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
-t check.log python nanoeuler_cuda.py check
-echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
-grep "NOT OK" "$R/check.log" | head | tee -a "$S"
-for tree in . ab_base; do
-  echo "== rows probe, $tree" | tee -a "$S"
-  (cd $tree && python docs/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
-done
+source "$(dirname "$0")/gpu_common.sh"
+run_check
+rows_probe . ab_base
 for round in 1 2; do
   for tree in . ab_base; do
     (cd $tree && python nanoeuler_cuda.py bench big --batch 64 --no-decode) > "$R/b.log" 2>&1

@@ -5,20 +5,9 @@
 # the README's flow (BASE=REF bash docs/gpu_decode_ab.sh; $OUT: summary.log and the logs): check,
 # train big, sft, then bench --decode-only on that model, the two trees in turn, twice; the
 # working tree's decoding profile; PyTorch's compiled decoding in the same run.
-export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
-t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
-  local log=$1; shift
-  local s=$EPOCHREALTIME
-  "$@" < /dev/null > "$R/$log" 2>&1
-  local rc=$?
-  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
+source "$(dirname "$0")/gpu_common.sh"
 rm -rf ab && mkdir ab && git archive ${BASE:-HEAD} | tar -x -C ab --one-top-level=base
-t check.log python nanoeuler_cuda.py check
-echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
-grep "NOT OK" "$R/check.log" | head | tee -a "$S"
+run_check
 t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
 grep -E "^done" "$R/train.log" | tee -a "$S"
 t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft

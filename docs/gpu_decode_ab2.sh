@@ -3,23 +3,9 @@
 # hand: mkdir ab_base && git archive REF | tar -x -C ab_base), on one GPU ($OUT: summary.log and
 # the logs): check, the rows probe in both, train big and sft, bench --decode-only on that SFT
 # model in both trees in turn, twice, and the working tree's decoding profile.
-export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
-t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
-  local log=$1; shift
-  local s=$EPOCHREALTIME
-  "$@" < /dev/null > "$R/$log" 2>&1
-  local rc=$?
-  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
-t check.log python nanoeuler_cuda.py check
-echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
-grep "NOT OK" "$R/check.log" | head | tee -a "$S"
-for tree in . ab_base; do
-  echo "== rows probe, $tree" | tee -a "$S"
-  (cd $tree && python docs/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
-done
+source "$(dirname "$0")/gpu_common.sh"
+run_check
+rows_probe . ab_base
 t train.log python nanoeuler_cuda.py train big --steps 600 --out out/big
 grep -E "^done" "$R/train.log" | tee -a "$S"
 t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft

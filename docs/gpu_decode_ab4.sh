@@ -3,15 +3,9 @@
 # archive REF | tar -x -C ab_base) on one GPU, most telling first ($OUT: summary.log and logs):
 # check; the rows probe in both; bench --decode-only --profile on random weights in both; then
 # train big, sft and bench --decode-only on that SFT model in both.
-export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
-python nanoeuler_cuda.py check > "$R/check.log" 2>&1
-echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
-for tree in . ab_base; do
-  echo "== rows probe, $tree" | tee -a "$S"
-  (cd $tree && python docs/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
-done
+source "$(dirname "$0")/gpu_common.sh"
+run_check
+rows_probe . ab_base
 for tree in . ab_base; do
   echo "== random weights, $tree" | tee -a "$S"
   (cd $tree && python nanoeuler_cuda.py bench --decode-only --profile 2>&1) | grep -E "tok/s|a pass over" | tee -a "$S"

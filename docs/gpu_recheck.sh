@@ -2,19 +2,8 @@
 # A short device run after a kernel change (bash docs/gpu_recheck.sh; $OUT: summary.log and the
 # logs), about 4 minutes on an H200: check; bench big --profile at batch 16 and 64; PyTorch
 # (torch.compile with CUDA graphs) at 16 and 64 in the same run; bench at 64 again; train big.
-export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
-t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and rc into the summary
-  local log=$1; shift
-  local s=$EPOCHREALTIME
-  "$@" < /dev/null > "$R/$log" 2>&1
-  local rc=$?
-  echo "[timing] $*: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"
-t check.log python nanoeuler_cuda.py check
-echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
-grep "NOT OK" "$R/check.log" | head | tee -a "$S"
+source "$(dirname "$0")/gpu_common.sh"
+run_check
 for b in 16 64; do
   t bench_b${b}_profile.log python nanoeuler_cuda.py bench big --batch $b --profile
   grep -E "ms/step|replayed from its graph:|attention_backward|attention_forward|attention of one" "$R/bench_b${b}_profile.log" | tee -a "$S"
