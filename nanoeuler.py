@@ -1965,7 +1965,7 @@ def memory_cgroups(root="/"):
     try:
         with open(os.path.join(root, "proc/self/cgroup")) as f:
             lines = [ln.rstrip("\n").split(":", 2) for ln in f]
-    except OSError:
+    except (OSError, ValueError):                      # ValueError: not UTF-8
         return found
     for number, controllers, path in (ln for ln in lines if len(ln) == 3):
         if number == "0" and controllers == "":

@@ -1816,18 +1816,10 @@ class GPUDecoder:
         key = (R, n_heads)
         if key not in self.graphs:
             passes = self.passes
-            with collector_paused():
-                check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
-                      "cuStreamBeginCapture")
-                try:
-                    self.step(R, n_heads)
-                finally:                                               # also when a Ctrl-C stops a chat's reply
-                    graph = check(cu.cuStreamEndCapture(gpu.stream), "cuStreamEndCapture (capturing a decoding step)")
-                    self.passes = passes                               # captured, not run
             try:
-                self.graphs[key] = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-            finally:
-                check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+                self.graphs[key] = capture_graph(lambda: self.step(R, n_heads), "a decoding step")
+            finally:                                                   # also when a Ctrl-C stops a chat's reply
+                self.passes = passes                                   # captured, not run
         check(cu.cuGraphLaunch(self.graphs[key], gpu.stream), "cuGraphLaunch")
         self.passes += 1
         return self.record()
@@ -1992,31 +1984,27 @@ def flops_per_token(cfg):
 GRAPH_STEP = True
 
 
-@contextlib.contextmanager
-def collector_paused():
-    """the garbage collector waits inside, from before a stream capture begins to after it
-    ends: a DeviceArray it freed during one (cuMemFree) would end the capture with an error"""
+def capture_graph(run, what):
+    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph
+    (a training step's, a decoding step's). The garbage collector waits from before the
+    capture begins to after it ends: a DeviceArray it freed inside one (cuMemFree) would end
+    it with an error."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def capture_graph(run, what):
-    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph"""
-    with collector_paused():
         check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
               "cuStreamBeginCapture")
         try:
             run()
         finally:
             graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
-    executable = check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
-    check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
-    return executable
+    finally:
+        if collecting:
+            gc.enable()
+    try:
+        return check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
+    finally:
+        check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
 
 
 class GPUEngine:
@@ -2277,8 +2265,7 @@ def profile_decoding(dec, prompt, replays=100):
     print(f"  one step at position {len(prompt) + 1}: {us:.1f} us of GPU time replayed from its graph ({calls} "
           f"kernels); launched one by one, by kernel (CUDA events; {sum(ms for _, ms in totals.values()) * 1e3:.0f} "
           f"us in all):")
-    for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
-        print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
+    print_by_kernel(totals)
     # what a speculative pass costs beside a plain one: more rows, more heads (21 passes of R
     # rows, each moving *pos by 1 to R, must stay inside the window)
     most = min(dec.cfg.K, max_rows(dec.cfg))
@@ -2294,7 +2281,12 @@ def profile_decoding(dec, prompt, replays=100):
     gpu.profile = []
     dec.step(R, R)
     print(f"  a pass over {R} rows and {R} heads, launched one by one, by kernel:")
-    for name, (n, ms) in sorted(gpu.profile_report().items(), key=lambda kv: -kv[1][1]):
+    print_by_kernel(gpu.profile_report())
+
+
+def print_by_kernel(totals):
+    """profile_report's {name: (calls, ms)}, the costliest first, in microseconds"""
+    for name, (n, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         print(f"    {name:<36} {n:4d} calls {ms * 1e3:8.1f} us")
 
 

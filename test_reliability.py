@@ -559,7 +559,7 @@ def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_limit_above_u
         (root / "proc/self").mkdir(parents=True)
         if meminfo_kb is not None:
             (root / "proc/meminfo").write_text(f"MemTotal: 99999999 kB\nMemFree: 1 kB\nMemAvailable: {meminfo_kb} kB\n")
-        (root / "proc/self/cgroup").write_text(cgroup)
+        (root / "proc/self/cgroup").write_bytes(cgroup if isinstance(cgroup, bytes) else cgroup.encode())
         for path, limit, usage, stat in folders:
             folder = root / "sys/fs/cgroup" / path
             folder.mkdir(parents=True, exist_ok=True)
@@ -587,6 +587,7 @@ def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_limit_above_u
         == 2_500_000_000
     assert machine(None, folders=[("", GB, 2 * GB, None)]) == 0                     # over its limit already
     assert machine(cgroup="") is None                                              # nothing to read: no check
+    assert machine(8_000_000, b"0::/\xff\xfe\n", [("", GB, 0, None)]) == 8_192_000_000   # not UTF-8: MemAvailable
 
 
 @pytest.mark.parametrize("command", ["train", "sft"])
