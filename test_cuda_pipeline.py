@@ -573,3 +573,13 @@ def test_a_missing_model_is_named_before_the_gpu_starts(tmp_path, argv):
     r = subprocess.run([sys.executable, nc.__file__, *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert missing in r.stderr and "driver" not in r.stderr
+
+
+def test_target_counts_are_the_kept_targets_of_each_head():
+    rng = np.random.default_rng(5)
+    targets = rng.integers(0, 50, (3, 7, 4))
+    targets[rng.random((3, 7, 4)) < 0.3] = -1
+    targets[:, :, 2] = -1                                            # a head with none kept
+    expected = [sum(targets[b, t, k] != -1 for b in range(3) for t in range(7)) for k in range(4)]
+    assert list(nc.target_counts(targets)) == expected and expected[2] == 0
+    assert list(nc.target_counts(np.zeros((2, 5, 3), np.int32))) == [10, 10, 10]
