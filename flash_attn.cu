@@ -661,20 +661,20 @@ __device__ void load_a_bf16(unsigned (*a)[4], const unsigned short* m, long ld, 
     }
 }
 
-// c (16 x TILE) = a (16 x D) @ tile.T, for each of MT m-tiles of 16 rows: scores of
-// a warp's rows against a shared tile's TILE rows; each B fragment serves every m-tile
-template <int D, int MT>
-__device__ void mma_scores_bf16(float (*c)[TILE / 8][4], unsigned (*a)[D / 16][4],
+// c (16 x N) = a (16 x D) @ tile[0..N).T, for each of MT m-tiles of 16 rows: scores of
+// a warp's rows against N rows of a shared tile; each B fragment serves every m-tile
+template <int D, int MT, int N = TILE>
+__device__ void mma_scores_bf16(float (*c)[N / 8][4], unsigned (*a)[D / 16][4],
                                 unsigned short (*tile)[D + PAD]) {
     int lane = threadIdx.x % 32;
     #pragma unroll
     for (int mt = 0; mt < MT; mt++)
         #pragma unroll
-        for (int nt = 0; nt < TILE / 8; nt++) c[mt][nt][0] = c[mt][nt][1] = c[mt][nt][2] = c[mt][nt][3] = 0.0f;
+        for (int nt = 0; nt < N / 8; nt++) c[mt][nt][0] = c[mt][nt][1] = c[mt][nt][2] = c[mt][nt][3] = 0.0f;
     #pragma unroll
     for (int kk = 0; kk < D / 16; kk++)
         #pragma unroll
-        for (int np = 0; np < TILE / 16; np++) {                  // two n-tiles (16 tile rows) per ldmatrix
+        for (int np = 0; np < N / 16; np++) {                     // two n-tiles (16 tile rows) per ldmatrix
             unsigned b[4];
             ldmatrix_x4(b, &tile[np * 16 + (lane & 7) + (lane >> 4) * 8][kk * 16 + ((lane >> 3) & 1) * 8]);
             #pragma unroll
@@ -685,14 +685,14 @@ __device__ void mma_scores_bf16(float (*c)[TILE / 8][4], unsigned (*a)[D / 16][4
         }
 }
 
-// acc (16 x D) += p (16 x TILE, C layout, fp32) @ tile, for each of MT m-tiles: p
+// acc (16 x D) += p (16 x N, C layout, fp32) @ tile[0..N), for each of MT m-tiles: p
 // rounded to bf16 in registers into the A layout (see above), the tile read with ldmatrix .trans
-template <int D, int MT>
-__device__ void mma_weighted_sum_bf16(float (*acc)[D / 8][4], float (*p)[TILE / 8][4],
+template <int D, int MT, int N = TILE>
+__device__ void mma_weighted_sum_bf16(float (*acc)[D / 8][4], float (*p)[N / 8][4],
                                       unsigned short (*tile)[D + PAD]) {
     int lane = threadIdx.x % 32;
     #pragma unroll
-    for (int kk = 0; kk < TILE / 16; kk++) {
+    for (int kk = 0; kk < N / 16; kk++) {
         unsigned a[MT][4];
         #pragma unroll
         for (int mt = 0; mt < MT; mt++) {
@@ -733,10 +733,11 @@ __device__ void store_c_rows(unsigned short* out, long ld, int r0, int T, float 
 
 // y and lse for 64 MT query rows of one query head, 16 MT per warp (MT m-tiles
 // of 16 rows, which share every B fragment read from shared memory), walking the
-// key tiles up to the diagonal with the online softmax of attention_forward
+// key tiles up to the diagonal with the online softmax of attention_forward, KEYS keys
+// (a divisor of TILE) at a time: the fewer, the fewer registers hold scores
 // grid = (Hq, B, ceil(T / rows)) with rows = 16 MT (block / 32), the last query tiles (most keys)
 // first; block = 128 threads (rows = 64 MT)
-template <int D, int MT>
+template <int D, int MT, int KEYS>
 __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq,
                                        int Hkv, float scale) {
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
@@ -771,25 +772,28 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
             cp_async_wait<0>();
         }
         __syncthreads();
-        if (k0 <= r0 + 16 * MT - 1) {                              // else every key is after this warp's rows
-            float s[MT][TILE / 8][4];
-            mma_scores_bf16<D, MT>(s, qa, ks[cur]);
+        #pragma unroll
+        for (int sub = 0; sub < TILE; sub += KEYS) {               // KEYS keys at a time (fewer registers)
+            int kk0 = k0 + sub;
+            if (kk0 > r0 + 16 * MT - 1) break;                     // every key is after this warp's rows
+            float s[MT][KEYS / 8][4];
+            mma_scores_bf16<D, MT, KEYS>(s, qa, ks[cur] + sub);
             #pragma unroll
             for (int mt = 0; mt < MT; mt++) {
                 int row = r0 + 16 * mt + group;                    // and row + 8
-                if (k0 + TILE - 1 > r0 + 16 * mt)                  // the diagonal: mask keys after the query
+                if (kk0 + KEYS - 1 > r0 + 16 * mt)                 // the diagonal: mask keys after the query
                     #pragma unroll
-                    for (int nt = 0; nt < TILE / 8; nt++)
+                    for (int nt = 0; nt < KEYS / 8; nt++)
                         #pragma unroll
                         for (int i = 0; i < 4; i++)
-                            if (k0 + nt * 8 + 2 * in_group + (i & 1) > row + 8 * (i >> 1)) s[mt][nt][i] = -INFINITY;
+                            if (kk0 + nt * 8 + 2 * in_group + (i & 1) > row + 8 * (i >> 1)) s[mt][nt][i] = -INFINITY;
                 float mx[2] = {m[mt][0], m[mt][1]}, correction[2], ms[2];
                 #pragma unroll
-                for (int nt = 0; nt < TILE / 8; nt++)
+                for (int nt = 0; nt < KEYS / 8; nt++)
                     #pragma unroll
                     for (int i = 0; i < 4; i++) mx[i >> 1] = fmaxf(mx[i >> 1], s[mt][nt][i]);
                 #pragma unroll
-                for (int r = 0; r < 2; r++) {                      // key 0 is in the first tile: mx is finite
+                for (int r = 0; r < 2; r++) {                      // key 0 is in the first step: mx is finite
                     mx[r] = group_max(mx[r]);
                     correction[r] = exp2f((m[mt][r] - mx[r]) * scale2);   // rescale what came before
                     m[mt][r] = mx[r];
@@ -797,7 +801,7 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
                     l[mt][r] *= correction[r];
                 }
                 #pragma unroll
-                for (int nt = 0; nt < TILE / 8; nt++)
+                for (int nt = 0; nt < KEYS / 8; nt++)
                     #pragma unroll
                     for (int i = 0; i < 4; i++) {
                         s[mt][nt][i] = exp2f(fmaf(s[mt][nt][i], scale2, -ms[i >> 1]));
@@ -808,7 +812,7 @@ __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const un
                     #pragma unroll
                     for (int i = 0; i < 4; i++) o[mt][nt][i] *= correction[i >> 1];
             }
-            mma_weighted_sum_bf16<D, MT>(o, s, vs[cur]);
+            mma_weighted_sum_bf16<D, MT, KEYS>(o, s, vs[cur] + sub);
         }
         __syncthreads();                                           // before the next copy overwrites it
     }
@@ -1088,11 +1092,10 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_
     attention_backward_dq_tf32<64>(dqkv, qkv, dy, lse, delta, T, Hq, Hkv, scale);
 }
 
-// the bf16 passes for D = 16, 32 and 64. One m-tile per warp in the forward: two (32 rows a warp,
-// 254 registers, 2 blocks an SM) measured no faster on an H200 at D = 64
+// the bf16 passes for D = 16, 32 and 64; the forward at D = 16 and 32 one m-tile a warp, all of a key tile at once
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_16(
     unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
-    attention_forward_bf16<16, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+    attention_forward_bf16<16, 1, TILE>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_16(
@@ -1109,7 +1112,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_32(
     unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
-    attention_forward_bf16<32, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+    attention_forward_bf16<32, 1, TILE>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_backward_dkv_bf16_kernel_32(
@@ -1124,9 +1127,13 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_
     attention_backward_dq_bf16<32>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_forward_bf16_kernel_64(
+// D = 64: two m-tiles a warp (128 query rows a block, each K and V fragment read from shared memory
+// serving 32 rows), the scores 32 keys at a time so that 168 registers do and 3 blocks fit an SM: a
+// layer's forward at B = 64 on an H200 163 us, against 174 with one m-tile and 178 with 16 keys at a
+// time (docs/logs_h200_forward_mt2/); nanoeuler_cuda.FORWARD_MT
+extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_forward_bf16_kernel_64(
     unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
-    attention_forward_bf16<64, 1>(y16, lse, qkv16, T, Hq, Hkv, scale);
+    attention_forward_bf16<64, 2, 32>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 
 // 168 registers instead of 177, so that 3 blocks fit an SM: 3% faster at B = 16, 14% at 64 (with no

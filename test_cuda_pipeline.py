@@ -272,6 +272,10 @@ def test_the_kernels_constants_match():
         assert f"#define {name} {getattr(nc, name)} " in source, name
     for D in nc.SPLIT_HEAD_DIMS:
         assert f"attention_decode_split<{D}>(" in source, D
+    with open(os.path.join(HERE, "flash_attn.cu")) as f:
+        attention = f.read()
+    for D, mt in nc.FORWARD_MT.items():                     # the bf16 forward's rows a block follow its m-tiles
+        assert re.search(rf"attention_forward_bf16<{D}, {mt}, \w+>\(", attention), D
 
 
 def test_matvec_splits_of_the_big_model_on_an_h200():
