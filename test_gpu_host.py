@@ -326,8 +326,9 @@ def attention_inputs(t, qkv, B, T, Hq, Hkv, D):
 def attention_grid(name, grid, T, Hq, Hkv, kv):
     """-> B, from the grid: (Hq or Hkv, B, tiles) for the bf16 passes, (tiles, Hq or Hkv, B) else"""
     heads = Hkv if kv else Hq
-    if "bf16" in name:
-        assert grid[0] == heads and grid[2] * 64 >= T
+    if "bf16" in name:                        # 64 rows a block; the forward's follow its m-tiles a warp
+        rows = 64 * (nc.FORWARD_MT[kernel_dim(name)] if "forward" in name else 1)
+        assert grid[0] == heads and grid[2] == -(-T // rows), (name, grid, T)
         return grid[1]
     assert grid[1] == heads and grid[0] * 64 >= T
     return grid[2]
