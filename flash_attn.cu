@@ -561,8 +561,8 @@ __device__ void attention_backward_dkv_tf32(float* dqkv, const float* qkv, const
 // For --precision bf16, where the activations are bf16: qkv16 (q and k rotated by
 // rope_forward, then v) and dy16 in, y16 and dqkv16 (dq and dk before rope_backward
 // rotates them back, then dv) out, each rounded once as it is stored. Each warp owns 16 rows
-// (queries, or keys in the dk/dv pass); a block of 4 warps owns 64 (the forward
-// follows the block size) and walks the other side in tiles of 64 rows,
+// (queries, or keys in the dk/dv pass; 32 queries in the forward at D = 64, two m-tiles); a
+// block of 4 warps owns 64 (that forward: 128) and walks the other side in tiles of 64 rows,
 // copied into shared memory by cp.async two tiles deep (the next tile is on its
 // way while this one is multiplied).
 //
