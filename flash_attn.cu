@@ -740,6 +740,7 @@ __device__ void store_c_rows(unsigned short* out, long ld, int r0, int T, float 
 template <int D, int MT, int KEYS>
 __device__ void attention_forward_bf16(unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq,
                                        int Hkv, float scale) {
+    static_assert(TILE % KEYS == 0 && KEYS % 16 == 0, "KEYS: whole ldmatrix pairs, a divisor of TILE");
     __shared__ __align__(16) unsigned short ks[2][TILE][D + PAD], vs[2][TILE][D + PAD];
     int rows = 16 * MT * (blockDim.x / 32);                        // query rows of this block
     int h = blockIdx.x, b = blockIdx.y, kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;

@@ -175,7 +175,7 @@ class DeviceArray:
     uint16 for bfloat16 bits), copies to and from numpy"""
 
     bf16 = None                                # an fp32 array's bf16 copy, which bf16 matmuls read (weights)
-    pinned = None                              # upload_async's page-locked memory, made on first use
+    pinned = None                              # staging()'s page-locked memory, made on first use, freed with it
 
     def __init__(self, shape, dtype=np.float32, ptr=None, owner=None):
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
@@ -528,7 +528,7 @@ def adamw_update(params, params16, grads, m, v, decay, n, hyper, clip, beta1=0.9
 
 
 BF16_HEAD_DIMS = (16, 32, 64)                  # flash_attn.cu's bf16 passes
-ATTENTION_ROWS = 64     # as in flash_attn.cu: query rows (dk/dv: keys) per block of every pass
+ATTENTION_ROWS = 64     # as in flash_attn.cu: query rows (dk/dv: keys) a block of every pass but the bf16 forward
 FORWARD_MT = {16: 1, 32: 1, 64: 2}     # as in flash_attn.cu: m-tiles a warp of the bf16 forward (64 MT rows a block)
 # flash_attn.cu's entry points by version: forward, dk/dv, dq, each written out for D in HEAD_DIMS
 ATTENTION_KERNELS = {
@@ -713,14 +713,13 @@ def check_sizes(cfg):
 
 
 def target_counts(targets):
-    """targets (B, T, K) -> the kept targets (not -1) of each head (K,): all of them less the
-    -1s, found in one pass over the contiguous array (and none in a pre-training batch); a
-    count a head, as (targets >= 0).sum(axis=(0, 1)), took 0.7 ms of host time at batch 64
-    with the GPU idle, this 0.03"""
-    K, flat = targets.shape[-1], np.ascontiguousarray(targets).reshape(-1)
-    dropped = flat < 0
-    n_dropped = np.bincount(np.flatnonzero(dropped) % K, minlength=K) if dropped.any() else np.zeros(K, np.int64)
-    return flat.size // K - n_dropped
+    """targets (B, T, K) -> the kept targets (not -1) of each head (K,). A pre-training batch
+    has none dropped, found in one pass (0.04 ms of host time at batch 64, with the GPU
+    idle); otherwise a count a head (0.2 ms; (targets >= 0).sum(axis=(0, 1)) took 0.7)"""
+    K = targets.shape[-1]
+    if not (targets < 0).any():
+        return np.full(K, targets.size // K)
+    return np.array([np.count_nonzero(targets[..., k] >= 0) for k in range(K)])
 
 
 class GPUModel:

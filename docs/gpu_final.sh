@@ -2,7 +2,9 @@
 # The closing device run of a change (bash docs/gpu_final.sh; $OUT: summary.log, the chat
 # transcripts and logs.tgz), about 7 minutes on an H200: check; bench big at batch 64 and 16;
 # PyTorch (torch.compile with CUDA graphs) at 64 and 16; bench at 64 and 16 again; then the
-# README's flow: train big, sft, chat greedy and --speculative, decoding speed on that SFT model.
+# README's flow: train big, sft, chat greedy and --speculative, decoding speed on that SFT model;
+# then decoding on random weights beside PyTorch's best (496 new tokens each). (On 2026-12-02 the
+# last two ran as a command of their own after the rest: docs/logs_h200_final/decode_vs_pytorch_summary.log.)
 source "$(dirname "$0")/gpu_common.sh"
 L=$R/logs; mkdir -p "$L"
 run_check && mv "$R/check.log" "$L/"
@@ -28,4 +30,8 @@ done
 cmp -s <(grep -vi specul "$R/chat_greedy.log") <(grep -vi specul "$R/chat_spec.log") && echo "chat: speculative's replies == greedy's" | tee -a "$S"
 t decode_sft.log python nanoeuler_cuda.py bench --decode-only --model $M
 grep -hE "tok/s|prefill" "$R/decode_sft.log" | tee -a "$S"; mv "$R/decode_sft.log" "$L/"
+t decode_random.log python nanoeuler_cuda.py bench --decode-only --max-new-tokens 496
+grep -hE "tok/s|prefill" "$R/decode_random.log" | tee -a "$S"; mv "$R/decode_random.log" "$L/"
+t torch_decode.log timeout 150 python docs/pytorch_reference.py --decode --compile reduce-overhead
+grep -E "tok/s|rror" "$R/torch_decode.log" | tail -3 | tee -a "$S"; mv "$R/torch_decode.log" "$L/"
 (cd "$R" && tar -czf logs.tgz logs && rm -rf logs)
