@@ -224,6 +224,7 @@ class DeviceArray:
         return self.pinned.array.view(self.dtype)
 
     def upload_staged(self):
+        """copy what was written into staging() to the GPU, in stream order"""
         check(cu.cuMemcpyHtoDAsync(self.ptr, self.pinned.ptr, self.nbytes, gpu.stream), "cuMemcpyHtoDAsync")
         self.pinned.record()
         return self
@@ -829,15 +830,15 @@ class GPUModel:
         cfg, K = self.cfg, self.cfg.K
         B = idx.shape[0]
         N = self.n_tokens = B * cfg.T
-        packed = self.inputs.staging()                  # written in place: no copy, nothing allocated
-        packed[:N], packed[N:self.N] = idx.reshape(-1), 0
+        packed = self.inputs.staging()                 # the page-locked buffer itself: no copy
+        ids, tgt, dscale = packed[:self.N], packed[self.N:self.N * (1 + K)], packed[self.N * (1 + K):]
+        ids[:N], ids[N:] = idx.reshape(-1), 0
         if targets is None:
-            packed[self.N:] = 0
+            tgt[:], dscale[:] = 0, 0
         else:
-            packed[self.N:self.N + N * K], packed[self.N + N * K:self.N + self.N * K] = targets.reshape(-1), 0
-            counts = target_counts(packed[self.N:self.N + N * K].reshape(N, K)) if counts is None else counts
-            dscale = np.array(ne.mtp_weights(cfg)) / np.maximum(counts, 1)
-            packed[self.N + self.N * K:] = dscale.astype(np.float32).view(np.int32)
+            tgt[:N * K], tgt[N * K:] = targets.reshape(-1), 0
+            counts = target_counts(tgt[:N * K].reshape(N, K)) if counts is None else counts
+            dscale.view(np.float32)[:] = np.array(ne.mtp_weights(cfg)) / np.maximum(counts, 1)
         self.inputs.upload_staged()
         return counts
 
