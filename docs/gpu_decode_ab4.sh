@@ -1,7 +1,7 @@
 #!/bin/bash
 # Short decoding A/B of the working tree against copies of other trees (bash docs/gpu_decode_ab4.sh
 # [TREE...], default ab_base, each made by hand: mkdir ab_base && git archive REF | tar -x -C
-# ab_base; a variant: the same, then git apply -d ab_x docs/variants/X.diff) on one GPU, most
+# ab_base; a variant: the same into ab_x, then git apply --directory=ab_x docs/variants/X.diff) on one GPU, most
 # telling first ($OUT: summary.log and logs): check; the rows probe in each tree; bench
 # --decode-only --profile on random weights in each; then train big, sft and bench --decode-only
 # on that SFT model in each.
