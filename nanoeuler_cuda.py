@@ -219,7 +219,6 @@ class DeviceArray:
         upload_staged then copies, once the GPU has read what it held before"""
         if self.pinned is None:
             self.pinned = PinnedBuffer(self.nbytes)
-            self.pinned.array = np.ctypeslib.as_array((ctypes.c_char * self.nbytes).from_address(self.pinned.ptr))
         self.pinned.wait()
         return self.pinned.array.view(self.dtype)
 
@@ -258,6 +257,7 @@ class PinnedBuffer:
     def __init__(self, nbytes):
         self.host = check(cu.cuMemHostAlloc(max(nbytes, 4), 0), "cuMemHostAlloc")
         self.ptr = int(self.host)
+        self.array = np.ctypeslib.as_array((ctypes.c_char * nbytes).from_address(self.ptr))   # its bytes
         self.event = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value), "cuEventCreate")
         self.recorded = False
 
@@ -556,11 +556,10 @@ def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
     path = attention_path(D, qkv)
     kernel = ATTENTION_KERNELS[path][0].format(D=D)
     args = (ptr_arg(y), ptr_arg(lse), ptr_arg(qkv), int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(D)))
-    blocks = ceil_div(T, ATTENTION_ROWS)
     if path == "bf16":                                               # the last query tiles (most keys) first
         gpu.launch(kernel, (Hq, B, ceil_div(T, ATTENTION_ROWS * FORWARD_MT[D])), 128, *args)
     else:                                                            # fp32: one thread per query row
-        gpu.launch(kernel, (blocks, Hq, B), ATTENTION_ROWS if path == "fp32" else 128, *args)
+        gpu.launch(kernel, (ceil_div(T, ATTENTION_ROWS), Hq, B), ATTENTION_ROWS if path == "fp32" else 128, *args)
 
 
 def attention_ds_size(B, T, Hq):
