@@ -48,7 +48,6 @@ print(f"{len(seq) - len(prompt)} greedy tokens; head 0 of the float32 forward ag
       f"{np.mean(ranks[0, gen] == 0):.3f} of them")
 for k in range(1, cfg.K):
     r = ranks[k][ranks[k] >= 0]
-    r = r[r >= 0]
     print(f"head {k}: right in its best 1/2/4/8 guesses at " + " / ".join(f"{np.mean(r < w):.3f}" for w in (1, 2, 4, 8)))
 
 
