@@ -1586,13 +1586,15 @@ def tensor_entries(header, bad):
     return entries, end
 
 
-def read_safetensors(path):
+def read_safetensors(path, check=None):
     """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
 
     The header is read and every field of it checked before the data is read,
     and the tensors must tile the data exactly (no overlaps, no gaps, nothing
     after them, as the safetensors library demands), so nothing is allocated
-    beyond the file itself, and that only once its header adds up."""
+    beyond the file itself, and that only once its header adds up.
+    check(shapes {name: shape tuple}, metadata): the caller's own checks of the
+    header (raising NanoEulerError), also before the data is read."""
     if not os.path.isfile(path):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
 
@@ -1620,6 +1622,8 @@ def read_safetensors(path):
                                  "use an earlier checkpoint or re-run with --resume")
         if found > end:
             raise bad(f"{found - end:,} bytes follow its last tensor")
+        if check:
+            check({name: tuple(shape) for _, _, name, shape in entries}, metadata)
         data = f.read(end)
     if len(data) != end:                               # the file shrank while we read it
         raise NanoEulerError(f"{path} changed while it was read; try again")
@@ -1636,20 +1640,38 @@ def save_model(path, cfg, flat, tok):
     write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
 
 
-def tensor_mismatch(tensors, want, n_want):
-    """what differs between a file's tensors and SPEC's (want: name -> shape), in words"""
-    if len(tensors) != n_want:
-        return f"{len(tensors)} tensors, SPEC expects {n_want}"
-    missing = [name for name in want if name not in tensors]
+def tensor_mismatch(shapes, want, n_want):
+    """what differs between a file's tensors (name -> shape) and SPEC's (want), in words"""
+    if len(shapes) != n_want:
+        return f"{len(shapes)} tensors, SPEC expects {n_want}"
+    missing = [name for name in want if name not in shapes]
     if missing:
         return f"it lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
-    name = next(n for n in want if tuple(tensors[n].shape) != want[n])
-    return f"{name} has shape {tuple(tensors[name].shape)}, SPEC expects {want[name]}"
+    name = next(n for n in want if shapes[n] != want[n])
+    return f"{name} has shape {shapes[name]}, SPEC expects {want[name]}"
 
 
 def load_model(path):
-    """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence"""
-    tensors, meta = read_safetensors(path)
+    """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence,
+    all but non-finite weights before the weights are read"""
+    header = {}
+
+    def check(shapes, meta):
+        header["cfg"], header["tok"] = model_header(path, shapes, meta)
+    tensors, _ = read_safetensors(path, check)
+    cfg, tok = header["cfg"], header["tok"]
+    names = [name for name, _ in param_shapes(cfg)]
+    bad = [name for name in names if not np.isfinite(tensors[name]).all()]
+    if bad:
+        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
+                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
+                             "use an earlier checkpoint")
+    flat = np.concatenate([tensors[name].reshape(-1) for name in names]).astype(np.float32)
+    return cfg, flat, tok
+
+
+def model_header(path, shapes, meta):
+    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer"""
     if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
                              f"version {meta.get('version')!r})")
@@ -1671,20 +1693,14 @@ def load_model(path):
         raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
     # counted before the list of shapes is made: a crafted L = 10^18 must not build it
     n_want = 2 + 7 * cfg.L + cfg.K
-    want = dict(param_shapes(cfg)) if len(tensors) == n_want else {}
+    want = dict(param_shapes(cfg)) if len(shapes) == n_want else {}
     # we write tensors in SPEC order; other writers may order them otherwise
-    if {n: tuple(t.shape) for n, t in tensors.items()} != want:
+    if shapes != want:
         raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({tensor_mismatch(tensors, want, n_want)} for {asdict(cfg)})")
+                             f"({tensor_mismatch(shapes, want, n_want)} for {asdict(cfg)})")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
-    bad = [name for name in want if not np.isfinite(tensors[name]).all()]
-    if bad:
-        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
-                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
-                             "use an earlier checkpoint")
-    flat = np.concatenate([tensors[name].reshape(-1) for name in want]).astype(np.float32)
-    return cfg, flat, tok
+    return cfg, tok
 
 
 def checkpoint_path(out_dir, step, kind="model"):
@@ -1739,10 +1755,10 @@ def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
     cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
     path = checkpoint_path(out_dir, step, "state")
-    tensors, meta = read_safetensors(path)
-    if meta.get("format") != "nanoeuler-state" or set(tensors) != {"m", "v"} or \
-            tensors["m"].shape != flat.shape or tensors["v"].shape != flat.shape:
-        raise NanoEulerError(f"{path} is not the training state of its model file")
+    def check(shapes, meta):
+        if meta.get("format") != "nanoeuler-state" or shapes != {"m": flat.shape, "v": flat.shape}:
+            raise NanoEulerError(f"{path} is not the training state of its model file")
+    tensors, meta = read_safetensors(path, check)
     # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
     if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
         raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
@@ -1759,6 +1775,7 @@ def newest_readable_checkpoint(out_dir):
     when there is no pair. Newer pairs that do not read (a truncated file, a state
     that is not JSON) are renamed to *.broken, so that neither a later --resume nor
     the pruning takes them for checkpoints, each with one line saying why."""
+    set_aside_lone_models(out_dir)
     skipped = []                                       # (step, why) of the newer pairs that do not read
     for step in checkpoint_steps(out_dir):
         try:
@@ -1780,9 +1797,21 @@ def newest_readable_checkpoint(out_dir):
     return None
 
 
+def set_aside_lone_models(out_dir):
+    """--resume: a model_<step> file without its state is none of ours (we write the state
+    first and delete the model first): a copied model, or a state deleted by hand. Renamed
+    to *.lone, so that no save at its step overwrites it and no pruning deletes it."""
+    for step in model_steps(out_dir) if os.path.isdir(out_dir) else []:
+        if not os.path.exists(checkpoint_path(out_dir, step, "state")):
+            path = checkpoint_path(out_dir, step)
+            os.replace(path, path + ".lone")
+            print(f"--resume: {path} has no {os.path.basename(checkpoint_path(out_dir, step, 'state'))} beside it, "
+                  f"so it is no checkpoint; kept as {os.path.basename(path)}.lone", file=sys.stderr)
+
+
 def prune_checkpoints(out_dir, keep=2):
-    """delete all but the newest `keep` checkpoint pairs (best.safetensors stays)"""
-    for step in model_steps(out_dir)[keep:]:
+    """delete all but the newest `keep` complete checkpoint pairs (best.safetensors stays)"""
+    for step in checkpoint_steps(out_dir)[keep:]:
         remove_checkpoint(out_dir, step)
 
 
@@ -2558,23 +2587,40 @@ def load_instructions(path):
     -> list of (prompt, response)"""
     if not os.path.isfile(path):
         raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
-    text = read_text(path)
+    text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
+
+    def bad(problem):
+        return NanoEulerError(f"{path} is not instruction data: {problem}; expected JSONL or a JSON list of "
+                              "objects with instruction, input and response (or output)")
     try:
         records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
-        pairs = []
-        for i, r in enumerate(records):
-            if not isinstance(r, dict):
-                raise TypeError(f"example {i + 1} is not an object")
-            response = r["response"] if "response" in r else r["output"]
-            for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")),
-                               ("response", response)):
-                if not isinstance(value, str):
-                    raise TypeError(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
-            prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-            pairs.append((prompt, response))
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise NanoEulerError(f"{path} is not instruction data: expected JSONL or a JSON list of objects with "
-                             f"instruction, input and response (or output) ({type(e).__name__}: {e})") from None
+    except (ValueError, RecursionError) as e:
+        if "integer string conversion" in str(e):
+            raise bad("it holds a number of more than 4,300 digits") from None
+        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
+            with contextlib.suppress(ValueError, RecursionError):
+                if isinstance(json.loads(text), dict):
+                    raise bad("it is one JSON object, not a list of examples nor one example a line") from None
+        raise bad(f"{type(e).__name__}: {e}") from None
+    pairs = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise bad(f"example {i + 1} is not an object")
+        if "instruction" not in r:
+            raise bad(f"example {i + 1} has no instruction")
+        if "response" not in r and "output" not in r:
+            raise bad(f"example {i + 1} has no response (or output)")
+        response = r["response"] if "response" in r else r["output"]
+        for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")), ("response", response)):
+            if not isinstance(value, str):
+                raise bad(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:                    # JSON's \ud800: half of a UTF-16 pair
+                raise bad(f"the {key} of example {i + 1} holds {value[e.start]!r}, half of a UTF-16 "
+                          "surrogate pair, which is not text") from None
+        prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
+        pairs.append((prompt, response))
     if not pairs:
         raise NanoEulerError(f"{path} holds no examples")
     return pairs
@@ -3043,7 +3089,7 @@ def run_command(command, args):
         exit_interrupted(getattr(e, "signum", signal.SIGINT), args.out if run else None)
     except MemoryError as e:                           # numpy's says what it could not allocate
         lower = "lower --batch, or " if hasattr(args, "batch") else ""
-        print(f"error: out of memory ({e or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)
+        print(f"error: out of memory ({str(e) or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)
         sys.exit(2)
     except BrokenPipeError:
         # the reader of our output went away (sample | head): stop quietly; stdout now

@@ -2152,9 +2152,20 @@ def time_attention(model, reps=20):
     return times
 
 
+def check_bench_flags(args):
+    """bench's flags that argparse cannot check alone, before a GPU starts"""
+    if args.model_size not in PRESETS:
+        raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
+    if not set(args.decode_precision.split(",")) <= {"bf16", "fp32"}:
+        raise NanoEulerError(f"--decode-precision {args.decode_precision}: give bf16, fp32 or bf16,fp32")
+    if args.decode_only and args.no_decode:
+        raise NanoEulerError("--decode-only and --no-decode together leave nothing to time; give one of them")
+
+
 def cmd_bench(args):
     """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up;
     then decoding speed (bench_decoding)"""
+    check_bench_flags(args)
     rank, world = rank_and_world(args)
     if args.gpus and not world:
         return launch_ranks(args.argv, args.gpus)
@@ -2713,7 +2724,12 @@ def rank_and_world(args):
     Refuses --zero without --gpus, before anything starts."""
     if args.zero and not args.gpus:
         raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
-    return int(os.environ.get("NANOEULER_RANK", 0)), int(os.environ.get("NANOEULER_WORLD", 0))
+    found = {name: os.environ.get(name, "0") for name in ("NANOEULER_RANK", "NANOEULER_WORLD")}
+    for name, value in found.items():                         # set by launch_ranks, for its ranks only
+        if not value.isdigit():
+            raise NanoEulerError(f"{name}={value!r} in the environment is not a number; it is for the ranks "
+                                 "that --gpus starts: unset it")
+    return int(found["NANOEULER_RANK"]), int(found["NANOEULER_WORLD"])
 
 
 if __name__ == "__main__":

@@ -190,6 +190,30 @@ def test_sft_and_chat_flags_match_the_cpu_commands():
     assert chat.drafts == nc.DEFAULT_DRAFTS and chat.precision == "bf16"
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["bench", "huge"], "unknown model huge; choose one of small, big"),
+    (["bench", "--decode-only", "--decode-precision", "fp8"], "--decode-precision fp8: give bf16, fp32"),
+    (["bench", "--decode-precision", "bf16,"], "--decode-precision bf16,: give"),
+    (["bench", "--decode-only", "--no-decode"], "--decode-only and --no-decode together"),
+])
+def test_bench_flags_are_refused_before_a_gpu_starts(argv, words, monkeypatch, capsys):
+    monkeypatch.setattr(nc, "init_gpu", lambda *a, **k: pytest.fail("a GPU was asked for"))
+    with pytest.raises(SystemExit) as e:
+        nc.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+def test_a_stray_rank_variable_is_named_not_a_traceback(monkeypatch, capsys):
+    monkeypatch.setattr(nc, "init_gpu", lambda *a, **k: pytest.fail("a GPU was asked for"))
+    for name in ("NANOEULER_RANK", "NANOEULER_WORLD"):
+        monkeypatch.setenv(name, "abc")
+        with pytest.raises(SystemExit) as e:
+            nc.main(["bench"])
+        assert e.value.code == 2 and f"{name}='abc' in the environment is not a number" in capsys.readouterr().err
+        monkeypatch.setenv(name, "0")
+
+
 def test_cmd_sft_hands_its_batches_to_the_given_engine(tmp_path, monkeypatch):
     cfg = ne.Config(V=ne.Tokenizer().vocab_size, C=16, Hq=2, Hkv=1, L=1, T=64, F=48, K=2)
     model = str(tmp_path / "m.safetensors")

@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -177,6 +178,25 @@ def test_a_header_claiming_a_huge_width_is_refused_before_reading(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) + 4 * 260 * 262144)          # sparse: no disk used
     assert_one_sentence(run("nanoeuler.py", "sample", "--model", path), "wide.safetensors", "parameters")
+
+
+@pytest.mark.parametrize("meta", [{"format": "nanoeuler"}, {"format": "other", "version": "1"},
+                                  {"format": "nanoeuler", "version": "1", "config": "{}"}])
+def test_a_model_header_is_refused_before_its_data_is_read(tmp_path, meta):
+    # a 256 MB tensor under a header that is no NanoEuler model: once read whole, then refused
+    n = 1 << 26
+    path = write_raw(tmp_path / "big.safetensors", {"__metadata__": meta,
+                                                    "x": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) + 4 * n)                       # sparse: no disk used
+    tracemalloc.start()
+    try:
+        with pytest.raises(ne.NanoEulerError, match="big.safetensors"):
+            ne.load_model(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (1 << 24), peak                                      # not the 256 MB
 
 
 def test_config_missing_from_metadata_is_refused(tmp_path):
@@ -443,11 +463,35 @@ def test_sft_missing_data_file(model, tmp_path, capsys):
     ({"instruction": ["Add"], "response": "3"}, ["instruction of example 2 is list"]),
     ({"instruction": "Add", "input": 7, "response": "3"}, ["input of example 2 is int"]),
     ([1, 2], ["example 2 is not an object"]),
+    ({"instruction": "Add"}, ["example 2 has no response (or output)"]),
+    ({"response": "3"}, ["example 2 has no instruction"]),
+    ({"instruction": "\ud800 hi", "response": "x"}, ["instruction of example 2 holds '\\ud800'", "surrogate"]),
+    ({"instruction": "hi", "response": "x\udfff"}, ["response of example 2 holds '\\udfff'", "surrogate"]),
 ])
 def test_sft_example_that_is_not_text(model, tmp_path, capsys, sft_data, record, words):
     data = sft_data([{"instruction": "Hi", "response": "Hello"}, record])
     msg = sft_error(model, data, tmp_path, capsys)
     assert "data.jsonl" in msg and all(w in msg for w in words), msg
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{\n  "data": [{"instruction": "Hi", "response": "Hello"}]\n}\n', ["is one JSON object, not a list"]),
+    ('[{"instruction": "Hi", "output": "Hello", "n": ' + "9" * 5000 + "}]", ["a number of more than 4,300 digits"]),
+])
+def test_instruction_files_that_are_json_but_not_examples_are_named_so(tmp_path, text, words):
+    path = tmp_path / "data.json"
+    path.write_text(text)
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_instructions(str(path))
+    assert "data.json is not instruction data" in str(e.value) and all(w in str(e.value) for w in words)
+    assert "sys.set_int_max_str_digits" not in str(e.value)
+
+
+def test_an_instruction_file_with_a_byte_order_mark_reads(tmp_path):
+    for name, text in (("data.json", '[{"instruction": "Hi", "output": "Hello"}]'),
+                       ("data.jsonl", '{"instruction": "Hi", "response": "Hello"}\n')):
+        (tmp_path / name).write_bytes(b"\xef\xbb\xbf" + text.encode())
+        assert ne.load_instructions(str(tmp_path / name)) == [("Hi", "Hello")]
 
 
 def test_sft_single_example(model, tmp_path, capsys, sft_data):

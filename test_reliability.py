@@ -345,6 +345,44 @@ def test_resume_falls_back_to_the_newest_pair_that_reads(finished_run, corpus, t
     assert (out / f"{kind}_000008.safetensors.broken").exists()   # set aside, not deleted
 
 
+def test_resume_sets_a_model_without_its_state_aside_and_prunes_only_pairs(finished_run, corpus, tmp_path):
+    # we write the state first and delete the model first, so a lone model file is none of ours
+    # (here: its state deleted by hand); it must be neither overwritten at its step nor pruned
+    out = copy_of(finished_run, tmp_path)
+    (out / "state_000008.safetensors").unlink()
+    lone = (out / "model_000008.safetensors").read_bytes()
+    r = run_cli(*train_args(out, corpus, "--steps", "16", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"resuming from {out / 'model_000004.safetensors'} at step 4".encode() in r.stdout
+    said = [ln for ln in r.stderr.decode().splitlines() if "no checkpoint" in ln]
+    assert len(said) == 1 and "model_000008.safetensors has no state_000008.safetensors" in said[0], said
+    assert (out / "model_000008.safetensors.lone").read_bytes() == lone
+    assert ne.checkpoint_steps(str(out)) == [16, 12]             # 4 and 8 pruned as pairs
+
+
+def test_pruning_deletes_only_complete_pairs(tmp_path):
+    for step in (1, 2, 3, 4):
+        for kind in ("model", "state"):
+            if (step, kind) != (3, "state"):
+                (tmp_path / f"{kind}_{step:06d}.safetensors").write_bytes(b"x")
+    ne.prune_checkpoints(str(tmp_path), keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["model_000002.safetensors", "model_000003.safetensors",
+                                            "model_000004.safetensors", "state_000002.safetensors",
+                                            "state_000004.safetensors"]
+
+
+def test_a_model_copied_into_the_folder_is_kept_when_resume_starts_afresh(finished_run, instructions, tmp_path):
+    out = tmp_path / "q"
+    out.mkdir()
+    shutil.copy(finished_run / "run" / "model_000004.safetensors", out)
+    mine = (out / "model_000004.safetensors").read_bytes()
+    r = run_cli("sft", "--model", str(out / "model_000004.safetensors"), "--data", str(instructions), "--out", str(out),
+                "--steps", "6", "--save-every", "1", "--resume")
+    assert r.returncode == 0, r.stderr.decode()
+    assert (out / "model_000004.safetensors.lone").read_bytes() == mine
+    assert ne.checkpoint_steps(str(out)) == [6, 5]
+
+
 def test_resume_with_no_readable_pair_says_so(finished_run, corpus, tmp_path):
     out = copy_of(finished_run, tmp_path)
     for step in (4, 8):
@@ -613,6 +651,12 @@ def test_out_of_memory_is_one_sentence(capsys, tmp_path):
         ne.run_command(allocate, ne.build_parser().parse_args(["train", "--out", str(tmp_path / "run")]))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[0].endswith("lower --batch, or free some memory")
+
+    def fail(args):
+        raise MemoryError                                        # a MemoryError that says nothing
+    with pytest.raises(SystemExit):
+        ne.run_command(fail, ne.build_parser().parse_args(["check"]))
+    assert capsys.readouterr().err.strip() == "error: out of memory (an allocation failed); free some memory"
 
 
 # -----------------------------------------------------------------------------
