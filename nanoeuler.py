@@ -1867,6 +1867,7 @@ def claim_out(out_dir, resume):
     """hold out_dir for one run: the lock, then refuse another run's folder without --resume"""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
+    created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     lock = lock_out(out_dir)
     try:
@@ -1882,6 +1883,9 @@ def claim_out(out_dir, resume):
         if lock:
             os.remove(lock.name)                       # while still locked: see lock_out's samestat
             lock.close()
+        if created:                                    # a run refused before it wrote anything leaves no folder
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
 
 
 # -----------------------------------------------------------------------------
@@ -2051,7 +2055,8 @@ def check_memory(cfg, batch, threads, available=available_memory):
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
                              f"of weights, moments and {threads} gradient buffers, {threads} x {rows:,} rows of "
-                             f"activations), more than the {have / 1e9:,.1f} GB available; lower --batch")
+                             f"activations), more than the {have / 1e9:,.1f} GB available; lower --batch"
+                             f"{' or --threads' if threads > 1 else ''}")
 
 
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
@@ -2687,8 +2692,12 @@ def cmd_sft(args, make_engine=None, engine=None):
 
 
 def check_drafts(args, cfg):
-    """--speculative --drafts N: a model has K-1 draft heads; say so when N asks for more"""
-    if args.speculative and args.drafts > cfg.K - 1:
+    """--speculative --drafts N: a model has K-1 draft heads; say so when N asks for more, or none"""
+    if args.speculative and (args.drafts == 0 or cfg.K == 1):
+        why = "with --drafts 0" if args.drafts == 0 else f"on a model with one head ({args.model})"
+        print(f"note: --speculative {why} has nothing to draft with; decoding plainly", file=sys.stderr)
+        args.drafts = 0
+    elif args.speculative and args.drafts > cfg.K - 1:
         heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
         print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
               f"{cfg.K - 1}", file=sys.stderr)
@@ -2847,6 +2856,9 @@ def cmd_check(args):
 
 
 def cmd_prepare(args):
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NanoEulerError(f"--out {args.out} is a file, not a folder; give the folder of a run (the tokens are "
+                             "cached beside it)")
     tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
     print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 

@@ -580,6 +580,10 @@ def test_more_drafts_than_the_model_has_heads_are_said(model, command):
     r = run("nanoeuler.py", command, *args[:-1], "1", *(["--prompt", "ab"] if command == "sample" else []),
             stdin=b"hi\n")
     assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
+    r = run("nanoeuler.py", command, *args[:-1], "0", *(["--prompt", "ab"] if command == "sample" else []),
+            stdin=b"hi\n")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stderr.decode().strip() == "note: --speculative with --drafts 0 has nothing to draft with; decoding plainly"
 
 
 def test_the_settings_table_says_when_minutes_sets_the_steps(tmp_path, capsys):

@@ -585,7 +585,10 @@ def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
     ne.check_memory(cfg, 64, 2, available=lambda: need)
     with pytest.raises(ne.NanoEulerError) as e:
         ne.check_memory(cfg, 64, 2, available=lambda: need - 1)
-    assert str(e.value).startswith(f"--batch 64 needs about {need / 1e9:.1f} GB of memory") and "lower --batch" in str(e.value)
+    assert str(e.value).startswith(f"--batch 64 needs about {need / 1e9:.1f} GB of memory")
+    assert str(e.value).endswith("lower --batch or --threads")     # a gradient buffer a thread
+    with pytest.raises(ne.NanoEulerError, match="lower --batch$"):
+        ne.check_memory(cfg, 64, 1, available=lambda: 1)
     ne.check_memory(cfg, 10 ** 9, 2, available=lambda: None)    # no /proc/meminfo: no check
 
 
@@ -637,6 +640,14 @@ def test_a_huge_batch_is_one_sentence(finished_run, corpus, tmp_path, command):
     err = one_sentence(r)
     assert "--batch 1000000000 needs about" in err and "lower --batch" in err
     assert not (tmp_path / "cache").exists()             # refused before the data is prepared
+    assert not (tmp_path / "run").exists()               # and no empty --out left behind
+
+
+def test_prepare_into_an_out_that_is_a_file_names_the_flag(corpus, tmp_path):
+    (tmp_path / "afile").write_text("mine")
+    err = one_sentence(run_cli("prepare", "--data", corpus, "--out", str(tmp_path / "afile")))
+    assert err.startswith(f"error: --out {tmp_path / 'afile'} is a file, not a folder")
+    assert (tmp_path / "afile").read_text() == "mine"
 
 
 def test_out_of_memory_is_one_sentence(capsys, tmp_path):
