@@ -2672,9 +2672,11 @@ def cmd_sft(args, make_engine=None, engine=None):
     n_val = max(1, len(rows) // 20)
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
     rows, mask = rows[:-n_val], mask[:-n_val]
+    n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: flat0)
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
-                 ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples, loss on responses only"),
+                 ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
+                          f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses only"),
                  ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or f'{args.threads} threads'}"),
                  ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
                            f"{args.lr / 10:g}"),
@@ -2685,7 +2687,7 @@ def cmd_sft(args, make_engine=None, engine=None):
         return sft_targets(rows[pick], mask[pick], cfg.T, cfg.K)
 
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
-           for i in range(0, n_val, args.batch)]
+           for i in range(0, n_eval, args.batch)]
     prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
     engine = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
     train_loop(args, cfg, tok, engine, next_batch, val, args.out, state, prompt)
@@ -2975,7 +2977,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out):
     g = sp.add_argument_group("evaluation")
     g.add_argument("--eval-every", type=positive_int, default=100, help="validate and sample every N steps")
     g.add_argument("--eval-batches", type=positive_int, default=20,
-                   help="validation batches (pretraining: of 32 rows)")
+                   help="validation batches (pretraining: of 32 rows; sft: of --batch held-out examples)")
     g.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
 
 

@@ -642,6 +642,24 @@ def test_instruction_formats(tmp_path):
         ne.load_instructions(str(bad))
 
 
+def test_sft_validates_on_eval_batches_of_held_out_examples(tmp_path, monkeypatch, capsys):
+    # 200 examples: the last 10 (a 20th) held out; --batch 3 --eval-batches 2 evaluates the first 6
+    cfg = ne.Config(V=ne.Tokenizer().vocab_size, C=16, Hq=2, Hkv=1, L=1, T=32, F=48, K=2)
+    model, data = str(tmp_path / "m.safetensors"), tmp_path / "d.jsonl"
+    ne.save_model(model, cfg, ne.init_params(cfg), ne.Tokenizer())
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "response": f"a{i}"}) + "\n" for i in range(200)))
+    seen = {}
+    monkeypatch.setattr(ne, "train_loop", lambda *a, **k: seen.setdefault("val", a[5]))
+    for extra, rows in ((["--eval-batches", "2"], [3, 3]), ([], [3, 3, 3, 1])):
+        seen.clear()
+        ne.cmd_sft(ne.build_parser().parse_args(["sft", "--model", model, "--data", str(data), "--batch", "3",
+                                                 "--out", str(tmp_path / "o")] + extra))
+        assert [len(idx) for idx, _ in seen["val"]] == rows
+        first = ne.Tokenizer().encode("q190")                  # the held-out examples, in order
+        assert seen["val"][0][0][0, 1:1 + len(first)].tolist() == first
+    assert "190 train + 10 val examples (the first 6 evaluated)" in capsys.readouterr().out
+
+
 def test_sft_then_chat_end_to_end(tmp_path):
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "pre", data, "--steps", "4"))
