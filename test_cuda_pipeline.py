@@ -50,7 +50,7 @@ class StandInDecoder:
         self.params, self.cfg = params, cfg
         self.kv = ne.new_kv_cache(cfg, 1, params["tok_emb"].dtype)
         self.ids, self.pos, self.passes, self.entries = [], 0, 0, {}
-        self.unread, self.most_unread, self.log = 0, 0, []
+        self.unread, self.most_unread, self.log, self.heads = 0, 0, [], set()
 
     def run(self, feed, pos, n_heads):
         T = self.cfg.T
@@ -80,6 +80,7 @@ class StandInDecoder:
 
     def launch_step(self, R, n_heads):
         self.log.append(("step", R))
+        self.heads.add(n_heads)
         assert R <= n_heads <= nc.DECODE_MAX_ROWS
         feed = self.ids[:R]
         return self.finish(self.run(feed, self.pos, n_heads), feed, self.pos, n_heads)
@@ -116,6 +117,20 @@ def test_greedy_host_loop_equals_cpu_generate_across_slides(prompt):
             assert stats["tokens"] / stats["steps"] > 1.3
             # near the end of the window a pass feeds fewer drafts, as nanoeuler.generate does
             assert any(kind == "step" and R < 1 + (drafts or CFG.K - 1) for kind, R in dec.log)
+
+
+@pytest.mark.parametrize("K, speculative, drafts, heads", [
+    (4, False, None, 1), (4, False, 2, 1),              # plain: one row and head 0 alone, whatever --drafts
+    (4, True, None, 4), (4, True, 9, 4), (4, True, 2, 3), (4, True, 0, 1),
+    (12, True, None, nc.DECODE_MAX_ROWS),               # 11 draft heads, but a pass holds 8 rows
+])
+def test_a_pass_computes_head_0_and_the_drafts_asked_for(K, speculative, drafts, heads):
+    cfg = ne.Config(**{**ne.asdict(CFG), "K": K})
+    dec, stats = StandInDecoder(margin_model(cfg), cfg), {}
+    list(nc.generate(dec, cfg, [1, 2], 2 * cfg.T, temperature=0, speculative=speculative, drafts=drafts, stats=stats))
+    assert dec.heads == {heads}
+    if heads == 1:
+        assert all(R == 1 for kind, R in dec.log if kind == "step") and stats["tokens"] == stats["steps"]
 
 
 def test_slide_keeps_the_last_half_window():
@@ -435,6 +450,91 @@ def check_decode_matvec(rng, R, Out, In, splits):
                 nc.decode_matvec(one, nc.to_gpu(x[r:r + 1]), w_gpu, n_gpu, 1, In, Out, mode, accumulate=True,
                                  ld_out=ld, splits=splits)
                 assert np.array_equal(one.download()[0], got[r]), (R, Out, In, kind, mode, r)
+
+
+def emulated_accept(logits, fed, R, n_heads, V):
+    """argmax_accept_kernel over logits (R * n_heads, V) with ids = fed -> amax, emitted ids, new pos"""
+    ids = nc.to_gpu(np.array(fed + [0] * (nc.DECODE_MAX_ROWS - len(fed)), np.int32), np.int32)
+    pos, counter = nc.DeviceArray((1,), np.int32).zero(), nc.DeviceArray((1,), np.int32).zero()
+    ring, amax = nc.HostRing(nc.RING * (1 + nc.DECODE_MAX_ROWS)), nc.DeviceArray((R, n_heads), np.int32)
+    nc.argmax_accept(ids, pos, counter, ring.ptr, amax, nc.to_gpu(logits.astype(np.float32)), V, R, n_heads)
+    nc.gpu.sync()
+    entry = ring.array[:1 + nc.DECODE_MAX_ROWS]
+    return amax.download(), entry[1:1 + entry[0]].tolist(), int(pos.download()[0])
+
+
+@needs_nvrtc
+@needs_gxx
+def test_argmax_accept_on_the_cpu_emulator(emulated):
+    # the argmax is np.argmax's (the first index on ties), over rows wider than a round of the
+    # block's 256 threads x 16 loads, wherever the maximum lies
+    nc.init_gpu("fp32")
+    V = 600
+    for top in ([44, 300], [3, 20], [200], [599], [0, 599], [256 * 2 + 7, 7]):   # one thread; one warp; ...
+        row = np.zeros((1, V))
+        row[0, top] = 5.0
+        assert emulated_accept(row, [1], 1, 1, V)[0][0, 0] == min(top), top
+    # the acceptance rule, 3 rows fed [a, b, c] with 3 heads: row 0's head 0 chose b (the draft
+    # fed after it: kept), row 1's head 0 chose d, not c: so b and d are emitted, pos moves by 2,
+    # and the next feed is row 1's choices
+    a, b, c, d = 1, 2, 3, 4
+    logits = np.zeros((3, 3, V))
+    for r, choices in enumerate(([b, c, 9], [d, 7, 8], [5, 6, 10])):
+        logits[r, range(3), choices] = 1.0
+    amax, emitted, pos = emulated_accept(logits.reshape(3, -1), [a, b, c], 3, 3, V)
+    assert amax.tolist() == [[b, c, 9], [d, 7, 8], [5, 6, 10]] and emitted == [b, d] and pos == 2
+
+
+@needs_nvrtc
+@needs_gxx
+def test_split_attention_with_two_groups_of_heads_against_float64(emulated):
+    # G = 6 query heads a kv head: two blocks of DECODE_HEADS = 4 and 2 heads; 2 rows at *pos = 70
+    # over the cache and their own keys, y exactly R rows (a block writing past its heads would
+    # write past it), against softmax attention in float64 with rope by hand (SPEC)
+    nc.init_gpu("fp32")
+    Hq, Hkv, D, T, R, p0 = 6, 1, 64, 80, 2, 70
+    rng = np.random.default_rng(0)
+    H = Hq + 2 * Hkv
+    qkv = rng.normal(0, 1, (R, H * D)).astype(np.float32)
+    k_cache, v_cache = (rng.normal(0, 1, (T, Hkv, D)).astype(np.float32) for _ in range(2))
+    cos, sin = ne.rope_table(T, D, 0, np.float32)
+    cfg = ne.Config(V=96, C=Hq * D, Hq=Hq, Hkv=Hkv, L=1, T=T, F=176, K=2)
+    partial, count = nc.split_scratch(cfg)
+    y = nc.DeviceArray((R, Hq * D))
+    nc.attention_decode(y, nc.to_gpu(k_cache), nc.to_gpu(v_cache), nc.to_gpu(qkv), nc.to_gpu(cos), nc.to_gpu(sin),
+                        nc.to_gpu(np.array([p0], np.int32), np.int32), R, Hq, Hkv, D, T, "split",
+                        (nc.DeviceArray((partial,)), nc.DeviceArray((count,), np.int32).zero()))
+    nc.gpu.sync()
+
+    def rope(x, p):
+        angle = p * 10000.0 ** (-2 * np.arange(D // 2) / D)
+        a, b = x[:D // 2], x[D // 2:]
+        return np.concatenate([a * np.cos(angle) - b * np.sin(angle), b * np.cos(angle) + a * np.sin(angle)])
+    q64 = qkv.astype(np.float64).reshape(R, H, D)
+    keys, values = k_cache[:, 0].astype(np.float64), v_cache[:, 0].astype(np.float64)
+    for r in range(R):
+        keys[p0 + r], values[p0 + r] = rope(q64[r, Hq], p0 + r), q64[r, Hq + 1]
+    want = np.zeros((R, Hq, D))
+    for r in range(R):
+        n = p0 + r + 1
+        for h in range(Hq):
+            s = keys[:n] @ rope(q64[r, h], p0 + r) / np.sqrt(D)
+            w = np.exp(s - s.max())
+            want[r, h] = w @ values[:n] / w.sum()
+    assert np.abs(y.download() - want.reshape(R, -1)).max() < 1e-5
+
+
+@needs_nvrtc
+@needs_gxx
+def test_a_long_greedy_run_goes_round_the_ring_of_chosen_ids(emulated):
+    # 100 tokens in one window (T = 160, no slide): more passes than the ring has entries
+    nc.init_gpu("fp32")
+    cfg = ne.Config(V=24, C=32, Hq=4, Hkv=2, L=1, T=160, F=48, K=3)
+    flat = nc.margin_model(cfg, np.random.default_rng(7))
+    want = list(ne.generate(ne.carve(flat.astype(np.float64), cfg), cfg, [3], 100, temperature=0))
+    stats = {}
+    assert list(nc.generate(nc.GPUDecoder(cfg, flat, "fp32"), cfg, [3], 100, temperature=0, stats=stats)) == want
+    assert stats["steps"] > nc.RING
 
 
 @needs_nvrtc
