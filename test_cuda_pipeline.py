@@ -526,6 +526,22 @@ def test_split_attention_with_two_groups_of_heads_against_float64(emulated):
 
 @needs_nvrtc
 @needs_gxx
+def test_a_prefill_uses_its_own_decoders_precision_whatever_was_set_last(emulated):
+    # an fp32 decoder made before a bf16 one (init_gpu leaves cuBLAS in bf16): its prefill's
+    # logits are still fp32's, against float64
+    cfg = ne.Config(V=24, C=64, Hq=4, Hkv=2, L=1, T=40, F=48, K=2)
+    flat = ne.init_params(cfg, seed=1) + np.random.default_rng(0).normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
+    fp32 = nc.GPUDecoder(cfg, flat, "fp32")
+    nc.GPUDecoder(cfg, flat, "bf16")
+    prompt = list(range(1, 20))
+    fp32.wait(fp32.prefill(prompt, 1))
+    want = ne.model_forward(ne.carve(flat.astype(np.float64), cfg), cfg, np.array([prompt]))[0][0, -1]
+    got = fp32.logits.view(0, (cfg.V,)).download()
+    assert np.abs(got - want).max() / np.abs(want).max() < nc.DECODE_TOLERANCE["fp32"]
+
+
+@needs_nvrtc
+@needs_gxx
 def test_a_long_greedy_run_goes_round_the_ring_of_chosen_ids(emulated):
     # 100 tokens in one window (T = 160, no slide): more passes than the ring has entries
     nc.init_gpu("fp32")

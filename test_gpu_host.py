@@ -696,6 +696,28 @@ def test_graph_steps_resume_bit_identically(emulated, precision):
         assert np.array_equal(a, b)
 
 
+def test_evaluation_in_parts_is_the_float64_loss_of_the_whole_batch(emulated):
+    # 5 validation rows on an engine of 2: parts of 2, 2 and 1 rows, with -1 targets (as SFT's)
+    # in some rows; the mean CE_0 over the kept targets and bits per byte, in float64 by hand
+    nc.init_gpu("fp32")
+    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
+    flat = ne.init_params(cfg) + np.random.default_rng(2).normal(0, 0.05, ne.num_params(cfg)).astype(np.float32)
+    engine = nc.GPUEngine(cfg, flat, None, None, engine_args())
+    rng = np.random.default_rng(3)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (5, cfg.T + cfg.K)), cfg.T, cfg.K)
+    targets[0, :30], targets[3, 5:] = -1, -1
+    token_bytes = rng.integers(1, 4, cfg.V)
+    logits, _ = ne.model_forward(ne.carve(flat.astype(np.float64), cfg), cfg, idx)
+    t0 = targets[..., 0]
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - \
+        logits.max(-1, keepdims=True)
+    kept = t0 >= 0
+    nats = -np.take_along_axis(logp, np.where(kept, t0, 0)[..., None], -1)[..., 0][kept].sum()
+    ce, bpb = engine.evaluate([(idx, targets)], token_bytes)
+    assert abs(ce - nats / kept.sum()) < 1e-5 * ce
+    assert abs(bpb - nats / np.log(2) / token_bytes[t0[kept]].sum()) < 1e-5 * bpb
+
+
 def test_a_smaller_batch_runs_kernel_by_kernel(emulated):
     # evaluation and a last short batch use the same buffers, launched one by one
     nc.init_gpu("bf16")
