@@ -2,7 +2,7 @@
 # The closing device run of a host-side change (bash docs/gpu_host_recheck.sh; $OUT: summary.log,
 # the chat transcripts and logs.tgz), about 4 minutes on an H200: check; the README's flow (train
 # big, sft, chat greedy and --speculative, decoding speed on that SFT model); bench's flags refused
-# before a GPU starts; the GPU tests of test_nanoeuler.py and the host tests of test_gpu_host.py.
+# before a GPU starts; the GPU tests of test_nanoeuler.py.
 source "$(dirname "$0")/gpu_common.sh"
 L=$R/logs; mkdir -p "$L"
 run_check && mv "$R/check.log" "$L/"
@@ -24,6 +24,6 @@ grep -hE "tok/s|prefill" "$R/decode_sft.log" | tee -a "$S"; mv "$R/decode_sft.lo
 for flags in "huge" "--decode-precision fp8" "--decode-only --no-decode"; do
   python nanoeuler_cuda.py bench $flags 2>&1 | tail -1 | sed "s/^/bench $flags: /" | tee -a "$S"
 done
-t pytest_gpu.log python -m pytest -q -p no:cacheprovider test_nanoeuler.py test_gpu_host.py -k "gpu or GPU or data_parallel or launcher or evaluation"
+t pytest_gpu.log python -m pytest -q -p no:cacheprovider test_nanoeuler.py -k "gpu or GPU or data_parallel or launcher"
 tail -2 "$R/pytest_gpu.log" | tee -a "$S"; mv "$R/pytest_gpu.log" "$L/"
 (cd "$R" && tar -czf logs.tgz logs && rm -rf logs)
