@@ -1755,6 +1755,7 @@ def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
     cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
     path = checkpoint_path(out_dir, step, "state")
+
     def check(shapes, meta):
         if meta.get("format") != "nanoeuler-state" or shapes != {"m": flat.shape, "v": flat.shape}:
             raise NanoEulerError(f"{path} is not the training state of its model file")
@@ -1786,8 +1787,7 @@ def newest_readable_checkpoint(out_dir):
             continue
         for bad, why in skipped:
             for kind in ("model", "state"):
-                path = checkpoint_path(out_dir, bad, kind)
-                os.replace(path, path + ".broken")
+                set_aside(checkpoint_path(out_dir, bad, kind), ".broken")
             print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
                   f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
         return step, loaded
@@ -1804,9 +1804,20 @@ def set_aside_lone_models(out_dir):
     for step in model_steps(out_dir) if os.path.isdir(out_dir) else []:
         if not os.path.exists(checkpoint_path(out_dir, step, "state")):
             path = checkpoint_path(out_dir, step)
-            os.replace(path, path + ".lone")
+            kept = set_aside(path, ".lone")
             print(f"--resume: {path} has no {os.path.basename(checkpoint_path(out_dir, step, 'state'))} beside it, "
-                  f"so it is no checkpoint; kept as {os.path.basename(path)}.lone", file=sys.stderr)
+                  f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
+
+
+def set_aside(path, suffix):
+    """rename path to path + suffix, or + suffix.1, .2, ... where that is taken (nothing set
+    aside before is overwritten) -> the new name"""
+    new, n = path + suffix, 0
+    while os.path.exists(new):
+        n += 1
+        new = f"{path}{suffix}.{n}"
+    os.replace(path, new)
+    return new
 
 
 def prune_checkpoints(out_dir, keep=2):

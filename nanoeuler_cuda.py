@@ -2079,11 +2079,17 @@ class GPUEngine:
         gpu.sync()
 
 
+def preset_config(name):
+    """SPEC's preset `name` (train's and bench's model_size), or one sentence naming the choices"""
+    if name not in PRESETS:
+        raise NanoEulerError(f"unknown model {name}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
 def cmd_train(args):
     """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
-    if args.model_size not in PRESETS:
-        raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
-    cfg = Config(**{**ne.asdict(PRESETS[args.model_size]), "V": args.vocab_size or PRESETS[args.model_size].V})
+    preset = preset_config(args.model_size)
+    cfg = Config(**{**ne.asdict(preset), "V": args.vocab_size or preset.V})
     rank, world = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data
@@ -2154,8 +2160,7 @@ def time_attention(model, reps=20):
 
 def check_bench_flags(args):
     """bench's flags that argparse cannot check alone, before a GPU starts"""
-    if args.model_size not in PRESETS:
-        raise NanoEulerError(f"unknown model {args.model_size}; choose one of {', '.join(PRESETS)}")
+    preset_config(args.model_size)
     if not set(args.decode_precision.split(",")) <= {"bf16", "fp32"}:
         raise NanoEulerError(f"--decode-precision {args.decode_precision}: give bf16, fp32 or bf16,fp32")
     if args.decode_only and args.no_decode:

@@ -371,6 +371,14 @@ def test_pruning_deletes_only_complete_pairs(tmp_path):
                                             "state_000004.safetensors"]
 
 
+def test_setting_aside_overwrites_nothing_set_aside_before(tmp_path):
+    for text in ("first", "second", "third"):
+        (tmp_path / "model_000002.safetensors").write_text(text)
+        ne.set_aside(str(tmp_path / "model_000002.safetensors"), ".lone")
+    assert [(tmp_path / f"model_000002.safetensors.lone{n}").read_text() for n in ("", ".1", ".2")] == \
+        ["first", "second", "third"]
+
+
 def test_a_model_copied_into_the_folder_is_kept_when_resume_starts_afresh(finished_run, instructions, tmp_path):
     out = tmp_path / "q"
     out.mkdir()

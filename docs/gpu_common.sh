@@ -1,5 +1,5 @@
 # Sourced by the docs/gpu_*.sh device scripts (not run on its own): $R, the output folder ($OUT);
-# $S, its summary.log, begun with the date and the GPU; and three helpers.
+# $S, its summary.log, begun with the date and the GPU; and four helpers.
 export PYTHONUNBUFFERED=1
 R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
 t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and exit code into the summary
@@ -19,5 +19,23 @@ rows_probe() {   # rows_probe TREE...: docs/variants/decode_rows_probe.py in eac
     echo "== rows probe, $tree" | tee -a "$S"
     (cd "$tree" && python docs/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
   done
+}
+readme_flow() {   # the README's flow into $L (made by the caller): train big, sft, chat greedy and
+  # --speculative (their transcripts in $R), decoding speed on that SFT model; $M: its model
+  t train.log python nanoeuler_cuda.py train big --out out/big
+  grep -vE "^step |^sample" "$R/train.log" | tail -3 | tee -a "$S"; mv "$R/train.log" "$L/"
+  t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
+  grep -vE "^step |^sample" "$R/sft.log" | tail -3 | tee -a "$S"; mv "$R/sft.log" "$L/"
+  M=out/sft/best.safetensors
+  printf 'What is the capital of France?\nGive me three tips for staying healthy.\nWhat is a good name for a cat?\n/reset\nWho wrote Romeo and Juliet?\n/quit\n' > /tmp/chat_in.txt
+  for mode in greedy spec; do                    # (not through t, which reads /dev/null)
+    s=$EPOCHREALTIME
+    python nanoeuler_cuda.py chat --model $M --temperature 0 --max-new-tokens 80 $([ $mode = spec ] && echo --speculative) \
+      < /tmp/chat_in.txt > "$R/chat_$mode.log" 2>&1
+    echo "[timing] chat $mode: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s" | tee -a "$S"
+  done
+  cmp -s <(grep -vi specul "$R/chat_greedy.log") <(grep -vi specul "$R/chat_spec.log") && echo "chat: speculative's replies == greedy's" | tee -a "$S"
+  t decode_sft.log python nanoeuler_cuda.py bench --decode-only --model $M
+  grep -hE "tok/s|prefill" "$R/decode_sft.log" | tee -a "$S"; mv "$R/decode_sft.log" "$L/"
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; } | tee -a "$S"

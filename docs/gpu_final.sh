@@ -15,21 +15,7 @@ for b in 64 16; do
   grep -E "^PyTorch|Error" "$R/torch_b$b.log" | tail -2 | tee -a "$S"; mv "$R/torch_b$b.log" "$L/"
 done
 bench 64 2; bench 16 2
-t train.log python nanoeuler_cuda.py train big --out out/big
-grep -vE "^step |^sample" "$R/train.log" | tail -3 | tee -a "$S"; mv "$R/train.log" "$L/"
-t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
-grep -vE "^step |^sample" "$R/sft.log" | tail -3 | tee -a "$S"; mv "$R/sft.log" "$L/"
-M=out/sft/best.safetensors
-printf 'What is the capital of France?\nGive me three tips for staying healthy.\nWhat is a good name for a cat?\n/reset\nWho wrote Romeo and Juliet?\n/quit\n' > /tmp/chat_in.txt
-for mode in greedy spec; do                    # (not through t, which reads /dev/null)
-  s=$EPOCHREALTIME
-  python nanoeuler_cuda.py chat --model $M --temperature 0 --max-new-tokens 80 $([ $mode = spec ] && echo --speculative) \
-    < /tmp/chat_in.txt > "$R/chat_$mode.log" 2>&1
-  echo "[timing] chat $mode: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s" | tee -a "$S"
-done
-cmp -s <(grep -vi specul "$R/chat_greedy.log") <(grep -vi specul "$R/chat_spec.log") && echo "chat: speculative's replies == greedy's" | tee -a "$S"
-t decode_sft.log python nanoeuler_cuda.py bench --decode-only --model $M
-grep -hE "tok/s|prefill" "$R/decode_sft.log" | tee -a "$S"; mv "$R/decode_sft.log" "$L/"
+readme_flow
 t decode_random.log python nanoeuler_cuda.py bench --decode-only --max-new-tokens 496
 grep -hE "tok/s|prefill" "$R/decode_random.log" | tee -a "$S"; mv "$R/decode_random.log" "$L/"
 t torch_decode.log timeout 150 python docs/pytorch_reference.py --decode --compile reduce-overhead
