@@ -1586,7 +1586,7 @@ def tensor_entries(header, bad):
     return entries, end
 
 
-def read_safetensors(path, check=None):
+def read_safetensors(path, check=None, header_only=False):
     """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
 
     The header is read and every field of it checked before the data is read,
@@ -1594,7 +1594,8 @@ def read_safetensors(path, check=None):
     after them, as the safetensors library demands), so nothing is allocated
     beyond the file itself, and that only once its header adds up.
     check(shapes {name: shape tuple}, metadata): the caller's own checks of the
-    header (raising NanoEulerError), also before the data is read."""
+    header (raising NanoEulerError), also before the data is read.
+    header_only: -> (shapes, metadata), the data left unread."""
     if not os.path.isfile(path):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
 
@@ -1622,8 +1623,11 @@ def read_safetensors(path, check=None):
                                  "use an earlier checkpoint or re-run with --resume")
         if found > end:
             raise bad(f"{found - end:,} bytes follow its last tensor")
+        shapes = {name: tuple(shape) for _, _, name, shape in entries}
         if check:
-            check({name: tuple(shape) for _, _, name, shape in entries}, metadata)
+            check(shapes, metadata)
+        if header_only:
+            return shapes, metadata
         data = f.read(end)
     if len(data) != end:                               # the file shrank while we read it
         raise NanoEulerError(f"{path} changed while it was read; try again")
@@ -2529,16 +2533,40 @@ def resume_or_init(args, cfg, tok, init_flat):
         return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
             start_state(args, args.seed)
     step, (cfg2, flat, tok2, m, v, state) = found
+    refuse_other_run(args, step, state.get("args", {}).get("command"), cfg2 == cfg and tok2.merges == tok.merges)
+    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
+    return flat, m, v, state
+
+
+def refuse_other_run(args, step, made_by, same_model):
+    """--resume: the checkpoint at step was made by made_by (a command), with this run's config
+    and tokenizer or not (same_model): what this run cannot continue is refused"""
     # a train run and an sft run in one folder would mix their logs, best models and steps
-    made_by, command = state.get("args", {}).get("command"), getattr(args, "command", None)
+    command = getattr(args, "command", None)
     if made_by and command and made_by != command:
         raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
                              f"{command} its own --out")
-    if cfg2 != cfg or tok2.merges != tok.merges:
+    if not same_model:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
                              "or tokenizer; pass the same --data and settings, or another --out")
-    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
-    return flat, m, v, state
+
+
+def refuse_other_run_early(args, cfg):
+    """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
+    config but for V, which the tokenizer may still lower) made from its files' headers alone,
+    before the corpus is tokenized, which can take minutes"""
+    steps = checkpoint_steps(args.out) if args.resume else []
+    if not steps:
+        return
+    try:
+        _, meta = read_safetensors(checkpoint_path(args.out, steps[0], "state"), header_only=True)
+        made_by = json.loads(meta["state"]).get("args", {}).get("command")
+        _, meta = read_safetensors(checkpoint_path(args.out, steps[0]), header_only=True)
+        saved = json.loads(meta["config"])
+        same = all(saved[k] == v for k, v in asdict(cfg).items() if k != "V")
+    except (NanoEulerError, KeyError, TypeError, ValueError, AttributeError, RecursionError):
+        return                                         # a broken pair: newest_readable_checkpoint says so later
+    refuse_other_run(args, steps[0], made_by, same)
 
 
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
@@ -2549,6 +2577,7 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
     engine's lines of the settings table; loop: train_loop (nanoeuler_cuda.py's
     ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
+    refuse_other_run_early(args, cfg)
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)

@@ -184,7 +184,8 @@ def test_sft_resumed_into_a_pretraining_folder_is_refused(finished_run, instruct
     assert files_of(out) == before
 
 
-def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instructions, corpus, tmp_path):
+def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instructions, corpus, tmp_path, monkeypatch,
+                                                           capsys):
     out = tmp_path / "sft"
     r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "2"))
     assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 2, r.stderr.decode()[-2000:]
@@ -194,6 +195,34 @@ def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instruc
     assert files_of(out) == before
     r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "4", "--resume"))
     assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 4, r.stderr.decode()[-2000:]
+    # refused from the checkpoint's headers, before the corpus is tokenized (minutes on a large one)
+    monkeypatch.setattr(ne, "prepare_data", lambda *a, **k: pytest.fail("tokenized before refusing"))
+    with pytest.raises(SystemExit) as stop:
+        ne.main(train_args(out, corpus, "--steps", "8", "--resume"))
+    assert stop.value.code == 2
+    assert "holds checkpoints of sft, which train cannot continue" in capsys.readouterr().err
+
+
+def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(finished_run, corpus, tmp_path,
+                                                                            monkeypatch, capsys):
+    out = copy_of(finished_run, tmp_path)
+    before = files_of(out)
+
+    class Tokenizing(Exception):
+        pass
+
+    def prepare_data(*args, **kwargs):
+        raise Tokenizing
+    monkeypatch.setattr(ne, "prepare_data", prepare_data)
+    with pytest.raises(SystemExit) as stop:
+        ne.main(train_args(out, corpus, "--steps", "12", "--resume", "--model-size", "big"))
+    assert stop.value.code == 2
+    assert f"the checkpoint at step 8 in {out} was trained with another config" in capsys.readouterr().err
+    # V alone may differ before tokenizing (a small corpus can end with fewer merges): no refusal yet
+    args = train_args(out, corpus, "--steps", "12", "--resume")
+    with pytest.raises(Tokenizing):
+        ne.main(args[:args.index("--vocab-size")] + args[args.index("--vocab-size") + 2:])
+    assert files_of(out) == before
 
 
 WRITER = """
