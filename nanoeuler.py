@@ -2679,8 +2679,13 @@ def sft_rows(tok, pairs, cfg):
     n = cfg.T + cfg.K
     rows = np.full((len(pairs), n), tok.special("<|endoftext|>"), dtype=np.int64)
     mask = np.zeros((len(pairs), n), dtype=bool)
+    # A text is cut before it is encoded (a record of a gigabyte would take minutes and
+    # gigabytes), to what n ids can span plus two parts of pieces: encoding goes piece by
+    # piece, each in parts of at most max_piece_bytes from its start, so a cut changes the
+    # ids of the last two pieces' last parts only, and the first n ids stay as they were.
+    cut = (n + 2) * tok.max_piece_bytes
     for i, (prompt, response) in enumerate(pairs):
-        ids, train_on = render_turn(tok, prompt, response)
+        ids, train_on = render_turn(tok, prompt[:cut], response[:cut])
         rows[i, :len(ids[:n])] = ids[:n]
         mask[i, :len(ids[:n])] = train_on[:n]
     return rows, mask

@@ -628,6 +628,33 @@ def test_sft_masks_everything_but_the_response(tok):
     assert (targets[0, prompt_len - 1 + len(reply):, :] == -1).all()   # padding
 
 
+def test_sft_cuts_a_long_record_before_encoding_it_and_keeps_its_first_ids(monkeypatch):
+    # a tokenizer whose ids can each span a whole part of a piece (128 letters "a" or spaces),
+    # so that n ids span as much text as they can
+    merges = []
+    for byte in (ord("a"), ord(" ")):
+        prev = byte
+        for _ in range(7):                                  # 2, 4, .. 128 of them
+            merges.append((prev, prev))
+            prev = ne.FIRST_MERGE_ID + len(merges) - 1
+    tok = ne.Tokenizer(merges)
+    assert tok.max_piece_bytes == 128 and tok.encode("a" * 300) == [prev - 7] * 2 + tok.encode("a" * 44)
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=4, Hkv=2, L=1, T=40, F=48, K=2)
+    n = cfg.T + cfg.K
+    pairs = []
+    for s in range(0, 3 * 128, 5):                          # the pieces' ends at every offset of a part
+        pairs += [("a" * s + " " * (n * 128 + 300) + "b", "c"), ("a" * (n * 128 + s) + " b", "c"),
+                  ("a", " " * (n * 128 - s) + "a" * 500), ("a" * s + " " * (n * 128) + "ab", "c")]
+    user, assistant, end = (tok.special(s) for s in ("<|user|>", "<|assistant|>", "<|end|>"))
+    want = [([user] + tok.encode(p) + [assistant] + tok.encode(r) + [end])[:n] for p, r in pairs]   # in full
+    longest = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: longest.append(len(text)) or encode(text))
+    rows, mask = ne.sft_rows(tok, pairs, cfg)
+    assert rows.tolist() == want
+    assert max(longest) <= (n + 2) * 128 < n * 128 + 300   # cut: the encoder never saw a whole text
+
+
 def test_instruction_formats(tmp_path):
     jl = tmp_path / "a.jsonl"
     jl.write_text('{"instruction": "Add", "input": "1 and 2", "response": "3"}\n'
