@@ -19,9 +19,10 @@ C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
 helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
 as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
-NaN bits when allocated, between two guards of NaN bytes that are read after
-every kernel, so a write past either end is named and a read past one spreads
-NaN; a launch, a memset or a cuBLAS product runs at once or, during stream
+NaN bits when allocated, after a guard of NaN bytes that is read after every
+kernel and right before a page no one may touch, so a write before the start is
+named, a read before it spreads NaN, and a read or write past the end stops the
+process with the kernel's name; a launch, a memset or a cuBLAS product runs at once or, during stream
 capture, joins the graph that a graph launch replays; what a capture may not do
 fails) and a GPU object with cuBLAS done by numpy, so
 GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
@@ -37,6 +38,7 @@ core's sums are in fp32 in k order here. Needs g++
 import argparse
 import ctypes
 import hashlib
+import mmap
 import os
 import re
 import shutil
@@ -46,6 +48,8 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBC = ctypes.CDLL(None, use_errno=True)                  # mprotect
+LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanoeuler", "emulator")
 
 EMULATOR = r"""
@@ -57,6 +61,8 @@ EMULATOR = r"""
 #include <algorithm>
 #include <setjmp.h>
 #include <ucontext.h>
+#include <signal.h>
+#include <unistd.h>
 using std::min;
 using std::max;
 // CUDA's min and max of an int and an unsigned compare as unsigned
@@ -308,7 +314,40 @@ extern "C" void* emu_launch(int k, int gx, int gy, int gz, int block, void** par
     return l;
 }
 static void launch_body(void* p) { Launch* l = (Launch*)p; table[l->k].thunk(l->args); }
-extern "C" void emu_run(void* p) { Launch* l = (Launch*)p; run_grid(l->grid, l->block, launch_body, l); }
+// A read or write past the end of an allocation meets the page after it, which no one may touch
+// (Driver.alloc): the SIGSEGV jumps out of the kernel, and emu_run returns its address (the
+// grid's fibers are set up afresh by the next launch). A fault outside a kernel goes on to the
+// handler that was there before.
+static bool emu_running = false;
+static void* emu_fault_address;
+static sigjmp_buf emu_fault_jb;
+static struct sigaction emu_before;
+static void emu_fault(int sig, siginfo_t* info, void* context) {
+    if (emu_running) {
+        emu_fault_address = info->si_addr;
+        siglongjmp(emu_fault_jb, 1);
+    }
+    sigaction(SIGSEGV, &emu_before, nullptr);            // the faulting access, run again, reaches it
+}
+extern "C" void* emu_run(void* p) {                    // -> nullptr, or the address a kernel may not touch
+    static bool installed = false;
+    if (!installed) {
+        struct sigaction act = {};
+        act.sa_sigaction = emu_fault, act.sa_flags = SA_SIGINFO;
+        sigaction(SIGSEGV, &act, &emu_before);
+        installed = true;
+    }
+    Launch* l = (Launch*)p;
+    emu_fault_address = nullptr;
+    if (sigsetjmp(emu_fault_jb, 1)) {
+        emu_running = false;
+        return emu_fault_address ? emu_fault_address : (void*)-1;
+    }
+    emu_running = true;
+    run_grid(l->grid, l->block, launch_body, l);
+    emu_running = false;
+    return nullptr;
+}
 extern "C" void emu_free(void* p) { delete (Launch*)p; }
 """
 
@@ -396,6 +435,7 @@ def load(path, defines=(), select=None):
     lib.emu_kernel.argtypes, lib.emu_kernel.restype = [ctypes.c_char_p], ctypes.c_int
     lib.emu_launch.argtypes, lib.emu_launch.restype = [ctypes.c_int] * 5 + [ctypes.c_void_p], ctypes.c_void_p
     lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
+    lib.emu_run.restype = ctypes.c_void_p
     return lib
 
 
@@ -424,23 +464,39 @@ class Driver:
         self.capture = "invalidated by " + what
         return (self.real.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,)
 
-    GUARD = 256                                   # bytes of canary before and after each allocation
+    GUARD = 256                                   # bytes of canary before each allocation
 
     def alloc(self, n, fill):
-        """n bytes (64-aligned) between two guards of canary bytes, which check_guards reads"""
+        """n bytes, 64-aligned, after a guard of canary bytes (which check_guards reads) and
+        right before a page that may not be read or written (mprotect): a kernel that reads or
+        writes past the end (by more than the < 64 bytes of canary that round n up) stops the
+        process, named by the emulator's emu_fault"""
         n = max(n, 4)
-        buf = ctypes.create_string_buffer(n + 2 * self.GUARD + 64)
-        ptr = (ctypes.addressof(buf) + self.GUARD + 63) // 64 * 64
-        ctypes.memset(ptr - self.GUARD, 0xFF, n + 2 * self.GUARD)      # NaN: a read past an end spreads
+        span = (n + 63) // 64 * 64
+        body = (self.GUARD + span + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        pages = mmap.mmap(-1, body + mmap.PAGESIZE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(pages))
+        if LIBC.mprotect(ctypes.c_void_p(base + body), mmap.PAGESIZE, 0):     # PROT_NONE
+            raise OSError(ctypes.get_errno(), "mprotect")
+        ptr = base + body - span
+        ctypes.memset(ptr - self.GUARD, 0xFF, self.GUARD + span)       # NaN: a read before the start spreads
         ctypes.memset(ptr, fill, n)
-        self.memory[ptr] = (buf, n)
+        self.memory[ptr] = (pages, n, span)           # unmapped once dropped, the page no one may touch too
         return ptr
 
+    def where(self, address):
+        """', N bytes past the end of an allocation of M bytes' where address is so"""
+        for ptr, (_, n, span) in self.memory.items():
+            if ptr <= address < ptr + span + mmap.PAGESIZE:
+                return f", {address - ptr - n:,} bytes past the end of an allocation of {n:,} bytes"
+        return ""
+
     def check_guards(self, kernel):
-        """a kernel that wrote past either end of an allocation: named, with the allocation"""
-        canary = b"\xff" * self.GUARD
-        for ptr, (_, n) in self.memory.items():
-            if ctypes.string_at(ptr - self.GUARD, self.GUARD) != canary or ctypes.string_at(ptr + n, self.GUARD) != canary:
+        """a kernel that wrote before the start of an allocation, or into the canary after its
+        end: named, with the allocation"""
+        for ptr, (_, n, span) in self.memory.items():
+            if ctypes.string_at(ptr - self.GUARD, self.GUARD) != b"\xff" * self.GUARD or \
+                    ctypes.string_at(ptr + n, span - n) != b"\xff" * (span - n):
                 raise AssertionError(f"{kernel} wrote outside an allocation of {n} bytes at {ptr:#x}")
 
     def fill(self, ptr, bits, n, ctype):
@@ -519,7 +575,10 @@ class Driver:
         self.launches += 1
 
         def run():
-            f.lib.emu_run(launch)
+            fault = f.lib.emu_run(launch)
+            if fault:
+                raise AssertionError(f"{f.name} read or wrote memory past the end of an allocation, or none of "
+                                     f"them (address {fault:#x}{self.where(fault)})")
             self.check_guards(f.name)
 
         if isinstance(self.capture, list):
