@@ -3,11 +3,11 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus (about 6 min on 2 idle cores)
-    python nanoeuler.py chat --model out/small/best.safetensors
+    python nanoeuler.py train     # train the small model on the embedded corpus (5-6 min on 2 idle cores)
+    python nanoeuler.py sample --model out/small/best.safetensors --prompt "ROMEO:"
 
-and sample (continue a prompt), sft (fine-tune on instructions, loss on the
-responses only), prepare (tokenize a corpus ahead of train), bench (time
+and sft (fine-tune on instructions, loss on the responses only), chat (talk
+to the fine-tuned model), prepare (tokenize a corpus ahead of train), bench (time
 training steps, the tokenizer and generation).
 
 The model (docs/SPEC.md is the contract; checkpoints are safetensors):
@@ -1068,8 +1068,9 @@ class Tokenizer:
 #
 # A corpus is a text file or a folder of .txt files. A web shard (get_data.sh
 # web) holds many documents, each followed by the line <|endoftext|>: the
-# reader splits on that marker and puts the <|endoftext|> token after each
-# document. A file without the marker (a book) is one document.
+# reader splits on that marker, wherever it stands (a newline on either side
+# goes with it), and puts the <|endoftext|> token after each document. A file
+# without the marker (a book) is one document.
 #
 # Preparing a corpus: the tokenizer is trained on a sample of it; then the
 # files are read in chunks of 256 KB, encoded on every core, and the tokens
@@ -1976,7 +1977,7 @@ def activation_bytes(cfg, rows):
     the forward's caches per token (per layer the block's inputs, q k v, the roped q k, the
     attention matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's
     largest temporaries (one layer's attention gradient), and its gradient temporaries of
-    the heads, the embedding and a layer's largest matrix (within 5% of tracemalloc's peak)"""
+    the heads, the embedding and a layer's largest matrix (at most 10% above tracemalloc's peak)"""
     C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
     per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
     return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
@@ -2056,7 +2057,7 @@ def cgroup_memory_left(version_folder):
 
 def check_memory(cfg, batch, threads, available=available_memory):
     """refuse, before anything is allocated, a --batch whose step would not fit in memory:
-    the weights, m, v and a gradient buffer per thread (CPUEngine), the batch's ids,
+    the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the batch's ids,
     and the activations of the micro-batches in flight, one per thread (an evaluation
     runs the same micro-batches)"""
     have = available()
@@ -2065,12 +2066,12 @@ def check_memory(cfg, batch, threads, available=available_memory):
     threads = max(1, min(threads, batch))
     parts = micro_batches(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
-    weights = 4 * (3 + threads) * num_params(cfg)
+    weights = 4 * (4 + threads) * num_params(cfg)
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
-                             f"of weights, moments and {threads} gradient buffers, {threads} x {rows:,} rows of "
-                             f"activations), more than the {have / 1e9:,.1f} GB available; lower --batch"
+                             f"of weights, moments, decay mask and {threads} gradient buffers, {threads} x "
+                             f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; lower --batch"
                              f"{' or --threads' if threads > 1 else ''}")
 
 
@@ -2890,7 +2891,7 @@ def cmd_bench(args):
             times.append(time.perf_counter() - t0)
         dt = float(np.median(times[1:]))
         name = f"speculative, {drafts} draft{'s' if drafts > 1 else ''}" if drafts else "plain KV cache"
-        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens accepted per step" if drafts else ""
+        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens per pass" if drafts else ""
         print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
 
 
@@ -2988,10 +2989,13 @@ workers_count = number_type(int, lambda n: 1 <= n <= MAX_WORKERS,
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """every flag's default in --help, unless its help already says it in words"""
+    """every flag's default in --help, unless its help already says it in words or
+    there is none to say (an off switch, an optional value that is not given)"""
 
     def _get_help_string(self, action):
-        return action.help if "(default: " in (action.help or "") else super()._get_help_string(action)
+        if "(default: " in (action.help or "") or action.default in (None, False, ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -3001,18 +3005,21 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, formatter_class=formatter_class, **kw)
 
 
-def add_training_flags(sp, steps, batch, lr, warmup, out):
-    """the flags train and sft share (and nanoeuler_cuda.py's train)"""
+def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
+    """the flags train and sft share (and nanoeuler_cuda.py's, without --threads)"""
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps in the whole run")
     g.add_argument("--minutes", type=minutes_type, default=0,
                    help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
-    g.add_argument("--out", default=out, help="folder for checkpoints and log.csv")
+    g.add_argument("--out", default=out, help="folder for checkpoints and log.csv" +
+                   (" (default: out/ and the model size: out/small, out/big)" if out is None else ""))
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     g.add_argument("--stop-after", type=positive_int_or_off, default=-1,
                    help="stop (and save) after N steps of this run; -1 = off")
-    g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the init and the data order")
-    g.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads the batch is split over")
+    g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the data order (and of train's init)")
+    if threads:
+        g.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
+                       help="threads the batch is split over")
     g = sp.add_argument_group("optimization")
     g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
     g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
@@ -3038,7 +3045,7 @@ def build_parser():
     sp.add_argument("--vocab-size", type=vocab_size, default=None,
                     help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
-    add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, os.path.join("out", "small"))
+    add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None)
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
@@ -3058,7 +3065,8 @@ def build_parser():
         sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
         sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
         sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
-        sp.add_argument("--seed", type=nonnegative_int, default=None, help="seed of the sampler; none = random")
+        sp.add_argument("--seed", type=nonnegative_int, default=None,
+                        help="seed of the sampler (default: a fresh one each run)")
         sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
         # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
         # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
@@ -3067,7 +3075,7 @@ def build_parser():
 
     sp = sub.add_parser("sample", help="continue a prompt")
     generation_flags(sp)
-    sp.add_argument("--prompt", default="", help="text to continue")
+    sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
@@ -3134,9 +3142,12 @@ def refuse_empty_paths(args):
 
 def run_command(command, args):
     """run a subcommand; a NanoEulerError, an OSError or a MemoryError becomes one sentence
-    on stderr and exit code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. train and sft hold their --out folder while they run (claim_out);
-    prepare only writes the cache beside it, so it holds nothing."""
+    on stderr and exit code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1.
+    train and sft hold their --out folder while they run (claim_out); prepare only writes
+    the cache beside it, so it holds nothing."""
     run = hasattr(args, "out") and hasattr(args, "resume")
+    if run and args.out is None:                       # train's folder is named after its model size
+        args.out = os.path.join("out", args.model_size)
     try:
         refuse_empty_paths(args)
         with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext():

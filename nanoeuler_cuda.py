@@ -2408,6 +2408,10 @@ vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID
                                       f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
 
 
+PRECISION_HELP = ("fp32; tf32 (fp32, products on tensor cores in tf32); bf16 (activations and their gradients "
+                  "in bfloat16, fp32 master weights, gradients and optimizer state)")
+
+
 def add_gpus_flags(sp):
     sp.add_argument("--gpus", type=ne.nonnegative_int, default=0,
                     help="data parallel over N GPUs through NCCL, one process each (--batch is the whole "
@@ -2424,7 +2428,8 @@ def add_bench_flags(sp):
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--batch", type=ne.positive_int, default=16, help="rows of T+K tokens per step")
     sp.add_argument("--steps", type=ne.positive_int, default=10, help="timed steps")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help=PRECISION_HELP)
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
     sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
     sp.add_argument("--max-new-tokens", type=ne.positive_int, default=500, help="decoding: tokens to generate")
@@ -2446,7 +2451,8 @@ def add_generation_flags(sp):
     sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
     sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
     sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
-    sp.add_argument("--seed", type=ne.nonnegative_int, default=None, help="seed of the sampler")
+    sp.add_argument("--seed", type=ne.nonnegative_int, default=None,
+                    help="seed of the sampler (default: a fresh one each run)")
     sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
     sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
                     help="with --speculative: draft with heads 1..N (at most K-1)")
@@ -2464,22 +2470,24 @@ def build_parser():
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
                     help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help=PRECISION_HELP)
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
     # embedded books (32 s of steps on an H200; validation 1.83 bits per byte at step
     # 600, still falling); for more, bring more text (get_data.sh) and raise --steps
-    ne.add_training_flags(sp, 600, 16, 6e-4, 100, os.path.join("out", "big"))
+    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False)
     add_gpus_flags(sp)
     add_graph_flag(sp)
-    add_bench_flags(sub.add_parser("bench", help="time training steps"))
+    add_bench_flags(sub.add_parser("bench", help="time training steps, decoding and prefill"))
     sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
     sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"], help="matmul precision")
-    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help=PRECISION_HELP)
+    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False)
     sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
     add_generation_flags(sp)
-    sp.add_argument("--prompt", default="", help="text to continue")
+    sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
     return p
 

@@ -676,11 +676,26 @@ def test_help_shows_defaults():
         assert f"(default: {default})" in out
     out = " ".join(run("nanoeuler.py", "sample", "--help").stdout.decode().split())
     assert "greedy, deterministic (default: 0.8)" in out and "1 = off (default: 0.95)" in out
+    assert "(default: None)" not in out and "(default: False)" not in out     # nothing to say: nothing said
     out = " ".join(run("nanoeuler_cuda.py", "train", "--help").stdout.decode().split())
-    assert "matmul precision (default: bf16)" in out and out.count("(default: ") >= 15
+    assert "optimizer state) (default: bf16)" in out and out.count("(default: ") >= 14
+    assert "--threads" not in out                                               # the GPU has no thread pool
     out = " ".join(run("nanoeuler.py", "prepare", "--help").stdout.decode().split())
     assert "processes that encode (default: every core; one for a corpus under 4 MB)" in out
     assert "(default: None)" not in out and out.count("(default: ") == 4     # --data, --vocab-size, --out, --workers
+
+
+@pytest.mark.parametrize("program, argv, want", [
+    ("nanoeuler", ["train"], "out/small"), ("nanoeuler", ["train", "--model-size", "big"], "out/big"),
+    ("nanoeuler", ["train", "--model-size", "big", "--out", "mine"], "mine"),
+    ("nanoeuler", ["sft", "--model", "m"], "out/sft"),
+    ("nanoeuler_cuda", ["train"], "out/big"), ("nanoeuler_cuda", ["train", "small"], "out/small")])
+def test_a_run_goes_into_the_folder_of_its_model_size_unless_out_says(program, argv, want, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = __import__(program).build_parser().parse_args(argv)
+    seen = []
+    ne.run_command(lambda args: seen.append((args.out, os.path.isdir(args.out))), args)
+    assert seen == [(os.path.join(*want.split("/")), True)]        # claimed while it runs
 
 
 def test_workers_up_to_four_per_core_are_accepted():
