@@ -1401,7 +1401,7 @@ def file_digest(files):
     return h.hexdigest()[:16]
 
 
-def sample_text(files, max_bytes=SAMPLE_BYTES):
+def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     """what the tokenizer is trained on: at most max_bytes, an equal share from the
     start of every file, cut as chunks are, its documents joined by newlines"""
     share, texts = max(max_bytes // len(files), 1), []
@@ -1488,7 +1488,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
     tok = cached_tokenizer(tok_path)
     if tok is None:
-        text = sample_text(files)
+        text = tokenizer_sample(files)
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
@@ -2071,8 +2071,8 @@ def check_memory(cfg, batch, threads, available=available_memory):
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
                              f"of weights, moments, decay mask and {threads} gradient buffers, {threads} x "
-                             f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; lower --batch"
-                             f"{' or --threads' if threads > 1 else ''}")
+                             f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; "
+                             f"lower --batch{' or --threads' if threads > 1 else ''}")
 
 
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
@@ -2388,7 +2388,7 @@ def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
-def validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed):
+def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed):
     """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet;
     elapsed() -> the run's time so far, as text"""
     val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
@@ -2501,7 +2501,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                 # after a signal the save comes first: no evaluation, sample or plan before it
                 if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
                     t_eval = clock()
-                    val = validate(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed)
+                    val = run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt,
+                                         elapsed)
                     if step == plan_step:
                         total = state["planned_steps"] = plan_steps(args, step, np.mean(times), clock() - t_eval,
                                                                     clock() - t_start)

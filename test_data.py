@@ -249,9 +249,9 @@ def test_workers_give_the_same_tokens_and_are_not_forked(tmp_path, tok, monkeypa
 
 def test_tokenizer_sample_leaves_out_the_markers(tmp_path):
     files = write_corpus(tmp_path / "corpus")
-    text = ne.sample_text(files, max_bytes=1 << 20)
+    text = ne.tokenizer_sample(files, max_bytes=1 << 20)
     assert "<|endoftext|>" not in text and "naïve 日本語\n" in text and "the end, no newline" in text
-    share = ne.sample_text(files, max_bytes=4000)            # 1000 bytes from the start of each file
+    share = ne.tokenizer_sample(files, max_bytes=4000)            # 1000 bytes from the start of each file
     assert share.startswith(open(files[0], encoding="utf-8").read()[:900]) and len(share.encode()) <= 4000
 
 

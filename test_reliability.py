@@ -313,7 +313,7 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
         ne.checkpoint(str(tmp_path), 3, cfg, ne.Tokenizer(), Engine(), state, rng, lambda: 0.0)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
-        ne.validate(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s")
+        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s")
     assert os.listdir(tmp_path) == []
 
 
