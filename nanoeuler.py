@@ -190,6 +190,7 @@ def rmsnorm_backward(dout, cache):
 
 @functools.lru_cache(maxsize=16)
 def rope_table_upto(n, D, dtype):
+    """cos, sin (n, 1, D/2) for positions 0..n-1, computed in float64 and kept"""
     freq = 10000.0 ** (-np.arange(0, D // 2, dtype=np.float64) * 2.0 / D)  # (D/2,)
     angle = np.arange(n, dtype=np.float64)[:, None] * freq                 # (n, D/2), in float64
     return np.cos(angle)[:, None, :].astype(dtype), np.sin(angle)[:, None, :].astype(dtype)
@@ -197,7 +198,9 @@ def rope_table_upto(n, D, dtype):
 
 def rope_table(T, D, pos, dtype):
     """cos, sin (T, 1, D/2) for absolute positions pos..pos+T-1 (SPEC: theta 10000)"""
-    n = 1 << (pos + T - 1).bit_length()                # one table per power of two, sliced
+    # decoding asks for one more position each step: a table for the next power of
+    # two serves them all from the cache, sliced
+    n = 1 << (pos + T - 1).bit_length()
     cos, sin = rope_table_upto(n, D, dtype)
     return cos[pos:pos + T], sin[pos:pos + T]
 
@@ -264,7 +267,8 @@ def attention_backward(dy, cache):
     ds = datt
     ds -= (datt * att).sum(-1, keepdims=True)
     ds *= att
-    # forward was: att = softmax((q / sqrt(D)) @ k.T); the scale goes on the smaller side
+    # forward was: att = softmax((q / sqrt(D)) @ k.T); the 1/sqrt(D) multiplies the
+    # D-wide products below rather than the Tk-wide ds
     dqg = ds @ kt.transpose(0, 1, 3, 2)       # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
     dqg *= 1.0 / math.sqrt(D)
     dkt = ds.transpose(0, 1, 3, 2) @ (qg * (1.0 / math.sqrt(D)))   # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D)
