@@ -1619,7 +1619,7 @@ DECODE_PDL = True
 DECODE_PREFETCH = False
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
-DEFAULT_DRAFTS = 1              # --drafts (as nanoeuler.py's until measured here)
+DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
 
 
 def matvec_splits(In, Out, elems, sms):
