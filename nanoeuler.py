@@ -21,9 +21,10 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
   cache through the training forward, and self-speculative decoding with the
   MTP heads as drafts
 
-The file reads in that order: config, layers (each forward beside its
-backward), model, gradient check, optimizer, generation, tokenizer, data,
-checkpoints, training, fine-tuning and chat, command line.
+The file reads in that order: configuration, layers (each forward beside its
+backward), the model, gradient check, optimizer and schedule, generation,
+tokenizer, data, checkpoints, a training step on every core, the training
+loop, supervised fine-tuning and chat, benchmark, command line.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
