@@ -1899,6 +1899,10 @@ def claim_out(out_dir, resume):
         if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
             raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
                                  "another --out")
+        for f in ("log.csv", "best.safetensors"):      # a folder or a pipe there would fail a save, or hang
+            path = os.path.join(out_dir, f)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
         yield
     finally:
         if lock:
@@ -2536,6 +2540,9 @@ def resume_or_init(args, cfg, tok, init_flat):
     found = newest_readable_checkpoint(args.out) if args.resume else None
     if args.resume and found is None:
         print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
+        best = os.path.join(args.out, "best.safetensors")
+        if os.path.exists(best):                       # an earlier start's best: this start would overwrite it
+            print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
     if found is None:
         return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
             start_state(args, args.seed)

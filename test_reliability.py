@@ -121,6 +121,35 @@ def test_a_run_killed_before_its_first_save_resumes_with_one_header(corpus, tmp_
     assert lines[0].startswith("step,loss") and [ln.split(",")[0] for ln in lines[1:]] == ["1", "2", "3", "4"]
 
 
+def test_a_fresh_start_with_resume_keeps_an_earlier_starts_best_model(finished_run, corpus, tmp_path):
+    # a run that stopped before its first checkpoint pair (a NaN, say) leaves only its best model
+    out = copy_of(finished_run, tmp_path)
+    for step in ne.checkpoint_steps(str(out)):
+        ne.remove_checkpoint(str(out), step)
+    best = (out / "best.safetensors").read_bytes()
+    r = run_cli(*train_args(out, corpus, "--steps", "4", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"starting from scratch" in r.stdout and b"best.safetensors.earlier" in r.stderr
+    assert (out / "best.safetensors.earlier").read_bytes() == best
+    assert (out / "best.safetensors").read_bytes() != best             # this start's own best, at step 4
+
+
+@pytest.mark.parametrize("name, make", [("log.csv", os.mkfifo), ("best.safetensors", os.mkdir),
+                                        ("log.csv", lambda p: os.symlink("/dev/zero", p))])
+def test_a_pipe_or_a_folder_in_place_of_a_run_file_is_refused_before_the_first_step(finished_run, corpus, tmp_path,
+                                                                                    name, make):
+    # reading a pipe as the log would hang the resume; a folder as best.safetensors would fail
+    # the first evaluation's save, after steps that are then lost
+    out = copy_of(finished_run, tmp_path)
+    os.remove(out / name)
+    make(str(out / name))
+    files = lambda: {p.name: p.read_bytes() if p.is_file() else None for p in sorted(out.iterdir())}
+    before = files()
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "12", "--resume")))
+    assert f"{out / name} is not a file; move it away" in err
+    assert files() == before
+
+
 def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus, tmp_path):
     out = tmp_path / "run"
     first = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
