@@ -2847,6 +2847,7 @@ def cmd_chat(args, make_params=None, gen=None):
 
 def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
+    threads = max(1, min(threads, B))                  # as CPUEngine: a thread without rows is a buffer for nothing
     flat = init_params(cfg)
     m, v, mask = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
     bufs, parts = [np.zeros_like(flat) for _ in range(threads)], micro_batches(B, threads)
@@ -2867,6 +2868,7 @@ def cmd_bench(args):
     model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
     print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
     cfg = PRESETS["small"]
+    check_memory(cfg, 32, args.threads)
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
     for B in (8, 32):
         dt = bench_train(cfg, B, args.threads)
