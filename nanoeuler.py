@@ -51,6 +51,7 @@ import re
 import select
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections import defaultdict
@@ -3230,5 +3231,21 @@ def main(argv=None):
     run_command(commands[args.command], args)
 
 
+def exit_now_if_threads_work_on(code):
+    """after a signal's exit (128 + N): Python joins the threads at exit, and a training step's
+    threads would hold a second Ctrl-C's "at once" until the step ends (minutes for a large
+    --batch); their work is lost anyway, so leave without them, output flushed"""
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        if isinstance(e.code, int) and e.code > 128:
+            exit_now_if_threads_work_on(e.code)
+        raise

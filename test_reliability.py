@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -476,6 +477,28 @@ def test_a_signal_while_the_tokenizer_trains_says_so_and_frees_the_folder(tmp_pa
     assert proc.returncode == 128 + sig and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == f"{name}: interrupted"
     assert not out.exists()                       # train.lock removed, and the folder the run made empty
+
+
+def test_a_second_signal_quits_without_waiting_for_the_step_in_flight(corpus, tmp_path):
+    # 512 rows a step on 2 threads: seconds a step on any machine; both SIGTERMs come early
+    # in step 2, so waiting for that step's threads would take most of a step
+    out = tmp_path / "run"
+    proc = start_cli(*train_args(out, corpus, "--steps", "100", "--batch", "512", "--threads", "2",
+                                 "--eval-every", "100", "--save-every", "100"))
+    for line in proc.stdout:
+        if line.startswith(b"step "):
+            step_s = float(re.search(rb"\| +([\d.]+) ms \|", line).group(1)) / 1e3
+            break
+    time.sleep(step_s / 4)                                        # step 2 is under way
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.monotonic()
+    proc.wait(timeout=300)
+    left_after = time.monotonic() - t0
+    assert proc.returncode == 143 and b"SIGTERM: interrupted" in proc.stderr.read()
+    assert left_after < step_s / 2, (left_after, step_s)
+    assert not (out / "train.lock").exists()
 
 
 def test_an_interrupted_save_names_the_last_complete_checkpoint(finished_run, tmp_path, capsys):
