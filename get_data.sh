@@ -72,7 +72,8 @@ mb() { awk -v b="$1" 'BEGIN { printf "%.1f MB", b / 1e6 }'; }
 human() { awk -v b="$1" 'BEGIN { if (b >= 1e9) printf "%.2f GB", b / 1e9; else printf "%.1f MB", b / 1e6 }'; }
 file_size() { wc -c < "$1" | tr -d ' '; }
 
-# SIZE like 300M, 1G, 2.5G, 500K or a plain byte count -> bytes (decimal units, as disks count)
+# SIZE like 300M, 1G, 2.5G, 500K or a plain byte count -> bytes (decimal units, as disks count);
+# at most 100T, so that bash's integers hold it (the 10BT sample is about 50G anyway)
 parse_size() {
     local s=$1 num unit
     [[ $s =~ ^([0-9]+([.][0-9]+)?)([kKmMgGtT]?)[bB]?$ ]] || return 1
@@ -80,7 +81,7 @@ parse_size() {
     unit=$(printf '%s' "${BASH_REMATCH[3]}" | tr 'kmgt' 'KMGT')
     awk -v n="$num" -v u="$unit" 'BEGIN {
         m = (u == "K") ? 1e3 : (u == "M") ? 1e6 : (u == "G") ? 1e9 : (u == "T") ? 1e12 : 1
-        v = n * m; if (v < 1) exit 1; printf "%.0f\n", v }'
+        v = n * m; if (v < 1 || v > 1e14) exit 1; printf "%.0f\n", v }'
 }
 
 TMP=""
@@ -313,8 +314,8 @@ EOF
 
 do_web() {
     local want shard_bytes dir="$DATA/web" cache="$DATA/.cache/fineweb" stage i=0 name pq total=0 ndone=0 short="" rc
-    want=$(parse_size "${1:-1G}") || { fail "web: SIZE '${1:-}' is not a size like 300M or 1G"; exit 2; }
-    shard_bytes=$(parse_size "$SHARD") || { fail "NANOEULER_WEB_SHARD '$SHARD' is not a size like 100M"; exit 2; }
+    want=$(parse_size "${1:-1G}") || { fail "web: SIZE '${1:-}' is not a size like 300M or 1G (at most 100T)"; exit 2; }
+    shard_bytes=$(parse_size "$SHARD") || { fail "NANOEULER_WEB_SHARD '$SHARD' is not a size like 100M (at most 100T)"; exit 2; }
     if [ -f "$dir/.complete" ]; then
         local had asked shards
         read -r asked had shards < "$dir/.complete"

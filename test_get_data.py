@@ -492,8 +492,9 @@ def test_web_failures_are_one_sentence(tmp_path, server):
     rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "text" in err
     # bad SIZE
-    rc, out, err = run(["web", "lots"], env_for(tmp_path, server.url))
-    assert rc == 2 and err.strip() == "get_data.sh: web: SIZE 'lots' is not a size like 300M or 1G"
+    for size in ("lots", "9999999999G", "100.1T"):                    # past 100T bash's integers overflow
+        rc, out, err = run(["web", size], env_for(tmp_path, server.url))
+        assert rc == 2 and err.strip() == f"get_data.sh: web: SIZE '{size}' is not a size like 300M or 1G (at most 100T)"
 
 
 def test_web_without_duckdb_says_how_to_install_it(tmp_path, server):
