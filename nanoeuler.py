@@ -1684,8 +1684,10 @@ def load_model(path):
 def model_header(path, shapes, meta):
     """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer"""
     if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
+        state = meta.get("format") == "nanoeuler-state"  # the state_<step> file beside a model_<step>
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
-                             f"version {meta.get('version')!r})")
+                             f"version {meta.get('version')!r})" +
+                             ("; it is a training state: give the model_ file of its step" if state else ""))
     try:
         given = json.loads(meta["config"])
         if not isinstance(given, dict):
@@ -2563,7 +2565,8 @@ def refuse_other_run(args, step, made_by, same_model):
                              f"{command} its own --out")
     if not same_model:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
-                             "or tokenizer; pass the same --data and settings, or another --out")
+                             "or tokenizer; pass the same " + ("--model" if getattr(args, "command", None) == "sft"
+                                                               else "--data and settings") + ", or another --out")
 
 
 def refuse_other_run_early(args, cfg):
@@ -2682,7 +2685,8 @@ def load_instructions(path):
         prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
         pairs.append((prompt, response))
     if not pairs:
-        raise NanoEulerError(f"{path} holds no examples")
+        raise NanoEulerError(f"{path} holds no examples; give JSONL or a JSON list of objects with instruction, "
+                             "input and response (or output)")
     return pairs
 
 
@@ -2992,6 +2996,8 @@ positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive 
 MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
 minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} "
                            "(10 days)")
+# --steps, --max-new-tokens: more than a billion is a typo, and 10^30 steps showed an eta of 10^25 hours
+count_type = number_type(int, lambda n: 1 <= n <= MAX_PLANNED_STEPS, f"a positive integer up to {MAX_PLANNED_STEPS:,}")
 positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
 
 
@@ -3024,7 +3030,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
     """the flags train and sft share (and nanoeuler_cuda.py's, without --threads)"""
     g = sp.add_argument_group("run")
-    g.add_argument("--steps", type=positive_int, default=steps, help="optimizer steps in the whole run")
+    g.add_argument("--steps", type=count_type, default=steps, help="optimizer steps in the whole run")
     g.add_argument("--minutes", type=minutes_type, default=0,
                    help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv" +
@@ -3077,7 +3083,7 @@ def build_parser():
 
     def generation_flags(sp):
         sp.add_argument("--model", required=True, help=".safetensors model file")
-        sp.add_argument("--max-new-tokens", type=positive_int, default=200, help="tokens to generate")
+        sp.add_argument("--max-new-tokens", type=count_type, default=200, help="tokens to generate")
         sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
         sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
         sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
@@ -3096,7 +3102,7 @@ def build_parser():
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
     sp.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads for training steps")
-    sp.add_argument("--max-new-tokens", type=positive_int, default=400, help="tokens to generate")
+    sp.add_argument("--max-new-tokens", type=count_type, default=400, help="tokens to generate")
     return p
 
 
@@ -3152,6 +3158,8 @@ def refuse_empty_paths(args):
     """--out "" would put prepare's cache in ../cache and --model "" reads as "does not exist":
     say which flag is empty"""
     for flag, what in PATH_FLAGS.items():
+        if flag == "data" and getattr(args, "command", None) == "sft":
+            what = "a JSONL or Alpaca JSON file of instructions"
         if getattr(args, flag, None) == "":
             raise NanoEulerError(f"--{flag} is empty; give {what}")
 

@@ -2447,7 +2447,7 @@ def add_bench_flags(sp):
 def add_generation_flags(sp):
     """sample's and chat's"""
     sp.add_argument("--model", required=True, help=".safetensors model file")
-    sp.add_argument("--max-new-tokens", type=ne.positive_int, default=200, help="tokens to generate")
+    sp.add_argument("--max-new-tokens", type=ne.count_type, default=200, help="tokens to generate")
     sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
     sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
     sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")

@@ -487,6 +487,26 @@ def test_instruction_files_that_are_json_but_not_examples_are_named_so(tmp_path,
     assert "sys.set_int_max_str_digits" not in str(e.value)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "[]"])
+def test_an_instruction_file_without_examples_says_what_to_give(tmp_path, text):
+    path = tmp_path / "data.jsonl"
+    path.write_text(text)
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_instructions(str(path))
+    assert str(e.value) == (f"{path} holds no examples; give JSONL or a JSON list of objects with instruction, "
+                            "input and response (or output)")
+
+
+def test_a_training_state_given_as_a_model_names_the_model_file(tmp_path):
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
+    flat = ne.init_params(cfg)
+    ne.save_checkpoint(str(tmp_path), 3, cfg, flat, flat * 0, flat * 0, ne.Tokenizer(), {"step": 3})
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_model(str(tmp_path / "state_000003.safetensors"))
+    assert str(e.value).endswith("(format 'nanoeuler-state', version '1'); it is a training state: give the "
+                                 "model_ file of its step")
+
+
 def test_an_instruction_file_with_a_byte_order_mark_reads(tmp_path):
     for name, text in (("data.json", '[{"instruction": "Hi", "output": "Hello"}]'),
                        ("data.jsonl", '{"instruction": "Hi", "response": "Hello"}\n')):
@@ -627,7 +647,8 @@ BAD_FLAGS = [
     ("train", "--warmup", "-1"), ("train", "--weight-decay", "-0.1"), ("train", "--clip", "0"),
     ("train", "--threads", "0"), ("train", "--seed", "-1"), ("train", "--stop-after", "0"),
     ("train", "--eval-batches", "0"), ("train", "--vocab-size", "100"), ("train", "--vocab-size", "70000"),
-    ("sft", "--batch", "0"), ("sft", "--steps", "-5"),
+    ("sft", "--batch", "0"), ("sft", "--steps", "-5"), ("train", "--steps", "1000000001"),
+    ("sft", "--steps", "10" + "0" * 30), ("chat", "--max-new-tokens", "1000000001"),
     ("sample", "--max-new-tokens", "-1"), ("sample", "--temperature", "-1"), ("sample", "--temperature", "nan"),
     ("sample", "--top-p", "2"), ("sample", "--top-p", "0"), ("sample", "--top-k", "-1"), ("sample", "--drafts", "-1"),
     ("sample", "--seed", "-3"), ("chat", "--temperature", "nan"), ("chat", "--max-new-tokens", "0"),
@@ -821,11 +842,14 @@ def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path):
     ("nanoeuler.py", ["train", "--out", ""], "--out"), ("nanoeuler.py", ["prepare", "--out", ""], "--out"),
     ("nanoeuler.py", ["train", "--data", ""], "--data"), ("nanoeuler.py", ["sample", "--model", ""], "--model"),
     ("nanoeuler.py", ["sft", "--model", ""], "--model"), ("nanoeuler_cuda.py", ["sample", "--model", ""], "--model"),
+    ("nanoeuler.py", ["sft", "--model", "m", "--data", ""], "--data"),
 ])
 def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
     r = subprocess.run([sys.executable, os.path.join(HERE, script), *argv], capture_output=True, timeout=120,
                        cwd=tmp_path)
-    assert assert_one_sentence(r, f"{flag} is empty").startswith(f"error: {flag} is empty; give ")
+    said = assert_one_sentence(r, f"{flag} is empty")
+    assert said.startswith(f"error: {flag} is empty; give ")
+    assert ("instructions" in said) == (argv[0] == "sft" and flag == "--data")
     assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
 
 
