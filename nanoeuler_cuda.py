@@ -2090,6 +2090,7 @@ def cmd_train(args):
     """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
     preset = preset_config(args.model_size)
     cfg = Config(**{**ne.asdict(preset), "V": args.vocab_size or preset.V})
+    ne.corpus_files(args.data)                  # a --data that is not there: said before the GPU is asked
     rank, world = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data

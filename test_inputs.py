@@ -838,6 +838,14 @@ def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path):
     assert not (tmp_path / "cache").exists() and b"tokeniz" not in r.stderr
 
 
+@pytest.mark.parametrize("gpus", [[], ["--gpus", "2"]])
+def test_gpu_train_names_a_missing_corpus_before_it_asks_for_a_gpu(tmp_path, gpus):
+    missing = tmp_path / "no_such_corpus"
+    r = run("nanoeuler_cuda.py", "train", "small", "--data", str(missing), "--out", str(tmp_path / "run"), *gpus)
+    assert_one_sentence(r, f"{missing} does not exist")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("script, argv, flag", [
     ("nanoeuler.py", ["train", "--out", ""], "--out"), ("nanoeuler.py", ["prepare", "--out", ""], "--out"),
     ("nanoeuler.py", ["train", "--data", ""], "--data"), ("nanoeuler.py", ["sample", "--model", ""], "--model"),
