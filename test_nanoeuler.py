@@ -80,6 +80,19 @@ def test_bpe_wikipedia_example():
     assert tok.decode([X]) == "aaab"
 
 
+def test_bpe_counts_a_pair_once_for_every_occurrence_of_its_piece():
+    # pieces "!!" once and "zz" four times (newlines are pieces of their own): the pair zz
+    # occurs 4 times, !! once, so zz merges first, though it is the larger pair
+    tok = ne.Tokenizer.train("!!\nzz\nzz\nzz\nzz", ne.FIRST_MERGE_ID + 1, progress=False)
+    assert tok.merges == [(122, 122)]
+
+
+def test_bpe_merges_a_pair_that_occurs_once():
+    # "abc": ab (a tie with bc, the smaller pair), then the new pair (ab, c), seen once
+    tok = ne.Tokenizer.train("abc", ne.FIRST_MERGE_ID + 2, progress=False)
+    assert tok.merges == [(97, 98), (ne.FIRST_MERGE_ID, 99)]
+
+
 @pytest.mark.parametrize("s", AWKWARD)
 def test_round_trip_awkward(tok, s):
     assert tok.decode(tok.encode(s)) == s
