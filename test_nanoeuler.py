@@ -9,6 +9,7 @@ Tiny configs keep the whole suite to a few minutes on 2 cores.
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
 import functools
+import io
 import json
 import math
 import os
@@ -1096,3 +1097,18 @@ def test_data_parallel_matches_one_gpu(tmp_path, precision, tol):
         _, _, _, m2, v2, _ = ne.load_checkpoint(str(out2), 20)
         for a, b in ((m, m2), (v, v2)):
             assert np.linalg.norm(a) > 0 and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("ids, kept", [
+    ([65, 66, 256, 67], [65, 66]),                    # <|endoftext|>, the first special, ends the reply
+    ([65, 259, 67], [65]),                            # <|end|>, the last
+    ([65, 257, 67], [65]),                            # <|user|>: the model begins the next turn
+    ([65, ne.FIRST_MERGE_ID, 67], [65, ne.FIRST_MERGE_ID, 67]),    # the first merge is text
+])
+def test_a_chat_reply_ends_at_any_special_token(ids, kept):
+    tok = ne.Tokenizer([(97, 97)])                    # FIRST_MERGE_ID is "aa"
+    args = ne.build_parser().parse_args(["chat", "--model", "m"])
+    out, reply = io.StringIO(), []
+    ne.chat_reply(None, None, tok, [], args, out, reply, gen=lambda *a, **kw: iter(ids))
+    assert reply == kept
+    assert out.getvalue() == tok.decode(kept) + "\n"
