@@ -1112,3 +1112,11 @@ def test_a_chat_reply_ends_at_any_special_token(ids, kept):
     ne.chat_reply(None, None, tok, [], args, out, reply, gen=lambda *a, **kw: iter(ids))
     assert reply == kept
     assert out.getvalue() == tok.decode(kept) + "\n"
+
+
+def test_rel_error_is_the_worst_entrys():
+    # one bad entry among many good ones must fail the check: |1 - 3| / (1 + 3) = 0.5
+    analytic, numeric = np.ones(1000), np.ones(1000)
+    numeric[7] = 3.0
+    assert ne.rel_error(analytic, numeric) == 0.5
+    assert ne.rel_error(np.array([0.0]), np.array([1e-9])) == 1e-9 / 1e-6     # tiny values: the 1e-6 floor
