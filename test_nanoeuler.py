@@ -1120,3 +1120,21 @@ def test_rel_error_is_the_worst_entrys():
     numeric[7] = 3.0
     assert ne.rel_error(analytic, numeric) == 0.5
     assert ne.rel_error(np.array([0.0]), np.array([1e-9])) == 1e-9 / 1e-6     # tiny values: the 1e-6 floor
+
+
+def test_the_parts_of_a_batch_with_ignored_targets_add_up_to_the_whole_batchs_loss():
+    # SFT's -1 targets: each part divides by the whole batch's kept targets, so the parts'
+    # losses and gradients add up to one forward over the whole batch
+    cfg = ne.Config(V=260, C=16, Hq=2, Hkv=1, L=1, T=8, F=24, K=2)
+    flat = ne.init_params(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (4, cfg.T + cfg.K)), cfg.T, cfg.K)
+    targets[0, :6] = -1                                          # row 0 keeps few targets, the others all
+    targets[2, 3:] = -1
+    whole, _, _ = ne.model_forward(ne.carve(flat, cfg), cfg, idx, targets)
+    bufs = [np.zeros_like(flat), np.zeros_like(flat)]
+    loss, _ = ne.loss_and_grads(flat, cfg, idx, targets, bufs, parts=4)
+    assert loss == pytest.approx(float(whole), rel=1e-6)
+    one = [np.zeros_like(flat)]
+    ne.loss_and_grads(flat, cfg, idx, targets, one, parts=1)
+    np.testing.assert_allclose(bufs[0], one[0], rtol=1e-4, atol=1e-7)
