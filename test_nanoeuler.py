@@ -1138,3 +1138,9 @@ def test_the_parts_of_a_batch_with_ignored_targets_add_up_to_the_whole_batchs_lo
     one = [np.zeros_like(flat)]
     ne.loss_and_grads(flat, cfg, idx, targets, one, parts=1)
     np.testing.assert_allclose(bufs[0], one[0], rtol=1e-4, atol=1e-7)
+
+
+def test_pre_tokenization_splits_gpt2s_contractions():
+    # GPT-2's pattern: 's 't 're 've 'm 'll 'd are pieces of their own
+    assert ne.SPLIT_PATTERN.findall("they're we've I'm it's don't you'll he'd") == [
+        "they", "'re", " we", "'ve", " I", "'m", " it", "'s", " don", "'t", " you", "'ll", " he", "'d"]
