@@ -501,3 +501,14 @@ def test_a_corpus_file_whose_name_is_not_utf8_is_read_and_keyed_by_its_bytes(tmp
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr.decode(errors="replace")
     key = hashlib.sha256(name + text.encode()).hexdigest()[:16]
     assert [f for f in os.listdir(tmp_path / "cache") if key in f]
+
+
+def test_a_cached_token_file_with_an_id_at_the_vocabulary_size_is_refused(tmp_path):
+    # ids run from 0 to vocab_size - 1: vocab_size itself would index past the embedding
+    path = str(tmp_path / "tokens.npy")
+    for top, ok in ((511, True), (512, False)):
+        np.save(path, np.array([0, 5, top, 7], dtype=ne.token_dtype(512)))
+        tokens, why = ne.load_tokens(path, 512, chunk=2)
+        assert (tokens is not None) == ok and (why is None) == ok
+        if not ok:
+            assert why == "it holds the id 512, beyond the tokenizer's 512 ids"
