@@ -3015,7 +3015,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     there is none to say (an off switch, an optional value that is not given)"""
 
     def _get_help_string(self, action):
-        if "(default: " in (action.help or "") or action.default in (None, False, ""):
+        # "is", not "in": 0 == False, and --minutes' 0 has something to say
+        if "(default: " in (action.help or "") or action.default is None or action.default is False \
+                or action.default == "":
             return action.help
         return super()._get_help_string(action)
 

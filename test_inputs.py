@@ -704,6 +704,7 @@ def test_help_shows_defaults():
     out = " ".join(run("nanoeuler.py", "train", "--help").stdout.decode().split())    # unwrapped
     for default in (ne.DEFAULT_STEPS, ne.DEFAULT_BATCH, ne.DEFAULT_LR, ne.DEFAULT_WARMUP):
         assert f"(default: {default})" in out
+    assert "0 = off (default: 0)" in out                                        # a default of 0 is said
     out = " ".join(run("nanoeuler.py", "sample", "--help").stdout.decode().split())
     assert "greedy, deterministic (default: 0.8)" in out and "1 = off (default: 0.95)" in out
     assert "(default: None)" not in out and "(default: False)" not in out     # nothing to say: nothing said
