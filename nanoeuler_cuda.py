@@ -2409,8 +2409,11 @@ vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID
                                       f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
 
 
-PRECISION_HELP = ("fp32; tf32 (fp32, products on tensor cores in tf32); bf16 (activations and their gradients "
-                  "in bfloat16, fp32 master weights, gradients and optimizer state)")
+def add_precision_flag(sp):
+    """train's, sft's and bench's --precision (sample and chat say what it means for decoding)"""
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help="fp32; tf32 (fp32, products on tensor cores in tf32); bf16 (activations and their "
+                         "gradients in bfloat16, fp32 master weights, gradients and optimizer state)")
 
 
 def add_gpus_flags(sp):
@@ -2429,8 +2432,7 @@ def add_bench_flags(sp):
     sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
     sp.add_argument("--batch", type=ne.positive_int, default=16, help="rows of T+K tokens per step")
     sp.add_argument("--steps", type=ne.positive_int, default=10, help="timed steps")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                    help=PRECISION_HELP)
+    add_precision_flag(sp)
     sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
     sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
     sp.add_argument("--max-new-tokens", type=ne.positive_int, default=500, help="decoding: tokens to generate")
@@ -2471,8 +2473,7 @@ def build_parser():
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
                     help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                    help=PRECISION_HELP)
+    add_precision_flag(sp)
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
     # embedded books (32 s of steps on an H200; validation 1.83 bits per byte at step
     # 600, still falling); for more, bring more text (get_data.sh) and raise --steps
@@ -2483,8 +2484,7 @@ def build_parser():
     sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
     sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                    help=PRECISION_HELP)
+    add_precision_flag(sp)
     ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False)
     sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
     add_generation_flags(sp)
