@@ -21,11 +21,11 @@ as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
 NaN bits when allocated, after a guard of NaN bytes that is read after every
 kernel and right before a page no one may touch, so a write before the start is
-named, a read before it spreads NaN, and a read or write past the end stops the
-process with the kernel's name; a launch, a memset or a cuBLAS product runs at once or, during stream
-capture, joins the graph that a graph launch replays; what a capture may not do
-fails) and a GPU object with cuBLAS done by numpy, so
-GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
+named, a read before it spreads NaN, and a read or write past the end fails the
+launch with the kernel's name; a launch, a memset or a cuBLAS product runs at
+once or, during stream capture, joins the graph that a graph launch replays;
+what a capture may not do fails) and a GPU object with cuBLAS done by numpy,
+so GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
 
 What it cannot tell: speed, memory order (fences and atomics are plain), and the
 GPU's exact bits (expf is libm's, not --use_fast_math's), so it compares with
@@ -469,8 +469,8 @@ class Driver:
     def alloc(self, n, fill):
         """n bytes, 64-aligned, after a guard of canary bytes (which check_guards reads) and
         right before a page that may not be read or written (mprotect): a kernel that reads or
-        writes past the end (by more than the < 64 bytes of canary that round n up) stops the
-        process, named by the emulator's emu_fault"""
+        writes past the end (by more than the < 64 bytes of canary that round n up) fails its
+        launch, named (emu_run returns the address, launch raises)"""
         n = max(n, 4)
         span = (n + 63) // 64 * 64
         body = (self.GUARD + span + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
