@@ -247,7 +247,13 @@ def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(fi
     with pytest.raises(SystemExit) as stop:
         ne.main(train_args(out, corpus, "--steps", "12", "--resume", "--model-size", "big"))
     assert stop.value.code == 2
-    assert f"the checkpoint at step 8 in {out} was trained with another config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"the checkpoint at step 8 in {out} was trained with another config" in err
+    assert err.strip().endswith("pass the same --data and settings, or another --out")
+    # sft's config and tokenizer come from its --model: that is what to give again
+    sft = ne.build_parser().parse_args(["sft", "--model", "m", "--out", str(out)])
+    with pytest.raises(ne.NanoEulerError, match=r"tokenizer; pass the same --model, or another --out$"):
+        ne.refuse_other_run(sft, 8, "sft", same_model=False)
     # V alone may differ before tokenizing (a small corpus can end with fewer merges): no refusal yet
     args = train_args(out, corpus, "--steps", "12", "--resume")
     with pytest.raises(Tokenizing):
@@ -489,6 +495,8 @@ def test_a_second_signal_quits_without_waiting_for_the_step_in_flight(corpus, tm
         if line.startswith(b"step "):
             step_s = float(re.search(rb"\| +([\d.]+) ms \|", line).group(1)) / 1e3
             break
+    else:
+        raise AssertionError(f"the run ended before its first step: {proc.stderr.read().decode()[-2000:]}")
     time.sleep(step_s / 4)                                        # step 2 is under way
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.1)
