@@ -324,6 +324,11 @@ def test_micro_batches_add_up_to_the_batch():
     by_part = [np.zeros_like(flat) for _ in range(5)]                 # buffer i > 0 keeps part i's alone
     ne.loss_and_grads(flat, cfg, idx, targets, by_part)
     np.testing.assert_allclose(two[1], by_part[1] + by_part[3], rtol=1e-9, atol=1e-14)   # buffer 1: parts 1, 3
+    # more buffers than rows: the buffers no part used hold whatever they held, and stay out of the sum
+    spare = [np.full_like(flat, np.nan) for _ in range(8)]
+    loss8, _ = ne.loss_and_grads(flat, cfg, idx, targets, spare)
+    assert loss8 == pytest.approx(loss1, rel=1e-12)
+    np.testing.assert_allclose(spare[0], whole[0], rtol=1e-9, atol=1e-14)
 
 
 def test_decoding_forward_equals_the_training_forward():

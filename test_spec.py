@@ -618,6 +618,17 @@ def test_train_and_validation_are_disjoint():
     assert (np.diff(rows, axis=1) == 1).all()                  # rows are consecutive tokens
     rows = np.concatenate(ne.fixed_rows(val, 4, 13, 50))
     assert rows.min() >= val[0] and rows.max() <= val[-1]
+    # every window of the training part can be drawn, the last one too, and none past it
+    firsts = set(ne.get_batch(np.arange(15), 400, 13, rng)[:, 0].tolist())
+    assert firsts == {0, 1, 2}
+    # validation: min(B * max_batches, (n - 1) // rows_len) rows, evenly spaced from 0 to n - rows_len
+    batches = ne.fixed_rows(np.arange(1000), 4, 13, 3)
+    assert [len(b) for b in batches] == [4, 4, 4]
+    np.testing.assert_array_equal(np.concatenate(batches)[:, 0], 
+                                  [0, 89, 179, 269, 358, 448, 538, 628, 717, 807, 897, 987])   # 987/11 apart
+    batches = ne.fixed_rows(np.arange(100), 4, 13, 50)            # (100 - 1) // 13 = 7 rows
+    assert [len(b) for b in batches] == [4, 3]
+    np.testing.assert_array_equal(np.concatenate(batches)[:, 0], [0, 14, 29, 43, 58, 72, 87])
     # a corpus barely big enough still keeps a whole row plus its target apart
     train, val = ne.split_train_val(np.arange(40), 13)
     assert len(val) >= 14 and len(train) >= 14
@@ -629,7 +640,7 @@ def test_drafts_come_from_heads_1_to_n_at_the_last_accepted_token():
     cfg = ne.Config(V=24, C=32, Hq=4, Hkv=2, L=2, T=40, F=48, K=4)
     t = permutation_model(cfg, 8, noisy=False)
     flat, params = as_params(t, cfg)
-    for drafts in (1, 2, 3):
+    for drafts in (0, 1, 2, 3):                                        # 0: speculative without drafts
         stats = {}
         got = list(ne.generate(params, cfg, [5], 1 + 8 * (drafts + 1), temperature=0, speculative=True,
                                drafts=drafts, stats=stats))
