@@ -670,16 +670,17 @@ def decay_mask(cfg):
                            for _, s in param_shapes(cfg)])
 
 
-def adamw_update(flat, grad, m, v, step, lr, mask, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1):
+def adamw_update(flat, grad, m, v, step, lr, decay, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1):
     """one AdamW step (Loshchilov & Hutter 2019) on flat buffers, in place; step counts from 1.
 
-    p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * mask * p), written
-    with in-place operations: each line is one pass over the buffers."""
+    p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * decay * p), written
+    with in-place operations: each line is one pass over the buffers. decay is
+    decay_mask(cfg): 1 for the matrices, 0 for the norm weights."""
     m *= beta1
     m += (1 - beta1) * grad
     v *= beta2
     v += (1 - beta2) * grad * grad
-    flat *= 1.0 - (lr * weight_decay) * mask                      # decoupled weight decay
+    flat *= 1.0 - (lr * weight_decay) * decay                      # decoupled weight decay
     denom = np.sqrt(v)
     denom *= 1.0 / math.sqrt(1 - beta2 ** step)                    # bias corrections
     denom += eps
@@ -2093,11 +2094,11 @@ def check_memory(cfg, batch, threads, available=available_memory):
                              f"lower --batch{' or --threads' if threads > 1 else ''}")
 
 
-def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, mask, **kw):
+def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
     """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
     bounds = np.linspace(0, flat.size, n + 1).astype(int)
     slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-    list(pool.map(lambda s: adamw_update(flat[s], grad[s], m[s], v[s], step, lr, mask[s], **kw), slices))
+    list(pool.map(lambda s: adamw_update(flat[s], grad[s], m[s], v[s], step, lr, decay[s], **kw), slices))
 
 
 def evaluate(ce_of, batches, token_bytes, pool=None):
@@ -2123,7 +2124,7 @@ class CPUEngine:
     def __init__(self, cfg, flat, m, v, args):
         self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
-        self.mask = decay_mask(cfg)
+        self.decay = decay_mask(cfg)
         self.n_threads = threads_for(args.batch, args.threads)
         self.parts = micro_batches(args.batch, self.n_threads)
         self.grad_bufs = [np.zeros_like(flat) for _ in range(self.n_threads)]
@@ -2135,7 +2136,7 @@ class CPUEngine:
         norm = clip_grad_norm(self.grad_bufs[0], self.clip)
         if np.isfinite(loss) and np.isfinite(norm):
             adamw_update_parallel(self.pool, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
-                                  step, lr, self.mask, weight_decay=self.weight_decay)
+                                  step, lr, self.decay, weight_decay=self.weight_decay)
         return loss, ce, norm
 
     def evaluate(self, batches, token_bytes):
@@ -2860,7 +2861,7 @@ def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
     threads = threads_for(B, threads)
     flat = init_params(cfg)
-    m, v, mask = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
+    m, v, decay = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
     bufs, parts = [np.zeros_like(flat) for _ in range(threads)], micro_batches(B, threads)
     rng = np.random.default_rng(0)
     times = []
@@ -2870,7 +2871,7 @@ def bench_train(cfg, B, threads, steps=20):
             t0 = time.perf_counter()
             loss_and_grads(flat, cfg, idx, targets, bufs, pool, parts)
             clip_grad_norm(bufs[0], 1.0)
-            adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, mask)
+            adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, decay)
             times.append(time.perf_counter() - t0)
     return float(np.median(times[2:]))
 

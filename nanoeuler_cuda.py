@@ -66,7 +66,7 @@ SOURCES = ["kernels.cu", "flash_attn.cu"]
 MODULES = {"kernels.cu": ("kernels.cu", ()), "kernels.cu bf16": ("kernels.cu", ("-DFLOATX=bfloat16",)),
            "flash_attn.cu": ("flash_attn.cu", ())}
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanoeuler")
-HEAD_DIMS = (16, 32, 64)                       # flash_attn.cu is instantiated for these
+HEAD_DIMS = (16, 32, 64)                       # flash_attn.cu is instantiated for these, each version
 RMSNORM_WIDTHS = (256, 768, 1536)              # rmsnorm_backward_kernel_<width>: rows of up to width (MAX_C)
 
 
@@ -528,8 +528,7 @@ def adamw_update(params, params16, grads, m, v, decay, n, hyper, clip, beta1=0.9
                float_arg(beta1), float_arg(beta2), float_arg(eps), float_arg(weight_decay))
 
 
-BF16_HEAD_DIMS = (16, 32, 64)                  # flash_attn.cu's bf16 passes
-ATTENTION_ROWS = 64     # as in flash_attn.cu: query rows (dk/dv: keys) a block of every pass but the bf16 forward
+ATTENTION_ROWS = 64     # flash_attn.cu's BR, MMA_BLOCK_ROWS, TILE: query rows (dk/dv: keys) a block of every pass but the bf16 forward
 FORWARD_MT = {16: 1, 32: 1, 64: 2}     # as in flash_attn.cu: m-tiles a warp of the bf16 forward (64 MT rows a block)
 # flash_attn.cu's entry points by version: forward, dk/dv, dq, each written out for D in HEAD_DIMS
 ATTENTION_KERNELS = {
@@ -546,7 +545,7 @@ def attention_path(D, qkv):
     """which of flash_attn.cu's versions runs: bf16 for bf16 activations, else fp32 (CUDA
     cores, exact) or tf32 (tensor cores) by the precision"""
     if bf16(qkv):
-        assert D in BF16_HEAD_DIMS
+        assert D in HEAD_DIMS
         return "bf16"
     return "fp32" if gpu.precision == "fp32" else "tf32"
 
@@ -698,7 +697,7 @@ BF16_ACTIVATIONS = True
 
 def activations_bf16(cfg):
     """are a model's activations bf16: in bf16 mode, where flash_attn.cu has bf16 passes for D"""
-    return gpu.precision == "bf16" and BF16_ACTIVATIONS and cfg.D in BF16_HEAD_DIMS
+    return gpu.precision == "bf16" and BF16_ACTIVATIONS and cfg.D in HEAD_DIMS
 
 
 def check_sizes(cfg):
@@ -1170,7 +1169,7 @@ def check_attention(rng, report):
     N = B * T
     for D, Hq, Hkv in ((32, 4, 2), (64, 3, 1), (16, 2, 2)):
         QKV = (Hq + 2 * Hkv) * D
-        is_bf16 = gpu.precision == "bf16" and BF16_ACTIVATIONS and D in BF16_HEAD_DIMS
+        is_bf16 = gpu.precision == "bf16" and BF16_ACTIVATIONS and D in HEAD_DIMS
         rnd = bf16_round if is_bf16 else (lambda a: a)            # what the kernels read
         qkv, dy = rnd(f32(N, QKV)), rnd(f32(N, Hq * D))
         qkv_g, dy_g = activation(qkv, is_bf16), activation(dy, is_bf16)
