@@ -2891,14 +2891,14 @@ def cmd_bench(args):
     print(f"\ntokenizer on the embedded books and Shakespeare ({nbytes / 1e6:.1f} MB, one core)")
     t0 = time.time()
     tok = Tokenizer.train(text, 4096, progress=False)
-    print(f"  train vocab 4096:       {time.time() - t0:6.1f} s")
+    print(f"  {'train vocab 4096:':<22}{time.time() - t0:6.1f} s")
     for cache in ("empty", "warm"):
         if cache == "empty":
             tok.cache.clear()
         t0 = time.time()
         ids = tok.encode(text)
         dt = time.time() - t0
-        print(f"  encode, {cache} cache:    {nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
+        print(f"  {f'encode, {cache} cache:':<22}{nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
               f"{nbytes / len(ids):.2f} bytes per token)")
     if model:
         (cfg, flat, tok), what = model, args.model

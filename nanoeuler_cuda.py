@@ -2398,7 +2398,7 @@ def bench_decoding(args):
             t0 = time.perf_counter()
             dec.wait(dec.prefill(long, 1))
             times.append(time.perf_counter() - t0)
-        print(f"  prefill of {len(long)} tokens {np.median(times[1:]) * 1e3:8.2f} ms (median of 10 after a warm-up)")
+        print(f"  {f'prefill of {len(long)} tokens':<32} {np.median(times[1:]) * 1e3:8.2f} ms  (median of 10 after a warm-up)")
 
 
 # -----------------------------------------------------------------------------

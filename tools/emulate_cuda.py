@@ -1,7 +1,8 @@
 """
-Runs kernels.cu and flash_attn.cu on the CPU, to check the kernels' logic (indices, masks, the order
-of sums, graph capture bookkeeping) on a machine without a GPU. Not part of
-NanoEuler: nothing imports it but the tests.
+Runs kernels.cu and flash_attn.cu on the CPU, on a machine without a GPU.
+
+It checks the kernels' logic (indices, masks, the order of sums, graph capture
+bookkeeping). Not part of NanoEuler: nothing imports it but the tests.
 
     python tools/emulate_cuda.py               # training and decoding checks (see main)
     python tools/emulate_cuda.py kernels       # check_kernels (both builds) and check_optimizer
