@@ -136,13 +136,14 @@ def test_a_fresh_start_with_resume_keeps_an_earlier_starts_best_model(finished_r
 
 
 @pytest.mark.parametrize("name, make", [("log.csv", os.mkfifo), ("best.safetensors", os.mkdir),
-                                        ("log.csv", lambda p: os.symlink("/dev/zero", p))])
+                                        ("log.csv", lambda p: os.symlink("/dev/zero", p)),
+                                        ("train.lock", lambda p: os.symlink("/nonexistent/lock", p))])
 def test_a_pipe_or_a_folder_in_place_of_a_run_file_is_refused_before_the_first_step(finished_run, corpus, tmp_path,
                                                                                     name, make):
     # reading a pipe as the log would hang the resume; a folder as best.safetensors would fail
     # the first evaluation's save, after steps that are then lost
     out = copy_of(finished_run, tmp_path)
-    os.remove(out / name)
+    (out / name).unlink(missing_ok=True)                # a finished run leaves no train.lock
     make(str(out / name))
     files = lambda: {p.name: p.read_bytes() if p.is_file() else None for p in sorted(out.iterdir())}
     before = files()
