@@ -117,6 +117,11 @@ SPEC_MUTATIONS = [
      "return tokens[:-n_val + 1], tokens[-n_val:]"),
     ("data: validation is 5%", "def split_train_val(tokens, rows_len, val_fraction=0.1):",
      "def split_train_val(tokens, rows_len, val_fraction=0.05):"),
+    ("data: the last training window is never drawn", "rng.integers(0, len(tokens) - rows_len + 1, size=B)",
+     "rng.integers(0, len(tokens) - rows_len, size=B)"),
+    ("data: one validation row short", "B * max_batches))", "B * max_batches - 1))"),
+    ("speculative: --drafts 0 still drafts with head 1", "max(0, min(drafts, cfg.K - 1))",
+     "max(1, min(drafts, cfg.K - 1))"),
 ]
 
 # each input check taken out or loosened: test_inputs.py must notice
