@@ -18,6 +18,7 @@ import math
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -368,6 +369,34 @@ def check_parts_module():
     parts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(parts)
     return parts
+
+
+@needs_gxx
+def test_the_emulators_fibers_run_where_g_plus_plus_fortifies_longjmp(tmp_path):
+    # the fibers longjmp between stacks; glibc's fortified longjmp (Ubuntu's g++ fortifies by
+    # default) aborts the whole process on that unless the emulator turns it off
+    (tmp_path / "mirror.cu").write_text(
+        'extern "C" __global__ void mirror_kernel(float* x) {\n'
+        "    __shared__ float s[64];\n"
+        "    s[threadIdx.x] = x[threadIdx.x];\n"
+        "    __syncthreads();\n"
+        "    x[threadIdx.x] = s[63 - threadIdx.x];\n"
+        "}\n")
+    code = f"""
+import ctypes, sys, numpy as np
+sys.path.insert(0, {os.path.join(HERE, "tools")!r})
+import emulate_cuda
+lib = emulate_cuda.load({str(tmp_path / "mirror.cu")!r}, cache_dir={str(tmp_path)!r},
+                        flags=("-D_FORTIFY_SOURCE=2",))
+x = np.arange(64, dtype=np.float32)
+arg = ctypes.c_void_p(x.ctypes.data)
+launch = lib.emu_launch(lib.emu_kernel(b"mirror_kernel"), 1, 1, 1, 64, (ctypes.c_void_p * 1)(ctypes.addressof(arg)))
+assert not lib.emu_run(launch)
+print(x[:3].tolist(), x[-1])
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)   # an abort kills it
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert r.stdout.decode().split() == ["[63.0,", "62.0,", "61.0]", "0.0"]
 
 
 @pytest.fixture

@@ -54,6 +54,9 @@ LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "nanoeuler", "emulator")
 
 EMULATOR = r"""
+// the fibers longjmp from one stack to another, which glibc's fortified longjmp takes for a
+// smashed stack and aborts on; Ubuntu's g++ fortifies by default
+#undef _FORTIFY_SOURCE
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -408,14 +411,16 @@ SOURCES = {"kernels.cu": ("kernels.cu", (), None), "kernels.cu bf16": ("kernels.
            "flash_attn.cu": ("flash_attn.cu", (), without_helpers)}
 
 
-def build(path, defines=(), select=None, cache_dir=CACHE_DIR):
+def build(path, defines=(), select=None, cache_dir=CACHE_DIR, flags=()):
     """-> the emulator's shared library for the .cu file at path (select: the part of its
-    text to emulate), compiled once per source"""
+    text to emulate), compiled once per source and flags (more g++ flags: the tests give
+    some that a system's g++ may add by itself)"""
     with open(path) as f:
         text = f.read()
     source = emulator_source(select(text) if select else text, defines)
     stem = os.path.splitext(os.path.basename(path))[0]
-    lib = os.path.join(cache_dir, f"{stem}_{hashlib.sha256(source.encode()).hexdigest()[:16]}.so")
+    key = hashlib.sha256(" ".join([source, *flags]).encode()).hexdigest()[:16]
+    lib = os.path.join(cache_dir, f"{stem}_{key}.so")
     if not os.path.exists(lib):
         if shutil.which("g++") is None:
             raise RuntimeError("the CUDA emulator needs g++")
@@ -423,16 +428,16 @@ def build(path, defines=(), select=None, cache_dir=CACHE_DIR):
         cpp = lib[:-3] + f".{os.getpid()}.cpp"
         with open(cpp, "w") as f:
             f.write(source)
-        subprocess.run(["g++", "-O1", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-w", "-o",
+        subprocess.run(["g++", "-O1", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-w", *flags, "-o",
                         lib + ".tmp", cpp], check=True)
         os.replace(lib + ".tmp", lib)
         os.remove(cpp)
     return lib
 
 
-def load(path, defines=(), select=None):
+def load(path, defines=(), select=None, **build_options):
     """the emulator's library for a .cu file, its entry points typed for ctypes"""
-    lib = ctypes.CDLL(build(path, defines, select))
+    lib = ctypes.CDLL(build(path, defines, select, **build_options))
     lib.emu_kernel.argtypes, lib.emu_kernel.restype = [ctypes.c_char_p], ctypes.c_int
     lib.emu_launch.argtypes, lib.emu_launch.restype = [ctypes.c_int] * 5 + [ctypes.c_void_p], ctypes.c_void_p
     lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
