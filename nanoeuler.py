@@ -680,7 +680,7 @@ def adamw_update(flat, grad, m, v, step, lr, decay, beta1=0.9, beta2=0.95, eps=1
     m += (1 - beta1) * grad
     v *= beta2
     v += (1 - beta2) * grad * grad
-    flat *= 1.0 - (lr * weight_decay) * decay                      # decoupled weight decay
+    flat *= 1.0 - (lr * weight_decay) * decay                     # decoupled weight decay
     denom = np.sqrt(v)
     denom *= 1.0 / math.sqrt(1 - beta2 ** step)                    # bias corrections
     denom += eps

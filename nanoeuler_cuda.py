@@ -528,7 +528,9 @@ def adamw_update(params, params16, grads, m, v, decay, n, hyper, clip, beta1=0.9
                float_arg(beta1), float_arg(beta2), float_arg(eps), float_arg(weight_decay))
 
 
-ATTENTION_ROWS = 64     # flash_attn.cu's BR, MMA_BLOCK_ROWS, TILE: query rows (dk/dv: keys) a block of every pass but the bf16 forward
+# query rows (dk/dv: keys) a block of every attention pass but the bf16 forward: flash_attn.cu's BR,
+# MMA_BLOCK_ROWS and TILE
+ATTENTION_ROWS = 64
 FORWARD_MT = {16: 1, 32: 1, 64: 2}     # as in flash_attn.cu: m-tiles a warp of the bf16 forward (64 MT rows a block)
 # flash_attn.cu's entry points by version: forward, dk/dv, dq, each written out for D in HEAD_DIMS
 ATTENTION_KERNELS = {
@@ -2398,7 +2400,8 @@ def bench_decoding(args):
             t0 = time.perf_counter()
             dec.wait(dec.prefill(long, 1))
             times.append(time.perf_counter() - t0)
-        print(f"  {f'prefill of {len(long)} tokens':<32} {np.median(times[1:]) * 1e3:8.2f} ms  (median of 10 after a warm-up)")
+        print(f"  {f'prefill of {len(long)} tokens':<32} {np.median(times[1:]) * 1e3:8.2f} ms  "
+              "(median of 10 after a warm-up)")
 
 
 # -----------------------------------------------------------------------------
