@@ -732,3 +732,163 @@ def test_a_smaller_batch_runs_kernel_by_kernel(emulated):
     want = ne.model_forward(ne.carve(engine.host_params().astype(np.float64), cfg), cfg, idx[:2], targets[:2])[1]
     got = engine.model.forward(idx[:2], targets[:2])[1]
     assert np.allclose(got, want, rtol=2e-2)
+
+
+# -----------------------------------------------------------------------------
+# the host's sizes, bounds and hand-offs (each found by a one-line mutant that no test caught)
+
+def test_a_short_last_batch_trains_as_it_would_without_the_graph(emulated):
+    # the graph was captured for 3 rows; a batch of 2 must not replay it (its padding rows'
+    # targets would join the loss and the gradient)
+    nc.init_gpu("bf16")
+    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
+    rng = np.random.default_rng(1)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (3, cfg.T + cfg.K)), cfg.T, cfg.K)
+    runs = []
+    for no_graph in (False, True):
+        engine = nc.GPUEngine(cfg, ne.init_params(cfg), None, None, engine_args(batch=3, no_graph=no_graph))
+        engine.step(idx, targets, 1e-3, 1)
+        engine.step(idx, targets, 1e-3, 2)
+        runs.append((engine.step(idx[:2], targets[:2], 1e-3, 3)[0], engine.host_params()))
+    assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][1], runs[1][1])
+
+
+def test_a_head_with_no_kept_target_adds_nothing_and_training_goes_on(emulated):
+    # (SFT rows can leave head 1 nothing to predict): 0 / 0 would make the loss NaN and stop the run
+    nc.init_gpu("fp32")
+    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
+    flat = ne.init_params(cfg)
+    rng = np.random.default_rng(1)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
+    targets = targets.copy()
+    targets[..., 1] = -1
+    engine = nc.GPUEngine(cfg, flat, None, None, engine_args(no_graph=True))
+    loss, ce, norm = engine.step(idx, targets, 1e-3, 1)
+    want = ne.model_forward(ne.carve(flat.astype(np.float64), cfg), cfg, idx, targets)[0]   # float64: CE_0 alone
+    assert np.isfinite(norm) and abs(loss - want) < 1e-5 * want
+    after = engine.host_params()
+    assert np.isfinite(after).all() and not np.array_equal(after, flat)
+
+
+def test_update_returns_the_gradients_norm(emulated):
+    # GPUModel.update (the data-parallel path) -> the norm of the whole gradient, as float64 numpy has it
+    nc.init_gpu("fp32")
+    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
+    flat = ne.init_params(cfg)
+    rng = np.random.default_rng(1)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
+    model = nc.GPUModel(cfg, 2, flat)
+    model.grads.zero()
+    model.forward(idx, targets)
+    model.backward()
+    norm = model.update(1e-3, 1, 1.0, 0.1)
+    _, _, cache = ne.model_forward(ne.carve(flat.astype(np.float64), cfg), cfg, idx, targets)
+    grads = np.zeros(flat.size)
+    ne.model_backward(ne.carve(grads, cfg), cache)
+    assert abs(norm - np.linalg.norm(grads)) < 1e-4 * np.linalg.norm(grads)
+
+
+def test_zero_shards_keep_8_float_alignment_and_each_rank_counts_its_own_flops(emulated):
+    nc.init_gpu("fp32")
+    cfg = ne.Config(V=65, C=64, Hq=2, Hkv=1, L=2, T=40, F=176, K=3)
+    assert ne.num_params(cfg) == 109120
+    model = nc.GPUModel(cfg, 2, shards=3, shard=1)
+    assert (model.lo, model.hi) == (36376, 72752)       # ceil(109120 / 3) = 36374, up to a multiple of 8
+    engine = nc.GPUEngine(cfg, ne.init_params(cfg), None, None, engine_args(batch=4), rank=1, world=2)
+    assert engine.model.B == 2 and engine.flops_per_step == nc.flops_per_token(cfg) * 2 * cfg.T
+
+
+class LaunchLog:
+    """a stand-in gpu that keeps (kernel, grid, block, shared) of each launch"""
+    sms, precision = 2, "fp32"
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, name, grid, block, *args, shared=0, bf16=False):
+        self.launches.append((name, grid, block, shared))
+
+    def scratch(self, n):
+        return nc.DeviceArray((n,), ptr=8)
+
+
+def placeholder(*shape):
+    return nc.DeviceArray(shape, np.float32, ptr=8)
+
+
+def test_launch_sizes_by_hand(monkeypatch):
+    log = LaunchLog()
+    monkeypatch.setattr(nc, "gpu", log)
+    # attention_decode_kernel's shared memory: q[D], warp_m[8], warp_l[8], warp_acc[8 * D] floats
+    a = [placeholder(1) for _ in range(7)]
+    nc.attention_decode(*a, 2, 8, 1, 64, 100, kernel="single")
+    assert log.launches[0][3] == 4 * (64 + 8 + 8 + 8 * 64)
+    # rmsnorm_backward: the narrowest build whose width holds C
+    for C, width in ((256, 256), (768, 768), (1536, 1536), (200, 256)):
+        log.launches.clear()
+        nc.rmsnorm_backward(placeholder(8, C), placeholder(C), placeholder(8, C), placeholder(8, C), placeholder(C),
+                            placeholder(8), 8, C)
+        assert log.launches[0][0] == f"rmsnorm_backward_kernel_{width}"
+    # decode_matvec's splits for 1024 bf16 inputs (128 chunks of 8: 2 splits make 64 a lane, one
+    # round) and 2112 outputs: 2112 x 2 = 8 warps x 4 outputs x 132 SMs, enough warps already
+    assert nc.matvec_splits(1024, 2112, 8, 132) == 2
+
+
+def test_the_widest_sizes_the_kernels_are_built_for_are_accepted():
+    nc.check_sizes(ne.Config(V=64, C=1536, Hq=24, Hkv=8, L=1, T=8, F=4096, K=2))     # C = the widest rmsnorm
+    with pytest.raises(ne.NanoEulerError):
+        nc.check_sizes(ne.Config(V=64, C=1600, Hq=25, Hkv=5, L=1, T=8, F=4096, K=2))
+    nc.decode_check_sizes(ne.Config(V=64, C=1024, Hq=8, Hkv=8, L=1, T=8, F=256, K=2))   # D = 128
+    with pytest.raises(ne.NanoEulerError):
+        nc.decode_check_sizes(ne.Config(V=64, C=1088, Hq=8, Hkv=8, L=1, T=8, F=256, K=2))   # D = 136
+
+
+def test_flag_bounds_and_defaults():
+    parse = nc.build_parser().parse_args
+    for precision in ("bf16,fp32", "fp32"):
+        nc.check_bench_flags(parse(["bench", "--decode-precision", precision]))
+    assert parse(["train", "--vocab-size", "260"]).vocab_size == 260        # 256 bytes + 4 specials
+    with pytest.raises(SystemExit):
+        parse(["train", "--vocab-size", "259"])
+    args = parse(["train"])
+    assert (args.steps, args.batch, args.lr, args.warmup) == (600, 16, 6e-4, 100)
+
+
+def test_the_decoding_queue_fills_to_the_end_of_the_window():
+    class Decoder:
+        rows = []
+
+        def launch_step(self, R, n_heads):
+            self.rows.append(R)
+            return 0
+
+    decoder, queue = Decoder(), [(0, 4)]
+    nc.queue_passes(decoder, queue, 8, list(range(12)), [], 12, 4, 20)   # 12 + 4 queued + 4 = 20 = T
+    assert decoder.rows == [4] and queue == [(0, 4), (0, 4)]
+
+
+def test_only_rank_0_speaks_and_a_rank_launches_no_ranks(tmp_path, monkeypatch, capfd):
+    monkeypatch.setattr(nc, "count_gpus", lambda: 3)
+    monkeypatch.setattr(nc, "nccl_unique_id", lambda: "ab" * 128)
+    script = tmp_path / "rank.py"
+    script.write_text("import os; print('rank', os.environ['NANOEULER_RANK'])\n")
+    nc.launch_ranks([], 3, program=str(script))
+    assert capfd.readouterr().out == "rank 0\n"
+
+    class Started(Exception):
+        pass
+
+    def init_gpu(precision, device=0):
+        assert device == 1
+        raise Started
+
+    (tmp_path / "c.txt").write_text("some text\n")
+    monkeypatch.setenv("NANOEULER_RANK", "1")
+    monkeypatch.setenv("NANOEULER_WORLD", "2")
+    monkeypatch.setattr(nc, "count_gpus", lambda: 2)
+    monkeypatch.setattr(ne, "prepare_data", lambda *a, **k: pytest.fail("a rank prepared the data"))
+    monkeypatch.setattr(nc, "launch_ranks", lambda *a, **k: pytest.fail("a rank launched ranks"))
+    monkeypatch.setattr(nc, "init_gpu", init_gpu)
+    with pytest.raises(Started):
+        nc.cmd_train(nc.build_parser().parse_args(["train", "small", "--gpus", "2", "--data",
+                                                   str(tmp_path / "c.txt"), "--out", str(tmp_path / "o")]))
