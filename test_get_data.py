@@ -176,6 +176,16 @@ def test_shellcheck():
     assert r.returncode == 0, r.stdout.decode()
 
 
+def test_sizes_are_decimal_from_1_byte_to_100t():
+    # parse_size alone, sourced from the script (its main runs only when the script is run)
+    script = open(SCRIPT).read().split("\nTMP=")[0]
+    sizes = ["0.5K", "1.5M", "2G", "3t", "100T", "1", "300MB", "0.4", "100.1T"]
+    code = script + "\nfor s in " + " ".join(sizes) + "; do parse_size $s || echo refused; done\n"
+    r = subprocess.run(["bash", "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["500", "1500000", "2000000000", "3000000000000", "100000000000000", "1",
+                                "300000000", "refused", "refused"]
+
+
 def test_no_argument_prints_usage_not_code(tmp_path):
     for args in ([], ["nonsense"], ["web", "1G", "extra"]):
         rc, out, err = run(args, env_for(tmp_path, "http://127.0.0.1:9"))
