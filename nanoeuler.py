@@ -1862,9 +1862,9 @@ def lock_out(out_dir):
     so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
     the file is there to name the holder."""
     path = os.path.join(out_dir, LOCK_NAME)
-    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isfile(path)):
-        raise NanoEulerError(f"{path} is not a file; move it away (it is where a run keeps its lock) "
-                             "and run again")
+    if os.path.islink(path):                           # (a folder there is named as any other path)
+        raise NanoEulerError(f"{path} is a link, not a file; move it away (it is where a run keeps its "
+                             "lock) and run again")
     while True:
         f = open(path, "a+")
         try:
