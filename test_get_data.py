@@ -222,6 +222,15 @@ def test_strip_command(tmp_path):
         r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
         assert r.returncode == 0, r.stderr.decode()
         assert dst.read_bytes() == want.encode("utf-8"), name
+    # the START marker's *** two lines down (the furthest looked at), a first paragraph that
+    # begins "Produced" but is the book's, an "End of" line wrapped over three lines
+    src.write_text("*** START OF THE PROJECT GUTENBERG EBOOK A VERY\nLONG\nTITLE ***\n\n"
+                   "Produced in haste, the letter\nwas sent.\n\nThe end came.\n\n"
+                   "End of the Project Gutenberg EBook of A Very\nLong\nTitle\n\n"
+                   "*** END OF THE PROJECT GUTENBERG EBOOK A VERY LONG TITLE ***\n")
+    r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
+    assert r.returncode == 0, r.stderr.decode()
+    assert dst.read_text() == "Produced in haste, the letter\nwas sent.\n\nThe end came.\n"
     src.write_text("no markers here\n")
     r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
     assert r.returncode == 1 and "START OF THE PROJECT GUTENBERG EBOOK" in r.stderr.decode()
