@@ -428,6 +428,17 @@ def test_web_two_parquet_files_into_shards_then_skips(tmp_path, fineweb):
 
 
 @needs_duckdb
+def test_web_stops_at_the_document_that_reaches_size_and_a_full_shard_takes_no_more(tmp_path, fineweb):
+    # SIZE exactly the first two documents, a shard exactly the first one: two documents in two shards
+    first = ("First document.\nWith two lines.\n" + EOT + "\n").encode("utf-8")
+    second = ("Zweites Dokument: Größe, café, 日本語.\n" + EOT + "\n").encode("utf-8")
+    env = env_for(tmp_path, fineweb.url, NANOEULER_WEB_SHARD=str(len(first)))
+    rc, out, err = run(["web", str(len(first) + len(second))], env)
+    assert rc == 0, err
+    assert read_shards(tmp_path / "data" / "web")[1] == [first, second]
+
+
+@needs_duckdb
 def test_web_default_shard_and_source_running_out(tmp_path, fineweb):
     rc, out, err = run(["web", "1M"], env_for(tmp_path, fineweb.url))
     assert rc == 0, err
