@@ -309,6 +309,11 @@ def test_books_host_not_there_stops_at_once(tmp_path):
     assert len(lines) == 1 and "does not answer" in lines[0] and "4 books were not fetched" in lines[0]
     assert "curl:" not in err
     assert os.listdir(tmp_path / "data" / "books") == [] and leftovers(tmp_path / "data") == []
+    # two of the four already there: the other two are what was not fetched
+    for name in ("pride_and_prejudice", "a_tale_of_two_cities"):
+        (tmp_path / "data" / "books" / f"{name}.txt").write_text("a book\n")
+    rc, out, err = run(["books"], env_for(tmp_path, closed_port_url(), NANOEULER_BOOKS=listing))
+    assert rc == 1 and "2 books were not fetched" in err
 
 
 @pytest.mark.skipif(shutil.which("wget") is None, reason="wget is not installed")
