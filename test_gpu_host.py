@@ -737,16 +737,22 @@ def test_a_smaller_batch_runs_kernel_by_kernel(emulated):
 # -----------------------------------------------------------------------------
 # the host's sizes, bounds and hand-offs (each found by a one-line mutant that no test caught)
 
+def one_layer_batch(precision, rows):
+    """the GPU set up in precision; a one-layer model's config, fresh weights, and rows of random ids"""
+    nc.init_gpu(precision)
+    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
+    rng = np.random.default_rng(1)
+    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (rows, cfg.T + cfg.K)), cfg.T, cfg.K)
+    return cfg, ne.init_params(cfg), idx, targets.copy()
+
+
 def test_a_short_last_batch_trains_as_it_would_without_the_graph(emulated):
     # the graph was captured for 3 rows; a batch of 2 must not replay it (its padding rows'
     # targets would join the loss and the gradient)
-    nc.init_gpu("bf16")
-    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
-    rng = np.random.default_rng(1)
-    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (3, cfg.T + cfg.K)), cfg.T, cfg.K)
+    cfg, flat, idx, targets = one_layer_batch("bf16", 3)
     runs = []
     for no_graph in (False, True):
-        engine = nc.GPUEngine(cfg, ne.init_params(cfg), None, None, engine_args(batch=3, no_graph=no_graph))
+        engine = nc.GPUEngine(cfg, flat, None, None, engine_args(batch=3, no_graph=no_graph))
         engine.step(idx, targets, 1e-3, 1)
         engine.step(idx, targets, 1e-3, 2)
         runs.append((engine.step(idx[:2], targets[:2], 1e-3, 3)[0], engine.host_params()))
@@ -755,12 +761,7 @@ def test_a_short_last_batch_trains_as_it_would_without_the_graph(emulated):
 
 def test_a_head_with_no_kept_target_adds_nothing_and_training_goes_on(emulated):
     # (SFT rows can leave head 1 nothing to predict): 0 / 0 would make the loss NaN and stop the run
-    nc.init_gpu("fp32")
-    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
-    flat = ne.init_params(cfg)
-    rng = np.random.default_rng(1)
-    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
-    targets = targets.copy()
+    cfg, flat, idx, targets = one_layer_batch("fp32", 2)
     targets[..., 1] = -1
     engine = nc.GPUEngine(cfg, flat, None, None, engine_args(no_graph=True))
     loss, ce, norm = engine.step(idx, targets, 1e-3, 1)
@@ -772,11 +773,7 @@ def test_a_head_with_no_kept_target_adds_nothing_and_training_goes_on(emulated):
 
 def test_update_returns_the_gradients_norm(emulated):
     # GPUModel.update (the data-parallel path) -> the norm of the whole gradient, as float64 numpy has it
-    nc.init_gpu("fp32")
-    cfg = ne.Config(V=64, C=64, Hq=2, Hkv=1, L=1, T=40, F=176, K=2)
-    flat = ne.init_params(cfg)
-    rng = np.random.default_rng(1)
-    idx, targets = ne.split_rows(rng.integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
+    cfg, flat, idx, targets = one_layer_batch("fp32", 2)
     model = nc.GPUModel(cfg, 2, flat)
     model.grads.zero()
     model.forward(idx, targets)
