@@ -647,3 +647,18 @@ def test_drafts_come_from_heads_1_to_n_at_the_last_accepted_token():
         assert got == ref_greedy(t, cfg, [5], len(got))
         # (stats count the passes before the last, which ends the generation)
         assert stats == {"steps": 8, "tokens": 1 + 7 * (drafts + 1)}, drafts
+
+
+def test_every_mutant_of_tools_mutate_still_applies():
+    """tools/mutate.py finds each mutation by its exact text; code that moved would leave a
+    mutant that no longer applies (reported only when someone runs it), so check here"""
+    import importlib.util
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location("mutate", os.path.join(here, "tools", "mutate.py"))
+    mutate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutate)
+    source = open(os.path.join(here, "nanoeuler.py")).read()
+    mutations = mutate.SPEC_MUTATIONS + mutate.INPUT_MUTATIONS
+    assert len(mutate.SPEC_MUTATIONS) == 60 and len(mutate.INPUT_MUTATIONS) == 21   # as README says
+    assert {name: source.count(old) for name, old, _ in mutations if source.count(old) != 1} == {}
+    assert all(old != new for _, old, new in mutations)

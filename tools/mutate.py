@@ -137,7 +137,7 @@ INPUT_MUTATIONS = [
      "or False:"),
     ("file: NaN weights load", "    if bad:\n        raise NanoEulerError(f\"{path} holds weights",
      "    if False:\n        raise NanoEulerError(f\"{path} holds weights"),
-    ("file: tensor count not checked first", "if len(tensors) == n_want else {}", "if True else {}"),
+    ("file: tensor count not checked first", "if len(shapes) == n_want else {}", "if True else {}"),
     ("merges: an id not made yet is allowed", "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i)",
      "FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i + 1)"),
     ("merges: specials allowed", "(0 <= t < 256 or FIRST_MERGE_ID", "(0 <= t < FIRST_MERGE_ID or FIRST_MERGE_ID"),
