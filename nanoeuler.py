@@ -2440,10 +2440,12 @@ def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
 
 
 def print_summary(steps, elapsed, times, state, out_dir, last_path):
-    mean_ms = f"{np.mean(times) * 1e3:.1f} ms/step" if times else "-"
+    # the steps are a part of the run's time: validation, samples and checkpoints take the rest
+    steps_ms = f": {sum(times):.1f} s of steps ({np.mean(times) * 1e3:.1f} ms/step), the rest validation, " \
+        "samples and checkpoints" if times else ""
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {steps} steps in {elapsed}, {mean_ms}; {best}; last checkpoint {last_path}")
+    print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
 
 
 def exit_stopped(signum, step, last_path):
