@@ -1064,6 +1064,10 @@ class Tokenizer:
         d = json.loads(text)
         if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
             raise ValueError("its special tokens differ from this program's")
+        # SPEC: encoding splits with the stored pattern; this program knows GPT-2's only
+        if d.get("type", "byte-level-bpe") != "byte-level-bpe" or d.get("pattern", SPLIT_PATTERN.pattern) != \
+                SPLIT_PATTERN.pattern:
+            raise ValueError("its type or split pattern differs from this program's (byte-level-bpe, GPT-2's)")
         bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
         if type(bound) is not int or not 4 <= bound <= 1 << 20:
             raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 4 to 1,048,576")
@@ -1421,14 +1425,18 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
-def cached_tokenizer(path):
-    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained again)"""
+def cached_tokenizer(path, vocab_size):
+    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained
+    again). It may hold fewer than vocab_size tokens (a small corpus runs out of pairs), never more."""
     if not os.path.exists(path):
         return None
     try:
         with open(path) as f:
-            return Tokenizer.from_json(f.read())
-    except (ValueError, KeyError, TypeError) as e:     # JSONDecodeError is a ValueError
+            tok = Tokenizer.from_json(f.read())
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
+        return tok
+    except (ValueError, KeyError, TypeError, RecursionError) as e:     # JSONDecodeError is a ValueError
         print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
         return None
 
@@ -1493,7 +1501,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     os.makedirs(cache_dir, exist_ok=True)
     remove_stale_tmp(cache_dir)
     tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
-    tok = cached_tokenizer(tok_path)
+    tok = cached_tokenizer(tok_path, vocab_size)
     if tok is None:
         text = tokenizer_sample(files)
         if not text.strip():

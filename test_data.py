@@ -282,6 +282,11 @@ def test_prepared_tokens_are_memory_mapped_and_keyed_by_corpus_and_tokenizer(tmp
     (tmp_path / "cache" / tok_file).write_text('{"merges": [[1')
     tok4, tokens4 = ne.prepare_data(str(corpus), 300, cache, progress=False)
     assert tok4.merges == tok.merges and np.array_equal(tokens4, tokens)
+    # one nested past the parser's depth, or with more tokens than asked for: trained again too
+    for damaged in ("[" * 100_000 + "]" * 100_000, ne.Tokenizer(tok.merges + [[97, 97]]).to_json()):
+        (tmp_path / "cache" / tok_file).write_text(damaged)
+        tok5, _ = ne.prepare_data(str(corpus), 300, cache, progress=False)
+        assert tok5.merges == tok.merges and tok5.vocab_size == 300
     # a changed corpus: both again
     corpus.write_text("something else entirely " * 500, encoding="utf-8")
     tok3, tokens3 = ne.prepare_data(str(corpus), 300, cache, progress=False)

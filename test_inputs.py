@@ -335,6 +335,18 @@ def test_merges_that_double_a_token_forever_are_refused_without_building_it():
                                            "merges": merges}))
 
 
+@pytest.mark.parametrize("field, value", [("pattern", r"\S+|\s+"), ("pattern", None), ("type", "wordpiece")])
+def test_a_tokenizer_of_another_pattern_or_type_is_refused(tmp_path, field, value):
+    # it would load and encode text differently from the program that trained it
+    tensors, meta = model_parts(CFG)
+    tok = json.loads(meta["tokenizer"])
+    assert tok["type"] == "byte-level-bpe" and tok["pattern"] == ne.SPLIT_PATTERN.pattern
+    tok[field] = value
+    path = str(tmp_path / "tok.safetensors")
+    ne.write_safetensors(path, tensors, dict(meta, tokenizer=json.dumps(tok)))
+    refused(path, "tokenizer", field if field == "type" else "pattern")
+
+
 def test_tokenizer_json_that_is_not_a_map_is_refused():
     for text in ("[]", "3", '"x"'):
         with pytest.raises(ValueError):
