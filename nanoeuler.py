@@ -50,6 +50,7 @@ import os
 import re
 import select
 import signal
+import stat
 import sys
 import threading
 import time
@@ -1870,8 +1871,10 @@ def lock_out(out_dir):
     so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
     the file is there to name the holder."""
     path = os.path.join(out_dir, LOCK_NAME)
-    if os.path.islink(path):                           # (a folder there is named as any other path)
-        raise NanoEulerError(f"{path} is a link, not a file; move it away (it is where a run keeps its "
+    mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a folder there is named as any other path)
+        kind = "a link" if stat.S_ISLNK(mode) else "a pipe, a device or a socket"
+        raise NanoEulerError(f"{path} is {kind}, not a file; move it away (it is where a run keeps its "
                              "lock) and run again")
     while True:
         f = open(path, "a+")
@@ -2656,12 +2659,14 @@ def render_turn(tok, instruction, response=None):
 def jsonl_records(text):
     """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named"""
     records = []
-    for n, line in enumerate(text.splitlines(), 1):
+    # lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
+    # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
+    for n, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise ValueError(f"line {n} is not JSON: {e.msg} at column {e.colno}") from None
+                raise ValueError(f"line {n} is not JSON: {e.msg} (column {e.colno})") from None
     return records
 
 

@@ -596,7 +596,17 @@ def test_a_jsonl_line_that_is_not_json_is_named_by_its_number(tmp_path):
     path.write_text(f"\n{good}\n\n{good}\n{cut}\n{good}\n")
     with pytest.raises(ne.NanoEulerError) as e:
         ne.load_instructions(str(path))
-    assert f"line 5 is not JSON: Expecting value at column {len(cut) + 1}" in str(e.value) and "\n" not in str(e.value)
+    assert f"line 5 is not JSON: Expecting value (column {len(cut) + 1})" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_jsonl_lines_end_at_newlines_only(tmp_path):
+    # U+2028, U+2029, U+0085 and \x1c are text inside a JSON string (json.dumps with
+    # ensure_ascii=False writes them as they are); str.splitlines would cut the record there
+    path = tmp_path / "data.jsonl"
+    odd = ["one\u2028two", "three\u2029four", "price\x85list", "a\x1cb"]
+    path.write_text("".join(json.dumps({"instruction": f"Q{i}", "response": r}, ensure_ascii=False) + "\r\n"
+                            for i, r in enumerate(odd)), encoding="utf-8")
+    assert ne.load_instructions(str(path)) == [(f"Q{i}", r) for i, r in enumerate(odd)]
 
 
 # -----------------------------------------------------------------------------

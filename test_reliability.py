@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -137,7 +138,8 @@ def test_a_fresh_start_with_resume_keeps_an_earlier_starts_best_model(finished_r
 
 @pytest.mark.parametrize("name, make", [("log.csv", os.mkfifo), ("best.safetensors", os.mkdir),
                                         ("log.csv", lambda p: os.symlink("/dev/zero", p)),
-                                        ("train.lock", lambda p: os.symlink("/nonexistent/lock", p))])
+                                        ("train.lock", lambda p: os.symlink("/nonexistent/lock", p)),
+                                        ("train.lock", os.mkfifo)])
 def test_a_pipe_or_a_folder_in_place_of_a_run_file_is_refused_before_the_first_step(finished_run, corpus, tmp_path,
                                                                                     name, make):
     # reading a pipe as the log would hang the resume; a folder as best.safetensors would fail
@@ -148,7 +150,9 @@ def test_a_pipe_or_a_folder_in_place_of_a_run_file_is_refused_before_the_first_s
     files = lambda: {p.name: p.read_bytes() if p.is_file() else None for p in sorted(out.iterdir())}
     before = files()
     err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "12", "--resume")))
-    says = "is a link, not a file" if name == "train.lock" else "is not a file"
+    says = {"log.csv": "is not a file", "best.safetensors": "is not a file"}.get(name) or \
+        ("is a pipe, a device or a socket, not a file" if stat.S_ISFIFO(os.lstat(out / name).st_mode)
+         else "is a link, not a file")
     assert f"{out / name} {says}; move it away" in err
     assert files() == before
 
