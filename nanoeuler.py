@@ -1764,12 +1764,15 @@ def check_state(state, step):
     if type(state["step"]) is not int or state["step"] != step:
         raise ValueError(f"it says step {state['step']!r}")
     saved_rng(state)                                   # numpy refuses what is not a PCG64 state
-    for name in ("best_val", "best_bpb"):
-        if name in state and type(state[name]) not in (int, float):
-            raise ValueError(f"its {name} = {state[name]!r} is not a number")
+    best = [name for name in ("best_val", "best_bpb", "best_step") if name in state]
+    if best and len(best) < 3:                         # the best model's three numbers go together
+        raise ValueError(f"it holds {' and '.join(best)} without the rest of best_val, best_bpb, best_step")
+    for name in ("best_val", "best_bpb"):              # a NaN best would never be beaten
+        if name in state and (type(state[name]) not in (int, float) or not math.isfinite(state[name])):
+            raise ValueError(f"its {name} = {state[name]!r} is not a finite number")
     for name in ("best_step", "planned_steps"):
-        if name in state and (type(state[name]) is not int or state[name] < 1):
-            raise ValueError(f"its {name} = {state[name]!r} is not a positive integer")
+        if name in state and (type(state[name]) is not int or not 1 <= state[name] <= MAX_PLANNED_STEPS):
+            raise ValueError(f"its {name} = {state[name]!r} is not a whole number from 1 to {MAX_PLANNED_STEPS:,}")
     if not isinstance(state.get("args", {}), dict):
         raise ValueError(f"its args = {state['args']!r:.40} is not a map")
 

@@ -11,6 +11,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -372,11 +373,12 @@ def bad_state_json(path):
     ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state='{"step": 8, "rng": '))
 
 
-def edit_state(change=None, m=None):
-    """a spoiler of a state file: its JSON updated with change, or its m replaced by m(m)"""
+def edit_state(change=None, m=None, drop=()):
+    """a spoiler of a state file: its JSON updated with change (keys in drop removed), or its m replaced by m(m)"""
     def spoil(path):
         tensors, meta = ne.read_safetensors(str(path))
         state = {**json.loads(meta["state"]), **(change or {})}
+        assert all(state.pop(key) is not None for key in drop)
         tensors = dict(tensors, m=m(tensors["m"].copy()) if m else tensors["m"])
         ne.write_safetensors(str(path), list(tensors.items()), dict(meta, state=json.dumps(state)))
     return spoil
@@ -396,6 +398,9 @@ DAMAGE = {"truncated model": ("model", truncate), "truncated state": ("state", t
                                                                     "state": {"key": [1], "pos": 0}}})),
           "best_val that is text": ("state", edit_state({"best_val": "abc"})),
           "planned_steps that is text": ("state", edit_state({"planned_steps": "x"})),
+          "best_val that is NaN": ("state", edit_state({"best_val": math.nan})),     # never beaten again
+          "best_val without best_bpb": ("state", edit_state(drop=["best_bpb"])),
+          "planned_steps past 10^9": ("state", edit_state({"planned_steps": 10 ** 9 + 1})),
           "args that are a list": ("state", edit_state({"args": [1]})),
           "step that is a bool": ("state", edit_state({"step": True})),
           "m of another shape": ("state", edit_state(m=lambda a: a.reshape(-1, 2))),
