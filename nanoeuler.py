@@ -2925,9 +2925,14 @@ def cmd_bench(args):
         (cfg, flat, tok), what = model, args.model
     else:
         flat, tok, what = init_params(cfg), Tokenizer(), "random weights (pass --model for a trained one)"
+    bench_generation(cfg, flat, tok, what, args.max_new_tokens)
+
+
+def bench_generation(cfg, flat, tok, what, max_new_tokens):
+    """greedy tokens/s from the bench prompt, plain and with each number of drafts"""
     params = carve(flat, cfg)
     prompt = tok.encode("ROMEO:\nWhat say you")
-    n = min(args.max_new_tokens, 4 * cfg.T)
+    n = min(max_new_tokens, 4 * cfg.T)
     print(f"\ngeneration, batch 1, greedy, {n} new tokens (median of 3 after a warm-up), {what}")
     for drafts in [0] + list(range(cfg.K - 1, 0, -1)):
         times = []
@@ -2939,7 +2944,8 @@ def cmd_bench(args):
             times.append(time.perf_counter() - t0)
         dt = float(np.median(times[1:]))
         name = f"speculative, {drafts} draft{'s' if drafts > 1 else ''}" if drafts else "plain KV cache"
-        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens per pass" if drafts else ""
+        # (stats count the passes before the last: one new token makes none)
+        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens per pass" if drafts and stats else ""
         print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
 
 

@@ -395,6 +395,17 @@ def test_speculative_greedy_equals_plain_greedy():
             assert 1.3 < stats["tokens"] / stats["steps"] <= 1 + (drafts or cfg.K - 1)
 
 
+def test_bench_times_generation_down_to_one_new_token(capsys):
+    # one new token comes from the prompt's pass alone: no pass counts, no tokens-per-pass ratio
+    cfg = ne.Config(V=260, C=16, Hq=2, Hkv=1, L=1, T=16, F=32, K=3)
+    for n, ratio in ((1, False), (9, True)):
+        ne.bench_generation(cfg, ne.init_params(cfg), ne.Tokenizer(), "tiny", n)
+        lines = capsys.readouterr().out.splitlines()
+        assert f"greedy, {n} new tokens" in lines[1] and len(lines) == 5      # plain, 2 drafts, 1 draft
+        assert [ln.split()[0:2] for ln in lines[2:]] == [["plain", "KV"], ["speculative,", "2"], ["speculative,", "1"]]
+        assert all(("tokens per pass" in ln) == ratio for ln in lines[3:])
+
+
 def test_generation_slides_past_the_context():
     cfg = TINY
     _, params = random_model(cfg)
