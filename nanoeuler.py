@@ -141,7 +141,8 @@ PRESETS = {
 #
 # Every function takes its dtype from its inputs, so training runs them in
 # float32 and the gradient check runs the very same code in float64.
-# x_forward(...) -> out, cache;  x_backward(dout, cache) -> gradients (fresh arrays).
+# x_forward(...) -> out, cache;  x_backward(dout, cache) -> gradients. A backward may
+# reuse its cache's arrays for the gradients it returns (a cache is used once).
 
 def embedding_forward(idx, tok_emb):
     """idx (B,T) ints, tok_emb (V,C) -> x (B,T,C)"""
@@ -248,7 +249,7 @@ def attention_forward(q, k, v):
     vt = v.transpose(0, 2, 1, 3)                                      # (B,Hkv,Tk,D)
     att = (qg * (1.0 / math.sqrt(D))) @ kt    # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
     att += causal_mask(Tq, Tk, G, q.dtype)
-    att -= att.max(-1, keepdims=True)         # softmax, shifted so exp cannot overflow
+    att -= att.max(-1, keepdims=True)         # softmax in place (the largest array), shifted: exp cannot overflow
     np.exp(att, out=att)
     att /= att.sum(-1, keepdims=True)
     y = att @ vt                              # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
@@ -267,7 +268,7 @@ def attention_backward(dy, cache):
     # the G query heads of a kv head sit in one matmul, so their dv and dk add up here
     dvt = att.transpose(0, 1, 3, 2) @ dyg     # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D) -> (B,Hkv,Tk,D)
     # softmax backward: ds = att * (datt - sum(datt * att)); masked entries have att = 0
-    ds = datt
+    ds = datt                                 # in place: datt is not needed after
     ds -= (datt * att).sum(-1, keepdims=True)
     ds *= att
     # forward was: att = softmax((q / sqrt(D)) @ k.T); the 1/sqrt(D) multiplies the
@@ -296,7 +297,7 @@ def swiglu_backward(dout, cache):
     gu, sig, silu = cache
     F = sig.shape[-1]
     up = gu[..., F:]
-    dgu = np.empty_like(gu)
+    dgu = np.empty_like(gu)                  # both halves are written into it: no concatenate
     np.multiply(dout, silu, out=dgu[..., F:])                         # forward was: out = silu * up
     # d silu / d gate = sig + silu * (1 - sig)
     dgate = np.subtract(1.0, sig, out=dgu[..., :F])
@@ -399,9 +400,10 @@ def num_params(cfg):
 def carve(flat, cfg):
     """flat buffer -> dict of named views into it (no copies), in SPEC order.
 
-    Two more views cover neighbours in the buffer, so that one matmul does the
-    work of several: `heads` (K,V,C) is all K heads, and `layers.{l}.w_gate_up`
-    (2F,C) is w_gate with w_up after it. Gradients written through them land in
+    Two more views cover neighbours in the buffer: `layers.{l}.w_gate_up` (2F,C)
+    is w_gate with w_up after it, so that one matmul does the work of two, and
+    `heads` (K,V,C) is all K heads, one gradient for the loss to fill and one
+    matrix for the drafts of heads 1..n. Gradients written through them land in
     the SPEC tensors, whose memory they share."""
     views, start, offset = {}, {}, 0
     for name, shape in param_shapes(cfg):
@@ -698,7 +700,10 @@ def clip_grad_norm(grad, max_norm):
     return norm
 
 
-def lr_schedule(step, total, lr, warmup, min_ratio=0.1):
+LR_FLOOR = 0.1              # the cosine ends at LR_FLOOR * the peak learning rate
+
+
+def lr_schedule(step, total, lr, warmup, min_ratio=LR_FLOOR):
     """linear warmup over `warmup` steps, then cosine decay to min_ratio * lr; step counts from 0"""
     if step < warmup:
         return lr * (step + 1) / warmup
@@ -2634,7 +2639,7 @@ def pretrain(args, cfg, make_engine, describe, loop=None):
                           f"vocab {tok.vocab_size}"),
                  ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
                  ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
-                           f"{args.lr / 10:g}, weight decay {args.weight_decay}, clip {args.clip}"),
+                           f"{args.lr * LR_FLOOR:g}, weight decay {args.weight_decay}, clip {args.clip}"),
                  ("out", args.out)])
 
     def next_batch(rng):
@@ -2771,7 +2776,7 @@ def cmd_sft(args, make_engine=None, engine=None):
                           f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses only"),
                  ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or f'{args.threads} threads'}"),
                  ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
-                           f"{args.lr / 10:g}"),
+                           f"{args.lr * LR_FLOOR:g}"),
                  ("out", args.out)])
 
     def next_batch(rng):

@@ -65,8 +65,7 @@ SPEC_MUTATIONS = [
     ("bpb: nats, not bits", "return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)",
      "return nats / max(ntok, 1), nats / max(nbytes, 1)"),
     ("bpb: specials count as bytes", "n[256:FIRST_MERGE_ID] = 0", "pass"),
-    ("schedule: no floor", "def lr_schedule(step, total, lr, warmup, min_ratio=0.1):",
-     "def lr_schedule(step, total, lr, warmup, min_ratio=0.0):"),
+    ("schedule: no floor", "LR_FLOOR = 0.1 ", "LR_FLOOR = 0.0 "),
     ("schedule: warmup starts at 0", "return lr * (step + 1) / warmup", "return lr * step / warmup"),
     ("schedule: cosine goes on past the end", "math.cos(math.pi * min(progress, 1.0))", "math.cos(math.pi * progress)"),
     ("clip: half the threshold", "grad *= max_norm / norm", "grad *= 0.5 * max_norm / norm"),
@@ -183,7 +182,9 @@ def main():
             with open(os.path.join(tmp, "nanoeuler.py"), "w") as f:
                 f.write(code)
             try:
+                # (the test that this list still applies would fail every mutant: left out)
                 r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                    "--deselect", "test_spec.py::test_every_mutant_of_tools_mutate_still_applies",
                                     *args.tests], cwd=tmp, capture_output=True, timeout=args.timeout,
                                    preexec_fn=limit_memory)
             except subprocess.TimeoutExpired:
