@@ -127,7 +127,9 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
     """{module: CUBIN} of MODULES for sm_<arch>, from the disk cache when the source is unchanged.
 
     The CUBIN is built for the device's own compute capability: PTX from an
-    NVRTC newer than the driver would not load (see ../shared/notes)."""
+    NVRTC newer than the driver would not load (see ../shared/notes). A cached
+    file ends with the SHA-256 of the CUBIN before it: the driver crashes the
+    process on a damaged CUBIN, so one that does not match is compiled again."""
     _, nvrtc = import_cuda()
     _, major, minor = nvrtc.nvrtcVersion()
     cubins = {}
@@ -136,14 +138,18 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
             source = f.read()
         key = hashlib.sha256(f"{source}|{defines}|sm_{arch}|nvrtc {major}.{minor}".encode()).hexdigest()[:16]
         stem = name.replace(".cu", "").replace(" ", "_")
-        path = os.path.join(cache_dir, f"{stem}_sm{arch}_{key}.cubin")
+        path = os.path.join(cache_dir, f"{stem}_sm{arch}_{key}.sealed.cubin")
         if os.path.exists(path):
             with open(path, "rb") as f:
-                cubins[name] = f.read()
-            continue
+                data = f.read()
+            cubin, digest = data[:-32], data[-32:]
+            if cubin and hashlib.sha256(cubin).digest() == digest:
+                cubins[name] = cubin
+                continue
+            print(f"{path} is damaged; compiling {name} again", file=sys.stderr)
         cubins[name] = nvrtc_compile(file, source, arch, defines)
         os.makedirs(cache_dir, exist_ok=True)
-        ne.atomic_write_bytes(path, cubins[name])
+        ne.atomic_write_bytes(path, cubins[name] + hashlib.sha256(cubins[name]).digest())
     return cubins
 
 
