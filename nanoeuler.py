@@ -3219,6 +3219,12 @@ def run_command(command, args):
         args.out = os.path.join("out", args.model_size)
     try:
         refuse_empty_paths(args)
+        if getattr(args, "command", None) != "check":     # every other command reads or writes paths
+            try:
+                os.getcwd()
+            except FileNotFoundError:
+                raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
+                                     "again") from None
         with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext():
             command(args)
     except NanoEulerError as e:

@@ -884,6 +884,19 @@ def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
     assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
 
 
+@pytest.mark.parametrize("script, argv", [("nanoeuler.py", ["train", "--steps", "1"]),
+                                          ("nanoeuler.py", ["prepare"]), ("nanoeuler_cuda.py", ["train"])])
+def test_a_deleted_working_folder_is_named(tmp_path, script, argv):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.Popen([sys.executable, os.path.join(HERE, script), *argv], cwd=gone, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, preexec_fn=lambda: os.rmdir(gone))    # gone before Python starts
+    out, err = r.communicate(timeout=120)
+    said = assert_one_sentence(subprocess.CompletedProcess(r.args, r.returncode, out, err),
+                               "the current folder has been deleted")
+    assert said.endswith("cd into one that exists and run again")
+
+
 def test_chat_with_a_context_of_two_keeps_the_last_token_of_the_question(tmp_path, monkeypatch, capsys):
     import io
     cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=2, F=16, K=2)
