@@ -2295,8 +2295,9 @@ class StopFlag:
 
 
 def data_cache(out_dir):
-    """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by runs)"""
-    return os.path.join(out_dir, "..", "cache")
+    """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
+    runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
+    return os.path.normpath(os.path.join(out_dir, "..", "cache"))
 
 
 def saved_rng(state):
@@ -3153,9 +3154,9 @@ def build_parser():
 
 def os_error_sentence(e):
     """an OSError (a full disk, a read-only file system, ...) as one sentence naming the file"""
-    advice = {errno.ENOSPC: "the disk is full; free some space, or train into another --out",
-              errno.EDQUOT: "the disk quota is used up; free some space, or train into another --out",
-              errno.EROFS: "the file system is read-only; train into another --out",
+    advice = {errno.ENOSPC: "the disk is full; free some space, or give another --out",
+              errno.EDQUOT: "the disk quota is used up; free some space, or give another --out",
+              errno.EROFS: "the file system is read-only; give another --out",
               errno.EACCES: "permission denied; check its permissions",
               errno.ENOTDIR: "a part of this path is a file, not a folder; give a path through folders",
               errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",

@@ -8,6 +8,7 @@ and reading a file must never allocate more than the file and a sane config impl
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import errno
 import json
 import math
 import os
@@ -882,6 +883,23 @@ def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
     assert said.startswith(f"error: {flag} is empty; give ")
     assert ("instructions" in said) == (argv[0] == "sft" and flag == "--data")
     assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
+
+
+def test_a_full_or_read_only_disk_is_one_sentence_naming_the_file():
+    for code, said in ((errno.ENOSPC, "the disk is full; free some space, or give another --out"),
+                       (errno.EROFS, "the file system is read-only; give another --out")):
+        assert ne.os_error_sentence(OSError(code, os.strerror(code), "out/cache/t.npy")) == f"out/cache/t.npy: {said}"
+
+
+def test_the_cache_sits_beside_the_run_folder_and_prepare_makes_no_run_folder(tmp_path):
+    assert ne.data_cache("out/small") == os.path.join("out", "cache")
+    assert ne.data_cache("run") == "cache" and ne.data_cache("/a/b/") == "/a/cache"
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("to be or not to be " * 200)
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "prepare", "--data", str(corpus),
+                        "--vocab-size", "270", "--out", "runs/first"], capture_output=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr.decode()
+    assert sorted(os.listdir(tmp_path)) == ["c.txt", "runs"] and os.listdir(tmp_path / "runs") == ["cache"]
 
 
 @pytest.mark.parametrize("script, argv", [("nanoeuler.py", ["train", "--steps", "1"]),
