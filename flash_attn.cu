@@ -64,6 +64,8 @@ __device__ void load_kv_tile(float (*ks)[D], float (*vs)[D], const float* base, 
     __syncthreads();
 }
 
+// y and lse of causal GQA attention in fp32 (the forward above): each thread owns one
+// query row, walks the key tiles up to its row with an online softmax, and writes y = o / l.
 // grid = (ceil(T / BR), Hq, B); block = BR threads, one per query row
 template <int D>
 __device__ void attention_forward(float* y, float* lse, const float* qkv, int T, int Hq, int Hkv, float scale) {
@@ -397,6 +399,8 @@ __device__ void store_rows(float* out, long ld, int r0, int T, float (*c)[4], co
         }
 }
 
+// the same y and lse with tf32 mma.sync: each warp owns 16 query rows, scores and output in
+// registers, a BK-key tile of k and v in shared memory at a time.
 // grid = (ceil(T / 64), Hq, B); block = 128 threads, 4 warps of 16 query rows
 template <int D>
 __device__ void attention_forward_tf32(float* y, float* lse, const float* qkv, int T, int Hq,

@@ -167,6 +167,7 @@ __device__ __forceinline__ bool is_finite(double x) {
 // -----------------------------------------------------------------------------
 // embedding
 
+// x[n] = tok_emb[idx[n]]: each position's row of its token, written as floatX.
 // one thread per output element; grid = ceil(N*C / block)
 extern "C" __global__ void embedding_forward_kernel(floatX* x, const int* idx, const float* tok_emb, int N, int C) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -270,6 +271,8 @@ __device__ void rmsnorm_rows(floatX* out, float* rstd, floatX* x_out, const floa
     if (lane == 0) rstd[row] = r;
 }
 
+// out = x / rms(x) * w for each of the N rows of x (N, C), and rstd = 1 / rms per row
+// for the backward: rmsnorm_rows above, a warp per row.
 // block 256 (8 rows), grid = ceil(N / 8)
 extern "C" __global__ void rmsnorm_forward_kernel(floatX* out, float* rstd, const floatX* x, const float* w, int N,
                                                   int C) {
