@@ -1734,10 +1734,11 @@ def max_rows(cfg):
 
 
 def decode_check_sizes(cfg):
-    """the decode kernels read weight rows 16 bytes at a time and split attention's block by D"""
-    if cfg.C % 8 or cfg.F % 8 or cfg.D % 8 or cfg.D > 128 or cfg.T < 2:
-        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8 and a head dim that is a multiple of 8 "
-                             f"up to 128 "
+    """the decode kernels read weight rows 16 bytes at a time and split attention's block by D;
+    the prefill's norms hold a row in registers, as training's do (C at most kernels.cu's MAX_C)"""
+    if cfg.C % 8 or cfg.F % 8 or cfg.D % 8 or cfg.D > 128 or cfg.T < 2 or cfg.C > RMSNORM_WIDTHS[-1]:
+        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8, C at most {RMSNORM_WIDTHS[-1]} and a head "
+                             f"dim that is a multiple of 8 up to 128 "
                              f"(this model: C={cfg.C}, F={cfg.F}, D={cfg.D}); nanoeuler.py samples it on the CPU")
 
 

@@ -836,8 +836,14 @@ def test_the_widest_sizes_the_kernels_are_built_for_are_accepted():
     with pytest.raises(ne.NanoEulerError):
         nc.check_sizes(ne.Config(V=64, C=1600, Hq=25, Hkv=5, L=1, T=8, F=4096, K=2))
     nc.decode_check_sizes(ne.Config(V=64, C=1024, Hq=8, Hkv=8, L=1, T=8, F=256, K=2))   # D = 128
+    nc.decode_check_sizes(ne.Config(V=64, C=1536, Hq=12, Hkv=4, L=1, T=8, F=256, K=2))  # C = the widest rmsnorm
     with pytest.raises(ne.NanoEulerError):
         nc.decode_check_sizes(ne.Config(V=64, C=1088, Hq=8, Hkv=8, L=1, T=8, F=256, K=2))   # D = 136
+    # wider rows than the prefill's norms hold: an H200 decoded C = 1600 and 2048 into other
+    # tokens than the CPU's, with exit 0, before this was refused
+    for C, Hq in ((1544, 193), (1600, 20), (2048, 16)):
+        with pytest.raises(ne.NanoEulerError, match=f"C at most 1536 .*C={C}, F=256"):
+            nc.decode_check_sizes(ne.Config(V=64, C=C, Hq=Hq, Hkv=1, L=1, T=8, F=256, K=2))
 
 
 def test_flag_bounds_and_defaults():
