@@ -1915,7 +1915,8 @@ def lock_out(out_dir):
 
 @contextlib.contextmanager
 def claim_out(out_dir, resume):
-    """hold out_dir for one run: the lock, then refuse another run's folder without --resume"""
+    """hold out_dir for one run: the lock, then refuse another run's folder without --resume;
+    -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
     created = not os.path.exists(out_dir)
@@ -1933,7 +1934,7 @@ def claim_out(out_dir, resume):
             path = os.path.join(out_dir, f)
             if os.path.lexists(path) and not os.path.isfile(path):
                 raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
-        yield
+        yield lock
     finally:
         if lock:
             os.remove(lock.name)                       # while still locked: see lock_out's samestat
@@ -2571,7 +2572,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
 
 
 def start_state(args, seed):
-    return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": vars(args).copy()}
+    settings = {k: v for k, v in vars(args).items() if k != "out_lock"}    # the lock's open file is no setting
+    return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": settings}
 
 
 def resume_or_init(args, cfg, tok, init_flat):
@@ -3226,7 +3228,8 @@ def run_command(command, args):
             except FileNotFoundError:
                 raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
                                      "again") from None
-        with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext():
+        with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext() as lock:
+            args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)

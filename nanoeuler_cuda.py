@@ -2102,7 +2102,7 @@ def cmd_train(args):
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data
         ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
-        return launch_ranks(args.argv, args.gpus)
+        return launch_ranks(args.argv, args.gpus, lock=args.out_lock)
     init_gpu(args.precision, rank)
     if world:
         make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
@@ -2694,13 +2694,16 @@ def follow(engine, next_batch, rng):
     engine.close()
 
 
-def launch_ranks(argv, world, program=os.path.abspath(__file__)):
+def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
     """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
     which saves a checkpoint and tells the others to stop (SIGTERM and SIGHUP too:
     the ranks run in sessions of their own, so a closed terminal reaches only us). If a
     rank fails, the rest are stopped: they would wait for it for ever. The
-    launcher holds --out's lock (run_command); the ranks, its children, share it."""
+    launcher holds --out's lock (run_command's, `lock`); the ranks, its children, share it.
+    Should the launcher itself be killed (kill -9, the out-of-memory killer), rank 0 is sent
+    SIGTERM (Linux's parent-death signal), so it saves and stops the others, and it holds
+    the lock until then: it has the lock's open file too (a flock lasts while one is open)."""
     n = count_gpus()
     if world > n:
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
@@ -2717,8 +2720,10 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
     culprit = None                                           # the first rank to fail
     try:
         for r in range(world):                               # inside the try: a rank started is a rank stopped
+            rank0 = dict(pass_fds=[lock.fileno()] if lock else [], preexec_fn=stop_with_parent()) if r == 0 else {}
             procs.append(subprocess.Popen([sys.executable, program, *argv], env={**env, "NANOEULER_RANK": str(r)},
-                                          start_new_session=True, stdout=None if r == 0 else subprocess.DEVNULL))
+                                          start_new_session=True, stdout=None if r == 0 else subprocess.DEVNULL,
+                                          **rank0))
         while culprit is None and procs[0].poll() is None:
             culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
             time.sleep(0.1)
@@ -2736,11 +2741,32 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__)):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    code = procs[culprit].returncode if culprit is not None else 0
+    if code < 0:                                             # a signal: the process said nothing
+        name = signal.Signals(-code).name
+        why = " (the out-of-memory killer sends it)" if -code == signal.SIGKILL else ""
+        raise NanoEulerError(f"GPU {culprit}'s process was killed by {name}{why}, so every rank stopped; resume "
+                             "with --resume")
     if culprit == 0:
-        sys.exit(procs[0].returncode)                        # rank 0 has said why
+        sys.exit(code)                                       # rank 0 has said why
     if culprit:
-        raise NanoEulerError(f"GPU {culprit}'s process stopped with exit code {procs[culprit].returncode} "
-                             "(its message is above), so every rank stopped; resume with --resume")
+        raise NanoEulerError(f"GPU {culprit}'s process stopped with exit code {code} (its message is above), so "
+                             "every rank stopped; resume with --resume")
+
+
+def stop_with_parent(sig=signal.SIGTERM):
+    """-> a preexec_fn asking Linux to send the child sig when this process dies, however
+    it dies (prctl's PR_SET_PDEATHSIG); elsewhere a no-op. Made before the fork: the child
+    only makes the call (no library is loaded between fork and exec)."""
+    parent = os.getpid()
+    prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+
+    def preexec():
+        if prctl is not None:
+            prctl(1, int(sig))                               # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != parent:                       # it died before the call
+                os.kill(os.getpid(), sig)
+    return preexec
 
 
 def rank_and_world(args):

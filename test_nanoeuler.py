@@ -1009,6 +1009,78 @@ def test_launcher_passes_ctrl_c_sigterm_and_sighup_to_rank_0(fake_ranks, tmp_pat
     assert (tmp_path / "signal").read_text() == str(signum) and e.value.code == 128 + signum
 
 
+ORPHAN_RANK = """
+import os, signal, sys, time
+rank, folder = int(os.environ["NANOEULER_RANK"]), sys.argv[1]
+def saved(signum, frame):                     # rank 0's stop: it saves (until the test says go)
+    open(os.path.join(folder, "signal"), "w").write(str(signum))
+    deadline = time.time() + 30
+    while not os.path.exists(os.path.join(folder, "go")) and time.time() < deadline:
+        time.sleep(0.05)
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, saved)
+open(os.path.join(folder, f"ready{rank}"), "w").write(str(os.getpid()))
+deadline = time.time() + 30                   # the others stop when rank 0 does, as on its STOP
+while time.time() < deadline and (rank == 0 or not os.path.exists(os.path.join(folder, "signal"))):
+    time.sleep(0.05)
+"""
+
+LAUNCHER = """
+import sys, nanoeuler as ne, nanoeuler_cuda as nc
+folder, out, program = sys.argv[1:]
+nc.count_gpus, nc.nccl_unique_id = lambda: 2, lambda: "ab" * 128
+with ne.claim_out(out, resume=False) as lock:
+    nc.launch_ranks([folder], 2, program=program, lock=lock)
+"""
+
+
+def wait_for(path, seconds=20):
+    deadline = time.time() + seconds
+    while not path.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    return path.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_has(tmp_path, monkeypatch):
+    pytest.importorskip("nanoeuler_cuda")
+    monkeypatch.delenv("NANOEULER_RANK", raising=False)
+    (tmp_path / "rank.py").write_text(ORPHAN_RANK)
+    out = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path), str(out), str(tmp_path / "rank.py")],
+                                cwd=HERE)
+    try:
+        assert wait_for(tmp_path / "ready0") and wait_for(tmp_path / "ready1")
+        launcher.kill()                                      # kill -9: no handler, no finally
+        launcher.wait()
+        assert wait_for(tmp_path / "signal", 10)             # rank 0 was told, as by a Ctrl-C
+        assert (tmp_path / "signal").read_text() == str(int(signal.SIGTERM))
+        with pytest.raises(ne.NanoEulerError, match="is in use by another training run"):
+            ne.lock_out(str(out))                            # while rank 0 saves, the folder is still held
+    finally:
+        (tmp_path / "go").write_text("")
+    rank0 = int((tmp_path / "ready0").read_text())
+    deadline = time.time() + 20
+    while time.time() < deadline and os.path.exists(f"/proc/{rank0}") and \
+            "Z" not in open(f"/proc/{rank0}/stat").read().split()[2]:
+        time.sleep(0.05)
+    ne.lock_out(str(out)).close()                            # rank 0 gone: a new run may take the folder
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal(fake_ranks, tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text("import os, signal\nif os.environ['NANOEULER_RANK'] == '1':\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\nimport time; time.sleep(60)\n")
+    nc = pytest.importorskip("nanoeuler_cuda")
+    with pytest.raises(ne.NanoEulerError, match=r"^GPU 1's process was killed by SIGKILL \(the out-of-memory "
+                                                r"killer sends it\), so every rank stopped; resume with --resume$"):
+        nc.launch_ranks([], 2, program=str(script))
+    script.write_text("import os, signal\nif os.environ['NANOEULER_RANK'] == '0':\n"
+                      "    os.kill(os.getpid(), signal.SIGSEGV)\nimport time; time.sleep(60)\n")
+    with pytest.raises(ne.NanoEulerError, match=r"^GPU 0's process was killed by SIGSEGV, so every rank stopped"):
+        nc.launch_ranks([], 2, program=str(script))
+
+
 def test_launcher_refuses_more_gpus_than_there_are(fake_ranks):
     with pytest.raises(ne.NanoEulerError, match="--gpus 4, but this machine has 3"):
         fake_ranks(world=4)
