@@ -1923,9 +1923,9 @@ def claim_out(out_dir, resume):
     os.makedirs(out_dir, exist_ok=True)
     lock = lock_out(out_dir)
     try:
-        if lock:                                       # temp files of killed writers: nobody else writes here
+        if lock:                                       # temp files of killed writers (whose pid is gone)
             for f in os.listdir(out_dir):
-                if TMP_FILE.fullmatch(f):
+                if (m := TMP_FILE.fullmatch(f)) and not process_exists(int(m.group(1))):
                     os.remove(os.path.join(out_dir, f))
         if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
             raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
@@ -2298,7 +2298,11 @@ class StopFlag:
 def data_cache(out_dir):
     """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
     runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
-    return os.path.normpath(os.path.join(out_dir, "..", "cache"))
+    cache = os.path.normpath(os.path.join(out_dir, "..", "cache"))
+    if cache == os.path.normpath(out_dir):
+        raise NanoEulerError(f"--out {out_dir} is where runs beside it cache their tokens; give the run a folder "
+                             "of another name")
+    return cache
 
 
 def saved_rng(state):

@@ -352,6 +352,22 @@ def test_temp_files_of_killed_runs_are_removed_and_never_read(tmp_path):
     assert digest in tokens2.filename and tokens2.tolist() == expected_tokens(tok, [str(corpus)])
 
 
+def test_a_run_folder_takes_away_the_temp_files_of_dead_writers_only(tmp_path, monkeypatch):
+    # the lock holder's folder is its own, but another process may still be writing there
+    # (a folder that is also some run's cache): only a temp file whose pid is gone is left over
+    monkeypatch.delenv("NANOEULER_RANK", raising=False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"model_000004.safetensors.{dead.pid}.tmp"
+    writing = tmp_path / f"tokens_z.npy.{os.getppid()}.tmp"
+    for p in (left, writing):
+        p.write_bytes(b"half a file")
+    with ne.claim_out(str(tmp_path), resume=True):
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([writing.name, ne.LOCK_NAME])
+    with pytest.raises(ne.NanoEulerError, match="^--out out/cache is where runs beside it cache their tokens; "):
+        ne.data_cache("out/cache")
+
+
 def damage_token_file(path, how):
     data = open(path, "rb").read()
     if how == "truncated":
