@@ -199,9 +199,16 @@ while body and not body[-1]:
     body.pop()
 if not body:
     sys.exit(f"{src} holds no text between its START and END markers")
-with open(dst + ".tmp", "w", encoding="utf-8") as f:
-    f.write("\n".join(body) + "\n")
-os.replace(dst + ".tmp", dst)
+try:
+    if os.path.isdir(dst):
+        sys.exit(f"{dst} is a folder; give the path of the file to write")
+    with open(dst + ".tmp", "w", encoding="utf-8") as f:
+        f.write("\n".join(body) + "\n")
+    os.replace(dst + ".tmp", dst)
+except OSError as e:
+    if os.path.exists(dst + ".tmp"):
+        os.remove(dst + ".tmp")
+    sys.exit(f"cannot write {dst} ({e.strerror}); give a path in a folder that exists and can be written")
 EOF
 }
 

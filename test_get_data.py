@@ -231,6 +231,14 @@ def test_strip_command(tmp_path):
     r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
     assert dst.read_text() == "Produced in haste, the letter\nwas sent.\n\nThe end came.\n"
+    # an OUT that cannot be written: one sentence each, no traceback, no temp file left
+    for out, says in ((tmp_path, f"{tmp_path} is a folder; give the path of the file to write"),
+                      (tmp_path / "no" / "such" / "x.txt", "cannot write")):
+        r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(out)], capture_output=True)
+        err = r.stderr.decode()
+        assert r.returncode == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert says in err and str(out) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clean.txt", "raw.txt"]
     src.write_text("no markers here\n")
     r = subprocess.run(["bash", SCRIPT, "strip", str(src), str(dst)], capture_output=True)
     assert r.returncode == 1 and "START OF THE PROJECT GUTENBERG EBOOK" in r.stderr.decode()
