@@ -63,7 +63,11 @@ from dataclasses import asdict, dataclass, fields
 # every core", below); BLAS reads this when numpy loads it, so it must come first
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
-import numpy as np  # noqa: E402
+try:
+    import numpy as np  # noqa: E402
+except ImportError:                     # the one dependency: say so rather than a traceback
+    print("error: numpy is not installed; run pip install -r requirements.txt", file=sys.stderr)
+    sys.exit(2)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -885,6 +885,14 @@ def test_an_empty_path_flag_is_named(tmp_path, script, argv, flag):
     assert os.listdir(tmp_path) == []                    # nothing written: not ../cache, not out/
 
 
+@pytest.mark.parametrize("script", ["nanoeuler.py", "nanoeuler_cuda.py"])
+def test_numpy_missing_is_one_sentence(tmp_path, script):
+    (tmp_path / "numpy.py").write_text("raise ImportError(\"No module named 'numpy'\")\n")   # numpy, not there
+    r = subprocess.run([sys.executable, os.path.join(HERE, script), "--help"], capture_output=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert assert_one_sentence(r) == "error: numpy is not installed; run pip install -r requirements.txt"
+
+
 def test_a_full_or_read_only_disk_is_one_sentence_naming_the_file():
     for code, said in ((errno.ENOSPC, "the disk is full; free some space, or give another --out"),
                        (errno.EROFS, "the file system is read-only; give another --out")):
