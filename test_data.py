@@ -95,6 +95,46 @@ def test_encoder_matches_minbpe_on_any_text(tok, text):
     assert tok.encode(text) == reference_encode(tok, text)
 
 
+def reference_train(text, n_merges, max_bytes):
+    """minbpe's training, written out again, with the bound: every round counts every pair in
+    every part of every piece afresh (no weights, no heap) and merges the most frequent, ties
+    to the smallest pair"""
+    seqs = [list(part) for piece in ne.SPLIT_PATTERN.findall(text) for part in reference_parts(piece, max_bytes)]
+    merges = []
+    while len(merges) < n_merges:
+        stats = {}
+        for seq in seqs:
+            for pair in zip(seq, seq[1:]):
+                stats[pair] = stats.get(pair, 0) + 1
+        if not stats:
+            break
+        pair = min(stats, key=lambda p: (-stats[p], p))
+        new_id = ne.FIRST_MERGE_ID + len(merges)
+        merges.append(pair)
+        for k, seq in enumerate(seqs):
+            new, i = [], 0
+            while i < len(seq):
+                if i < len(seq) - 1 and (seq[i], seq[i + 1]) == pair:
+                    new.append(new_id)
+                    i += 2
+                else:
+                    new.append(seq[i])
+                    i += 1
+            seqs[k] = new
+    return merges
+
+
+@pytest.mark.parametrize("bound", [5, 128])
+def test_training_matches_minbpe_with_the_bound(bound):
+    # words of every frequency, runs that overlap (aaaa), and with a bound of 5 bytes long words
+    # cut into parts that other words share (thatch -> that + ch): the trainer's weighted,
+    # incremental counts must pick the merges that counting afresh every round picks
+    text = open(SHAKESPEARE, encoding="utf-8").read()[:6_000] + " aaaa aaa thatch that chthatch" * 7 + " naïve café"
+    tok = ne.Tokenizer.train(text, ne.FIRST_MERGE_ID + 120, progress=False, max_piece_bytes=bound)
+    assert tok.merges == reference_train(text, 120, bound)
+    assert tok.max_piece_bytes == bound
+
+
 def doubling_tokenizer(n_merges):
     """merges a+a, aa+aa, ...: merge k makes the run of 2^(k+1) a's"""
     merges = [(97, 97)] + [(ne.FIRST_MERGE_ID + k, ne.FIRST_MERGE_ID + k) for k in range(n_merges - 1)]

@@ -1248,6 +1248,47 @@ def test_the_parts_of_a_batch_with_ignored_targets_add_up_to_the_whole_batchs_lo
     np.testing.assert_allclose(bufs[0], one[0], rtol=1e-4, atol=1e-7)
 
 
+def test_pre_tokenization_gives_the_last_space_of_a_run_to_the_word_and_keeps_numbers_whole():
+    # GPT-2's \s+(?!\S): a run of whitespace before a word leaves its last space to the word;
+    # a newline is no space, so "\n\n" before a word becomes two pieces. \d+: a number is one piece
+    assert ne.SPLIT_PATTERN.findall("a  b\n\nc in 2024, 7 ") == ["a", " ", " b", "\n", "\n", "c", " in", " 2024",
+                                                                  ",", " 7", " "]
+
+
+def test_from_json_takes_bounds_from_4_to_2_to_the_20_bytes():
+    specials = {s: 256 + i for i, s in enumerate(ne.SPECIALS)}
+    for bound in (4, 1 << 20):
+        assert ne.Tokenizer.from_json(json.dumps({"specials": specials, "merges": [],
+                                                  "max_piece_bytes": bound})).max_piece_bytes == bound
+    for bound in (3, (1 << 20) + 1):
+        with pytest.raises(ValueError, match="max_piece_bytes"):
+            ne.Tokenizer.from_json(json.dumps({"specials": specials, "merges": [], "max_piece_bytes": bound}))
+
+
+def test_a_vocabulary_of_the_bytes_and_specials_alone_trains_no_merges():
+    assert ne.Tokenizer.train("abcabc", ne.FIRST_MERGE_ID, progress=False).merges == []
+    with pytest.raises(ne.NanoEulerError, match="vocab size 259 is below the 260"):
+        ne.Tokenizer.train("abcabc", ne.FIRST_MERGE_ID - 1, progress=False)
+
+
+def test_chat_reset_forgets_the_conversation(tmp_path, monkeypatch, capsys):
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=64, F=16, K=2)
+    path = str(tmp_path / "m.safetensors")
+    tok = ne.Tokenizer()
+    ne.save_model(path, cfg, ne.init_params(cfg), tok)
+    seen = []
+
+    def gen(params, cfg, history, *args, **kw):
+        seen.append(list(history))
+        yield from tok.encode("ok") + [tok.special("<|end|>")]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi\nyo\n/reset\nbye\n/quit\n")))
+    ne.cmd_chat(ne.build_parser().parse_args(["chat", "--model", path]), gen=gen)
+    U, A, E = (tok.special(s) for s in ("<|user|>", "<|assistant|>", "<|end|>"))
+    turn = lambda text: [U, *text.encode(), A]
+    assert seen == [turn("hi"), turn("hi") + [*b"ok", E] + turn("yo"), turn("bye")]
+    assert "(history cleared)" in capsys.readouterr().out
+
+
 def test_pre_tokenization_splits_gpt2s_contractions():
     # GPT-2's pattern: 's 't 're 've 'm 'll 'd are pieces of their own
     assert ne.SPLIT_PATTERN.findall("they're we've I'm it's don't you'll he'd") == [
