@@ -52,6 +52,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import nanoeuler as ne
@@ -2104,6 +2105,8 @@ def cmd_train(args):
         ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
         return launch_ranks(args.argv, args.gpus, lock=args.out_lock)
     init_gpu(args.precision, rank)
+    if world and rank == 0:
+        stop_when_orphaned()
     if world:
         make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
     else:
@@ -2701,14 +2704,14 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
     the ranks run in sessions of their own, so a closed terminal reaches only us). If a
     rank fails, the rest are stopped: they would wait for it for ever. The
     launcher holds --out's lock (run_command's, `lock`); the ranks, its children, share it.
-    Should the launcher itself be killed (kill -9, the out-of-memory killer), rank 0 is sent
-    SIGTERM (Linux's parent-death signal), so it saves and stops the others, and it holds
-    the lock until then: it has the lock's open file too (a flock lasts while one is open)."""
+    Should the launcher itself be killed (kill -9, the out-of-memory killer), rank 0 sends
+    itself SIGTERM (stop_when_orphaned), so it saves and stops the others, and it holds the
+    lock until then: it has the lock's open file too (a flock lasts while one is open)."""
     n = count_gpus()
     if world > n:
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
     env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
-           "NCCL_NVLS_ENABLE": "0"}
+           "NCCL_NVLS_ENABLE": "0", "NANOEULER_LAUNCHER": str(os.getpid())}
     procs = []
 
     def forward(signum, frame):                              # rank 0 saves, then stops the others
@@ -2720,10 +2723,9 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
     culprit = None                                           # the first rank to fail
     try:
         for r in range(world):                               # inside the try: a rank started is a rank stopped
-            rank0 = dict(pass_fds=[lock.fileno()] if lock else [], preexec_fn=stop_with_parent()) if r == 0 else {}
             procs.append(subprocess.Popen([sys.executable, program, *argv], env={**env, "NANOEULER_RANK": str(r)},
                                           start_new_session=True, stdout=None if r == 0 else subprocess.DEVNULL,
-                                          **rank0))
+                                          pass_fds=[lock.fileno()] if lock and r == 0 else []))
         while culprit is None and procs[0].poll() is None:
             culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
             time.sleep(0.1)
@@ -2754,19 +2756,20 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
                              "every rank stopped; resume with --resume")
 
 
-def stop_with_parent(sig=signal.SIGTERM):
-    """-> a preexec_fn asking Linux to send the child sig when this process dies, however
-    it dies (prctl's PR_SET_PDEATHSIG); elsewhere a no-op. Made before the fork: the child
-    only makes the call (no library is loaded between fork and exec)."""
-    parent = os.getpid()
-    prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+def stop_when_orphaned(every=0.2):
+    """rank 0 of --gpus: once its launcher is gone (kill -9, the out-of-memory killer: no
+    handler ran), send ourselves SIGTERM, once, as a Ctrl-C would reach us, so that we save
+    and stop the others. A thread that watches our parent pid, not Linux's parent-death
+    signal, which comes again for each thread of the launcher as we are handed from one to
+    the next, and a second SIGTERM means "quit at once, unsaved"."""
+    launcher = int(os.environ.get("NANOEULER_LAUNCHER", "0"))
 
-    def preexec():
-        if prctl is not None:
-            prctl(1, int(sig))                               # 1 = PR_SET_PDEATHSIG
-            if os.getppid() != parent:                       # it died before the call
-                os.kill(os.getpid(), sig)
-    return preexec
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(every)
+        os.kill(os.getpid(), signal.SIGTERM)
+    if launcher:
+        threading.Thread(target=watch, daemon=True, name="launcher watch").start()
 
 
 def rank_and_world(args):

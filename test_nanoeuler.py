@@ -1011,14 +1011,19 @@ def test_launcher_passes_ctrl_c_sigterm_and_sighup_to_rank_0(fake_ranks, tmp_pat
 
 ORPHAN_RANK = """
 import os, signal, sys, time
+sys.path.insert(0, os.getcwd())
+import nanoeuler_cuda as nc
 rank, folder = int(os.environ["NANOEULER_RANK"]), sys.argv[1]
 def saved(signum, frame):                     # rank 0's stop: it saves (until the test says go)
-    open(os.path.join(folder, "signal"), "w").write(str(signum))
+    with open(os.path.join(folder, "signal"), "a") as f:
+        f.write(str(signum))                  # (a second SIGTERM would mean: quit at once, unsaved)
     deadline = time.time() + 30
     while not os.path.exists(os.path.join(folder, "go")) and time.time() < deadline:
         time.sleep(0.05)
     sys.exit(128 + signum)
 signal.signal(signal.SIGTERM, saved)
+if rank == 0:
+    nc.stop_when_orphaned()                   # as cmd_train does
 open(os.path.join(folder, f"ready{rank}"), "w").write(str(os.getpid()))
 deadline = time.time() + 30                   # the others stop when rank 0 does, as on its STOP
 while time.time() < deadline and (rank == 0 or not os.path.exists(os.path.join(folder, "signal"))):
@@ -1026,9 +1031,11 @@ while time.time() < deadline and (rank == 0 or not os.path.exists(os.path.join(f
 """
 
 LAUNCHER = """
-import sys, nanoeuler as ne, nanoeuler_cuda as nc
+import sys, threading, time, nanoeuler as ne, nanoeuler_cuda as nc
 folder, out, program = sys.argv[1:]
 nc.count_gpus, nc.nccl_unique_id = lambda: 2, lambda: "ab" * 128
+for _ in range(3):                            # NCCL's and CUDA's threads in a real launcher
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
 with ne.claim_out(out, resume=False) as lock:
     nc.launch_ranks([folder], 2, program=program, lock=lock)
 """
@@ -1053,7 +1060,8 @@ def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_
         assert wait_for(tmp_path / "ready0") and wait_for(tmp_path / "ready1")
         launcher.kill()                                      # kill -9: no handler, no finally
         launcher.wait()
-        assert wait_for(tmp_path / "signal", 10)             # rank 0 was told, as by a Ctrl-C
+        assert wait_for(tmp_path / "signal", 10)             # rank 0 was told, as by a Ctrl-C, once
+        time.sleep(1)
         assert (tmp_path / "signal").read_text() == str(int(signal.SIGTERM))
         with pytest.raises(ne.NanoEulerError, match="is in use by another training run"):
             ne.lock_out(str(out))                            # while rank 0 saves, the folder is still held

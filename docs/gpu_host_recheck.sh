@@ -8,19 +8,7 @@ source "$(dirname "$0")/gpu_common.sh"
 L=$R/logs; mkdir -p "$L"
 run_check && mv "$R/check.log" "$L/"
 readme_flow
-# --gpus 1 with its launcher killed (kill -9) mid-run: rank 0 must save and stop on its own
-python nanoeuler_cuda.py train small --gpus 1 --steps 100000 --eval-every 100000 --save-every 100000 \
-  --out out/kill > "$R/kill.log" 2>&1 &
-launcher=$!
-for i in $(seq 600); do grep -qE "^step +100/" "$R/kill.log" && break; sleep 0.1; done
-rank0=$(pgrep -f -n "nanoeuler_cuda.py train small --gpus 1")
-kill -9 $launcher; echo "launcher $launcher killed at: $(grep -E '^step' "$R/kill.log" | tail -1 | cut -c1-40)" | tee -a "$S"
-python nanoeuler_cuda.py train small --steps 2 --resume --out out/kill 2>&1 | tail -1 | sed "s/^/a second run at once: /" | tee -a "$S"
-for i in $(seq 600); do kill -0 $rank0 2>/dev/null || break; sleep 0.1; done
-kill -0 $rank0 2>/dev/null && echo "rank 0 ($rank0) still runs after 60 s" | tee -a "$S"
-grep -E "SIGTERM|saved|error" "$R/kill.log" | tail -3 | sed "s/^/rank 0: /" | tee -a "$S"
-echo "out/kill: $(ls out/kill | tr '\n' ' ')" | tee -a "$S"
-mv "$R/kill.log" "$L/"
+launcher_kill
 for flags in "huge" "--decode-precision fp8" "--decode-only --no-decode"; do
   python nanoeuler_cuda.py bench $flags 2>&1 | tail -1 | sed "s/^/bench $flags: /" | tee -a "$S"
 done
