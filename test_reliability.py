@@ -360,6 +360,33 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_best_model_is_the_first_of_equal_losses(tmp_path):
+    # validation losses 3, 2, 2, 2.5, 1.5: the best is step 2's until step 5's, a tie keeps the
+    # earlier model (and its step), a worse one changes nothing
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
+    losses = iter([3.0, 2.0, 2.0, 2.5, 1.5])
+
+    class Engine:
+        def host_params(self):
+            return np.full(ne.num_params(cfg), float(step), np.float32)    # the step, in the weights
+
+        def evaluate(self, batches, token_bytes):
+            return next(losses), 0.5
+    state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
+    best = []
+    for step in range(1, 6):
+        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, step, 5, [0], lambda: "0 s")
+        weights = ne.load_model(str(tmp_path / "best.safetensors"))[1]
+        best.append((state["best_step"], state["best_val"], float(weights[0])))
+    assert best == [(1, 3.0, 1.0), (2, 2.0, 2.0), (2, 2.0, 2.0), (2, 2.0, 2.0), (5, 1.5, 5.0)]
+
+
+def test_the_last_step_is_evaluated_when_it_is_no_multiple_of_eval_every(tmp_path, corpus):
+    r = run_cli(*train_args(tmp_path / "run", corpus, "--steps", "6"))      # --eval-every 4
+    assert r.returncode == 0, r.stderr.decode()
+    assert re.findall(r"^val +(\d+)/6", r.stdout.decode(), re.M) == ["4", "6"]
+
+
 # -----------------------------------------------------------------------------
 # broken checkpoint files
 
