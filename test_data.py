@@ -424,13 +424,22 @@ def damage_token_file(path, how):
         return
     elif how == "not a .npy file":
         data = b"garbage " * 100
+    elif how in ("a column of ids", "a version 2.0 file"):      # the same ids, of the right dtype
+        ids = np.frombuffer(data[128:], dtype="<u2")
+        with open(path, "wb") as f:
+            if how == "a column of ids":
+                np.lib.format.write_array(f, ids.reshape(-1, 1), version=(1, 0))
+            else:
+                np.lib.format.write_array(f, ids, version=(2, 0))
+        return
     open(path, "wb").write(data)
 
 
 @pytest.mark.parametrize("how, words", [
     ("truncated", ["header says", "its data is"]), ("longer than its header", ["header says"]),
     ("an id beyond the vocabulary", ["the id 300", "270 ids"]), ("int64 ids", ["int64"]),
-    ("not a .npy file", ["not a .npy file"]),
+    ("not a .npy file", ["not a .npy file"]), ("a column of ids", ["uint16 of shape (", ", 1)"]),
+    ("a version 2.0 file", ["not a version 1.0 .npy file"]),
 ])
 def test_a_damaged_token_cache_is_said_and_made_again(tmp_path, capsys, how, words):
     corpus = tmp_path / "c.txt"
