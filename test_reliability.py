@@ -448,6 +448,28 @@ def test_resume_falls_back_to_the_newest_pair_that_reads(finished_run, corpus, t
     assert (out / f"{kind}_000008.safetensors.broken").exists()   # set aside, not deleted
 
 
+def test_resume_refuses_a_checkpoint_of_another_tokenizer_of_the_same_size(finished_run, corpus, tmp_path):
+    # the same V, other merges (the corpus was changed, its tokenizer trained again): the
+    # checkpoint's ids mean other text, so it cannot go on
+    out = copy_of(finished_run, tmp_path)
+    path = out / "model_000008.safetensors"
+    tensors, meta = ne.read_safetensors(str(path))
+    tok = json.loads(meta["tokenizer"])
+    tok["merges"][-1] = [98, 97] if tok["merges"][-1] != [98, 97] else [97, 98]     # the last merge, another pair
+    ne.write_safetensors(str(path), list(tensors.items()), dict(meta, tokenizer=json.dumps(tok)))
+    err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "12", "--resume")))
+    assert f"the checkpoint at step 8 in {out} was trained with another config or tokenizer" in err
+
+
+def test_resume_takes_a_state_that_names_no_command(finished_run, corpus, tmp_path):
+    # a state whose args name no command (an older version wrote none) is no other command's
+    out = copy_of(finished_run, tmp_path)
+    edit_state({"args": {}})(out / "state_000008.safetensors")
+    r = run_cli(*train_args(out, corpus, "--steps", "10", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"resuming from {out / 'model_000008.safetensors'} at step 8".encode() in r.stdout
+
+
 def test_resume_sets_a_model_without_its_state_aside_and_prunes_only_pairs(finished_run, corpus, tmp_path):
     # we write the state first and delete the model first, so a lone model file is none of ours
     # (here: its state deleted by hand); it must be neither overwritten at its step nor pruned
