@@ -360,6 +360,18 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_step_line_by_hand(capsys):
+    # step 7 of 100 in 0.25 s of 2,048 tokens; the last 50 step times (of 60) average 0.5 s:
+    # 93 steps left take 46.5 s; before any time is kept, the step's own 0.25 s counts
+    times = [9.0] * 10 + [0.5] * 50
+    ne.log_step(7, 100, [2.5, 3.0], 1e-3, 0.75, 0.25, times, 2048, 0.125)
+    ne.log_step(7, 100, [2.5, 3.0], 1e-3, 0.75, 0.25, [], 2048, None)
+    assert capsys.readouterr().out.splitlines() == [
+        "step   7/100 | loss 2.5000 | lr 1.00e-03 | norm  0.750 |   250.0 ms |   8,192 tok/s | mfu 12.5% | eta 0m46s",
+        "step   7/100 | loss 2.5000 | lr 1.00e-03 | norm  0.750 |   250.0 ms |   8,192 tok/s | eta 0m23s"]
+    assert [ne.fmt_time(s) for s in (59.9, 61, 3599, 3600, 90061)] == ["0m59s", "1m01s", "59m59s", "1h00m", "25h01m"]
+
+
 def test_best_model_is_the_first_of_equal_losses(tmp_path):
     # validation losses 3, 2, 2, 2.5, 1.5: the best is step 2's until step 5's, a tie keeps the
     # earlier model (and its step), a worse one changes nothing
