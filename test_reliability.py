@@ -372,6 +372,18 @@ def test_the_step_line_by_hand(capsys):
     assert [ne.fmt_time(s) for s in (59.9, 61, 3599, 3600, 90061)] == ["0m59s", "1m01s", "59m59s", "1h00m", "25h01m"]
 
 
+def test_a_log_row_by_hand():
+    # step 7: CE_0 2.5, lr 3e-4, norm 1.25, 0.5 s for 1,000 tokens (2,000 a second), no MFU;
+    # then a row with validation 3.25 / 1.5 bpb read back as (step, loss, val_loss)
+    f = io.StringIO()
+    ne.log_csv(f, 7, [2.5, 9.0], 3e-4, 1.25, 0.5, 1000, None)
+    ne.log_csv(f, 8, [2.25, 9.0], 3e-4, 1.25, 0.5, 1000, 0.375, 3.25, 1.5)
+    assert f.getvalue() == ("7,2.500000,3.000000e-04,1.250000,500.00,2000.0,,,\n"
+                            "8,2.250000,3.000000e-04,1.250000,500.00,2000.0,0.3750,3.250000,1.500000\n")
+    assert [ne.log_row(ln + "\n") for ln in f.getvalue().splitlines()] == [(7, 2.5, None), (8, 2.25, 3.25)]
+    assert ne.LOG_HEADER.strip().split(",")[7:] == ["val_loss", "val_bpb"]
+
+
 def test_best_model_is_the_first_of_equal_losses(tmp_path):
     # validation losses 3, 2, 2, 2.5, 1.5: the best is step 2's until step 5's, a tie keeps the
     # earlier model (and its step), a worse one changes nothing
