@@ -798,18 +798,36 @@ def test_nvrtc_compiles_every_kernel(arch, tmp_path):
         assert kernel in cubins["kernels.cu"] and kernel in cubins["kernels.cu bf16"]
     again = nc.compile_kernels(arch, str(tmp_path))            # now from the disk cache
     assert again == cubins and len(os.listdir(tmp_path)) == 3
-    # a cached file cut short, or with one byte changed, is compiled again (the driver would
-    # crash on it): each file is the CUBIN and the SHA-256 of it
+    # NVRTC writes into the buffers it is given: they must not be Python's shared b" "
+    assert " ".encode()[0] == 32 and "a b".split() == ["a", "b"]
+
+
+@needs_nvrtc
+def test_a_damaged_cached_cubin_is_compiled_again(tmp_path, monkeypatch, capsys):
+    # the driver crashes the process on a damaged CUBIN: each cached file is the CUBIN and the
+    # SHA-256 of it, and one cut short or with one byte changed is compiled again
+    import nanoeuler_cuda as nc
+    compiled = []
+
+    def nvrtc_compile(file, source, arch, defines):
+        compiled.append(file)
+        return f"CUBIN of {file} {defines} for sm_{arch}".encode() * 10
+    monkeypatch.setattr(nc, "nvrtc_compile", nvrtc_compile)
+    cubins = nc.compile_kernels("90", str(tmp_path))
     files = sorted(tmp_path.iterdir())
+    assert len(compiled) == len(files) == 3
     assert {f.read_bytes() for f in files} == {c + hashlib.sha256(c).digest() for c in cubins.values()}
+    assert nc.compile_kernels("90", str(tmp_path)) == cubins and len(compiled) == 3     # from the cache
     files[0].write_bytes(files[0].read_bytes()[:100])
     data = bytearray(files[1].read_bytes())
     data[len(data) // 2] ^= 1
     files[1].write_bytes(bytes(data))
-    assert nc.compile_kernels(arch, str(tmp_path)) == cubins
+    capsys.readouterr()
+    assert nc.compile_kernels("90", str(tmp_path)) == cubins and len(compiled) == 5
     assert {f.read_bytes() for f in files} == {c + hashlib.sha256(c).digest() for c in cubins.values()}
-    # NVRTC writes into the buffers it is given: they must not be Python's shared b" "
-    assert " ".encode()[0] == 32 and "a b".split() == ["a", "b"]
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 2 and all(re.fullmatch(r".+ is damaged; compiling .+ again", ln) for ln in said)
+    assert {ln.split(" is damaged")[0] for ln in said} == {str(files[0]), str(files[1])}
 
 
 @needs_nvrtc
