@@ -3236,7 +3236,7 @@ def run_command(command, args):
             except FileNotFoundError:
                 raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
                                      "again") from None
-        with signals_interrupt(), claim_out(args.out, args.resume) if run else contextlib.nullcontext() as lock:
+        with signals_interrupt(), (claim_out(args.out, args.resume) if run else contextlib.nullcontext()) as lock:
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:

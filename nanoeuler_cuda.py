@@ -2759,10 +2759,11 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
 def stop_when_orphaned(every=0.2):
     """rank 0 of --gpus: once its launcher is gone (kill -9, the out-of-memory killer: no
     handler ran), send ourselves SIGTERM, once, as a Ctrl-C would reach us, so that we save
-    and stop the others. A thread that watches our parent pid, not Linux's parent-death
-    signal, which comes again for each thread of the launcher as we are handed from one to
-    the next, and a second SIGTERM means "quit at once, unsaved"."""
-    launcher = int(os.environ.get("NANOEULER_LAUNCHER", "0"))
+    and stop the others. A thread that watches our parent pid: Linux's parent-death signal
+    came twice on the H200 (perhaps once for each of the launcher's CUDA and NCCL threads we
+    were handed to as they ended), and a second SIGTERM means "quit at once, unsaved"."""
+    value = os.environ.get("NANOEULER_LAUNCHER", "")
+    launcher = int(value) if value.isdigit() else 0             # set by launch_ranks, for its ranks only
 
     def watch():
         while os.getppid() == launcher:
