@@ -2723,9 +2723,11 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
     culprit = None                                           # the first rank to fail
     try:
         for r in range(world):                               # inside the try: a rank started is a rank stopped
-            procs.append(subprocess.Popen([sys.executable, program, *argv], env={**env, "NANOEULER_RANK": str(r)},
+            held = {"NANOEULER_LOCK_FD": str(lock.fileno())} if lock and r == 0 else {}
+            procs.append(subprocess.Popen([sys.executable, program, *argv],
+                                          env={**env, "NANOEULER_RANK": str(r), **held},
                                           start_new_session=True, stdout=None if r == 0 else subprocess.DEVNULL,
-                                          pass_fds=[lock.fileno()] if lock and r == 0 else []))
+                                          pass_fds=[lock.fileno()] if held else []))
         while culprit is None and procs[0].poll() is None:
             culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
             time.sleep(0.1)
@@ -2762,12 +2764,16 @@ def stop_when_orphaned(every=0.2):
     and stop the others. A thread that watches our parent pid: Linux's parent-death signal
     came twice on the H200 (perhaps once for each of the launcher's CUDA and NCCL threads we
     were handed to as they ended), and a second SIGTERM means "quit at once, unsaved"."""
-    value = os.environ.get("NANOEULER_LAUNCHER", "")
+    value, fd = os.environ.get("NANOEULER_LAUNCHER", ""), os.environ.get("NANOEULER_LOCK_FD", "")
     launcher = int(value) if value.isdigit() else 0             # set by launch_ranks, for its ranks only
 
     def watch():
         while os.getppid() == launcher:
             time.sleep(every)
+        if fd.isdigit():                                         # the lock now names us as its holder
+            with contextlib.suppress(OSError):
+                os.ftruncate(int(fd), 0)
+                os.pwrite(int(fd), f"{os.getpid()}\n".encode(), 0)
         os.kill(os.getpid(), signal.SIGTERM)
     if launcher:
         threading.Thread(target=watch, daemon=True, name="launcher watch").start()

@@ -1081,11 +1081,11 @@ def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_
         assert wait_for(tmp_path / "signal", 10)             # rank 0 was told, as by a Ctrl-C, once
         time.sleep(1)
         assert (tmp_path / "signal").read_text() == str(int(signal.SIGTERM))
-        with pytest.raises(ne.NanoEulerError, match="is in use by another training run"):
-            ne.lock_out(str(out))                            # while rank 0 saves, the folder is still held
+        rank0 = int((tmp_path / "ready0").read_text())
+        with pytest.raises(ne.NanoEulerError, match=fr"is in use by another training run \(pid {rank0}\)"):
+            ne.lock_out(str(out))                            # while rank 0 saves, the folder is still held, by it
     finally:
         (tmp_path / "go").write_text("")
-    rank0 = int((tmp_path / "ready0").read_text())
     deadline = time.time() + 20
     while time.time() < deadline and os.path.exists(f"/proc/{rank0}") and \
             "Z" not in open(f"/proc/{rank0}/stat").read().split()[2]:
