@@ -24,7 +24,10 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
 tokenizer, data, checkpoints, a training step on every core, the training
-loop, supervised fine-tuning and chat, benchmark, command line.
+loop, supervised fine-tuning and chat, benchmark, command line. The model and
+its mathematics are the first quarter, up to the tokenizer; most of the rest
+is what keeps a long run from losing work or failing without a word (checked
+inputs, atomic checkpoints, the run folder's lock, signals).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
