@@ -408,6 +408,32 @@ def test_a_run_folder_takes_away_the_temp_files_of_dead_writers_only(tmp_path, m
         ne.data_cache("out/cache")
 
 
+def test_every_chunk_of_the_token_file_is_checked_to_its_last_id(tmp_path):
+    path = str(tmp_path / "t.npy")
+    np.save(path, np.array([1, 2, 3, 300], np.uint16))
+    assert ne.load_tokens(path, 300, chunk=2) == (None, "it holds the id 300, beyond the tokenizer's 300 ids")
+    assert ne.load_tokens(path, 301, chunk=2)[0].tolist() == [1, 2, 3, 300]
+
+
+def test_the_cached_tokenizer_is_one_per_vocabulary_size(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:20_000], encoding="utf-8")
+    cache = str(tmp_path / "cache")
+    assert ne.prepare_data(str(corpus), 280, cache, progress=False)[0].vocab_size == 280
+    assert ne.prepare_data(str(corpus), 300, cache, progress=False)[0].vocab_size == 300     # 260 + 40 merges
+
+
+def test_a_corpus_folder_is_read_in_sorted_order_to_its_depths(tmp_path, monkeypatch):
+    for name in ("b.txt", "a.txt", "sub/c.txt", "sub/deeper/d.txt", "sub/notes.md"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    want = [str(tmp_path / n) for n in ("a.txt", "b.txt", "sub/c.txt", "sub/deeper/d.txt")]
+    assert ne.corpus_files(str(tmp_path)) == want
+    walk = os.walk
+    monkeypatch.setattr(os, "walk", lambda p: reversed(list(walk(p))))      # whatever order the disk gives
+    assert ne.corpus_files(str(tmp_path)) == want
+
+
 def damage_token_file(path, how):
     data = open(path, "rb").read()
     if how == "truncated":

@@ -396,6 +396,16 @@ def test_speculative_greedy_equals_plain_greedy():
             assert 1.3 < stats["tokens"] / stats["steps"] <= 1 + (drafts or cfg.K - 1)
 
 
+def test_a_reply_cut_inside_a_character_ends_with_its_replacement():
+    # the reply's last token is the first byte of a 3-byte character (0xE2), then <|end|>:
+    # the decoder holds the byte back, and the end of the reply flushes it as U+FFFD
+    tok = ne.Tokenizer()
+    args = ne.build_parser().parse_args(["chat", "--model", "m"])
+    out, reply = io.StringIO(), []
+    ne.chat_reply(None, None, tok, [], args, out, reply, gen=lambda *a, **kw: iter([0xE2, tok.special("<|end|>")]))
+    assert reply == [0xE2] and out.getvalue() == "\ufffd\n"
+
+
 def test_bench_times_generation_down_to_one_new_token(capsys):
     # one new token comes from the prompt's pass alone: no pass counts, no tokens-per-pass ratio
     cfg = ne.Config(V=260, C=16, Hq=2, Hkv=1, L=1, T=16, F=32, K=3)

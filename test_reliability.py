@@ -384,6 +384,32 @@ def test_a_log_row_by_hand():
     assert ne.LOG_HEADER.strip().split(",")[7:] == ["val_loss", "val_bpb"]
 
 
+def test_a_folder_with_only_a_log_holds_another_run(tmp_path, monkeypatch):
+    # a run killed before its first save leaves log.csv alone: still a run, not an empty folder
+    monkeypatch.delenv("NANOEULER_RANK", raising=False)
+    (tmp_path / "log.csv").write_text(ne.LOG_HEADER + "1,5.0,1e-3,1.0,10.0,100.0,,,\n")
+    with pytest.raises(ne.NanoEulerError, match="holds another run; continue it with --resume"):
+        with ne.claim_out(str(tmp_path), resume=False):
+            pass
+
+
+def test_check_state_refuses_another_step_and_zero_counts():
+    rng = np.random.default_rng(0).bit_generator.state
+    good = {"step": 5, "rng": rng, "best_val": 1.0, "best_bpb": 1.0, "best_step": 3, "planned_steps": 9}
+    ne.check_state(good, 5)
+    with pytest.raises(ValueError, match="it says step 4"):
+        ne.check_state({**good, "step": 4}, 5)
+    for name in ("best_step", "planned_steps"):
+        with pytest.raises(ValueError, match=f"its {name} = 0 is not a whole number from 1 to 1,000,000,000"):
+            ne.check_state({**good, name: 0}, 5)
+
+
+def test_an_infinite_gradient_norm_stops_the_run_like_a_nan_loss(tmp_path):
+    with pytest.raises(ne.NanoEulerError, match="^the gradient norm became inf at step 5, so training stopped"):
+        ne.stop_if_diverged(1.0, math.inf, 5, str(tmp_path))
+    ne.stop_if_diverged(1.0, 2.0, 5, str(tmp_path))                     # finite: nothing happens
+
+
 def test_best_model_is_the_first_of_equal_losses(tmp_path):
     # validation losses 3, 2, 2, 2.5, 1.5: the best is step 2's until step 5's, a tie keeps the
     # earlier model (and its step), a worse one changes nothing
