@@ -1404,17 +1404,17 @@ def process_exists(pid):
     return True
 
 
-def remove_stale_tmp(folder):
-    """delete the temp files (name.<pid>.tmp) that killed writers left in the shared cache:
-    those whose process is gone and that nobody wrote for STALE_TMP_SECONDS (a writer in
-    another container shares the folder but not our pids)"""
+def remove_stale_tmp(folder, idle=STALE_TMP_SECONDS):
+    """delete the temp files (name.<pid>.tmp) that killed writers left in folder: those whose
+    process is gone and that nobody wrote for `idle` seconds (in the shared cache, a writer in
+    another container shares the folder but not our pids; a locked run folder needs no wait)"""
     now = time.time()
     for name in os.listdir(folder):
         m = TMP_FILE.fullmatch(name)
         path = os.path.join(folder, name)
         if m and not process_exists(int(m.group(1))):
             with contextlib.suppress(OSError):         # another run may remove it first
-                if now - os.path.getmtime(path) > STALE_TMP_SECONDS:
+                if now - os.path.getmtime(path) >= idle:
                     os.remove(path)
 
 
@@ -1931,9 +1931,7 @@ def claim_out(out_dir, resume):
     lock = lock_out(out_dir)
     try:
         if lock:                                       # temp files of killed writers (whose pid is gone)
-            for f in os.listdir(out_dir):
-                if (m := TMP_FILE.fullmatch(f)) and not process_exists(int(m.group(1))):
-                    os.remove(os.path.join(out_dir, f))
+            remove_stale_tmp(out_dir, idle=0)
         if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
             raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
                                  "another --out")
