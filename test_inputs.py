@@ -923,6 +923,14 @@ def test_a_deleted_working_folder_is_named(tmp_path, script, argv):
     assert said.endswith("cd into one that exists and run again")
 
 
+def test_check_needs_no_working_folder(tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "check"], cwd=gone, capture_output=True,
+                       preexec_fn=lambda: os.rmdir(gone), timeout=300)
+    assert r.returncode == 0 and r.stdout.decode().endswith("overall okay: 1\n"), r.stderr.decode()
+
+
 def test_chat_with_a_context_of_two_keeps_the_last_token_of_the_question(tmp_path, monkeypatch, capsys):
     import io
     cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=2, F=16, K=2)

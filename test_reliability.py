@@ -372,6 +372,18 @@ def test_the_step_line_by_hand(capsys):
     assert [ne.fmt_time(s) for s in (59.9, 61, 3599, 3600, 90061)] == ["0m59s", "1m01s", "59m59s", "1h00m", "25h01m"]
 
 
+def test_the_last_line_splits_the_time_into_steps_and_the_rest(capsys):
+    # 3 timed steps of 0.25, 0.5 and 0.75 s: 1.5 s of steps, 500 ms a step
+    state = {"best_val": 2.5, "best_bpb": 1.25, "best_step": 3}
+    ne.print_summary(4, "0m09s", [0.25, 0.5, 0.75], state, "run", "run/model_000004.safetensors")
+    ne.print_summary(0, "0m01s", [], {}, "run", None)
+    assert capsys.readouterr().out.splitlines() == [
+        "done: 4 steps in 0m09s: 1.5 s of steps (500.0 ms/step), the rest validation, samples and checkpoints; "
+        f"best val loss 2.5000 (bpb 1.250) at step 3, kept as {os.path.join('run', 'best.safetensors')}; "
+        "last checkpoint run/model_000004.safetensors",
+        "done: 0 steps in 0m01s; no validation yet; last checkpoint None"]
+
+
 def test_a_log_row_by_hand():
     # step 7: CE_0 2.5, lr 3e-4, norm 1.25, 0.5 s for 1,000 tokens (2,000 a second), no MFU;
     # then a row with validation 3.25 / 1.5 bpb read back as (step, loss, val_loss)
