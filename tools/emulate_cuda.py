@@ -85,6 +85,7 @@ static inline float2 make_float2(float a, float b) { return float2{a, b}; }
 static inline float4 make_float4(float a, float b, float c, float d) { return float4{a, b, c, d}; }
 static inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+template <class T> static inline T __ldcs(const T* p) { return *p; }     // (a GPU's L2 evicts it first)
 static dim3e threadIdx, blockIdx, gridDim, blockDim;       // threadIdx: the running fiber's
 
 #define __global__
