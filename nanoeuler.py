@@ -2986,9 +2986,14 @@ def cmd_prepare(args):
     print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 
 
+def preset_with(preset, args):
+    """the preset's Config with train's --vocab-size and --mtp-weight where given"""
+    mtp_weight = preset.mtp_weight if args.mtp_weight is None else args.mtp_weight
+    return Config(**{**asdict(preset), "V": args.vocab_size or preset.V, "mtp_weight": mtp_weight})
+
+
 def cmd_train(args):
-    preset = PRESETS[args.model_size]
-    cfg = Config(**{**asdict(preset), "V": args.vocab_size or preset.V}).validate()
+    cfg = preset_with(PRESETS[args.model_size], args).validate()
     check_memory(cfg, args.batch, args.threads)
     pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
              lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
@@ -3046,6 +3051,13 @@ positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
 nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
 positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
 nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
+
+
+def add_mtp_weight_flag(sp):
+    """train's --mtp-weight (both programs)"""
+    sp.add_argument("--mtp-weight", type=nonnegative_float, default=None,
+                    help="weight of the extra heads' mean loss (default: the preset's, SPEC's 0.5); more makes "
+                         "them better drafters for --speculative, at some cost to head 0")
 probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
 positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
 MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
@@ -3124,6 +3136,7 @@ def build_parser():
     sp.add_argument("--vocab-size", type=vocab_size, default=None,
                     help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
+    add_mtp_weight_flag(sp)
     add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None)
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")

@@ -2096,8 +2096,7 @@ def preset_config(name):
 
 def cmd_train(args):
     """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
-    preset = preset_config(args.model_size)
-    cfg = Config(**{**ne.asdict(preset), "V": args.vocab_size or preset.V})
+    cfg = ne.preset_with(preset_config(args.model_size), args)
     ne.corpus_files(args.data)                  # a --data that is not there: said before the GPU is asked
     rank, world = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
@@ -2486,6 +2485,7 @@ def build_parser():
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
                     help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
+    ne.add_mtp_weight_flag(sp)
     add_precision_flag(sp)
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
     # embedded books (9 s of steps on an H200, 15.4 ms each; validation 1.83 bits per byte

@@ -22,7 +22,7 @@ rows_probe() {   # rows_probe TREE...: docs/variants/decode_rows_probe.py in eac
 }
 readme_flow() {   # the README's flow into $L (made by the caller): train big, sft, chat greedy and
   # --speculative (their transcripts in $R), decoding speed on that SFT model; $M: its model
-  t train.log python nanoeuler_cuda.py train big --out out/big
+  t train.log python nanoeuler_cuda.py train big --mtp-weight 1.5 --out out/big
   grep -vE "^step |^sample" "$R/train.log" | tail -3 | tee -a "$S"; mv "$R/train.log" "$L/"
   t sft.log python nanoeuler_cuda.py sft --model out/big/best.safetensors --out out/sft
   grep -vE "^step |^sample" "$R/sft.log" | tail -3 | tee -a "$S"; mv "$R/sft.log" "$L/"
