@@ -240,6 +240,41 @@ def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instruc
     assert "holds checkpoints of sft, which train cannot continue" in capsys.readouterr().err
 
 
+def test_mtp_weight_reaches_the_saved_config_and_the_loss(finished_run, corpus, tmp_path):
+    # SPEC: mtp_weight = 0.5 by default, shared by the K-1 = 3 extra heads
+    cfg, _, _ = ne.load_model(str(finished_run / "run" / "model_000004.safetensors"))
+    assert cfg.mtp_weight == 0.5 and ne.mtp_weights(cfg) == [1.0, 0.5 / 3, 0.5 / 3, 0.5 / 3]
+    out = tmp_path / "mtp"
+    ne.main(train_args(out, corpus, "--steps", "4", "--mtp-weight", "1.5"))
+    cfg, _, _ = ne.load_model(str(out / "model_000004.safetensors"))
+    assert cfg.mtp_weight == 1.5 and ne.mtp_weights(cfg) == [1.0, 0.5, 0.5, 0.5]
+    assert (cfg.V, cfg.C) == (300, 128)                              # --vocab-size still applies
+
+
+@pytest.mark.parametrize("bad", ["-1", "nan", "inf"])
+def test_mtp_weight_must_be_a_finite_number_at_least_0(bad, capsys):
+    import nanoeuler_cuda as nc
+    for parser in (ne.build_parser(), nc.build_parser()):
+        with pytest.raises(SystemExit) as stop:
+            parser.parse_args(["train", "--mtp-weight", bad])
+        assert stop.value.code == 2
+        assert f"argument --mtp-weight: '{bad}' is not a number >= 0" in capsys.readouterr().err
+    args = nc.build_parser().parse_args(["train", "big", "--mtp-weight", "0"])
+    assert ne.preset_with(ne.PRESETS["big"], args).mtp_weight == 0.0      # 0: head 0 alone is trained
+    args = nc.build_parser().parse_args(["train", "big"])
+    assert ne.preset_with(ne.PRESETS["big"], args) == ne.PRESETS["big"]
+
+
+def test_pretraining_resumed_with_another_mtp_weight_is_refused(finished_run, corpus, tmp_path, capsys):
+    out = copy_of(finished_run, tmp_path)
+    before = files_of(out)
+    with pytest.raises(SystemExit) as stop:
+        ne.main(train_args(out, corpus, "--steps", "12", "--resume", "--mtp-weight", "1.5"))
+    assert stop.value.code == 2
+    assert f"the checkpoint at step 8 in {out} was trained with another config" in capsys.readouterr().err
+    assert files_of(out) == before
+
+
 def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(finished_run, corpus, tmp_path,
                                                                             monkeypatch, capsys):
     out = copy_of(finished_run, tmp_path)
