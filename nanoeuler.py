@@ -3051,13 +3051,6 @@ positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
 nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
 positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
 nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
-
-
-def add_mtp_weight_flag(sp):
-    """train's --mtp-weight (both programs)"""
-    sp.add_argument("--mtp-weight", type=nonnegative_float, default=None,
-                    help="weight of the extra heads' mean loss (default: the preset's, SPEC's 0.5); more makes "
-                         "them better drafters for --speculative, at some cost to head 0")
 probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
 positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
 MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
@@ -3094,6 +3087,13 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, formatter_class=HelpFormatter, **kw):
         super().__init__(*args, formatter_class=formatter_class, **kw)
+
+
+def add_mtp_weight_flag(sp):
+    """train's --mtp-weight (both programs)"""
+    sp.add_argument("--mtp-weight", type=nonnegative_float, default=None,
+                    help="weight of the extra heads' mean loss (default: the preset's, SPEC's 0.5); more makes "
+                         "them better drafters for --speculative, at some cost to head 0")
 
 
 def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
