@@ -2602,9 +2602,10 @@ def resume_or_init(args, cfg, tok, init_flat):
     return flat, m, v, state
 
 
-def refuse_other_run(args, step, made_by, same_model):
+def refuse_other_run(args, step, made_by, same_model, differs=""):
     """--resume: the checkpoint at step was made by made_by (a command), with this run's config
-    and tokenizer or not (same_model): what this run cannot continue is refused"""
+    and tokenizer or not (same_model; differs: which settings, when known): what this run
+    cannot continue is refused"""
     # a train run and an sft run in one folder would mix their logs, best models and steps
     command = getattr(args, "command", None)
     if made_by and command and made_by != command:
@@ -2612,7 +2613,7 @@ def refuse_other_run(args, step, made_by, same_model):
                              f"{command} its own --out")
     if not same_model:
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
-                             "or tokenizer; pass the same " + ("--model" if getattr(args, "command", None) == "sft"
+                             f"or tokenizer{differs}; pass the same " + ("--model" if getattr(args, "command", None) == "sft"
                                                                else "--data and settings") + ", or another --out")
 
 
@@ -2628,10 +2629,10 @@ def refuse_other_run_early(args, cfg):
         made_by = json.loads(meta["state"]).get("args", {}).get("command")
         _, meta = read_safetensors(checkpoint_path(args.out, steps[0]), header_only=True)
         saved = json.loads(meta["config"])
-        same = all(saved[k] == v for k, v in asdict(cfg).items() if k != "V")
+        other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
     except (NanoEulerError, KeyError, TypeError, ValueError, AttributeError, RecursionError):
         return                                         # a broken pair: newest_readable_checkpoint says so later
-    refuse_other_run(args, steps[0], made_by, same)
+    refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
 
 
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows

@@ -271,7 +271,9 @@ def test_pretraining_resumed_with_another_mtp_weight_is_refused(finished_run, co
     with pytest.raises(SystemExit) as stop:
         ne.main(train_args(out, corpus, "--steps", "12", "--resume", "--mtp-weight", "1.5"))
     assert stop.value.code == 2
-    assert f"the checkpoint at step 8 in {out} was trained with another config" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"the checkpoint at step 8 in {out} was trained with another config or tokenizer (mtp_weight 0.5 " \
+           "there, 1.5 here); pass the same --data and settings, or another --out" in err
     assert files_of(out) == before
 
 
