@@ -12,6 +12,7 @@ import errno
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tracemalloc
@@ -963,3 +964,20 @@ def test_sft_on_a_model_whose_loss_is_nan_at_once_says_the_model_gives_it(tmp_pa
     err = sft_error(path, data, tmp_path, capsys)
     assert "became nan at step 1, from the weights the run started with" in err and "--model file" in err, err
     assert "--lr" not in err                                    # no update made it
+
+
+def test_every_command_in_the_readmes_code_blocks_parses():
+    # a renamed flag or command must not leave README's flows behind ([--x] marks an optional flag)
+    import shlex
+    import nanoeuler_cuda as nc
+    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+        blocks = re.findall(r"```\n(.*?)```", f.read(), re.S)
+    commands = [m.groups() for block in blocks for line in block.splitlines()
+                if (m := re.match(r"python (nanoeuler(?:_cuda)?\.py) (.*)", line.split("  #")[0].strip()))]
+    assert len(commands) >= 12
+    for program, rest in commands:
+        parser = (nc if program == "nanoeuler_cuda.py" else ne).build_parser()
+        try:
+            parser.parse_args(shlex.split(rest.replace("[", "").replace("]", "")))
+        except SystemExit:
+            pytest.fail(f"README's `python {program} {rest}` does not parse")
