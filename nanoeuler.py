@@ -2612,9 +2612,9 @@ def refuse_other_run(args, step, made_by, same_model, differs=""):
         raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
                              f"{command} its own --out")
     if not same_model:
+        give = "--model" if command == "sft" else "--data and settings"
         raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
-                             f"or tokenizer{differs}; pass the same " + ("--model" if getattr(args, "command", None) == "sft"
-                                                               else "--data and settings") + ", or another --out")
+                             f"or tokenizer{differs}; pass the same {give}, or another --out")
 
 
 def refuse_other_run_early(args, cfg):
