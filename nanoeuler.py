@@ -2987,9 +2987,15 @@ def cmd_prepare(args):
     print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 
 
+MAX_MTP_WEIGHT = 1000      # past it head 0 hardly counts, and near 1e308 the loss is inf at step 1
+
+
 def preset_with(preset, args):
     """the preset's Config with train's --vocab-size and --mtp-weight where given"""
     mtp_weight = preset.mtp_weight if args.mtp_weight is None else args.mtp_weight
+    if mtp_weight > MAX_MTP_WEIGHT:
+        raise NanoEulerError(f"--mtp-weight {mtp_weight:g} is more than {MAX_MTP_WEIGHT:,}; give a smaller "
+                             "weight (SPEC's default is 0.5)")
     return Config(**{**asdict(preset), "V": args.vocab_size or preset.V, "mtp_weight": mtp_weight})
 
 
@@ -3093,8 +3099,8 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_mtp_weight_flag(sp):
     """train's --mtp-weight (both programs)"""
     sp.add_argument("--mtp-weight", type=nonnegative_float, default=None,
-                    help="weight of the extra heads' mean loss (default: the preset's, SPEC's 0.5); more makes "
-                         "them better drafters for --speculative, at some cost to head 0")
+                    help="weight of the extra heads' mean loss, 0 to 1,000 (default: the preset's, SPEC's 0.5); "
+                         "more makes them better drafters for --speculative, at some cost to head 0")
 
 
 def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
