@@ -24,10 +24,10 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
 tokenizer, data, checkpoints, a training step on every core, the training
-loop, supervised fine-tuning and chat, benchmark, command line. The model and
-its mathematics are the first quarter, up to the tokenizer; most of the rest
-is what keeps a long run from losing work or failing without a word (checked
-inputs, atomic checkpoints, the run folder's lock, signals).
+loop, supervised fine-tuning and chat, command line; then benchmark. Last
+comes the operations part: what keeps a long run from losing work or failing
+without a word (checked inputs, atomic checkpoints, the run folder's lock,
+signals, memory, lost output streams); a first reading may skip it.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -769,18 +769,6 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
     return int(rng.choice(len(p), p=p))
 
 
-@contextlib.contextmanager
-def generating(model_path):
-    """sample and chat: numpy's overflow warnings from a model with huge weights are not
-    printed (they show source lines), and non-finite logits are named by the model file"""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        try:
-            yield
-        except LogitsNotFinite as e:
-            raise NanoEulerError(f"{model_path}: {e}") from None
-
-
 def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
              speculative=False, stop=None, stats=None, drafts=None):
     """yields new token ids one by one (for streaming), after the prompt ids.
@@ -923,32 +911,6 @@ def count_pieces(text, max_bytes):
         for part in cut_piece(word, max_bytes):
             pieces[part] += n
     return pieces
-
-
-MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
-
-
-def check_merges(merges):
-    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
-    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
-    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
-    Raises ValueError saying which merge is wrong."""
-    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
-        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
-    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
-    for i, pair in enumerate(merges):
-        if not (isinstance(pair, list) and len(pair) == 2 and
-                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
-            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
-                             "(bytes or earlier merges)")
-        if tuple(pair) in seen:
-            raise ValueError(f"merge {i} repeats the pair {pair}")
-        seen.add(tuple(pair))
-        lengths.append(lengths[pair[0]] + lengths[pair[1]])
-        total += lengths[-1]
-        if total > MAX_VOCAB_BYTES:
-            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
-    return merges
 
 
 class Tokenizer:
@@ -1116,17 +1078,6 @@ SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 
 
-def not_a_file(path, noun, advice):
-    """the error for a path that is not a regular file: what it is instead, then advice"""
-    if os.path.isdir(path):
-        what = f"is a folder, not {noun}"
-    elif os.path.exists(path):
-        what = f"is not {noun} (it is a device, a pipe or a socket)"
-    else:
-        what = "does not exist"
-    return NanoEulerError(f"{path} {what}; {advice}")
-
-
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     if os.path.isdir(path):
@@ -1141,21 +1092,6 @@ def corpus_files(path):
     if not os.path.isfile(path):
         raise not_a_file(path, "a text file", "pass a UTF-8 text file or a folder of .txt files")
     return [path]
-
-
-def decode_text(data, path, offset):
-    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
-                             "convert it, e.g. with iconv -t utf-8") from None
-
-
-def read_text(path):
-    """the whole file as str, refusing what is not UTF-8 text"""
-    with open(path, "rb") as f:
-        return decode_text(f.read(), path, 0)
 
 
 def chunk_end(data):
@@ -1244,16 +1180,6 @@ def _encode_chunk(chunk):
     return encode_chunk(_worker_tokenizer, *chunk)
 
 
-@contextlib.contextmanager
-def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
-    """hold these signals back while inside; one that came meanwhile is delivered on leaving"""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
 def encoded_chunks(files, tok, workers):
     """yield (token ids, bytes read) for every chunk of the files, in order, encoded
     by `workers` processes (or by this one when workers is 1).
@@ -1307,38 +1233,6 @@ def progress_text(done, total, seconds):
     return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's
-    KeyboardInterrupt is, so that every cleanup on the way out runs (workers stopped,
-    temp files and train.lock removed); run_command then exits with 128 + signum"""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_interrupt(signum, frame):
-    raise Interrupted(signum)
-
-
-@contextlib.contextmanager
-def signals_handled(signals, handler):
-    """handler(signum, frame) for these signals while inside, the previous ones after;
-    a signal that was ignored when we started (nohup, a background job) stays ignored"""
-    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def signals_interrupt():
-    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
-    process as Ctrl-C does, rather than kill it midway with its workers and lock left behind"""
-    return signals_handled((signal.SIGTERM, signal.SIGHUP), _raise_interrupt)
-
-
 def available_cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -1390,34 +1284,6 @@ def write_tokens(path, files, tok, workers=None, progress=True):
     atomic_write(path, write)
 
 
-TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's temp files
-STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
-
-
-def process_exists(pid):
-    try:
-        os.kill(pid, 0)                                # signal 0: nothing is sent, the pid is checked
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:                            # another user's process
-        return True
-    return True
-
-
-def remove_stale_tmp(folder, idle=STALE_TMP_SECONDS):
-    """delete the temp files (name.<pid>.tmp) that killed writers left in folder: those whose
-    process is gone and that nobody wrote for `idle` seconds (in the shared cache, a writer in
-    another container shares the folder but not our pids; a locked run folder needs no wait)"""
-    now = time.time()
-    for name in os.listdir(folder):
-        m = TMP_FILE.fullmatch(name)
-        path = os.path.join(folder, name)
-        if m and not process_exists(int(m.group(1))):
-            with contextlib.suppress(OSError):         # another run may remove it first
-                if now - os.path.getmtime(path) >= idle:
-                    os.remove(path)
-
-
 def file_digest(files):
     """sha256 over the names and contents of the corpus files: the cache key"""
     h = hashlib.sha256()
@@ -1440,71 +1306,6 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
             data = data[:chunk_end(data[:share])]
         texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
     return "\n".join(texts)
-
-
-def cached_tokenizer(path, vocab_size):
-    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained
-    again). It may hold fewer than vocab_size tokens (a small corpus runs out of pairs), never more."""
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            tok = Tokenizer.from_json(f.read())
-        if tok.vocab_size > vocab_size:
-            raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
-        return tok
-    except (ValueError, KeyError, TypeError, RecursionError) as e:     # JSONDecodeError is a ValueError
-        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
-        return None
-
-
-def atomic_write(path, write):
-    """write(f) into path.<pid>.tmp, flush to disk, then rename over path. The pid
-    keeps two writers from sharing a temp file; a failed write removes its temp
-    file (a full disk stays no fuller) and names path, not the temp file."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        if isinstance(e, OSError) and e.errno:
-            raise OSError(e.errno, e.strerror, path) from None
-        raise
-
-
-def atomic_write_bytes(path, data):
-    atomic_write(path, lambda f: f.write(data))
-
-
-def load_tokens(path, vocab_size, chunk=1 << 24):
-    """the cached token file, memory-mapped -> (tokens, None), or (None, what is wrong) unless
-    it holds what write_tokens writes: a 1-D array of the tokenizer's dtype, exactly as long
-    as its header says, every id below vocab_size (checked chunk by chunk: no copy in memory)"""
-    fmt = np.lib.format
-    try:
-        with open(path, "rb") as f:
-            if fmt.read_magic(f) != (1, 0):
-                return None, "not a version 1.0 .npy file"
-            shape, _, dtype = fmt.read_array_header_1_0(f)
-            offset = f.tell()
-        if dtype != token_dtype(vocab_size) or len(shape) != 1:
-            return None, f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids"
-        size = os.path.getsize(path)
-        if size != offset + shape[0] * dtype.itemsize:
-            return None, (f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
-                          f"{size - offset:,} bytes")
-        tokens = np.load(path, mmap_mode="r")
-    except ValueError as e:                            # not a .npy file, a broken header
-        return None, f"not a .npy file: {e}"
-    for i in range(0, len(tokens), chunk):
-        if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
-            return None, f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids"
-    return tokens, None
 
 
 def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
@@ -1588,104 +1389,12 @@ def write_safetensors(path, tensors, metadata):
     atomic_write(path, write)
 
 
-MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
-
-
-def tensor_entries(header, bad):
-    """a safetensors header's tensors -> [(begin, end, name, shape)] in data order and the
-    end of the last, once each is float32 with a shape that matches its bytes and they
-    tile the data without gaps or overlaps; bad(problem) -> the error to raise"""
-    entries = []
-    for name, h in header.items():
-        if not isinstance(h, dict):
-            raise bad(f"the entry of tensor {name!r} is not a map")
-        shape, offsets = h.get("shape"), h.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-        if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
-            raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
-                      f"{offsets[1] - offsets[0]:,} bytes)")
-        entries.append((offsets[0], offsets[1], name, shape))
-    entries.sort()
-    end = 0
-    for begin, stop, name, _ in entries:
-        if begin != end:
-            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
-                      f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
-        end = stop
-    return entries, end
-
-
-def read_safetensors(path, check=None, header_only=False):
-    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
-
-    The header is read and every field of it checked before the data is read,
-    and the tensors must tile the data exactly (no overlaps, no gaps, nothing
-    after them, as the safetensors library demands), so nothing is allocated
-    beyond the file itself, and that only once its header adds up.
-    check(shapes {name: shape tuple}, metadata): the caller's own checks of the
-    header (raising NanoEulerError), also before the data is read.
-    header_only: -> (shapes, metadata), the data left unread."""
-    if not os.path.isfile(path):
-        raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
-
-    def bad(problem):
-        return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        first = f.read(8)
-        n = int.from_bytes(first, "little") if len(first) == 8 else -1
-        try:
-            if not 2 <= n <= min(size - 8, MAX_HEADER):
-                raise ValueError
-            header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError
-        except (ValueError, RecursionError):           # UnicodeDecodeError is a ValueError too
-            raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
-        metadata = header.pop("__metadata__", {})
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise bad("its __metadata__ is not a map of strings")
-        entries, end = tensor_entries(header, bad)
-        found = size - 8 - n
-        if found < end:
-            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
-                                 "use an earlier checkpoint or re-run with --resume")
-        if found > end:
-            raise bad(f"{found - end:,} bytes follow its last tensor")
-        shapes = {name: tuple(shape) for _, _, name, shape in entries}
-        if check:
-            check(shapes, metadata)
-        if header_only:
-            return shapes, metadata
-        data = f.read(end)
-    if len(data) != end:                               # the file shrank while we read it
-        raise NanoEulerError(f"{path} changed while it was read; try again")
-    tensors = {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
-               for begin, stop, name, shape in entries}
-    return tensors, metadata
-
-
 def save_model(path, cfg, flat, tok):
     """weights only, SPEC order and names, config and tokenizer in the metadata"""
     params = carve(flat, cfg)
     meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(asdict(cfg)),
             "tokenizer": tok.to_json()}
     write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
-
-
-def tensor_mismatch(shapes, want, n_want):
-    """what differs between a file's tensors (name -> shape) and SPEC's (want), in words"""
-    if len(shapes) != n_want:
-        return f"{len(shapes)} tensors, SPEC expects {n_want}"
-    missing = [name for name in want if name not in shapes]
-    if missing:
-        return f"it lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
-    name = next(n for n in want if shapes[n] != want[n])
-    return f"{name} has shape {shapes[name]}, SPEC expects {want[name]}"
 
 
 def load_model(path):
@@ -1707,41 +1416,6 @@ def load_model(path):
     return cfg, flat, tok
 
 
-def model_header(path, shapes, meta):
-    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer"""
-    if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
-        state = meta.get("format") == "nanoeuler-state"  # the state_<step> file beside a model_<step>
-        raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
-                             f"version {meta.get('version')!r})" +
-                             ("; it is a training state: give the model_ file of its step" if state else ""))
-    try:
-        given = json.loads(meta["config"])
-        if not isinstance(given, dict):
-            raise ValueError("the config is not a map")
-        missing = [k for k in SIZE_FIELDS if k not in given]
-        if missing:
-            raise ValueError(f"the config lacks {', '.join(missing)}")
-        known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in given.items() if k in known})
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise NanoEulerError(f"{path} has a broken config in its metadata ({e})") from None
-    cfg.validate(f"the config in {path}")               # before anything is made from its sizes
-    try:
-        tok = Tokenizer.from_json(meta["tokenizer"])
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
-    # counted before the list of shapes is made: a crafted L = 10^18 must not build it
-    n_want = 2 + 7 * cfg.L + cfg.K
-    want = dict(param_shapes(cfg)) if len(shapes) == n_want else {}
-    # we write tensors in SPEC order; other writers may order them otherwise
-    if shapes != want:
-        raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({tensor_mismatch(shapes, want, n_want)} for {asdict(cfg)})")
-    if tok.vocab_size != cfg.V:
-        raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
-    return cfg, tok
-
-
 def checkpoint_path(out_dir, step, kind="model"):
     """out_dir/model_000120.safetensors (kind "state": its training state)"""
     return os.path.join(out_dir, f"{kind}_{step:06d}.safetensors")
@@ -1754,43 +1428,6 @@ def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
     path = checkpoint_path(out_dir, step)
     save_model(path, cfg, flat, tok)
     return path
-
-
-def model_steps(out_dir):
-    """the steps of the model_<step>.safetensors files in out_dir, newest first"""
-    return sorted((int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
-                  reverse=True)
-
-
-def checkpoint_steps(out_dir):
-    """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
-    steps = model_steps(out_dir) if os.path.isdir(out_dir) else []
-    return [s for s in steps if os.path.exists(checkpoint_path(out_dir, s, "state"))]
-
-
-def latest_checkpoint(out_dir):
-    """the highest step with a complete pair of files, or None"""
-    steps = checkpoint_steps(out_dir)
-    return steps[0] if steps else None
-
-
-def check_state(state, step):
-    """raise ValueError (or KeyError, TypeError, OverflowError) saying what is wrong with a
-    training state's JSON, so that --resume sets it aside rather than fail on it later"""
-    if type(state["step"]) is not int or state["step"] != step:
-        raise ValueError(f"it says step {state['step']!r}")
-    saved_rng(state)                                   # numpy refuses what is not a PCG64 state
-    best = [name for name in ("best_val", "best_bpb", "best_step") if name in state]
-    if best and len(best) < 3:                         # the best model's three numbers go together
-        raise ValueError(f"it holds {' and '.join(best)} without the rest of best_val, best_bpb, best_step")
-    for name in ("best_val", "best_bpb"):              # a NaN best would never be beaten
-        if name in state and (type(state[name]) not in (int, float) or not math.isfinite(state[name])):
-            raise ValueError(f"its {name} = {state[name]!r} is not a finite number")
-    for name in ("best_step", "planned_steps"):
-        if name in state and (type(state[name]) is not int or not 1 <= state[name] <= MAX_PLANNED_STEPS):
-            raise ValueError(f"its {name} = {state[name]!r} is not a whole number from 1 to {MAX_PLANNED_STEPS:,}")
-    if not isinstance(state.get("args", {}), dict):
-        raise ValueError(f"its args = {state['args']!r:.40} is not a map")
 
 
 def load_checkpoint(out_dir, step):
@@ -1813,142 +1450,6 @@ def load_checkpoint(out_dir, step):
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 
 
-def newest_readable_checkpoint(out_dir):
-    """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
-    when there is no pair. Newer pairs that do not read (a truncated file, a state
-    that is not JSON) are renamed to *.broken, so that neither a later --resume nor
-    the pruning takes them for checkpoints, each with one line saying why."""
-    set_aside_lone_models(out_dir)
-    skipped = []                                       # (step, why) of the newer pairs that do not read
-    for step in checkpoint_steps(out_dir):
-        try:
-            loaded = load_checkpoint(out_dir, step)
-        except NanoEulerError as e:
-            # read_safetensors's advice ("re-run with --resume") is what brought us here: keep only what is wrong
-            skipped.append((step, str(e).split("; ")[0]))
-            continue
-        for bad, why in skipped:
-            for kind in ("model", "state"):
-                set_aside(checkpoint_path(out_dir, bad, kind), ".broken")
-            print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
-                  f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
-        return step, loaded
-    if skipped:
-        raise NanoEulerError(f"--resume: no checkpoint in {out_dir} can be read (the newest: {skipped[0][1]}); "
-                             "train afresh with another --out")
-    return None
-
-
-def set_aside_lone_models(out_dir):
-    """--resume: a model_<step> file without its state is none of ours (we write the state
-    first and delete the model first): a copied model, or a state deleted by hand. Renamed
-    to *.lone, so that no save at its step overwrites it and no pruning deletes it."""
-    for step in model_steps(out_dir) if os.path.isdir(out_dir) else []:
-        if not os.path.exists(checkpoint_path(out_dir, step, "state")):
-            path = checkpoint_path(out_dir, step)
-            kept = set_aside(path, ".lone")
-            print(f"--resume: {path} has no {os.path.basename(checkpoint_path(out_dir, step, 'state'))} beside it, "
-                  f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
-
-
-def set_aside(path, suffix):
-    """rename path to path + suffix, or + suffix.1, .2, ... where that is taken (nothing set
-    aside before is overwritten) -> the new name"""
-    new, n = path + suffix, 0
-    while os.path.exists(new):
-        n += 1
-        new = f"{path}{suffix}.{n}"
-    os.replace(path, new)
-    return new
-
-
-def prune_checkpoints(out_dir, keep=2):
-    """delete all but the newest `keep` complete checkpoint pairs (best.safetensors stays)"""
-    for step in checkpoint_steps(out_dir)[keep:]:
-        remove_checkpoint(out_dir, step)
-
-
-def remove_checkpoint(out_dir, step):
-    """the pair of step's files, model first: a state alone is no checkpoint"""
-    for kind in ("model", "state"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(checkpoint_path(out_dir, step, kind))
-
-
-# One run per folder. A second trainer on a folder that is training refuses at
-# once (train.lock), and a run into a folder that holds another run's files
-# continues it (--resume) or refuses: two runs' logs, best models and pruning
-# never mix. run_command holds the folder for train and sft from start to end.
-
-LOCK_NAME = "train.lock"
-RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
-
-
-def lock_out(out_dir):
-    """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
-    it for us. flock: the kernel lets go of it when its process ends, however it ends,
-    so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
-    the file is there to name the holder."""
-    path = os.path.join(out_dir, LOCK_NAME)
-    mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a folder there is named as any other path)
-        kind = "a link" if stat.S_ISLNK(mode) else "a pipe, a device or a socket"
-        raise NanoEulerError(f"{path} is {kind}, not a file; move it away (it is where a run keeps its "
-                             "lock) and run again")
-    while True:
-        f = open(path, "a+")
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            f.close()
-            if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
-                return None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
-            raise NanoEulerError(f"{out_dir} is in use by another training run (pid {holder}); wait for it "
-                                 "to end, or train into another --out") from None
-        try:
-            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
-                break
-        except FileNotFoundError:
-            pass
-        f.close()                                      # its holder removed it as we opened it: once more
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
-
-
-@contextlib.contextmanager
-def claim_out(out_dir, resume):
-    """hold out_dir for one run: the lock, then refuse another run's folder without --resume;
-    -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
-    created = not os.path.exists(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    lock = lock_out(out_dir)
-    try:
-        if lock:                                       # temp files of killed writers (whose pid is gone)
-            remove_stale_tmp(out_dir, idle=0)
-        if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
-            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
-                                 "another --out")
-        for f in ("log.csv", "best.safetensors"):      # a folder or a pipe there would fail a save, or hang
-            path = os.path.join(out_dir, f)
-            if os.path.lexists(path) and not os.path.isfile(path):
-                raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
-        yield lock
-    finally:
-        if lock:
-            os.remove(lock.name)                       # while still locked: see lock_out's samestat
-            lock.close()
-        if created:                                    # a run refused before it wrote anything leaves no folder
-            with contextlib.suppress(OSError):
-                os.rmdir(out_dir)
-
-
 # -----------------------------------------------------------------------------
 # a training step on every core
 #
@@ -1960,24 +1461,6 @@ def claim_out(out_dir, resume):
 # twice as slow. With these and keep_freed_memory, a step on 2 cores runs
 # 1.2x PyTorch's eager CPU step; without any one of them it falls behind
 # (BENCHMARKS.md, "what the reference keeps for speed").
-
-def keep_freed_memory():
-    """numpy makes a fresh array for every result. Above 128 KB glibc maps new
-    pages from the OS for each one and unmaps them on free, and those page
-    faults cost a quarter of a training step (measured, B=8: 76 -> 57 ms).
-    So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
-    once, when this file is imported."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)                     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
-        libc.mallopt(-1, 1 << 30)                      # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass                                           # not glibc: nothing to tune
-
-
-keep_freed_memory()
-
 
 def threads_for(B, threads):
     """the threads a batch of B rows is split over: --threads, but no more than B (a thread
@@ -2021,109 +1504,6 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
     for buf in grad_bufs[1:used]:
         grad_bufs[0] += buf
     return sum(r[0] for r in results), sum(r[1] for r in results)
-
-
-def activation_bytes(cfg, rows):
-    """what one thread's forward and backward over `rows` rows hold at their peak, estimated:
-    the forward's caches per token (per layer the block's inputs, q k v, the roped q k, the
-    attention matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's
-    largest temporaries (one layer's attention gradient), and its gradient temporaries of
-    the heads, the embedding and a layer's largest matrix (at most 10% above tracemalloc's peak)"""
-    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
-    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
-    return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
-
-
-def available_memory(root="/"):
-    """bytes this process may still take: MemAvailable of /proc/meminfo, or less where a
-    cgroup memory limit leaves less (a container's, a batch job's; inside a container
-    MemAvailable is the whole machine's); None where none of them can be read (not Linux)"""
-    have = []
-    try:
-        with open(os.path.join(root, "proc/meminfo")) as f:
-            have.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")))
-    except (OSError, ValueError, IndexError, StopIteration):
-        pass
-    for folder in memory_cgroups(root):
-        left = cgroup_memory_left(folder)
-        if left is not None:
-            have.append(left)
-    return min(have) if have else None
-
-
-# cgroup v2 and v1 (its memory controller): the limit, the usage, and memory.stat's line of
-# the page cache the kernel would drop before it refused memory (counted as free, as docker does)
-CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
-                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
-
-
-def memory_cgroups(root="/"):
-    """(version, folder) of this process's memory cgroup and of each one above it (a limit
-    anywhere above applies too), from /proc/self/cgroup; inside a cgroup namespace its path
-    reads "/" and the mount's root is the container's own cgroup"""
-    found = []
-    try:
-        with open(os.path.join(root, "proc/self/cgroup")) as f:
-            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
-    except (OSError, ValueError):                      # ValueError: not UTF-8
-        return found
-    for number, controllers, path in (ln for ln in lines if len(ln) == 3):
-        if number == "0" and controllers == "":
-            version, mount = "v2", os.path.join(root, "sys/fs/cgroup")
-        elif "memory" in controllers.split(","):
-            version, mount = "v1", os.path.join(root, "sys/fs/cgroup/memory")
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        found += [(version, os.path.join(mount, *parts[:depth])) for depth in range(len(parts), -1, -1)]
-    return found
-
-
-def cgroup_memory_left(version_folder):
-    """bytes below one cgroup's memory limit, the droppable page cache counted as free; None
-    where it sets no limit or its files cannot be read"""
-    version, folder = version_folder
-    limit_file, usage_file, cache_line = CGROUP_FILES[version]
-    try:
-        with open(os.path.join(folder, limit_file)) as f:
-            limit = f.read().strip()
-        with open(os.path.join(folder, usage_file)) as f:
-            usage = int(f.read())
-        if limit == "max":                             # v2's word for no limit (v1 gives a huge number)
-            return None
-        limit = int(limit)
-    except (OSError, ValueError):
-        return None
-    cache = 0
-    try:
-        with open(os.path.join(folder, "memory.stat")) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == cache_line:
-                    cache = int(value)
-    except (OSError, ValueError):
-        pass
-    return max(0, limit - usage + cache)
-
-
-def check_memory(cfg, batch, threads, available=available_memory):
-    """refuse, before anything is allocated, a --batch whose step would not fit in memory:
-    the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the batch's ids,
-    and the activations of the micro-batches in flight, one per thread (an evaluation
-    runs the same micro-batches)"""
-    have = available()
-    if have is None:
-        return
-    threads = threads_for(batch, threads)
-    parts = micro_batches(batch, threads)
-    rows = -(-batch // parts)                          # a micro-batch's rows, at most
-    weights = 4 * (4 + threads) * num_params(cfg)
-    need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
-    if need > have:
-        raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
-                             f"of weights, moments, decay mask and {threads} gradient buffers, {threads} x "
-                             f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; "
-                             f"lower --batch{' or --threads' if threads > 1 else ''}")
 
 
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
@@ -2258,48 +1638,6 @@ def plot_log(csv_path, out=print):
         out(" " * 7 + "+" + "-" * len(levels))
 
 
-def silence_lost_output():
-    """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
-    terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
-    words cannot fail on them; a file or a live terminal keeps its output"""
-    poll = select.poll()
-    for fd in (1, 2):
-        poll.register(fd, select.POLLOUT)
-    for fd, events in poll.poll(0):
-        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
-
-
-def output_lost(e):
-    """an error of writing our output (a closed pipe, a hung-up terminal), not of a file:
-    atomic_write names its file in every error it raises"""
-    return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
-
-
-class StopFlag:
-    """Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
-    terminal closed) asks the loop to stop after the step in flight and save; a second one
-    stops at once. A signal that was ignored when we started (nohup, a background job)
-    stays ignored."""
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
-
-    def __init__(self):
-        self.stop, self.signum, self.lost = False, None, None
-
-    def handle(self, signum, frame):
-        if self.signum is not None:                    # a second signal (not a lost output's stop):
-            raise Interrupted(signum)                  # run_command names the last complete checkpoint
-        self.stop, self.signum = True, signum
-        if signum == signal.SIGHUP:
-            silence_lost_output()                      # the terminal is most likely gone
-        name = self.SIGNALS[signum]
-        with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
-            print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
-                  file=sys.stderr)
-
-
 def data_cache(out_dir):
     """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
     runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
@@ -2353,42 +1691,6 @@ def steps_text(args, state):
 def stop_at(args, start, total):
     """the step this session ends at: the run's last, or sooner with --stop-after"""
     return min(total, start + args.stop_after) if args.stop_after > 0 else total
-
-
-def stop_on_nan(what, value, step, out_dir, made_by=None):
-    """the run diverged at `step`: stop, naming the newest checkpoint whose weights went on
-    to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
-    if one was saved, is removed (resuming from it meets the same value at once), while
-    every older checkpoint was followed by a finite step."""
-    if made_by == 0:                                      # no update yet: neither --lr nor --weight-decay did it
-        raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
-                             "any update, so training stopped; with sft, the --model file gives it: use another model")
-    removed = ""
-    if made_by is not None and os.path.exists(checkpoint_path(out_dir, made_by)):
-        remove_checkpoint(out_dir, made_by)
-        removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
-    good = latest_checkpoint(out_dir)
-    if good is None:
-        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
-                             f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
-    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
-                         f"is {checkpoint_path(out_dir, good)}{removed}; lower --lr (or "
-                         "--weight-decay) and continue from it with --resume")
-
-
-def stop_if_weights_broke(flat, step, out_dir):
-    """no model is written with weights that are NaN or infinite: an update can make them
-    after a finite loss (a huge --weight-decay), and best.safetensors must stay good"""
-    if not np.isfinite(flat).all():
-        stop_on_nan("weights", "NaN or infinite", step, out_dir)
-
-
-def stop_if_diverged(loss, norm, step, out_dir):
-    """step `step`'s update gave a loss or gradient norm that is NaN or infinite: stop_on_nan
-    (the weights that gave it are step - 1's)"""
-    if not (np.isfinite(loss) and np.isfinite(norm)):
-        what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
-        stop_on_nan(what, value, step, out_dir, made_by=step - 1)
 
 
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
@@ -2480,30 +1782,6 @@ def print_summary(steps, elapsed, times, state, out_dir, last_path):
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
     print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
-
-
-def exit_stopped(signum, step, last_path):
-    """a signal stopped the run, saved: say where it stands and exit as the signal's
-    killing would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)"""
-    name = StopFlag.SIGNALS[signum]
-    if last_path:
-        print(f"{name}: stopped at step {step}, saved as {last_path}; continue with --resume", file=sys.stderr)
-    else:
-        print(f"{name}: stopped before the first step; nothing to save", file=sys.stderr)
-    sys.exit(128 + signum)
-
-
-@contextlib.contextmanager
-def output_may_go(flag):
-    """end the steps, not the run, when our output is gone (`train | head` has exited, the
-    terminal closed): the loop saves, then ends quietly (flag.lost holds the error)"""
-    try:
-        yield
-    except OSError as e:
-        if not output_lost(e):
-            raise
-        flag.stop, flag.lost = True, e
-        silence_lost_output()
 
 
 def timed_step(engine, batch, step, total, args, out_dir, clock):
@@ -2602,39 +1880,6 @@ def resume_or_init(args, cfg, tok, init_flat):
     return flat, m, v, state
 
 
-def refuse_other_run(args, step, made_by, same_model, differs=""):
-    """--resume: the checkpoint at step was made by made_by (a command), with this run's config
-    and tokenizer or not (same_model; differs: which settings, when known): what this run
-    cannot continue is refused"""
-    # a train run and an sft run in one folder would mix their logs, best models and steps
-    command = getattr(args, "command", None)
-    if made_by and command and made_by != command:
-        raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
-                             f"{command} its own --out")
-    if not same_model:
-        give = "--model" if command == "sft" else "--data and settings"
-        raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
-                             f"or tokenizer{differs}; pass the same {give}, or another --out")
-
-
-def refuse_other_run_early(args, cfg):
-    """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
-    config but for V, which the tokenizer may still lower) made from its files' headers alone,
-    before the corpus is tokenized, which can take minutes"""
-    steps = checkpoint_steps(args.out) if args.resume else []
-    if not steps:
-        return
-    try:
-        _, meta = read_safetensors(checkpoint_path(args.out, steps[0], "state"), header_only=True)
-        made_by = json.loads(meta["state"]).get("args", {}).get("command")
-        _, meta = read_safetensors(checkpoint_path(args.out, steps[0]), header_only=True)
-        saved = json.loads(meta["config"])
-        other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
-    except (NanoEulerError, KeyError, TypeError, ValueError, AttributeError, RecursionError):
-        return                                         # a broken pair: newest_readable_checkpoint says so later
-    refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
-
-
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
 
 
@@ -2679,65 +1924,6 @@ def render_turn(tok, instruction, response=None):
         ids += reply
         train_on += [1] * len(reply)
     return ids, train_on
-
-
-def jsonl_records(text):
-    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named"""
-    records = []
-    # lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
-    # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
-    for n, line in enumerate(text.split("\n"), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"line {n} is not JSON: {e.msg} (column {e.colno})") from None
-    return records
-
-
-def load_instructions(path):
-    """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
-    -> list of (prompt, response)"""
-    if not os.path.isfile(path):
-        raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
-    text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
-
-    def bad(problem):
-        return NanoEulerError(f"{path} is not instruction data: {problem}; expected JSONL or a JSON list of "
-                              "objects with instruction, input and response (or output)")
-    try:
-        records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
-    except (ValueError, RecursionError) as e:
-        if "integer string conversion" in str(e):
-            raise bad("it holds a number of more than 4,300 digits") from None
-        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
-            with contextlib.suppress(ValueError, RecursionError):
-                if isinstance(json.loads(text), dict):
-                    raise bad("it is one JSON object, not a list of examples nor one example a line") from None
-        raise bad(f"{type(e).__name__}: {e}") from None
-    pairs = []
-    for i, r in enumerate(records):
-        if not isinstance(r, dict):
-            raise bad(f"example {i + 1} is not an object")
-        if "instruction" not in r:
-            raise bad(f"example {i + 1} has no instruction")
-        if "response" not in r and "output" not in r:
-            raise bad(f"example {i + 1} has no response (or output)")
-        response = r["response"] if "response" in r else r["output"]
-        for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")), ("response", response)):
-            if not isinstance(value, str):
-                raise bad(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:                    # JSON's \ud800: half of a UTF-16 pair
-                raise bad(f"the {key} of example {i + 1} holds {value[e.start]!r}, half of a UTF-16 "
-                          "surrogate pair, which is not text") from None
-        prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-        pairs.append((prompt, response))
-    if not pairs:
-        raise NanoEulerError(f"{path} holds no examples; give JSONL or a JSON list of objects with instruction, "
-                             "input and response (or output)")
-    return pairs
 
 
 def sft_rows(tok, pairs, cfg):
@@ -2895,80 +2081,6 @@ def cmd_chat(args, make_params=None, gen=None):
             raise
         out.write("\n")
     print("bye")
-
-
-# -----------------------------------------------------------------------------
-# benchmark
-
-def bench_train(cfg, B, threads, steps=20):
-    """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
-    threads = threads_for(B, threads)
-    flat = init_params(cfg)
-    m, v, decay = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
-    bufs, parts = [np.zeros_like(flat) for _ in range(threads)], micro_batches(B, threads)
-    rng = np.random.default_rng(0)
-    times = []
-    with ThreadPoolExecutor(threads) as pool:
-        for step in range(steps + 2):
-            idx, targets = split_rows(rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K)), cfg.T, cfg.K)
-            t0 = time.perf_counter()
-            loss_and_grads(flat, cfg, idx, targets, bufs, pool, parts)
-            clip_grad_norm(bufs[0], 1.0)
-            adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, decay)
-            times.append(time.perf_counter() - t0)
-    return float(np.median(times[2:]))
-
-
-def cmd_bench(args):
-    model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
-    print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
-    cfg = PRESETS["small"]
-    check_memory(cfg, 32, args.threads)
-    print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
-    for B in (8, 32):
-        dt = bench_train(cfg, B, args.threads)
-        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s")
-    files = corpus_files(os.path.join(DATA_DIR, "gutenberg")) + [DEFAULT_CORPUS]
-    text = "\n".join(read_text(f) for f in files)
-    nbytes = len(text.encode())
-    print(f"\ntokenizer on the embedded books and Shakespeare ({nbytes / 1e6:.1f} MB, one core)")
-    t0 = time.time()
-    tok = Tokenizer.train(text, 4096, progress=False)
-    print(f"  {'train vocab 4096:':<22}{time.time() - t0:6.1f} s")
-    for cache in ("empty", "warm"):
-        if cache == "empty":
-            tok.cache.clear()
-        t0 = time.time()
-        ids = tok.encode(text)
-        dt = time.time() - t0
-        print(f"  {f'encode, {cache} cache:':<22}{nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
-              f"{nbytes / len(ids):.2f} bytes per token)")
-    if model:
-        (cfg, flat, tok), what = model, args.model
-    else:
-        flat, tok, what = init_params(cfg), Tokenizer(), "random weights (pass --model for a trained one)"
-    bench_generation(cfg, flat, tok, what, args.max_new_tokens)
-
-
-def bench_generation(cfg, flat, tok, what, max_new_tokens):
-    """greedy tokens/s from the bench prompt, plain and with each number of drafts"""
-    params = carve(flat, cfg)
-    prompt = tok.encode("ROMEO:\nWhat say you")
-    n = min(max_new_tokens, 4 * cfg.T)
-    print(f"\ngeneration, batch 1, greedy, {n} new tokens (median of 3 after a warm-up), {what}")
-    for drafts in [0] + list(range(cfg.K - 1, 0, -1)):
-        times = []
-        for _ in range(4):                                 # a warm-up, then the median of 3
-            stats = {}
-            t0 = time.perf_counter()
-            out = list(generate(params, cfg, prompt, n, temperature=0, speculative=drafts > 0, stats=stats,
-                                drafts=drafts))
-            times.append(time.perf_counter() - t0)
-        dt = float(np.median(times[1:]))
-        name = f"speculative, {drafts} draft{'s' if drafts > 1 else ''}" if drafts else "plain KV cache"
-        # (stats count the passes before the last: one new token makes none)
-        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens per pass" if drafts and stats else ""
-        print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
 
 
 # -----------------------------------------------------------------------------
@@ -3183,6 +2295,974 @@ def build_parser():
     return p
 
 
+def main(argv=None):
+    closed = reopen_closed_streams()
+    args = build_parser().parse_args(argv)
+    needs = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}.get(args.command, [])
+    for name in (n for n in needs if n in closed):
+        print(f"error: {args.command} needs its {name}, which is closed; run it without closing {name} "
+              f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
+        sys.exit(2)
+    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
+                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
+    run_command(commands[args.command], args)
+
+
+# -----------------------------------------------------------------------------
+# benchmark
+
+def bench_train(cfg, B, threads, steps=20):
+    """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
+    threads = threads_for(B, threads)
+    flat = init_params(cfg)
+    m, v, decay = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
+    bufs, parts = [np.zeros_like(flat) for _ in range(threads)], micro_batches(B, threads)
+    rng = np.random.default_rng(0)
+    times = []
+    with ThreadPoolExecutor(threads) as pool:
+        for step in range(steps + 2):
+            idx, targets = split_rows(rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K)), cfg.T, cfg.K)
+            t0 = time.perf_counter()
+            loss_and_grads(flat, cfg, idx, targets, bufs, pool, parts)
+            clip_grad_norm(bufs[0], 1.0)
+            adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, decay)
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times[2:]))
+
+
+def cmd_bench(args):
+    model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
+    print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
+    cfg = PRESETS["small"]
+    check_memory(cfg, 32, args.threads)
+    print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
+    for B in (8, 32):
+        dt = bench_train(cfg, B, args.threads)
+        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s")
+    files = corpus_files(os.path.join(DATA_DIR, "gutenberg")) + [DEFAULT_CORPUS]
+    text = "\n".join(read_text(f) for f in files)
+    nbytes = len(text.encode())
+    print(f"\ntokenizer on the embedded books and Shakespeare ({nbytes / 1e6:.1f} MB, one core)")
+    t0 = time.time()
+    tok = Tokenizer.train(text, 4096, progress=False)
+    print(f"  {'train vocab 4096:':<22}{time.time() - t0:6.1f} s")
+    for cache in ("empty", "warm"):
+        if cache == "empty":
+            tok.cache.clear()
+        t0 = time.time()
+        ids = tok.encode(text)
+        dt = time.time() - t0
+        print(f"  {f'encode, {cache} cache:':<22}{nbytes / 1e6 / dt:6.1f} MB/s ({len(ids):,} tokens, "
+              f"{nbytes / len(ids):.2f} bytes per token)")
+    if model:
+        (cfg, flat, tok), what = model, args.model
+    else:
+        flat, tok, what = init_params(cfg), Tokenizer(), "random weights (pass --model for a trained one)"
+    bench_generation(cfg, flat, tok, what, args.max_new_tokens)
+
+
+def bench_generation(cfg, flat, tok, what, max_new_tokens):
+    """greedy tokens/s from the bench prompt, plain and with each number of drafts"""
+    params = carve(flat, cfg)
+    prompt = tok.encode("ROMEO:\nWhat say you")
+    n = min(max_new_tokens, 4 * cfg.T)
+    print(f"\ngeneration, batch 1, greedy, {n} new tokens (median of 3 after a warm-up), {what}")
+    for drafts in [0] + list(range(cfg.K - 1, 0, -1)):
+        times = []
+        for _ in range(4):                                 # a warm-up, then the median of 3
+            stats = {}
+            t0 = time.perf_counter()
+            out = list(generate(params, cfg, prompt, n, temperature=0, speculative=drafts > 0, stats=stats,
+                                drafts=drafts))
+            times.append(time.perf_counter() - t0)
+        dt = float(np.median(times[1:]))
+        name = f"speculative, {drafts} draft{'s' if drafts > 1 else ''}" if drafts else "plain KV cache"
+        # (stats count the passes before the last: one new token makes none)
+        extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens per pass" if drafts and stats else ""
+        print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
+
+
+# =============================================================================
+# operations
+#
+# Everything above is the story (the model, its data, its training and its
+# commands) and the benchmark. What follows keeps long runs and bad inputs
+# safe; a first reading may skip it. The story calls these functions by name,
+# and Python looks a name up when the call runs, so they may come after it.
+# The guarantees it keeps:
+# - the run folder and its lock: one run per folder (train.lock, taken over
+#   from a killed run), another run's files refused without --resume
+# - checkpoint files written atomically (a temp file renamed), the state
+#   before the model; pairs that do not read set aside on --resume, old pairs
+#   pruned, and a run that diverges stops at its last good checkpoint
+# - signals: Ctrl-C, SIGTERM and SIGHUP stop a run after its step, saved; a
+#   second one stops at once; the exit code is 128 + the signal's number
+# - memory: a --batch that would not fit (cgroup limits counted) is refused
+#   before anything is allocated; freed memory is kept (the allocator
+#   setting, run once at import)
+# - input checks: a bad file or flag is one sentence naming it and what to
+#   do, exit code 2, never a traceback
+# - lost output streams: a closed pipe or a hung-up terminal ends the run
+#   quietly, saved; closed streams at start become /dev/null
+
+# -----------------------------------------------------------------------------
+# operations: input checks
+
+def not_a_file(path, noun, advice):
+    """the error for a path that is not a regular file: what it is instead, then advice"""
+    if os.path.isdir(path):
+        what = f"is a folder, not {noun}"
+    elif os.path.exists(path):
+        what = f"is not {noun} (it is a device, a pipe or a socket)"
+    else:
+        what = "does not exist"
+    return NanoEulerError(f"{path} {what}; {advice}")
+
+
+def decode_text(data, path, offset):
+    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
+                             "convert it, e.g. with iconv -t utf-8") from None
+
+
+def read_text(path):
+    """the whole file as str, refusing what is not UTF-8 text"""
+    with open(path, "rb") as f:
+        return decode_text(f.read(), path, 0)
+
+
+MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
+
+
+def check_merges(merges):
+    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
+    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
+    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
+    Raises ValueError saying which merge is wrong."""
+    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
+        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
+    lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
+    for i, pair in enumerate(merges):
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
+            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
+                             "(bytes or earlier merges)")
+        if tuple(pair) in seen:
+            raise ValueError(f"merge {i} repeats the pair {pair}")
+        seen.add(tuple(pair))
+        lengths.append(lengths[pair[0]] + lengths[pair[1]])
+        total += lengths[-1]
+        if total > MAX_VOCAB_BYTES:
+            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+    return merges
+
+
+def cached_tokenizer(path, vocab_size):
+    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained
+    again). It may hold fewer than vocab_size tokens (a small corpus runs out of pairs), never more."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            tok = Tokenizer.from_json(f.read())
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
+        return tok
+    except (ValueError, KeyError, TypeError, RecursionError) as e:     # JSONDecodeError is a ValueError
+        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
+        return None
+
+
+def load_tokens(path, vocab_size, chunk=1 << 24):
+    """the cached token file, memory-mapped -> (tokens, None), or (None, what is wrong) unless
+    it holds what write_tokens writes: a 1-D array of the tokenizer's dtype, exactly as long
+    as its header says, every id below vocab_size (checked chunk by chunk: no copy in memory)"""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as f:
+            if fmt.read_magic(f) != (1, 0):
+                return None, "not a version 1.0 .npy file"
+            shape, _, dtype = fmt.read_array_header_1_0(f)
+            offset = f.tell()
+        if dtype != token_dtype(vocab_size) or len(shape) != 1:
+            return None, f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids"
+        size = os.path.getsize(path)
+        if size != offset + shape[0] * dtype.itemsize:
+            return None, (f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
+                          f"{size - offset:,} bytes")
+        tokens = np.load(path, mmap_mode="r")
+    except ValueError as e:                            # not a .npy file, a broken header
+        return None, f"not a .npy file: {e}"
+    for i in range(0, len(tokens), chunk):
+        if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
+            return None, f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids"
+    return tokens, None
+
+
+MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
+
+
+def tensor_entries(header, bad):
+    """a safetensors header's tensors -> [(begin, end, name, shape)] in data order and the
+    end of the last, once each is float32 with a shape that matches its bytes and they
+    tile the data without gaps or overlaps; bad(problem) -> the error to raise"""
+    entries = []
+    for name, h in header.items():
+        if not isinstance(h, dict):
+            raise bad(f"the entry of tensor {name!r} is not a map")
+        shape, offsets = h.get("shape"), h.get("data_offsets")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+        if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
+            raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                      f"{offsets[1] - offsets[0]:,} bytes)")
+        entries.append((offsets[0], offsets[1], name, shape))
+    entries.sort()
+    end = 0
+    for begin, stop, name, _ in entries:
+        if begin != end:
+            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                      f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+        end = stop
+    return entries, end
+
+
+def read_safetensors(path, check=None, header_only=False):
+    """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
+
+    The header is read and every field of it checked before the data is read,
+    and the tensors must tile the data exactly (no overlaps, no gaps, nothing
+    after them, as the safetensors library demands), so nothing is allocated
+    beyond the file itself, and that only once its header adds up.
+    check(shapes {name: shape tuple}, metadata): the caller's own checks of the
+    header (raising NanoEulerError), also before the data is read.
+    header_only: -> (shapes, metadata), the data left unread."""
+    if not os.path.isfile(path):
+        raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
+
+    def bad(problem):
+        return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        first = f.read(8)
+        n = int.from_bytes(first, "little") if len(first) == 8 else -1
+        try:
+            if not 2 <= n <= min(size - 8, MAX_HEADER):
+                raise ValueError
+            header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError
+        except (ValueError, RecursionError):           # UnicodeDecodeError is a ValueError too
+            raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
+        metadata = header.pop("__metadata__", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise bad("its __metadata__ is not a map of strings")
+        entries, end = tensor_entries(header, bad)
+        found = size - 8 - n
+        if found < end:
+            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
+                                 "use an earlier checkpoint or re-run with --resume")
+        if found > end:
+            raise bad(f"{found - end:,} bytes follow its last tensor")
+        shapes = {name: tuple(shape) for _, _, name, shape in entries}
+        if check:
+            check(shapes, metadata)
+        if header_only:
+            return shapes, metadata
+        data = f.read(end)
+    if len(data) != end:                               # the file shrank while we read it
+        raise NanoEulerError(f"{path} changed while it was read; try again")
+    tensors = {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
+               for begin, stop, name, shape in entries}
+    return tensors, metadata
+
+
+def tensor_mismatch(shapes, want, n_want):
+    """what differs between a file's tensors (name -> shape) and SPEC's (want), in words"""
+    if len(shapes) != n_want:
+        return f"{len(shapes)} tensors, SPEC expects {n_want}"
+    missing = [name for name in want if name not in shapes]
+    if missing:
+        return f"it lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
+    name = next(n for n in want if shapes[n] != want[n])
+    return f"{name} has shape {shapes[name]}, SPEC expects {want[name]}"
+
+
+def model_header(path, shapes, meta):
+    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer"""
+    if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
+        state = meta.get("format") == "nanoeuler-state"  # the state_<step> file beside a model_<step>
+        raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
+                             f"version {meta.get('version')!r})" +
+                             ("; it is a training state: give the model_ file of its step" if state else ""))
+    try:
+        given = json.loads(meta["config"])
+        if not isinstance(given, dict):
+            raise ValueError("the config is not a map")
+        missing = [k for k in SIZE_FIELDS if k not in given]
+        if missing:
+            raise ValueError(f"the config lacks {', '.join(missing)}")
+        known = {f.name for f in fields(Config)}
+        cfg = Config(**{k: v for k, v in given.items() if k in known})
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise NanoEulerError(f"{path} has a broken config in its metadata ({e})") from None
+    cfg.validate(f"the config in {path}")               # before anything is made from its sizes
+    try:
+        tok = Tokenizer.from_json(meta["tokenizer"])
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
+    # counted before the list of shapes is made: a crafted L = 10^18 must not build it
+    n_want = 2 + 7 * cfg.L + cfg.K
+    want = dict(param_shapes(cfg)) if len(shapes) == n_want else {}
+    # we write tensors in SPEC order; other writers may order them otherwise
+    if shapes != want:
+        raise NanoEulerError(f"{path} holds tensors that do not match its config "
+                             f"({tensor_mismatch(shapes, want, n_want)} for {asdict(cfg)})")
+    if tok.vocab_size != cfg.V:
+        raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
+    return cfg, tok
+
+
+def check_state(state, step):
+    """raise ValueError (or KeyError, TypeError, OverflowError) saying what is wrong with a
+    training state's JSON, so that --resume sets it aside rather than fail on it later"""
+    if type(state["step"]) is not int or state["step"] != step:
+        raise ValueError(f"it says step {state['step']!r}")
+    saved_rng(state)                                   # numpy refuses what is not a PCG64 state
+    best = [name for name in ("best_val", "best_bpb", "best_step") if name in state]
+    if best and len(best) < 3:                         # the best model's three numbers go together
+        raise ValueError(f"it holds {' and '.join(best)} without the rest of best_val, best_bpb, best_step")
+    for name in ("best_val", "best_bpb"):              # a NaN best would never be beaten
+        if name in state and (type(state[name]) not in (int, float) or not math.isfinite(state[name])):
+            raise ValueError(f"its {name} = {state[name]!r} is not a finite number")
+    for name in ("best_step", "planned_steps"):
+        if name in state and (type(state[name]) is not int or not 1 <= state[name] <= MAX_PLANNED_STEPS):
+            raise ValueError(f"its {name} = {state[name]!r} is not a whole number from 1 to {MAX_PLANNED_STEPS:,}")
+    if not isinstance(state.get("args", {}), dict):
+        raise ValueError(f"its args = {state['args']!r:.40} is not a map")
+
+
+def jsonl_records(text):
+    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named"""
+    records = []
+    # lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
+    # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"line {n} is not JSON: {e.msg} (column {e.colno})") from None
+    return records
+
+
+def load_instructions(path):
+    """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
+    -> list of (prompt, response)"""
+    if not os.path.isfile(path):
+        raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
+    text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
+
+    def bad(problem):
+        return NanoEulerError(f"{path} is not instruction data: {problem}; expected JSONL or a JSON list of "
+                              "objects with instruction, input and response (or output)")
+    try:
+        records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
+    except (ValueError, RecursionError) as e:
+        if "integer string conversion" in str(e):
+            raise bad("it holds a number of more than 4,300 digits") from None
+        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
+            with contextlib.suppress(ValueError, RecursionError):
+                if isinstance(json.loads(text), dict):
+                    raise bad("it is one JSON object, not a list of examples nor one example a line") from None
+        raise bad(f"{type(e).__name__}: {e}") from None
+    pairs = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise bad(f"example {i + 1} is not an object")
+        if "instruction" not in r:
+            raise bad(f"example {i + 1} has no instruction")
+        if "response" not in r and "output" not in r:
+            raise bad(f"example {i + 1} has no response (or output)")
+        response = r["response"] if "response" in r else r["output"]
+        for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")), ("response", response)):
+            if not isinstance(value, str):
+                raise bad(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:                    # JSON's \ud800: half of a UTF-16 pair
+                raise bad(f"the {key} of example {i + 1} holds {value[e.start]!r}, half of a UTF-16 "
+                          "surrogate pair, which is not text") from None
+        prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
+        pairs.append((prompt, response))
+    if not pairs:
+        raise NanoEulerError(f"{path} holds no examples; give JSONL or a JSON list of objects with instruction, "
+                             "input and response (or output)")
+    return pairs
+
+
+@contextlib.contextmanager
+def generating(model_path):
+    """sample and chat: numpy's overflow warnings from a model with huge weights are not
+    printed (they show source lines), and non-finite logits are named by the model file"""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        try:
+            yield
+        except LogitsNotFinite as e:
+            raise NanoEulerError(f"{model_path}: {e}") from None
+
+
+# -----------------------------------------------------------------------------
+# operations: atomic files and the run folder
+
+def atomic_write(path, write):
+    """write(f) into path.<pid>.tmp, flush to disk, then rename over path. The pid
+    keeps two writers from sharing a temp file; a failed write removes its temp
+    file (a full disk stays no fuller) and names path, not the temp file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(e, OSError) and e.errno:
+            raise OSError(e.errno, e.strerror, path) from None
+        raise
+
+
+def atomic_write_bytes(path, data):
+    atomic_write(path, lambda f: f.write(data))
+
+
+TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's temp files
+STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
+
+
+def process_exists(pid):
+    try:
+        os.kill(pid, 0)                                # signal 0: nothing is sent, the pid is checked
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:                            # another user's process
+        return True
+    return True
+
+
+def remove_stale_tmp(folder, idle=STALE_TMP_SECONDS):
+    """delete the temp files (name.<pid>.tmp) that killed writers left in folder: those whose
+    process is gone and that nobody wrote for `idle` seconds (in the shared cache, a writer in
+    another container shares the folder but not our pids; a locked run folder needs no wait)"""
+    now = time.time()
+    for name in os.listdir(folder):
+        m = TMP_FILE.fullmatch(name)
+        path = os.path.join(folder, name)
+        if m and not process_exists(int(m.group(1))):
+            with contextlib.suppress(OSError):         # another run may remove it first
+                if now - os.path.getmtime(path) >= idle:
+                    os.remove(path)
+
+
+def model_steps(out_dir):
+    """the steps of the model_<step>.safetensors files in out_dir, newest first"""
+    return sorted((int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
+                  reverse=True)
+
+
+def checkpoint_steps(out_dir):
+    """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
+    steps = model_steps(out_dir) if os.path.isdir(out_dir) else []
+    return [s for s in steps if os.path.exists(checkpoint_path(out_dir, s, "state"))]
+
+
+def latest_checkpoint(out_dir):
+    """the highest step with a complete pair of files, or None"""
+    steps = checkpoint_steps(out_dir)
+    return steps[0] if steps else None
+
+
+def newest_readable_checkpoint(out_dir):
+    """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
+    when there is no pair. Newer pairs that do not read (a truncated file, a state
+    that is not JSON) are renamed to *.broken, so that neither a later --resume nor
+    the pruning takes them for checkpoints, each with one line saying why."""
+    set_aside_lone_models(out_dir)
+    skipped = []                                       # (step, why) of the newer pairs that do not read
+    for step in checkpoint_steps(out_dir):
+        try:
+            loaded = load_checkpoint(out_dir, step)
+        except NanoEulerError as e:
+            # read_safetensors's advice ("re-run with --resume") is what brought us here: keep only what is wrong
+            skipped.append((step, str(e).split("; ")[0]))
+            continue
+        for bad, why in skipped:
+            for kind in ("model", "state"):
+                set_aside(checkpoint_path(out_dir, bad, kind), ".broken")
+            print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
+                  f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
+        return step, loaded
+    if skipped:
+        raise NanoEulerError(f"--resume: no checkpoint in {out_dir} can be read (the newest: {skipped[0][1]}); "
+                             "train afresh with another --out")
+    return None
+
+
+def set_aside_lone_models(out_dir):
+    """--resume: a model_<step> file without its state is none of ours (we write the state
+    first and delete the model first): a copied model, or a state deleted by hand. Renamed
+    to *.lone, so that no save at its step overwrites it and no pruning deletes it."""
+    for step in model_steps(out_dir) if os.path.isdir(out_dir) else []:
+        if not os.path.exists(checkpoint_path(out_dir, step, "state")):
+            path = checkpoint_path(out_dir, step)
+            kept = set_aside(path, ".lone")
+            print(f"--resume: {path} has no {os.path.basename(checkpoint_path(out_dir, step, 'state'))} beside it, "
+                  f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
+
+
+def set_aside(path, suffix):
+    """rename path to path + suffix, or + suffix.1, .2, ... where that is taken (nothing set
+    aside before is overwritten) -> the new name"""
+    new, n = path + suffix, 0
+    while os.path.exists(new):
+        n += 1
+        new = f"{path}{suffix}.{n}"
+    os.replace(path, new)
+    return new
+
+
+def prune_checkpoints(out_dir, keep=2):
+    """delete all but the newest `keep` complete checkpoint pairs (best.safetensors stays)"""
+    for step in checkpoint_steps(out_dir)[keep:]:
+        remove_checkpoint(out_dir, step)
+
+
+def remove_checkpoint(out_dir, step):
+    """the pair of step's files, model first: a state alone is no checkpoint"""
+    for kind in ("model", "state"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(checkpoint_path(out_dir, step, kind))
+
+
+# One run per folder. A second trainer on a folder that is training refuses at
+# once (train.lock), and a run into a folder that holds another run's files
+# continues it (--resume) or refuses: two runs' logs, best models and pruning
+# never mix. run_command holds the folder for train and sft from start to end.
+
+LOCK_NAME = "train.lock"
+RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
+
+
+def lock_out(out_dir):
+    """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
+    it for us. flock: the kernel lets go of it when its process ends, however it ends,
+    so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
+    the file is there to name the holder."""
+    path = os.path.join(out_dir, LOCK_NAME)
+    mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a folder there is named as any other path)
+        kind = "a link" if stat.S_ISLNK(mode) else "a pipe, a device or a socket"
+        raise NanoEulerError(f"{path} is {kind}, not a file; move it away (it is where a run keeps its "
+                             "lock) and run again")
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            f.close()
+            if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
+                return None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
+            raise NanoEulerError(f"{out_dir} is in use by another training run (pid {holder}); wait for it "
+                                 "to end, or train into another --out") from None
+        try:
+            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        f.close()                                      # its holder removed it as we opened it: once more
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+@contextlib.contextmanager
+def claim_out(out_dir, resume):
+    """hold out_dir for one run: the lock, then refuse another run's folder without --resume;
+    -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
+    created = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    lock = lock_out(out_dir)
+    try:
+        if lock:                                       # temp files of killed writers (whose pid is gone)
+            remove_stale_tmp(out_dir, idle=0)
+        if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
+            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
+                                 "another --out")
+        for f in ("log.csv", "best.safetensors"):      # a folder or a pipe there would fail a save, or hang
+            path = os.path.join(out_dir, f)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
+        yield lock
+    finally:
+        if lock:
+            os.remove(lock.name)                       # while still locked: see lock_out's samestat
+            lock.close()
+        if created:                                    # a run refused before it wrote anything leaves no folder
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
+
+
+def refuse_other_run(args, step, made_by, same_model, differs=""):
+    """--resume: the checkpoint at step was made by made_by (a command), with this run's config
+    and tokenizer or not (same_model; differs: which settings, when known): what this run
+    cannot continue is refused"""
+    # a train run and an sft run in one folder would mix their logs, best models and steps
+    command = getattr(args, "command", None)
+    if made_by and command and made_by != command:
+        raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
+                             f"{command} its own --out")
+    if not same_model:
+        give = "--model" if command == "sft" else "--data and settings"
+        raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
+                             f"or tokenizer{differs}; pass the same {give}, or another --out")
+
+
+def refuse_other_run_early(args, cfg):
+    """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
+    config but for V, which the tokenizer may still lower) made from its files' headers alone,
+    before the corpus is tokenized, which can take minutes"""
+    steps = checkpoint_steps(args.out) if args.resume else []
+    if not steps:
+        return
+    try:
+        _, meta = read_safetensors(checkpoint_path(args.out, steps[0], "state"), header_only=True)
+        made_by = json.loads(meta["state"]).get("args", {}).get("command")
+        _, meta = read_safetensors(checkpoint_path(args.out, steps[0]), header_only=True)
+        saved = json.loads(meta["config"])
+        other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
+    except (NanoEulerError, KeyError, TypeError, ValueError, AttributeError, RecursionError):
+        return                                         # a broken pair: newest_readable_checkpoint says so later
+    refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
+
+
+def stop_on_nan(what, value, step, out_dir, made_by=None):
+    """the run diverged at `step`: stop, naming the newest checkpoint whose weights went on
+    to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
+    if one was saved, is removed (resuming from it meets the same value at once), while
+    every older checkpoint was followed by a finite step."""
+    if made_by == 0:                                      # no update yet: neither --lr nor --weight-decay did it
+        raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
+                             "any update, so training stopped; with sft, the --model file gives it: use another model")
+    removed = ""
+    if made_by is not None and os.path.exists(checkpoint_path(out_dir, made_by)):
+        remove_checkpoint(out_dir, made_by)
+        removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
+    good = latest_checkpoint(out_dir)
+    if good is None:
+        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
+                             f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
+    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
+                         f"is {checkpoint_path(out_dir, good)}{removed}; lower --lr (or "
+                         "--weight-decay) and continue from it with --resume")
+
+
+def stop_if_weights_broke(flat, step, out_dir):
+    """no model is written with weights that are NaN or infinite: an update can make them
+    after a finite loss (a huge --weight-decay), and best.safetensors must stay good"""
+    if not np.isfinite(flat).all():
+        stop_on_nan("weights", "NaN or infinite", step, out_dir)
+
+
+def stop_if_diverged(loss, norm, step, out_dir):
+    """step `step`'s update gave a loss or gradient norm that is NaN or infinite: stop_on_nan
+    (the weights that gave it are step - 1's)"""
+    if not (np.isfinite(loss) and np.isfinite(norm)):
+        what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
+        stop_on_nan(what, value, step, out_dir, made_by=step - 1)
+
+
+# -----------------------------------------------------------------------------
+# operations: signals
+
+@contextlib.contextmanager
+def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
+    """hold these signals back while inside; one that came meanwhile is delivered on leaving"""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's
+    KeyboardInterrupt is, so that every cleanup on the way out runs (workers stopped,
+    temp files and train.lock removed); run_command then exits with 128 + signum"""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_interrupt(signum, frame):
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_handled(signals, handler):
+    """handler(signum, frame) for these signals while inside, the previous ones after;
+    a signal that was ignored when we started (nohup, a background job) stays ignored"""
+    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def signals_interrupt():
+    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
+    process as Ctrl-C does, rather than kill it midway with its workers and lock left behind"""
+    return signals_handled((signal.SIGTERM, signal.SIGHUP), _raise_interrupt)
+
+
+class StopFlag:
+    """Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
+    terminal closed) asks the loop to stop after the step in flight and save; a second one
+    stops at once. A signal that was ignored when we started (nohup, a background job)
+    stays ignored."""
+    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+    def __init__(self):
+        self.stop, self.signum, self.lost = False, None, None
+
+    def handle(self, signum, frame):
+        if self.signum is not None:                    # a second signal (not a lost output's stop):
+            raise Interrupted(signum)                  # run_command names the last complete checkpoint
+        self.stop, self.signum = True, signum
+        if signum == signal.SIGHUP:
+            silence_lost_output()                      # the terminal is most likely gone
+        name = self.SIGNALS[signum]
+        with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
+            print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
+                  file=sys.stderr)
+
+
+def exit_stopped(signum, step, last_path):
+    """a signal stopped the run, saved: say where it stands and exit as the signal's
+    killing would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)"""
+    name = StopFlag.SIGNALS[signum]
+    if last_path:
+        print(f"{name}: stopped at step {step}, saved as {last_path}; continue with --resume", file=sys.stderr)
+    else:
+        print(f"{name}: stopped before the first step; nothing to save", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+def exit_interrupted(signum, out_dir):
+    """a signal stopped the command outside the training loop's saving stop (while the data
+    is prepared, or a second signal during a save): say so, and for train and sft name the
+    last complete checkpoint; exit 128 + signum (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)"""
+    for sig in StopFlag.SIGNALS:                       # a further signal must not cut these last words
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGHUP:
+        silence_lost_output()                          # the terminal is most likely gone
+    step = None
+    with contextlib.suppress(OSError):
+        step = latest_checkpoint(out_dir) if out_dir else None
+    where = (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
+             "continue with --resume") if step is not None else ""
+    with contextlib.suppress(OSError):
+        print(f"\n{StopFlag.SIGNALS[signum]}: interrupted{where}", file=sys.stderr)
+    sys.exit(128 + signum)
+
+
+def exit_now_if_threads_work_on(code):
+    """after a signal's exit (128 + N): Python joins the threads at exit, and a training step's
+    threads would hold a second Ctrl-C's "at once" until the step ends (minutes for a large
+    --batch); their work is lost anyway, so leave without them, output flushed"""
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
+
+# -----------------------------------------------------------------------------
+# operations: memory
+
+def keep_freed_memory():
+    """numpy makes a fresh array for every result. Above 128 KB glibc maps new
+    pages from the OS for each one and unmaps them on free, and those page
+    faults cost a quarter of a training step (measured, B=8: 76 -> 57 ms).
+    So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
+    once, when this file is imported."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)                     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
+        libc.mallopt(-1, 1 << 30)                      # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass                                           # not glibc: nothing to tune
+
+
+keep_freed_memory()
+
+
+def activation_bytes(cfg, rows):
+    """what one thread's forward and backward over `rows` rows hold at their peak, estimated:
+    the forward's caches per token (per layer the block's inputs, q k v, the roped q k, the
+    attention matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's
+    largest temporaries (one layer's attention gradient), and its gradient temporaries of
+    the heads, the embedding and a layer's largest matrix (at most 10% above tracemalloc's peak)"""
+    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
+    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
+    return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
+
+
+def available_memory(root="/"):
+    """bytes this process may still take: MemAvailable of /proc/meminfo, or less where a
+    cgroup memory limit leaves less (a container's, a batch job's; inside a container
+    MemAvailable is the whole machine's); None where none of them can be read (not Linux)"""
+    have = []
+    try:
+        with open(os.path.join(root, "proc/meminfo")) as f:
+            have.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")))
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
+    for folder in memory_cgroups(root):
+        left = cgroup_memory_left(folder)
+        if left is not None:
+            have.append(left)
+    return min(have) if have else None
+
+
+# cgroup v2 and v1 (its memory controller): the limit, the usage, and memory.stat's line of
+# the page cache the kernel would drop before it refused memory (counted as free, as docker does)
+CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def memory_cgroups(root="/"):
+    """(version, folder) of this process's memory cgroup and of each one above it (a limit
+    anywhere above applies too), from /proc/self/cgroup; inside a cgroup namespace its path
+    reads "/" and the mount's root is the container's own cgroup"""
+    found = []
+    try:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
+    except (OSError, ValueError):                      # ValueError: not UTF-8
+        return found
+    for number, controllers, path in (ln for ln in lines if len(ln) == 3):
+        if number == "0" and controllers == "":
+            version, mount = "v2", os.path.join(root, "sys/fs/cgroup")
+        elif "memory" in controllers.split(","):
+            version, mount = "v1", os.path.join(root, "sys/fs/cgroup/memory")
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        found += [(version, os.path.join(mount, *parts[:depth])) for depth in range(len(parts), -1, -1)]
+    return found
+
+
+def cgroup_memory_left(version_folder):
+    """bytes below one cgroup's memory limit, the droppable page cache counted as free; None
+    where it sets no limit or its files cannot be read"""
+    version, folder = version_folder
+    limit_file, usage_file, cache_line = CGROUP_FILES[version]
+    try:
+        with open(os.path.join(folder, limit_file)) as f:
+            limit = f.read().strip()
+        with open(os.path.join(folder, usage_file)) as f:
+            usage = int(f.read())
+        if limit == "max":                             # v2's word for no limit (v1 gives a huge number)
+            return None
+        limit = int(limit)
+    except (OSError, ValueError):
+        return None
+    cache = 0
+    try:
+        with open(os.path.join(folder, "memory.stat")) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == cache_line:
+                    cache = int(value)
+    except (OSError, ValueError):
+        pass
+    return max(0, limit - usage + cache)
+
+
+def check_memory(cfg, batch, threads, available=available_memory):
+    """refuse, before anything is allocated, a --batch whose step would not fit in memory:
+    the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the batch's ids,
+    and the activations of the micro-batches in flight, one per thread (an evaluation
+    runs the same micro-batches)"""
+    have = available()
+    if have is None:
+        return
+    threads = threads_for(batch, threads)
+    parts = micro_batches(batch, threads)
+    rows = -(-batch // parts)                          # a micro-batch's rows, at most
+    weights = 4 * (4 + threads) * num_params(cfg)
+    need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    if need > have:
+        raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
+                             f"of weights, moments, decay mask and {threads} gradient buffers, {threads} x "
+                             f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; "
+                             f"lower --batch{' or --threads' if threads > 1 else ''}")
+
+
+# -----------------------------------------------------------------------------
+# operations: lost output streams, and every command's last words
+
+def silence_lost_output():
+    """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
+    terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
+    words cannot fail on them; a file or a live terminal keeps its output"""
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, select.POLLOUT)
+    for fd, events in poll.poll(0):
+        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def output_lost(e):
+    """an error of writing our output (a closed pipe, a hung-up terminal), not of a file:
+    atomic_write names its file in every error it raises"""
+    return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
+
+
+@contextlib.contextmanager
+def output_may_go(flag):
+    """end the steps, not the run, when our output is gone (`train | head` has exited, the
+    terminal closed): the loop saves, then ends quietly (flag.lost holds the error)"""
+    try:
+        yield
+    except OSError as e:
+        if not output_lost(e):
+            raise
+        flag.stop, flag.lost = True, e
+        silence_lost_output()
+
+
 def os_error_sentence(e):
     """an OSError (a full disk, a read-only file system, ...) as one sentence naming the file"""
     advice = {errno.ENOSPC: "the disk is full; free some space, or give another --out",
@@ -3208,24 +3288,6 @@ def failed_stream():
         except OSError:
             return name
     return None
-
-
-def exit_interrupted(signum, out_dir):
-    """a signal stopped the command outside the training loop's saving stop (while the data
-    is prepared, or a second signal during a save): say so, and for train and sft name the
-    last complete checkpoint; exit 128 + signum (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)"""
-    for sig in StopFlag.SIGNALS:                       # a further signal must not cut these last words
-        signal.signal(sig, signal.SIG_IGN)
-    if signum == signal.SIGHUP:
-        silence_lost_output()                          # the terminal is most likely gone
-    step = None
-    with contextlib.suppress(OSError):
-        step = latest_checkpoint(out_dir) if out_dir else None
-    where = (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
-             "continue with --resume") if step is not None else ""
-    with contextlib.suppress(OSError):
-        print(f"\n{StopFlag.SIGNALS[signum]}: interrupted{where}", file=sys.stderr)
-    sys.exit(128 + signum)
 
 
 PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
@@ -3308,30 +3370,6 @@ def reopen_closed_streams():
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
     return closed
-
-
-def main(argv=None):
-    closed = reopen_closed_streams()
-    args = build_parser().parse_args(argv)
-    needs = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}.get(args.command, [])
-    for name in (n for n in needs if n in closed):
-        print(f"error: {args.command} needs its {name}, which is closed; run it without closing {name} "
-              f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
-        sys.exit(2)
-    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
-    run_command(commands[args.command], args)
-
-
-def exit_now_if_threads_work_on(code):
-    """after a signal's exit (128 + N): Python joins the threads at exit, and a training step's
-    threads would hold a second Ctrl-C's "at once" until the step ends (minutes for a large
-    --batch); their work is lost anyway, so leave without them, output flushed"""
-    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
 
 
 if __name__ == "__main__":
