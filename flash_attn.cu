@@ -1135,7 +1135,7 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_
 // D = 64: two m-tiles a warp (128 query rows a block, each K and V fragment read from shared memory
 // serving 32 rows), the scores 32 keys at a time so that 168 registers do and 3 blocks fit an SM: a
 // layer's forward at B = 64 on an H200 163 us, against 174 with one m-tile and 178 with 16 keys at a
-// time (docs/logs_h200_forward_mt2/); nanoeuler_cuda.FORWARD_MT
+// time (dev/logs/h200_forward_mt2/); nanoeuler_cuda.FORWARD_MT
 extern "C" __global__ void __launch_bounds__(MMA_THREADS, 3) attention_forward_bf16_kernel_64(
     unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq, int Hkv, float scale) {
     attention_forward_bf16<64, 2, 32>(y16, lse, qkv16, T, Hq, Hkv, scale);

@@ -294,7 +294,7 @@ extern "C" __global__ void residual_rmsnorm_forward_kernel(floatX* x, floatX* ou
 // in registers from the first sum to dx, so each is read once. A lane always holds the same
 // columns, so its share of w and of dw stays in registers across its rows too: reading w
 // again for each row and adding dw in shared memory took 95.6 us against 67.8 at the big
-// model's batch 64 (H200, docs/variants/). To keep those registers few the kernel comes in
+// model's batch 64 (H200, dev/variants/). To keep those registers few the kernel comes in
 // the widths of row it takes (WIDTH, a multiple of 32 PACK: rmsnorm_backward_kernel_768
 // holds 3 packs a lane in bf16, 6 in fp32; the fp32 build's widest spills 52 bytes); the host
 // picks the narrowest that fits C.

@@ -128,7 +128,7 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
     """{module: CUBIN} of MODULES for sm_<arch>, from the disk cache when the source is unchanged.
 
     The CUBIN is built for the device's own compute capability: PTX from an
-    NVRTC newer than the driver would not load (see ../shared/notes). A cached
+    NVRTC newer than the driver would not load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION). A cached
     file ends with the SHA-256 of the CUBIN before it: the driver crashes the
     process on a damaged CUBIN, so one that does not match is compiled again."""
     _, nvrtc = import_cuda()

@@ -364,8 +364,8 @@ def emulator_module():
 
 
 def check_parts_module():
-    """docs/gpu_check_parts.py: check part by part, the device script's fallback"""
-    spec = importlib.util.spec_from_file_location("gpu_check_parts", os.path.join(HERE, "docs", "gpu_check_parts.py"))
+    """dev/gpu/check_parts.py: check part by part, the device script's fallback"""
+    spec = importlib.util.spec_from_file_location("gpu_check_parts", os.path.join(HERE, "dev", "gpu", "check_parts.py"))
     parts = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(parts)
     return parts
@@ -683,7 +683,7 @@ def test_the_decoding_profile_runs_on_the_cpu_emulator(emulated, capsys):
 def test_training_checks_on_the_cpu_emulator(emulated):
     # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
     # and bfloat16) and flash_attn.cu (its tensor-core passes too), part by part as
-    # docs/gpu_check_parts.py runs it on a GPU: every kernel against numpy, attention in fp32,
+    # dev/gpu/check_parts.py runs it on a GPU: every kernel against numpy, attention in fp32,
     # tf32 and bf16, the model's loss and gradients in each, SFT rows, and whole steps in fp32
     # and bf16: AdamW against numpy, the NaN stop, and 3 steps replayed from the captured graph
     # (per precision, and the NaN step) with the bits of kernel-by-kernel steps. Each line of

@@ -967,11 +967,15 @@ def test_sft_on_a_model_whose_loss_is_nan_at_once_says_the_model_gives_it(tmp_pa
 
 
 def test_every_command_in_the_readmes_code_blocks_parses():
-    # a renamed flag or command must not leave README's flows behind ([--x] marks an optional flag)
+    # a renamed flag or command must not leave README's flows, or docs/'s pages, behind ([--x] marks an
+    # optional flag)
+    import glob
     import shlex
     import nanoeuler_cuda as nc
-    with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
-        blocks = re.findall(r"```\n(.*?)```", f.read(), re.S)
+    blocks = []
+    for page in ["README.md"] + sorted(glob.glob(os.path.join(HERE, "docs", "*.md"))):
+        with open(os.path.join(HERE, page), encoding="utf-8") as f:
+            blocks += re.findall(r"```\n(.*?)```", f.read(), re.S)
     commands = [m.groups() for block in blocks for line in block.splitlines()
                 if (m := re.match(r"python (nanoeuler(?:_cuda)?\.py) (.*)", line.split("  #")[0].strip()))]
     assert len(commands) >= 12

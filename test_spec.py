@@ -1,5 +1,5 @@
 """
-The model pinned to /work/shared/SPEC.md (docs/SPEC.md) and the optimizer to its
+The model pinned to docs/SPEC.md (the contract) and the optimizer to its
 published definition. Every expected number is computed here, in float64, from
 the formula (SPEC's, or the paper's), never by calling the function under test.
 tools/mutate.py checks that one-line bugs in nanoeuler.py make these tests fail.

@@ -1,5 +1,5 @@
 """How far could drafts take speculative decoding on a trained model, and what does a pass over
-more rows cost? Run from the repository root: python docs/variants/draft_ranks.py MODEL [OUT.npz]
+more rows cost? Run from the repository root: python dev/variants/draft_ranks.py MODEL [OUT.npz]
 
 1. A pass over R = 1..8 rows (1 and K heads) replayed from its graph: GPU time (as bench's --profile).
 2. Plain greedy decoding on the GPU (bf16) from BENCH_PROMPT's first 16 tokens to the end of the

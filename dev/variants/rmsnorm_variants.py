@@ -1,9 +1,9 @@
 """
 Times variants of rmsnorm_backward_kernel and residual_rmsnorm_forward_kernel
-(docs/variants/rmsnorm_variants.cu, appended to kernels.cu) against the kernels
+(dev/variants/rmsnorm_variants.cu, appended to kernels.cu) against the kernels
 before them (v0) and as they are now at the big model's batch-64 shape (N = 64 x 512 rows, C = 768, bf16),
 after checking that each gives the same dx (bits) and dw (within 1e-4). Not part
-of NanoEuler: python docs/variants/rmsnorm_variants.py on a GPU.
+of NanoEuler: python dev/variants/rmsnorm_variants.py on a GPU.
 """
 import os
 import shutil

@@ -1,7 +1,7 @@
 """Which decode kernel costs more when a pass has more rows? Each of a step's kinds of launch,
 50 times back to back in one CUDA graph (with PDL, as in a step), replayed, for R = 1, 2, 4:
 GPU time per launch. Random weights of big, bf16, *pos = 11. Run from the repository root:
-python docs/variants/decode_rows_probe.py"""
+python dev/variants/decode_rows_probe.py"""
 import os
 import sys
 

@@ -3,10 +3,10 @@ The NanoEuler model in PyTorch, only to measure what nanoeuler.py and
 nanoeuler_cuda.py are compared against (BENCHMARKS.md). Not part of NanoEuler:
 nothing imports it, and it needs PyTorch.
 
-    python docs/pytorch_reference.py [--compile [reduce-overhead]] [--precision bf16|tf32] [--batch 16]   # big, GPU
-    python docs/pytorch_reference.py --attention --batch 16     # scaled_dot_product_attention alone
-    python docs/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8
-    python docs/pytorch_reference.py --decode [--compile]    # batch-1 greedy decoding with a KV cache
+    python tools/pytorch_reference.py [--compile [reduce-overhead]] [--precision bf16|tf32] [--batch 16]   # big, GPU
+    python tools/pytorch_reference.py --attention --batch 16     # scaled_dot_product_attention alone
+    python tools/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8
+    python tools/pytorch_reference.py --decode [--compile]    # batch-1 greedy decoding with a KV cache
 
 Same model as SPEC.md (RMSNorm, RoPE, GQA, SwiGLU, K untied heads, mtp_weight),
 AdamW, bf16 autocast, tf32 or fp32, the step timed after warm-up. --compile

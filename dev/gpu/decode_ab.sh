@@ -1,11 +1,11 @@
 #!/bin/bash
-# Short decoding A/B of the working tree against copies of other trees (bash docs/gpu_decode_ab4.sh
+# Short decoding A/B of the working tree against copies of other trees (bash dev/gpu/decode_ab.sh OUTDIR
 # [TREE...], default ab_base, each made by hand: mkdir ab_base && git archive REF | tar -x -C
-# ab_base; a variant: the same into ab_x, then git apply --directory=ab_x docs/variants/X.diff) on one GPU, most
-# telling first ($OUT: summary.log and logs): check; the rows probe in each tree; bench
+# ab_base; a variant: the same into ab_x, then git apply --directory=ab_x dev/variants/X.diff) on one GPU, most
+# telling first (OUTDIR: summary.log and logs): check; the rows probe in each tree; bench
 # --decode-only --profile on random weights in each; then train big, sft and bench --decode-only
 # on that SFT model in each.
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/common.sh"
 trees=". ${*:-ab_base}"
 run_check
 rows_probe $trees

@@ -6,9 +6,9 @@
 # document followed by an <|endoftext|> line, as get_data.sh writes web text. Then
 # SFT through an Alpaca-format JSON file made from the embedded instructions (the
 # shape of alpaca_data.json, which needs the network). Run from the repository root
-# (bash docs/gpu_corpus.sh; $OUT: where the logs go). ~4 minutes on an H200.
+# (bash dev/gpu/corpus.sh OUTDIR; OUTDIR: where the logs go). ~4 minutes on an H200.
 export PYTHONUNBUFFERED=1
-O=${OUT:-/tmp/out}; mkdir -p "$O"
+O=${1:?usage: bash dev/gpu/corpus.sh OUTDIR (the folder the logs go to)}; mkdir -p "$O"
 C=${CORPUS:-/tmp/corpus}
 t() { local s=$EPOCHREALTIME; "$@"; local rc=$?; echo "[timing] $* : $(awk "BEGIN{print $EPOCHREALTIME - $s}") s (rc $rc)"; return $rc; }
 python - "$C" <<'PY'

@@ -1,7 +1,9 @@
-# Sourced by the docs/gpu_*.sh device scripts (not run on its own): $R, the output folder ($OUT);
-# $S, its summary.log, begun with the date and the GPU; and four helpers.
+# Sourced by the dev/gpu/*.sh device scripts (not run on its own), from the repository root. Every
+# script's first argument is its output folder: $R; the arguments after it stay in "$@". $S, the
+# folder's summary.log, begun with the date and the GPU; and four helpers.
 export PYTHONUNBUFFERED=1
-R=${OUT:-/tmp/out}; mkdir -p "$R"; S=$R/summary.log; : > "$S"
+R=${1:?usage: bash $0 OUTDIR [...] (the folder the logs go to)}; shift
+mkdir -p "$R"; S=$R/summary.log; : > "$S"
 t() {   # t LOG CMD...: CMD's output into $R/LOG, its wall time and exit code into the summary
   local log=$1; shift
   local s=$EPOCHREALTIME
@@ -14,10 +16,10 @@ run_check() {   # nanoeuler_cuda.py check into $R/check.log; its OK and NOT OK l
   echo "check: $(grep -c ' OK$' "$R/check.log") OK, $(grep -c 'NOT OK' "$R/check.log") NOT OK" | tee -a "$S"
   grep "NOT OK" "$R/check.log" | head | tee -a "$S"
 }
-rows_probe() {   # rows_probe TREE...: docs/variants/decode_rows_probe.py in each tree, into the summary
+rows_probe() {   # rows_probe TREE...: dev/variants/decode_rows_probe.py in each tree, into the summary
   for tree in "$@"; do
     echo "== rows probe, $tree" | tee -a "$S"
-    (cd "$tree" && python docs/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
+    (cd "$tree" && python dev/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
   done
 }
 readme_flow() {   # the README's flow into $L (made by the caller): train big, sft, chat greedy and

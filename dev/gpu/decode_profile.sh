@@ -1,8 +1,8 @@
 #!/bin/bash
 # bench --decode-only --profile (random weights) in the working tree and in copies of other trees
-# (bash docs/gpu_decode_profile4.sh TREE..., each made by hand as in docs/gpu_decode_ab4.sh), one
+# (bash dev/gpu/decode_profile.sh OUTDIR TREE..., each made by hand as in dev/gpu/decode_ab.sh), one
 # tree after another, twice round: GPU time of a pass over 1-4 rows, plain and speculative tok/s
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/common.sh"
 trees=". $*"
 for round in 1 2; do
   for tree in $trees; do

@@ -1,5 +1,5 @@
 """
-One part of `python nanoeuler_cuda.py check`, on its own, for docs/gpu_next.sh's
+One part of `python nanoeuler_cuda.py check`, on its own, for a device script's
 fallback: when check fails or raises, each part runs in a process of its own (a
 kernel that faults leaves its CUDA context unusable), so that one part's error
 hides no other, and the summary says which part broke. NAME=VALUE arguments set
@@ -7,16 +7,16 @@ nanoeuler_cuda's switches first, to see whether a fallback mends the part:
 BF16_ACTIVATIONS=False, GRAPH_STEP=False, DECODE_ATTENTION="'single'",
 DECODE_PDL=False. Not part of NanoEuler.
 
-    python docs/gpu_check_parts.py --list
-    python docs/gpu_check_parts.py --failed check.log     # the parts to run again, from check's output
-    python docs/gpu_check_parts.py "model bf16" [NAME=VALUE ...]
+    python dev/gpu/check_parts.py --list
+    python dev/gpu/check_parts.py --failed check.log     # the parts to run again, from check's output
+    python dev/gpu/check_parts.py "model bf16" [NAME=VALUE ...]
 """
 
 import ast
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 

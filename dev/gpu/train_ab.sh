@@ -1,10 +1,10 @@
 #!/bin/bash
-# Training A/B of the working tree against copies of other trees (bash docs/gpu_train_ab.sh
+# Training A/B of the working tree against copies of other trees (bash dev/gpu/train_ab.sh OUTDIR
 # [TREE...], default ab_base, each made by hand: mkdir ab_base && git archive REF | tar -x -C
-# ab_base) on one GPU ($OUT: summary.log and the logs): check; bench big at batch 64 and 16, the
+# ab_base) on one GPU (OUTDIR: summary.log and the logs): check; bench big at batch 64 and 16, the
 # trees in turn, twice; each tree's attention timing (bench --profile at 64); PyTorch
 # (torch.compile with CUDA graphs) at 64 and 16 unless PYTORCH=0.
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/common.sh"
 trees=". ${*:-ab_base}"
 run_check
 for round in 1 2; do
@@ -22,7 +22,7 @@ for tree in $trees; do
 done
 if [ "${PYTORCH:-1}" != 0 ]; then
   for b in 64 16; do
-    t torch_b$b.log python docs/pytorch_reference.py --compile reduce-overhead --batch $b
+    t torch_b$b.log python tools/pytorch_reference.py --compile reduce-overhead --batch $b
     grep -E "^PyTorch|Error" "$R/torch_b$b.log" | tail -2 | tee -a "$S"
   done
 fi

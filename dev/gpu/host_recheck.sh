@@ -1,10 +1,10 @@
 #!/bin/bash
-# The closing device run of a host-side change (bash docs/gpu_host_recheck.sh; $OUT: summary.log,
+# The closing device run of a host-side change (bash dev/gpu/host_recheck.sh OUTDIR; OUTDIR: summary.log,
 # the chat transcripts and logs.tgz), about 4 minutes on an H200: check; the README's flow (train
 # big, sft, chat greedy and --speculative, decoding speed on that SFT model); bench's flags refused
 # before a GPU starts; a --gpus 1 run whose launcher is killed; the GPU tests of test_nanoeuler.py;
 # test_cuda_pipeline.py.
-source "$(dirname "$0")/gpu_common.sh"
+source "$(dirname "$0")/common.sh"
 L=$R/logs; mkdir -p "$L"
 run_check && mv "$R/check.log" "$L/"
 readme_flow
