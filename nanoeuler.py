@@ -1602,40 +1602,64 @@ def print_table(rows):
 
 
 def plot_log(csv_path, out=print):
-    """the loss curve: a PNG when matplotlib is installed, else a plot in the terminal"""
+    """the loss curve beside log.csv: log.svg always (SVG is text: no package needed),
+    and log.png too when matplotlib is installed"""
     with open(csv_path, encoding="utf-8", errors="replace") as f:
         rows = [row for line in f if (row := log_row(line))]
     if not rows:
         return
     steps, loss = [r[0] for r in rows], [r[1] for r in rows]
     val = [(r[0], r[2]) for r in rows if r[2] is not None]
+    svg = os.path.splitext(csv_path)[0] + ".svg"
+    atomic_write_bytes(svg, svg_plot(steps, loss, val).encode())
+    out(f"loss curve: {svg}")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        ax.plot(steps, loss, lw=0.8, label="train CE_0")
-        if val:
-            ax.plot(*zip(*val), "o-", label="val CE_0")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (nats per token)")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        png = os.path.splitext(csv_path)[0] + ".png"
-        fig.savefig(png, dpi=120, bbox_inches="tight")
-        out(f"loss curve: {png}")
     except ImportError:
-        # 60 columns x 12 rows; each column shows the mean training loss of its steps
-        W, H = 60, 12
-        cols = np.array_split(np.array(loss), min(W, len(loss)))
-        means = np.array([c.mean() for c in cols])
-        lo, hi = means.min(), means.max()
-        levels = np.round((means - lo) / max(hi - lo, 1e-9) * (H - 1)).astype(int)
-        out(f"loss curve (train CE_0 against step 1..{steps[-1]}; pip install matplotlib for a PNG)")
-        for h in range(H - 1, -1, -1):
-            label = f"{lo + (hi - lo) * h / (H - 1):6.3f}" if h in (0, H // 2, H - 1) else " " * 6
-            out(label + " |" + "".join("*" if lv == h else " " for lv in levels))
-        out(" " * 7 + "+" + "-" * len(levels))
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, loss, lw=0.8, label="train CE_0")
+    if val:
+        ax.plot(*zip(*val), "o-", label="val CE_0")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    png = os.path.splitext(csv_path)[0] + ".png"
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    out(f"loss curve: {png}")
+
+
+def svg_plot(steps, loss, val, width=640, height=360):
+    """train loss as a line by step, validation loss as dots, both axes labelled, as SVG text"""
+    left, bottom, top, right = 60, 40, 10, 10                 # margins for the labels
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    ys = loss + [v for _, v in val]
+    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
+
+    def xy(s, y):                                          # data -> pixels (y grows downwards)
+        return (left + (s - x0) / (x1 - x0) * (width - left - right),
+                height - bottom - (y - y0) / (y1 - y0) * (height - bottom - top))
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>']
+    for i in range(5):                                     # five ticks on each axis, with grid lines
+        (x, _), (_, y) = xy(x0 + (x1 - x0) * i / 4, y0), xy(x0, y0 + (y1 - y0) * i / 4)
+        svg += [f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">'
+                f'{x0 + (x1 - x0) * i / 4:.0f}</text>',
+                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{y0 + (y1 - y0) * i / 4:.3f}</text>',
+                f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>']
+    line = " ".join("{:.1f},{:.1f}".format(*xy(s, y)) for s, y in zip(steps, loss))
+    svg.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1"/>')
+    svg += ['<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="#ff7f0e"/>'.format(*xy(s, v)) for s, v in val]
+    svg += [f'<text x="{(left + width) / 2:.0f}" y="{height - 6}" text-anchor="middle">step</text>',
+            f'<text transform="translate(14 {(height - bottom) / 2:.0f}) rotate(-90)" text-anchor="middle">'
+            'loss (nats per token)</text>',
+            f'<text x="{width - 16}" y="24" text-anchor="end" fill="#1f77b4">train CE_0</text>',
+            f'<text x="{width - 16}" y="40" text-anchor="end" fill="#ff7f0e">val CE_0 (dots)</text>', '</svg>']
+    return "\n".join(svg) + "\n"
 
 
 def data_cache(out_dir):
@@ -1664,15 +1688,25 @@ def plan_at(args, state, start):
     return start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
 
 
-def plan_steps(args, step, step_time, eval_time, elapsed):
-    """--minutes: how many steps, evaluations included, end the run on time. Set
-    within the warmup (while the learning rate does not depend on the total),
-    once, and kept in the training state, so a resumed run keeps the plan."""
-    left, per_step = args.minutes * 60 - elapsed, step_time + eval_time / args.eval_every
-    # capped: a clock that barely moved (a step of 0 s) must not plan infinitely many steps
-    total = step + max(1, int(min(left / per_step if per_step > 0 else math.inf, MAX_PLANNED_STEPS)))
+def plan_steps(args, step, step_time, eval_time, save_time, elapsed):
+    """--minutes: the most steps that end the whole run on time: the minutes less the
+    time since the program started (elapsed), then every step, evaluation and
+    checkpoint to come, the last step's included. Set within the warmup (while the
+    learning rate does not depend on the total), once, and kept in the training
+    state, so a resumed run keeps the plan."""
+    left = args.minutes * 60 - elapsed
+
+    def cost(total):                                   # seconds from now to the end of a run of `total` steps
+        ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
+        return (total - step) * step_time + ends(args.eval_every) * eval_time + ends(args.save_every) * save_time
+    lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
+    while lo < hi:                                     # cost grows with total: bisect for the last that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
+    total = lo
     print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
-          f"{eval_time:.1f} s an evaluation every {args.eval_every})")
+          f"{eval_time:.1f} s an evaluation every {args.eval_every}, {save_time:.1f} s a checkpoint every "
+          f"{args.save_every})")
     if args.warmup < step:
         print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
               "so far followed --steps's schedule")
@@ -1805,12 +1839,14 @@ def finish_if_complete(engine, out_dir, start, total, last_path):
 
 
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
-               clock=time.perf_counter):
+               clock=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log, evaluate,
     save, and stop cleanly (on a signal or when our output is gone: saved first). next_batch(rng)
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
     the best validation. The log's samples continue sample_prompt (ids; default: a document's
-    start). clock: seconds, for the timings and --minutes's plan (a test passes a fake one)."""
+    start). clock: seconds, for the timings and --minutes's plan (default now(), which main
+    read as args.started)."""
+    clock = clock or now
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
@@ -1821,6 +1857,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
     times, t_start = [], clock()
+    began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
     flag = StopFlag()
     with signals_handled(StopFlag.SIGNALS, flag.handle), warnings.catch_warnings():
@@ -1839,12 +1876,15 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                     t_eval = clock()
                     val = run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt,
                                          elapsed)
-                    if step == plan_step:
-                        total = state["planned_steps"] = plan_steps(args, step, np.mean(times), clock() - t_eval,
-                                                                    clock() - t_start)
+                    eval_time = clock() - t_eval
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
-                if step % args.save_every == 0 or step == total:
+                planning = step == plan_step and val           # --minutes: an evaluation and a save, timed
+                if step % args.save_every == 0 or step == total or planning:
+                    t_save = clock()
                     saved, last_path = step, checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+                    if planning:
+                        total = state["planned_steps"] = plan_steps(args, step, np.mean(times), eval_time,
+                                                                    clock() - t_save, clock() - began)
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
             last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
     csv.close()
@@ -1859,7 +1899,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
 
 
 def start_state(args, seed):
-    settings = {k: v for k, v in vars(args).items() if k != "out_lock"}    # the lock's open file is no setting
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}    # no settings
     return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": settings}
 
 
@@ -2006,24 +2046,29 @@ def check_drafts(args, cfg):
         args.drafts = cfg.K - 1
 
 
-def chat_reply(params, cfg, tok, history, args, out, reply, gen=None):
+def chat_reply(params, cfg, tok, history, args, out, reply, gen=None, stats=None):
     """generate the assistant's turn after history, streaming its text to out and its ids
     into reply as they come (so a Ctrl-C keeps what was said). gen: generate's twin
-    (nanoeuler_cuda.generate, with its decoder for params)"""
+    (nanoeuler_cuda.generate, with its decoder for params); stats: generate's pass counts"""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end = tok.special("<|end|>")
     gen = gen or generate
+    cut = False                                        # whether --max-new-tokens ended the reply
     try:
         for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                     args.seed, args.speculative, stop=end, drafts=args.drafts):
+                     args.seed, args.speculative, stop=end, drafts=args.drafts, stats=stats):
             if t == end or t >= 256 and t < FIRST_MERGE_ID:
                 break
             reply.append(t)
             out.write(decoder.decode(tok.vocab[t]))
             out.flush()
+        else:
+            cut = len(reply) >= args.max_new_tokens
     finally:
         out.write(decoder.decode(b"", final=True) + "\n")
         out.flush()
+    if cut:
+        print(f"(reply cut at --max-new-tokens {args.max_new_tokens}; give a larger one for longer replies)")
 
 
 def cmd_chat(args, make_params=None, gen=None):
@@ -2035,27 +2080,27 @@ def cmd_chat(args, make_params=None, gen=None):
     params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
     out = sys.stdout
     interactive = sys.stdin.isatty()
+    if interactive:
+        with contextlib.suppress(ImportError):         # arrow keys edit the line and recall earlier ones
+            import readline  # noqa: F401
     print(f"chatting with {args.model} ({num_params(cfg):,} parameters, context {cfg.T} tokens); "
-          "/reset clears the history, /quit or Ctrl-D leaves")
-    history = []
+          "/help lists the commands, /quit or Ctrl-D leaves")
+    history, stats = [], {} if args.speculative else None
     try:
         while True:
-            if interactive:
-                out.write("you> ")
-                out.flush()
-            line = sys.stdin.buffer.readline()
-            if not line:
+            text = read_turn(interactive, out)
+            if text is None:
                 break                                              # Ctrl-D / end of input
-            text = line.decode("utf-8", errors="replace").strip()
             if not text:
                 continue
-            if not interactive:
-                out.write(f"you> {text}\n")             # a transcript reads like the terminal would
-            if text == "/quit":
+            if text in ("/quit", "/exit"):
                 break
             if text == "/reset":
                 history = []
                 print("(history cleared)")
+                continue
+            if re.fullmatch(r"/[A-Za-z]+", text):               # /help, or a command we do not know
+                print(("" if text == "/help" else f"unknown command {text}; the commands are:\n") + CHAT_HELP)
                 continue
             ids, _ = render_turn(tok, text)
             # naive: keeps the whole conversation and re-feeds it each turn; the
@@ -2070,7 +2115,7 @@ def cmd_chat(args, make_params=None, gen=None):
             reply = []
             try:
                 with generating(args.model):
-                    chat_reply(params, cfg, tok, history, args, out, reply, gen)
+                    chat_reply(params, cfg, tok, history, args, out, reply, gen, stats)
             except KeyboardInterrupt as e:                 # Ctrl-C stops the reply, not the chat
                 if isinstance(e, Interrupted):
                     raise
@@ -2081,6 +2126,39 @@ def cmd_chat(args, make_params=None, gen=None):
             raise
         out.write("\n")
     print("bye")
+    speculation_report(stats)
+
+
+CHAT_HELP = """  /reset  forget the conversation and start over
+  /quit   leave (so do Ctrl-D and Ctrl-C at the prompt)
+  /help   this list
+Anything else is sent to the model; Ctrl-C stops a reply."""
+
+
+def read_turn(interactive, out):
+    """the user's next line, stripped; None at the end of input. A terminal gets input()
+    (readline's line editing); a pipe or file is read as bytes, its text echoed after
+    "you> ", so that a transcript reads like the terminal would."""
+    if interactive:
+        try:
+            return input("you> ").strip()
+        except EOFError:
+            out.write("\n")                                   # Ctrl-D: "bye" on a line of its own
+            return None
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return None
+    text = line.decode("utf-8", errors="replace").strip()
+    if text:
+        out.write(f"you> {text}\n")
+    return text
+
+
+def speculation_report(stats):
+    """--speculative's one line on stderr at the end: tokens per pass, drafts accepted"""
+    if stats and stats.get("steps"):
+        print(f"speculative: {stats['tokens'] / stats['steps']:.2f} tokens a pass ({stats['steps']} passes, "
+              f"{stats['tokens'] - stats['steps']} drafts accepted)", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------
@@ -2128,6 +2206,17 @@ def argv_text(text):
     return raw.decode("utf-8", "replace")
 
 
+def cmd_plot(args):
+    """log.svg (and log.png) of a run folder or a log.csv, drawn again"""
+    csv_path = os.path.join(args.run, "log.csv") if os.path.isdir(args.run) else args.run
+    if not os.path.isfile(csv_path):
+        raise NanoEulerError(f"{csv_path} is not there; give a run folder (like out/small) or its log.csv")
+    with open(csv_path, encoding="utf-8", errors="replace") as f:
+        if not any(log_row(line) for line in f):
+            raise NanoEulerError(f"{csv_path} holds no step yet; plot it once the run has logged one")
+    plot_log(csv_path)
+
+
 def cmd_sample(args, make_params=None, gen=None):
     """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
     and generate (the model file is read, and refused, before either)"""
@@ -2141,12 +2230,14 @@ def cmd_sample(args, make_params=None, gen=None):
               f"keeping its last {cfg.T - 1}", file=sys.stderr)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
+    stats = {} if args.speculative else None
     with generating(args.model):
         for t in (gen or generate)(params, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                   args.top_p, args.seed, args.speculative, drafts=args.drafts):
+                                   args.top_p, args.seed, args.speculative, drafts=args.drafts, stats=stats):
             sys.stdout.write(decoder.decode(tok.vocab[t]))
             sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    speculation_report(stats)
 
 
 # Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError
@@ -2288,6 +2379,8 @@ def build_parser():
     generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
+    sub.add_parser("plot", help="draw a run's loss curve again (log.svg, and log.png with matplotlib)").add_argument(
+        "run", help="a run folder (out/small) or its log.csv")
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
     sp.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads for training steps")
@@ -2295,16 +2388,23 @@ def build_parser():
     return p
 
 
+def now():
+    """seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)"""
+    return time.perf_counter()
+
+
 def main(argv=None):
+    started = now()                                    # --minutes counts the whole run from here
     closed = reopen_closed_streams()
     args = build_parser().parse_args(argv)
+    args.started = started
     needs = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}.get(args.command, [])
     for name in (n for n in needs if n in closed):
         print(f"error: {args.command} needs its {name}, which is closed; run it without closing {name} "
               f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
         sys.exit(2)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare}
+                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot}
     run_command(commands[args.command], args)
 
 

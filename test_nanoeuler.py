@@ -560,8 +560,9 @@ def test_training_lowers_the_loss(tmp_path, capsys):
 
 
 def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, monkeypatch):
-    # a fake clock that moves only when the engine works (a step 1/16 s, an evaluation
-    # 2 s), so the plan does not depend on how fast this machine is today
+    # a fake clock that moves only when the program works (reading the corpus 1 s, a step
+    # 1/16 s, an evaluation 2 s, a checkpoint 0.5 s), so the plan does not depend on how
+    # fast this machine is today
     now = [0.0]
 
     def taking(seconds, work):
@@ -569,17 +570,21 @@ def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, 
             now[0] += seconds
             return work(*args, **kwargs)
         return timed
+    monkeypatch.setattr(ne, "prepare_data", taking(1.0, ne.prepare_data))
     monkeypatch.setattr(ne.CPUEngine, "step", taking(1 / 16, ne.CPUEngine.step))
     monkeypatch.setattr(ne.CPUEngine, "evaluate", taking(2.0, ne.CPUEngine.evaluate))
-    monkeypatch.setattr(ne, "train_loop", functools.partial(ne.train_loop, clock=lambda: now[0]))
+    monkeypatch.setattr(ne, "save_checkpoint", taking(0.5, ne.save_checkpoint))
+    monkeypatch.setattr(ne, "now", lambda: now[0])
     data = small_corpus(tmp_path)
-    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.1", "--warmup", "25", "--stop-after", "30",
-                       "--eval-every", "1000"))
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "25", "--stop-after", "30",
+                       "--eval-every", "1000", "--save-every", "1000"))
     out = capsys.readouterr().out
-    # by hand: 20 steps and one evaluation spent 20/16 + 2 of the 6 s; each step to come
-    # costs 1/16 s and a thousandth of an evaluation
-    planned = 20 + int((6 - (20 / 16 + 2)) / (1 / 16 + 2 / 1000))
-    assert f"plan | {planned} steps in 0.1 minutes (62.5 ms a step, 2.0 s an evaluation every 1000)" in out
+    # by hand: the corpus, 20 steps, an evaluation and a checkpoint spent 1 + 20/16 + 2 + 0.5
+    # of the 12 s; the last step's evaluation and checkpoint will take 2.5 more, leaving
+    # 4.75 s for 76 steps of 1/16 s
+    planned = 20 + 76
+    assert (f"plan | {planned} steps in 0.2 minutes (62.5 ms a step, 2.0 s an evaluation every 1000, "
+            "0.5 s a checkpoint every 1000)") in out
     assert planned > 30 and re.search(rf"step +21/{planned} \|", out) and re.search(r"step +20/1000 \|", out)
     cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 30)
     assert state["planned_steps"] == planned
@@ -588,6 +593,30 @@ def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, 
     out = capsys.readouterr().out
     assert "plan |" not in out and f"step {planned}/{planned} |" in out
     assert ne.latest_checkpoint(str(tmp_path / "run")) == planned
+
+
+def test_minutes_is_the_whole_run_within_five_percent(tmp_path, capsys, monkeypatch):
+    # the same fake clock, and a run left to end by itself: from main's start to its
+    # last line, the corpus, evaluations, checkpoints and the summary included
+    now = [0.0]
+
+    def taking(seconds, work):
+        def timed(*args, **kwargs):
+            now[0] += seconds
+            return work(*args, **kwargs)
+        return timed
+    monkeypatch.setattr(ne, "prepare_data", taking(3.0, ne.prepare_data))
+    monkeypatch.setattr(ne.CPUEngine, "step", taking(0.25, ne.CPUEngine.step))
+    monkeypatch.setattr(ne.CPUEngine, "evaluate", taking(4.0, ne.CPUEngine.evaluate))
+    monkeypatch.setattr(ne, "save_checkpoint", taking(1.5, ne.save_checkpoint))
+    monkeypatch.setattr(ne, "now", lambda: now[0])
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.5", "--warmup", "25", "--eval-every", "20",
+                       "--save-every", "20"))
+    # by hand: 3 + 20 * 0.25 + 4 + 1.5 = 13.5 s by the plan at step 20; steps 21..42 then
+    # take 22 * 0.25 = 5.5 s, with evaluations and checkpoints at 40 and at 42: 11 s
+    assert now[0] == 30.0
+    assert "plan | 42 steps in 0.5 minutes" in capsys.readouterr().out
 
 
 def test_resume_is_bit_identical(tmp_path):
