@@ -1,0 +1,146 @@
+"""
+A new user's first hour: the loss picture with no package (log.svg), `plot`, the
+chat REPL (line editing, /help, Ctrl-D, a cut reply), --speculative's report,
+and starting over in a folder that holds a run (--fresh).
+"""
+
+import os
+import pty
+import re
+import select
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+import nanoeuler as ne
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def run_cli(*args, stdin=None):
+    return subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), *args], input=stdin,
+                          capture_output=True, timeout=300, cwd=HERE)
+
+
+def write_log(path, rows):
+    """log.csv rows (step, loss, val or None), the other columns filler"""
+    path.write_text(ne.LOG_HEADER + "".join(f"{s},{loss},0.001,1.0,10,100,0.1,{'' if v is None else v},"
+                                            f"{'' if v is None else 2.0}\n" for s, loss, v in rows))
+
+
+def test_the_loss_picture_is_drawn_to_scale(tmp_path):
+    # steps 1..3 with losses 3, 2, 1 and a validation point (3, 1.5): on a 640 x 360
+    # picture with margins left 60, right 10, top 10, bottom 40, step 1 is at x = 60
+    # and step 3 at x = 630; loss 3 at y = 10 and loss 1 at y = 320
+    write_log(tmp_path / "log.csv", [(1, 3.0, None), (2, 2.0, None), (3, 1.0, 1.5)])
+    r = run_cli("plot", str(tmp_path))
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"loss curve: {tmp_path / 'log.svg'}" in r.stdout.decode()
+    svg = ET.parse(tmp_path / "log.svg").getroot()
+    line = [tuple(map(float, p.split(","))) for p in svg.find(f"{SVG}polyline").get("points").split()]
+    assert line == [(60.0, 10.0), (345.0, 165.0), (630.0, 320.0)]
+    (dot,) = svg.findall(f"{SVG}circle")
+    assert (float(dot.get("cx")), float(dot.get("cy"))) == (630.0, 242.5)
+    texts = [t.text for t in svg.iter(f"{SVG}text")]
+    assert "step" in texts and "loss (nats per token)" in texts
+    assert {"1", "2", "3"} <= set(texts) and {"1.000", "2.000", "3.000"} <= set(texts)     # both axes' ticks
+
+
+def test_plot_takes_a_log_csv_and_refuses_what_is_not_one(tmp_path):
+    write_log(tmp_path / "log.csv", [(5, 4.0, 4.1), (10, 3.0, None)])
+    assert run_cli("plot", str(tmp_path / "log.csv")).returncode == 0
+    assert (tmp_path / "log.svg").exists()
+    for path, words in ((tmp_path / "none", "is not there"), (tmp_path / "empty.csv", "holds no step")):
+        if path.name.endswith(".csv"):
+            path.write_text(ne.LOG_HEADER)
+        r = run_cli("plot", str(path))
+        err = r.stderr.decode()
+        assert r.returncode == 2 and words in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_a_training_run_ends_with_its_picture(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:40_000])
+    ne.main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--vocab-size", "300", "--batch", "2",
+             "--steps", "6", "--eval-every", "3", "--eval-batches", "1", "--save-every", "6", "--warmup", "1"])
+    svg = ET.parse(tmp_path / "run" / "log.svg").getroot()
+    assert len(svg.find(f"{SVG}polyline").get("points").split()) == 6      # every step
+    assert len(svg.findall(f"{SVG}circle")) == 2                            # validation at 3 and 6
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    """a random model with draft heads: its replies are noise, but noise of a known length"""
+    path = str(tmp_path_factory.mktemp("chat") / "m.safetensors")
+    cfg = ne.Config(V=260, C=16, Hq=2, Hkv=1, L=1, T=64, F=32, K=2)
+    ne.save_model(path, cfg, ne.init_params(cfg, seed=1), ne.Tokenizer())
+    return path
+
+
+def test_chat_commands_are_answered_not_sent(chat_model):
+    r = run_cli("chat", "--model", chat_model, "--max-new-tokens", "3", "--temperature", "0",
+                stdin=b"/help\n/whatever\n/quit\n")
+    out = r.stdout.decode()
+    assert r.returncode == 0 and "bot> " not in out, out                 # nothing went to the model
+    assert out.count("/reset  forget the conversation") == 2 and "unknown command /whatever" in out
+    assert "/help lists the commands" in out
+
+
+def test_a_reply_cut_by_max_new_tokens_says_so(chat_model, monkeypatch, capsys):
+    # a model that never says <|end|> within 3 tokens: the reply is cut, and says so once
+    args = ne.build_parser().parse_args(["chat", "--model", chat_model, "--max-new-tokens", "3"])
+    out, reply = ne.io.StringIO(), []
+    ne.chat_reply(None, None, ne.Tokenizer(), [], args, out, reply, gen=lambda *a, **kw: iter([104, 105, 33]))
+    assert reply == [104, 105, 33] and out.getvalue() == "hi!\n"
+    assert capsys.readouterr().out == "(reply cut at --max-new-tokens 3; give a larger one for longer replies)\n"
+    # ended by <|end|> or by the generator before the limit: no word
+    for ids in ([104, ne.Tokenizer().special("<|end|>")], [104]):
+        ne.chat_reply(None, None, ne.Tokenizer(), [], args, ne.io.StringIO(), [], gen=lambda *a, **kw: iter(ids))
+        assert capsys.readouterr().out == ""
+
+
+def test_speculative_says_how_many_drafts_were_accepted(chat_model):
+    r = run_cli("sample", "--model", chat_model, "--speculative", "--temperature", "0", "--max-new-tokens", "20",
+                "--prompt", "ab")
+    err = r.stderr.decode()
+    m = re.search(r"speculative: ([0-9.]+) tokens a pass \(([0-9]+) passes, ([0-9]+) drafts accepted\)", err)
+    assert r.returncode == 0 and m, err
+    ratio, passes, accepted = float(m[1]), int(m[2]), int(m[3])
+    assert ratio == pytest.approx((passes + accepted) / passes, abs=0.005) and 1 <= ratio <= 2
+    assert "speculative:" not in run_cli("sample", "--model", chat_model, "--max-new-tokens", "5").stderr.decode()
+
+
+def read_until(fd, marker, seen, after=b""):
+    """the terminal's output until marker appears (after `after`, when given; no sleeps:
+    select waits for bytes)"""
+    while marker not in seen[0][seen[0].find(after) + len(after) if after in seen[0] else len(seen[0]) + 1:]:
+        ready, _, _ = select.select([fd], [], [], 60)
+        assert ready, f"no {marker!r} in {seen[0]!r}"
+        try:
+            seen[0] += os.read(fd, 4096)
+        except OSError:                                   # the child closed the terminal
+            break
+    return seen[0]
+
+
+def test_chat_in_a_terminal_edits_lines_and_leaves_on_ctrl_d(chat_model):
+    # in a real terminal (a pty): "/hep", the left arrow, "l" is "/help" only with line editing
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, os.path.join(HERE, "nanoeuler.py"), "chat", "--model", chat_model,
+                                  "--max-new-tokens", "2"])
+    seen = [b""]
+    read_until(fd, b"you> ", seen)
+    os.write(fd, b"/hep\x1b[Dl\r")
+    read_until(fd, b"this list", seen)
+    read_until(fd, b"you> ", seen, after=b"this list")
+    os.write(fd, b"\x04")                                 # Ctrl-D at the prompt
+    out = read_until(fd, b"bye", seen, after=b"this list")
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert re.search(rb"you> \r?\nbye", out), out          # "bye" on a line of its own
