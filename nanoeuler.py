@@ -1834,7 +1834,7 @@ def finish_if_complete(engine, out_dir, start, total, last_path):
         return False
     engine.close()
     print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
-          "nothing to do")
+          "nothing to do (--fresh starts it over, the old run kept aside)")
     return True
 
 
@@ -2314,7 +2314,10 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
                    help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv" +
                    (" (default: out/ and the model size: out/small, out/big)" if out is None else ""))
-    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    again = g.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    again.add_argument("--fresh", action="store_true", help="start over in --out: a run there is renamed "
+                       "--out.old (.old.1, ...), never deleted")
     g.add_argument("--stop-after", type=positive_int_or_off, default=-1,
                    help="stop (and save) after N steps of this run; -1 = off")
     g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the data order (and of train's init)")
@@ -2999,8 +3002,9 @@ def lock_out(out_dir):
 
 
 @contextlib.contextmanager
-def claim_out(out_dir, resume):
-    """hold out_dir for one run: the lock, then refuse another run's folder without --resume;
+def claim_out(out_dir, resume, fresh=False):
+    """hold out_dir for one run: the lock, then refuse another run's folder without --resume,
+    or with --fresh set it aside whole (renamed while still locked, so no run can slip in);
     -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
@@ -3010,9 +3014,17 @@ def claim_out(out_dir, resume):
     try:
         if lock:                                       # temp files of killed writers (whose pid is gone)
             remove_stale_tmp(out_dir, idle=0)
-        if not resume and any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir)):
-            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, or train into "
-                                 "another --out")
+        held = any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir))
+        if fresh and held and lock:
+            old = set_aside(out_dir, ".old")
+            os.makedirs(out_dir)
+            lock, old_lock = lock_out(out_dir), lock
+            os.remove(os.path.join(old, LOCK_NAME))
+            old_lock.close()
+            print(f"--fresh: the run that was in {out_dir} is kept in {old}", file=sys.stderr)
+        elif not resume and held:
+            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, start over with --fresh "
+                                 "(the old run is kept aside), or train into another --out")
         for f in ("log.csv", "best.safetensors"):      # a folder or a pipe there would fail a save, or hang
             path = os.path.join(out_dir, f)
             if os.path.lexists(path) and not os.path.isfile(path):
@@ -3419,7 +3431,7 @@ def run_command(command, args):
             except FileNotFoundError:
                 raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
                                      "again") from None
-        with signals_interrupt(), (claim_out(args.out, args.resume) if run else contextlib.nullcontext()) as lock:
+        with signals_interrupt(), (claim_out(args.out, args.resume, args.fresh) if run else contextlib.nullcontext()) as lock:
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:

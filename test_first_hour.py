@@ -144,3 +144,38 @@ def test_chat_in_a_terminal_edits_lines_and_leaves_on_ctrl_d(chat_model):
     os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0
     assert re.search(rb"you> \r?\nbye", out), out          # "bye" on a line of its own
+
+
+def test_fresh_starts_over_and_keeps_the_old_run(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_text(open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:20_000])
+    out = tmp_path / "run"
+    train = ["train", "--data", str(data), "--out", str(out), "--vocab-size", "280", "--batch", "2", "--steps", "2",
+             "--eval-every", "2", "--eval-batches", "1", "--save-every", "2", "--warmup", "1"]
+    ne.main(train)
+    first = (out / "model_000002.safetensors").read_bytes()
+    r = run_cli(*train)                                     # a second run: refused, and told the way
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "start over with --fresh" in err and err.count("\n") == 1, err
+    r = run_cli(*train, "--resume")                         # complete: nothing to do, and the way again
+    assert r.returncode == 0 and "--fresh starts it over" in r.stdout.decode()
+    for n, aside in enumerate(["run.old", "run.old.1"]):    # twice: nothing set aside is overwritten
+        r = run_cli(*train, "--fresh", "--seed", str(7 + n))
+        assert r.returncode == 0, r.stderr.decode()
+        assert f"--fresh: the run that was in {out} is kept in {tmp_path / aside}" in r.stderr.decode()
+        assert (tmp_path / aside / "log.csv").exists() and not (tmp_path / aside / "train.lock").exists()
+    assert (tmp_path / "run.old" / "model_000002.safetensors").read_bytes() == first
+    assert (out / "model_000002.safetensors").read_bytes() != first and (out / "log.svg").exists()
+    r = run_cli(*train, "--fresh", "--resume")
+    assert r.returncode == 2 and b"not allowed with argument" in r.stderr
+
+
+def test_fresh_is_refused_while_another_run_holds_the_folder(tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "log.csv").write_text(ne.LOG_HEADER)
+    with ne.claim_out(str(out), resume=True):                     # another run holds it
+        r = run_cli("train", "--out", str(out), "--fresh", "--steps", "1")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "in use by another training run" in err, err
+    assert (out / "log.csv").exists() and not (tmp_path / "busy.old").exists()
