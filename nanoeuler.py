@@ -3,7 +3,7 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # prove every gradient (float64 central differences)
-    python nanoeuler.py train     # train the small model on the embedded corpus (5-8 min on 2 idle cores)
+    python nanoeuler.py train     # train the small model on the embedded corpus (5-8 min on 2 cores)
     python nanoeuler.py sample --model out/small/best.safetensors --prompt "ROMEO:"
 
 and sft (fine-tune on instructions, loss on the responses only), chat (talk
