@@ -1310,20 +1310,26 @@ __device__ __forceinline__ void grid_barrier(unsigned long long* arrived, unsign
     __syncthreads();
 }
 
+// a stage's wait(): the block's first call is the grid barrier that ends the stage before
+struct PassWait {
+    bool* waited;
+    unsigned long long *arrived, *target;
+    __device__ void operator()() const {
+        if (!*waited) {
+            *waited = true;
+            grid_barrier(arrived, *target);
+            *target += gridDim.x;
+        }
+    }
+};
+
 // one stage of decode_pass: work(vb, wait) for the stage's blocks of work vb = blockIdx.x,
-// blockIdx.x + gridDim.x, .. below `blocks`; the block's first wait() is the grid barrier that
-// ends the stage before (a block with no work waits once its turn is over)
+// blockIdx.x + gridDim.x, .. below `blocks` (a block with no work waits once its turn is over)
 template <typename Work>
 __device__ __forceinline__ void pass_stage(unsigned long long* arrived, unsigned long long& target, int blocks,
                                            Work work) {
     bool waited = false;
-    auto wait = [&] {
-        if (!waited) {
-            waited = true;
-            grid_barrier(arrived, target);
-            target += gridDim.x;
-        }
-    };
+    PassWait wait{&waited, arrived, &target};
     for (int vb = blockIdx.x; vb < blocks; vb += gridDim.x) {
         work(vb, wait);
         __syncthreads();                                           // shared memory, before the next block of work
@@ -1359,11 +1365,11 @@ __device__ void decode_pass(const unsigned long long* table, int R, int n_heads,
     for (int l = 0; l < L; l++) {
         const void* const* lt = tab + PASS_GLOBALS + PASS_PER_LAYER * l;
         float *k_cache = (float*)lt[PASS_K_CACHE], *v_cache = (float*)lt[PASS_V_CACHE];
-        pass_stage(arrived, target, blocks(QKV, s_qkv), [&](int vb, auto wait) {
+        pass_stage(arrived, target, blocks(QKV, s_qkv), [&](int vb, PassWait wait) {
             decode_matvec<W, IN_RMSNORM>(vb, wait, qkv, x, (const W*)lt[PASS_WQKV], (const float*)lt[PASS_ATTN_NORM],
                                          R, C, QKV, QKV, 0, s_qkv, nullptr, 0);
         });
-        pass_stage(arrived, target, gx * R * gz, [&](int vb, auto wait) {
+        pass_stage(arrived, target, gx * R * gz, [&](int vb, PassWait wait) {
             int bx = vb % gx, by = vb / gx % R, bz = vb / gx / R;
 #define PASS_ATTENTION(DIM) attention_decode_split<DIM>(bx, by, bz, gx, gz, wait, y, partial, count, k_cache, \
                                                         v_cache, qkv, cos, sin, pos, 0, Hq, Hkv, scale)
@@ -1375,20 +1381,20 @@ __device__ void decode_pass(const unsigned long long* table, int R, int n_heads,
             }
 #undef PASS_ATTENTION
         });
-        pass_stage(arrived, target, blocks(C, s_wo), [&](int vb, auto wait) {
+        pass_stage(arrived, target, blocks(C, s_wo), [&](int vb, PassWait wait) {
             decode_matvec<W, IN_PLAIN>(vb, wait, x, y, (const W*)lt[PASS_WO], nullptr, R, Hq * D, C, C, 1, s_wo,
                                        nullptr, 0);
         });
-        pass_stage(arrived, target, blocks(2 * F, s_gu), [&](int vb, auto wait) {
+        pass_stage(arrived, target, blocks(2 * F, s_gu), [&](int vb, PassWait wait) {
             decode_matvec<W, IN_RMSNORM>(vb, wait, gu, x, (const W*)lt[PASS_W_GATE_UP],
                                          (const float*)lt[PASS_MLP_NORM], R, C, 2 * F, 2 * F, 0, s_gu, nullptr, 0);
         });
-        pass_stage(arrived, target, blocks(C, s_down), [&](int vb, auto wait) {
+        pass_stage(arrived, target, blocks(C, s_down), [&](int vb, PassWait wait) {
             decode_matvec<W, IN_SWIGLU>(vb, wait, x, gu, (const W*)lt[PASS_W_DOWN], nullptr, R, F, C, C, 1, s_down,
                                         nullptr, 0);
         });
     }
-    pass_stage(arrived, target, blocks(n_heads * V, s_heads), [&](int vb, auto wait) {
+    pass_stage(arrived, target, blocks(n_heads * V, s_heads), [&](int vb, PassWait wait) {
         decode_matvec<W, IN_RMSNORM>(vb, wait, logits, x, (const W*)tab[PASS_HEADS], (const float*)tab[PASS_FINAL_NORM],
                                      R, C, n_heads * V, n_heads * V, 0, s_heads, nullptr, 0);
     });
