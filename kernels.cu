@@ -1290,51 +1290,73 @@ enum { PASS_X, PASS_QKV, PASS_Y, PASS_GU, PASS_LOGITS, PASS_HEADS, PASS_FINAL_NO
        PASS_COS, PASS_SIN, PASS_PARTIAL, PASS_COUNT, PASS_BARRIER, PASS_GLOBALS = 16 };
 enum { PASS_WQKV, PASS_ATTN_NORM, PASS_WO, PASS_W_GATE_UP, PASS_MLP_NORM, PASS_W_DOWN, PASS_K_CACHE, PASS_V_CACHE,
        PASS_PER_LAYER };
+#define PASS_SPIN_SLEEP 0       // ns a waiting block sleeps between two reads of the count (0: none)
 #define PASS_MAX_LAYERS 64      // nanoeuler_cuda.PASS_MAX_LAYERS: the table's layers in shared memory
 
-// A barrier of the whole grid: every block's writes before it are seen by every block after it.
-// `arrived` counts the blocks' arrivals and only grows (never reset, so no block waits for a
-// reset): barrier k of a pass returns once it reaches base + k * gridDim.x, where base, a
-// multiple of gridDim.x, is its value when the pass began. Thread 0 of each block: a fence (the
-// block's writes before its arrival), the arrival, a spin on the count, a fence (the others'
-// writes before the block's reads), as cooperative groups' grid sync does.
-__device__ __forceinline__ void grid_barrier(unsigned long long* arrived, unsigned long long target) {
+// The grid barrier between two stages, in two halves: a block arrives once its part of a stage
+// is written, then issues the next stage's weight loads, then waits for the others. (A barrier
+// in one piece, a fence then the arrival then the spin, made each stage 4.4 us: the fence
+// waited for the weight loads issued before it, so the next stage's weights did not stream
+// while the grid met. dev/LOG-decode.md.) `arrived` counts the blocks' arrivals and only grows
+// (never reset, so no block waits for a reset): the k-th wait of a pass returns once it reaches
+// base + k * gridDim.x, base (a multiple of gridDim.x) its value when the pass began. Thread 0
+// of a block arrives with a release (the block's writes, ordered before it by the block's
+// barrier, are seen by whoever acquires the count) and spins with acquiring loads (the
+// others' writes, before the block's reads), as cooperative groups' grid sync does with fences.
+__device__ __forceinline__ void pass_arrive(unsigned long long* arrived) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
+#ifdef __CUDA_ARCH__
+        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
+#else
         atomicAdd(arrived, 1ull);
-        while (*(volatile unsigned long long*)arrived < target) {
-        }
-        __threadfence();
+#endif
+    }
+}
+
+__device__ __forceinline__ void pass_wait(const unsigned long long* arrived, unsigned long long target) {
+    if (threadIdx.x == 0) {
+        unsigned long long n;
+        do {
+#ifdef __CUDA_ARCH__
+            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(n) : "l"(arrived) : "memory");
+            if (n < target && PASS_SPIN_SLEEP) __nanosleep(PASS_SPIN_SLEEP);
+#else
+            n = *(volatile unsigned long long*)arrived;
+#endif
+        } while (n < target);
     }
     __syncthreads();
 }
 
-// a stage's wait(): the block's first call is the grid barrier that ends the stage before
+// a stage's wait(): the block's first call waits for the others to arrive from the stage before
 struct PassWait {
     bool* waited;
-    unsigned long long *arrived, *target;
+    const unsigned long long* arrived;
+    unsigned long long target;
     __device__ void operator()() const {
         if (!*waited) {
             *waited = true;
-            grid_barrier(arrived, *target);
-            *target += gridDim.x;
+            pass_wait(arrived, target);
         }
     }
 };
 
 // one stage of decode_pass: work(vb, wait) for the stage's blocks of work vb = blockIdx.x,
-// blockIdx.x + gridDim.x, .. below `blocks` (a block with no work waits once its turn is over)
+// blockIdx.x + gridDim.x, .. below `blocks` (a block with no work waits once its turn is over),
+// then the block's arrival; target: the count the stage's wait needs, moved on to the next's
 template <typename Work>
 __device__ __forceinline__ void pass_stage(unsigned long long* arrived, unsigned long long& target, int blocks,
                                            Work work) {
     bool waited = false;
-    PassWait wait{&waited, arrived, &target};
+    PassWait wait{&waited, arrived, target};
     for (int vb = blockIdx.x; vb < blocks; vb += gridDim.x) {
         work(vb, wait);
         __syncthreads();                                           // shared memory, before the next block of work
     }
     wait();
+    target += gridDim.x;
+    pass_arrive(arrived);
 }
 
 template <typename W>
@@ -1351,12 +1373,13 @@ __device__ void decode_pass(const unsigned long long* table, int R, int n_heads,
     const int* pos = (const int*)tab[PASS_POS];
     int* count = (int*)tab[PASS_COUNT];
     unsigned long long* arrived = (unsigned long long*)tab[PASS_BARRIER];
-    unsigned long long seen = *(volatile unsigned long long*)arrived;   // no block has passed barrier 1 yet
-    unsigned long long target = seen - seen % gridDim.x + gridDim.x;
+    unsigned long long seen = *(volatile unsigned long long*)arrived;   // before this block's first arrival
+    unsigned long long target = seen - seen % gridDim.x + gridDim.x;    // the first stage's wait
     const int* ids = (const int*)tab[PASS_IDS];
     const float* tok_emb = (const float*)tab[PASS_TOK_EMB];
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * C; i += gridDim.x * blockDim.x)   // the embedding
         x[i] = tok_emb[(long)ids[i / C] * C + i % C];
+    pass_arrive(arrived);
     int QKV = (Hq + 2 * Hkv) * D, G = Hq / Hkv, p0 = *pos;
     int s_qkv = splits & 15, s_wo = splits >> 4 & 15, s_gu = splits >> 8 & 15, s_down = splits >> 12 & 15;
     int s_heads = splits >> 16 & 15;
