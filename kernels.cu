@@ -796,26 +796,23 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // (next_bytes of them) to prefetch into L2 once this warp's own have come, or nullptr.
 // block 256 (8 warps, R <= 8), grid = ceil(Out / (8 * DECODE_OUTS / splits)); splits 1, 2, 4 or 8;
 // launch bounds (256, 2): at most 128 registers (the bf16 norm and SwiGLU builds spill 12-16 bytes)
-// (decode_matvec is the work of block vb: the entry points pass blockIdx.x; decode_pass runs
-// several products in one grid. wait() is where the block waits for the writers of `in`:
-// decode_wait in a launch of its own, a grid barrier in decode_pass.)
-template <typename W, int MODE, typename Wait>
-__device__ void decode_matvec(int vb, Wait wait, float* out, const float* in, const W* w, const float* norm_w, int R,
-                              int In, int Out, int ld_out, int accumulate, int splits, const char* next,
-                              long next_bytes) {
+template <typename W, int MODE>
+__device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
+                              int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
     __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, groups = 8 / splits;   // groups of outputs a block
-    int o0 = (vb * groups + warp / splits) * DECODE_OUTS, part = warp % splits;
+    int o0 = (blockIdx.x * groups + warp / splits) * DECODE_OUTS, part = warp % splits;
     int chunks = In / E, per_part = (chunks + splits - 1) / splits;
     int c0 = part * per_part, c1 = o0 < Out ? min(chunks, c0 + per_part) : c0;   // c1 <= c0: no work
     const uint4* rows[DECODE_OUTS];
     uint4 raw[DECODE_OUTS][DECODE_LOADS];
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) rows[j] = (const uint4*)(w + (long)min(o0 + j, Out - 1) * In);
+    decode_launch_next();
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
-    wait();
+    decode_wait();
     if (MODE == IN_RMSNORM && warp < R) {
         float rs = matvec_rstd(in, In, warp, lane);
         if (lane == 0) rstd[warp] = rs;
@@ -861,7 +858,7 @@ __device__ void decode_matvec(int vb, Wait wait, float* out, const float* in, co
     __syncthreads();
     // thread t: output k = t / R of the block (output j of group g), row r
     int t = threadIdx.x, r = t % R, k = t / R, g = k / DECODE_OUTS, j = k % DECODE_OUTS;
-    int o = (vb * groups + g) * DECODE_OUTS + j;
+    int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
     if (k >= groups * DECODE_OUTS || o >= Out) return;
     float s = 0.0f;
     for (int p = 0; p < splits; p++) s += part_sum[g * splits + p][j][r];
@@ -874,44 +871,32 @@ __device__ void decode_matvec(int vb, Wait wait, float* out, const float* in, co
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
-    decode_launch_next();
-    decode_matvec<float, IN_PLAIN>(blockIdx.x, [] { decode_wait(); }, out, in, w, norm_w, R, In, Out, ld_out,
-                                   accumulate, splits, next, next_bytes);
+    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
-    decode_launch_next();
-    decode_matvec<float, IN_RMSNORM>(blockIdx.x, [] { decode_wait(); }, out, in, w, norm_w, R, In, Out, ld_out,
-                                     accumulate, splits, next, next_bytes);
+    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
-    decode_launch_next();
-    decode_matvec<float, IN_SWIGLU>(blockIdx.x, [] { decode_wait(); }, out, in, w, norm_w, R, In, Out, ld_out,
-                                    accumulate, splits, next, next_bytes);
+    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
-    decode_launch_next();
-    decode_matvec<unsigned short, IN_PLAIN>(blockIdx.x, [] { decode_wait(); }, out, in, w, norm_w, R, In, Out, ld_out,
-                                            accumulate, splits, next, next_bytes);
+    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
-    decode_launch_next();
-    decode_matvec<unsigned short, IN_RMSNORM>(blockIdx.x, [] { decode_wait(); }, out, in, w, norm_w, R, In, Out, ld_out,
-                                              accumulate, splits, next, next_bytes);
+    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits, const char* next, long next_bytes) {
-    decode_launch_next();
-    decode_matvec<unsigned short, IN_SWIGLU>(blockIdx.x, [] { decode_wait(); }, out, in, w, norm_w, R, In, Out, ld_out,
-                                             accumulate, splits, next, next_bytes);
+    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
 }
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
@@ -1073,27 +1058,25 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
 // DECODE_CHUNK) (blocks past a row's keys return)); D = 8, 16, 32, 64 or 128 (the entry
 // points); partial: rows * gridDim.x * gridDim.z records of DECODE_HEADS * (D + 2) floats;
 // count: rows * gridDim.x ints, 0 before the first launch
-// (attention_decode_split is the work of block (bx, by, bz) of a grid (gx, rows, gz): the entry
-// points pass blockIdx and gridDim; decode_pass runs it between its products. wait(): as in
-// decode_matvec.)
-template <int D, typename Wait>
-__device__ void attention_decode_split(int bx, int by, int bz, int gx, int gz, Wait wait, float* y, float* partial,
-                                       int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-                                       const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
+template <int D>
+__device__ void attention_decode_split(float* y, float* partial, int* count, float* k_cache, float* v_cache,
+                                       const float* qkv, const float* cos, const float* sin, const int* pos, int row0,
+                                       int Hq, int Hkv, float scale) {
     constexpr int S = D / 4, HALF = D / 2, KEYS = 256 / S, SWEEPS = (DECODE_CHUNK + KEYS - 1) / KEYS;
     constexpr int REC = DECODE_HEADS * (D + 2);                    // a record: acc (heads x D), m, l (heads)
     __shared__ float sh_m[8][DECODE_HEADS], sh_l[8][DECODE_HEADS];
     __shared__ __align__(16) float sh_acc[8][DECODE_HEADS][D];     // written as float4
     __shared__ int sh_last;
-    int G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS, group = bx % groups;
-    int kvh = bx / groups, h0 = kvh * G + group * DECODE_HEADS, nh = min(DECODE_HEADS, G - group * DECODE_HEADS);
-    int b = by, r = row0 + b, first = bz * DECODE_CHUNK, H = Hq + 2 * Hkv;   // b: row in the launch
+    int G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS, group = blockIdx.x % groups;
+    int kvh = blockIdx.x / groups, h0 = kvh * G + group * DECODE_HEADS, nh = min(DECODE_HEADS, G - group * DECODE_HEADS);
+    int b = blockIdx.y, r = row0 + b, first = blockIdx.z * DECODE_CHUNK, H = Hq + 2 * Hkv;   // b: row in the launch
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, s = tid % S, jj = tid / S;
     bool lo = s < S / 2;                                           // elements 4s.. are in the first half
     int other = 4 * (s ^ (S / 2)), pair = 4 * (s % (S / 2));       // the other half's 4; rope's pair index
+    decode_launch_next();
     int p0 = *pos, t_row = p0 + r, n = t_row + 1;                  // n: keys this row sees
     if (first >= n) {                                              // a chunk after the row's keys
-        wait();
+        decode_wait();
         return;
     }
     int chunks = (n + DECODE_CHUNK - 1) / DECODE_CHUNK;
@@ -1109,7 +1092,7 @@ __device__ void attention_decode_split(int bx, int by, int bz, int gx, int gz, W
             v[i] = load4(v_cache + e);
         }
     }
-    wait();
+    decode_wait();
 #pragma unroll
     for (int i = 0; i < SWEEPS; i++) {                             // this pass's keys
         int j = first + jj + KEYS * i;
@@ -1188,7 +1171,7 @@ __device__ void attention_decode_split(int bx, int by, int bz, int gx, int gz, W
         if (lane == 0) sh_l[warp][g] = l[g];
     }
     __syncthreads();
-    float* rec = partial + (((long)b * gx + bx) * gz + bz) * REC;
+    float* rec = partial + (((long)b * gridDim.x + blockIdx.x) * gridDim.z + blockIdx.z) * REC;
     for (int e = tid; e < nh * D; e += blockDim.x) {               // over the warps, in order
         int g = e / D, d = e % D;
         float a = 0.0f, den = 0.0f, mg = sh_m[0][g];
@@ -1205,13 +1188,13 @@ __device__ void attention_decode_split(int bx, int by, int bz, int gx, int gz, W
     __threadfence();                                               // the record, before the count
     __syncthreads();
     if (tid == 0) {
-        sh_last = atomicAdd(count + b * gx + bx, 1) == chunks - 1;
+        sh_last = atomicAdd(count + b * gridDim.x + blockIdx.x, 1) == chunks - 1;
         __threadfence();                                           // the count, before the records
     }
     __syncthreads();
     if (!sh_last) return;
-    if (tid == 0) count[b * gx + bx] = 0;
-    const float* recs = partial + ((long)b * gx + bx) * gz * REC;
+    if (tid == 0) count[b * gridDim.x + blockIdx.x] = 0;
+    const float* recs = partial + ((long)b * gridDim.x + blockIdx.x) * gridDim.z * REC;
     for (int e = tid; e < nh * D; e += blockDim.x) {               // the chunks, in order (__ldcg: from L2)
         int g = e / D, d = e % D;
         float M = -INFINITY, num = 0.0f, den = 0.0f;
@@ -1230,209 +1213,27 @@ __device__ void attention_decode_split(int bx, int by, int bz, int gx, int gz, W
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_8(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    decode_launch_next();
-    attention_decode_split<8>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, [] { decode_wait(); }, y,
-                               partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_16(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    decode_launch_next();
-    attention_decode_split<16>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, [] { decode_wait(); }, y,
-                               partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_32(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    decode_launch_next();
-    attention_decode_split<32>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, [] { decode_wait(); }, y,
-                               partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_64(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    decode_launch_next();
-    attention_decode_split<64>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, [] { decode_wait(); }, y,
-                               partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_128(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    decode_launch_next();
-    attention_decode_split<128>(blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, [] { decode_wait(); }, y,
-                               partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
-}
-
-// A whole decoding pass in one kernel (nanoeuler_cuda.DECODE_PASS, on by default)
-//
-// decode_pass computes what the 2 + 5L launches of a step above compute (the embedding; a layer:
-// the qkv product with the attention norm, attention, wo += , gate/up with the MLP norm, down +=
-// with swiglu; then the heads with the final norm), each stage as the same blocks of work of the
-// same functions, so its logits have the bits of those launches'. Why: at batch 1 a launch cost
-// about as much as the weights it streams (BENCHMARKS.md: 83 kernels of about 2.6 us in a 215 us
-// pass of the big model, against about 50 us of weight reads), and with two blocks an SM using
-// every register, the next launch's blocks could not start their weight loads before the last
-// one's blocks had left. Here the grid is as many blocks as the GPU holds at once, and it stays:
-// a stage's blocks of work (the vb of the functions above) are dealt to the grid's blocks in turn
-// (block b takes b, b + gridDim.x, ..), and between two stages a grid barrier stands where a
-// launch boundary stood. A block issues its first block of work's weight loads (attention: its
-// cache reads) before it waits at the barrier, so the next stage's weights stream in while the
-// slowest blocks finish this one.
-// table: the pass's pointers (nanoeuler_cuda.GPUDecoder.pass_table): PASS_GLOBALS of them, then
-// PASS_PER_LAYER a layer, copied to shared memory first. splits: the five products' splits, 4
-// bits each (qkv, wo, gate/up, down, heads; nanoeuler_cuda.matvec_splits). D: the head dim,
-// 8, 16, 32 or 64 (128 would take more registers than the products leave: launches then). The attention's grid spans only the chunks of keys the pass
-// sees (its records' place depends on that span alone, and the chunks are fixed in absolute
-// positions: the same bits as the launch over T keys).
-// block 256; grid: at most as many blocks as are resident at once (the barrier's spin waits for
-// every block; nanoeuler_cuda sizes it from the occupancy the driver reports; any size works)
-enum { PASS_X, PASS_QKV, PASS_Y, PASS_GU, PASS_LOGITS, PASS_HEADS, PASS_FINAL_NORM, PASS_TOK_EMB, PASS_IDS, PASS_POS,
-       PASS_COS, PASS_SIN, PASS_PARTIAL, PASS_COUNT, PASS_BARRIER, PASS_GLOBALS = 16 };
-enum { PASS_WQKV, PASS_ATTN_NORM, PASS_WO, PASS_W_GATE_UP, PASS_MLP_NORM, PASS_W_DOWN, PASS_K_CACHE, PASS_V_CACHE,
-       PASS_PER_LAYER };
-#define PASS_SPIN_SLEEP 0       // ns a waiting block sleeps between two reads of the count (0: none)
-#define PASS_MAX_LAYERS 64      // nanoeuler_cuda.PASS_MAX_LAYERS: the table's layers in shared memory
-
-// The grid barrier between two stages, in two halves: a block arrives once its part of a stage
-// is written, then issues the next stage's weight loads, then waits for the others. (A barrier
-// in one piece, a fence then the arrival then the spin, made each stage 4.4 us: the fence
-// waited for the weight loads issued before it, so the next stage's weights did not stream
-// while the grid met. dev/LOG-decode.md.) `arrived` counts the blocks' arrivals and only grows
-// (never reset, so no block waits for a reset): the k-th wait of a pass returns once it reaches
-// base + k * gridDim.x, base (a multiple of gridDim.x) its value when the pass began. Thread 0
-// of a block arrives with a release (the block's writes, ordered before it by the block's
-// barrier, are seen by whoever acquires the count) and spins with acquiring loads (the
-// others' writes, before the block's reads), as cooperative groups' grid sync does with fences.
-__device__ __forceinline__ void pass_arrive(unsigned long long* arrived) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-#ifdef __CUDA_ARCH__
-        asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(arrived) : "memory");
-#else
-        atomicAdd(arrived, 1ull);
-#endif
-    }
-}
-
-__device__ __forceinline__ void pass_wait(const unsigned long long* arrived, unsigned long long target) {
-    if (threadIdx.x == 0) {
-        unsigned long long n;
-        do {
-#ifdef __CUDA_ARCH__
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(n) : "l"(arrived) : "memory");
-            if (n < target && PASS_SPIN_SLEEP) __nanosleep(PASS_SPIN_SLEEP);
-#else
-            n = *(volatile unsigned long long*)arrived;
-#endif
-        } while (n < target);
-    }
-    __syncthreads();
-}
-
-// a stage's wait(): the block's first call waits for the others to arrive from the stage before
-struct PassWait {
-    bool* waited;
-    const unsigned long long* arrived;
-    unsigned long long target;
-    __device__ void operator()() const {
-        if (!*waited) {
-            *waited = true;
-            pass_wait(arrived, target);
-        }
-    }
-};
-
-// one stage of decode_pass: work(vb, wait) for the stage's blocks of work vb = blockIdx.x,
-// blockIdx.x + gridDim.x, .. below `blocks` (a block with no work waits once its turn is over),
-// then the block's arrival; target: the count the stage's wait needs, moved on to the next's
-template <typename Work>
-__device__ __forceinline__ void pass_stage(unsigned long long* arrived, unsigned long long& target, int blocks,
-                                           Work work) {
-    bool waited = false;
-    PassWait wait{&waited, arrived, target};
-    for (int vb = blockIdx.x; vb < blocks; vb += gridDim.x) {
-        work(vb, wait);
-        __syncthreads();                                           // shared memory, before the next block of work
-    }
-    wait();
-    target += gridDim.x;
-    pass_arrive(arrived);
-}
-
-template <typename W>
-__device__ void decode_pass(const unsigned long long* table, int R, int n_heads, int L, int C, int F, int Hq, int Hkv,
-                            int D, int V, int splits, float scale) {
-    __shared__ const void* tab[PASS_GLOBALS + PASS_PER_LAYER * PASS_MAX_LAYERS];
-    for (int i = threadIdx.x; i < PASS_GLOBALS + PASS_PER_LAYER * L; i += blockDim.x) tab[i] = (const void*)table[i];
-    decode_launch_next();
-    decode_wait();                                                 // the last pass's accept wrote ids and pos
-    __syncthreads();
-    float *x = (float*)tab[PASS_X], *qkv = (float*)tab[PASS_QKV], *y = (float*)tab[PASS_Y];
-    float *gu = (float*)tab[PASS_GU], *logits = (float*)tab[PASS_LOGITS], *partial = (float*)tab[PASS_PARTIAL];
-    const float *cos = (const float*)tab[PASS_COS], *sin = (const float*)tab[PASS_SIN];
-    const int* pos = (const int*)tab[PASS_POS];
-    int* count = (int*)tab[PASS_COUNT];
-    unsigned long long* arrived = (unsigned long long*)tab[PASS_BARRIER];
-    unsigned long long seen = *(volatile unsigned long long*)arrived;   // before this block's first arrival
-    unsigned long long target = seen - seen % gridDim.x + gridDim.x;    // the first stage's wait
-    const int* ids = (const int*)tab[PASS_IDS];
-    const float* tok_emb = (const float*)tab[PASS_TOK_EMB];
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < R * C; i += gridDim.x * blockDim.x)   // the embedding
-        x[i] = tok_emb[(long)ids[i / C] * C + i % C];
-    pass_arrive(arrived);
-    int QKV = (Hq + 2 * Hkv) * D, G = Hq / Hkv, p0 = *pos;
-    int s_qkv = splits & 15, s_wo = splits >> 4 & 15, s_gu = splits >> 8 & 15, s_down = splits >> 12 & 15;
-    int s_heads = splits >> 16 & 15;
-    auto blocks = [](int Out, int s) { return (Out + 8 * DECODE_OUTS / s - 1) / (8 * DECODE_OUTS / s); };
-    int gx = Hkv * ((G + DECODE_HEADS - 1) / DECODE_HEADS), gz = (p0 + R + DECODE_CHUNK - 1) / DECODE_CHUNK;
-    for (int l = 0; l < L; l++) {
-        const void* const* lt = tab + PASS_GLOBALS + PASS_PER_LAYER * l;
-        float *k_cache = (float*)lt[PASS_K_CACHE], *v_cache = (float*)lt[PASS_V_CACHE];
-        pass_stage(arrived, target, blocks(QKV, s_qkv), [&](int vb, PassWait wait) {
-            decode_matvec<W, IN_RMSNORM>(vb, wait, qkv, x, (const W*)lt[PASS_WQKV], (const float*)lt[PASS_ATTN_NORM],
-                                         R, C, QKV, QKV, 0, s_qkv, nullptr, 0);
-        });
-        pass_stage(arrived, target, gx * R * gz, [&](int vb, PassWait wait) {
-            int bx = vb % gx, by = vb / gx % R, bz = vb / gx / R;
-#define PASS_ATTENTION(DIM) attention_decode_split<DIM>(bx, by, bz, gx, gz, wait, y, partial, count, k_cache, \
-                                                        v_cache, qkv, cos, sin, pos, 0, Hq, Hkv, scale)
-            switch (D) {
-                case 8: PASS_ATTENTION(8); break;
-                case 16: PASS_ATTENTION(16); break;
-                case 32: PASS_ATTENTION(32); break;
-                default: PASS_ATTENTION(64); break;                // nanoeuler_cuda.PASS_HEAD_DIMS
-            }
-#undef PASS_ATTENTION
-        });
-        pass_stage(arrived, target, blocks(C, s_wo), [&](int vb, PassWait wait) {
-            decode_matvec<W, IN_PLAIN>(vb, wait, x, y, (const W*)lt[PASS_WO], nullptr, R, Hq * D, C, C, 1, s_wo,
-                                       nullptr, 0);
-        });
-        pass_stage(arrived, target, blocks(2 * F, s_gu), [&](int vb, PassWait wait) {
-            decode_matvec<W, IN_RMSNORM>(vb, wait, gu, x, (const W*)lt[PASS_W_GATE_UP],
-                                         (const float*)lt[PASS_MLP_NORM], R, C, 2 * F, 2 * F, 0, s_gu, nullptr, 0);
-        });
-        pass_stage(arrived, target, blocks(C, s_down), [&](int vb, PassWait wait) {
-            decode_matvec<W, IN_SWIGLU>(vb, wait, x, gu, (const W*)lt[PASS_W_DOWN], nullptr, R, F, C, C, 1, s_down,
-                                        nullptr, 0);
-        });
-    }
-    pass_stage(arrived, target, blocks(n_heads * V, s_heads), [&](int vb, PassWait wait) {
-        decode_matvec<W, IN_RMSNORM>(vb, wait, logits, x, (const W*)tab[PASS_HEADS], (const float*)tab[PASS_FINAL_NORM],
-                                     R, C, n_heads * V, n_heads * V, 0, s_heads, nullptr, 0);
-    });
-}
-
-// the two entry points: fp32 and bf16 weights
-extern "C" __global__ void __launch_bounds__(256, 2) decode_pass_f32_kernel(
-    const unsigned long long* table, int R, int n_heads, int L, int C, int F, int Hq, int Hkv, int D, int V,
-    int splits, float scale) {
-    decode_pass<float>(table, R, n_heads, L, C, F, Hq, Hkv, D, V, splits, scale);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) decode_pass_bf16_kernel(
-    const unsigned long long* table, int R, int n_heads, int L, int C, int F, int Hq, int Hkv, int D, int V,
-    int splits, float scale) {
-    decode_pass<unsigned short>(table, R, n_heads, L, C, F, Hq, Hkv, D, V, splits, scale);
+    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
 }
 
 // the argmax of every row of logits (R * n_heads, V) (the first index on ties, as np.argmax)

@@ -1488,8 +1488,8 @@ def check_decoding(rng, report, precision):
     """check_decode_logits with the attention kernel in use and the other one, on a model
     whose rows see one chunk of keys and on one (D = 64 as the big model's, G = 8 query
     heads per kv head: two blocks each) whose rows see up to three, the 3-row pass
-    straddling a chunk's end; a kernel a stage instead of decode_pass, L2 prefetch, and on
-    sm_90 the other way of launching (PDL or not) give the same bits; then check_speculative"""
+    straddling a chunk's end; L2 prefetch, and on sm_90 the step's kernels with
+    programmatic dependent launch, give the bits of plain launches; then check_speculative"""
     cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
     wide = Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
     other = "single" if attention_kernel(cfg.D) == "split" else "split"
@@ -1501,8 +1501,7 @@ def check_decoding(rng, report, precision):
         what = f"decode {precision}" + (f" D={c.D} G={c.Hq // c.Hkv}" if c is wide else "")
         seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)
         check_decode_logits(report, f"{what} {other}", c, flat, params, precision, ids, n0, attention=other)
-        variants = [("kernels one by one" if DECODE_PASS else "one kernel a pass", dict(fused=not DECODE_PASS)),
-                    ("L2 prefetch", dict(prefetch=True))] + \
+        variants = [("L2 prefetch", dict(prefetch=True))] + \
             [("without PDL" if DECODE_PDL else "PDL launches", dict(pdl=not DECODE_PDL))] * (int(gpu.arch) >= 90)
         for name, options in variants:
             try:
@@ -1594,15 +1593,12 @@ def cmd_check(args):
 # crosses to the host is each step's chosen ids, which the accept kernel
 # writes straight into page-locked host memory (a ring the host reads behind
 # the GPU, LOOKAHEAD steps ahead at most).
-# A step is 5 stages a layer: the qkv product with the attention norm fused in,
+# A step is 6 kernels a layer: the qkv product with the attention norm fused in,
 # attention with rope and the cache write fused in, the wo product adding into
 # the residual stream, the gate/up product with the MLP norm fused in, the down
 # product reading swiglu of gate/up and adding into the residual; and 3 more
 # (embedding, heads with the final norm, argmax with the acceptance rule).
-# By default (DECODE_PASS) all but the last run in one kernel, decode_pass, whose
-# blocks stay resident and meet at a grid barrier between two stages; else each
-# is a kernel of its own. kernels.cu's decoding section says why each kernel
-# splits its work as it does.
+# kernels.cu's decoding section says why each kernel splits its work as it does.
 
 DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
 DECODE_OUTS = 4                 # as in kernels.cu: outputs (weight rows) a warp of decode_matvec
@@ -1628,16 +1624,6 @@ DECODE_PDL = True
 # each product of a step asks L2 for the next product's weights once its own have come (a hint
 # that cannot change a result; whether it pays is for bench --decode-variants to say), so off
 DECODE_PREFETCH = False
-# a step's stages in one kernel, decode_pass (kernels.cu), instead of 2 + 5L launches: the same
-# blocks of work with the same sums, so the same bits (`check` compares them); taken where it
-# applies (the split attention at a head dim of PASS_HEAD_DIMS, at most PASS_MAX_LAYERS layers,
-# no L2 prefetch), else the launches
-DECODE_PASS = True
-PASS_MAX_LAYERS = 64            # as in kernels.cu: the layers decode_pass's pointer table holds
-PASS_HEAD_DIMS = (8, 16, 32, 64)            # decode_pass's attention is written out for these
-# decode_pass's blocks: None for as many as the GPU holds at once (the driver's occupancy), which
-# its grid barrier needs resident together. The CPU emulator runs blocks one after another: 1
-DECODE_PASS_BLOCKS = None
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
@@ -1761,10 +1747,9 @@ class GPUDecoder:
     """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
     attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
     launch of the step's kernels (default DECODE_PDL; on sm_90 and later only), prefetch:
-    each product prefetches the next one's weights into L2 (default DECODE_PREFETCH), fused:
-    a step's stages in one kernel where it applies (default DECODE_PASS)"""
+    each product prefetches the next one's weights into L2 (default DECODE_PREFETCH)"""
 
-    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, prefetch=None, fused=None):
+    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, prefetch=None):
         decode_check_sizes(cfg)
         init_gpu(precision)
         self.cfg, self.precision = cfg, precision
@@ -1805,32 +1790,6 @@ class GPUDecoder:
         no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
         self.graphs = {}                                               # (R, n_heads) -> executable graph
-        self.fused = bool(DECODE_PASS if fused is None else fused) and self.attention == "split" and \
-            cfg.D in PASS_HEAD_DIMS and cfg.L <= PASS_MAX_LAYERS and not self.prefetch
-        if self.fused:
-            self.pass_setup()
-
-    def pass_setup(self):
-        """decode_pass's kernel, grid, pointer table (kernels.cu's PASS_* order) and splits"""
-        cfg, w, p, kind = self.cfg, self.weights, self.params, "bf16" if self.precision == "bf16" else "f32"
-        self.pass_kernel = f"decode_pass_{kind}_kernel"
-        self.pass_blocks = DECODE_PASS_BLOCKS or gpu.sms * check(
-            cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(gpu.function(self.pass_kernel), 256, 0),
-            "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-        self.arrived = DeviceArray((2,), np.int32).zero()            # the grid barrier's 64-bit count
-        table = [self.x, self.qkv, self.y, self.gu, self.logits, self.heads, p["final_norm"], p["tok_emb"], self.ids,
-                 self.pos, self.cos, self.sin, self.split[0], self.split[1], self.arrived, None]
-        for l in range(cfg.L):
-            lw = lambda name: w[f"layers.{l}.{name}"]
-            norm = lambda name: p[f"layers.{l}.{name}"]
-            table += [lw("wqkv"), norm("attn_norm"), lw("wo"), lw("w_gate_up"), norm("mlp_norm"), lw("w_down"),
-                      self.k_cache[l], self.v_cache[l]]
-        self.pass_table = to_gpu(np.array([0 if a is None else a.ptr for a in table], np.uint64), np.uint64)
-        elems, QKV = 8 if kind == "bf16" else 4, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
-        splits = [matvec_splits(cfg.C, QKV, elems, gpu.sms), matvec_splits(cfg.Hq * cfg.D, cfg.C, elems, gpu.sms),
-                  matvec_splits(cfg.C, 2 * cfg.F, elems, gpu.sms), matvec_splits(cfg.F, cfg.C, elems, gpu.sms),
-                  self.head_splits]
-        self.pass_splits = sum(s << 4 * i for i, s in enumerate(splits))
 
     def attend(self, l, y, qkv, R, prefill=False, pdl=False):
         """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
@@ -1867,25 +1826,11 @@ class GPUDecoder:
         cfg = self.cfg
         decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm",
                       splits=self.head_splits, pdl=pdl)
-        self.accept(R, n_heads, pdl)
-
-    def accept(self, R, n_heads, pdl=False):
-        """the argmax of the logits of heads 0..n_heads-1 at R rows, the acceptance rule"""
-        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, self.cfg.V, R, n_heads,
-                      pdl)
+        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads, pdl)
         self.passes += 1
 
     def step(self, R, n_heads):
-        """one decoding pass over the R fed ids at *pos (see the kernels): decode_pass and the
-        accept kernel, or a kernel a stage"""
-        cfg = self.cfg
-        if self.fused:
-            decode_launch(self.pass_kernel, self.pass_blocks, 256, self.pdl, ptr_arg(self.pass_table), int_arg(R),
-                          int_arg(n_heads), int_arg(cfg.L), int_arg(cfg.C), int_arg(cfg.F), int_arg(cfg.Hq),
-                          int_arg(cfg.Hkv), int_arg(cfg.D), int_arg(cfg.V), int_arg(self.pass_splits),
-                          float_arg(1 / math.sqrt(cfg.D)))
-            self.accept(R, n_heads, self.pdl)
-            return
+        """one decoding pass over the R fed ids at *pos (see the kernels)"""
         embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
         self.layers(self.x, R, self.heads.view(0, (n_heads * self.cfg.V, self.cfg.C)))
         self.tail(self.x, R, n_heads, self.pdl)
@@ -2450,21 +2395,12 @@ def bench_decoding(args):
         dec = GPUDecoder(cfg, flat, precision)
         print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
               f"{n} new tokens (median of 3 after a warm-up), {what}; {dec.attention} attention"
-              f"{', PDL launches' if dec.pdl else ''}{', L2 prefetch' if dec.prefetch else ''}"
-              f"{f', one kernel a pass ({dec.pass_blocks} blocks)' if dec.fused else ''}")
+              f"{', PDL launches' if dec.pdl else ''}{', L2 prefetch' if dec.prefetch else ''}")
         plain, _ = print_speeds(dec, cfg, prompt, n, range(1, min(cfg.K, max_rows(cfg))))
-        if dec.fused:                          # the same-run reference: the launches decode_pass replaces
-            ref = GPUDecoder(cfg, flat, precision, fused=False)
-            got, _ = print_speeds(ref, cfg, prompt, n, [DEFAULT_DRAFTS], ", kernels one by one")
-            same = next((i for i, (a, b) in enumerate(zip(got, plain)) if a != b), len(plain))
-            print(f"    (kernels one by one: the same tokens as decode_pass for {same} of {len(plain)})")
         if args.decode_variants:
             bench_variants(cfg, flat, precision, prompt, n, plain)
         if args.profile:
             profile_decoding(dec, prompt)
-            if dec.fused:
-                print("  kernels one by one:")
-                profile_decoding(ref, prompt)
         long = (prompt * (500 // len(prompt) + 1))[:min(500, cfg.T)]
         times = []
         for _ in range(11):

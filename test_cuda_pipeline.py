@@ -404,7 +404,6 @@ def emulated(monkeypatch):
     """nanoeuler_cuda on tools/emulate_cuda.py's CPU emulator of kernels.cu"""
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
-    monkeypatch.setattr(nc, "DECODE_PASS_BLOCKS", nc.DECODE_PASS_BLOCKS)
     return emulator_module().install(nc)
 
 

@@ -105,11 +105,6 @@ static inline float __fsub_rn(float a, float b) { volatile float r = a - b; retu
 template <class T> static inline T __ldcg(const T* p) { return *p; }
 static inline void __threadfence() {}
 static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
-static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
-    unsigned long long o = *p;
-    *p = o + v;
-    return o;
-}
 
 // cvt.rn.bf16.f32 (what __float2bfloat16 does): round to nearest even, a NaN the canonical NaN
 static inline unsigned short emu_bf16_bits(float x) {
@@ -662,7 +657,6 @@ def install(nc, sms=2, arch="90", reverse=False):
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
-    nc.DECODE_PASS_BLOCKS = 1                         # blocks run one after another: a grid barrier waits for none
     return driver
 
 

@@ -1,5 +1,6 @@
 """GPU time of a one-row decoding pass of the big model (random bf16 weights) replayed from its
-graph, with decode_pass and with the launches: python dev/decode_pass_probe.py (from the root of a
+graph, with decode_pass and with the launches (dev/variants/decode_pass.diff applied): python
+dev/variants/decode_pass_probe.py (from the root of a
 tree; its kernels.cu may be a timing variant whose logits are wrong)"""
 import os
 import sys

@@ -1,5 +1,5 @@
 #!/bin/bash
-# decode_pass (one kernel a decoding pass) on one GPU, run from the repository's root; logs into $OUT:
+# decode_pass (dev/variants/decode_pass.diff applied) on one GPU, run from the root; logs into $OUT:
 # bench --decode-only --profile on random weights of the big model (decode_pass, then the launches it
 # replaces, in the same run); check; two variants in copies of the tree, bench --profile without the
 # launches' reference: decode_pass built for one block an SM (launch bounds (256, 1): no spills, half
