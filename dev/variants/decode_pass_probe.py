@@ -1,7 +1,7 @@
 """GPU time of a one-row decoding pass of the big model (random bf16 weights) replayed from its
-graph, with decode_pass and with the launches (dev/variants/decode_pass.diff applied): python
-dev/variants/decode_pass_probe.py (from the root of a
-tree; its kernels.cu may be a timing variant whose logits are wrong)"""
+graph, with decode_pass and with the launches: python dev/variants/decode_pass_probe.py from the
+root of a tree with dev/variants/decode_pass.diff applied (its kernels.cu may be a timing
+variant whose logits are wrong)"""
 import os
 import sys
 
