@@ -2038,7 +2038,7 @@ def check_drafts(args, cfg):
     if args.speculative and (args.drafts == 0 or cfg.K == 1):
         why = "with --drafts 0" if args.drafts == 0 else f"on a model with one head ({args.model})"
         print(f"note: --speculative {why} has nothing to draft with; decoding plainly", file=sys.stderr)
-        args.drafts = 0
+        args.speculative, args.drafts = False, 0
     elif args.speculative and args.drafts > cfg.K - 1:
         heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
         print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "

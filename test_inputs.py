@@ -620,10 +620,12 @@ def test_more_drafts_than_the_model_has_heads_are_said(model, command):
     args = ["--model", model, "--max-new-tokens", "3", "--temperature", "0", "--speculative", "--drafts", "3"]
     r = run("nanoeuler.py", command, *args, *(["--prompt", "ab"] if command == "sample" else []), stdin=b"hi\n")
     assert r.returncode == 0, r.stderr.decode()
-    assert r.stderr.decode().strip() == f"note: {model} has 1 draft head (K = 2), fewer than --drafts 3; drafting with 1"
+    note, report = r.stderr.decode().strip().split("\n")
+    assert note == f"note: {model} has 1 draft head (K = 2), fewer than --drafts 3; drafting with 1"
+    assert report.startswith("speculative: ") and "tokens a pass" in report
     r = run("nanoeuler.py", command, *args[:-1], "1", *(["--prompt", "ab"] if command == "sample" else []),
             stdin=b"hi\n")
-    assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
+    assert r.returncode == 0 and r.stderr.decode().startswith("speculative: "), r.stderr.decode()
     r = run("nanoeuler.py", command, *args[:-1], "0", *(["--prompt", "ab"] if command == "sample" else []),
             stdin=b"hi\n")
     assert r.returncode == 0, r.stderr.decode()
