@@ -134,6 +134,16 @@ def test_the_piece_bound_is_kept_and_matters(exported, tok):
     assert any(uncut.encode(text).ids != tok.encode(text) for text in AWKWARD_RUNS)
 
 
+def test_bpe_merges_in_our_order_even_when_a_whole_piece_is_a_token():
+    """"abc" learned as ab+c after bc: ours encodes "abc" as a + bc, never as the token abc
+    (a tokenizer that takes whole pieces found in the vocab would)"""
+    a, b, c = b"abc"
+    t = ne.Tokenizer([(b, c), (a, b), (261, c)])
+    assert t.vocab[262] == b"abc" and t.encode("abc") == [a, 260]
+    hf = tokenizers.Tokenizer.from_str(json.dumps(export.tokenizer_json(t)))
+    assert hf.encode("abc abcd").ids == t.encode("abc abcd") == [a, 260, 32, a, 260, ord("d")]
+
+
 def python_pieces(text):
     return ne.SPLIT_PATTERN.findall(text)
 
