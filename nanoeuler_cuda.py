@@ -45,15 +45,20 @@ headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 import argparse
 import contextlib
 import ctypes
+import errno
 import gc
 import hashlib
+import json
 import math
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import nanoeuler as ne
 from nanoeuler import Config, NanoEulerError, PRESETS, num_params, param_shapes
@@ -2453,6 +2458,7 @@ def add_bench_flags(sp):
                     help="decoding: also time the other attention kernel and programmatic dependent launch")
     add_gpus_flags(sp)
     add_graph_flag(sp)
+    add_nodes_flags(sp)
     sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0,
                     help="the timed steps clip the gradient norm as train's do; 0 = off")
     sp.add_argument("--weight-decay", type=ne.nonnegative_float, default=0.1,
@@ -2493,6 +2499,7 @@ def build_parser():
     ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False)
     add_gpus_flags(sp)
     add_graph_flag(sp)
+    add_nodes_flags(sp)
     add_bench_flags(sub.add_parser("bench", help="time training steps, decoding and prefill"))
     sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
@@ -2503,6 +2510,8 @@ def build_parser():
     add_generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
+    add_nodes_flags(sub.add_parser("rendezvous", help="under a launcher or --nnodes: check that every rank finds "
+                                                      "rank 0 and gets the same id, without a GPU"))
     return p
 
 
@@ -2510,7 +2519,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
-                "chat": cmd_chat}
+                "chat": cmd_chat, "rendezvous": cmd_rendezvous}
     ne.run_command(commands[args.command], args)
 
 
@@ -2790,6 +2799,420 @@ def rank_and_world(args):
             raise NanoEulerError(f"{name}={value!r} in the environment is not a number; it is for the ranks "
                                  "that --gpus starts: unset it")
     return int(found["NANOEULER_RANK"]), int(found["NANOEULER_WORLD"])
+
+
+# -----------------------------------------------------------------------------
+# several hosts: torchrun, srun, mpirun and --nnodes; the NCCL id from rank 0 to the others
+#
+# A cluster's launcher starts one process per GPU on every host and tells each
+# its place in environment variables (LAUNCHERS); the program's own launcher
+# (--gpus N) does the same on one host, and with --nnodes on several, one
+# launcher per host. Either way every rank needs the 128 bytes of NCCL's unique
+# id, which rank 0 makes: it listens on a TCP port and hands the id to each
+# rank that connects (send_id), once all have come and agree on the world's size
+# and the run's settings; the others connect to it, retrying until a timeout
+# (receive_id). Or rank 0 writes the id to a file in a folder every host
+# shares and the others wait for it (--rendezvous file:PATH). Like llm.c, which
+# has no PyTorch either. The rendezvous command does this alone, without a GPU.
+
+DEFAULT_PORT = 29500
+RENDEZVOUS_TIMEOUT = 300
+HELLO = "nanoeuler rendezvous 1"            # every message's first field: a stranger on the port is told apart
+MAX_MESSAGE = 1 << 20
+# launcher: (rank, world size, local rank) variables, the innermost launcher first (torchrun
+# may run under srun, and an mpirun inside a Slurm job sees the job's variables too)
+LAUNCHERS = {"torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+             "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+             "MPI (PMI)": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+             "srun": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")}
+# not compared between ranks: where each host keeps its files, and how it finds rank 0
+LOCAL_SETTINGS = {"argv", "out_lock", "started", "data", "out", "node_rank", "master_addr", "master_port",
+                  "rendezvous", "rendezvous_timeout"}
+
+
+class Place(NamedTuple):
+    """this process's place in the world, and where rank 0 listens"""
+    launcher: str               # torchrun, srun, mpirun, MPI (PMI) or --nnodes
+    rank: int
+    world: int
+    local_rank: int
+    addr: str | None            # rank 0's host (None: not known, which only rank 0 and a file can do without)
+    port: int
+    source: str                 # what gave addr and port, for messages
+    file: str | None            # --rendezvous file:PATH
+
+
+def expand_nodelist(nodelist):
+    """Slurm's compressed host list -> the hosts: "gpu[01-03,7],login1" -> gpu01 gpu02 gpu03 gpu7
+    login1 (numbers keep the first number's width; several brackets in one name multiply)"""
+    hosts, depth, start = [], 0, 0
+    for i, c in enumerate(nodelist + ","):
+        depth += (c == "[") - (c == "]")
+        if c == "," and depth == 0:
+            hosts += expand_host(nodelist[start:i])
+            start = i + 1
+        if depth < 0 or depth > 1:
+            break
+    if depth or not hosts or not all(hosts):
+        raise NanoEulerError(f"Slurm's node list {nodelist!r} cannot be read; set MASTER_ADDR to the first "
+                             "host's name (e.g. MASTER_ADDR=$(scontrol show hostnames | head -1))")
+    return hosts
+
+
+def expand_host(item):
+    m = re.match(r"([^\[]*)\[([^\]]*)\](.*)$", item)
+    if not m:
+        return [item]
+    head, ranges, tail = m.groups()
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not (lo.isdigit() and (hi.isdigit() or not hi)) or (hi and int(hi) < int(lo)):
+            return [""]                                   # expand_nodelist says so
+        out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi or lo) + 1)]
+    return [h + t for h in out for t in expand_host(tail)]
+
+
+def env_int(env, name, launcher):
+    value = env.get(name)
+    if value is None:
+        raise NanoEulerError(f"{name} is not set, though {launcher}'s other variables are; start the program "
+                             f"with {launcher} itself, or set {name}")
+    if not value.strip().isdigit():
+        raise NanoEulerError(f"{name}={value!r} in the environment is not a whole number; {launcher} sets it: "
+                             "start the program with it, or unset it")
+    return int(value)
+
+
+def port_number(value, what):
+    if not (value.isdigit() and 0 < int(value) < 65536):
+        raise NanoEulerError(f"{what}={value!r} is not a port number (1 to 65535)")
+    return int(value)
+
+
+def find_launcher(env=os.environ):
+    """-> (launcher, rank, world, local rank, rank 0's address or None, its port or None,
+    what gave them) from the first launcher whose rank and world variables are set; None
+    without one. Inconsistent variables are refused in one sentence."""
+    for name, (rank_var, world_var, local_var) in LAUNCHERS.items():
+        if rank_var not in env or world_var not in env:
+            continue
+        rank, world = env_int(env, rank_var, name), env_int(env, world_var, name)
+        local = env_int(env, local_var, name)
+        if not rank < world:
+            raise NanoEulerError(f"{rank_var}={rank} is not below {world_var}={world}: the ranks are 0 to "
+                                 f"{world_var} - 1; {name}'s variables disagree (set by hand?)")
+        addr, port, source = env.get("MASTER_ADDR") or None, None, "MASTER_ADDR"
+        if "MASTER_PORT" in env:
+            port = port_number(env["MASTER_PORT"], "MASTER_PORT")
+            if name == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                port, source = port + 1, "MASTER_ADDR, and MASTER_PORT + 1: torchrun's agent listens on MASTER_PORT"
+            else:
+                source = "MASTER_ADDR and MASTER_PORT"
+        if name == "srun" and addr is None:
+            nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if nodelist:
+                addr, source = expand_nodelist(nodelist)[0], "the first host of Slurm's node list"
+        return name, rank, world, local, addr, port, source
+    return None
+
+
+def find_place(args, env=os.environ):
+    """-> this process's Place among several processes, from a launcher's variables or
+    --nnodes, the flags before the environment; None for a process on its own (or our
+    own --gpus launcher on one host). Refuses what cannot work, in one sentence."""
+    file = args.rendezvous[len("file:"):] if args.rendezvous.startswith("file:") else None
+    if args.rendezvous != "tcp" and not file:
+        raise NanoEulerError(f"--rendezvous {args.rendezvous}: give tcp (rank 0 listens) or file:PATH (a file in "
+                             "a folder every host shares)")
+    found, gpus = find_launcher(env), getattr(args, "gpus", None)      # None: rendezvous, which starts nothing
+    if found and args.nnodes > 1:
+        raise NanoEulerError(f"--nnodes is for hosts with no launcher, but {found[0]} started this process; "
+                             f"leave out --nnodes and --node-rank ({found[0]} sets the ranks)")
+    if found and found[2] > 1 and gpus:
+        raise NanoEulerError(f"{found[0]} started {found[2]} processes and --gpus {gpus} would start {gpus} more "
+                             f"each; start one process per GPU with {found[0]} and leave out --gpus")
+    if found and found[2] == 1 and gpus:
+        found = None                                   # one task of a job (srun -N1) runs our own launcher
+    if found:
+        name, rank, world, local, addr, port, source = found
+    elif args.nnodes > 1:
+        if gpus == 0:
+            raise NanoEulerError("--nnodes is for the program's own launcher on each host: give --gpus N, the "
+                                 "GPUs of each host, with it")
+        if args.node_rank >= args.nnodes:
+            raise NanoEulerError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: the hosts "
+                                 f"are 0 to {args.nnodes - 1}")
+        port = port_number(env["MASTER_PORT"], "MASTER_PORT") if "MASTER_PORT" in env else None
+        name, rank, world, local, addr, source = ("--nnodes", args.node_rank, args.nnodes, 0,
+                                                  env.get("MASTER_ADDR") or None, "MASTER_ADDR and MASTER_PORT")
+    else:
+        if args.node_rank:
+            raise NanoEulerError(f"--node-rank {args.node_rank} without --nnodes: give --nnodes, the number of "
+                                 "hosts, with it")
+        return None
+    if args.master_addr or args.master_port:
+        given = [flag for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port))
+                 if value]
+        source = " and ".join(given) + (f"; the rest from {source}" if len(given) == 1 else "")
+        addr, port = args.master_addr or addr, args.master_port or port
+    if port is None:
+        port, source = DEFAULT_PORT, f"{source}; port {DEFAULT_PORT}, the default"
+    if addr is None and rank > 0 and world > 1 and not file:
+        raise NanoEulerError(f"{name} tells no one where rank 0 is: set MASTER_ADDR to its host (mpirun -x "
+                             "MASTER_ADDR=host0), give --master-addr, or give --rendezvous file:PATH in a folder "
+                             "every host shares")
+    return Place(name, rank, world, local, addr, port, source, file)
+
+
+def run_settings(args):
+    """what every rank must run with alike: the command and its flags, but for each host's paths
+    and how it finds rank 0 (LOCAL_SETTINGS), as text"""
+    return {k: str(v) for k, v in sorted(vars(args).items()) if k not in LOCAL_SETTINGS}
+
+
+def settings_differ(mine, theirs):
+    """the first few settings that differ, as "--batch 32 there, 16 here" (name) -> text"""
+    names = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    return "; ".join(f"--{k.replace('_', '-')} {theirs.get(k, '(none)')} there, {mine.get(k, '(none)')} here"
+                     for k in names[:3])
+
+
+def send_message(conn, **fields):
+    conn.sendall(json.dumps({"hello": HELLO, **fields}).encode() + b"\n")
+
+
+def read_message(conn, timeout):
+    """one message from conn within timeout s -> its dict; None: the connection closed, or what
+    came is not one of ours; raises socket.timeout"""
+    conn.settimeout(max(timeout, 0.001))
+    data = b""
+    while not data.endswith(b"\n") and len(data) < MAX_MESSAGE:
+        part = conn.recv(65536)
+        if not part:
+            return None
+        data += part
+    try:
+        message = json.loads(data)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) and message.get("hello") == HELLO else None
+
+
+def listen(port):
+    """a socket listening on port on every interface of this host (IPv6 and IPv4 where it can)"""
+    try:
+        if socket.has_dualstack_ipv6():
+            with contextlib.suppress(OSError):
+                return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128)
+        return socket.create_server(("", port), backlog=128)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise NanoEulerError(f"rank 0 cannot listen on port {port}: another program on this host uses it "
+                                 "(another job?); give every rank another with --master-port or MASTER_PORT") from None
+        raise NanoEulerError(f"rank 0 cannot listen on port {port} ({e.strerror}); give another with --master-port "
+                             "or MASTER_PORT") from None
+
+
+def ranks_text(ranks):
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def send_id(unique_id, place, settings, timeout, clock=time.monotonic, server=None):
+    """rank 0: hand unique_id (hex) to the world's other ranks, over TCP (each connects and
+    says who it is) or through --rendezvous's file -> {rank: open connection} (empty with a
+    file), which stay open while the run lasts (watch_peers). A rank that disagrees on the
+    world or the settings stops every rank that has come, with the same sentence."""
+    if place.file:
+        write_id_file(place.file, unique_id, place.world, settings)
+        return {}
+    server = server or listen(place.port)
+    peers, deadline = {}, clock() + timeout
+    try:
+        with server:
+            while len(peers) < place.world - 1:
+                left = deadline - clock()
+                if left <= 0:
+                    missing = sorted(set(range(1, place.world)) - set(peers))
+                    raise NanoEulerError(f"rank(s) {ranks_text(missing)} of {place.world} never came to rank 0 "
+                                         f"(port {place.port}) within {timeout:g} s; are they running, with the "
+                                         f"right address for rank 0 ({place.source})?")
+                server.settimeout(left)
+                try:
+                    conn, peer = server.accept()
+                except (socket.timeout, TimeoutError):
+                    continue
+                try:
+                    hello = read_message(conn, min(left, 30))
+                except OSError:
+                    hello = None
+                if hello is None:                      # not one of ours (a port scan?): not our business
+                    conn.close()
+                    continue
+                problem = hello_problem(hello, place.world, settings, peers, peer[0])
+                if problem:
+                    for c in [conn, *peers.values()]:
+                        with contextlib.suppress(OSError):
+                            send_message(c, error=problem)
+                    conn.close()
+                    raise NanoEulerError(problem)
+                peers[hello["rank"]] = conn
+            for conn in peers.values():
+                send_message(conn, id=unique_id)
+        return peers
+    except BaseException:
+        for conn in peers.values():
+            conn.close()
+        raise
+
+
+def hello_problem(hello, world, settings, peers, host):
+    """what is wrong with a rank's hello to rank 0, as the sentence every rank will say; None"""
+    rank, theirs = hello.get("rank"), hello.get("world")
+    who = f"rank {rank} (on {hello.get('host', host)})"
+    if theirs != world:
+        return f"{who} says the world has {theirs} ranks, rank 0 says {world}: start every rank with the same " \
+               "launcher settings"
+    if not isinstance(rank, int) or not 0 < rank < world:
+        return f"a process on {hello.get('host', host)} says it is rank {rank}, but rank 0 is here; start every " \
+               "rank with the same launcher"
+    if rank in peers:
+        return f"two processes say they are rank {rank}; give each host its own --node-rank"
+    if hello.get("settings") != settings:
+        return f"{who} runs with other settings than rank 0 ({settings_differ(settings, hello.get('settings', {}))}); " \
+               "start every rank with the same command line"
+    return None
+
+
+def receive_id(place, settings, timeout, clock=time.monotonic):
+    """ranks 1..: rank 0's unique id (hex), asked for over TCP until the timeout, or read from
+    --rendezvous's file -> (id, the connection to rank 0, None with a file)"""
+    if place.file:
+        return read_id_file(place.file, place.world, settings, timeout, clock), None
+    where, deadline = f"{place.addr}:{place.port}", clock() + timeout
+    never = f"rank 0 never answered at {where} ({place.source}) within {timeout:g} s; is it running there, and " \
+            "can this host reach that port?"
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            raise NanoEulerError(never)
+        try:
+            conn = socket.create_connection((place.addr, place.port), timeout=min(left, 10))
+        except socket.gaierror:
+            raise NanoEulerError(f"rank 0's host {place.addr} ({place.source}) is not a name or address this host "
+                                 "knows; give rank 0's host name or IP address") from None
+        except OSError:                                # not listening yet (refused), or not reachable yet
+            time.sleep(min(0.2, max(left, 0)))
+            continue
+        try:
+            send_message(conn, rank=place.rank, world=place.world, settings=settings, host=socket.gethostname())
+            reply = read_message(conn, deadline - clock())
+        except (socket.timeout, TimeoutError):
+            conn.close()
+            raise NanoEulerError(f"rank 0 at {where} did not hand out the id within {timeout:g} s: other ranks never "
+                                 "came (rank 0 says which)") from None
+        except OSError:
+            conn.close()
+            time.sleep(min(0.2, max(left, 0)))
+            continue
+        if reply is None:
+            conn.close()
+            raise NanoEulerError(f"the program at {where} is not NanoEuler's rank 0 (another program on that "
+                                 "port?); give every rank another with --master-port or MASTER_PORT")
+        if "error" in reply:
+            conn.close()
+            raise NanoEulerError(str(reply["error"]))
+        return str(reply["id"]), conn
+
+
+def write_id_file(path, unique_id, world, settings):
+    """--rendezvous file:PATH, rank 0: the id, whole or not at all (written aside, then renamed)"""
+    if os.path.lexists(path):
+        raise NanoEulerError(f"--rendezvous file:{path} is there already, left by an earlier run (rank 0 removes "
+                             "it once every rank has the id); delete it, or give each run a new path")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump({"hello": HELLO, "id": unique_id, "world": world, "settings": settings}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise NanoEulerError(f"--rendezvous file:{path} cannot be written ({e.strerror}); give a path in a folder "
+                             "every host shares and can write") from None
+    os.environ["NANOEULER_ID_FILE"] = path             # rank 0 removes it once NCCL has every rank
+
+
+def read_id_file(path, world, settings, timeout, clock=time.monotonic):
+    deadline = clock() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                found = json.load(f)
+            break
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError) as e:
+            raise NanoEulerError(f"--rendezvous file:{path} cannot be read ({getattr(e, 'strerror', None) or e}); "
+                                 "delete it and start every rank again") from None
+        if clock() >= deadline:
+            raise NanoEulerError(f"--rendezvous file:{path} did not appear within {timeout:g} s; is rank 0 "
+                                 "running, and is that folder shared by every host (the same path on each)?")
+        time.sleep(0.1)
+    if not isinstance(found, dict) or found.get("hello") != HELLO:
+        raise NanoEulerError(f"--rendezvous file:{path} is not a NanoEuler id file; give a new path")
+    if found.get("world") != world:
+        raise NanoEulerError(f"--rendezvous file:{path} is for a world of {found.get('world')} ranks, this rank's "
+                             f"has {world}: start every rank with the same launcher settings (or is the file "
+                             "an earlier run's? delete it)")
+    if found.get("settings") != settings:
+        raise NanoEulerError(f"rank 0 runs with other settings than this rank ("
+                             f"{settings_differ(settings, found.get('settings', {}))}); start every rank with the "
+                             "same command line")
+    return str(found["id"])
+
+
+def exchange_id(place, settings, timeout, make_id):
+    """the world's unique id on every rank, made by rank 0 -> (id, {rank: connection} on rank 0
+    or the connection to rank 0 elsewhere)"""
+    if place.world == 1:
+        return make_id(), {}
+    if place.rank == 0:
+        if not place.file:
+            server = listen(place.port)                # a port in use: said before NCCL is asked
+        unique_id = make_id()
+        return unique_id, send_id(unique_id, place, settings, timeout, server=None if place.file else server)
+    return receive_id(place, settings, timeout)
+
+
+def add_nodes_flags(sp):
+    """train's, bench's and rendezvous's flags for several hosts"""
+    g = sp.add_argument_group("several hosts (torchrun, srun and mpirun set the ranks; docs/multinode.md)")
+    g.add_argument("--nnodes", type=ne.positive_int, default=1,
+                   help="with --gpus N and no cluster launcher: the hosts, each running this command")
+    g.add_argument("--node-rank", type=ne.nonnegative_int, default=0, help="with --nnodes: this host's, 0 to N-1")
+    g.add_argument("--master-addr", default=None,
+                   help="rank 0's host, where the others ask for NCCL's id (default: MASTER_ADDR, under srun "
+                        "the first host of the job)")
+    g.add_argument("--master-port", type=ne.number_type(int, lambda n: 0 < n < 65536, "a port, 1 to 65535"),
+                   default=None, help=f"the port rank 0 listens on (default: MASTER_PORT, under torchrun "
+                                      f"MASTER_PORT + 1, else {DEFAULT_PORT})")
+    g.add_argument("--rendezvous", default="tcp",
+                   help="tcp: rank 0 hands out the id over TCP; file:PATH: through a file in a folder every host "
+                        "shares (it must not exist yet)")
+    g.add_argument("--rendezvous-timeout", type=ne.positive_float, default=RENDEZVOUS_TIMEOUT,
+                   help="seconds the ranks wait for each other before they stop")
+
+
+def cmd_rendezvous(args):
+    """every rank finds rank 0 and gets the same id, with no GPU: rank 0 makes up 128 bytes in
+    place of NCCL's id; each rank prints its place and a digest of the id it got"""
+    place = find_place(args)
+    if place is None:
+        raise NanoEulerError("rendezvous found no launcher: start it with torchrun, srun or mpirun, or give "
+                             "--nnodes, --node-rank and --master-addr")
+    unique_id, _ = exchange_id(place, run_settings(args), args.rendezvous_timeout, lambda: os.urandom(128).hex())
+    how = f"file {place.file}" if place.file else f"{place.addr or 'this host'}:{place.port}, {place.source}"
+    print(f"rank {place.rank} of {place.world} ({place.launcher}, local rank {place.local_rank}): id "
+          f"{hashlib.sha256(bytes.fromhex(unique_id)).hexdigest()[:16]} from rank 0 ({how})", flush=True)
 
 
 if __name__ == "__main__":

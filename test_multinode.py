@@ -1,0 +1,356 @@
+"""
+Tests of nanoeuler_cuda.py beyond one host (docs/multinode.md), all on the CPU: each
+launcher's variables, Slurm's node lists, the NCCL id's exchange over the loopback
+(threads, then real processes started by mpirun, and by the program's --nnodes) and
+through a file, and every refusal. No GPU: the rendezvous command and these tests
+exchange 128 made-up bytes in place of NCCL's id.
+
+    python -m pytest -q test_multinode.py
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import itertools
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import nanoeuler_cuda as nc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SETTINGS = {"batch": "16", "model_size": "small"}
+
+
+def args_of(*argv, command="train"):
+    return nc.build_parser().parse_args([command, *argv])
+
+
+def place(rank, world, port, addr="127.0.0.1", file=None):
+    return nc.Place("test", rank, world, rank, addr, port, "the test", file)
+
+
+def free_server():
+    """a socket listening on a port of the loopback the system picked: (socket, port)"""
+    server = socket.create_server(("127.0.0.1", 0))
+    return server, server.getsockname()[1]
+
+
+def closed_port():
+    """a port nothing listens on: bound, not listening, so a connection to it is refused"""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s, s.getsockname()[1]
+
+
+def run_ranks(world, port, settings=SETTINGS, worlds=None, ranks=None, timeout=30):
+    """rank 0 serves on a thread, ranks 1.. each ask on a thread -> {rank: id or the error's text}"""
+    server = socket.create_server(("127.0.0.1", port)) if port else None
+    got = {}
+
+    def rank0():
+        try:
+            peers = nc.send_id("ab" * 128, place(0, world, port), SETTINGS, timeout, server=server)
+            got[0] = "ab" * 128
+            for c in peers.values():
+                c.close()
+        except ne.NanoEulerError as e:
+            got[0] = str(e)
+
+    def other(r, w, s):
+        try:
+            got[r] = nc.receive_id(place(r, w, port), s, timeout)[0]
+        except ne.NanoEulerError as e:
+            got[r] = str(e)
+
+    threads = [threading.Thread(target=rank0)]
+    for i, r in enumerate(ranks or range(1, world)):
+        w = (worlds or {}).get(i, world)
+        threads.append(threading.Thread(target=other, args=(r, w, settings if i == 0 else SETTINGS)))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return got
+
+
+def port_of_free_server():
+    s, port = free_server()
+    s.close()
+    return port
+
+
+# -----------------------------------------------------------------------------
+# Slurm's node lists
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("gpu[01-03,7],login1", ["gpu01", "gpu02", "gpu03", "gpu7", "login1"]),
+    ("n[009-011]", ["n009", "n010", "n011"]),
+    ("rack[1-2]-n[0-1]", ["rack1-n0", "rack1-n1", "rack2-n0", "rack2-n1"]),
+    ("a,b[5],c", ["a", "b5", "c"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert nc.expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist", ["n[1-", "n[3-1]", "n[a-b]", "", "a,,b", "n[1-2]]"])
+def test_a_node_list_that_cannot_be_read_is_refused_naming_master_addr(nodelist):
+    with pytest.raises(ne.NanoEulerError, match="cannot be read; set MASTER_ADDR"):
+        nc.expand_nodelist(nodelist)
+
+
+# -----------------------------------------------------------------------------
+# each launcher's variables
+
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "MASTER_ADDR": "h0", "MASTER_PORT": "29500",
+            "TORCHELASTIC_USE_AGENT_STORE": "True"}
+SLURM = {"SLURM_PROCID": "9", "SLURM_STEP_NUM_TASKS": "16", "SLURM_LOCALID": "1",
+         "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_NODELIST": "gpu[01-09]"}
+OMPI = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+PMI = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0"}
+
+
+@pytest.mark.parametrize("env, found", [
+    (TORCHRUN, ("torchrun", 3, 16, 3, "h0", 29501)),                     # the agent's store holds 29500
+    ({**TORCHRUN, "TORCHELASTIC_USE_AGENT_STORE": "False"}, ("torchrun", 3, 16, 3, "h0", 29500)),
+    (SLURM, ("srun", 9, 16, 1, "gpu07", None)),                          # the step's first host, not the job's
+    ({**SLURM, "MASTER_ADDR": "x", "MASTER_PORT": "1234"}, ("srun", 9, 16, 1, "x", 1234)),
+    (OMPI, ("mpirun", 5, 8, 1, None, None)),                             # MPI says nothing of rank 0's host
+    (PMI, ("MPI (PMI)", 2, 4, 0, None, None)),
+    ({**SLURM, **OMPI}, ("mpirun", 5, 8, 1, None, None)),                # mpirun inside a Slurm job
+    ({**SLURM, **TORCHRUN}, ("torchrun", 3, 16, 3, "h0", 29501)),        # torchrun under srun
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "RANK": "1"}, None),     # a batch script (no srun), a stray RANK
+])
+def test_find_launcher(env, found):
+    got = nc.find_launcher(env)
+    assert (got[:6] if got else None) == found
+
+
+def test_torchrun_port_says_why_it_is_not_master_port():
+    assert "MASTER_PORT + 1: torchrun's agent listens on MASTER_PORT" in nc.find_launcher(TORCHRUN)[6]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({**TORCHRUN, "RANK": "16"}, "RANK=16 is not below WORLD_SIZE=16"),
+    ({**SLURM, "SLURM_PROCID": "x"}, "SLURM_PROCID='x' in the environment is not a whole number"),
+    ({k: v for k, v in OMPI.items() if "LOCAL" not in k}, "OMPI_COMM_WORLD_LOCAL_RANK is not set"),
+    ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a port number"),
+    ({**SLURM, "SLURM_STEP_NODELIST": "gpu[1-"}, "node list 'gpu\\[1-' cannot be read"),
+])
+def test_bad_launcher_variables_are_refused(env, message):
+    with pytest.raises(ne.NanoEulerError, match=message):
+        nc.find_launcher(env)
+
+
+def test_flags_come_before_the_environment():
+    p = nc.find_place(args_of("--master-addr", "10.0.0.1", "--master-port", "4000"), TORCHRUN)
+    assert (p.addr, p.port, p.rank, p.world, p.local_rank) == ("10.0.0.1", 4000, 3, 16, 3)
+    assert p.source == "--master-addr and --master-port"
+    p = nc.find_place(args_of("--master-port", "4000"), SLURM)
+    assert (p.addr, p.port) == ("gpu07", 4000)
+    assert nc.find_place(args_of(), OMPI | {"MASTER_ADDR": "h"}).port == nc.DEFAULT_PORT
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    ([], OMPI, "mpirun tells no one where rank 0 is: set MASTER_ADDR"),
+    (["--gpus", "2"], TORCHRUN, "torchrun started 16 processes and --gpus 2 would start 2 more each"),
+    (["--nnodes", "2"], TORCHRUN, "--nnodes is for hosts with no launcher, but torchrun"),
+    (["--nnodes", "2", "--master-addr", "h"], {}, "give --gpus N, the GPUs of each host"),
+    (["--gpus", "2", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 is not below --nnodes 2"),
+    (["--node-rank", "1"], {}, "--node-rank 1 without --nnodes"),
+    (["--gpus", "2", "--nnodes", "2", "--node-rank", "1"], {}, "tells no one where rank 0 is"),
+    (["--rendezvous", "nfs"], {}, "--rendezvous nfs: give tcp"),
+])
+def test_places_that_cannot_work_are_refused(argv, env, message):
+    with pytest.raises(ne.NanoEulerError, match=re.escape(message)):
+        nc.find_place(args_of(*argv), env)
+
+
+def test_rank0_without_an_address_and_other_ranks_with_a_file_need_none(tmp_path):
+    assert nc.find_place(args_of(), {**OMPI, "OMPI_COMM_WORLD_RANK": "0"}).rank == 0
+    p = nc.find_place(args_of("--rendezvous", f"file:{tmp_path}/id"), OMPI)
+    assert (p.rank, p.file) == (5, f"{tmp_path}/id")
+
+
+def test_no_launcher_and_a_one_task_job_with_gpus_run_as_before():
+    assert nc.find_place(args_of(), {}) is None
+    assert nc.find_place(args_of("--gpus", "8"), {**SLURM, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}) is None
+    p = nc.find_place(args_of("--gpus", "8", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"), {})
+    assert (p.launcher, p.rank, p.world, p.addr, p.port) == ("--nnodes", 1, 2, "h", nc.DEFAULT_PORT)
+
+
+def test_settings_compared_leave_out_each_hosts_paths():
+    a = nc.run_settings(args_of("--data", "/a", "--out", "/x", "--node-rank", "1", "--master-port", "9"))
+    assert a == nc.run_settings(args_of("--data", "/b", "--out", "/y"))
+    assert a != nc.run_settings(args_of("--batch", "32"))
+
+
+# -----------------------------------------------------------------------------
+# the exchange over TCP, ranks as threads
+
+def test_every_rank_gets_rank0s_id():
+    server, port = free_server()
+    server.close()
+    got = run_ranks(4, port)
+    assert got == {r: "ab" * 128 for r in range(4)}
+
+
+@pytest.mark.parametrize("world, case, message", [
+    (2, dict(worlds={0: 5}), "rank 1 (on {host}) says the world has 5 ranks, rank 0 says 2"),
+    (2, dict(settings={**SETTINGS, "batch": "32"}), "rank 1 (on {host}) runs with other settings than rank 0 "
+                                                    "(--batch 32 there, 16 here)"),
+    (3, dict(ranks=[2, 2]), "two processes say they are rank 2"),
+    (2, dict(ranks=[0]), "says it is rank 0, but rank 0 is here"),
+])
+def test_a_rank_that_disagrees_stops_every_rank_with_one_sentence(world, case, message):
+    got = run_ranks(world, port_of_free_server(), timeout=20, **case)
+    message = message.format(host=socket.gethostname())
+    assert message in got[0]
+    assert set(got.values()) == {got[0]}         # every rank that came was told rank 0's sentence
+
+
+def test_rank0_that_never_comes_is_named_with_its_address():
+    s, port = closed_port()
+    clock = itertools.count(0, 40).__next__      # each look at the clock: 40 s later
+    with s, pytest.raises(ne.NanoEulerError,
+                          match=f"rank 0 never answered at 127.0.0.1:{port} \\(the test\\) within 100 s"):
+        nc.receive_id(place(1, 2, port), SETTINGS, 100, clock=clock)
+
+
+def test_ranks_that_never_come_are_named_by_rank0():
+    server, port = free_server()
+    with pytest.raises(ne.NanoEulerError, match="rank\\(s\\) 1, 2 of 3 never came to rank 0"):
+        nc.send_id("ab" * 128, place(0, 3, port), SETTINGS, 0.2, server=server)
+
+
+def test_a_port_in_use_is_refused():
+    server, port = free_server()
+    with server, pytest.raises(ne.NanoEulerError, match=f"rank 0 cannot listen on port {port}: another program"):
+        nc.listen(port)
+
+
+def test_a_stranger_on_the_port_is_not_taken_for_rank0():
+    server, port = free_server()
+
+    def stranger():
+        conn, _ = server.accept()
+        conn.recv(1000)
+        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+        conn.close()
+    t = threading.Thread(target=stranger)
+    t.start()
+    with pytest.raises(ne.NanoEulerError, match=f"the program at 127.0.0.1:{port} is not NanoEuler's rank 0"):
+        nc.receive_id(place(1, 2, port), SETTINGS, 20)
+    t.join()
+    server.close()
+
+
+def test_rank0_ignores_a_stranger_and_waits_for_the_ranks():
+    server, port = free_server()
+    got = {}
+    t = threading.Thread(target=lambda: got.update(peers=nc.send_id("cd" * 128, place(0, 2, port), SETTINGS, 20,
+                                                                     server=server)))
+    t.start()
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        assert c.recv(100) == b""                # rank 0 closed it without a word
+    unique_id, conn = nc.receive_id(place(1, 2, port), SETTINGS, 20)
+    t.join()
+    assert unique_id == "cd" * 128 and list(got["peers"]) == [1]
+    conn.close()
+    got["peers"][1].close()
+
+
+# -----------------------------------------------------------------------------
+# the exchange through a file
+
+def test_the_id_goes_through_a_file(tmp_path):
+    path = str(tmp_path / "id")
+    nc.write_id_file(path, "ef" * 128, 3, SETTINGS)
+    assert nc.read_id_file(path, 3, SETTINGS, 10) == "ef" * 128
+    assert os.environ.pop("NANOEULER_ID_FILE") == path      # rank 0 removes it once NCCL has every rank
+    assert os.listdir(tmp_path) == ["id"]                    # nothing left aside
+    with pytest.raises(ne.NanoEulerError, match="is there already, left by an earlier run"):
+        nc.write_id_file(path, "ef" * 128, 3, SETTINGS)
+    with pytest.raises(ne.NanoEulerError, match="is for a world of 3 ranks, this rank's has 4"):
+        nc.read_id_file(path, 4, SETTINGS, 10)
+    with pytest.raises(ne.NanoEulerError, match="rank 0 runs with other settings than this rank "
+                                                "\\(--batch 16 there, 8 here\\)"):
+        nc.read_id_file(path, 3, {**SETTINGS, "batch": "8"}, 10)
+
+
+def test_a_file_that_never_comes_is_named(tmp_path):
+    clock = itertools.count(0, 40).__next__
+    with pytest.raises(ne.NanoEulerError, match="file:.*/id did not appear within 100 s; is rank 0 running"):
+        nc.read_id_file(str(tmp_path / "id"), 2, SETTINGS, 100, clock=clock)
+
+
+# -----------------------------------------------------------------------------
+# real processes: mpirun, --nnodes, and the command line's refusals
+
+def run(*argv, env=None, timeout=120):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "MASTER_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")} | (env or {})
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=HERE, env=env)
+
+
+def ids_of(out, world):
+    lines = sorted(re.findall(r"rank (\d+) of (\d+) \((.*?), local rank (\d+)\): id (\w+)", out))
+    assert [int(r) for r, *_ in lines] == list(range(world)), out
+    return lines
+
+
+MPIRUN = shutil.which("mpirun")
+needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="needs mpirun (Debian's openmpi-bin, as .ci/run installs)")
+
+
+@needs_mpirun
+@pytest.mark.parametrize("how", ["tcp", "file"])
+def test_mpirun_starts_three_ranks_that_get_one_id(tmp_path, how):
+    port = port_of_free_server()
+    extra = ["--rendezvous", f"file:{tmp_path}/id"] if how == "file" else []
+    r = run(MPIRUN, "--allow-run-as-root", "--oversubscribe", "-n", "3", "-x", "MASTER_ADDR=127.0.0.1",
+            "-x", f"MASTER_PORT={port}", sys.executable, "nanoeuler_cuda.py", "rendezvous",
+            "--rendezvous-timeout", "60", *extra)
+    assert r.returncode == 0, r.stderr
+    lines = ids_of(r.stdout, 3)
+    assert {line[2] for line in lines} == {"mpirun"} and [line[3] for line in lines] == ["0", "1", "2"]
+    assert len({line[4] for line in lines}) == 1
+
+
+def test_nnodes_two_hosts_on_the_loopback():
+    port = port_of_free_server()
+    procs = [subprocess.Popen([sys.executable, "nanoeuler_cuda.py", "rendezvous", "--nnodes", "2", "--node-rank",
+                               str(n), "--master-addr", "127.0.0.1", "--master-port", str(port)],
+                              cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for n in (1, 0)]                                  # the other host first: it waits for rank 0
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    lines = ids_of(outs[0][0] + outs[1][0], 2)
+    assert lines[0][4] == lines[1][4] and lines[0][2] == "--nnodes"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
+     "mpirun tells no one where rank 0 is"),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"},
+     "rank 0 never answered at 127.0.0.1:{port} (MASTER_ADDR and MASTER_PORT) within 1 s"),
+])
+@pytest.mark.parametrize("command", ["rendezvous"])
+def test_bad_launcher_environments_say_one_sentence_and_stop(env, message, command, tmp_path):
+    s, port = closed_port()
+    with s:
+        env = {k: v.format(port=port) for k, v in env.items()}
+        extra = ["--out", str(tmp_path / "run")] if command == "train" else []
+        r = run(sys.executable, "nanoeuler_cuda.py", command, "--rendezvous-timeout", "1", *extra, env=env)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == f"error: {message.format(port=port)}" + r.stderr[len(message.format(port=port)) + 7:]
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
