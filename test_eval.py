@@ -238,6 +238,16 @@ def test_command_line_table_and_json(tiny, data, tmp_path):
     assert "ChatCORE-lite:" in r.stdout and [t["task"] for t in json.loads(out.read_text())["tasks"]] == ev.CHAT_TASKS
 
 
+def test_tokenizing_in_worker_processes_gives_the_same_results(tiny, data, tmp_path):
+    out1, out2 = tmp_path / "1.json", tmp_path / "2.json"
+    for workers, out in (("1", out1), ("2", out2)):
+        r = run("--model", tiny[0], "--data", data, "--tasks", "hellaswag,winogrande", "--workers", workers,
+                "--json", str(out), "--quiet")
+        assert r.returncode == 0, r.stderr
+    strip = lambda p: [{k: v for k, v in t.items() if k != "seconds"} for t in json.loads(p.read_text())["tasks"]]
+    assert strip(out1) == strip(out2)
+
+
 def test_bad_input_is_one_sentence(tiny, data, tmp_path):
     path = tiny[0]
     r = run("--model", path, "--data", str(tmp_path / "none"))
@@ -289,3 +299,36 @@ def test_run_scores_every_checkpoint_into_eval_csv(tiny, data, tmp_path):
     assert rows[0] == "step,core_lite,arc_easy,lambada"
     assert [row.split(",")[0] for row in rows[1:]] == ["10", "20"]
     assert rows[1].split(",")[1:] == rows[2].split(",")[1:]   # the same weights score the same
+
+
+def emulator_ready():
+    import shutil
+    try:
+        import cuda.bindings  # noqa: F401
+    except ImportError:
+        return False
+    return shutil.which("g++") is not None
+
+
+@pytest.mark.skipif(not emulator_ready(), reason="the CUDA emulator needs g++ and cuda-python")
+def test_gpu_scorer_on_the_cpu_emulator_gives_the_cpu_choices(tiny, data, monkeypatch):
+    # GPUScorer (nanoeuler_cuda's training forward, head 0's per-token losses, the logits for the
+    # greedy check) run by tools/emulate_cuda.py: the CPU's numbers in fp32, close in bf16
+    import nanoeuler_cuda as nc
+    spec = importlib.util.spec_from_file_location("emulate_cuda", os.path.join(HERE, "tools", "emulate_cuda.py"))
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    monkeypatch.setattr(nc, "cu", nc.cu)
+    monkeypatch.setattr(nc, "gpu", nc.gpu)
+    emulator.install(nc)
+    _, _, _, tok = tiny
+    cfg = ne.Config(V=tok.vocab_size, C=32, Hq=2, Hkv=1, L=2, T=32, F=88, K=2)   # D = 16: a GPU head size
+    flat = (ne.init_params(cfg, seed=3) * 2).astype(np.float32)
+    items = ev.load_task("hellaswag", data) + ev.load_task("lambada", data)
+    rows = [r for it in items for r in (ev.base_rows(tok, it, cfg.T) or [])]
+    cpu = ev.CPUScorer(cfg, flat, threads=1).score(rows, greedy=True)
+    for precision, tol in (("fp32", 1e-4), ("bf16", 0.05)):
+        gpu = ev.GPUScorer(cfg, flat, precision, rows=5).score(rows, greedy=True)   # 5 rows a pass: several passes
+        for (a, ha), (b, hb) in zip(gpu, cpu):
+            np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
+            assert ha == hb

