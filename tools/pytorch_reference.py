@@ -5,7 +5,7 @@ nothing imports it, and it needs PyTorch.
 
     python tools/pytorch_reference.py [--compile [reduce-overhead]] [--precision bf16|tf32] [--batch 16]   # big, GPU
     python tools/pytorch_reference.py --attention --batch 16     # scaled_dot_product_attention alone
-    python tools/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8
+    python tools/pytorch_reference.py --model small --device cpu --precision fp32 --batch 8 [--threads 4]
     python tools/pytorch_reference.py --decode [--compile]    # batch-1 greedy decoding with a KV cache
 
 Same model as SPEC.md (RMSNorm, RoPE, GQA, SwiGLU, K untied heads, mtp_weight),
@@ -168,6 +168,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--model", default="big", choices=sorted(PRESETS))
     p.add_argument("--device", default="cuda")
+    p.add_argument("--threads", type=int, help="CPU: torch.set_num_threads (default: PyTorch's, one per core)")
     p.add_argument("--decode", action="store_true", help="time batch-1 greedy decoding with a KV cache instead")
     p.add_argument("--new-tokens", type=int, default=500, help="--decode: new tokens (at most T - 16)")
     args = p.parse_args()
@@ -176,6 +177,8 @@ def main():
     if args.decode:
         return decode(args)
     dev = args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.attention:
         return time_attention(args.batch, dev)
     if dev == "cuda":

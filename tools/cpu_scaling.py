@@ -1,0 +1,190 @@
+"""
+NanoEuler's CPU training step against PyTorch eager's, side by side, over thread
+counts: the measurement of BENCHMARKS.md's "CPU: more cores" table. Not part of
+NanoEuler (nothing imports it); the PyTorch side needs PyTorch (CPU build is enough).
+
+    python tools/cpu_scaling.py                          # threads 1,2,4,8,16 at batch 8 and 32, 2 rounds
+    taskset -c 0,1 python tools/cpu_scaling.py           # the same, pinned to 2 cores
+    python tools/cpu_scaling.py --threads 1,2 --batches 8 --rounds 3 --steps 10
+    python tools/cpu_scaling.py --no-torch               # NanoEuler's side only
+
+Every figure is one fresh process: NanoEuler's is `bench_train(PRESETS['small'], B,
+threads, steps)`, what `train --batch B --threads N` runs a step with (the median
+after 2 warm-up steps); PyTorch's is `tools/pytorch_reference.py --model small
+--device cpu --precision fp32 --batch B --threads N` (eager, fp32, the median after
+5 warm-up steps). The two alternate, and which goes first swaps every round, so a
+machine whose speed drifts (a shared VM) drifts under both alike. The ratio is
+NanoEuler's speed over PyTorch's (PyTorch's ms / NanoEuler's ms): above 1, NanoEuler
+is faster. The last lines say whether NanoEuler's step got slower anywhere as the
+threads went up (by more than --slack, the noise of one machine).
+"""
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def int_list(text):
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers")
+    return values
+
+
+def run(cmd, timeout, env=None):
+    """stdout of cmd; on a failure, its last stderr line (and None as stdout)"""
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout} s"
+    if p.returncode:
+        return None, (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+    return p.stdout, ""
+
+
+def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None):
+    """NanoEuler's ms a step, and its engine line; min_rows replaces nanoeuler.MIN_ROWS and blas
+    sets OPENBLAS_NUM_THREADS (nanoeuler.py keeps one a caller otherwise), the variants measured"""
+    code = ("import nanoeuler as ne\n"
+            + (f"ne.MIN_ROWS = {min_rows}\n" if min_rows else "")
+            + f"ne.check_memory(ne.PRESETS['small'], {B}, {threads})\n"
+            + f"print(getattr(ne, 'engine_line', lambda B, n: 'numpy ' + ne.np.__version__)({B}, {threads}))\n"
+            + f"print(1e3 * ne.bench_train(ne.PRESETS['small'], {B}, {threads}, steps={steps}))")
+    env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": str(blas)} if blas else {}))
+    out, err = run([sys.executable, "-c", code], timeout, env)
+    if out is None:
+        return None, err
+    lines = out.strip().splitlines()
+    return float(lines[-1]), lines[0]
+
+
+def torch_ms(B, threads, steps, timeout):
+    out, err = run([sys.executable, "tools/pytorch_reference.py", "--model", "small", "--device", "cpu",
+                    "--precision", "fp32", "--batch", str(B), "--threads", str(threads), "--steps", str(steps)],
+                   timeout)
+    if out is None:
+        return None, err
+    m = re.search(r"([0-9.]+) ms/step", out)
+    return (float(m.group(1)), out.strip()) if m else (None, f"no ms/step in {out.strip()!r}")
+
+
+def has_torch():
+    out, err = run([sys.executable, "-c", "import torch; print(torch.__version__)"], 120)
+    return out.strip() if out else None
+
+
+def cores():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def span(values):
+    good = [v for v in values if v is not None]
+    if not good:
+        return "failed"
+    return f"{min(good):.1f}" if len(good) == 1 else f"{min(good):.1f}-{max(good):.1f}"
+
+
+def slower_steps(ours, batches, threads, slack):
+    """where NanoEuler's median step with more threads is slower than the best with fewer by more
+    than slack: ours maps (batch, threads) to ms figures (None: failed)"""
+    slower = []
+    for B in batches:
+        best = None
+        for n in threads:
+            good = [v for v in ours.get((B, n), []) if v is not None]
+            if not good:
+                continue
+            med = statistics.median(good)
+            if best is not None and med > best[1] * (1 + slack):
+                slower.append(f"B={B}: {n} threads {med:.1f} ms, {best[0]} threads {best[1]:.1f} ms")
+            if best is None or med < best[1]:
+                best = (n, med)
+    return slower
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int_list, default=[1, 2, 4, 8, 16], help="thread counts (default 1,2,4,8,16)")
+    p.add_argument("--batches", type=int_list, default=[8, 32], help="batch sizes (default 8,32)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds over every (batch, threads) (default 2)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps a figure (default 10)")
+    p.add_argument("--slack", type=float, default=0.10,
+                   help="how much slower a step may get with more threads before it counts (default 0.10)")
+    p.add_argument("--no-torch", action="store_true", help="NanoEuler's side only")
+    p.add_argument("--min-rows", type=int_list, default=[],
+                   help="variants, NanoEuler only, after the rounds: nanoeuler.MIN_ROWS set to each of these")
+    p.add_argument("--blas", type=int_list, default=[],
+                   help="variants, NanoEuler only, after the rounds: OPENBLAS_NUM_THREADS set to each of these")
+    p.add_argument("--timeout", type=int, default=300, help="seconds one figure may take (default 300)")
+    args = p.parse_args()
+    if args.rounds < 1 or args.steps < 1:
+        p.error("--rounds and --steps must be at least 1")
+
+    import numpy as np
+    torch_version = None if args.no_torch else has_torch()
+    print(f"{cores()} cores this process may run on (os.cpu_count(): {os.cpu_count()}), "
+          f"Python {sys.version.split()[0]}, numpy {np.__version__}, "
+          f"PyTorch {torch_version or ('not run (--no-torch)' if args.no_torch else 'not importable: NanoEuler only')}")
+    print(f"small model, fp32, T=128; {args.rounds} rounds, {args.steps} timed steps a figure, "
+          f"the two alternated\n", flush=True)
+    ours, theirs = {}, {}
+    t_start = time.time()
+    for r in range(args.rounds):
+        for B in args.batches:
+            for i, n in enumerate(args.threads):
+                order = ["nanoeuler", "torch"] if (r + i) % 2 == 0 else ["torch", "nanoeuler"]
+                for side in order:
+                    if side == "torch" and not torch_version:
+                        continue
+                    ms, note = (nanoeuler_ms if side == "nanoeuler" else torch_ms)(B, n, args.steps, args.timeout)
+                    (ours if side == "nanoeuler" else theirs).setdefault((B, n), []).append(ms)
+                    shown = f"{ms:8.1f} ms" if ms is not None else "  failed"
+                    print(f"round {r + 1}  B={B:<3d} threads={n:<3d} {side:<9s} {shown}   {note}", flush=True)
+    variants = {}
+    for name, values in (("min_rows", args.min_rows), ("blas", args.blas)):
+        for value in values:
+            for B in args.batches:
+                for n in args.threads:
+                    ms, note = nanoeuler_ms(B, n, args.steps, args.timeout, **{name: value})
+                    variants.setdefault((name, value, B, n), []).append(ms)
+                    shown = f"{ms:8.1f} ms" if ms is not None else "  failed"
+                    print(f"variant {name}={value}  B={B:<3d} threads={n:<3d} {shown}   {note}", flush=True)
+    print(f"\n({time.time() - t_start:.0f} s)\n")
+
+    print("| batch | threads | NanoEuler ms | PyTorch eager ms | NanoEuler / PyTorch speed |")
+    print("|---:|---:|---:|---:|---:|")
+    for B in args.batches:
+        for n in args.threads:
+            a, b = ours.get((B, n), []), theirs.get((B, n), [])
+            ratios = [y / x for x, y in zip(a, b) if x and y]        # same round: measured side by side
+            ratio = (f"{min(ratios):.2f}x" if len(ratios) == 1 else f"{min(ratios):.2f}-{max(ratios):.2f}x"
+                     if ratios else "")
+            print(f"| {B} | {n} | {span(a)} | {span(b) if b else 'not run'} | {ratio} |")
+    if variants:
+        print("\n| NanoEuler variant | batch | threads | ms |\n|---|---:|---:|---:|")
+        for (name, value, B, n), ms in variants.items():
+            print(f"| {name}={value} | {B} | {n} | {span(ms)} |")
+
+    print()
+    slower = slower_steps(ours, args.batches, args.threads, args.slack)
+    if slower:
+        print(f"more threads slower (by more than {args.slack:.0%}): " + "; ".join(slower))
+    else:
+        print(f"more threads never slower (within {args.slack:.0%}): yes")
+
+
+if __name__ == "__main__":
+    main()
