@@ -84,15 +84,43 @@ parse_size() {
         v = n * m; if (v < 1 || v > 1e14) exit 1; printf "%.0f\n", v }'
 }
 
-TMP=""
+TMP="" CHILD=""
 cleanup() { if [ -n "$TMP" ]; then rm -rf "$TMP"; fi; }
+# A transfer or a conversion runs in the background and the script waits for it (run_child):
+# bash runs a trap only once its foreground command ends, but `wait` returns at once when a
+# trapped signal comes, so Ctrl-C or SIGTERM stops the script (and its child) within a second.
+# (its words go to the script's own stderr, fd 9: the trap may run inside a redirection)
+exec 9>&2
+stop() {
+    if [ -n "$CHILD" ]; then kill -TERM "$CHILD" 2>/dev/null; wait "$CHILD" 2>/dev/null; fi
+    fail "interrupted; nothing partial was kept (a parquet download resumes where it stopped)" 2>&9
+    exit "$1"
+}
 trap cleanup EXIT
-trap 'fail "interrupted; nothing partial was kept (a parquet download resumes where it stopped)"; exit 130' INT TERM
+trap 'stop 130' INT
+trap 'stop 143' TERM
+run_child() { "$@" & CHILD=$!; wait "$CHILD"; local rc=$?; CHILD=""; return "$rc"; }
+
+alive() {      # whether process $1 exists (a process of another user too)
+    local err; err=$(kill -0 "$1" 2>&1) && return 0
+    case $err in *ermi*) return 0 ;; esac
+    return 1
+}
 
 make_tmp() {   # one scratch folder inside the data folder, so a finished file moves into place atomically
     [ -n "$TMP" ] && return 0
-    mkdir -p "$DATA" || { fail "cannot create $(show "$DATA"); set NANOEULER_DATA_DIR to a writable folder"; exit 1; }
-    TMP=$(mktemp -d "$DATA/.get_data.XXXXXX") || { fail "cannot write in $(show "$DATA"); set NANOEULER_DATA_DIR to a writable folder"; exit 1; }
+    local out d pid
+    out=$(mkdir -p "$DATA" 2>&1) || { fail "cannot create $(show "$DATA") (${out##*: }); set NANOEULER_DATA_DIR to a writable folder"; exit 1; }
+    # the scratch folders of runs that were killed (kill -9 runs no trap): their process is gone
+    # and nothing in them changed for 10 minutes (a run in another container shares the folder, not our pids)
+    for d in "$DATA"/.get_data.*; do
+        pid=${d#"$DATA"/.get_data.}; pid=${pid%%.*}
+        if [ -d "$d" ] && [[ $pid =~ ^[0-9]+$ ]] && ! alive "$pid" && [ -z "$(find "$d" -mmin -10 2>/dev/null | head -n 1)" ]; then
+            rm -rf "$d"
+        fi
+    done
+    out=$(mktemp -d "$DATA/.get_data.$$.XXXXXX" 2>&1) || { fail "cannot write in $(show "$DATA") (${out##*: }); set NANOEULER_DATA_DIR to a writable folder"; exit 1; }
+    TMP=$out
 }
 
 need_python() {
@@ -109,16 +137,27 @@ fi
 # fetch URL OUT [resume]: download URL into OUT. On failure it sets FETCH_ERR (a phrase for
 # the one-sentence report), FETCH_NET=1 when the host itself cannot be reached (no point in
 # asking it again for the next file) and FETCH_CODE to the HTTP status (000 without one).
+# FETCH_CHARSET: the charset the server declared in its Content-Type, if any.
+# A resumed download whose server ignores byte ranges (200, not 206) starts over from zero.
 fetch() {
-    local url=$1 out=$2 resume=${3:-} host rc err
+    local url=$1 out=$2 resume=${3:-} host rc err info
     host=${url#*://}; host=${host%%/*}
-    FETCH_ERR="" FETCH_NET=0 FETCH_CODE=000
-    err="$TMP/fetch.err"
+    FETCH_ERR="" FETCH_NET=0 FETCH_CODE=000 FETCH_CHARSET=""
+    err="$TMP/fetch.err" info="$TMP/fetch.info"
     if [ "$FETCHER" = curl ]; then
-        local args=(-sS -L --fail --connect-timeout 20 --speed-limit 1 --speed-time 60 --retry 3 -o "$out" -w '%{http_code}')
-        [ -n "$resume" ] && args+=(-C -)
-        FETCH_CODE=$(curl "${args[@]}" "$url" 2>"$err"); rc=$?
-        FETCH_CODE=${FETCH_CODE: -3}                       # the last attempt's status when curl retried
+        local args=(-sS -L --fail --connect-timeout 20 --speed-limit 1 --speed-time 60 --retry 3 -o "$out"
+                    -w '%{http_code} %{content_type}\n')
+        local cont=()
+        if [ -n "$resume" ] && [ -s "$out" ]; then cont=(-C -); fi
+        run_child curl "${args[@]}" ${cont[@]+"${cont[@]}"} "$url" >"$info" 2>"$err"; rc=$?
+        if [ "$rc" -eq 33 ]; then          # the server ignores byte ranges: the start we have is of no use
+            say "$host ignores byte ranges, so $(basename "$out" .part) starts over from zero"
+            rm -f "$out"
+            run_child curl "${args[@]}" "$url" >"$info" 2>"$err"; rc=$?
+        fi
+        info=$(tail -n 1 "$info" 2>/dev/null)                     # the last attempt's when curl retried
+        FETCH_CODE=${info%% *}; [[ $FETCH_CODE =~ ^[0-9]{3}$ ]] || FETCH_CODE=000
+        FETCH_CHARSET=$(charset_of "$info")
         [ "$rc" -eq 0 ] && return 0
         case $rc in
             6)  FETCH_NET=1; FETCH_ERR="cannot resolve $host (no network, or a wrong host name)" ;;
@@ -127,16 +166,17 @@ fetch() {
                 else FETCH_ERR="$host does not answer (connection refused)"; fi ;;
             28) FETCH_NET=1; FETCH_ERR="$host does not answer (timed out)" ;;
             22) FETCH_ERR="$host answered HTTP $FETCH_CODE for $url" ;;
-            18) FETCH_ERR="the download from $host broke off; run again to resume" ;;
+            18) FETCH_ERR="the download from $host broke off; run again${resume:+ to resume}" ;;
             23) FETCH_ERR="cannot write $(show "$out") (disk full?)" ;;
             35|51|53|54|58|59|60|77|80|83|90|91) FETCH_NET=1; FETCH_ERR="TLS error talking to $host ($(head -c 200 "$err" | tr '\n' ' '))" ;;
             *)  FETCH_ERR="curl failed for $url (exit $rc: $(head -c 200 "$err" | tr '\n' ' '))" ;;
         esac
         return 1
     elif [ "$FETCHER" = wget ]; then
-        local args=(-nv --tries=3 --timeout=60 -O "$out")
-        [ -n "$resume" ] && args=(-nv --tries=3 --timeout=60 -c -O "$out")
-        wget "${args[@]}" "$url" 2>"$err"; rc=$?
+        local args=(-nv -S --tries=3 --timeout=60 -O "$out")
+        if [ -n "$resume" ] && [ -s "$out" ]; then args+=(-c); fi
+        run_child wget "${args[@]}" "$url" 2>"$err"; rc=$?
+        FETCH_CHARSET=$(charset_of "$(grep -i '^ *content-type:' "$err" | tail -n 1)")
         [ "$rc" -eq 0 ] && return 0
         local code; code=$(grep -o 'ERROR [0-9][0-9][0-9]' "$err" | tail -n 1 | tr -dc '0-9')
         if [ -n "$code" ]; then FETCH_CODE=$code; FETCH_ERR="$host answered HTTP $code for $url"
@@ -151,6 +191,11 @@ fetch() {
     return 1
 }
 
+charset_of() {   # "... text/plain; charset=ISO-8859-1" -> iso-8859-1 (empty when none is declared)
+    local c; c=$(printf '%s' "$1" | tr '[:upper:]' '[:lower:]' | sed -n 's/.*charset="\{0,1\}\([a-z0-9_.:-]*\).*/\1/p')
+    printf '%s' "$c"
+}
+
 need_fetcher() {
     case $FETCHER in curl|wget) command -v "$FETCHER" >/dev/null 2>&1 && return 0 ;; esac
     fail "${FETCHER:-curl} is not installed; install curl or wget (e.g. apt-get install curl)"
@@ -158,17 +203,32 @@ need_fetcher() {
 }
 
 strip_gutenberg() {
-    # drop BOM and CR, keep what lies between the START and END markers (THE or THIS,
-    # maybe indented, maybe wrapped onto the next line), drop a trailing "End of the
-    # Project Gutenberg..." line and a leading "Produced by" paragraph
-    "$PY" - "$1" "$2" <<'EOF'
-import os, re, sys
-src, dst = sys.argv[1], sys.argv[2]
+    # SRC DST [CHARSET LABEL]: decode as UTF-8, else as the server (CHARSET) or the book's own
+    # "Character set encoding:" line declares, else say so; drop BOM and CR, keep what lies
+    # between the START and END markers (THE or THIS, maybe indented, maybe wrapped onto the
+    # next line), drop a trailing "End of the Project Gutenberg..." line and a leading
+    # "Produced by" paragraph
+    "$PY" - "$1" "$2" "${3:-}" "${4:-$1}" <<'EOF'
+import codecs, os, re, sys
+src, dst, charset, label = sys.argv[1:5]
 try:
-    with open(src, encoding="utf-8", errors="replace") as f:
-        text = f.read()
+    with open(src, "rb") as f:
+        raw = f.read()
 except OSError as e:
     sys.exit(f"cannot read {src} ({e.strerror})")
+own = re.search(rb"^\s*Character set encoding:\s*([A-Za-z0-9_.:-]+)", raw[:20000], re.M | re.I)
+text = None
+for name in ["utf-8", charset, own.group(1).decode("ascii") if own else ""]:
+    try:
+        if name and codecs.lookup(name):
+            text = raw.decode(name)
+            break
+    except (LookupError, UnicodeDecodeError):
+        pass
+if text is None:
+    text = raw.decode("utf-8", errors="replace")
+    print(f"note: {label} is not UTF-8 and no charset is declared for it; {text.count(chr(0xfffd))} "
+          "characters that could not be read became U+FFFD")
 lines = text.lstrip("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
 marker = r"^\s*\*\*\*\s*{} OF (THE|THIS) PROJECT GUTENBERG E-?BOOK"
 start_re, end_re = re.compile(marker.format("START"), re.I), re.compile(marker.format("END"), re.I)
@@ -218,6 +278,10 @@ EOF
 do_books() {
     local list=${NANOEULER_BOOKS:-$BOOKS_DEFAULT} dir="$DATA/books" entry id name out
     local n=0 fetched=0 skipped=0 bytes=0 first=1 failures=() stopped=""
+    if ! [[ $PAUSE =~ ^[0-9]+([.][0-9]+)?$ ]]; then
+        fail "NANOEULER_PAUSE '$PAUSE' is not a number of seconds like 2 or 0.5"
+        exit 2
+    fi
     for entry in $list; do
         id=${entry%%:*}; name=${entry#*:}
         if ! [[ $id =~ ^[0-9]+$ && $name =~ ^[A-Za-z0-9_.-]+$ ]]; then
@@ -234,14 +298,14 @@ do_books() {
             skipped=$((skipped + 1)); bytes=$((bytes + $(file_size "$out"))); continue
         fi
         if [ -n "$stopped" ]; then continue; fi
-        if [ "$first" = 0 ] && [ "$PAUSE" != 0 ]; then sleep "$PAUSE"; fi
+        if [ "$first" = 0 ] && [ "$PAUSE" != 0 ]; then run_child sleep "$PAUSE"; fi
         first=0
         say "fetching Project Gutenberg #$id ($name)"
         if ! fetch "$GUTENBERG_URL/$id/pg$id.txt" "$TMP/pg$id.raw"; then
             if [ "$FETCH_NET" = 1 ]; then stopped=$FETCH_ERR; else failures+=("#$id $name: $FETCH_ERR"); fi
             continue
         fi
-        if ! strip_gutenberg "$TMP/pg$id.raw" "$TMP/$name.txt" 2>"$TMP/strip.err"; then
+        if ! strip_gutenberg "$TMP/pg$id.raw" "$TMP/$name.txt" "$FETCH_CHARSET" "#$id $name" 2>"$TMP/strip.err"; then
             failures+=("#$id $name: $(tail -n 1 "$TMP/strip.err")")
             continue
         fi
@@ -263,15 +327,43 @@ do_books() {
 # -----------------------------------------------------------------------------
 # web
 
+# PARQUET WHAT: whether the file is parquet (PAR1 at both ends) that DuckDB reads, with a text
+# column of text; if not, says why in one sentence on stderr
+check_parquet() {
+    "$PY" - "$@" <<'EOF'
+import os, sys
+import duckdb
+pq, what = sys.argv[1], sys.argv[2]
+try:
+    with open(pq, "rb") as f:
+        head = f.read(4)
+        f.seek(max(0, os.path.getsize(pq) - 4))
+        tail = f.read(4)
+except OSError as e:
+    sys.exit(f"cannot read {pq} ({e.strerror})")
+if os.path.getsize(pq) < 12 or head != b"PAR1" or tail != b"PAR1":
+    start = head.decode("ascii", "replace")
+    sys.exit(f"{what} is not a parquet file (it starts with {start!r}"
+             f"{' but is cut short' if head == b'PAR1' else ''})")
+try:
+    con = duckdb.connect()
+    cols = {c[0]: c[1] for c in con.execute("DESCRIBE SELECT * FROM read_parquet(?)", [pq]).fetchall()}
+except duckdb.Error as e:
+    sys.exit(f"{what} cannot be read as parquet ({str(e).strip().splitlines()[0][:160]})")
+if "text" not in cols:
+    sys.exit(f"{what} has no text column (its columns: {', '.join(list(cols)[:8])})")
+if cols["text"] != "VARCHAR":
+    sys.exit(f"{what} has a text column of {cols['text']}, not of text")
+EOF
+}
+
 # parquet -> text shards of the document format (each document, then "\n<|endoftext|>\n"),
-# appended to the shards already in STAGE until WANT bytes are written; prints the new total
+# appended to the shards already in STAGE until WANT bytes are written (check_parquet first).
+# A failure is one sentence straight on stderr: on a full disk no file could keep it.
 convert_parquet() {
     "$PY" - "$@" <<'EOF'
 import glob, os, sys
-try:
-    import duckdb
-except ImportError:
-    sys.exit(3)
+import duckdb
 pq, stage, want, shard = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 MARK = "<|endoftext|>"
 shards = sorted(glob.glob(os.path.join(stage, "web_*.txt")))
@@ -286,41 +378,41 @@ try:
     con.execute("SET threads = 1")
     con.execute("SET memory_limit = '1GB'")
     cur = con.execute("SELECT text FROM read_parquet(?)", [pq])
+    out = open(path, "ab")
+    try:
+        while total < want:
+            rows = cur.fetchmany(2048)
+            if not rows:
+                break
+            for (text,) in rows:
+                while text and MARK in text:       # removing one may join two halves into a new one
+                    text = text.replace(MARK, "")
+                if not text:
+                    continue
+                doc = (text + "\n" + MARK + "\n").encode("utf-8", "replace")
+                if size >= shard:                  # documents never straddle two shards
+                    out.close()
+                    path = os.path.join(stage, f"web_{len(shards):05d}.txt")
+                    shards.append(path)
+                    out, size = open(path, "ab"), 0
+                out.write(doc)
+                size += len(doc)
+                total += len(doc)
+                if total >= want:
+                    break
+    finally:
+        out.close()
 except duckdb.Error as e:
     msg = str(e).strip().splitlines()[0][:200]
-    sys.exit(f"{pq} cannot be read as parquet with a text column ({msg}); delete it and run again")
-out = open(path, "ab")
-try:
-    while total < want:
-        rows = cur.fetchmany(2048)
-        if not rows:
-            break
-        for (text,) in rows:
-            while text and MARK in text:       # removing one may join two halves into a new one
-                text = text.replace(MARK, "")
-            if not text:
-                continue
-            doc = (text + "\n" + MARK + "\n").encode("utf-8", "replace")
-            if size >= shard:                  # documents never straddle two shards
-                out.close()
-                path = os.path.join(stage, f"web_{len(shards):05d}.txt")
-                shards.append(path)
-                out, size = open(path, "ab"), 0
-            out.write(doc)
-            size += len(doc)
-            total += len(doc)
-            if total >= want:
-                break
-except KeyboardInterrupt:
-    sys.exit(130)
-finally:
-    out.close()
-print(total)
+    sys.exit(f"get_data.sh: web: {pq} cannot be read as parquet with a text column ({msg}); delete it and run again")
+except OSError as e:
+    sys.exit(f"get_data.sh: web: cannot write the web text in {os.path.dirname(os.path.dirname(stage))} ({e.strerror}); "
+             "free some space, or set NANOEULER_DATA_DIR to another folder")
 EOF
 }
 
 do_web() {
-    local want shard_bytes dir="$DATA/web" cache="$DATA/.cache/fineweb" stage i=0 name pq total=0 ndone=0 short="" rc
+    local want shard_bytes dir="$DATA/web" cache="$DATA/.cache/fineweb" stage i=0 name pq total=0 ndone=0 short="" why f host
     want=$(parse_size "${1:-1G}") || { fail "web: SIZE '${1:-}' is not a size like 300M or 1G (at most 100T)"; exit 2; }
     shard_bytes=$(parse_size "$SHARD") || { fail "NANOEULER_WEB_SHARD '$SHARD' is not a size like 100M (at most 100T)"; exit 2; }
     if [ -f "$dir/.complete" ]; then
@@ -341,10 +433,15 @@ do_web() {
         return 1
     fi
     need_fetcher; make_tmp
+    host=${FINEWEB_URL#*://}; host=${host%%/*}
     stage="$TMP/web"
     mkdir -p "$cache" "$stage" || { fail "cannot create $(show "$cache")"; return 1; }
     while [ "$total" -lt "$want" ]; do
         name=$(printf '%03d_00000.parquet' "$i"); pq="$cache/$name"
+        if [ -s "$pq" ] && ! check_parquet "$pq" "$name" 2>/dev/null; then
+            say "the kept $(show "$pq") is not a parquet file DuckDB reads; fetching it again"
+            rm -f "$pq"
+        fi
         if [ ! -s "$pq" ]; then
             say "fetching FineWeb-Edu $name"
             if ! fetch "$FINEWEB_URL/$name" "$pq.part" resume; then
@@ -359,15 +456,18 @@ do_web() {
                 fail "web: $FETCH_ERR"
                 return 1
             fi
+            # what the server sent takes its final name only once it reads as parquet
+            if ! why=$(check_parquet "$pq.part" "what $host sent for $name" 2>&1); then
+                rm -f "$pq.part"; rmdir "$cache" "$DATA/.cache" 2>/dev/null
+                fail "web: ${why##*$'\n'}; nothing of it was kept: run again later, or set NANOEULER_FINEWEB_URL to another mirror"
+                return 1
+            fi
             mv -f "$pq.part" "$pq" || { fail "cannot write $(show "$pq")"; return 1; }
         fi
         say "converting $name"
-        total=$(convert_parquet "$pq" "$stage" "$want" "$shard_bytes" 2>"$TMP/convert.err"); rc=$?
-        if [ "$rc" -ne 0 ]; then
-            [ "$rc" = 130 ] && exit 130
-            fail "web: $(tail -n 1 "$TMP/convert.err")"
-            return 1
-        fi
+        run_child convert_parquet "$pq" "$stage" "$want" "$shard_bytes" || return 1
+        total=0
+        for f in "$stage"/web_*.txt; do [ -e "$f" ] && total=$((total + $(file_size "$f"))); done
         ndone=$((ndone + 1)); i=$((i + 1))
     done
     local nshards; nshards=$(find "$stage" -name 'web_*.txt' | wc -l | tr -d ' ')
@@ -387,17 +487,28 @@ do_web() {
 
 ALPACA_NOTE="Stanford Alpaca is CC BY-NC 4.0: for non-commercial use only; it is downloaded for you and never committed (.gitignore keeps it out)"
 
-count_alpaca() {   # prints the number of records, or fails with one sentence if it is not Alpaca JSON
+count_alpaca() {   # prints the number of records, or fails with one sentence if sft could not read them
     "$PY" - "$1" "$2" <<'EOF'
 import json, sys
 path, url = sys.argv[1], sys.argv[2]
+
+def constant(name):                 # NaN, Infinity: Python's json reads them, JSON has none
+    raise ValueError(f"it holds {name}, which is not JSON")
+
 try:
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
-    if not isinstance(data, list) or not data or not all(
-            isinstance(r, dict) and "instruction" in r and "output" in r for r in data):
+    with open(path, encoding="utf-8-sig") as f:      # a byte-order mark is read, as sft reads it
+        data = json.loads(f.read(), parse_constant=constant)
+    if not isinstance(data, list) or not data:
         raise ValueError("not a list of {instruction, input, output} records")
-except (ValueError, UnicodeDecodeError) as e:
+    for i, r in enumerate(data):    # what sft needs of each record (nanoeuler.py's load_instructions)
+        if not isinstance(r, dict) or "instruction" not in r or ("output" not in r and "response" not in r):
+            raise ValueError(f"record {i + 1} is not an object with an instruction and an output")
+        for key in ("instruction", "input", "output", "response"):
+            value = r.get(key, "")
+            if not isinstance(value, str):
+                raise ValueError(f"the {key} of record {i + 1} is {type(value).__name__}, not text")
+            value.encode("utf-8")   # a lone surrogate (\ud800) is not text
+except (ValueError, UnicodeError, RecursionError) as e:
     sys.exit(f"what {url} sent is not Alpaca JSON ({str(e)[:120]})")
 print(len(data))
 EOF

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,10 +27,14 @@ EOT = "<|endoftext|>"
 
 class Server:
     """serves files from a dict {path: bytes}; 404 for the rest; honours Range (curl -C -);
-    a path in `stall` sends half its body and then hangs until the test ends"""
+    a path in `stall` sends half its body and then hangs until the test ends. A server that
+    lies: a path in `no_ranges` answers a Range request with 200 and the whole body, one in
+    `cut` sends half its body under the whole one's Content-Length and closes, one in `cut_unsized`
+    half its body with no Content-Length at all; `types` gives a path a Content-Type"""
 
     def __init__(self):
         self.files, self.requests, self.stall = {}, [], set()
+        self.no_ranges, self.cut, self.cut_unsized, self.types = set(), set(), set(), {}
         self.stalled = threading.Event()
         self.release = threading.Event()
         outer = self
@@ -46,7 +51,12 @@ class Server:
                     return
                 start, status = 0, 200
                 rng = self.headers.get("Range")
-                if rng and rng.startswith("bytes=") and rng.endswith("-"):
+                if self.path in outer.cut_unsized:
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(body[:len(body) // 2])
+                    return                                   # HTTP/1.0: the body ends when the connection does
+                if rng and rng.startswith("bytes=") and rng.endswith("-") and self.path not in outer.no_ranges:
                     start = int(rng[6:-1])
                     if start >= len(body):
                         self.send_error(416, "Range Not Satisfiable")
@@ -56,7 +66,14 @@ class Server:
                 self.send_header("Content-Length", str(len(body) - start))
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+                if self.path in outer.types:
+                    self.send_header("Content-Type", outer.types[self.path])
                 self.end_headers()
+                if self.path in outer.cut:
+                    self.wfile.write(body[start:start + (len(body) - start) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 if self.path in outer.stall:
                     self.wfile.write(body[start:start + (len(body) - start) // 2])
                     self.wfile.flush()
@@ -103,6 +120,20 @@ def env_for(tmp_path, url, **extra):
 def run(args, env, timeout=60):
     r = subprocess.run(["bash", SCRIPT, *args], env=env, capture_output=True, timeout=timeout)
     return r.returncode, r.stdout.decode(), r.stderr.decode()
+
+
+def default_signals():
+    """a child starts with SIGINT and SIGTERM at their defaults, whatever the test runner ignores
+    (a shell ignores SIGINT in what it starts in the background, and bash cannot trap a signal
+    that was ignored when it started)"""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def start(args, env):
+    """get_data.sh as a process to signal, in its own process group (as a terminal's job)"""
+    return subprocess.Popen(["bash", SCRIPT, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=default_signals)
 
 
 def leftovers(data):
@@ -343,8 +374,7 @@ def test_no_curl_nor_wget(tmp_path):
 def test_books_ctrl_c_leaves_nothing_partial(tmp_path, server):
     listing = serve_books(server, ["1342", "98"])
     server.stall.add("/epub/98/pg98.txt")
-    p = subprocess.Popen(["bash", SCRIPT, "books"], env=env_for(tmp_path, server.url, NANOEULER_BOOKS=listing),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = start(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing))
     assert server.stalled.wait(20)
     os.killpg(p.pid, signal.SIGINT)                              # what Ctrl-C sends: the whole group
     out, err = p.communicate(timeout=20)
@@ -489,8 +519,7 @@ def test_web_ctrl_c_keeps_only_the_resumable_download(tmp_path, server):
     body = bytes(range(256)) * 40
     server.files["/10BT/000_00000.parquet"] = body
     server.stall.add("/10BT/000_00000.parquet")
-    p = subprocess.Popen(["bash", SCRIPT, "web", "1K"], env=env_for(tmp_path, server.url),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    p = start(["web", "1K"], env_for(tmp_path, server.url))
     assert server.stalled.wait(20)
     part_path = tmp_path / "data" / ".cache" / "fineweb" / "000_00000.parquet.part"
     deadline = time.monotonic() + 20                             # wait for curl to write what it got
@@ -524,13 +553,12 @@ def test_web_failures_are_one_sentence(tmp_path, server):
     # no server
     rc, out, err = run(["web", "1K"], env_for(tmp_path, closed_port_url()))
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "does not answer" in err
-    # not parquet
+    # not parquet: nothing of it is kept (see test_web_never_keeps_what_is_not_parquet)
     server.files["/10BT/000_00000.parquet"] = b"<html>not parquet</html>"
     rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
-    assert rc == 1 and len(err.strip().splitlines()) == 1 and "delete it and run again" in err
-    assert not (data / "web").exists() and leftovers(data) == []
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "is not a parquet file" in err
+    assert not (data / "web").exists() and not (data / ".cache").exists() and leftovers(data) == []
     # parquet without a text column
-    shutil.rmtree(data / ".cache")
     server.files["/10BT/000_00000.parquet"] = write_parquet(tmp_path / "c.parquet", ["x"], other_column=False)
     rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
     assert rc == 1 and len(err.strip().splitlines()) == 1 and "text" in err
@@ -593,3 +621,280 @@ def test_all_reports_each_failure_and_exits_nonzero(tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 3 and all("does not answer" in line for line in lines)
     assert [line.split(":")[1].strip() for line in lines] == ["books", "web", "alpaca"]
+
+
+# -----------------------------------------------------------------------------
+# servers that lie, full and read-only disks, signals, what a killed run left
+
+sys.path.insert(0, HERE)
+
+
+@pytest.mark.parametrize("body, kept", [
+    (json.dumps(ALPACA).encode(), True),
+    (b"\xef\xbb\xbf" + json.dumps(ALPACA).encode(), True),            # a byte-order mark, which sft reads
+    (b'[{"instruction": "a", "response": "b"}]', True),                 # sft's own key for the output
+    (b'[{"instruction": 1, "input": "", "output": "x"}]', False),       # values that are not text
+    (b'[{"instruction": "a", "input": "", "output": ["x"]}]', False),
+    (b'[{"instruction": "a", "input": null, "output": "x"}]', False),
+    (b'[{"instruction": "a", "input": "", "output": NaN}]', False),     # literals JSON does not have
+    (b'[{"instruction": "a", "input": "", "output": "x", "score": -Infinity}]', False),
+    (b'[{"instruction": "a\\ud800", "input": "", "output": "x"}]', False),  # half a surrogate pair
+    (b'[{"instruction": "a", "input": ""}]', False),
+    (b'[]', False),
+    (b'{"instruction": "a", "output": "b"}', False),
+    (json.dumps(ALPACA).encode()[:-30], False),                           # cut off
+])
+def test_alpaca_keeps_only_what_sft_reads(tmp_path, server, body, kept):
+    import nanoeuler
+    server.files["/alpaca_data.json"] = body
+    rc, out, err = run(["alpaca"], env_for(tmp_path, server.url))
+    path = tmp_path / "data" / "alpaca_data.json"
+    if kept:
+        assert rc == 0 and err == "" and path.read_bytes() == body
+        assert nanoeuler.load_instructions(str(path))                  # and sft reads what was kept
+    else:
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and "is not Alpaca JSON" in err, err
+        assert "Traceback" not in err and not path.exists() and leftovers(tmp_path / "data") == []
+    assert os.listdir(tmp_path / "data") == (["alpaca_data.json"] if kept else [])
+
+
+@needs_duckdb
+def test_web_never_keeps_what_is_not_parquet(tmp_path, fineweb):
+    good = fineweb.files["/10BT/000_00000.parquet"]
+    env = env_for(tmp_path, fineweb.url)
+    data, cache = tmp_path / "data", tmp_path / "data" / ".cache" / "fineweb"
+    # a login page under 200, then the same file cut short with no Content-Length to tell
+    for lie, says in ((b"<html>please log in</html>" * 20, "is not a parquet file (it starts with '<htm')"),
+                      (good[:len(good) // 2], "is not a parquet file (it starts with 'PAR1' but is cut short)")):
+        fineweb.files["/10BT/000_00000.parquet"] = lie
+        rc, out, err = run(["web", "60"], env)
+        assert rc == 1 and len(err.strip().splitlines()) == 1 and says in err and "Traceback" not in err, err
+        assert "nothing of it was kept" in err and os.listdir(data) == []
+    fineweb.cut_unsized.add("/10BT/000_00000.parquet")
+    fineweb.files["/10BT/000_00000.parquet"] = good
+    rc, out, err = run(["web", "60"], env)
+    assert rc == 1 and "but is cut short" in err and os.listdir(data) == []
+    # the next run against a good mirror gets the real file
+    fineweb.cut_unsized.clear()
+    rc, out, err = run(["web", "60"], env)
+    assert rc == 0, err
+    assert read_shards(data / "web")[1] == [expected_web(DOCS_0, 60)]
+    # garbage that an older version kept under the final name is fetched again, not converted
+    shutil.rmtree(data / "web")
+    cache.mkdir(parents=True)
+    (cache / "000_00000.parquet").write_bytes(b"<html>please log in</html>")
+    fineweb.requests.clear()
+    rc, out, err = run(["web", "60"], env)
+    assert rc == 0, err
+    assert f"the kept {cache / '000_00000.parquet'} is not a parquet file DuckDB reads; fetching it again" in out
+    assert fineweb.requests == [("/10BT/000_00000.parquet", None)]
+    assert read_shards(data / "web")[1] == [expected_web(DOCS_0, 60)]
+
+
+@needs_duckdb
+def test_web_a_text_column_that_is_not_text_is_one_sentence(tmp_path, server):
+    con = duckdb.connect()
+    con.execute(f"COPY (SELECT range AS text FROM range(5)) TO '{tmp_path / 'n.parquet'}' (FORMAT parquet)")
+    server.files["/10BT/000_00000.parquet"] = (tmp_path / "n.parquet").read_bytes()
+    rc, out, err = run(["web", "1K"], env_for(tmp_path, server.url))
+    assert rc == 1 and "Traceback" not in err and err.strip().splitlines() == [
+        f"get_data.sh: web: what 127.0.0.1:{server.url.rsplit(':', 1)[1]} sent for 000_00000.parquet has a "
+        "text column of BIGINT, not of text; nothing of it was kept: run again later, or set "
+        "NANOEULER_FINEWEB_URL to another mirror"]
+    assert os.listdir(tmp_path / "data") == []
+
+
+@needs_duckdb
+def test_web_a_body_cut_short_of_its_length_resumes(tmp_path, fineweb):
+    body = fineweb.files["/10BT/000_00000.parquet"]
+    fineweb.cut.add("/10BT/000_00000.parquet")
+    env = env_for(tmp_path, fineweb.url)
+    rc, out, err = run(["web", "60"], env)
+    assert rc == 1 and len(err.strip().splitlines()) == 1 and "broke off; run again to resume" in err
+    part = tmp_path / "data" / ".cache" / "fineweb" / "000_00000.parquet.part"
+    assert part.read_bytes() == body[:len(body) // 2]
+    fineweb.cut.clear()
+    fineweb.requests.clear()
+    rc, out, err = run(["web", "60"], env)
+    assert rc == 0, err
+    assert fineweb.requests == [("/10BT/000_00000.parquet", f"bytes={len(body) // 2}-")]
+    assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0, 60)]
+
+
+@needs_duckdb
+@pytest.mark.parametrize("fetcher", ["curl", "wget"])
+def test_web_a_server_that_ignores_byte_ranges_starts_over(tmp_path, fineweb, fetcher):
+    if shutil.which(fetcher) is None:
+        pytest.skip(f"{fetcher} is not installed")
+    body = fineweb.files["/10BT/000_00000.parquet"]
+    fineweb.no_ranges.add("/10BT/000_00000.parquet")
+    cache = tmp_path / "data" / ".cache" / "fineweb"
+    cache.mkdir(parents=True)
+    (cache / "000_00000.parquet.part").write_bytes(body[:300])
+    for _ in range(2):                          # not stuck: a second run would work too
+        rc, out, err = run(["web", "60"], env_for(tmp_path, fineweb.url, NANOEULER_FETCHER=fetcher))
+        assert rc == 0, err
+        assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0, 60)]
+        shutil.rmtree(tmp_path / "data" / "web")
+        cache.mkdir(parents=True)
+        (cache / "000_00000.parquet.part").write_bytes(body[:300])
+    if fetcher == "curl":
+        assert "127.0.0.1:" in out and "ignores byte ranges, so 000_00000.parquet starts over from zero" in out
+        assert fineweb.requests[:2] == [("/10BT/000_00000.parquet", "bytes=300-"), ("/10BT/000_00000.parquet", None)]
+
+
+def can_mount_tmpfs(tmp_path):
+    d = tmp_path / "probe"
+    d.mkdir()
+    try:
+        r = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$0"', str(d)],
+                           capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    finally:
+        d.rmdir()
+    return r.returncode == 0
+
+
+def run_on_tmpfs(tmp_path, options, args, env):
+    """get_data.sh with its data folder on a tmpfs of its own (a user namespace: no root needed)"""
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    r = subprocess.run(["unshare", "-rm", "bash", "-c", 'mount -t tmpfs -o "$0" tmpfs "$1" && exec bash "$2" "${@:3}"',
+                        options, str(data), SCRIPT, *args], env=env, capture_output=True, timeout=120)
+    return r.returncode, r.stdout.decode(), r.stderr.decode()
+
+
+@needs_duckdb
+def test_web_a_full_disk_keeps_its_reason(tmp_path, server):
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("cannot mount a tmpfs in a user namespace here (unshare -rm)")
+    # a few KB of parquet that turn into a megabyte of text: the download fits, the text does not
+    server.files["/10BT/000_00000.parquet"] = write_parquet(tmp_path / "big.parquet", ["y" * 200_000] * 5)
+    rc, out, err = run_on_tmpfs(tmp_path, "size=128k", ["web", "1M"], env_for(tmp_path, server.url))
+    data = tmp_path / "data"
+    assert rc == 1 and "Traceback" not in err and err.strip().splitlines() == [
+        f"get_data.sh: web: cannot write the web text in {data} (No space left on device); "
+        "free some space, or set NANOEULER_DATA_DIR to another folder"], err
+
+
+def test_a_data_folder_that_cannot_be_written_is_one_sentence(tmp_path, server):
+    (tmp_path / "afile").write_text("")
+    env = env_for(tmp_path, server.url, NANOEULER_DATA_DIR=str(tmp_path / "afile" / "data"))
+    rc, out, err = run(["alpaca"], env)
+    assert rc == 1 and err.splitlines() == [
+        f"get_data.sh: cannot create {tmp_path / 'afile' / 'data'} (Not a directory); "
+        "set NANOEULER_DATA_DIR to a writable folder"]
+    if not can_mount_tmpfs(tmp_path):
+        pytest.skip("cannot mount a tmpfs in a user namespace here (unshare -rm)")
+    rc, out, err = run_on_tmpfs(tmp_path, "ro", ["alpaca"], env_for(tmp_path, server.url))
+    assert rc == 1 and err.splitlines() == [
+        f"get_data.sh: cannot write in {tmp_path / 'data'} (Read-only file system); "
+        "set NANOEULER_DATA_DIR to a writable folder"]
+
+
+@pytest.mark.parametrize("pause", ["abc", "-1", "1e3", "2s"])
+def test_a_pause_that_is_not_a_number_is_refused(tmp_path, server, pause):
+    listing = serve_books(server, ["1342", "98"])
+    rc, out, err = run(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing, NANOEULER_PAUSE=pause))
+    assert rc == 2 and err.splitlines() == [
+        f"get_data.sh: NANOEULER_PAUSE '{pause}' is not a number of seconds like 2 or 0.5"]
+    assert server.requests == [] and not (tmp_path / "data").exists()
+
+
+def processes_naming(text):
+    """the processes whose command line holds text (Linux's /proc)"""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@needs_duckdb
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="looks for processes in /proc")
+def test_sigterm_stops_a_download_at_once(tmp_path, server):
+    # the server holds the download for 30 s; the script must not wait for it, nor leave curl behind
+    body = bytes(range(256)) * 40
+    server.files["/10BT/000_00000.parquet"] = body
+    server.stall.add("/10BT/000_00000.parquet")
+    p = start(["web", "1K"], env_for(tmp_path, server.url))
+    assert server.stalled.wait(20)
+    p.send_signal(signal.SIGTERM)                                # to the script alone: kill PID, docker stop
+    out, err = p.communicate(timeout=20)
+    assert p.returncode == 143 and "interrupted" in err.decode()
+    assert processes_naming(str(tmp_path)) == []
+    data = tmp_path / "data"
+    assert sorted(os.listdir(data)) == [".cache"] and not (data / "web").exists()
+    part = (data / ".cache" / "fineweb" / "000_00000.parquet.part").read_bytes()
+    assert body.startswith(part)                                 # what came is kept for curl -C -
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="looks for processes in /proc")
+def test_sigterm_stops_the_pause_between_books_at_once(tmp_path, server):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    marker = tmp_path / "sleeping"
+    (bindir / "sleep").write_text(f'#!/bin/sh\ntouch {marker}\nexec {shutil.which("sleep")} "$@"\n')
+    (bindir / "sleep").chmod(0o755)
+    listing = serve_books(server, ["1342", "98"])
+    p = start(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing, NANOEULER_PAUSE="1000",
+                                 PATH=f"{bindir}:{os.environ['PATH']}"))
+    while not marker.exists() and p.poll() is None:
+        time.sleep(0.01)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=20)                         # not the 1000 s of the pause
+    assert p.returncode == 143 and "interrupted" in err.decode()
+    assert processes_naming("1000") == [] or all(str(tmp_path) not in open(f"/proc/{q}/environ", "rb").read().decode(
+        "latin-1") for q in processes_naming("1000"))
+    assert os.listdir(tmp_path / "data" / "books") == ["pride_and_prejudice.txt"]
+    assert leftovers(tmp_path / "data") == []
+
+
+def test_scratch_folders_of_killed_runs_are_removed(tmp_path, server):
+    data = tmp_path / "data"
+    data.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    hour_ago = time.time() - 3600
+    folders = {"dead, quiet": f".get_data.{dead.pid}.a1B2c3", "dead, written to": f".get_data.{dead.pid}.d4E5f6",
+               "alive": f".get_data.{os.getpid()}.g7H8i9", "no pid": ".get_data.AbCdEf"}
+    for what, name in folders.items():
+        (data / name).mkdir()
+        (data / name / "pg1.raw").write_text("half a book")
+        if what != "dead, written to":
+            for p in (data / name / "pg1.raw", data / name):
+                os.utime(p, (hour_ago, hour_ago))
+    server.files["/alpaca_data.json"] = json.dumps(ALPACA).encode()
+    rc, out, err = run(["alpaca"], env_for(tmp_path, server.url))
+    assert rc == 0, err
+    assert sorted(leftovers(data)) == sorted(n for w, n in folders.items() if w != "dead, quiet")
+
+
+@pytest.mark.parametrize("fetcher", ["curl", "wget"])
+def test_books_decode_as_the_mirror_or_the_book_declares(tmp_path, server, fetcher):
+    if shutil.which(fetcher) is None:
+        pytest.skip(f"{fetcher} is not installed")
+
+    def book(head=""):
+        return (LICENCE_HEAD.format(t="X") + head + "*** START OF THE PROJECT GUTENBERG EBOOK X ***\n\n"
+                "A café in Zürich.\n\n*** END OF THE PROJECT GUTENBERG EBOOK X ***\n")
+    server.files["/epub/1/pg1.txt"] = book().encode("latin-1")
+    server.types["/epub/1/pg1.txt"] = "text/plain; charset=ISO-8859-1"
+    server.files["/epub/2/pg2.txt"] = book("Character set encoding: ISO-8859-1\n\n").encode("latin-1")
+    server.files["/epub/3/pg3.txt"] = book().encode("latin-1")
+    server.files["/epub/4/pg4.txt"] = book().encode("utf-8")
+    server.types["/epub/4/pg4.txt"] = "text/plain; charset=ISO-8859-1"     # a lie: UTF-8 is what it is
+    env = env_for(tmp_path, server.url, NANOEULER_BOOKS="1:one 2:two 3:three 4:four", NANOEULER_FETCHER=fetcher)
+    rc, out, err = run(["books"], env)
+    assert rc == 0, err
+    books = tmp_path / "data" / "books"
+    for name in ("one", "two", "four"):
+        assert (books / f"{name}.txt").read_text(encoding="utf-8") == "A café in Zürich.\n", name
+    assert (books / "three.txt").read_text(encoding="utf-8") == "A caf\ufffd in Z\ufffdrich.\n"
+    assert ("note: #3 three is not UTF-8 and no charset is declared for it; 2 characters that could not "
+            "be read became U+FFFD") in out.splitlines()
