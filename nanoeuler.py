@@ -23,11 +23,12 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 
 The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
-tokenizer, data, checkpoints, a training step on every core, the training
-loop, supervised fine-tuning and chat, command line; then benchmark. Last
-comes the operations part: what keeps a long run from losing work or failing
-without a word (checked inputs, atomic checkpoints, the run folder's lock,
-signals, memory, lost output streams); a first reading may skip it.
+tokenizer, data, a training step on every core, the training loop,
+supervised fine-tuning and chat, command line; then benchmark. Last comes the
+operations part: what keeps a long run from losing work or failing without a
+word (checked inputs, checkpoint files written atomically and resumed from,
+the run folder's lock, signals, memory, lost output streams); a first reading
+may skip it.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1363,94 +1364,6 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints
-#
-# Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
-# header, then the float32 tensors in SPEC order. The training state (AdamW
-# moments, step, random state) goes in a second safetensors file beside it.
-# Both are written to a .tmp file and renamed (atomic_write), the state first
-# and the model last, so a model file that exists always has its complete
-# state beside it.
-
-def write_safetensors(path, tensors, metadata):
-    """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
-    header, offset = {"__metadata__": metadata}, 0
-    for name, t in tensors:
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.size * 4]}
-        offset += t.size * 4
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)                                   # SPEC: pad to 8 bytes
-
-    def write(f):
-        f.write(len(head).to_bytes(8, "little"))
-        f.write(head)
-        for _, t in tensors:
-            f.write(np.ascontiguousarray(t, dtype="<f4").data)
-    atomic_write(path, write)
-
-
-def save_model(path, cfg, flat, tok):
-    """weights only, SPEC order and names, config and tokenizer in the metadata"""
-    params = carve(flat, cfg)
-    meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(asdict(cfg)),
-            "tokenizer": tok.to_json()}
-    write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
-
-
-def load_model(path):
-    """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence,
-    all but non-finite weights before the weights are read"""
-    header = {}
-
-    def check(shapes, meta):
-        header["cfg"], header["tok"] = model_header(path, shapes, meta)
-    tensors, _ = read_safetensors(path, check)
-    cfg, tok = header["cfg"], header["tok"]
-    names = [name for name, _ in param_shapes(cfg)]
-    bad = [name for name in names if not np.isfinite(tensors[name]).all()]
-    if bad:
-        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
-                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
-                             "use an earlier checkpoint")
-    flat = np.concatenate([tensors[name].reshape(-1) for name in names]).astype(np.float32)
-    return cfg, flat, tok
-
-
-def checkpoint_path(out_dir, step, kind="model"):
-    """out_dir/model_000120.safetensors (kind "state": its training state)"""
-    return os.path.join(out_dir, f"{kind}_{step:06d}.safetensors")
-
-
-def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
-    """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
-    meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
-    write_safetensors(checkpoint_path(out_dir, step, "state"), [("m", m), ("v", v)], meta)
-    path = checkpoint_path(out_dir, step)
-    save_model(path, cfg, flat, tok)
-    return path
-
-
-def load_checkpoint(out_dir, step):
-    """-> cfg, flat, tok, m, v, state dict"""
-    cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
-    path = checkpoint_path(out_dir, step, "state")
-
-    def check(shapes, meta):
-        if meta.get("format") != "nanoeuler-state" or shapes != {"m": flat.shape, "v": flat.shape}:
-            raise NanoEulerError(f"{path} is not the training state of its model file")
-    tensors, meta = read_safetensors(path, check)
-    # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
-    if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
-        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
-    try:
-        state = json.loads(meta["state"])
-        check_state(state, step)
-    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
-        raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
-    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
-
-
-# -----------------------------------------------------------------------------
 # a training step on every core
 #
 # numpy works on one core at a time, so a step cuts its batch into parts that
@@ -1797,18 +1710,6 @@ def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, s
     return val_loss, val_bpb
 
 
-def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
-    """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
-    t0 = clock()
-    state.update(step=step, rng=rng.bit_generator.state)
-    flat, m, v = engine.host_weights()
-    stop_if_weights_broke(flat, step, out_dir)
-    path = save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state)
-    prune_checkpoints(out_dir)
-    print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
-    return path
-
-
 def print_summary(steps, elapsed, times, state, out_dir, last_path):
     # the steps are a part of the run's time: validation, samples and checkpoints take the rest
     steps_ms = f": {sum(times):.1f} s of steps ({np.mean(times) * 1e3:.1f} ms/step), the rest validation, " \
@@ -1896,28 +1797,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
-
-
-def start_state(args, seed):
-    settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}    # no settings
-    return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": settings}
-
-
-def resume_or_init(args, cfg, tok, init_flat):
-    """the newest complete checkpoint under --out with --resume, else a fresh start"""
-    found = newest_readable_checkpoint(args.out) if args.resume else None
-    if args.resume and found is None:
-        print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
-        best = os.path.join(args.out, "best.safetensors")
-        if os.path.exists(best):                       # an earlier start's best: this start would overwrite it
-            print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
-    if found is None:
-        return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
-            start_state(args, args.seed)
-    step, (cfg2, flat, tok2, m, v, state) = found
-    refuse_other_run(args, step, state.get("args", {}).get("command"), cfg2 == cfg and tok2.merges == tok.merges)
-    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
-    return flat, m, v, state
 
 
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
@@ -2820,6 +2699,128 @@ def generating(model_path):
             yield
         except LogitsNotFinite as e:
             raise NanoEulerError(f"{model_path}: {e}") from None
+
+
+# -----------------------------------------------------------------------------
+# operations: checkpoint files
+#
+# Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
+# header, then the float32 tensors in SPEC order. The training state (AdamW
+# moments, step, random state) goes in a second safetensors file beside it.
+# Both are written to a .tmp file and renamed (atomic_write), the state first
+# and the model last, so a model file that exists always has its complete
+# state beside it.
+
+def write_safetensors(path, tensors, metadata):
+    """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors:
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + t.size * 4]}
+        offset += t.size * 4
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)                                   # SPEC: pad to 8 bytes
+
+    def write(f):
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for _, t in tensors:
+            f.write(np.ascontiguousarray(t, dtype="<f4").data)
+    atomic_write(path, write)
+
+
+def save_model(path, cfg, flat, tok):
+    """weights only, SPEC order and names, config and tokenizer in the metadata"""
+    params = carve(flat, cfg)
+    meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(asdict(cfg)),
+            "tokenizer": tok.to_json()}
+    write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
+
+
+def load_model(path):
+    """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence,
+    all but non-finite weights before the weights are read"""
+    header = {}
+
+    def check(shapes, meta):
+        header["cfg"], header["tok"] = model_header(path, shapes, meta)
+    tensors, _ = read_safetensors(path, check)
+    cfg, tok = header["cfg"], header["tok"]
+    names = [name for name, _ in param_shapes(cfg)]
+    bad = [name for name in names if not np.isfinite(tensors[name]).all()]
+    if bad:
+        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
+                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
+                             "use an earlier checkpoint")
+    flat = np.concatenate([tensors[name].reshape(-1) for name in names]).astype(np.float32)
+    return cfg, flat, tok
+
+
+def checkpoint_path(out_dir, step, kind="model"):
+    """out_dir/model_000120.safetensors (kind "state": its training state)"""
+    return os.path.join(out_dir, f"{kind}_{step:06d}.safetensors")
+
+
+def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
+    """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
+    meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
+    write_safetensors(checkpoint_path(out_dir, step, "state"), [("m", m), ("v", v)], meta)
+    path = checkpoint_path(out_dir, step)
+    save_model(path, cfg, flat, tok)
+    return path
+
+
+def load_checkpoint(out_dir, step):
+    """-> cfg, flat, tok, m, v, state dict"""
+    cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
+    path = checkpoint_path(out_dir, step, "state")
+
+    def check(shapes, meta):
+        if meta.get("format") != "nanoeuler-state" or shapes != {"m": flat.shape, "v": flat.shape}:
+            raise NanoEulerError(f"{path} is not the training state of its model file")
+    tensors, meta = read_safetensors(path, check)
+    # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
+    if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
+        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
+    try:
+        state = json.loads(meta["state"])
+        check_state(state, step)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
+        raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
+    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
+
+
+def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
+    """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
+    t0 = clock()
+    state.update(step=step, rng=rng.bit_generator.state)
+    flat, m, v = engine.host_weights()
+    stop_if_weights_broke(flat, step, out_dir)
+    path = save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state)
+    prune_checkpoints(out_dir)
+    print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
+    return path
+
+
+def start_state(args, seed):
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}    # no settings
+    return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": settings}
+
+
+def resume_or_init(args, cfg, tok, init_flat):
+    """the newest complete checkpoint under --out with --resume, else a fresh start"""
+    found = newest_readable_checkpoint(args.out) if args.resume else None
+    if args.resume and found is None:
+        print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
+        best = os.path.join(args.out, "best.safetensors")
+        if os.path.exists(best):                       # an earlier start's best: this start would overwrite it
+            print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
+    if found is None:
+        return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
+            start_state(args, args.seed)
+    step, (cfg2, flat, tok2, m, v, state) = found
+    refuse_other_run(args, step, state.get("args", {}).get("command"), cfg2 == cfg and tok2.merges == tok.merges)
+    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
+    return flat, m, v, state
 
 
 # -----------------------------------------------------------------------------
