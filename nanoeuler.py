@@ -1761,10 +1761,10 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
     flag = StopFlag()
-    with signals_handled(StopFlag.SIGNALS, flag.handle), warnings.catch_warnings():
+    with flag.signals_handled(), warnings.catch_warnings():
         # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
-        with output_may_go(flag):
+        with flag.output_may_go():
             while step < stop_at(args, start, total) and not flag.stop:
                 step += 1
                 ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, out_dir, clock)
@@ -1790,10 +1790,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
             last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
     csv.close()
     engine.close()
-    if flag.signum:
-        exit_stopped(flag.signum, step, last_path)
-    if flag.lost:
-        raise flag.lost                                   # run_command: quiet on a closed pipe, one line otherwise
+    flag.exit_if_stopped(step, last_path)                 # a signal: exit 128 + N; lost output: run_command's
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
@@ -3155,14 +3152,38 @@ def signals_interrupt():
 
 
 class StopFlag:
-    """Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
-    terminal closed) asks the loop to stop after the step in flight and save; a second one
-    stops at once. A signal that was ignored when we started (nohup, a background job)
-    stays ignored."""
+    """The training loop's one signal policy. Ctrl-C (SIGINT), SIGTERM (what a scheduler
+    or `docker stop` sends) or SIGHUP (the terminal closed) asks the loop to stop after
+    the step in flight and save; a second one stops at once. A signal that was ignored
+    when we started (nohup, a background job) stays ignored. Output that is gone (a
+    closed pipe, a hung-up terminal) stops the loop the same way, saved.
+
+        flag = StopFlag()
+        with flag.signals_handled():
+            with flag.output_may_go():
+                ... steps, until flag.stop
+            ... save
+        flag.exit_if_stopped(step, last_path)"""
     SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
     def __init__(self):
         self.stop, self.signum, self.lost = False, None, None
+
+    def signals_handled(self):
+        """handle (below) the three signals while inside; the previous handlers after"""
+        return signals_handled(self.SIGNALS, self.handle)
+
+    def output_may_go(self):
+        """lost output sets the flag rather than end the run (output_may_go)"""
+        return output_may_go(self)
+
+    def exit_if_stopped(self, step, last_path):
+        """after the save: a signal exits as it would have killed us (exit_stopped); lost
+        output is raised again, for run_command (quiet on a closed pipe, one line otherwise)"""
+        if self.signum:
+            exit_stopped(self.signum, step, last_path)
+        if self.lost:
+            raise self.lost
 
     def handle(self, signum, frame):
         if self.signum is not None:                    # a second signal (not a lost output's stop):
