@@ -1697,12 +1697,11 @@ def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, s
     """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet;
     elapsed() -> the run's time so far, as text"""
     val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
-    if not np.isfinite(val_loss):
-        stop_on_nan("validation loss", val_loss, step, out_dir)
+    stop_if_not_finite({"validation loss": val_loss}, step, out_dir)
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
           f"{len(val_batches)} batches | {elapsed()} elapsed")
     flat = engine.host_params()                    # one copy for both, and no moments
-    stop_if_weights_broke(flat, step, out_dir)
+    stop_if_not_finite({"weights": flat}, step, out_dir)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
         save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
@@ -1725,7 +1724,7 @@ def timed_step(engine, batch, step, total, args, out_dir, clock):
     t0 = clock()
     lr = lr_schedule(step - 1, total, args.lr, args.warmup)
     loss, ce, norm = engine.step(*batch(), lr, step)
-    stop_if_diverged(loss, norm, step, out_dir)
+    stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, out_dir, made_by=step - 1)
     return ce, lr, norm, clock() - t0
 
 
@@ -2791,7 +2790,7 @@ def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
     t0 = clock()
     state.update(step=step, rng=rng.bit_generator.state)
     flat, m, v = engine.host_weights()
-    stop_if_weights_broke(flat, step, out_dir)
+    stop_if_not_finite({"weights": flat}, step, out_dir)
     path = save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state)
     prune_checkpoints(out_dir)
     print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
@@ -3091,19 +3090,15 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
                          "--weight-decay) and continue from it with --resume")
 
 
-def stop_if_weights_broke(flat, step, out_dir):
-    """no model is written with weights that are NaN or infinite: an update can make them
-    after a finite loss (a huge --weight-decay), and best.safetensors must stay good"""
-    if not np.isfinite(flat).all():
-        stop_on_nan("weights", "NaN or infinite", step, out_dir)
-
-
-def stop_if_diverged(loss, norm, step, out_dir):
-    """step `step`'s update gave a loss or gradient norm that is NaN or infinite: stop_on_nan
-    (the weights that gave it are step - 1's)"""
-    if not (np.isfinite(loss) and np.isfinite(norm)):
-        what, value = ("loss", loss) if not np.isfinite(loss) else ("gradient norm", norm)
-        stop_on_nan(what, value, step, out_dir, made_by=step - 1)
+def stop_if_not_finite(values, step, out_dir, made_by=None):
+    """values: {what: a number or an array}, in the order to name them; the first that is
+    NaN or infinite anywhere stops the run (stop_on_nan). The loop asks this of a step's
+    loss and gradient norm (made_by: step - 1, whose weights gave them), of the validation
+    loss, and of the weights before any model is written: an update can break them after
+    a finite loss (a huge --weight-decay), and best.safetensors must stay good."""
+    for what, value in values.items():
+        if not np.isfinite(value).all():
+            stop_on_nan(what, value if np.ndim(value) == 0 else "NaN or infinite", step, out_dir, made_by)
 
 
 # -----------------------------------------------------------------------------

@@ -470,8 +470,8 @@ def test_check_state_refuses_another_step_and_zero_counts():
 
 def test_an_infinite_gradient_norm_stops_the_run_like_a_nan_loss(tmp_path):
     with pytest.raises(ne.NanoEulerError, match="^the gradient norm became inf at step 5, so training stopped"):
-        ne.stop_if_diverged(1.0, math.inf, 5, str(tmp_path))
-    ne.stop_if_diverged(1.0, 2.0, 5, str(tmp_path))                     # finite: nothing happens
+        ne.stop_if_not_finite({"loss": 1.0, "gradient norm": math.inf}, 5, str(tmp_path), made_by=4)
+    ne.stop_if_not_finite({"loss": 1.0, "gradient norm": 2.0}, 5, str(tmp_path), made_by=4)   # finite: nothing
 
 
 def test_best_model_is_the_first_of_equal_losses(tmp_path):
