@@ -1326,7 +1326,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
-        atomic_write_bytes(tok_path, tok.to_json().encode())
+        atomic_write(tok_path, tok.to_json().encode())
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
     tokens, problem = load_tokens(tokens_path, tok.vocab_size) if os.path.exists(tokens_path) else (None, None)
@@ -1524,7 +1524,7 @@ def plot_log(csv_path, out=print):
     steps, loss = [r[0] for r in rows], [r[1] for r in rows]
     val = [(r[0], r[2]) for r in rows if r[2] is not None]
     svg = os.path.splitext(csv_path)[0] + ".svg"
-    atomic_write_bytes(svg, svg_plot(steps, loss, val).encode())
+    atomic_write(svg, svg_plot(steps, loss, val).encode())
     out(f"loss curve: {svg}")
     try:
         import matplotlib
@@ -1664,7 +1664,7 @@ def open_log(csv_path, step):
     if step > 0 and os.path.exists(csv_path):
         with open(csv_path, encoding="utf-8", errors="replace") as f:
             rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
-    atomic_write_bytes(csv_path, (LOG_HEADER + "".join(rows)).encode())
+    atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
     return open(csv_path, "a", encoding="utf-8")
 
 
@@ -2823,13 +2823,16 @@ def resume_or_init(args, cfg, tok, init_flat):
 # operations: atomic files and the run folder
 
 def atomic_write(path, write):
-    """write(f) into path.<pid>.tmp, flush to disk, then rename over path. The pid
-    keeps two writers from sharing a temp file; a failed write removes its temp
-    file (a full disk stays no fuller) and names path, not the temp file."""
+    """write(f) (or the bytes `write`) into path.<pid>.tmp, flush to disk, then rename
+    over path. The pid keeps two writers from sharing a temp file; a failed write removes
+    its temp file (a full disk stays no fuller) and names path, not the temp file."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            if callable(write):
+                write(f)
+            else:
+                f.write(write)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -2841,8 +2844,8 @@ def atomic_write(path, write):
         raise
 
 
-def atomic_write_bytes(path, data):
-    atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path, data):                 # nanoeuler_cuda.py's name for atomic_write(path, data)
+    atomic_write(path, data)
 
 
 TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's temp files
