@@ -2092,6 +2092,12 @@ def cmd_plot(args):
     plot_log(csv_path)
 
 
+def cmd_serve(args, make_params=None, gen=None):
+    """the chat page and its OpenAI-shaped API: serve.py, beside this file (docs/serve.md)"""
+    import serve
+    serve.cmd_serve(args, sys.modules[__name__], make_params, gen)
+
+
 def cmd_sample(args, make_params=None, gen=None):
     """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
     and generate (the model file is read, and refused, before either)"""
@@ -2181,6 +2187,15 @@ def add_mtp_weight_flag(sp):
                          "more makes them better drafters for --speculative, at some cost to head 0")
 
 
+def add_serve_flags(sp):
+    """serve's flags (both programs)"""
+    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 lets in every machine that "
+                    "reaches this one, with no password")
+    sp.add_argument("--port", type=number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535"),
+                    default=8000, help="TCP port; 0 = any free one")
+
+
 def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
     """the flags train and sft share (and nanoeuler_cuda.py's, without --threads)"""
     g = sp.add_argument_group("run")
@@ -2257,6 +2272,7 @@ def build_parser():
     generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
     generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
+    add_serve_flags(sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md)"))
     sub.add_parser("plot", help="draw a run's loss curve again (log.svg, and log.png with matplotlib)").add_argument(
         "run", help="a run folder (out/small) or its log.csv")
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
@@ -2282,7 +2298,7 @@ def main(argv=None):
               f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
         sys.exit(2)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot}
+                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot, "serve": cmd_serve}
     run_command(commands[args.command], args)
 
 

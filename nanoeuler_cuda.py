@@ -2145,6 +2145,11 @@ def cmd_chat(args):
     ne.cmd_chat(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
 
 
+def cmd_serve(args):
+    """nanoeuler.py serve (serve.py's page and API), generating on the GPU"""
+    ne.cmd_serve(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+
+
 # -----------------------------------------------------------------------------
 # benchmark
 
@@ -2512,6 +2517,10 @@ def build_parser():
     add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
     add_nodes_flags(sub.add_parser("rendezvous", help="under a launcher or --nnodes: check that every rank finds "
                                                       "rank 0 and gets the same id, without a GPU"))
+    sp = sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md), on the GPU")
+    ne.add_serve_flags(sp)
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
     return p
 
 
@@ -2519,7 +2528,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
-                "chat": cmd_chat, "rendezvous": cmd_rendezvous}
+                "chat": cmd_chat, "rendezvous": cmd_rendezvous, "serve": cmd_serve}
     ne.run_command(commands[args.command], args)
 
 
