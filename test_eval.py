@@ -6,7 +6,6 @@ package's schema (gzipped into a temporary folder here, as --fetch leaves them).
 import gzip
 import hashlib
 import importlib.util
-import io
 import json
 import math
 import os

@@ -48,7 +48,7 @@ import json
 import math
 import os
 import re
-import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -617,6 +617,8 @@ def main(argv=None):
         if not args.model:
             raise NanoEulerError("give --model FILE (or --run DIR, or --fetch)")
         report = evaluate_model(args.model, args)
+        if report["interrupted"]:                      # a second Ctrl-C must not lose the table
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         print_table(report["tasks"], args.chat)
         path = args.json or os.path.splitext(args.model)[0] + ".eval.json"
         write_json(report, path)
@@ -627,6 +629,9 @@ def main(argv=None):
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:                          # before scoring began (scoring keeps its partial table)
+        print("interrupted before any item was scored", file=sys.stderr)
+        sys.exit(130)
     except OSError as e:
         print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         sys.exit(2)
