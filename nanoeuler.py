@@ -3467,7 +3467,8 @@ def run_command(command, args):
             except FileNotFoundError:
                 raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
                                      "again") from None
-        with signals_interrupt(), (claim_out(args.out, args.resume, args.fresh) if run else contextlib.nullcontext()) as lock:
+        holds = run and getattr(command, "holds_out", lambda args: True)(args)   # nanoeuler_cuda.py: rank 0 only
+        with signals_interrupt(), (claim_out(args.out, args.resume, args.fresh) if holds else contextlib.nullcontext()) as lock:
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:

@@ -46,12 +46,14 @@ import argparse
 import contextlib
 import ctypes
 import errno
+import fcntl
 import gc
 import hashlib
 import json
 import math
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -2103,12 +2105,15 @@ def cmd_train(args):
     """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
     cfg = ne.preset_with(preset_config(args.model_size), args)
     ne.corpus_files(args.data)                  # a --data that is not there: said before the GPU is asked
-    rank, world = rank_and_world(args)
+    rank, world, local, place = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data
         ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
-        return launch_ranks(args.argv, args.gpus, lock=args.out_lock)
-    init_gpu(args.precision, rank)
+        return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args)
+    if place:                                   # a rank of torchrun, srun or mpirun
+        rank, world, local = join_world(args, place)
+        prepare_once(args, cfg)
+    init_gpu(args.precision, local)
     if world and rank == 0:
         stop_when_orphaned()
     if world:
@@ -2116,16 +2121,23 @@ def cmd_train(args):
     else:
         make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
 
-    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
-        follow(engine, next_batch, ne.saved_rng(state))
+    def lead(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+        if world:
+            engine.share_rng(state["rng"])
+        ne.train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state)
 
+    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+        follow(engine, next_batch, ne.saved_rng({"rng": engine.share_rng(None)}))
+
+    if rank:                                    # rank 0 resumes and hands the others its start (DataParallelEngine)
+        args.resume = False
     ne.pretrain(args, cfg.validate(), make_engine,
                 lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
                                            f"{args.precision} matmuls, peak "
                                            f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +
                                            (", data parallel over NCCL" + (", ZeRO-1" if args.zero else "")
                                             if world else ""))],
-                loop=ne.train_loop if rank == 0 else follow_rank0)
+                loop=lead if rank == 0 else follow_rank0)
 
 
 # -----------------------------------------------------------------------------
@@ -2191,14 +2203,16 @@ def cmd_bench(args):
     """ms per training step, tokens/s and MFU of the big model, median of timed steps after warm-up;
     then decoding speed (bench_decoding)"""
     check_bench_flags(args)
-    rank, world = rank_and_world(args)
+    rank, world, local, place = rank_and_world(args)
     if args.gpus and not world:
-        return launch_ranks(args.argv, args.gpus)
+        return launch_ranks(args.argv, args.gpus, place=place, args=args)
+    if place:                                          # a rank of torchrun, srun or mpirun
+        rank, world, local = join_world(args, place)
     if args.decode_only:
         return bench_decoding(args)
     if args.model:
         ne.load_model(args.model)                      # a bad file is refused before the GPU starts
-    init_gpu(args.precision, rank)
+    init_gpu(args.precision, local)
     cfg = PRESETS[args.model_size]
     engine = (DataParallelEngine(cfg, ne.init_params(cfg), None, None, args, rank, world) if world else
               GPUEngine(cfg, ne.init_params(cfg), None, None, args))
@@ -2548,6 +2562,7 @@ def main(argv=None):
 
 NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
 STEP, GATHER, STOP = 1, 2, 3                   # what rank 0 tells the others
+RNG_BYTES = 2048                               # share_rng's room for the data order's random state, as JSON
 nccl = None                                    # libnccl through ctypes, once load_nccl ran
 
 
@@ -2633,6 +2648,10 @@ class DataParallelEngine(GPUEngine):
     def __init__(self, cfg, flat, m, v, args, rank, world):
         self.rank, self.world = rank, world
         self.comm = Comm(os.environ["NANOEULER_NCCL_ID"], world, rank)
+        if rank == 0 and os.environ.get("NANOEULER_ID_FILE"):      # every rank has the id: --rendezvous's
+            with contextlib.suppress(OSError):                      # file is done with
+                os.remove(os.environ.pop("NANOEULER_ID_FILE"))
+        flat, m, v = (self.from_rank0(a) for a in (flat, m, v))
         super().__init__(cfg, flat, m, v, args, rank, world)
         self.comm_stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
         no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
@@ -2640,6 +2659,24 @@ class DataParallelEngine(GPUEngine):
         self.order = DeviceArray((3,), np.float64)                # command, lr, step
         self.ce = DeviceArray((cfg.K,), np.float64)
         self.model.on_grads = self.all_reduce_grads
+
+    def from_rank0(self, a):
+        """rank 0's copy of a host array (the weights, the moments), on every rank: so only rank 0
+        reads --resume's checkpoint, and every rank starts where it does"""
+        if a is None:
+            return None
+        d = to_gpu(a, a.dtype)
+        self.comm.broadcast(d, gpu.stream)
+        return d.download()
+
+    def share_rng(self, rng_state):
+        """rank 0's random generator's state (the data order), on every rank"""
+        text = json.dumps(rng_state).encode() if self.rank == 0 else b""
+        assert len(text) < RNG_BYTES
+        buf = np.zeros(RNG_BYTES, np.float64)
+        buf[:len(text)] = np.frombuffer(text, np.uint8)
+        got = self.from_rank0(buf).astype(np.uint8).tobytes().rstrip(b"\0")
+        return json.loads(got)
 
     def command(self, *order):
         """rank 0: tell the others what comes next; the others: wait for it -> (command, lr, step)"""
@@ -2695,6 +2732,7 @@ class DataParallelEngine(GPUEngine):
 
     def close(self):
         if self.rank == 0:
+            watch.end()                                     # the others may end now: see Watch
             self.command(STOP)
         gpu.sync()
         self.comm.close()
@@ -2707,15 +2745,16 @@ def follow(engine, next_batch, rng):
         if command == STEP:
             loss, _, norm = engine.step(*next_batch(rng), lr, int(step))
             if not (np.isfinite(loss) and np.isfinite(norm)):
-                return                                      # rank 0 saw the same and says why
+                return watch.wait()                         # rank 0 saw the same and says why
         elif command == GATHER:
             engine.gather_moments()
         else:
             break
+    watch.end()
     engine.close()
 
 
-def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
+def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None, place=None, args=None):
     """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
     which saves a checkpoint and tells the others to stop (SIGTERM and SIGHUP too:
@@ -2724,33 +2763,46 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
     launcher holds --out's lock (run_command's, `lock`); the ranks, its children, share it.
     Should the launcher itself be killed (kill -9, the out-of-memory killer), rank 0 sends
     itself SIGTERM (stop_when_orphaned), so it saves and stops the others, and it holds the
-    lock until then: it has the lock's open file too (a flock lasts while one is open)."""
+    lock until then: it has the lock's open file too (a flock lasts while one is open).
+    With --nnodes (place), one such launcher on each host: host 0's hands NCCL's id to the
+    others (exchange_id), its GPUs are ranks 0..N-1, host 1's N..2N-1 and so on; the hosts'
+    launchers keep the connection open (Watch), so that a host whose launcher stops stops them all."""
     n = count_gpus()
     if world > n:
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
-    env = {**os.environ, "NANOEULER_NCCL_ID": nccl_unique_id(), "NANOEULER_WORLD": str(world),
+    links, first, total = {}, 0, world
+    if place:
+        unique_id, links = exchange_id(place, run_settings(args), args.rendezvous_timeout, nccl_unique_id)
+        first, total = place.rank * world, place.world * world
+    else:
+        unique_id = nccl_unique_id()
+    hosts = Watch(links, place.rank if place else 0, poll=True)
+    env = {**os.environ, "NANOEULER_NCCL_ID": unique_id, "NANOEULER_WORLD": str(total),
            "NCCL_NVLS_ENABLE": "0", "NANOEULER_LAUNCHER": str(os.getpid())}
     procs = []
 
     def forward(signum, frame):                              # rank 0 saves, then stops the others
-        if not procs:                                        # none started yet: stop as one process would
-            raise KeyboardInterrupt if signum == signal.SIGINT else ne.Interrupted(signum)
+        if not procs or first:                               # none started yet, or rank 0 is on another host:
+            raise KeyboardInterrupt if signum == signal.SIGINT else ne.Interrupted(signum)   # stop at once
         procs[0].send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    culprit = None                                           # the first rank to fail
+    culprit = gone = None                                    # the first rank to fail; a host whose launcher did
     try:
         for r in range(world):                               # inside the try: a rank started is a rank stopped
             held = {"NANOEULER_LOCK_FD": str(lock.fileno())} if lock and r == 0 else {}
             procs.append(subprocess.Popen([sys.executable, program, *argv],
-                                          env={**env, "NANOEULER_RANK": str(r), **held},
-                                          start_new_session=True, stdout=None if r == 0 else subprocess.DEVNULL,
+                                          env={**env, "NANOEULER_RANK": str(first + r), "NANOEULER_LOCAL_RANK": str(r),
+                                               **held},
+                                          start_new_session=True,
+                                          stdout=None if first + r == 0 else subprocess.DEVNULL,
                                           pass_fds=[lock.fileno()] if held else []))
-        while culprit is None and procs[0].poll() is None:
+        while culprit is None and procs[0].poll() is None and gone is None:
             culprit = next((r for r, p in enumerate(procs) if p.poll()), None)
+            gone = hosts.gone()
             time.sleep(0.1)
-        culprit = 0 if culprit is None and procs[0].returncode else culprit
-        deadline = time.time() + (30 if culprit is None else 0)   # the others had their STOP
+        culprit = 0 if culprit is None and gone is None and procs[0].returncode else culprit
+        deadline = time.time() + (30 if culprit is None and gone is None else 0)   # the others had their STOP
         for p in procs:
             try:
                 p.wait(timeout=max(0.01, deadline - time.time()))
@@ -2763,6 +2815,10 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        hosts.done(procs[culprit].returncode if culprit is not None else 2 if gone is not None else 0)
+    if gone is not None:
+        raise NanoEulerError(f"host {gone}'s launcher stopped (its own output says why), so every rank here stopped; "
+                             "resume with --resume")
     code = procs[culprit].returncode if culprit is not None else 0
     if code < 0:                                             # a signal: the process said nothing
         name = signal.Signals(-code).name
@@ -2798,16 +2854,22 @@ def stop_when_orphaned(every=0.2):
 
 
 def rank_and_world(args):
-    """(rank, world) of this process: (0, 0) when it is the only one, without NCCL.
-    Refuses --zero without --gpus, before anything starts."""
-    if args.zero and not args.gpus:
-        raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
+    """(rank, world, local rank, place) of this process: (0, 0, 0, None) when it is the only
+    one, without NCCL; a rank that launch_ranks started: the numbers it was given; under
+    torchrun, srun or mpirun, or our own launcher with --nnodes: place (find_place), the
+    rendezvous still to come. Refuses --zero with one GPU, before anything starts."""
     found = {name: os.environ.get(name, "0") for name in ("NANOEULER_RANK", "NANOEULER_WORLD")}
     for name, value in found.items():                         # set by launch_ranks, for its ranks only
         if not value.isdigit():
             raise NanoEulerError(f"{name}={value!r} in the environment is not a number; it is for the ranks "
                                  "that --gpus starts: unset it")
-    return int(found["NANOEULER_RANK"]), int(found["NANOEULER_WORLD"])
+    rank, world = int(found["NANOEULER_RANK"]), int(found["NANOEULER_WORLD"])
+    if world:
+        return rank, world, int(os.environ.get("NANOEULER_LOCAL_RANK", rank)), None
+    place = find_place(args)
+    if args.zero and not args.gpus and not place:
+        raise NanoEulerError("--zero shares the optimizer's moments among several GPUs; give --gpus N with it")
+    return 0, 0, 0, place
 
 
 # -----------------------------------------------------------------------------
@@ -3190,6 +3252,120 @@ def exchange_id(place, settings, timeout, make_id):
         unique_id = make_id()
         return unique_id, send_id(unique_id, place, settings, timeout, server=None if place.file else server)
     return receive_id(place, settings, timeout)
+
+
+class Watch:
+    """the rendezvous's connections, kept open while the run lasts ({rank: socket}: rank 0's to
+    every other, or another's to rank 0), so that when a process ends, however it ends, the
+    other end hears of it at once, whatever the launcher does, rather than wait in NCCL for
+    ever. A rank under torchrun, srun or mpirun: a thread waits on them, and a connection that
+    closes while the watch is on stops this process with one sentence (rank 0 ends it before
+    its last word to the others, which end theirs on hearing it). Our launchers on several
+    hosts (poll): launch_ranks asks gone() as it polls its ranks, and each says done(code)
+    before it closes, so a host whose launcher ends cleanly is not taken for one that failed."""
+
+    def __init__(self, links, rank, poll=False):
+        """links: exchange_id's (a dict on rank 0, rank 0's socket or None elsewhere)"""
+        links = links if isinstance(links, dict) else {0: links} if links else {}
+        self.links, self.rank, self.on, self.finished = links, rank, True, set()
+        self.thread = None
+        if self.links and not poll:
+            self.thread = threading.Thread(target=self.run, daemon=True, name="rank watch")
+            self.thread.start()
+
+    def closed(self, timeout):
+        """-> the ranks whose connection has closed within timeout s (None: wait), and which said done(0)"""
+        open_links = {r: c for r, c in self.links.items() if r not in self.finished}
+        if not open_links:
+            return []
+        ready, _, _ = select.select(list(open_links.values()), [], [], timeout)
+        ended = []
+        for r, c in open_links.items():
+            if c in ready:
+                try:
+                    data = c.recv(4096)
+                except OSError:
+                    data = b""
+                if b'"done": 0}' in data:
+                    self.finished.add(r)                          # ends cleanly: not an alarm
+                elif not data or b'"done"' in data:
+                    self.finished.add(r)
+                    ended.append(r)
+        return ended
+
+    def run(self):
+        while len(self.finished) < len(self.links):
+            ended = self.closed(None)
+            if ended and self.on:
+                who = f"rank {ended[0]}'s process" if self.rank == 0 else "rank 0"
+                with contextlib.suppress(OSError):
+                    print(f"error: {who} stopped (its own output, or its launcher's, says why), so "
+                          f"{'every rank stops; resume with --resume' if self.rank == 0 else 'this rank stops too'}",
+                          file=sys.stderr, flush=True)
+                os._exit(2)
+
+    def gone(self):
+        """poll: a host whose launcher ended without done(0), or None"""
+        ended = self.closed(0) if self.on else []
+        return ended[0] if ended else None
+
+    def end(self):
+        """the run ends as it should: the others may end now"""
+        self.on = False
+
+    def wait(self):
+        """until every connection has closed (rank 0, which stops the run, has ended)"""
+        self.on = False
+        if self.thread:
+            self.thread.join()
+
+    def done(self, code):
+        for c in self.links.values():
+            with contextlib.suppress(OSError):
+                send_message(c, done=code)
+            c.close()
+
+
+watch = Watch({}, 0)                                   # this rank's; join_world makes one under a launcher
+
+
+def join_world(args, place):
+    """a rank of torchrun, srun or mpirun: NCCL's id from rank 0 (exchange_id), the watch on
+    the others (Watch); a rank other than 0 prints nothing (stdout to /dev/null; its errors
+    still say themselves) and leaves Ctrl-C and SIGTERM, which its launcher sends every
+    rank, to rank 0, which saves and tells it to stop -> (rank, world, local rank)"""
+    global watch
+    unique_id, links = exchange_id(place, run_settings(args), args.rendezvous_timeout, nccl_unique_id)
+    os.environ["NANOEULER_NCCL_ID"] = unique_id
+    watch = Watch(links, place.rank)
+    if place.rank:
+        sys.stdout.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+    return place.rank, place.world, place.local_rank
+
+
+def prepare_once(args, cfg):
+    """the ranks on one host tokenize the corpus into their shared cache one at a time: the
+    first makes it, the others find it made"""
+    cache = ne.data_cache(args.out)
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, "prepare.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        ne.prepare_data(args.data, cfg.V, cache)
+
+
+def world_rank(args):
+    """this process's rank in the whole world, before any rendezvous: only rank 0 holds --out
+    (run_command asks cmd_train.holds_out)"""
+    if os.environ.get("NANOEULER_WORLD", "0") not in ("", "0"):
+        return int(os.environ.get("NANOEULER_RANK", "0")) if os.environ.get("NANOEULER_RANK", "0").isdigit() else 0
+    place = find_place(args)
+    return place.rank if place else 0
+
+
+cmd_train.holds_out = lambda args: world_rank(args) == 0            # run_command asks: only rank 0 holds --out
 
 
 def add_nodes_flags(sp):

@@ -19,7 +19,9 @@ import socket
 import subprocess
 import sys
 import threading
+import types
 
+import numpy as np
 import pytest
 
 import nanoeuler_cuda as nc
@@ -344,7 +346,7 @@ def test_nnodes_two_hosts_on_the_loopback():
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"},
      "rank 0 never answered at 127.0.0.1:{port} (MASTER_ADDR and MASTER_PORT) within 1 s"),
 ])
-@pytest.mark.parametrize("command", ["rendezvous"])
+@pytest.mark.parametrize("command", ["rendezvous", "train", "bench"])
 def test_bad_launcher_environments_say_one_sentence_and_stop(env, message, command, tmp_path):
     s, port = closed_port()
     with s:
@@ -354,3 +356,137 @@ def test_bad_launcher_environments_say_one_sentence_and_stop(env, message, comma
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr == f"error: {message.format(port=port)}" + r.stderr[len(message.format(port=port)) + 7:]
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+# -----------------------------------------------------------------------------
+# the program's own launcher on two "hosts" (--nnodes 2 --gpus 2), and the watch on the ranks
+
+HOST = """
+import os, sys
+import nanoeuler_cuda as nc
+node, port, folder, program, *fail = sys.argv[1:]
+nc.count_gpus, nc.nccl_unique_id = lambda: 2, lambda: os.urandom(128).hex()
+args = nc.build_parser().parse_args(["train", "--gpus", "2", "--nnodes", "2", "--node-rank", node,
+                                     "--master-addr", "127.0.0.1", "--master-port", port, "--rendezvous-timeout", "60"])
+try:
+    nc.launch_ranks([folder, *fail], 2, program=program, place=nc.find_place(args), args=args)
+except nc.NanoEulerError as e:                # as run_command says it
+    sys.exit(print(f"error: {e}", file=sys.stderr) or 2)
+"""
+
+HOST_RANK = """
+import os, sys, time
+rank, world, local = (int(os.environ[f"NANOEULER_{v}"]) for v in ("RANK", "WORLD", "LOCAL_RANK"))
+open(os.path.join(sys.argv[1], f"rank{rank}"), "w").write(f"{rank} of {world}, GPU {local}, "
+                                                          f"{os.environ['NANOEULER_NCCL_ID']}")
+fail = {int(r): int(code) for r, code in (a.split("=") for a in sys.argv[2:])}
+if rank in fail:
+    print(f"rank {rank} fails", file=sys.stderr)
+    sys.exit(fail[rank])
+time.sleep(0 if not fail else 60)             # NCCL would wait for the rank that failed for ever
+"""
+
+
+def two_hosts(tmp_path, *fail):
+    (tmp_path / "host.py").write_text(HOST)
+    (tmp_path / "rank.py").write_text(HOST_RANK)
+    port = str(port_of_free_server())
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "host.py"), node, port, str(tmp_path),
+                               str(tmp_path / "rank.py"), *fail], cwd=HERE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": HERE})
+             for node in ("1", "0")]
+    return [(*p.communicate(timeout=120), p.returncode)[::-1] for p in procs]
+
+
+def test_two_hosts_launchers_number_their_ranks_and_share_one_id(tmp_path):
+    (code1, err1, _), (code0, err0, _) = two_hosts(tmp_path)
+    assert (code0, code1) == (0, 0), err0 + err1
+    got = sorted((tmp_path / f"rank{r}").read_text() for r in range(4))
+    assert [g.split(",")[:2] for g in got] == [["0 of 4", " GPU 0"], ["1 of 4", " GPU 1"],
+                                               ["2 of 4", " GPU 0"], ["3 of 4", " GPU 1"]]
+    assert len({g.split(", ")[2] for g in got}) == 1
+
+
+@pytest.mark.parametrize("failing, here, there", [
+    ("3=5", "GPU 1's process stopped with exit code 5", "host 1's launcher stopped"),
+    ("1=5", "GPU 1's process stopped with exit code 5", "host 0's launcher stopped"),
+])
+def test_a_rank_that_fails_on_one_host_stops_every_host(tmp_path, failing, here, there):
+    results = two_hosts(tmp_path, failing)
+    failed_host = int(failing[0]) // 2
+    code_f, err_f, _ = results[1 - failed_host]              # (host 1's, host 0's)
+    code_o, err_o, _ = results[failed_host]
+    assert code_f == 2 and here in err_f, err_f
+    assert code_o == 2 and there in err_o, err_o
+
+
+WATCHED = """
+import os, sys, time
+import nanoeuler_cuda as nc
+nc.nccl_unique_id = lambda: "ab" * 128
+args = nc.build_parser().parse_args(["bench", "--rendezvous-timeout", "60"])
+rank, world, local = nc.join_world(args, nc.find_place(args))
+print(f"rank {rank} joined", file=sys.stderr, flush=True)
+if rank == int(sys.argv[1]):
+    os._exit(0)                               # gone without a word, mid-run
+time.sleep(60)                                # waiting in NCCL for the rank that is gone, for ever
+"""
+
+
+@pytest.mark.parametrize("dies, message", [(1, "error: rank 1's process stopped"),
+                                           (0, "error: rank 0 stopped (its own output, or its launcher's, says why), "
+                                               "so this rank stops too")])
+def test_a_rank_gone_under_a_launcher_stops_the_others_at_once(tmp_path, dies, message):
+    (tmp_path / "watched.py").write_text(WATCHED)
+    port = str(port_of_free_server())
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "watched.py"), str(dies)], cwd=HERE, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": HERE, "RANK": str(r), "WORLD_SIZE": "3",
+                                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(3)]
+    results = [(*p.communicate(timeout=50), p.returncode) for p in procs]    # not the 60 s of the sleep
+    for r, (out, err, code) in enumerate(results):
+        if r == dies:
+            assert code == 0 and f"rank {r} joined" in err
+        elif dies == 0 or r == 0:
+            assert code == 2 and message in err, err
+    if dies == 1:                                # rank 2 hears that rank 0 stopped
+        assert results[2][2] == 2 and "rank 0 stopped" in results[2][1]
+
+
+# -----------------------------------------------------------------------------
+# only the world's rank 0 holds --out; the others take rank 0's start
+
+@pytest.mark.parametrize("rank, message", [("1", "rank 0 never answered at 127.0.0.1"),
+                                           ("0", "is in use by another training run")])
+def test_only_rank0_locks_out(tmp_path, rank, message):
+    s, port = closed_port()
+    with s, ne.claim_out(str(tmp_path / "run"), resume=False):
+        r = run(sys.executable, "nanoeuler_cuda.py", "train", "--out", str(tmp_path / "run"), "--rendezvous-timeout",
+                "1", env={"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(port)})
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_world_rank_before_the_rendezvous(monkeypatch):
+    for name in ("NANOEULER_RANK", "NANOEULER_WORLD", *TORCHRUN):
+        monkeypatch.delenv(name, raising=False)
+    assert nc.world_rank(args_of()) == 0
+    assert nc.world_rank(args_of("--gpus", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h")) == 1
+    monkeypatch.setenv("NANOEULER_RANK", "5")
+    monkeypatch.setenv("NANOEULER_WORLD", "8")
+    assert nc.world_rank(args_of()) == 5
+    monkeypatch.delenv("NANOEULER_WORLD")
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    assert nc.world_rank(args_of()) == 3
+
+
+def test_rank0s_data_order_reaches_the_others_whole():
+    rng = np.random.default_rng(1234)
+    rng.integers(0, 10, 7)                                   # a generator part way through
+    rank0 = types.SimpleNamespace(rank=0, from_rank0=lambda a: a)       # a world of one: the broadcast keeps all
+    got = nc.DataParallelEngine.share_rng(rank0, rng.bit_generator.state)
+    follower = np.random.default_rng()
+    follower.bit_generator.state = got
+    assert follower.integers(0, 1 << 30, 5).tolist() == rng.integers(0, 1 << 30, 5).tolist()
