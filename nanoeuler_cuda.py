@@ -3395,9 +3395,12 @@ def cmd_rendezvous(args):
         raise NanoEulerError("rendezvous found no launcher: start it with torchrun, srun or mpirun, or give "
                              "--nnodes, --node-rank and --master-addr")
     unique_id, _ = exchange_id(place, run_settings(args), args.rendezvous_timeout, lambda: os.urandom(128).hex())
-    how = f"file {place.file}" if place.file else f"{place.addr or 'this host'}:{place.port}, {place.source}"
-    print(f"rank {place.rank} of {place.world} ({place.launcher}, local rank {place.local_rank}): id "
-          f"{hashlib.sha256(bytes.fromhex(unique_id)).hexdigest()[:16]} from rank 0 ({how})", flush=True)
+    how = "itself, a world of one" if place.world == 1 else f"file {place.file}" if place.file else \
+        f"{place.addr or 'this host'}:{place.port}, {place.source}"
+    left = f"; delete {place.file} before the next run" if place.file and place.rank == 0 < place.world - 1 else ""
+    sys.stdout.write(f"rank {place.rank} of {place.world} ({place.launcher}, local rank {place.local_rank}): id "
+                     f"{hashlib.sha256(bytes.fromhex(unique_id)).hexdigest()[:16]} from rank 0 ({how}){left}\n")
+    sys.stdout.flush()                                 # one write: ranks that share a terminal do not mix lines
 
 
 if __name__ == "__main__":
