@@ -6,6 +6,8 @@ Needs torch, transformers and llama-cpp-python (not in any requirements file);
 test_export.py's slow tests call measure() and assert on what it returns.
 
     python dev/export_check.py --model out/small/best.safetensors --out /tmp/export_check [--chat]
+    python dev/export_check.py --init big --out /tmp/export_big      # an untrained big model
+    python dev/export_check.py --scan-pattern       # where the split patterns differ, code point by code point
 
 It prints, and returns: the largest logit difference relative to the largest logit
 over a prompt and 100 greedy tokens; how many of the 100 greedy tokens agree with
@@ -112,6 +114,7 @@ def chat_ids(tok, messages):
 CHAT = [{"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": "Paris is the capital of France."},
         {"role": "user", "content": "Name a river there."}]
+ASK = [{"role": "user", "content": "Give me three tips for staying healthy."}]     # --chat's prompt: room for 100
 
 
 def check_transformers(paths, cfg, tok, seq, n_prompt, ours_logits, ours_greedy, texts):
@@ -158,6 +161,16 @@ def llama_greedy(llm, prompt, n):
     return out
 
 
+def llama_chat_ids(llm):
+    """the prompt ids of create_chat_completion: the file's chat template rendered by
+    llama-cpp-python's Jinja2ChatFormatter, tokenized as its handler does"""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+    meta = llm.metadata
+    prompt = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token="<|end|>",
+                                 bos_token="<|endoftext|>")(messages=CHAT).prompt
+    return llm.tokenize(prompt.encode(), add_bos=True, special=True)     # add_bos: as the handler; the file says no
+
+
 def llama_tokenize_differs(llm, tok, texts):
     return [k for k, s in texts.items() if llm.tokenize(s.encode(), add_bos=False, special=False) != tok.encode(s)]
 
@@ -170,6 +183,7 @@ def check_llama_cpp(paths, cfg, tok, seq, n_prompt, ours_logits, ours_greedy, te
              "greedy_agree": agree(llama_greedy(llm, seq[:n_prompt], len(ours_greedy)), ours_greedy)}
         if name == "f32":
             r["tokenizer_differs"] = llama_tokenize_differs(llm, tok, texts)
+            r["chat_template_ok"] = llama_chat_ids(llm) == chat_ids(tok, CHAT)
             r["bos_eos_eot"] = (llm.token_bos(), llm.token_eos(), llm._model.token_eot())
             r["add_bos"] = llm._model.add_bos_token()
         res[name] = r
@@ -184,7 +198,7 @@ def measure(model, out, prompt="First Citizen:\n", chat=False, llama_cpp=True, t
     params = ne.carve(flat, cfg)
     paths = write_files(model, out, tok, cfg, params)
     if chat:
-        prompt_ids = chat_ids(tok, CHAT)
+        prompt_ids = chat_ids(tok, ASK)
     else:
         prompt_ids = tok.encode(prompt)
     n_new = min(N_NEW, cfg.T - len(prompt_ids))          # no sliding window: the others have none
@@ -211,19 +225,63 @@ def measure(model, out, prompt="First Citizen:\n", chat=False, llama_cpp=True, t
                 log(f"llama.cpp {name:10s} (f32 KV cache): logits rel diff {r['logits_rel']:.2e}, greedy "
                     f"{r['greedy_agree']}/{n_new} agree")
         r = res["llama_cpp"]["f32"]
-        log(f"llama.cpp bos/eos/eot {r['bos_eos_eot']}, adds BOS: {r['add_bos']}; tokenizer ids differ on: "
+        log(f"llama.cpp bos/eos/eot {r['bos_eos_eot']}, adds BOS: {r['add_bos']}, the GGUF's chat template "
+            f"(llama-cpp-python's Jinja2ChatFormatter) gives chat's ids: {r['chat_template_ok']}; "
+            "tokenizer ids differ on: "
             f"{r['tokenizer_differs'] or 'none'}")
         log(f"llama.cpp without tokenizer.ggml.pre: ids differ on {res['llama_cpp']['no_pre']['tokenizer_differs']}")
     return res
 
 
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+
+def scan_pattern(log=print):
+    """every code point between letters, digits, spaces and punctuation, split by our pattern
+    (Python's re), by export.ONIG_PATTERN and by GPT-2's in Hugging Face tokenizers: where
+    they differ, counted by the character's Unicode category in Python's tables"""
+    import collections
+    import unicodedata
+    from tokenizers import Regex, pre_tokenizers
+    ours = pre_tokenizers.Split(Regex(export.ONIG_PATTERN), "isolated")
+    gpt2 = pre_tokenizers.Split(Regex(GPT2_PATTERN), "isolated")
+    differ = {"ONIG_PATTERN": collections.Counter(), "GPT-2's pattern": collections.Counter()}
+    examples = collections.defaultdict(list)
+    for cp in range(0x110000):
+        if 0xD800 <= cp < 0xE000:                      # surrogates: not text
+            continue
+        c = chr(cp)
+        text = f"a{c}b 1{c}2 {c}{c} x {c} !{c}! \t{c}"
+        want = ne.SPLIT_PATTERN.findall(text)
+        for name, split in (("ONIG_PATTERN", ours), ("GPT-2's pattern", gpt2)):
+            if [p for p, _ in split.pre_tokenize_str(text)] != want:
+                differ[name][unicodedata.category(c)] += 1
+                if len(examples[name]) < 12:
+                    examples[name].append(f"U+{cp:04X}")
+    log(f"Python {platform.python_version()} (Unicode {unicodedata.unidata_version}), {versions()}")
+    for name, counts in differ.items():
+        log(f"{name} splits otherwise than nanoeuler's on {sum(counts.values()):,} code points, by category "
+            f"{dict(counts.most_common())}; first: {' '.join(examples[name])}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--out", required=True, help="a folder for the exported files (reused if there)")
+    p.add_argument("--model", help="the model file to export and check")
+    p.add_argument("--scan-pattern", action="store_true", help="instead: where the split patterns differ")
+    p.add_argument("--init", choices=sorted(ne.PRESETS), help="instead of --model: an untrained model of this "
+                   "preset (init_params), its tokenizer trained on data/tinyshakespeare.txt, saved in --out")
+    p.add_argument("--out", help="a folder for the exported files (reused if there)")
     p.add_argument("--prompt", default="First Citizen:\n")
     p.add_argument("--chat", action="store_true", help="prompt with a chat conversation (an SFT model)")
     args = p.parse_args()
+    if args.scan_pattern:
+        return scan_pattern()
+    if args.init:
+        cfg = ne.PRESETS[args.init]
+        text = open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()
+        os.makedirs(args.out, exist_ok=True)
+        args.model = os.path.join(args.out, f"{args.init}_init.safetensors")
+        ne.save_model(args.model, cfg, ne.init_params(cfg), ne.Tokenizer.train(text, cfg.V, progress=False))
     measure(args.model, args.out, args.prompt, args.chat, log=lambda s: print(s, flush=True))
 
 

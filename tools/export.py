@@ -247,7 +247,7 @@ def gguf_tensors(cfg, params, permute=permute_rope):
 def write_gguf(path, cfg, params, tok, outtype, name, permute=permute_rope):
     """the GGUF file at path (written there: the caller gives a temporary name). Matrices in
     outtype, norms in f32 (as llama.cpp's own converter does); a matrix whose rows do not
-    split into Q8_0's blocks of 32 stays f16 -> returns those tensors' names"""
+    split into Q8_0's blocks of 32 stays f16 -> returns those tensors' (name, row length)"""
     import gguf                                        # only the export needs it
     Q = gguf.GGMLQuantizationType
     qtype = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}[outtype]
@@ -291,7 +291,7 @@ def write_gguf(path, cfg, params, tok, outtype, name, permute=permute_rope):
             w.add_tensor(tname, t)
         elif qtype == Q.F16 or (qtype == Q.Q8_0 and t.shape[1] % 32):
             w.add_tensor(tname, t.astype(np.float16))
-            kept_f16 += [tname] if qtype == Q.Q8_0 else []
+            kept_f16 += [(tname, t.shape[1])] if qtype == Q.Q8_0 else []
         else:
             w.add_tensor(tname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
     w.write_header_to_file()
@@ -353,8 +353,9 @@ def cmd_export(args):
         name = os.path.splitext(os.path.basename(args.model))[0]
         kept = export_to(args.gguf, lambda tmp: write_gguf(tmp, cfg, params, tok, args.outtype, name))
         if kept:
-            print(f"note: {len(kept)} matrices have rows of {cfg.C} or {cfg.F} numbers, not a multiple of Q8_0's "
-                  "blocks of 32; they are stored as f16")
+            rows = " or ".join(str(n) for n in sorted({n for _, n in kept}))
+            print(f"note: {len(kept)} of the matrices ({kept[0][0]}, ...) have rows of {rows} numbers, not a "
+                  "multiple of Q8_0's blocks of 32; they are stored as f16")
         print(f"wrote {args.gguf} (llama, {args.outtype})")
 
 
