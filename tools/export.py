@@ -31,7 +31,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nanoeuler as ne  # noqa: E402  (first: it sets the BLAS thread count before numpy loads)
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 
@@ -58,7 +57,7 @@ def bytes_to_unicode():
 BYTE_CHAR = bytes_to_unicode()
 
 
-def token_strings(tok):
+def token_strings(tok, source="the tokenizer"):
     """-> one string per id: the specials as themselves, every other token its bytes
     through BYTE_CHAR. Refuses a vocabulary in which two ids have the same bytes: the
     others find a token by its string, so one of the two ids could never come out."""
@@ -68,7 +67,7 @@ def token_strings(tok):
     for i, t in enumerate(tok.vocab):
         if t in first:
             raise ne.NanoEulerError(
-                f"its tokenizer has two tokens with the same bytes {t!r} (ids {first[t]} and {i}); no other "
+                f"{source} has two tokens with the same bytes {t!r} (ids {first[t]} and {i}); no other "
                 "program's tokenizer can hold both, so this model cannot be exported faithfully")
         first[t] = i
     return strings
@@ -317,15 +316,18 @@ def temp_name(path):
     return f"{path}.{os.getpid()}.tmp"
 
 
-def export_to(path, write):
+def export_to(path, flag, write):
     """write(temp) then rename temp -> path; on any failure the temp is removed, path never appears"""
     tmp = temp_name(path)
     try:
         result = write(tmp)
         if os.path.lexists(path):                      # made while we wrote: keep theirs
-            raise ne.NanoEulerError(f"{path} appeared while exporting; give a new name")
+            raise ne.NanoEulerError(f"{path} appeared while exporting; give {flag} a new name")
         os.rename(tmp, path)
         return result
+    except OSError as e:                               # a full disk, a read-only folder: name ours, not the temp
+        raise ne.NanoEulerError(f"{path} could not be written ({(e.strerror or str(e)).lower()}); give {flag} a "
+                                "place with room that you may write to") from None
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -340,18 +342,18 @@ def cmd_export(args):
         if path is not None:
             refuse_existing(path, flag)
     cfg, flat, tok = ne.load_model(args.model)
-    token_strings(tok)                                 # refuse an unfaithful vocabulary before writing
+    token_strings(tok, f"{args.model}'s tokenizer")    # refuse an unfaithful vocabulary before writing
     params = ne.carve(flat, cfg)
     if cfg.K > 1:
         print(f"note: the model's {cfg.K - 1} extra heads (multi-token prediction, used by --speculative) have "
               "no place in a Llama model and are left out; the export predicts as head 0 does")
     if args.hf is not None:
-        export_to(args.hf, lambda tmp: write_hf(tmp, cfg, params, tok))
+        export_to(args.hf, "--hf", lambda tmp: write_hf(tmp, cfg, params, tok))
         print(f"wrote {args.hf} (LlamaForCausalLM, float32, {ne.num_params(cfg) - (cfg.K - 1) * cfg.V * cfg.C:,} "
               "parameters)")
     if args.gguf is not None:
         name = os.path.splitext(os.path.basename(args.model))[0]
-        kept = export_to(args.gguf, lambda tmp: write_gguf(tmp, cfg, params, tok, args.outtype, name))
+        kept = export_to(args.gguf, "--gguf", lambda tmp: write_gguf(tmp, cfg, params, tok, args.outtype, name))
         if kept:
             rows = " or ".join(str(n) for n in sorted({n for _, n in kept}))
             print(f"note: {len(kept)} of the matrices ({kept[0][0]}, ...) have rows of {rows} numbers, not a "
@@ -362,9 +364,10 @@ def cmd_export(args):
 def build_parser():
     p = ne.ArgumentParser(prog="tools/export.py", description="export a NanoEuler model to a Hugging Face "
                           "Llama folder and/or a GGUF file (docs/export.md)")
-    p.add_argument("--model", required=True, help="the .safetensors model to export")
-    p.add_argument("--hf", default=None, help="a new folder for the Hugging Face files (transformers)")
-    p.add_argument("--gguf", default=None, help="a new .gguf file (llama.cpp)")
+    p.add_argument("--model", required=True, metavar="FILE", help="the .safetensors model to export")
+    p.add_argument("--hf", default=None, metavar="FOLDER", help="a new folder for the Hugging Face files "
+                   "(transformers)")
+    p.add_argument("--gguf", default=None, metavar="FILE", help="a new .gguf file (llama.cpp)")
     p.add_argument("--outtype", default="f32", choices=OUTTYPES,
                    help="--gguf's number format for the matrices (norms stay f32); --hf is always float32")
     return p
