@@ -6,7 +6,7 @@ transcript, parsed); the stream's events, one reply at a time, a client that lea
 text held back inside a UTF-8 character, the limits; hostile clients and pages (bad JSON,
 lying lengths, slow clients, a hundred connections, other hosts, form posts), each ending
 in its status with the server still answering; the OpenAI client example of docs/serve.md,
-run with the real `openai` package; the page in headless Chromium (test_serve_browser.py).
+run with the real `openai` package. The page in headless Chromium: test_serve_browser.py.
 
     python -m pytest -q test_serve.py
 """
@@ -15,6 +15,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 
 import contextlib
 import http.client
+import importlib
 import io
 import json
 import os
@@ -53,8 +54,8 @@ def model(tmp_path_factory):
 def running(model_path, gen=None, params=None, **limits):
     """a ChatServer on 127.0.0.1, port 0, serving in a thread"""
     cfg, flat, tok = ne.load_model(model_path)
-    srv = serve.ChatServer(ne, params or ne.carve(flat, cfg), cfg, tok, gen or ne.generate, "m.safetensors",
-                           port=0, limits=serve.Limits(**limits))
+    srv = serve.ChatServer(ne, params or ne.carve(flat, cfg), cfg, tok, gen or ne.generate,
+                           os.path.basename(model_path), port=0, limits=serve.Limits(**limits))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
@@ -275,7 +276,8 @@ def test_one_reply_at_a_time_others_wait_and_the_rest_get_503(model):
         second = stream_reader(srv, [user("two")], results)
         wait_for(srv, lambda: srv.model.jobs.qsize() == 1)
         status, _, data = call(srv, "POST", "/v1/chat/completions", {"messages": [user("three")]})
-        assert status == 503 and "busy" in data["error"]["message"] and "one reply at a time" in data["error"]["message"]
+        message = data["error"]["message"]
+        assert status == 503 and "the model is busy" in message and "one reply at a time" in message
         # the page and the models list still answer while the model works
         assert call(srv, "GET", "/")[0] == 200 and call(srv, "GET", "/v1/models")[0] == 200
         gate.open(4)
@@ -349,7 +351,8 @@ def test_within_the_limits_is_answered(small):
     body = {"messages": [user("a" * 60), {"role": "assistant", "content": "b" * 30}, user("c" * 10)],
             "max_tokens": 50, "temperature": 1, "top_p": 0.5, "top_k": 3, "seed": 7}
     assert call(small, "POST", "/v1/chat/completions", body)[0] == 200
-    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hel"},
+                                                       {"type": "text", "text": "lo"}]}]}
     assert call(small, "POST", "/v1/chat/completions", parts)[0] == 200         # content as OpenAI's parts
 
 
@@ -485,6 +488,43 @@ def test_a_hundred_connections_at_once_get_bounded_threads_and_the_server_surviv
         assert set(statuses) == {408, 503} and statuses.count(408) >= 8, statuses
         assert threading.active_count() <= before + 4 + 1 + 1
         still_answers(srv)
+
+
+# -----------------------------------------------------------------------------
+# OpenAI's client, as docs/serve.md shows it
+
+def needs(module):
+    """import module, or skip; under CI=true (.ci/run installs requirements-dev.txt) fail instead"""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{module} is not installed; .ci/run installs requirements-dev.txt")
+        pytest.skip(f"{module} is not installed (pip install -r requirements-dev.txt)")
+
+
+def test_the_openai_client_example_of_the_docs_prints_the_greedy_reply(model, server, monkeypatch, capsys):
+    needs("openai")
+    with open(os.path.join(HERE, "docs", "serve.md"), encoding="utf-8") as f:
+        (example,) = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    question = re.search(r'"content": "([^"]+)"', example)[1]
+    max_tokens = int(re.search(r"max_tokens=(\d+)", example)[1])
+    want = chat_transcript(model, [question], max_tokens, monkeypatch, capsys)[0]
+    assert want and "http://127.0.0.1:8000/v1" in example
+    exec(compile(example.replace(":8000/", f":{server.port}/"), "docs/serve.md", "exec"), {})
+    assert capsys.readouterr().out == want + "\n"
+
+
+def test_the_openai_client_gets_whole_replies_and_errors(server):
+    openai = needs("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["m.safetensors"]
+    messages = [user("Hello there")]
+    r = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=12)
+    assert r.choices[0].message.content == ask(server, messages, temperature=0, max_tokens=12)["choices"][0][
+        "message"]["content"] and r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be an integer from 1 to 4096"):
+        client.chat.completions.create(model="m", messages=messages, max_tokens=5000)
 
 
 # -----------------------------------------------------------------------------
