@@ -2108,8 +2108,8 @@ def cmd_train(args):
     rank, world, local, place = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data
-        ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out))
-        return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args)
+        return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args,
+                            before=lambda: ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out)))
     if place:                                   # a rank of torchrun, srun or mpirun
         rank, world, local = join_world(args, place)
         prepare_once(args, cfg)
@@ -2754,7 +2754,7 @@ def follow(engine, next_batch, rng):
     engine.close()
 
 
-def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None, place=None, args=None):
+def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None, place=None, args=None, before=None):
     """--gpus N: start this program once per GPU with NANOEULER_RANK = 0..N-1 and wait.
     Rank 0 prints; the others print only their errors. Ctrl-C goes to rank 0,
     which saves a checkpoint and tells the others to stop (SIGTERM and SIGHUP too:
@@ -2766,7 +2766,9 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None, plac
     lock until then: it has the lock's open file too (a flock lasts while one is open).
     With --nnodes (place), one such launcher on each host: host 0's hands NCCL's id to the
     others (exchange_id), its GPUs are ranks 0..N-1, host 1's N..2N-1 and so on; the hosts'
-    launchers keep the connection open (Watch), so that a host whose launcher stops stops them all."""
+    launchers keep the connection open (Watch), so that a host whose launcher stops stops them all.
+    before(): what to do once the hosts have met, before the ranks start (the data, which may take
+    minutes that the other hosts should not spend waiting to meet)."""
     n = count_gpus()
     if world > n:
         raise NanoEulerError(f"--gpus {world}, but this machine has {n} GPU(s)")
@@ -2777,6 +2779,11 @@ def launch_ranks(argv, world, program=os.path.abspath(__file__), lock=None, plac
     else:
         unique_id = nccl_unique_id()
     hosts = Watch(links, place.rank if place else 0, poll=True)
+    try:
+        before and before()
+    except BaseException:
+        hosts.done(2)
+        raise
     env = {**os.environ, "NANOEULER_NCCL_ID": unique_id, "NANOEULER_WORLD": str(total),
            "NCCL_NVLS_ENABLE": "0", "NANOEULER_LAUNCHER": str(os.getpid())}
     procs = []
@@ -2963,7 +2970,7 @@ def port_number(value, what):
 
 def find_launcher(env=os.environ):
     """-> (launcher, rank, world, local rank, rank 0's address or None, its port or None,
-    what gave them) from the first launcher whose rank and world variables are set; None
+    what gave each) from the first launcher whose rank and world variables are set; None
     without one. Inconsistent variables are refused in one sentence."""
     for name, (rank_var, world_var, local_var) in LAUNCHERS.items():
         if rank_var not in env or world_var not in env:
@@ -2973,18 +2980,18 @@ def find_launcher(env=os.environ):
         if not rank < world:
             raise NanoEulerError(f"{rank_var}={rank} is not below {world_var}={world}: the ranks are 0 to "
                                  f"{world_var} - 1; {name}'s variables disagree (set by hand?)")
-        addr, port, source = env.get("MASTER_ADDR") or None, None, "MASTER_ADDR"
+        addr, port = env.get("MASTER_ADDR") or None, None
+        addr_source, port_source = "MASTER_ADDR" if addr else None, "MASTER_PORT"
         if "MASTER_PORT" in env:
             port = port_number(env["MASTER_PORT"], "MASTER_PORT")
             if name == "torchrun" and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-                port, source = port + 1, "MASTER_ADDR, and MASTER_PORT + 1: torchrun's agent listens on MASTER_PORT"
-            else:
-                source = "MASTER_ADDR and MASTER_PORT"
+                port = port_number(str(port + 1), "MASTER_PORT + 1")
+                port_source = "MASTER_PORT + 1, as torchrun's agent listens on MASTER_PORT"
         if name == "srun" and addr is None:
             nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
             if nodelist:
-                addr, source = expand_nodelist(nodelist)[0], "the first host of Slurm's node list"
-        return name, rank, world, local, addr, port, source
+                addr, addr_source = expand_nodelist(nodelist)[0], "the first host of Slurm's node list"
+        return name, rank, world, local, addr, port, addr_source, port_source
     return None
 
 
@@ -3006,7 +3013,7 @@ def find_place(args, env=os.environ):
     if found and found[2] == 1 and gpus:
         found = None                                   # one task of a job (srun -N1) runs our own launcher
     if found:
-        name, rank, world, local, addr, port, source = found
+        name, rank, world, local, addr, port, addr_source, port_source = found
     elif args.nnodes > 1:
         if gpus == 0:
             raise NanoEulerError("--nnodes is for the program's own launcher on each host: give --gpus N, the "
@@ -3015,20 +3022,20 @@ def find_place(args, env=os.environ):
             raise NanoEulerError(f"--node-rank {args.node_rank} is not below --nnodes {args.nnodes}: the hosts "
                                  f"are 0 to {args.nnodes - 1}")
         port = port_number(env["MASTER_PORT"], "MASTER_PORT") if "MASTER_PORT" in env else None
-        name, rank, world, local, addr, source = ("--nnodes", args.node_rank, args.nnodes, 0,
-                                                  env.get("MASTER_ADDR") or None, "MASTER_ADDR and MASTER_PORT")
+        name, rank, world, local, addr = "--nnodes", args.node_rank, args.nnodes, 0, env.get("MASTER_ADDR") or None
+        addr_source, port_source = "MASTER_ADDR" if addr else None, "MASTER_PORT"
     else:
         if args.node_rank:
             raise NanoEulerError(f"--node-rank {args.node_rank} without --nnodes: give --nnodes, the number of "
                                  "hosts, with it")
         return None
-    if args.master_addr or args.master_port:
-        given = [flag for flag, value in (("--master-addr", args.master_addr), ("--master-port", args.master_port))
-                 if value]
-        source = " and ".join(given) + (f"; the rest from {source}" if len(given) == 1 else "")
-        addr, port = args.master_addr or addr, args.master_port or port
+    if args.master_addr:
+        addr, addr_source = args.master_addr, "--master-addr"
+    if args.master_port:
+        port, port_source = args.master_port, "--master-port"
     if port is None:
-        port, source = DEFAULT_PORT, f"{source}; port {DEFAULT_PORT}, the default"
+        port, port_source = DEFAULT_PORT, "the default port"
+    source = ", ".join(s for s in (addr_source, port_source) if s)
     if addr is None and rank > 0 and world > 1 and not file:
         raise NanoEulerError(f"{name} tells no one where rank 0 is: set MASTER_ADDR to its host (mpirun -x "
                              "MASTER_ADDR=host0), give --master-addr, or give --rendezvous file:PATH in a folder "
@@ -3054,14 +3061,14 @@ def send_message(conn, **fields):
 
 
 def read_message(conn, timeout):
-    """one message from conn within timeout s -> its dict; None: the connection closed, or what
-    came is not one of ours; raises socket.timeout"""
+    """one message from conn within timeout s -> its dict; {}: the connection closed before a
+    whole message; None: what came is not one of ours; raises socket.timeout"""
     conn.settimeout(max(timeout, 0.001))
     data = b""
     while not data.endswith(b"\n") and len(data) < MAX_MESSAGE:
         part = conn.recv(65536)
         if not part:
-            return None
+            return {} if not data else None
         data += part
     try:
         message = json.loads(data)
@@ -3106,8 +3113,8 @@ def send_id(unique_id, place, settings, timeout, clock=time.monotonic, server=No
                 if left <= 0:
                     missing = sorted(set(range(1, place.world)) - set(peers))
                     raise NanoEulerError(f"rank(s) {ranks_text(missing)} of {place.world} never came to rank 0 "
-                                         f"(port {place.port}) within {timeout:g} s; are they running, with the "
-                                         f"right address for rank 0 ({place.source})?")
+                                         f"(port {place.port}: {place.source}) within {timeout:g} s; are they "
+                                         "running, and can they reach this host on that port?")
                 server.settimeout(left)
                 try:
                     conn, peer = server.accept()
@@ -3117,7 +3124,7 @@ def send_id(unique_id, place, settings, timeout, clock=time.monotonic, server=No
                     hello = read_message(conn, min(left, 30))
                 except OSError:
                     hello = None
-                if hello is None:                      # not one of ours (a port scan?): not our business
+                if not hello:                          # not one of ours (a port scan?): not our business
                     conn.close()
                     continue
                 problem = hello_problem(hello, place.world, settings, peers, peer[0])
@@ -3186,8 +3193,11 @@ def receive_id(place, settings, timeout, clock=time.monotonic):
             conn.close()
             time.sleep(min(0.2, max(left, 0)))
             continue
-        if reply is None:
+        if not reply:
             conn.close()
+            if reply == {}:
+                raise NanoEulerError(f"rank 0 at {where} closed the connection before it handed out the id (did it "
+                                     "stop? its own output says why)")
             raise NanoEulerError(f"the program at {where} is not NanoEuler's rank 0 (another program on that "
                                  "port?); give every rank another with --master-port or MASTER_PORT")
         if "error" in reply:
@@ -3249,6 +3259,9 @@ def exchange_id(place, settings, timeout, make_id):
     if place.rank == 0:
         if not place.file:
             server = listen(place.port)                # a port in use: said before NCCL is asked
+        where = f"the file {place.file}" if place.file else f"port {place.port} ({place.source})"
+        print(f"rendezvous: rank 0 of {place.world} ({place.launcher}) hands NCCL's id to the others through {where}",
+              flush=True)
         unique_id = make_id()
         return unique_id, send_id(unique_id, place, settings, timeout, server=None if place.file else server)
     return receive_id(place, settings, timeout)

@@ -136,7 +136,10 @@ def test_find_launcher(env, found):
 
 
 def test_torchrun_port_says_why_it_is_not_master_port():
-    assert "MASTER_PORT + 1: torchrun's agent listens on MASTER_PORT" in nc.find_launcher(TORCHRUN)[6]
+    assert nc.find_launcher(TORCHRUN)[6:] == ("MASTER_ADDR", "MASTER_PORT + 1, as torchrun's agent listens on "
+                                                             "MASTER_PORT")
+    assert nc.find_place(args_of(), SLURM).source == "the first host of Slurm's node list, the default port"
+    assert nc.find_place(args_of(), {**OMPI, "OMPI_COMM_WORLD_RANK": "0"}).source == "the default port"
 
 
 @pytest.mark.parametrize("env, message", [
@@ -154,7 +157,7 @@ def test_bad_launcher_variables_are_refused(env, message):
 def test_flags_come_before_the_environment():
     p = nc.find_place(args_of("--master-addr", "10.0.0.1", "--master-port", "4000"), TORCHRUN)
     assert (p.addr, p.port, p.rank, p.world, p.local_rank) == ("10.0.0.1", 4000, 3, 16, 3)
-    assert p.source == "--master-addr and --master-port"
+    assert p.source == "--master-addr, --master-port"
     p = nc.find_place(args_of("--master-port", "4000"), SLURM)
     assert (p.addr, p.port) == ("gpu07", 4000)
     assert nc.find_place(args_of(), OMPI | {"MASTER_ADDR": "h"}).port == nc.DEFAULT_PORT
@@ -344,7 +347,7 @@ def test_nnodes_two_hosts_on_the_loopback():
     ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1"},
      "mpirun tells no one where rank 0 is"),
     ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"},
-     "rank 0 never answered at 127.0.0.1:{port} (MASTER_ADDR and MASTER_PORT) within 1 s"),
+     "rank 0 never answered at 127.0.0.1:{port} (MASTER_ADDR, MASTER_PORT) within 1 s"),
 ])
 @pytest.mark.parametrize("command", ["rendezvous", "train", "bench"])
 def test_bad_launcher_environments_say_one_sentence_and_stop(env, message, command, tmp_path):
@@ -490,3 +493,19 @@ def test_rank0s_data_order_reaches_the_others_whole():
     follower = np.random.default_rng()
     follower.bit_generator.state = got
     assert follower.integers(0, 1 << 30, 5).tolist() == rng.integers(0, 1 << 30, 5).tolist()
+
+
+def test_rank0_that_stops_while_a_rank_waits_is_told_apart_from_a_stranger():
+    server, port = free_server()
+
+    def dies():
+        conn, _ = server.accept()
+        conn.recv(1000)                          # the hello, then gone without a word
+        conn.close()
+    t = threading.Thread(target=dies)
+    t.start()
+    with pytest.raises(ne.NanoEulerError, match=f"rank 0 at 127.0.0.1:{port} closed the connection before it handed "
+                                                "out the id"):
+        nc.receive_id(place(1, 2, port), SETTINGS, 20)
+    t.join()
+    server.close()
