@@ -1234,10 +1234,6 @@ def progress_text(done, total, seconds):
     return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
 
 
-def available_cores():
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def tokenize_files(files, tok, write, workers=None, progress=True):
     """encode the files and hand the ids to write(ids), chunk by chunk, in order;
     -> the number of tokens. Every core works unless the corpus is small."""
@@ -1373,12 +1369,14 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 # above `import numpy`): two layers of threads on two cores made every step
 # twice as slow. With these and keep_freed_memory, a step on 2 cores runs
 # 1.2x PyTorch's eager CPU step; without any one of them it falls behind
-# (BENCHMARKS.md, "what the reference keeps for speed").
+# (BENCHMARKS.md, "what the reference keeps for speed"). Many threads of a row or
+# two would spend the step waiting for the GIL in turn (docs/cpu_threads.md).
+MIN_ROWS = 4                                        # a thread's rows at the least
 
-def threads_for(B, threads):
-    """the threads a batch of B rows is split over: --threads, but no more than B (a thread
-    without rows would hold a gradient buffer for nothing)"""
-    return max(1, min(threads, B))
+
+def threads_for(B, threads, cores=None):
+    """the threads a batch of B rows is split over: --threads, at most one a core and one per MIN_ROWS rows"""
+    return max(1, min(threads, CORES if cores is None else cores, B // MIN_ROWS))
 
 
 def micro_batches(B, n_threads):
@@ -1454,6 +1452,12 @@ class CPUEngine:
         self.parts = micro_batches(args.batch, self.n_threads)
         self.grad_bufs = [np.zeros_like(flat) for _ in range(self.n_threads)]
         self.pool = ThreadPoolExecutor(self.n_threads)
+        # the run's header line: the threads, what held them below --threads, their rows, BLAS's threads
+        n, blas = self.n_threads, os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        why = (f" ({CORES} cores here)" if n == CORES < args.threads else
+               f" ({MIN_ROWS} rows a thread at least)" * (n < args.threads))
+        self.line = (f"numpy {np.__version__}, {n} thread{'s' * (n > 1)}{why}, {-(-self.batch // self.parts)}-row "
+                     f"micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
@@ -1889,10 +1893,11 @@ def cmd_sft(args, make_engine=None, engine=None):
     rows, mask = rows[:-n_val], mask[:-n_val]
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: flat0)
+    made = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                  ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
                           f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses only"),
-                 ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or f'{args.threads} threads'}"),
+                 ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or made.line}"),
                  ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
                            f"{args.lr * LR_FLOOR:g}"),
                  ("out", args.out)])
@@ -1904,8 +1909,7 @@ def cmd_sft(args, make_engine=None, engine=None):
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
            for i in range(0, n_eval, args.batch)]
     prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
-    engine = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
-    train_loop(args, cfg, tok, engine, next_batch, val, args.out, state, prompt)
+    train_loop(args, cfg, tok, made, next_batch, val, args.out, state, prompt)
 
 
 def check_drafts(args, cfg):
@@ -2068,7 +2072,7 @@ def cmd_train(args):
     cfg = preset_with(PRESETS[args.model_size], args).validate()
     check_memory(cfg, args.batch, args.threads)
     pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
-             lambda engine: [("engine", f"numpy {np.__version__}, {engine.n_threads} threads")])
+             lambda engine: [("engine", engine.line)])
 
 
 def argv_text(text):
@@ -2156,9 +2160,8 @@ vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
 
 
-MAX_WORKERS = 4 * available_cores()     # more encoding processes than that only share the cores
-workers_count = number_type(int, lambda n: 1 <= n <= MAX_WORKERS,
-                            f"a number of processes from 1 to {MAX_WORKERS} (4 per core)")
+workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
+                            "a number of processes from 1 to 4 per core")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -2212,7 +2215,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
                    help="stop (and save) after N steps of this run; -1 = off")
     g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the data order (and of train's init)")
     if threads:
-        g.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
+        g.add_argument("--threads", type=positive_int, default=CORES,
                        help="threads the batch is split over")
     g = sp.add_argument_group("optimization")
     g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
@@ -2277,7 +2280,7 @@ def build_parser():
         "run", help="a run folder (out/small) or its log.csv")
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
-    sp.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1, help="threads for training steps")
+    sp.add_argument("--threads", type=positive_int, default=CORES, help="threads for training steps")
     sp.add_argument("--max-new-tokens", type=count_type, default=400, help="tokens to generate")
     return p
 
@@ -2326,13 +2329,13 @@ def bench_train(cfg, B, threads, steps=20):
 
 def cmd_bench(args):
     model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
-    print(f"numpy {np.__version__}, {os.cpu_count()} cores, {args.threads} threads\n")
+    print(f"numpy {np.__version__}, {CORES} cores, --threads {args.threads}\n")
     cfg = PRESETS["small"]
     check_memory(cfg, 32, args.threads)
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
     for B in (8, 32):
-        dt = bench_train(cfg, B, args.threads)
-        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s")
+        dt, n = bench_train(cfg, B, args.threads), threads_for(B, args.threads)
+        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s, {n} thread{'s' * (n > 1)}")
     files = corpus_files(os.path.join(DATA_DIR, "gutenberg")) + [DEFAULT_CORPUS]
     text = "\n".join(read_text(f) for f in files)
     nbytes = len(text.encode())
@@ -3293,7 +3296,7 @@ def available_memory(root="/"):
             have.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")))
     except (OSError, ValueError, IndexError, StopIteration):
         pass
-    for folder in memory_cgroups(root):
+    for folder in cgroups(root):
         left = cgroup_memory_left(folder)
         if left is not None:
             have.append(left)
@@ -3306,10 +3309,10 @@ CGROUP_FILES = {"v2": ("memory.max", "memory.current", "inactive_file"),
                 "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
 
 
-def memory_cgroups(root="/"):
-    """(version, folder) of this process's memory cgroup and of each one above it (a limit
-    anywhere above applies too), from /proc/self/cgroup; inside a cgroup namespace its path
-    reads "/" and the mount's root is the container's own cgroup"""
+def cgroups(root="/", controller="memory"):
+    """(version, folder) of this process's memory (or other controller's) cgroup and of each
+    one above it (a limit anywhere above applies too), from /proc/self/cgroup; inside a cgroup
+    namespace its path reads "/" and the mount's root is the container's own cgroup"""
     found = []
     try:
         with open(os.path.join(root, "proc/self/cgroup")) as f:
@@ -3319,8 +3322,8 @@ def memory_cgroups(root="/"):
     for number, controllers, path in (ln for ln in lines if len(ln) == 3):
         if number == "0" and controllers == "":
             version, mount = "v2", os.path.join(root, "sys/fs/cgroup")
-        elif "memory" in controllers.split(","):
-            version, mount = "v1", os.path.join(root, "sys/fs/cgroup/memory")
+        elif controller in controllers.split(","):
+            version, mount = "v1", os.path.join(root, "sys/fs/cgroup", controller)
         else:
             continue
         parts = [p for p in path.split("/") if p]
@@ -3353,6 +3356,23 @@ def cgroup_memory_left(version_folder):
     except (OSError, ValueError):
         pass
     return max(0, limit - usage + cache)
+
+
+def available_cores(root="/", affinity=getattr(os, "sched_getaffinity", None)):
+    """the cores this process may run on: its affinity's (taskset, a job's cpuset), fewer where a
+    cgroup's CPU quota gives it less time (docker --cpus 2.5 counts as 2), and at least one"""
+    have = [len(affinity(0)) if affinity else os.cpu_count() or 1]
+    for version, folder in cgroups(root, "cpu"):
+        names = ["cpu.max"] if version == "v2" else ["cpu.cfs_quota_us", "cpu.cfs_period_us"]
+        try:                                               # no quota: v2's "max", v1's -1
+            quota, period = " ".join(read_text(os.path.join(folder, n)) for n in names).split()[:2]
+            have += [max(1, int(quota) // int(period))] if quota not in ("max", "-1") else []
+        except (OSError, ValueError, ZeroDivisionError, NanoEulerError):
+            pass
+    return min(have)
+
+
+CORES = available_cores()                              # read once, for threads_for and --threads
 
 
 def check_memory(cfg, batch, threads, available=available_memory):

@@ -847,7 +847,8 @@ def test_the_activation_estimate_is_within_10_percent_of_the_measured_peak(cfg, 
     assert peak <= ne.activation_bytes(cfg, rows) <= 1.1 * peak
 
 
-def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated():
+def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated(monkeypatch):
+    monkeypatch.setattr(ne, "CORES", 2)    # the threads below, on any machine
     cfg = ne.PRESETS["small"]
     P = ne.num_params(cfg)
     # 64 rows on 2 threads: 8 micro-batches of 8 rows (micro_batches), two at a time, each

@@ -57,7 +57,10 @@ def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None):
     code = ("import nanoeuler as ne\n"
             + (f"ne.MIN_ROWS = {min_rows}\n" if min_rows else "")
             + f"ne.check_memory(ne.PRESETS['small'], {B}, {threads})\n"
-            + f"print(getattr(ne, 'engine_line', lambda B, n: 'numpy ' + ne.np.__version__)({B}, {threads}))\n"
+            + f"args = ne.build_parser().parse_args(['train', '--batch', '{B}', '--threads', '{threads}'])\n"
+            + "flat = ne.init_params(ne.PRESETS['small'])\n"
+            + "engine = ne.CPUEngine(ne.PRESETS['small'], flat, flat * 0, flat * 0, args)\n"
+            + "print(engine.line)\nengine.pool.shutdown()\ndel engine, flat\n"
             + f"print(1e3 * ne.bench_train(ne.PRESETS['small'], {B}, {threads}, steps={steps}))")
     env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": str(blas)} if blas else {}))
     out, err = run([sys.executable, "-c", code], timeout, env)
@@ -125,9 +128,9 @@ def main():
                    help="how much slower a step may get with more threads before it counts (default 0.10)")
     p.add_argument("--no-torch", action="store_true", help="NanoEuler's side only")
     p.add_argument("--min-rows", type=int_list, default=[],
-                   help="variants, NanoEuler only, after the rounds: nanoeuler.MIN_ROWS set to each of these")
+                   help="NanoEuler variants, in the rounds: nanoeuler.MIN_ROWS set to each of these")
     p.add_argument("--blas", type=int_list, default=[],
-                   help="variants, NanoEuler only, after the rounds: OPENBLAS_NUM_THREADS set to each of these")
+                   help="NanoEuler variants, in the rounds: OPENBLAS_NUM_THREADS set to each of these")
     p.add_argument("--timeout", type=int, default=300, help="seconds one figure may take (default 300)")
     args = p.parse_args()
     if args.rounds < 1 or args.steps < 1:
@@ -139,29 +142,26 @@ def main():
           f"Python {sys.version.split()[0]}, numpy {np.__version__}, "
           f"PyTorch {torch_version or ('not run (--no-torch)' if args.no_torch else 'not importable: NanoEuler only')}")
     print(f"small model, fp32, T=128; {args.rounds} rounds, {args.steps} timed steps a figure, "
-          f"the two alternated\n", flush=True)
-    ours, theirs = {}, {}
+          f"the sides alternated\n", flush=True)
+    ours, theirs, variants = {}, {}, {}
+    sides = ["nanoeuler"] + (["torch"] if torch_version else [])
+    sides += [("min_rows", v) for v in args.min_rows] + [("blas", v) for v in args.blas]
     t_start = time.time()
     for r in range(args.rounds):
         for B in args.batches:
             for i, n in enumerate(args.threads):
-                order = ["nanoeuler", "torch"] if (r + i) % 2 == 0 else ["torch", "nanoeuler"]
-                for side in order:
-                    if side == "torch" and not torch_version:
-                        continue
-                    ms, note = (nanoeuler_ms if side == "nanoeuler" else torch_ms)(B, n, args.steps, args.timeout)
-                    (ours if side == "nanoeuler" else theirs).setdefault((B, n), []).append(ms)
+                k = (r + i) % len(sides)                    # which goes first turns round by round
+                for side in sides[k:] + sides[:k]:
+                    if side == "nanoeuler":
+                        (ms, note), got, label = nanoeuler_ms(B, n, args.steps, args.timeout), ours, side
+                    elif side == "torch":
+                        (ms, note), got, label = torch_ms(B, n, args.steps, args.timeout), theirs, side
+                    else:
+                        ms, note = nanoeuler_ms(B, n, args.steps, args.timeout, **{side[0]: side[1]})
+                        got, label = variants, f"{side[0]}={side[1]}"
+                    got.setdefault((label, B, n) if got is variants else (B, n), []).append(ms)
                     shown = f"{ms:8.1f} ms" if ms is not None else "  failed"
-                    print(f"round {r + 1}  B={B:<3d} threads={n:<3d} {side:<9s} {shown}   {note}", flush=True)
-    variants = {}
-    for name, values in (("min_rows", args.min_rows), ("blas", args.blas)):
-        for value in values:
-            for B in args.batches:
-                for n in args.threads:
-                    ms, note = nanoeuler_ms(B, n, args.steps, args.timeout, **{name: value})
-                    variants.setdefault((name, value, B, n), []).append(ms)
-                    shown = f"{ms:8.1f} ms" if ms is not None else "  failed"
-                    print(f"variant {name}={value}  B={B:<3d} threads={n:<3d} {shown}   {note}", flush=True)
+                    print(f"round {r + 1}  B={B:<3d} threads={n:<3d} {label:<11s} {shown}   {note}", flush=True)
     print(f"\n({time.time() - t_start:.0f} s)\n")
 
     print("| batch | threads | NanoEuler ms | PyTorch eager ms | NanoEuler / PyTorch speed |")
@@ -175,8 +175,8 @@ def main():
             print(f"| {B} | {n} | {span(a)} | {span(b) if b else 'not run'} | {ratio} |")
     if variants:
         print("\n| NanoEuler variant | batch | threads | ms |\n|---|---:|---:|---:|")
-        for (name, value, B, n), ms in variants.items():
-            print(f"| {name}={value} | {B} | {n} | {span(ms)} |")
+        for (label, B, n), ms in variants.items():
+            print(f"| {label} | {B} | {n} | {span(ms)} |")
 
     print()
     slower = slower_steps(ours, args.batches, args.threads, args.slack)

@@ -1,0 +1,210 @@
+"""
+The CPU training engine on many cores (issue 39; docs/cpu_threads.md): how many threads a
+batch gets (threads_for), the cores a process may run on (available_cores, cgroup and
+affinity aware), the run's header line that says both, and tools/cpu_scaling.py's reading
+of its own measurements. No test here times anything: speed is what tools/cpu_scaling.py
+measures, these pin the rules it measures.
+
+    python -m pytest -q test_cpu_engine.py
+"""
+
+import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "tools"))
+import cpu_scaling  # noqa: E402
+
+TINY = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
+
+
+@pytest.mark.parametrize("B, threads, cores, expected", [
+    (32, 16, 16, 8),      # 4 rows a thread at least: 8 threads, not 16 of 2 rows
+    (8, 16, 16, 2),
+    (8, 2, 2, 2),         # 2 cores, batch 8: two threads of 4 rows, as before the rule
+    (32, 2, 2, 2),
+    (32, 16, 2, 2),       # more threads than cores: as many as cores
+    (1000, 4, 16, 4),     # --threads below the cores: --threads
+    (3, 8, 8, 1),         # fewer rows than MIN_ROWS: one thread
+    (7, 8, 8, 1),
+    (1, 1, 1, 1),
+])
+def test_a_batch_gets_a_thread_per_core_and_at_least_min_rows_a_thread(B, threads, cores, expected):
+    assert ne.MIN_ROWS == 4
+    assert ne.threads_for(B, threads, cores) == expected
+
+
+def test_threads_for_takes_the_cores_read_at_import_when_not_told(monkeypatch):
+    monkeypatch.setattr(ne, "CORES", 3)
+    assert ne.threads_for(64, 16) == 3
+
+
+def fake_machine(tmp_path, cgroup="0::/\n", folders=()):
+    """a fake root: /proc/self/cgroup and cgroup folders (path under /sys/fs/cgroup, {file: text})"""
+    root = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+    (root / "proc/self").mkdir(parents=True)
+    (root / "proc/self/cgroup").write_bytes(cgroup if isinstance(cgroup, bytes) else cgroup.encode())
+    for path, files in folders:
+        folder = root / "sys/fs/cgroup" / path
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (folder / name).write_text(text)
+    return str(root)
+
+
+def test_available_cores_is_the_least_of_the_affinity_and_every_cgroup_quota_above_us(tmp_path):
+    eight = lambda pid: set(range(8))                       # noqa: E731 (taskset -c 0-7)
+
+    def cores(cgroup="0::/\n", folders=(), affinity=eight):
+        return ne.available_cores(fake_machine(tmp_path, cgroup, folders), affinity)
+
+    assert cores() == 8                                                         # no cgroup files: the affinity
+    assert cores(affinity=lambda pid: {0, 1}) == 2                              # taskset -c 0,1
+    # a container (its own cgroup at the mount's root), v2: docker --cpus 2.5 is 250000 of every 100000 us
+    assert cores(folders=[("", {"cpu.max": "250000 100000\n"})]) == 2          # 2.5 cores: 2 threads
+    assert cores(folders=[("", {"cpu.max": "max 100000\n"})]) == 8             # v2's word for no quota
+    assert cores(folders=[("", {"cpu.max": "50000 100000\n"})]) == 1           # half a core: still one thread
+    assert cores(folders=[("", {"cpu.max": "1600000 100000\n"})]) == 8         # a quota above the affinity
+    # a batch job's cgroup, no namespace: the quota of a folder above the job's own counts too
+    job = "0::/jobs/42/step\n"
+    assert cores(job, [("jobs/42/step", {"cpu.max": "max 100000\n"}), ("jobs/42", {"cpu.max": "300000 100000\n"})]) == 3
+    assert cores(job, [("jobs/42/step", {"cpu.max": "400000 100000\n"}), ("jobs", {"cpu.max": "max 100000\n"})]) == 4
+    # cgroup v1, the cpu controller's line (mounted as cpu,cpuacct; cpu is its usual link): -1 is no quota
+    v1 = "4:memory:/box\n3:cpu,cpuacct:/box\n0::/\n"
+    quota = lambda q, p="100000": [("cpu/box", {"cpu.cfs_quota_us": q + "\n", "cpu.cfs_period_us": p + "\n"})]  # noqa
+    assert cores(v1, quota("-1")) == 8
+    assert cores(v1, quota("600000")) == 6
+    assert cores(v1, quota("600000", "200000")) == 3
+    # unreadable or odd files: the affinity alone
+    assert cores(folders=[("", {"cpu.max": "lots\n"})]) == 8
+    assert cores(folders=[("", {"cpu.max": "100000 0\n"})]) == 8
+    assert cores(v1, [("cpu/box", {"cpu.cfs_quota_us": "200000\n"})]) == 8      # no period file
+    assert cores(b"0::/\xff\xfe\n", [("", {"cpu.max": "100000 100000\n"})]) == 8  # not UTF-8
+    assert cores(cgroup="") == 8
+
+
+def test_available_cores_without_an_affinity_call_is_the_cpu_count(tmp_path, monkeypatch):
+    monkeypatch.setattr(ne.os, "cpu_count", lambda: 5)
+    assert ne.available_cores(fake_machine(tmp_path), None) == 5
+    monkeypatch.setattr(ne.os, "cpu_count", lambda: None)
+    assert ne.available_cores(fake_machine(tmp_path), None) == 1
+
+
+def test_this_machine_has_at_least_one_core_and_no_more_than_its_affinity():
+    n = ne.available_cores()
+    assert 1 <= n <= len(os.sched_getaffinity(0)) and ne.CORES == n        # read at import, the same
+
+
+def engine_for(B, threads):
+    args = ne.build_parser().parse_args(["train", "--batch", str(B), "--threads", str(threads)])
+    flat = ne.init_params(TINY)
+    engine = ne.CPUEngine(TINY, flat, np.zeros_like(flat), np.zeros_like(flat), args)
+    engine.pool.shutdown()
+    return engine
+
+
+def test_the_header_line_says_the_threads_the_rows_and_the_blas_threads(monkeypatch):
+    monkeypatch.setattr(ne, "CORES", 16)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    version = f"numpy {np.__version__}, "
+    # 32 rows on 16 cores: 8 threads, each one micro-batch of 4 rows
+    assert engine_for(32, 16).line == version + "8 threads (4 rows a thread at least), 4-row micro-batches, " \
+                                                "1 BLAS thread each"
+    # 512 rows on 4 threads: micro_batches cuts 64 parts of 8 rows
+    assert engine_for(512, 4).line == version + "4 threads, 8-row micro-batches, 1 BLAS thread each"
+    monkeypatch.setattr(ne, "CORES", 2)
+    assert engine_for(32, 16).line == version + "2 threads (2 cores here), 8-row micro-batches, 1 BLAS thread each"
+    assert engine_for(3, 2).line == version + "1 thread (4 rows a thread at least), 3-row micro-batches, " \
+                                              "1 BLAS thread each"
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")                # the user's own setting is kept, and said
+    assert engine_for(64, 2).line.endswith("2 threads, 8-row micro-batches, 4 BLAS threads each")
+
+
+def test_the_engine_holds_a_gradient_buffer_a_thread_and_check_memory_counts_them(monkeypatch):
+    monkeypatch.setattr(ne, "CORES", 16)
+    cfg, P = ne.PRESETS["small"], ne.num_params(ne.PRESETS["small"])
+    # --batch 1024 on 16 cores: 16 threads, 128 micro-batches of 8 rows, 16 gradient buffers (not 128)
+    need = 4 * (4 + 16) * P + 16 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    ne.check_memory(cfg, 1024, 16, available=lambda: need)
+    with pytest.raises(ne.NanoEulerError, match="16 gradient buffers, 16 x 8 rows"):
+        ne.check_memory(cfg, 1024, 16, available=lambda: need - 1)
+    # 32 rows asking for 16 threads: 8 threads of 4 rows, 8 buffers
+    need = 4 * (4 + 8) * P + 8 * ne.activation_bytes(cfg, 4) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    ne.check_memory(cfg, 32, 16, available=lambda: need)
+    with pytest.raises(ne.NanoEulerError, match="8 gradient buffers, 8 x 4 rows"):
+        ne.check_memory(cfg, 32, 16, available=lambda: need - 1)
+    engine = engine_for(32, 16)
+    assert engine.n_threads == 8 and len(engine.grad_bufs) == 8 and engine.parts == 8
+
+
+def test_bench_train_makes_the_buffers_of_the_threads_it_runs(monkeypatch):
+    made, real_zeros_like = [], np.zeros_like
+    monkeypatch.setattr(ne.np, "zeros_like", lambda a, *k, **kw: made.append(a.size) or real_zeros_like(a, *k, **kw))
+    monkeypatch.setattr(ne, "CORES", 64)
+    assert np.isfinite(ne.bench_train(TINY, 12, 10 ** 4, steps=1))
+    assert made.count(ne.num_params(TINY)) == 2 + 3         # m, v and a buffer for each of 3 threads of 4 rows
+
+
+def test_the_default_threads_are_the_cores_this_process_may_run_on(monkeypatch):
+    monkeypatch.setattr(ne, "CORES", 5)
+    for command in (["train"], ["sft", "--model", "x"], ["bench"]):
+        assert ne.build_parser().parse_args(command).threads == 5
+
+
+def test_a_thread_count_gives_the_same_bits_every_run_and_others_the_same_sums():
+    flat = ne.init_params(TINY)
+    rng = np.random.default_rng(3)
+    idx, targets = ne.split_rows(rng.integers(0, TINY.V, size=(16, TINY.T + TINY.K)), TINY.T, TINY.K)
+    results = {}
+    for n in (1, 2, 4):
+        runs = []
+        for _ in range(2):
+            bufs = [np.zeros_like(flat) for _ in range(n)]
+            with ThreadPoolExecutor(n) as pool:
+                loss, ce = ne.loss_and_grads(flat, TINY, idx, targets, bufs, pool, ne.micro_batches(16, n))
+            runs.append((loss, ce, bufs[0].copy()))
+        assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][2], runs[1][2])   # bit-identical
+        results[n] = runs[0]
+    for n in (2, 4):                                           # other sums' order: the same to rounding
+        assert results[n][0] == pytest.approx(results[1][0], rel=1e-6)
+        np.testing.assert_allclose(results[n][2], results[1][2], rtol=1e-4, atol=1e-7)
+
+
+# -----------------------------------------------------------------------------
+# tools/cpu_scaling.py
+
+def test_the_scaling_verdict_names_every_thread_count_slower_than_a_smaller_one():
+    ours = {(8, 1): [100.0, 104.0], (8, 2): [60.0, 62.0], (8, 4): [66.0, 70.0],   # 4: 68 > 61 * 1.1
+            (32, 1): [400.0], (32, 2): [230.0], (32, 4): [240.0]}                  # 4: 240 < 230 * 1.1
+    slower = cpu_scaling.slower_steps(ours, [8, 32], [1, 2, 4], 0.10)
+    assert slower == ["B=8: 4 threads 68.0 ms, 2 threads 61.0 ms"]
+    assert cpu_scaling.slower_steps(ours, [8, 32], [1, 2, 4], 0.12) == []
+    ours[(32, 4)] = [None]                                          # a failed figure is left out
+    assert cpu_scaling.slower_steps(ours, [32], [1, 2, 4], 0.0) == []
+
+
+def test_the_scaling_script_runs_nanoeulers_side_alone(tmp_path):
+    r = subprocess.run([sys.executable, "tools/cpu_scaling.py", "--no-torch", "--threads", "1,2", "--batches", "4",
+                        "--rounds", "1", "--steps", "1", "--min-rows", "2"], cwd=HERE, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "PyTorch not run (--no-torch)" in out.splitlines()[0]
+    assert "round 1  B=4   threads=2   nanoeuler" in out
+    assert "| 4 | 2 | " in out and "| not run |" in out
+    assert "round 1  B=4   threads=2   min_rows=2 " in out and "| min_rows=2 | 4 | 2 |" in out
+    assert "more threads" in out.splitlines()[-1]
+
+
+def test_the_scaling_script_refuses_a_bad_list_in_one_sentence():
+    r = subprocess.run([sys.executable, "tools/cpu_scaling.py", "--threads", "1,x"], cwd=HERE,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "'1,x' is not a comma-separated list of positive integers" in r.stderr
