@@ -2295,14 +2295,9 @@ def main(argv=None):
     closed = reopen_closed_streams()
     args = build_parser().parse_args(argv)
     args.started = started
-    needs = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}.get(args.command, [])
-    for name in (n for n in needs if n in closed):
-        print(f"error: {args.command} needs its {name}, which is closed; run it without closing {name} "
-              f"({'<&-' if name == 'stdin' else '>&-'})", file=sys.stderr)
-        sys.exit(2)
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot, "serve": cmd_serve}
-    run_command(commands[args.command], args)
+    run_command(commands[args.command], args, closed)
 
 
 # -----------------------------------------------------------------------------
@@ -3461,6 +3456,17 @@ def failed_stream():
 PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
 
 
+NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
+
+
+def refuse_closed_streams(args, closed):
+    """a command whose stdin or stdout was closed at start (reopen_closed_streams: `>&-`)
+    and that cannot do without it is refused"""
+    for name in (n for n in NEEDS_STREAMS.get(getattr(args, "command", None), []) if n in closed):
+        raise NanoEulerError(f"{args.command} needs its {name}, which is closed; run it without closing {name} "
+                             f"({'<&-' if name == 'stdin' else '>&-'})")
+
+
 def refuse_empty_paths(args):
     """--out "" would put prepare's cache in ../cache and --model "" reads as "does not exist":
     say which flag is empty"""
@@ -3471,15 +3477,18 @@ def refuse_empty_paths(args):
             raise NanoEulerError(f"--{flag} is empty; give {what}")
 
 
-def run_command(command, args):
-    """run a subcommand; a NanoEulerError, an OSError or a MemoryError becomes one sentence
-    on stderr and exit code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1.
-    train and sft hold their --out folder while they run (claim_out); prepare only writes
-    the cache beside it, so it holds nothing."""
+def run_command(command, args, closed=()):
+    """run a subcommand: the one place where a refusal ends a command. A NanoEulerError
+    raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
+    code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
+    streams that were closed at start (reopen_closed_streams). train and sft hold their
+    --out folder while they run (claim_out); prepare only writes the cache beside it, so
+    it holds nothing."""
     run = hasattr(args, "out") and hasattr(args, "resume")
     if run and args.out is None:                       # train's folder is named after its model size
         args.out = os.path.join("out", args.model_size)
     try:
+        refuse_closed_streams(args, closed)
         refuse_empty_paths(args)
         if getattr(args, "command", None) != "check":     # every other command reads or writes paths
             try:
