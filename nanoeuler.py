@@ -2399,6 +2399,27 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
 
 # -----------------------------------------------------------------------------
 # operations: input checks
+#
+# Every reader of a file that a user or a crash may have damaged (a model, a
+# training state, a cached tokenizer or token file, instructions) takes what a
+# parser raises on content it cannot read as one tuple, MALFORMED, and turns it
+# into one sentence naming the file (refused_if_malformed), or into a cache
+# file made again.
+
+# json's errors and bytes that are not UTF-8 (ValueError), nesting past the parser's
+# depth (RecursionError), a field that is missing or of the wrong type (KeyError,
+# TypeError, AttributeError), a number too large for what it sizes (OverflowError)
+MALFORMED = (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
+
+
+@contextlib.contextmanager
+def refused_if_malformed(sentence):
+    """content that cannot be read (MALFORMED), inside, is refused: NanoEulerError(sentence(e))"""
+    try:
+        yield
+    except MALFORMED as e:
+        raise NanoEulerError(sentence(e)) from None
+
 
 def not_a_file(path, noun, advice):
     """the error for a path that is not a regular file: what it is instead, then advice"""
@@ -2463,7 +2484,7 @@ def cached_tokenizer(path, vocab_size):
         if tok.vocab_size > vocab_size:
             raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
         return tok
-    except (ValueError, KeyError, TypeError, RecursionError) as e:     # JSONDecodeError is a ValueError
+    except MALFORMED as e:
         print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
         return None
 
@@ -2486,7 +2507,7 @@ def load_tokens(path, vocab_size, chunk=1 << 24):
             return None, (f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
                           f"{size - offset:,} bytes")
         tokens = np.load(path, mmap_mode="r")
-    except ValueError as e:                            # not a .npy file, a broken header
+    except MALFORMED as e:                             # not a .npy file, a broken header
         return None, f"not a .npy file: {e}"
     for i in range(0, len(tokens), chunk):
         if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
@@ -2544,14 +2565,12 @@ def read_safetensors(path, check=None, header_only=False):
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
         n = int.from_bytes(first, "little") if len(first) == 8 else -1
-        try:
+        with refused_if_malformed(lambda e: f"{path} is not a safetensors file (its header cannot be read)"):
             if not 2 <= n <= min(size - 8, MAX_HEADER):
                 raise ValueError
             header = json.loads(f.read(n))
             if not isinstance(header, dict):
                 raise ValueError
-        except (ValueError, RecursionError):           # UnicodeDecodeError is a ValueError too
-            raise NanoEulerError(f"{path} is not a safetensors file (its header cannot be read)") from None
         metadata = header.pop("__metadata__", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise bad("its __metadata__ is not a map of strings")
@@ -2593,7 +2612,7 @@ def model_header(path, shapes, meta):
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
                              f"version {meta.get('version')!r})" +
                              ("; it is a training state: give the model_ file of its step" if state else ""))
-    try:
+    with refused_if_malformed(lambda e: f"{path} has a broken config in its metadata ({e})"):
         given = json.loads(meta["config"])
         if not isinstance(given, dict):
             raise ValueError("the config is not a map")
@@ -2602,13 +2621,9 @@ def model_header(path, shapes, meta):
             raise ValueError(f"the config lacks {', '.join(missing)}")
         known = {f.name for f in fields(Config)}
         cfg = Config(**{k: v for k, v in given.items() if k in known})
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise NanoEulerError(f"{path} has a broken config in its metadata ({e})") from None
     cfg.validate(f"the config in {path}")               # before anything is made from its sizes
-    try:
+    with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
         tok = Tokenizer.from_json(meta["tokenizer"])
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise NanoEulerError(f"{path} has a broken tokenizer in its metadata ({e})") from None
     # counted before the list of shapes is made: a crafted L = 10^18 must not build it
     n_want = 2 + 7 * cfg.L + cfg.K
     want = dict(param_shapes(cfg)) if len(shapes) == n_want else {}
@@ -2666,7 +2681,7 @@ def load_instructions(path):
                               "objects with instruction, input and response (or output)")
     try:
         records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
-    except (ValueError, RecursionError) as e:
+    except MALFORMED as e:
         if "integer string conversion" in str(e):
             raise bad("it holds a number of more than 4,300 digits") from None
         if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
@@ -2791,11 +2806,10 @@ def load_checkpoint(out_dir, step):
     # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
     if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
         raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
-    try:
+    with refused_if_malformed(lambda e: f"{path} holds a training state that cannot be read "
+                              f"({type(e).__name__}: {e})"):
         state = json.loads(meta["state"])
         check_state(state, step)
-    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
-        raise NanoEulerError(f"{path} holds a training state that cannot be read ({type(e).__name__}: {e})") from None
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 
 
@@ -3081,7 +3095,7 @@ def refuse_other_run_early(args, cfg):
         _, meta = read_safetensors(checkpoint_path(args.out, steps[0]), header_only=True)
         saved = json.loads(meta["config"])
         other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
-    except (NanoEulerError, KeyError, TypeError, ValueError, AttributeError, RecursionError):
+    except (NanoEulerError, *MALFORMED):
         return                                         # a broken pair: newest_readable_checkpoint says so later
     refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
 
