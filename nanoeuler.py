@@ -1995,14 +1995,10 @@ def cmd_chat(args, make_params=None, gen=None):
             try:
                 with generating(args.model):
                     chat_reply(params, cfg, tok, history, args, out, reply, gen, stats)
-            except KeyboardInterrupt as e:                 # Ctrl-C stops the reply, not the chat
-                if isinstance(e, Interrupted):
-                    raise
+            except KeyboardInterrupt:                      # Ctrl-C stops the reply, not the chat
                 print("(reply stopped; Ctrl-C at the prompt, /quit or Ctrl-D leaves)")
             history += reply + [tok.special("<|end|>")]
-    except KeyboardInterrupt as e:
-        if isinstance(e, Interrupted):                 # SIGTERM or SIGHUP: run_command says so and exits 143/129
-            raise
+    except KeyboardInterrupt:                          # (SIGTERM or SIGHUP: run_command says so, exits 143/129)
         out.write("\n")
     print("bye")
     speculation_report(stats)
@@ -3145,10 +3141,12 @@ def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-class Interrupted(KeyboardInterrupt):
+class Interrupted(BaseException):
     """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's
-    KeyboardInterrupt is, so that every cleanup on the way out runs (workers stopped,
-    temp files and train.lock removed); run_command then exits with 128 + signum"""
+    KeyboardInterrupt is (a BaseException: no `except Exception` stops it), so that every
+    cleanup on the way out runs (workers stopped, temp files and train.lock removed);
+    run_command then exits with 128 + signum. Not a KeyboardInterrupt: what Ctrl-C alone
+    ends (a chat reply, the chat) never takes it for one."""
 
     def __init__(self, signum):
         super().__init__(signum)
@@ -3517,7 +3515,7 @@ def run_command(command, args, closed=()):
     except NanoEulerError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt as e:
+    except (KeyboardInterrupt, Interrupted) as e:
         exit_interrupted(getattr(e, "signum", signal.SIGINT), args.out if run else None)
     except MemoryError as e:                           # numpy's says what it could not allocate
         lower = "lower --batch, or " if hasattr(args, "batch") else ""
