@@ -3197,9 +3197,17 @@ class StopFlag:
         """handle (below) the three signals while inside; the previous handlers after"""
         return signals_handled(self.SIGNALS, self.handle)
 
+    @contextlib.contextmanager
     def output_may_go(self):
-        """lost output sets the flag rather than end the run (output_may_go)"""
-        return output_may_go(self)
+        """end the steps, not the run, when our output is gone (`train | head` has exited,
+        the terminal closed): the loop saves, then ends quietly (self.lost holds the error)"""
+        try:
+            yield
+        except OSError as e:
+            if not output_lost(e):
+                raise
+            self.stop, self.lost = True, e
+            silence_lost_output()
 
     def exit_if_stopped(self, step, last_path):
         """after the save: a signal exits as it would have killed us (exit_stopped); lost
@@ -3423,19 +3431,6 @@ def output_lost(e):
     """an error of writing our output (a closed pipe, a hung-up terminal), not of a file:
     atomic_write names its file in every error it raises"""
     return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
-
-
-@contextlib.contextmanager
-def output_may_go(flag):
-    """end the steps, not the run, when our output is gone (`train | head` has exited, the
-    terminal closed): the loop saves, then ends quietly (flag.lost holds the error)"""
-    try:
-        yield
-    except OSError as e:
-        if not output_lost(e):
-            raise
-        flag.stop, flag.lost = True, e
-        silence_lost_output()
 
 
 def os_error_sentence(e):
