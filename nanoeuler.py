@@ -3461,27 +3461,29 @@ def failed_stream():
 
 
 PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
-
-
 NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
 
 
-def refuse_closed_streams(args, closed):
-    """a command whose stdin or stdout was closed at start (reopen_closed_streams: `>&-`)
-    and that cannot do without it is refused"""
-    for name in (n for n in NEEDS_STREAMS.get(getattr(args, "command", None), []) if n in closed):
-        raise NanoEulerError(f"{args.command} needs its {name}, which is closed; run it without closing {name} "
+def refuse_at_start(args, closed):
+    """what a command cannot start with, refused before it starts: stdin or stdout closed
+    at start (`>&-`: closed, from reopen_closed_streams) where the command needs it; a
+    path flag given empty (--out "" would put prepare's cache in ../cache, and --model ""
+    reads as "does not exist"); a working folder deleted under us (all but check use paths)"""
+    command = getattr(args, "command", None)
+    for name in (n for n in NEEDS_STREAMS.get(command, []) if n in closed):
+        raise NanoEulerError(f"{command} needs its {name}, which is closed; run it without closing {name} "
                              f"({'<&-' if name == 'stdin' else '>&-'})")
-
-
-def refuse_empty_paths(args):
-    """--out "" would put prepare's cache in ../cache and --model "" reads as "does not exist":
-    say which flag is empty"""
     for flag, what in PATH_FLAGS.items():
-        if flag == "data" and getattr(args, "command", None) == "sft":
+        if flag == "data" and command == "sft":
             what = "a JSONL or Alpaca JSON file of instructions"
         if getattr(args, flag, None) == "":
             raise NanoEulerError(f"--{flag} is empty; give {what}")
+    if command != "check":
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
+                                 "again") from None
 
 
 def run_command(command, args, closed=()):
@@ -3495,14 +3497,7 @@ def run_command(command, args, closed=()):
     if run and args.out is None:                       # train's folder is named after its model size
         args.out = os.path.join("out", args.model_size)
     try:
-        refuse_closed_streams(args, closed)
-        refuse_empty_paths(args)
-        if getattr(args, "command", None) != "check":     # every other command reads or writes paths
-            try:
-                os.getcwd()
-            except FileNotFoundError:
-                raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
-                                     "again") from None
+        refuse_at_start(args, closed)
         holds = run and getattr(command, "holds_out", lambda args: True)(args)   # nanoeuler_cuda.py: rank 0 only
         with signals_interrupt(), (claim_out(args.out, args.resume, args.fresh) if holds else contextlib.nullcontext()) as lock:
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
