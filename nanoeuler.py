@@ -1518,67 +1518,6 @@ def print_table(rows):
         print(f"{k:<{width}} | {v}")
 
 
-def plot_log(csv_path, out=print):
-    """the loss curve beside log.csv: log.svg always (SVG is text: no package needed),
-    and log.png too when matplotlib is installed"""
-    with open(csv_path, encoding="utf-8", errors="replace") as f:
-        rows = [row for line in f if (row := log_row(line))]
-    if not rows:
-        return
-    steps, loss = [r[0] for r in rows], [r[1] for r in rows]
-    val = [(r[0], r[2]) for r in rows if r[2] is not None]
-    svg = os.path.splitext(csv_path)[0] + ".svg"
-    atomic_write(svg, svg_plot(steps, loss, val).encode())
-    out(f"loss curve: {svg}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(steps, loss, lw=0.8, label="train CE_0")
-    if val:
-        ax.plot(*zip(*val), "o-", label="val CE_0")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    png = os.path.splitext(csv_path)[0] + ".png"
-    fig.savefig(png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    out(f"loss curve: {png}")
-
-
-def svg_plot(steps, loss, val, width=640, height=360):
-    """train loss as a line by step, validation loss as dots, both axes labelled, as SVG text"""
-    left, bottom, top, right = 60, 40, 10, 10                 # margins for the labels
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    ys = loss + [v for _, v in val]
-    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
-
-    def xy(s, y):                                          # data -> pixels (y grows downwards)
-        return (left + (s - x0) / (x1 - x0) * (width - left - right),
-                height - bottom - (y - y0) / (y1 - y0) * (height - bottom - top))
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>']
-    for i in range(5):                                     # five ticks on each axis, with grid lines
-        (x, _), (_, y) = xy(x0 + (x1 - x0) * i / 4, y0), xy(x0, y0 + (y1 - y0) * i / 4)
-        svg += [f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">'
-                f'{x0 + (x1 - x0) * i / 4:.0f}</text>',
-                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{y0 + (y1 - y0) * i / 4:.3f}</text>',
-                f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>']
-    line = " ".join("{:.1f},{:.1f}".format(*xy(s, y)) for s, y in zip(steps, loss))
-    svg.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1"/>')
-    svg += ['<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="#ff7f0e"/>'.format(*xy(s, v)) for s, v in val]
-    svg += [f'<text x="{(left + width) / 2:.0f}" y="{height - 6}" text-anchor="middle">step</text>',
-            f'<text transform="translate(14 {(height - bottom) / 2:.0f}) rotate(-90)" text-anchor="middle">'
-            'loss (nats per token)</text>',
-            f'<text x="{width - 16}" y="24" text-anchor="end" fill="#1f77b4">train CE_0</text>',
-            f'<text x="{width - 16}" y="40" text-anchor="end" fill="#ff7f0e">val CE_0 (dots)</text>', '</svg>']
-    return "\n".join(svg) + "\n"
-
-
 def data_cache(out_dir):
     """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
     runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
@@ -1689,6 +1628,67 @@ def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
     csv.flush()
 
 
+def svg_plot(steps, loss, val, width=640, height=360):
+    """train loss as a line by step, validation loss as dots, both axes labelled, as SVG text"""
+    left, bottom, top, right = 60, 40, 10, 10                 # margins for the labels
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    ys = loss + [v for _, v in val]
+    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
+
+    def xy(s, y):                                          # data -> pixels (y grows downwards)
+        return (left + (s - x0) / (x1 - x0) * (width - left - right),
+                height - bottom - (y - y0) / (y1 - y0) * (height - bottom - top))
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>']
+    for i in range(5):                                     # five ticks on each axis, with grid lines
+        (x, _), (_, y) = xy(x0 + (x1 - x0) * i / 4, y0), xy(x0, y0 + (y1 - y0) * i / 4)
+        svg += [f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">'
+                f'{x0 + (x1 - x0) * i / 4:.0f}</text>',
+                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{y0 + (y1 - y0) * i / 4:.3f}</text>',
+                f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>']
+    line = " ".join("{:.1f},{:.1f}".format(*xy(s, y)) for s, y in zip(steps, loss))
+    svg.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1"/>')
+    svg += ['<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="#ff7f0e"/>'.format(*xy(s, v)) for s, v in val]
+    svg += [f'<text x="{(left + width) / 2:.0f}" y="{height - 6}" text-anchor="middle">step</text>',
+            f'<text transform="translate(14 {(height - bottom) / 2:.0f}) rotate(-90)" text-anchor="middle">'
+            'loss (nats per token)</text>',
+            f'<text x="{width - 16}" y="24" text-anchor="end" fill="#1f77b4">train CE_0</text>',
+            f'<text x="{width - 16}" y="40" text-anchor="end" fill="#ff7f0e">val CE_0 (dots)</text>', '</svg>']
+    return "\n".join(svg) + "\n"
+
+
+def plot_log(csv_path, out=print):
+    """the loss curve beside log.csv: log.svg always (SVG is text: no package needed),
+    and log.png too when matplotlib is installed"""
+    with open(csv_path, encoding="utf-8", errors="replace") as f:
+        rows = [row for line in f if (row := log_row(line))]
+    if not rows:
+        return
+    steps, loss = [r[0] for r in rows], [r[1] for r in rows]
+    val = [(r[0], r[2]) for r in rows if r[2] is not None]
+    svg = os.path.splitext(csv_path)[0] + ".svg"
+    atomic_write(svg, svg_plot(steps, loss, val).encode())
+    out(f"loss curve: {svg}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, loss, lw=0.8, label="train CE_0")
+    if val:
+        ax.plot(*zip(*val), "o-", label="val CE_0")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    png = os.path.splitext(csv_path)[0] + ".png"
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    out(f"loss curve: {png}")
+
+
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far"""
     params = carve(flat, cfg)
@@ -1720,6 +1720,11 @@ def print_summary(steps, elapsed, times, state, out_dir, last_path):
     best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
             f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
     print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
+
+
+def now():
+    """seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)"""
+    return time.perf_counter()
 
 
 def timed_step(engine, batch, step, total, args, out_dir, clock):
@@ -1950,6 +1955,38 @@ def chat_reply(params, cfg, tok, history, args, out, reply, gen=None, stats=None
         print(f"(reply cut at --max-new-tokens {args.max_new_tokens}; give a larger one for longer replies)")
 
 
+CHAT_HELP = """  /reset  forget the conversation and start over
+  /quit   leave (so do Ctrl-D and Ctrl-C at the prompt)
+  /help   this list
+Anything else is sent to the model; Ctrl-C stops a reply."""
+
+
+def read_turn(interactive, out):
+    """the user's next line, stripped; None at the end of input. A terminal gets input()
+    (readline's line editing); a pipe or file is read as bytes, its text echoed after
+    "you> ", so that a transcript reads like the terminal would."""
+    if interactive:
+        try:
+            return input("you> ").strip()
+        except EOFError:
+            out.write("\n")                                   # Ctrl-D: "bye" on a line of its own
+            return None
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return None
+    text = line.decode("utf-8", errors="replace").strip()
+    if text:
+        out.write(f"you> {text}\n")
+    return text
+
+
+def speculation_report(stats):
+    """--speculative's one line on stderr at the end: tokens per pass, drafts accepted"""
+    if stats and stats.get("steps"):
+        print(f"speculative: {stats['tokens'] / stats['steps']:.2f} tokens a pass ({stats['steps']} passes, "
+              f"{stats['tokens'] - stats['steps']} drafts accepted)", file=sys.stderr)
+
+
 def cmd_chat(args, make_params=None, gen=None):
     """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D, or Ctrl-C
     at the prompt) leaves; Ctrl-C during a reply stops it, and what was said stays.
@@ -2002,38 +2039,6 @@ def cmd_chat(args, make_params=None, gen=None):
         out.write("\n")
     print("bye")
     speculation_report(stats)
-
-
-CHAT_HELP = """  /reset  forget the conversation and start over
-  /quit   leave (so do Ctrl-D and Ctrl-C at the prompt)
-  /help   this list
-Anything else is sent to the model; Ctrl-C stops a reply."""
-
-
-def read_turn(interactive, out):
-    """the user's next line, stripped; None at the end of input. A terminal gets input()
-    (readline's line editing); a pipe or file is read as bytes, its text echoed after
-    "you> ", so that a transcript reads like the terminal would."""
-    if interactive:
-        try:
-            return input("you> ").strip()
-        except EOFError:
-            out.write("\n")                                   # Ctrl-D: "bye" on a line of its own
-            return None
-    line = sys.stdin.buffer.readline()
-    if not line:
-        return None
-    text = line.decode("utf-8", errors="replace").strip()
-    if text:
-        out.write(f"you> {text}\n")
-    return text
-
-
-def speculation_report(stats):
-    """--speculative's one line on stderr at the end: tokens per pass, drafts accepted"""
-    if stats and stats.get("steps"):
-        print(f"speculative: {stats['tokens'] / stats['steps']:.2f} tokens a pass ({stats['steps']} passes, "
-              f"{stats['tokens'] - stats['steps']} drafts accepted)", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------
@@ -2279,11 +2284,6 @@ def build_parser():
     sp.add_argument("--threads", type=positive_int, default=CORES, help="threads for training steps")
     sp.add_argument("--max-new-tokens", type=count_type, default=400, help="tokens to generate")
     return p
-
-
-def now():
-    """seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)"""
-    return time.perf_counter()
 
 
 def main(argv=None):
