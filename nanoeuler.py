@@ -2392,6 +2392,11 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
 #   do, exit code 2, never a traceback
 # - lost output streams: a closed pipe or a hung-up terminal ends the run
 #   quietly, saved; closed streams at start become /dev/null
+# Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
+# in one sentence by run_command, the one place a command ends; a damaged
+# file's content is MALFORMED, refused by refused_if_malformed; the training
+# loop's signals and lost output are a StopFlag (elsewhere SIGTERM and SIGHUP
+# raise Interrupted); a NaN anywhere in a run stops it in stop_if_not_finite.
 
 # -----------------------------------------------------------------------------
 # operations: input checks
