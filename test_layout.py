@@ -29,11 +29,11 @@ ALLOWANCE = {"lines": 40, "names": 2, "functions": 3}
 
 # measured by python tools/layout.py on main, 2026-12-04 (first figures: story 2,413, file 3,493,
 # 31 names, 80 functions, comment share 0.280)
-STORY_LINES = 2288 + ALLOWANCE["lines"]
-FILE_LINES = 3513 + ALLOWANCE["lines"]
-STORY_NAMES_FROM_OPERATIONS = 23 + ALLOWANCE["names"]
-FUNCTIONS_TO_MODEL_FORWARD = 80 + ALLOWANCE["functions"]
-COMMENT_SHARE = 0.282 - 0.003       # lines holding a comment or docstring; explanations are not cut to fit
+STORY_LINES = 2279 + ALLOWANCE["lines"]
+FILE_LINES = 3529 + ALLOWANCE["lines"]
+STORY_NAMES_FROM_OPERATIONS = 22 + ALLOWANCE["names"]
+FUNCTIONS_TO_MODEL_FORWARD = 79 + ALLOWANCE["functions"]
+COMMENT_SHARE = 0.287 - 0.003       # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 1
 
 # the model's mathematics, which belongs to the story and never to operations
