@@ -362,6 +362,9 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_json(e.status, error_body(e.status, e.message))
         except (ClientGone, OSError):
             pass
+        except Exception as e:                             # a bug: this request fails, with a sentence
+            with contextlib.suppress(OSError):
+                self.send_json(500, error_body(500, f"the server failed ({type(e).__name__}: {e}); please report it"))
 
     def read_body(self, rest, deadline, limits):
         if "Transfer-Encoding" in self.headers:

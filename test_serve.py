@@ -234,6 +234,28 @@ def test_a_reply_ends_at_end_or_another_special_token_as_chats_does(model):
         assert ask(srv, [user("hi")], max_tokens=2)["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_generate_that_fails_is_a_500_with_a_sentence_and_the_server_goes_on(model):
+    def broken(params, cfg, prompt, max_new_tokens, *a, **kw):
+        yield 0x61
+        raise ne.LogitsNotFinite("its logits are not finite")
+    with running(model, broken) as srv:
+        status, _, data = call(srv, "POST", "/v1/chat/completions", {"messages": [user("hi")]})
+        assert status == 500 and data["error"]["message"] == "m.safetensors: its logits are not finite"
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=WAIT)
+        conn.request("POST", "/v1/chat/completions", json.dumps({"messages": [user("hi")], "stream": True}),
+                     {"Content-Type": "application/json"})
+        lines = conn.getresponse().read().decode().split("\n\n")        # the stream says so, and ends
+        assert json.loads(lines[-2][6:]) == {"error": {"message": "m.safetensors: its logits are not finite",
+                                                       "type": "server_error", "code": 500}}
+        assert json.loads(lines[1][6:])["choices"][0]["delta"] == {"content": "a"} and lines[-1] == ""
+        srv.model.gen = fake([0x61])
+        still_answers(srv)
+        assert ask(srv, [user("hi")])["choices"][0]["message"]["content"] == "a"
+        srv.model.gen = lambda *a, **kw: iter([1 / 0])
+        status, _, data = call(srv, "POST", "/v1/chat/completions", {"messages": [user("hi")]})
+        assert status == 500 and data["error"]["message"] == "generating failed (ZeroDivisionError: division by zero)"
+
+
 class Gate:
     """a generate that yields "a" and then waits for the test to open the gate before each next
     id; logs when each generation starts and ends"""
