@@ -3,7 +3,8 @@ Tests of nanoeuler_cuda.py beyond one host (docs/multinode.md), all on the CPU: 
 launcher's variables, Slurm's node lists, the NCCL id's exchange over the loopback
 (threads, then real processes started by mpirun, and by the program's --nnodes) and
 through a file, and every refusal. No GPU: the rendezvous command and these tests
-exchange 128 made-up bytes in place of NCCL's id.
+exchange 128 made-up bytes in place of NCCL's id; and whole runs started through each
+launcher's variables, a world of one, on test_gpu_host.py's emulated GPU.
 
     python -m pytest -q test_multinode.py
 """
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 
 import nanoeuler_cuda as nc
+from test_gpu_host import emulated  # noqa: F401 (the fixture: nanoeuler_cuda on an emulated GPU)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {"batch": "16", "model_size": "small"}
@@ -509,3 +511,66 @@ def test_rank0_that_stops_while_a_rank_waits_is_told_apart_from_a_stranger():
         nc.receive_id(place(1, 2, port), SETTINGS, 20)
     t.join()
     server.close()
+
+
+# -----------------------------------------------------------------------------
+# a world of one under each launcher's variables, on the emulated GPU: the plain run's bits
+
+class OneRankComm:
+    """NCCL for a world of one: every sum, broadcast and gather leaves the buffer as it is"""
+
+    def __init__(self, unique_id, world, rank):
+        assert (world, rank, len(unique_id)) == (1, 0, 256)
+
+    def all_reduce(self, a, stream):
+        pass
+
+    broadcast = all_reduce
+
+    def all_gather(self, part, whole, stream):
+        pass
+
+    def close(self):
+        pass
+
+
+WORLD_OF_ONE = {"torchrun": {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": "29500", "TORCHELASTIC_USE_AGENT_STORE": "True"},
+                "srun": {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
+                         "SLURM_STEP_NODELIST": "localhost"},
+                "mpirun": {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}}
+
+
+def test_a_world_of_one_under_each_launcher_trains_the_plain_runs_bits(emulated, tmp_path, monkeypatch, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(open(os.path.join(HERE, "data", "tinyshakespeare.txt")).read()[:20000])
+    monkeypatch.setattr(nc, "Comm", OneRankComm)
+    monkeypatch.setattr(nc, "nccl_unique_id", lambda: "ab" * 128)
+    for name in ("NANOEULER_RANK", "NANOEULER_WORLD", *(k for env in WORLD_OF_ONE.values() for k in env)):
+        monkeypatch.delenv(name, raising=False)
+
+    def train(out, env=None, *more):
+        with monkeypatch.context() as m:
+            for k, v in (env or {}).items():
+                m.setenv(k, v)
+            m.setattr(nc, "gpu", None)
+            nc.main(["train", "small", "--data", str(corpus), "--vocab-size", "300", "--batch", "2", "--steps", "2",
+                     "--eval-every", "2", "--save-every", "2", "--eval-batches", "1", "--out", str(tmp_path / out),
+                     *more])
+        return capsys.readouterr().out
+
+    def weights(out):
+        return ne.read_safetensors(str(tmp_path / out / "model_000002.safetensors"))[0]
+
+    assert "data parallel" not in train("plain")
+    plain = weights("plain")
+    for launcher in ("torchrun", "mpirun"):                 # (MPI gives no address: a world of one needs none)
+        env = WORLD_OF_ONE[launcher]
+        assert "x 1, sm_90, 4 SMs, bf16 matmuls, peak ? TFLOP/s per GPU, data parallel over NCCL" in train(launcher, env)
+        got = weights(launcher)
+        assert all(np.array_equal(got[k], plain[k]) for k in plain), launcher
+    # stopped after a step and resumed under srun's variables: rank 0's start and data order, handed on
+    train("resumed", WORLD_OF_ONE["srun"], "--stop-after", "1")
+    assert "resuming from" in train("resumed", WORLD_OF_ONE["srun"], "--resume")
+    got = weights("resumed")
+    assert all(np.array_equal(got[k], plain[k]) for k in plain)
