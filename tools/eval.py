@@ -497,7 +497,7 @@ def print_table(results, chat, out=sys.stdout):
         print("  ".join(str(x).ljust(w) if j in (0, 7) else str(x).rjust(w)
                         for j, (x, w) in enumerate(zip(row, widths))).rstrip(), file=out)
     core, n = summary(results, chat)
-    print(f"{name}: {fmt(core)} (the mean over {n} tasks of (acc_norm - chance) / (1 - chance): 0 is chance, "
+    print(f"{name}: {fmt(core)} (the mean over {n} task{'s' if n != 1 else ''} of (acc_norm - chance) / (1 - chance): 0 is chance, "
           "1 is every item right)", file=out)
     for task, why in NOT_SCORED.items():
         print(f"{task}: {why}", file=out)

@@ -7,7 +7,7 @@
 #     fp32 (all), and in bf16 (at least 99%)
 #  2. the small model, every base task, whole, on the GPU (bf16)
 #  3. the big model, every base task, whole (HellaSwag's 10,042 items: the seconds in the summary)
-#  4. the SFT model, --chat: ARC whole, GSM8K's first 100 items
+#  4. the SFT model, --chat: ARC whole, GSM8K's first 64 items
 # OUTDIR: summary.log (the tables, the timings), *.json (every result), *.log (each command's output).
 source "$(dirname "$0")/common.sh"
 EV="python tools/eval.py --quiet"
@@ -61,7 +61,7 @@ if [ -f "$SFT" ]; then
   echo "== 4. SFT model, --chat, GPU bf16" | tee -a "$S"
   t sft_arc.log $EV --model "$SFT" --chat --gpu --tasks arc_easy,arc_challenge --json "$R/sft_arc.json"
   table sft_arc.log
-  t sft_gsm8k.log $EV --model "$SFT" --chat --gpu --tasks gsm8k --limit 100 --json "$R/sft_gsm8k.json"
+  t sft_gsm8k.log $EV --model "$SFT" --chat --gpu --tasks gsm8k --limit 64 --json "$R/sft_gsm8k.json"
   table sft_gsm8k.log
 else
   echo "no $SFT: part 4 skipped" | tee -a "$S"
