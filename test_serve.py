@@ -125,10 +125,10 @@ def user(text):
     return {"role": "user", "content": text}
 
 
-def chat_transcript(model_path, lines, max_new_tokens, monkeypatch, capsys):
-    """`chat --temperature 0` on these lines -> its replies, as its transcript shows them"""
-    args = ne.build_parser().parse_args(["chat", "--model", model_path, "--temperature", "0",
-                                         "--max-new-tokens", str(max_new_tokens)])
+def chat_transcript(model_path, lines, max_new_tokens, monkeypatch, capsys, flags=("--temperature", "0")):
+    """`chat --temperature 0` (or these flags) on these lines -> its replies, as its transcript shows them"""
+    args = ne.build_parser().parse_args(["chat", "--model", model_path, "--max-new-tokens", str(max_new_tokens),
+                                         *flags])
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("".join(f"{q}\n" for q in lines).encode())))
     ne.cmd_chat(args)
     out = capsys.readouterr().out
@@ -157,6 +157,17 @@ def test_a_greedy_reply_is_chats_reply_to_the_same_conversation(model, server, m
         got.append(reply)
         messages.append({"role": "assistant", "content": reply})
     assert got == want
+
+
+def test_a_seeded_sampled_reply_is_chats_with_the_same_seed_and_settings(model, server, monkeypatch, capsys):
+    # temperature, top_k, top_p and seed reach generate as chat's flags do (a swap would show)
+    for t, k, p, seed in ((1.3, 0, 1.0, 5), (0.9, 12, 0.9, 11), (1.0, 50, 0.3, 2)):
+        flags = ("--temperature", str(t), "--top-k", str(k), "--top-p", str(p), "--seed", str(seed))
+        want = chat_transcript(model, ["Once upon a time"], 25, monkeypatch, capsys, flags)
+        reply = ask(server, [user("Once upon a time")], temperature=t, top_k=k, top_p=p, seed=seed, max_tokens=25)
+        assert reply["choices"][0]["message"]["content"] == want[0]
+    greedy = chat_transcript(model, ["Once upon a time"], 25, monkeypatch, capsys)[0]
+    assert want[0] != greedy
 
 
 def test_a_conversation_is_fed_as_chat_feeds_it(model):
