@@ -1313,8 +1313,8 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     if vocab_size > MAX_V:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
     corpus = file_digest(files)
-    os.makedirs(cache_dir, exist_ok=True)
-    remove_stale_tmp(cache_dir)
+    if os.path.isdir(cache_dir):
+        remove_stale_tmp(cache_dir)
     tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
     tok = cached_tokenizer(tok_path, vocab_size)
     if tok is None:
@@ -1322,6 +1322,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
+        os.makedirs(cache_dir, exist_ok=True)          # made only now: a refused run leaves no empty cache
         atomic_write(tok_path, tok.to_json().encode())
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
@@ -1884,14 +1885,14 @@ def cmd_sft(args, make_engine=None, engine=None):
         check_memory(cfg, args.batch, args.threads)
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
-    keep = mask[:, 1:].any(1)                              # drop examples whose response is cut away
-    if keep.sum() < 2:
-        raise NanoEulerError(f"{args.data}: {int(keep.sum())} of its {len(rows)} examples reach their response "
-                             f"within the model's context of {cfg.T} tokens, and SFT needs at least 2 (one is "
-                             "held out for validation); add examples or shorten the prompts")
-    if not keep.all():
-        print(f"note: {int((~keep).sum())} of {len(rows)} examples are left out: their prompt fills the "
-              f"context of {cfg.T} tokens", file=sys.stderr)
+    # an example teaches only if a response token is one of head 0's targets, row[1:T+1]
+    # (the loss the run reports and keeps the best model by); the rest are left out
+    keep = mask[:, 1:cfg.T + 1].any(1)
+    kept, n = int(keep.sum()), len(rows)
+    if kept < 2 or kept < n / 100:
+        raise NanoEulerError(f"{args.data}: only {kept:,} of its {n:,} examples have a response token within the "
+                             f"model's context of {cfg.T} tokens ({n - kept:,} are cut off by their prompt), too "
+                             "few to learn from; give shorter prompts, or a model with a longer context")
     rows, mask = rows[keep], mask[keep]
     n_val = max(1, len(rows) // 20)
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
@@ -1900,6 +1901,8 @@ def cmd_sft(args, make_engine=None, engine=None):
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: flat0)
     made = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
+                 ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
+                                                           f"context of {cfg.T} tokens)" if kept < n else "")),
                  ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
                           f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses only"),
                  ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or made.line}"),
@@ -2474,11 +2477,18 @@ def check_merges(merges):
     return merges
 
 
+def refuse_special_file(path, what):
+    """a named pipe there would hang the read (a device, a folder fail it): refuse them in one sentence"""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
+
+
 def cached_tokenizer(path, vocab_size):
     """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained
     again). It may hold fewer than vocab_size tokens (a small corpus runs out of pairs), never more."""
     if not os.path.exists(path):
         return None
+    refuse_special_file(path, "the tokenizer")
     try:
         with open(path) as f:
             tok = Tokenizer.from_json(f.read())
@@ -2495,6 +2505,7 @@ def load_tokens(path, vocab_size, chunk=1 << 24):
     it holds what write_tokens writes: a 1-D array of the tokenizer's dtype, exactly as long
     as its header says, every id below vocab_size (checked chunk by chunk: no copy in memory)"""
     fmt = np.lib.format
+    refuse_special_file(path, "the corpus's tokens")
     try:
         with open(path, "rb") as f:
             if fmt.read_magic(f) != (1, 0):
@@ -3037,7 +3048,10 @@ def claim_out(out_dir, resume, fresh=False):
     -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
-    created = not os.path.exists(out_dir)
+    created, d = [], os.path.abspath(out_dir)          # the folders makedirs makes (out/ of out/small too)
+    while not os.path.exists(d):
+        created.append(d)
+        d = os.path.dirname(d)
     os.makedirs(out_dir, exist_ok=True)
     lock = lock_out(out_dir)
     try:
@@ -3063,9 +3077,9 @@ def claim_out(out_dir, resume, fresh=False):
         if lock:
             os.remove(lock.name)                       # while still locked: see lock_out's samestat
             lock.close()
-        if created:                                    # a run refused before it wrote anything leaves no folder
-            with contextlib.suppress(OSError):
-                os.rmdir(out_dir)
+        with contextlib.suppress(OSError):             # a run refused before it wrote anything leaves no folder
+            for d in created:                          # deepest first; one that holds something stays, and those above it
+                os.rmdir(d)
 
 
 def refuse_other_run(args, step, made_by, same_model, differs=""):
@@ -3438,8 +3452,9 @@ def output_lost(e):
     return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
 
 
-def os_error_sentence(e):
-    """an OSError (a full disk, a read-only file system, ...) as one sentence naming the file"""
+def os_error_sentence(e, out_flag=True):
+    """an OSError (a full disk, a read-only file system, ...) as one sentence naming the file;
+    out_flag: whether the command has an --out to suggest (sample and chat write to stdout only)"""
     advice = {errno.ENOSPC: "the disk is full; free some space, or give another --out",
               errno.EDQUOT: "the disk quota is used up; free some space, or give another --out",
               errno.EROFS: "the file system is read-only; give another --out",
@@ -3450,7 +3465,12 @@ def os_error_sentence(e):
     reason = str(e.strerror or e).lower()
     if e.filename is None and (stream := failed_stream()):
         return f"writing to {stream} failed ({reason}); send it to another file or device"
+    if not out_flag and e.filename is None:          # a write to stdout's file (sample > file on a full disk)
+        room = "free some space, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+        return f"the output could not be written ({reason}); {room}send it elsewhere"
     what = advice.get(e.errno, reason)
+    if not out_flag:
+        what = what.replace(", or give another --out", "").replace("give another --out", "give another path")
     return f"{e.filename}: {what}" if e.filename else what
 
 
@@ -3522,7 +3542,7 @@ def run_command(command, args, closed=()):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
     except OSError as e:
-        print(f"error: {os_error_sentence(e)}", file=sys.stderr)
+        print(f"error: {os_error_sentence(e, hasattr(args, 'out'))}", file=sys.stderr)
         sys.exit(2)
 
 

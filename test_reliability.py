@@ -9,6 +9,7 @@ tmpfs (skipped, with the reason, where the tests cannot mount one).
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import contextlib
 import io
 import json
 import math
@@ -47,10 +48,18 @@ def run_cli(*args, stdin=None):
                           cwd=HERE)
 
 
+def default_signals():
+    """SIGINT, SIGTERM and SIGHUP at their defaults in a child, whatever the test runner ignores
+    (a shell starts what runs in the background with SIGINT ignored, and an ignored signal
+    stays ignored across exec: the child would never see the test's Ctrl-C)"""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def start_cli(*args):
     """a training process we can signal; -u so its step lines arrive as they are printed"""
     return subprocess.Popen([sys.executable, "-u", PROGRAM, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd=HERE)
+                            stderr=subprocess.PIPE, cwd=HERE, preexec_fn=default_signals)
 
 
 def wait_for_step(proc, n):
@@ -158,6 +167,31 @@ def test_a_pipe_or_a_folder_in_place_of_a_run_file_is_refused_before_the_first_s
     assert files() == before
 
 
+@pytest.mark.parametrize("cached, make", [("tokenizer_300_", os.mkfifo), ("tokens_", os.mkfifo),
+                                          ("tokenizer_300_", os.mkdir), ("tokens_", lambda p: os.symlink("/dev/zero", p))])
+def test_a_pipe_or_a_folder_in_place_of_a_cache_file_is_refused(finished_run, corpus, tmp_path, cached, make):
+    # reading a named pipe as the cached tokenizer or tokens would hang the run before its first step
+    out = copy_of(finished_run, tmp_path)
+    cache = out.parent / "cache"
+    path = next(p for p in cache.iterdir() if p.name.startswith(cached))
+    path.unlink()
+    make(str(path))
+    r = subprocess.run([sys.executable, PROGRAM, *train_args(out.parent / "new", corpus, "--steps", "4")],
+                       capture_output=True, timeout=60, cwd=HERE)
+    what = "the tokenizer" if cached.startswith("tokenizer") else "the corpus's tokens"
+    assert one_sentence(r) == f"error: {path} is not a file; move it away ({what} is cached there)"
+    assert not (out.parent / "new").exists()
+
+
+def test_a_refused_run_leaves_no_folder_it_made(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n")
+    for extra in ([], ["--out", str(tmp_path / "a" / "b" / "c")]):   # the default out/small, then a deep one
+        err = one_sentence(subprocess.run([sys.executable, PROGRAM, "train", "--data", "empty.txt", *extra],
+                                          capture_output=True, timeout=60, cwd=tmp_path))
+        assert err == "error: empty.txt holds no text; give it a UTF-8 text file with something in it"
+        assert os.listdir(tmp_path) == ["empty.txt"]
+
+
 def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus, tmp_path):
     out = tmp_path / "run"
     first = start_cli(*train_args(out, corpus, "--steps", "100000", "--save-every", "100000",
@@ -238,6 +272,38 @@ def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instruc
         ne.main(train_args(out, corpus, "--steps", "8", "--resume"))
     assert stop.value.code == 2
     assert "holds checkpoints of sft, which train cannot continue" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cut, reached, refused", [(100, 0, True), (198, 2, False), (299, 2, True), (0, 5, False)])
+def test_sft_keeps_the_examples_whose_response_head_0_learns_from(tmp_path, monkeypatch, capsys, cut, reached,
+                                                                  refused):
+    # byte tokens: <|user|> + a prompt of P bytes + <|assistant|> puts the first response token
+    # at position P + 2; head 0's targets are positions 1..T, so P = T - 2 is the longest prompt
+    # whose example teaches head 0, and P = T - 1 teaches only the draft heads (positions 2..T+1)
+    cfg = ne.Config(V=ne.Tokenizer().vocab_size, C=16, Hq=2, Hkv=1, L=1, T=24, F=48, K=2)
+    model, data = str(tmp_path / "m.safetensors"), tmp_path / "d.jsonl"
+    ne.save_model(model, cfg, ne.init_params(cfg), ne.Tokenizer())
+    examples = [("q" * (cfg.T - 1), "cut") for _ in range(cut)] + [("r" * (cfg.T - 2), "kept") for _ in range(reached)]
+    data.write_text("".join(json.dumps({"instruction": p, "response": r}) + "\n" for p, r in examples))
+    seen = {}
+    monkeypatch.setattr(ne, "train_loop", lambda *a, **k: seen.setdefault("run", a))
+    args = ne.build_parser().parse_args(["sft", "--model", model, "--data", str(data), "--out", str(tmp_path / "o")])
+    n = cut + reached
+    if refused:
+        with pytest.raises(ne.NanoEulerError) as e:
+            ne.cmd_sft(args)
+        assert str(e.value) == (f"{data}: only {reached} of its {n} examples have a response token within the model's "
+                                f"context of 24 tokens ({cut} are cut off by their prompt), too few to learn from; "
+                                "give shorter prompts, or a model with a longer context")
+        assert "run" not in seen
+        return
+    ne.cmd_sft(args)
+    out = capsys.readouterr().out
+    left = f" ({cut} left out: their prompt fills the context of 24 tokens)" if cut else ""
+    assert re.search(rf"^examples +\| {reached} of {n} kept{re.escape(left)}$", out, re.M), out
+    next_batch, val = seen["run"][4], seen["run"][5]
+    for idx, targets in [next_batch(np.random.default_rng(0))] + val:
+        assert ((targets[:, :, 0] >= 0).sum(1) > 0).all()          # every row gives head 0 a target
 
 
 def test_mtp_weight_reaches_the_saved_config_and_the_loss(finished_run, corpus, tmp_path):
@@ -1021,6 +1087,21 @@ def test_sample_into_a_closed_pipe_ends_quietly(finished_run):
     err = proc.stderr.read()
     proc.wait(timeout=120)
     assert err == b"" and proc.returncode == 1
+
+
+@pytest.mark.parametrize("command, stdin", [("sample", None), ("chat", b"to be or not to be\n")])
+def test_output_on_a_full_disk_says_the_output_could_not_be_written(finished_run, tmpfs, command, stdin):
+    disk = tmpfs("64k")
+    with open(disk / "filler", "wb", buffering=0) as f:    # fill it: the first block of output finds no room
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"x" * 4096)
+    model = str(finished_run / "run" / "model_000008.safetensors")
+    with open(disk / "out.txt", "wb") as out:
+        r = subprocess.run([sys.executable, PROGRAM, command, "--model", model, "--max-new-tokens", "300"],
+                           input=stdin, stdout=out, stderr=subprocess.PIPE, cwd=HERE, timeout=300)
+    assert one_sentence(r) == ("error: the output could not be written (no space left on device); "
+                               "free some space, or send it elsewhere")
 
 
 def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
