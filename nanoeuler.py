@@ -1890,9 +1890,10 @@ def cmd_sft(args, make_engine=None, engine=None):
     keep = mask[:, 1:cfg.T + 1].any(1)
     kept, n = int(keep.sum()), len(rows)
     if kept < 2 or kept < n / 100:
-        raise NanoEulerError(f"{args.data}: only {kept:,} of its {n:,} examples have a response token within the "
-                             f"model's context of {cfg.T} tokens ({n - kept:,} are cut off by their prompt), too "
-                             "few to learn from; give shorter prompts, or a model with a longer context")
+        fix = "add examples" if kept == n else "give shorter prompts, or a model with a longer context"
+        raise NanoEulerError(f"{args.data}: {kept:,} of its {n:,} examples have a response token within the model's "
+                             f"context of {cfg.T} tokens ({n - kept:,} cut off by their prompt); SFT needs at least 2 "
+                             f"and 1% of them (one is held out for validation); {fix}")
     rows, mask = rows[keep], mask[keep]
     n_val = max(1, len(rows) // 20)
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
@@ -3078,7 +3079,7 @@ def claim_out(out_dir, resume, fresh=False):
             os.remove(lock.name)                       # while still locked: see lock_out's samestat
             lock.close()
         with contextlib.suppress(OSError):             # a run refused before it wrote anything leaves no folder
-            for d in created:                          # deepest first; one that holds something stays, and those above it
+            for d in created:                          # deepest first; one that holds something stays
                 os.rmdir(d)
 
 

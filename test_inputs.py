@@ -540,6 +540,39 @@ def test_sft_every_prompt_longer_than_the_context(model, tmp_path, capsys, sft_d
     assert "0 of its 5 examples" in msg and "context of 8 tokens" in msg
 
 
+@pytest.mark.parametrize("cut, reached, refused", [(100, 0, True), (198, 2, False), (299, 2, True), (0, 5, False)])
+def test_sft_keeps_the_examples_whose_response_head_0_learns_from(tmp_path, monkeypatch, capsys, cut, reached,
+                                                                  refused):
+    # byte tokens: <|user|> + a prompt of P bytes + <|assistant|> puts the first response token
+    # at position P + 2; head 0's targets are positions 1..T, so P = T - 2 is the longest prompt
+    # whose example teaches head 0, and P = T - 1 teaches only the draft heads (positions 2..T+1)
+    cfg = ne.Config(V=ne.Tokenizer().vocab_size, C=16, Hq=2, Hkv=1, L=1, T=24, F=48, K=2)
+    model, data = str(tmp_path / "m.safetensors"), tmp_path / "d.jsonl"
+    ne.save_model(model, cfg, ne.init_params(cfg), ne.Tokenizer())
+    examples = [("q" * (cfg.T - 1), "cut") for _ in range(cut)] + [("r" * (cfg.T - 2), "kept") for _ in range(reached)]
+    data.write_text("".join(json.dumps({"instruction": p, "response": r}) + "\n" for p, r in examples))
+    seen = {}
+    monkeypatch.setattr(ne, "train_loop", lambda *a, **k: seen.setdefault("run", a))
+    args = ne.build_parser().parse_args(["sft", "--model", model, "--data", str(data), "--out", str(tmp_path / "o")])
+    n = cut + reached
+    if refused:
+        with pytest.raises(ne.NanoEulerError) as e:
+            ne.cmd_sft(args)
+        assert str(e.value) == (f"{data}: {reached} of its {n} examples have a response token within the model's "
+                                f"context of 24 tokens ({cut} cut off by their prompt); SFT needs at least 2 and 1% of "
+                                "them (one is held out for validation); give shorter prompts, or a model with a longer "
+                                "context")
+        assert "run" not in seen
+        return
+    ne.cmd_sft(args)
+    out = capsys.readouterr().out
+    left = f" ({cut} left out: their prompt fills the context of 24 tokens)" if cut else ""
+    assert re.search(rf"^examples +\| {reached} of {n} kept{re.escape(left)}$", out, re.M), out
+    next_batch, val = seen["run"][4], seen["run"][5]
+    for idx, targets in [next_batch(np.random.default_rng(0))] + val:
+        assert ((targets[:, :, 0] >= 0).sum(1) > 0).all()          # every row gives head 0 a target
+
+
 def test_sft_errors_from_the_command_line(model, tmp_path):
     r = run("nanoeuler.py", "sft", "--model", model, "--data", str(tmp_path / "none.jsonl"),
             "--out", str(tmp_path / "sft"))                   # not out/sft in the repository

@@ -142,7 +142,9 @@ INPUT_MUTATIONS = [
     ("merges: specials allowed", "(0 <= t < 256 or FIRST_MERGE_ID", "(0 <= t < FIRST_MERGE_ID or FIRST_MERGE_ID"),
     ("merges: repeats allowed", "if tuple(pair) in seen:", "if False:"),
     ("merges: no bound on the bytes", "if total > MAX_VOCAB_BYTES:", "if False:"),
-    ("sft: a single example passes", "if keep.sum() < 2:", "if keep.sum() < 1:"),
+    ("sft: a single example passes", "if kept < 2 or kept < n / 100:", "if kept < 1 or kept < n / 100:"),
+    ("sft: an example teaching only the draft heads is kept", "keep = mask[:, 1:cfg.T + 1].any(1)",
+     "keep = mask[:, 1:].any(1)"),
     ("sft: a number passes as a response", "if not isinstance(value, str):", "if False:"),
     ("sample: argv bytes passed on raw", "args.prompt = argv_text(args.prompt)", "pass"),
     ("data: dangling links kept", "for f in [f for f in files if not os.path.isfile(f)]:", "for f in []:"),
@@ -173,10 +175,11 @@ def main():
     source = open(os.path.join(HERE, "nanoeuler.py")).read()
     chosen = [m for m in mutations if args.k in m[0]]
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py"]:
+        for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py", "README.md"]:
             shutil.copy(os.path.join(HERE, name), tmp)
-        if os.path.isdir(os.path.join(HERE, "data")):
-            os.symlink(os.path.join(HERE, "data"), os.path.join(tmp, "data"))
+        for folder in ("data", "docs"):                # docs: test_inputs parses the commands on its pages
+            if os.path.isdir(os.path.join(HERE, folder)):
+                os.symlink(os.path.join(HERE, folder), os.path.join(tmp, folder))
 
         def run_tests(code):
             with open(os.path.join(tmp, "nanoeuler.py"), "w") as f:
