@@ -33,6 +33,7 @@ or put it behind a proxy that has them), system messages, tools, n > 1, stop str
 
 import codecs
 import collections
+import contextlib
 import io
 import ipaddress
 import json
@@ -43,7 +44,6 @@ import socket
 import socketserver
 import threading
 import time
-import contextlib
 from http.server import BaseHTTPRequestHandler
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -184,7 +184,7 @@ def prompt_ids(ne, tok, cfg, turns, max_tokens, replies):
 # the model: one reply at a time
 
 class Job:
-    """one reply to generate: the worker puts its ids on `out`, then None when it is done"""
+    """one reply to generate: the model's thread puts its ids on `out`, then (why it ended, how many)"""
 
     def __init__(self, prompt, settings):
         self.prompt, self.settings = prompt, settings
