@@ -574,3 +574,33 @@ def test_a_world_of_one_under_each_launcher_trains_the_plain_runs_bits(emulated,
     assert "resuming from" in train("resumed", WORLD_OF_ONE["srun"], "--resume")
     got = weights("resumed")
     assert all(np.array_equal(got[k], plain[k]) for k in plain)
+
+
+SIGNALED = """
+import os, signal, sys
+import nanoeuler_cuda as nc
+nc.nccl_unique_id = lambda: "ab" * 128
+args = nc.build_parser().parse_args(["bench", "--rendezvous-timeout", "60"])
+rank, world, local = nc.join_world(args, nc.find_place(args))
+print(f"rank {rank} prints", flush=True)
+if rank == 1:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):     # what srun and torchrun send every rank
+        os.kill(os.getpid(), sig)
+    print("rank 1 still here", file=sys.stderr, flush=True)
+    nc.watch.end()
+else:
+    nc.watch.wait()                           # until rank 1 has gone
+"""
+
+
+def test_ranks_other_than_0_print_nothing_and_leave_signals_to_rank0(tmp_path):
+    (tmp_path / "signaled.py").write_text(SIGNALED)
+    port = str(port_of_free_server())
+    procs = [subprocess.Popen([sys.executable, str(tmp_path / "signaled.py")], cwd=HERE, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": HERE, "RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in range(2)]
+    (out0, err0, code0), (out1, err1, code1) = [(*p.communicate(timeout=50), p.returncode) for p in procs]
+    assert code1 == 0 and out1 == "" and err1 == "rank 1 still here\n"
+    assert code0 == 0 and "rank 0 prints" in out0 and "rendezvous: rank 0 of 2 (torchrun)" in out0, err0
