@@ -4,7 +4,7 @@ chromium-driver, driven by Selenium (given the driver's path: it cannot download
 offline). A question typed and sent with Enter gets the streamed greedy reply, which is
 chat's reply to the same questions (two turns); a reply shows as it streams, Stop
 stops the server's generation, New chat starts over, an error is shown as its sentence.
-Skips without a browser, except under CI=true (.ci/run installs one), where it fails.
+Skips without a browser, except under CI=true or NANOEULER_CI=1 (.ci/run installs one), where it fails.
 
     python -m pytest -q test_serve_browser.py
     NANOEULER_SCREENSHOT=docs/serve.png NANOEULER_SCREENSHOT_MODEL=out/sft/best.safetensors \
@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 
-from test_serve import WAIT, Gate, chat_transcript, model, needs, running, wait_for  # noqa: F401  (model: a fixture)
+from test_serve import WAIT, Gate, chat_transcript, model, needs, on_ci, running, wait_for  # noqa: F401  (model: a fixture)
 
 # what Chromium needs on these machines: no sandbox as root, no GPU, and none of its own
 # connections to Google's hosts (the network is closed: they fail, many at a time)
@@ -33,7 +33,7 @@ def browser(tmp_path, monkeypatch):
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
         missing = "chromium" if not chromium else "chromedriver"
-        if os.environ.get("CI") == "true":
+        if on_ci():
             pytest.fail(f"{missing} is not installed; .ci/run installs chromium and chromium-driver")
         pytest.skip(f"{missing} is not installed (apt-get install chromium chromium-driver)")
     monkeypatch.setenv("SE_OFFLINE", "true")               # Selenium Manager: look for nothing online
