@@ -1,12 +1,14 @@
 #!/bin/bash
 # nanoeuler_cuda.py serve on a GPU (bash dev/gpu/serve_smoke.sh OUTDIR [MODEL]; OUTDIR: summary.log and
-# the logs), about 90 s on an H200 with no MODEL (train big 300 steps, sft 200), 20 s with one: the
+# the logs), about 20 s on an H200 with a MODEL (default: out/sft/best.safetensors when there), about
+# 90 s without (train big 300 steps, sft 200 first): the
 # server on a free port; GET /v1/models; three questions streamed at temperature 0, each reply equal
 # to `nanoeuler_cuda.py chat --temperature 0`'s to the same questions; time to the first piece and
-# tokens/s of a 200-token stream; a client that leaves mid-reply and the next request answered; a
+# tokens/s of a stream of up to 200 tokens; a client that leaves mid-reply and the next request answered; a
 # malformed body refused (400); SIGTERM stops the server (exit 143). Standard library only, no network.
 source "$(dirname "$0")/common.sh"
 M=${1:-}
+[ -z "$M" ] && [ -f out/sft/best.safetensors ] && M=out/sft/best.safetensors    # the README flow's, when it ran
 P=${PROGRAM:-nanoeuler_cuda.py}      # PROGRAM=nanoeuler.py: the same on the CPU (given a MODEL)
 if [ -z "$M" ]; then
   t train.log python nanoeuler_cuda.py train big --steps 300 --eval-every 300 --fresh --out out/serve_big
@@ -18,7 +20,7 @@ if [ -z "$M" ]; then
 fi
 Q=$R/questions.txt
 printf 'What is the capital of France?\nGive me three tips for staying healthy.\nWhat is a good name for a cat?\n' > "$Q"
-t chat.log sh -c "python $P chat --model $M --temperature 0 --max-new-tokens 80 < $Q"
+t chat.log timeout 100 sh -c "python $P chat --model $M --temperature 0 --max-new-tokens 80 < $Q"
 
 python $P serve --model "$M" --port 0 > "$R/serve.log" 2>&1 &
 server=$!
