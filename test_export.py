@@ -155,6 +155,8 @@ def test_split_pattern_matches_pythons_where_gpt2s_does_not():
     ours = tokenizers.pre_tokenizers.Split(tokenizers.Regex(export.ONIG_PATTERN), "isolated")
     gpt2 = tokenizers.pre_tokenizers.Split(tokenizers.Regex(
         r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""), "isolated")
+    for text in ODD_TEXT + AWKWARD_RUNS + ["we're they've I'll she'd it's don't I'm 'RE 'Re ''s x'sy"]:
+        assert [p for p, _ in ours.pre_tokenize_str(text)] == python_pieces(text), repr(text)
     differ = []
     for cp in range(0x3000):
         c = chr(cp)
