@@ -6,6 +6,7 @@ product in cuBLAS, called through ctypes. No framework.
     python nanoeuler_cuda.py check        # every kernel against numpy, then the whole model
     python nanoeuler_cuda.py train big    # train the 116M model (SPEC big) on one GPU
     python nanoeuler_cuda.py train big --gpus 2 --batch 32    # or data parallel on several
+    srun -N 2 --ntasks-per-node 8 python nanoeuler_cuda.py train big --batch 128   # or on several hosts
     python nanoeuler_cuda.py bench        # tokens/s and MFU of training steps, then decoding speed
     python nanoeuler_cuda.py sft --model out/big/best.safetensors      # fine-tune on instructions
     python nanoeuler_cuda.py chat --model out/sft/best.safetensors [--speculative]
@@ -18,8 +19,8 @@ names (rmsnorm_backward is a numpy layer there, a launcher here and
 rmsnorm_backward_kernel_<width> in kernels.cu): compiling the kernels and the CUDA
 plumbing first, then the kernel launchers and cuBLAS's matmuls (the layers), the
 model, check (in the gradient check's place), decoding (generation), training,
-SFT and chat, the benchmark, the command line; the data-parallel part (--gpus,
-NCCL) is the last section.
+SFT and chat, the benchmark, the command line; then the data-parallel part (--gpus,
+NCCL) and, last, several hosts (torchrun, srun, mpirun, --nnodes; docs/multinode.md).
 
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
