@@ -16,16 +16,15 @@ import os
 import subprocess
 import sys
 
+import gguf                  # requirements-dev.txt: what CI runs these tests with, so never skipped
 import numpy as np
 import pytest
+import tokenizers
 from hypothesis import given, settings, strategies as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "tools"))
 import export  # noqa: E402
-
-gguf = pytest.importorskip("gguf")
-tokenizers = pytest.importorskip("tokenizers")
 
 # text in many scripts and the awkward corners of UTF-8 and of the split pattern
 ODD_TEXT = [
