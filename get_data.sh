@@ -360,8 +360,10 @@ EOF
 # parquet -> text shards of the document format (each document, then "\n<|endoftext|>\n"),
 # appended to the shards already in STAGE until WANT bytes are written (check_parquet first).
 # A failure is one sentence straight on stderr: on a full disk no file could keep it.
+# Run it through run_child only: exec makes the background subshell the Python process itself,
+# so that stop's signal reaches Python (a signal to the subshell would leave Python running).
 convert_parquet() {
-    "$PY" - "$@" <<'EOF'
+    exec "$PY" - "$@" <<'EOF'
 import glob, os, sys
 import duckdb
 pq, stage, want, shard = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -470,6 +472,10 @@ do_web() {
         for f in "$stage"/web_*.txt; do [ -e "$f" ] && total=$((total + $(file_size "$f"))); done
         ndone=$((ndone + 1)); i=$((i + 1))
     done
+    if [ "$total" -eq 0 ]; then
+        fail "web: the $ndone parquet file(s) of $FINEWEB_URL hold no text (every text is empty or null); nothing was written"
+        return 1
+    fi
     local nshards; nshards=$(find "$stage" -name 'web_*.txt' | wc -l | tr -d ' ')
     printf '%s %s %s\n' "$want" "$total" "$nshards" > "$stage/.complete"
     # swap the finished folder in whole: data/web is either the old corpus or the new one
