@@ -184,7 +184,7 @@ fetch() {
         elif grep -qi 'unreachable' "$err"; then FETCH_NET=1; FETCH_ERR="no network: $host is unreachable"
         elif grep -qi 'refused' "$err"; then FETCH_NET=1; FETCH_ERR="$host does not answer (connection refused)"
         elif grep -qi 'timed out' "$err"; then FETCH_NET=1; FETCH_ERR="$host does not answer (timed out)"
-        else FETCH_ERR="wget failed for $url (exit $rc: $(head -c 200 "$err" | tr '\n' ' '))"; fi
+        else FETCH_ERR="wget failed for $url (exit $rc: $(grep -v "^  " "$err" | head -c 200 | tr '\n' ' '))"; fi   # (-S: headers indented)
         return 1
     fi
     FETCH_NET=1; FETCH_ERR="neither curl nor wget is installed (e.g. apt-get install curl)"
