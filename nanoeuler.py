@@ -1370,8 +1370,8 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 # above `import numpy`): two layers of threads on two cores made every step
 # twice as slow. With these and keep_freed_memory, a step on 2 cores runs
 # 1.2x PyTorch's eager CPU step; without any one of them it falls behind
-# (BENCHMARKS.md, "what the reference keeps for speed"). Many threads of a row or
-# two would spend the step waiting for the GIL in turn (docs/cpu_threads.md).
+# (BENCHMARKS.md, "what the reference keeps for speed"). On 16 cores, 16 threads of
+# 2 rows were slower than 2 of 16 (waiting for the GIL in turn; docs/cpu_threads.md).
 MIN_ROWS = 4                                        # a thread's rows at the least
 
 
@@ -2221,7 +2221,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
     g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the data order (and of train's init)")
     if threads:
         g.add_argument("--threads", type=positive_int, default=CORES,
-                       help="threads the batch is split over")
+                       help="threads the batch is split over, at most (one a core, 4 rows a thread at least)")
     g = sp.add_argument_group("optimization")
     g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
     g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
