@@ -2124,11 +2124,15 @@ def cmd_train(args):
 
     def lead(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
         if world:
-            engine.share_rng(state["rng"])
+            engine.share_start({"rng": state["rng"], "data": data_digest(tok, val_batches)})
         ne.train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state)
 
     def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
-        follow(engine, next_batch, ne.saved_rng({"rng": engine.share_rng(None)}))
+        start = engine.share_start({})
+        if start["data"] != data_digest(tok, val_batches):
+            raise NanoEulerError(f"rank {rank}'s data is not rank 0's (another tokenizer, or other validation "
+                                 "rows): give every host the same --data text")
+        follow(engine, next_batch, ne.saved_rng(start))
 
     if rank:                                    # rank 0 resumes and hands the others its start (DataParallelEngine)
         args.resume = False
@@ -2563,7 +2567,7 @@ def main(argv=None):
 
 NCCL_FLOAT32, NCCL_FLOAT64, NCCL_SUM = 7, 8, 0
 STEP, GATHER, STOP = 1, 2, 3                   # what rank 0 tells the others
-RNG_BYTES = 2048                               # share_rng's room for the data order's random state, as JSON
+START_BYTES = 2048                             # share_start's room for rank 0's start, as JSON
 nccl = None                                    # libnccl through ctypes, once load_nccl ran
 
 
@@ -2670,11 +2674,12 @@ class DataParallelEngine(GPUEngine):
         self.comm.broadcast(d, gpu.stream)
         return d.download()
 
-    def share_rng(self, rng_state):
-        """rank 0's random generator's state (the data order), on every rank"""
-        text = json.dumps(rng_state).encode() if self.rank == 0 else b""
-        assert len(text) < RNG_BYTES
-        buf = np.zeros(RNG_BYTES, np.float64)
+    def share_start(self, start):
+        """rank 0's start (a dict: its random generator's state, the data order, and what its data
+        is, data_digest), on every rank"""
+        text = json.dumps(start).encode() if self.rank == 0 else b""
+        assert len(text) < START_BYTES
+        buf = np.zeros(START_BYTES, np.float64)
         buf[:len(text)] = np.frombuffer(text, np.uint8)
         got = self.from_rank0(buf).astype(np.uint8).tobytes().rstrip(b"\0")
         return json.loads(got)
@@ -2737,6 +2742,15 @@ class DataParallelEngine(GPUEngine):
             self.command(STOP)
         gpu.sync()
         self.comm.close()
+
+
+def data_digest(tok, val_batches):
+    """what a rank's data is, in short: its tokenizer and its validation rows (hosts with no
+    shared folder each tokenize their own copy of --data)"""
+    h = hashlib.sha256(tok.to_json().encode())
+    for idx, targets in val_batches:
+        h.update(np.ascontiguousarray(idx).tobytes())
+    return h.hexdigest()[:16]
 
 
 def follow(engine, next_batch, rng):

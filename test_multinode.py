@@ -491,9 +491,9 @@ def test_rank0s_data_order_reaches_the_others_whole():
     rng = np.random.default_rng(1234)
     rng.integers(0, 10, 7)                                   # a generator part way through
     rank0 = types.SimpleNamespace(rank=0, from_rank0=lambda a: a)       # a world of one: the broadcast keeps all
-    got = nc.DataParallelEngine.share_rng(rank0, rng.bit_generator.state)
-    follower = np.random.default_rng()
-    follower.bit_generator.state = got
+    got = nc.DataParallelEngine.share_start(rank0, {"rng": rng.bit_generator.state, "data": "d1"})
+    assert got["data"] == "d1"
+    follower = ne.saved_rng(got)
     assert follower.integers(0, 1 << 30, 5).tolist() == rng.integers(0, 1 << 30, 5).tolist()
 
 
@@ -604,3 +604,12 @@ def test_ranks_other_than_0_print_nothing_and_leave_signals_to_rank0(tmp_path):
     (out0, err0, code0), (out1, err1, code1) = [(*p.communicate(timeout=50), p.returncode) for p in procs]
     assert code1 == 0 and out1 == "" and err1 == "rank 1 still here\n"
     assert code0 == 0 and "rank 0 prints" in out0 and "rendezvous: rank 0 of 2 (torchrun)" in out0, err0
+
+
+def test_a_rank_with_other_data_is_told_apart():
+    tok = ne.Tokenizer()
+    rows = [(np.arange(6).reshape(2, 3), None)]
+    same = nc.data_digest(tok, rows)
+    assert same == nc.data_digest(ne.Tokenizer(), [(np.arange(6).reshape(2, 3), None)])
+    assert same != nc.data_digest(tok, [(np.arange(1, 7).reshape(2, 3), None)])
+    assert same != nc.data_digest(ne.Tokenizer([(97, 97)]), rows)
