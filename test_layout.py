@@ -27,8 +27,9 @@ import layout  # noqa: E402
 
 # the changes other work had in flight to nanoeuler.py on 2026-12-04 came to about 170 lines (an async
 # checkpoint writer, CPU threads, serve, reliability); once they have landed, lower this to what is left.
-# serve's landing took 3 of the functions: build_parser builds every command's flags on train's way too.
-ALLOWANCE = {"lines": 200, "names": 2, "functions": 6}
+# serve's landing took 3 of the functions: build_parser builds every command's flags on train's way too;
+# the CPU-threads work took 2 of the names (available_cores and CORES moved to the operations part).
+ALLOWANCE = {"lines": 200, "names": 4, "functions": 6}
 
 # measured by python tools/layout.py on main, 2026-12-04 (first figures: story 2,413, file 3,493,
 # 31 names, 80 functions, comment share 0.280)
