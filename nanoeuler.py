@@ -1160,27 +1160,6 @@ def encode_chunk(tok, path, offset, data, ends_document):
     return np.array(ids, dtype=token_dtype(tok.vocab_size))
 
 
-_worker_tokenizer = None
-
-
-def _start_worker(merges, max_piece_bytes):
-    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
-    main process, which stops the workers (they were started with it blocked).
-    Should the main process be killed outright (kill -9, out of memory), the
-    worker exits too rather than wait for work forever."""
-    import multiprocessing
-    import threading
-    global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main_process = multiprocessing.parent_process()
-    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
-    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
-
-
-def _encode_chunk(chunk):
-    return encode_chunk(_worker_tokenizer, *chunk)
-
-
 def encoded_chunks(files, tok, workers):
     """yield (token ids, bytes read) for every chunk of the files, in order, encoded
     by `workers` processes (or by this one when workers is 1).
@@ -1193,33 +1172,17 @@ def encoded_chunks(files, tok, workers):
         for chunk in text_chunks(files):
             yield encode_chunk(tok, *chunk), len(chunk[2])
         return
-    import multiprocessing
     from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    # Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
-    # processes started here (the workers, multiprocessing's resource tracker) inherit
-    # both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
-    # ignores only SIGINT and SIGTERM); this process gets them at the unblock.
-    with signals_blocked():
-        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
-                                   initargs=(tok.merges, tok.max_piece_bytes))
     pending = deque()
-    try:
+    with encoding_pool(workers, tok) as submit:        # the processes and their signals: operations
         for chunk in text_chunks(files):
-            with signals_blocked():                    # submit may start a worker
-                pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
+            pending.append((submit(chunk), len(chunk[2])))
             while len(pending) > 2 * workers or (pending and pending[0][0].done()):
                 future, nbytes = pending.popleft()
                 yield future.result(), nbytes
         while pending:
             future, nbytes = pending.popleft()
             yield future.result(), nbytes
-    except BrokenProcessPool:
-        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
-                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
-    finally:
-        pool.shutdown(cancel_futures=True)             # lets the running chunks finish: at most a second
 
 
 def fmt_time(seconds):
@@ -3247,6 +3210,58 @@ class StopFlag:
         with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
             print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
                   file=sys.stderr)
+
+
+# Tokenizing on every core (the data section's encoded_chunks) runs worker processes.
+# Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
+# processes started here (the workers, multiprocessing's resource tracker) inherit
+# both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
+# ignores only SIGINT and SIGTERM); the main process gets them at the unblock, and
+# stops the workers.
+
+_worker_tokenizer = None
+
+
+def _start_worker(merges, max_piece_bytes):
+    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
+    main process, which stops the workers (they were started with it blocked).
+    Should the main process be killed outright (kill -9, out of memory), the
+    worker exits too rather than wait for work forever."""
+    import multiprocessing
+    import threading
+    global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main_process = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
+    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
+
+
+def _encode_chunk(chunk):
+    return encode_chunk(_worker_tokenizer, *chunk)
+
+
+@contextlib.contextmanager
+def encoding_pool(workers, tok):
+    """-> submit(chunk), a future of encode_chunk(tok, *chunk) run by one of `workers`
+    spawned processes (started with the signals blocked, as above); a worker that died
+    is one sentence; on leaving, the pool stops (its running chunks finish: at most a second)"""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    with signals_blocked():
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                                   initargs=(tok.merges, tok.max_piece_bytes))
+
+    def submit(chunk):
+        with signals_blocked():                        # submit may start a worker
+            return pool.submit(_encode_chunk, chunk)
+    try:
+        yield submit
+    except BrokenProcessPool:
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def exit_stopped(signum, step, last_path):
