@@ -77,7 +77,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class NanoEulerError(Exception):
-    """A problem the user can fix; main() prints it as one sentence, no traceback."""
+    """A problem the user can fix: raised anywhere, it ends the command in one sentence on
+    stderr, exit code 2, no traceback (run_command, at the end of the file, says it)."""
 
 
 # -----------------------------------------------------------------------------
