@@ -2113,6 +2113,7 @@ def cmd_train(args):
                             before=lambda: ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out)))
     if place:                                   # a rank of torchrun, srun or mpirun
         rank, world, local = join_world(args, place)
+        local = gpu_of(local, place)
         prepare_once(args, cfg)
     init_gpu(args.precision, local)
     if world and rank == 0:
@@ -2213,6 +2214,7 @@ def cmd_bench(args):
         return launch_ranks(args.argv, args.gpus, place=place, args=args)
     if place:                                          # a rank of torchrun, srun or mpirun
         rank, world, local = join_world(args, place)
+        local = gpu_of(local, place)
     if args.decode_only:
         return bench_decoding(args)
     if args.model:
@@ -3372,6 +3374,16 @@ def join_world(args, place):
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)
     return place.rank, place.world, place.local_rank
+
+
+def gpu_of(local_rank, place):
+    """a launcher's rank's GPU: its local rank, or the one GPU it sees where the launcher gave
+    each rank its own (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per rank)"""
+    n = count_gpus()
+    if local_rank < n or n == 1:
+        return local_rank if local_rank < n else 0
+    raise NanoEulerError(f"{place.launcher} made this rank local rank {local_rank}, but it sees {n} GPUs; start at "
+                         "most one rank per GPU on each host")
 
 
 def prepare_once(args, cfg):

@@ -613,3 +613,13 @@ def test_a_rank_with_other_data_is_told_apart():
     assert same == nc.data_digest(ne.Tokenizer(), [(np.arange(6).reshape(2, 3), None)])
     assert same != nc.data_digest(tok, [(np.arange(1, 7).reshape(2, 3), None)])
     assert same != nc.data_digest(ne.Tokenizer([(97, 97)]), rows)
+
+
+@pytest.mark.parametrize("local, gpus, device", [(3, 8, 3), (3, 1, 0), (0, 1, 0), (3, 2, None)])
+def test_a_ranks_gpu_is_its_local_rank_or_the_one_it_sees(monkeypatch, local, gpus, device):
+    monkeypatch.setattr(nc, "count_gpus", lambda: gpus)
+    if device is None:
+        with pytest.raises(ne.NanoEulerError, match="srun made this rank local rank 3, but it sees 2 GPUs"):
+            nc.gpu_of(local, place(0, 4, 1)._replace(launcher="srun"))
+    else:
+        assert nc.gpu_of(local, place(0, 4, 1)) == device
