@@ -413,6 +413,13 @@ except OSError as e:
 EOF
 }
 
+drop_cache() {   # CACHE: the lock given up, and the cache folder removed if nothing else is in it
+    exec 8>&-
+    if [ -z "$(find "$1" -mindepth 1 ! -name .lock 2>/dev/null | head -n 1)" ]; then
+        rm -f "$1/.lock"; rmdir "$1" "$(dirname "$1")" 2>/dev/null
+    fi
+}
+
 do_web() {
     local want shard_bytes dir="$DATA/web" cache="$DATA/.cache/fineweb" stage i=0 name pq total=0 ndone=0 short="" why f host
     want=$(parse_size "${1:-1G}") || { fail "web: SIZE '${1:-}' is not a size like 300M or 1G (at most 100T)"; exit 2; }
@@ -438,6 +445,17 @@ do_web() {
     host=${FINEWEB_URL#*://}; host=${host%%/*}
     stage="$TMP/web"
     mkdir -p "$cache" "$stage" || { fail "cannot create $(show "$cache")"; return 1; }
+    # one download into the cache at a time: two curl -C - appending to one .part would mix
+    # them. The lock (flock, where installed) is held on fd 8, which the transfers inherit, so a
+    # curl left running by a kill -9 of its script holds it too, until it ends.
+    if command -v flock >/dev/null 2>&1 && exec 8>>"$cache/.lock"; then
+        flock -n -E 75 8
+        if [ $? = 75 ]; then
+            fail "web: another get_data.sh, or a download it left running, is fetching into $(show "$cache"); wait for it to end"
+            exec 8>&-
+            return 1
+        fi
+    fi
     while [ "$total" -lt "$want" ]; do
         name=$(printf '%03d_00000.parquet' "$i"); pq="$cache/$name"
         if [ -s "$pq" ] && ! check_parquet "$pq" "$name" 2>/dev/null; then
@@ -453,14 +471,14 @@ do_web() {
             fi
             if [ -n "$FETCH_ERR" ]; then
                 [ -s "$pq.part" ] || rm -f "$pq.part"                               # keep only a resumable start
-                rmdir "$cache" "$DATA/.cache" 2>/dev/null
+                drop_cache "$cache"
                 if [ "$FETCH_CODE" = 404 ] && [ "$i" -gt 0 ]; then short=1; break; fi   # the sample has no more files
                 fail "web: $FETCH_ERR"
                 return 1
             fi
             # what the server sent takes its final name only once it reads as parquet
             if ! why=$(check_parquet "$pq.part" "what $host sent for $name" 2>&1); then
-                rm -f "$pq.part"; rmdir "$cache" "$DATA/.cache" 2>/dev/null
+                rm -f "$pq.part"; drop_cache "$cache"
                 fail "web: ${why##*$'\n'}; nothing of it was kept: run again later, or set NANOEULER_FINEWEB_URL to another mirror"
                 return 1
             fi
@@ -483,6 +501,7 @@ do_web() {
     if [ -d "$dir" ]; then mv "$dir" "$dir.old" || { fail "cannot replace $(show "$dir")"; return 1; }; fi
     mv "$stage" "$dir" || { fail "cannot write $(show "$dir")"; return 1; }
     rm -rf "$dir.old"
+    exec 8>&-
     if [ -z "${NANOEULER_KEEP_PARQUET:-}" ]; then rm -rf "$cache"; rmdir "$DATA/.cache" 2>/dev/null; fi
     local s1=s s2=s; [ "$nshards" = 1 ] && s1=""; [ "$ndone" = 1 ] && s2=""
     say "wrote $(human "$total") of web text in $nshards shard$s1 in $(show "$dir") from $ndone parquet file$s2${short:+ (the source has no more files)}"

@@ -919,7 +919,8 @@ def test_sigterm_stops_the_conversion_at_once(tmp_path, fineweb):
         os.kill(pid, 0)
     data = tmp_path / "data"
     assert sorted(os.listdir(data)) == [".cache"] and leftovers(data) == []
-    assert os.listdir(data / ".cache" / "fineweb") == ["000_00000.parquet"]   # the download is kept for next time
+    kept = set(os.listdir(data / ".cache" / "fineweb")) - {".lock"}    # (flock's file, where flock is installed)
+    assert kept == {"000_00000.parquet"}                                 # the download is kept for next time
 
 
 @needs_duckdb
@@ -930,3 +931,27 @@ def test_web_files_that_hold_no_text_write_no_corpus(tmp_path, server):
         f"get_data.sh: web: the 1 parquet file(s) of {server.url}/10BT hold no text (every text is empty or null); "
         "nothing was written"]
     assert not (tmp_path / "data" / "web").exists() and leftovers(tmp_path / "data") == []
+
+
+@needs_duckdb
+@pytest.mark.skipif(shutil.which("flock") is None, reason="flock (util-linux) is not installed")
+def test_a_second_web_run_waits_for_the_download_in_flight(tmp_path, server):
+    # two curl -C - appending to one .part would mix two downloads into one file
+    body = write_parquet(tmp_path / "a.parquet", DOCS_0)
+    server.files["/10BT/000_00000.parquet"] = body
+    server.stall.add("/10BT/000_00000.parquet")
+    env = env_for(tmp_path, server.url)
+    first = start(["web", "60"], env)
+    assert server.stalled.wait(20)
+    rc, out, err = run(["web", "60"], env)
+    cache = tmp_path / "data" / ".cache" / "fineweb"
+    assert rc == 1 and err.splitlines() == [
+        f"get_data.sh: web: another get_data.sh, or a download it left running, is fetching into {cache}; "
+        "wait for it to end"]
+    assert len(server.requests) == 1
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(20) == 143
+    server.stall.clear()
+    rc, out, err = run(["web", "60"], env)                       # the lock went with the first run
+    assert rc == 0, err
+    assert read_shards(tmp_path / "data" / "web")[1] == [expected_web(DOCS_0, 60)]
