@@ -11,8 +11,8 @@ for part in "serve_smoke 60" "multinode_world1 120" "eval 200"; do
   set -- $part
   echo "== dev/gpu/$1.sh (limit $2 s)" | tee -a "$S"
   s=$EPOCHREALTIME
-  timeout $2 bash dev/gpu/$1.sh "$L/$1" > "$L/$1.out" 2>&1
-  echo "[timing] dev/gpu/$1.sh: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $?" | tee -a "$S"
+  timeout $2 bash dev/gpu/$1.sh "$L/$1" > "$L/$1.out" 2>&1; rc=$?
+  echo "[timing] dev/gpu/$1.sh: $(awk "BEGIN{printf \"%.1f\", $EPOCHREALTIME - $s}") s, rc $rc" | tee -a "$S"
   cat "$L/$1/summary.log" >> "$S" 2>/dev/null
 done
 (cd "$R" && tar -czf logs.tgz logs && rm -rf logs)
