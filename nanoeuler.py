@@ -1203,7 +1203,7 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
     -> the number of tokens. Every core works unless the corpus is small."""
     total = sum(os.path.getsize(f) for f in files)
     if workers is None:
-        workers = available_cores() if total >= POOL_MIN_BYTES else 1
+        workers = CORES if total >= POOL_MIN_BYTES else 1
     done, n_tokens, t0 = 0, 0, time.time()
     chunks = encoded_chunks(files, tok, workers)
     try:
