@@ -194,6 +194,7 @@ def test_load_task_drops_unconditioned_rows_and_orders_choices(data):
     wino = ev.load_task("winogrande", data)[0]["pairs"]
     assert wino[0][0].endswith("because the cup") and wino[1][0].endswith("because the table")
     assert ev.chance("csqa", ev.load_task("csqa", data)) == 0.2
+    assert ev.chance("boolq", ev.load_task("boolq", data)) == 0.62     # the majority answer's share, not 1/2
 
 
 def test_chat_question_and_numbers():
@@ -296,7 +297,7 @@ def test_run_scores_every_checkpoint_into_eval_csv(tiny, data, tmp_path):
     r = run("--run", str(tmp_path), "--data", data, "--tasks", "arc_easy,lambada", "--quiet")
     assert r.returncode == 0, r.stderr
     rows = (tmp_path / "eval.csv").read_text().splitlines()
-    assert rows[0] == "step,core_lite,arc_easy,lambada"
+    assert rows[0] == "step,core_lite,arc_easy,lambada,lambada_bpb"
     assert [row.split(",")[0] for row in rows[1:]] == ["10", "20"]
     assert rows[1].split(",")[1:] == rows[2].split(",")[1:]   # the same weights score the same
 

@@ -309,9 +309,16 @@ class GPUScorer:
 # -----------------------------------------------------------------------------
 # tasks
 
+# a task whose baseline is not 1 / choices: BoolQ's majority answer (yes) is 62% of its items,
+# the baseline nanochat's CORE (DCLM's table) gives it
+BASELINES = {"boolq": 0.62}
+
+
 def chance(task, items):
     if task in ("lambada", "gsm8k"):
         return 0.0
+    if task in BASELINES:
+        return BASELINES[task]
     return float(np.mean([1 / len(it["pairs"]) for it in items])) if items else 0.0
 
 
@@ -569,9 +576,11 @@ def run_checkpoints(args):
             report = evaluate_model(os.path.join(args.run, name), args)
             key = "chat_core_lite" if args.chat else "core_lite"
             if fields is None:
-                fields = [r["task"] for r in report["tasks"]]
+                fields = [r["task"] for r in report["tasks"]] + ["lambada_bpb"] * any(
+                    r["task"] == "lambada" for r in report["tasks"])
                 w.writerow(["step", key] + fields)
             by = {r["task"]: r["acc_norm"] for r in report["tasks"]}
+            by["lambada_bpb"] = next((r.get("bpb") for r in report["tasks"] if r["task"] == "lambada"), None)
             w.writerow([step, fmt(report[key])] + [fmt(by.get(t)) for t in fields])
             print(f"step {step}: {key} {fmt(report[key])}", file=sys.stderr)
             if report["interrupted"]:

@@ -5,7 +5,8 @@
 # readme_flow); without out/big it times a random big model (chance scores, real speed).
 #  1. CPU against GPU on the first 1,000 HellaSwag items with the small model: the same choices in
 #     fp32 (all), and in bf16 (at least 99%)
-#  2. the small model, every base task, whole, on the GPU (bf16)
+#  2. the small model, every base task, whole, on the GPU (bf16); where the whole out/small was
+#     carried (29 MB), each of its checkpoints too (--run: eval.csv)
 #  3. the big model, every base task, whole (HellaSwag's 10,042 items: the seconds in the summary)
 #  4. the SFT model, --chat: ARC whole, GSM8K's first 64 items
 # OUTDIR: summary.log (the tables, the timings), *.json (every result), *.log (each command's output).
@@ -38,6 +39,11 @@ EOF
   echo "== 2. small model, every base task, GPU bf16" | tee -a "$S"
   t small.log $EV --model "$SMALL" --gpu --json "$R/small.json"
   table small.log; seconds "$R/small.json"
+  if ls "$(dirname "$SMALL")"/model_*.safetensors > /dev/null 2>&1; then   # the whole run folder was carried
+    echo "== 2b. --run: each checkpoint of $(dirname "$SMALL") into eval.csv (GPU bf16)" | tee -a "$S"
+    t run.log $EV --run "$(dirname "$SMALL")" --gpu --tasks hellaswag,arc_easy,lambada
+    cp "$(dirname "$SMALL")/eval.csv" "$R/eval.csv" && tee -a "$S" < "$R/eval.csv"
+  fi
 else
   echo "no $SMALL: parts 1 and 2 skipped (carry out/small/best.safetensors)" | tee -a "$S"
 fi
