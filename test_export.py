@@ -420,6 +420,9 @@ def test_bad_input_is_refused_in_one_sentence(exported, tmp_path):
     assert_refused(run_export("--model", model), "--hf", "--gguf")
     assert_refused(run_export("--model", model, "--hf", ""), "--hf is empty")
     assert_refused(run_export("--model", "", "--hf", out), "--model is empty")
+    same = str(tmp_path / "same")                      # refused before either is written, not after the folder
+    assert_refused(run_export("--model", model, "--hf", same, "--gguf", same), "--hf and --gguf", "same")
+    assert_refused(run_export("--model", model, "--hf", same, "--gguf", str(tmp_path / "." / "same")), "--gguf")
     assert sorted(os.listdir(tmp_path)) == ["damaged.safetensors"]
 
 

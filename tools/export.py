@@ -341,6 +341,9 @@ def cmd_export(args):
             raise ne.NanoEulerError(f"{flag} is empty; give a new {'folder' if flag == '--hf' else 'file'} name")
         if path is not None:
             refuse_existing(path, flag)
+    if args.hf is not None and args.gguf is not None and os.path.abspath(args.hf) == os.path.abspath(args.gguf):
+        raise ne.NanoEulerError(f"--hf and --gguf are both {args.gguf}; give each its own name (the Hugging "
+                                "Face folder would be written and the GGUF file then refused)")
     cfg, flat, tok = ne.load_model(args.model)
     token_strings(tok, f"{args.model}'s tokenizer")    # refuse an unfaithful vocabulary before writing
     params = ne.carve(flat, cfg)
