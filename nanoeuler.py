@@ -1447,8 +1447,12 @@ class CPUEngine:
         return self.flat
 
     def host_weights(self):
-        """flat params, m, v as float32 numpy arrays"""
-        return self.flat, self.m, self.v
+        """copies of the flat params, m, v (float32), the same buffers each time: a checkpoint
+        writes them while the next steps change the originals"""
+        self.saved = getattr(self, "saved", None) or [np.empty_like(a) for a in (self.flat, self.m, self.v)]
+        for copy, a in zip(self.saved, (self.flat, self.m, self.v)):
+            np.copyto(copy, a)
+        return self.saved
 
     def mfu(self, dt):
         return None                                       # only the GPU log shows MFU
@@ -1500,6 +1504,7 @@ def saved_rng(state):
     return rng
 
 
+SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 MAX_PLANNED_STEPS = 10 ** 9
 
@@ -1509,29 +1514,41 @@ def plan_at(args, state, start):
     return start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
 
 
-def plan_steps(args, step, step_time, eval_time, save_time, elapsed):
+def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
     """--minutes: the most steps that end the whole run on time: the minutes less the
     time since the program started (elapsed), then every step, evaluation and
-    checkpoint to come, the last step's included. Set within the warmup (while the
-    learning rate does not depend on the total), once, and kept in the training
-    state, so a resumed run keeps the plan."""
+    checkpoint to come, the last step's included. A checkpoint holds the loop for its
+    copy (pause) and is written (write) while the next steps run: it costs the loop
+    the pause, and what the write outlasts those steps by; the last costs its write
+    too. Set within the warmup (while the learning rate does not depend on the total),
+    once, and kept in the training state, so a resumed run keeps the plan."""
     left = args.minutes * 60 - elapsed
+    every, minutes = save_interval(args)
 
     def cost(total):                                   # seconds from now to the end of a run of `total` steps
         ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
-        return (total - step) * step_time + ends(args.eval_every) * eval_time + ends(args.save_every) * save_time
+        run = (total - step) * step_time + ends(args.eval_every) * eval_time
+        saves = ends(every) if every else int(run // (minutes * 60)) + 1
+        behind = max(0.0, write - (every * step_time if every else minutes * 60))
+        return run + saves * pause + (saves - 1) * behind + write
     lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
     while lo < hi:                                     # cost grows with total: bisect for the last that fits
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
     total = lo
     print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
-          f"{eval_time:.1f} s an evaluation every {args.eval_every}, {save_time:.1f} s a checkpoint every "
-          f"{args.save_every})")
+          f"{eval_time:.1f} s an evaluation every {args.eval_every}, a checkpoint every "
+          f"{every or f'{minutes:g} minutes'} holding training {pause:.2f} s, written in {write:.1f} s)")
     if args.warmup < step:
         print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
               "so far followed --steps's schedule")
     return total
+
+
+def save_interval(args):
+    """(steps, minutes) between checkpoints: --save-every, else --save-minutes (the GPU's
+    default), else every SAVE_EVERY steps (the CPU's)"""
+    return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
 
 
 def steps_text(args, state):
@@ -1733,7 +1750,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     times, t_start = [], clock()
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
-    flag = StopFlag()
+    flag, saves = StopFlag(), CheckpointWriter(out_dir, cfg, tok, clock)
+    every, minutes = save_interval(args)
     with flag.signals_handled(), warnings.catch_warnings():
         # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -1752,15 +1770,18 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                                          elapsed)
                     eval_time = clock() - t_eval
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
+                saves.finish(poll=True)
                 planning = step == plan_step and val           # --minutes: an evaluation and a save, timed
-                if step % args.save_every == 0 or step == total or planning:
-                    t_save = clock()
-                    saved, last_path = step, checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+                if saves.due(step, every, minutes) or step == total or planning:
+                    # written while the next steps run; the last, and the timed one, before going on
+                    saved, last_path = step, saves.save(step, engine, state, rng, background=not (
+                        planning or step == total))
                     if planning:
                         total = state["planned_steps"] = plan_steps(args, step, np.mean(times), eval_time,
-                                                                    clock() - t_save, clock() - began)
+                                                                    saves.paused, saves.took, clock() - began)
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
-            last_path = checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock)
+            last_path = saves.save(step, engine, state, rng, background=False)
+        saves.finish()                                    # the save in flight, whatever stopped the loop
     csv.close()
     engine.close()
     flag.exit_if_stopped(step, last_path)                 # a signal: exit 128 + N; lost output: run_command's
@@ -2168,8 +2189,8 @@ def add_serve_flags(sp):
                     default=8000, help="TCP port; 0 = any free one")
 
 
-def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
-    """the flags train and sft share (and nanoeuler_cuda.py's, without --threads)"""
+def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_minutes=None):
+    """the flags train and sft share (and nanoeuler_cuda.py's, without --threads, saving every 10 minutes)"""
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type=count_type, default=steps, help="optimizer steps in the whole run")
     g.add_argument("--minutes", type=minutes_type, default=0,
@@ -2196,7 +2217,12 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True):
     g.add_argument("--eval-every", type=positive_int, default=100, help="validate and sample every N steps")
     g.add_argument("--eval-batches", type=positive_int, default=20,
                    help="validation batches (pretraining: of 32 rows; sft: of --batch held-out examples)")
-    g.add_argument("--save-every", type=positive_int, default=200, help="checkpoint every N steps")
+    saving = g.add_mutually_exclusive_group()
+    saving.add_argument("--save-every", type=positive_int, default=None,
+                        help=f"checkpoint every N steps (default: {'--save-minutes' if save_minutes else SAVE_EVERY})")
+    saving.add_argument("--save-minutes", type=positive_float, default=save_minutes,
+                        help="checkpoint every M minutes (default: " + (f"{save_minutes:g}" if save_minutes else
+                                                                        "--save-every") + "); and at the end")
 
 
 def build_parser():
@@ -2790,16 +2816,76 @@ def load_checkpoint(out_dir, step):
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 
 
-def checkpoint(out_dir, step, cfg, tok, engine, state, rng, clock):
-    """the pair of files of `step`, with the data order's random state; older pairs pruned -> model path"""
-    t0 = clock()
-    state.update(step=step, rng=rng.bit_generator.state)
-    flat, m, v = engine.host_weights()
-    stop_if_not_finite({"weights": flat}, step, out_dir)
-    path = save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state)
-    prune_checkpoints(out_dir)
-    print(f"saved  {path} (+ state) in {clock() - t0:.1f} s")
-    return path
+class CheckpointWriter:
+    """The loop's checkpoints, written while training goes on. save() takes the engine's
+    copies of the weights and moments (host_weights: on the GPU into page-locked memory, in
+    well under a second) and of the state; a thread writes the pair as save_checkpoint does
+    (state first, model last, each through a temp name) and prunes the older pairs, so a
+    kill at any moment leaves the pair before. One save at most is in flight: the next
+    waits for it, and says so once. finish() waits and says it is saved; stop_on_nan
+    waits too (wait()), so that it names the newest pair."""
+    thread = None                                    # the save in flight, one per process
+
+    def __init__(self, out_dir, cfg, tok, clock):
+        self.out_dir, self.cfg, self.tok, self.clock = out_dir, cfg, tok, clock
+        self.said, self.result, self.last, self.paused, self.took = False, None, clock(), 0.0, 0.0
+
+    def due(self, step, every, minutes):
+        """--save-every's multiples, or --save-minutes since the last save"""
+        return step % every == 0 if every else self.clock() - self.last >= minutes * 60
+
+    def save(self, step, engine, state, rng, background=True):
+        """the pair of `step`, with the data order's random state -> the model's path"""
+        t0 = self.last = self.clock()
+        if self.writing() and not self.said:
+            self.said = True
+            print("note: a checkpoint is still being written when the next is due; training waits for it "
+                  "(now and later); save less often, or to a faster disk", file=sys.stderr)
+        self.finish()
+        state.update(step=step, rng=rng.bit_generator.state)
+        flat, m, v = engine.host_weights()
+        stop_if_not_finite({"weights": flat}, step, self.out_dir)
+        work = (step, flat, m, v, json.loads(json.dumps(state)))
+        self.paused = self.clock() - t0                  # how long the save held training
+        if background:
+            CheckpointWriter.thread = threading.Thread(target=self.write, args=work, name="checkpoint writer")
+            CheckpointWriter.thread.start()
+        else:
+            self.write(*work)
+            self.finish()
+        return checkpoint_path(self.out_dir, step)
+
+    def write(self, step, flat, m, v, state):
+        t0 = self.clock()
+        try:
+            save_checkpoint(self.out_dir, step, self.cfg, flat, m, v, self.tok, state)
+            prune_checkpoints(self.out_dir)
+            self.took, self.result = self.clock() - t0, step
+        except BaseException as e:                   # for finish() to raise in the loop's thread
+            self.result = e
+
+    @classmethod
+    def writing(cls):
+        return cls.thread is not None and cls.thread.is_alive()
+
+    @classmethod
+    def wait(cls):
+        if cls.thread:
+            cls.thread.join()
+            cls.thread = None
+
+    def finish(self, poll=False):
+        """wait for the save in flight (poll: only if it has ended) and say it is saved, or raise
+        what stopped it"""
+        if poll and self.writing():
+            return
+        self.wait()
+        result, self.result = self.result, None
+        if isinstance(result, BaseException):
+            raise result
+        if result is not None:
+            print(f"saved  {checkpoint_path(self.out_dir, result)} (+ state) in {self.paused + self.took:.1f} s, "
+                  f"training held {self.paused:.2f} s")
 
 
 def start_state(args, seed):
@@ -3084,7 +3170,8 @@ def stop_on_nan(what, value, step, out_dir, made_by=None):
     """the run diverged at `step`: stop, naming the newest checkpoint whose weights went on
     to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
     if one was saved, is removed (resuming from it meets the same value at once), while
-    every older checkpoint was followed by a finite step."""
+    every older checkpoint was followed by a finite step. The save in flight ends first."""
+    CheckpointWriter.wait()
     if made_by == 0:                                      # no update yet: neither --lr nor --weight-decay did it
         raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
                              "any update, so training stopped; with sft, the --model file gives it: use another model")

@@ -1369,7 +1369,7 @@ def check_step(rng, report, precision):
         args = argparse.Namespace(batch=B, zero=False, clip=1.0, weight_decay=0.1, no_graph=not graph)
         engine = GPUEngine(cfg, flat, None, None, args)
         out = [engine.step(idx, targets, lr, s + 1) for s, (idx, targets) in enumerate(batches)]
-        runs.append((out, engine.host_weights()))
+        runs.append((out, [a.copy() for a in engine.host_weights()]))   # the engine's buffers go with it
         if not graph:                                              # step 1 again, against numpy
             check_update(engine, flat, batches[0], lr, report, precision)
     (out_a, w_a), (out_b, w_b) = runs
@@ -2014,6 +2014,9 @@ def flops_per_token(cfg):
 # runs kernel by kernel, so that cuBLAS has set itself up before a capture); False, or
 # --no-graph: every step kernel by kernel. Both give the same bits.
 GRAPH_STEP = True
+# train and sft save a checkpoint every 10 minutes (and at the end): the big model's
+# 200 steps of 15 ms (the CPU's --save-every) took 3 s, and its pair 2 s to write
+SAVE_MINUTES = 10
 
 
 def capture_graph(run, what):
@@ -2054,7 +2057,7 @@ class GPUEngine:
         # not where cuBLAS rounds fp32 inputs into scratch (BF16_ACTIVATIONS off): it may move
         self.use_graph = GRAPH_STEP and not getattr(args, "no_graph", False) and \
             (gpu.precision != "bf16" or self.model.bf16)
-        self.graph, self.steps = None, 0
+        self.graph, self.steps, self.saved = None, 0, None
 
     def step(self, idx, targets, lr, step):
         """upload the batch and the step's numbers, one step on the GPU (from the graph when
@@ -2085,8 +2088,15 @@ class GPUEngine:
         return self.model.flat.view(0, (self.model.n_params,)).download()
 
     def host_weights(self):
+        """the weights and moments copied into page-locked memory of the engine's own (the same
+        each time, freed with the engine): a checkpoint is written from there while the next
+        steps run, and the GPU waits only for the copy (1.4 GB for the big model)"""
         n = self.model.n_params
-        return self.host_params(), self.model.m.download()[:n], self.model.v.download()[:n]
+        self.saved = self.saved or [PinnedBuffer(4 * n) for _ in range(3)]
+        for host, a in zip(self.saved, (self.model.flat, self.model.m, self.model.v)):
+            check(cu.cuMemcpyDtoHAsync(host.ptr, a.ptr, 4 * n, gpu.stream), "cuMemcpyDtoHAsync")
+        gpu.sync("a checkpoint's copy from the GPU")
+        return [host.array.view(np.float32) for host in self.saved]
 
     def mfu(self, dt):
         return self.flops_per_step / dt / self.peak if self.peak else None
@@ -2522,7 +2532,7 @@ def build_parser():
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
     # embedded books (9 s of steps on an H200, 15.4 ms each; validation 1.83 bits per byte
     # at step 600, still falling); for more, bring more text (get_data.sh) and raise --steps
-    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False)
+    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False, save_minutes=SAVE_MINUTES)
     add_gpus_flags(sp)
     add_graph_flag(sp)
     add_nodes_flags(sp)
@@ -2531,7 +2541,7 @@ def build_parser():
     sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
     sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
     add_precision_flag(sp)
-    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False)
+    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False, save_minutes=SAVE_MINUTES)
     sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
     add_generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
@@ -2546,7 +2556,9 @@ def build_parser():
 
 
 def main(argv=None):
+    started = ne.now()                                             # --minutes counts the whole run from here
     args = build_parser().parse_args(argv)
+    args.started = started
     args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
                 "chat": cmd_chat, "rendezvous": cmd_rendezvous, "serve": cmd_serve}

@@ -852,14 +852,18 @@ def test_a_model_whose_logits_are_not_finite_is_named_so(tmp_path, command, temp
     assert b"Warning" not in r.stderr, r.stderr.decode()
 
 
-def brute_force_plan(step, left, step_time, eval_every, eval_time, save_every, save_time):
+def brute_force_plan(step, left, step_time, eval_every, eval_time, save_every, pause, write):
     """the last total whose steps, evaluations and checkpoints (at the multiples of their
     interval past step, and at the last step) take at most left seconds, walked one step
-    at a time from 100 steps below left / 1.1 s"""
+    at a time from 100 steps below left / 1.2 s. A checkpoint holds the loop for its pause;
+    its write runs beside the next save_every steps and holds the loop for what it lasts
+    longer than they do; the last checkpoint's whole write is waited for"""
     def cost(n):
         multiples = lambda every: len(range((step // every + 1) * every, n + 1, every)) + (n % every != 0)
-        return (n - step) * step_time + multiples(eval_every) * eval_time + multiples(save_every) * save_time
-    n = int(left / 1.1) - 100
+        saves = multiples(save_every)
+        return ((n - step) * step_time + multiples(eval_every) * eval_time + saves * pause +
+                (saves - 1) * max(0.0, write - save_every * step_time) + write)
+    n = int(left / 1.2) - 100
     assert cost(n) <= left
     while cost(n + 1) <= left:
         n += 1
@@ -869,11 +873,14 @@ def brute_force_plan(step, left, step_time, eval_every, eval_time, save_every, s
 def test_minutes_plans_at_most_a_billion_steps(capsys):
     args = ne.build_parser().parse_args(["train", "--minutes", "14400", "--eval-every", "10"])
     assert args.minutes == 14400
-    for step_time, eval_time, save_time in ((0.0, 0.0, 0.0), (1e-300, 0.0, 0.0), (0.5, 5.0, 20.0)):
-        total = ne.plan_steps(args, 20, step_time, eval_time, save_time, 3.0)
+    for step_time, eval_time, pause, write in ((0.0, 0.0, 0.0, 0.0), (1e-300, 0.0, 0.0, 0.0), (0.5, 5.0, 2.0, 18.0),
+                                               (0.5, 5.0, 2.0, 130.0)):
+        total = ne.plan_steps(args, 20, step_time, eval_time, pause, write, 3.0)
         # 864,000 s less the 3 s spent; 0.5 s a step, an evaluation of 5 s every 10 and a
-        # checkpoint of 20 s every 200: about 1.1 s a step
-        assert total == (20 + 10 ** 9 if step_time < 0.5 else brute_force_plan(20, 863_997, 0.5, 10, 5.0, 200, 20.0))
+        # checkpoint every 200 that holds the loop 2 s: about 1.01 s a step, while its write
+        # (18 s) runs beside the next 100 s of steps; one of 130 s holds the loop 30 s more
+        assert total == (20 + 10 ** 9 if step_time < 0.5 else
+                         brute_force_plan(20, 863_997, 0.5, 10, 5.0, 200, pause, write))
 
 
 def test_text_the_output_encoding_lacks_is_said_with_question_marks(model):

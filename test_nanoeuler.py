@@ -559,32 +559,39 @@ def test_training_lowers_the_loss(tmp_path, capsys):
     assert "step 24/24 | loss" in out and "tok/s" in out and "val  24/24" in out and "bpb" in out
 
 
-def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, monkeypatch):
-    # a fake clock that moves only when the program works (reading the corpus 1 s, a step
-    # 1/16 s, an evaluation 2 s, a checkpoint 0.5 s), so the plan does not depend on how
-    # fast this machine is today
-    now = [0.0]
-
+def fake_clock(monkeypatch, now, costs):
+    """ne.now reads now[0], which each patched function moves by its cost: {module or class:
+    {name: seconds}}. A checkpoint written in the background (not on the main thread)
+    moves it not at all: it runs beside the steps"""
     def taking(seconds, work):
         def timed(*args, **kwargs):
-            now[0] += seconds
+            if threading.current_thread() is threading.main_thread():
+                now[0] += seconds
             return work(*args, **kwargs)
         return timed
-    monkeypatch.setattr(ne, "prepare_data", taking(1.0, ne.prepare_data))
-    monkeypatch.setattr(ne.CPUEngine, "step", taking(1 / 16, ne.CPUEngine.step))
-    monkeypatch.setattr(ne.CPUEngine, "evaluate", taking(2.0, ne.CPUEngine.evaluate))
-    monkeypatch.setattr(ne, "save_checkpoint", taking(0.5, ne.save_checkpoint))
+    for owner, names in costs.items():
+        for name, seconds in names.items():
+            monkeypatch.setattr(owner, name, taking(seconds, getattr(owner, name)))
     monkeypatch.setattr(ne, "now", lambda: now[0])
+
+
+def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, monkeypatch):
+    # a fake clock that moves only when the program works (reading the corpus 1 s, a step
+    # 1/16 s, an evaluation 2 s, a checkpoint's copy 0.25 s and its write 0.5 s), so the
+    # plan does not depend on how fast this machine is today
+    now = [0.0]
+    fake_clock(monkeypatch, now, {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
+                                  ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}})
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "25", "--stop-after", "30",
                        "--eval-every", "1000", "--save-every", "1000"))
     out = capsys.readouterr().out
-    # by hand: the corpus, 20 steps, an evaluation and a checkpoint spent 1 + 20/16 + 2 + 0.5
-    # of the 12 s; the last step's evaluation and checkpoint will take 2.5 more, leaving
-    # 4.75 s for 76 steps of 1/16 s
-    planned = 20 + 76
+    # by hand: the corpus, 20 steps, an evaluation and a checkpoint spent 1 + 20/16 + 2 + 0.75
+    # of the 12 s; the last step's evaluation and checkpoint will take 2.75 more, leaving
+    # 4.25 s for 68 steps of 1/16 s
+    planned = 20 + 68
     assert (f"plan | {planned} steps in 0.2 minutes (62.5 ms a step, 2.0 s an evaluation every 1000, "
-            "0.5 s a checkpoint every 1000)") in out
+            "a checkpoint every 1000 holding training 0.25 s, written in 0.5 s)") in out
     assert planned > 30 and re.search(rf"step +21/{planned} \|", out) and re.search(r"step +20/1000 \|", out)
     cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 30)
     assert state["planned_steps"] == planned
@@ -597,26 +604,21 @@ def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, 
 
 def test_minutes_is_the_whole_run_within_five_percent(tmp_path, capsys, monkeypatch):
     # the same fake clock, and a run left to end by itself: from main's start to its
-    # last line, the corpus, evaluations, checkpoints and the summary included
+    # last line, the corpus, evaluations, checkpoints and the summary included. A write in
+    # the background (step 40's) takes none of the loop's time: its copy does
     now = [0.0]
-
-    def taking(seconds, work):
-        def timed(*args, **kwargs):
-            now[0] += seconds
-            return work(*args, **kwargs)
-        return timed
-    monkeypatch.setattr(ne, "prepare_data", taking(3.0, ne.prepare_data))
-    monkeypatch.setattr(ne.CPUEngine, "step", taking(0.25, ne.CPUEngine.step))
-    monkeypatch.setattr(ne.CPUEngine, "evaluate", taking(4.0, ne.CPUEngine.evaluate))
-    monkeypatch.setattr(ne, "save_checkpoint", taking(1.5, ne.save_checkpoint))
-    monkeypatch.setattr(ne, "now", lambda: now[0])
+    fake_clock(monkeypatch, now, {ne: {"prepare_data": 3.0, "save_checkpoint": 1.5},
+                                  ne.CPUEngine: {"step": 0.25, "evaluate": 4.0, "host_weights": 0.5}})
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.5", "--warmup", "25", "--eval-every", "20",
                        "--save-every", "20"))
-    # by hand: 3 + 20 * 0.25 + 4 + 1.5 = 13.5 s by the plan at step 20; steps 21..42 then
-    # take 22 * 0.25 = 5.5 s, with evaluations and checkpoints at 40 and at 42: 11 s
+    # by hand: 3 + 20 * 0.25 + 4 + 0.5 + 1.5 = 14 s by the plan at step 20 (whose save is
+    # written before going on); steps 21..42 then take 22 * 0.25 = 5.5 s, evaluations at 40
+    # and 42 8 s, the copies of both checkpoints 1 s, and the last one's write 1.5 s
     assert now[0] == 30.0
-    assert "plan | 42 steps in 0.5 minutes" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "plan | 42 steps in 0.5 minutes" in out
+    assert re.search(r"saved  \S+model_000040.safetensors \(\+ state\) in [0-9.]+ s, training held 0.50 s", out)
 
 
 def test_resume_is_bit_identical(tmp_path):

@@ -440,7 +440,7 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
     state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
     rng = np.random.default_rng(0)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
-        ne.checkpoint(str(tmp_path), 3, cfg, ne.Tokenizer(), Engine(), state, rng, lambda: 0.0)
+        ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save(3, Engine(), state, rng)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
         ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s")
     assert os.listdir(tmp_path) == []
