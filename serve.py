@@ -651,6 +651,9 @@ class ChatServer:
 def cmd_serve(args, ne, make_params=None, gen=None):
     """serve --model: nanoeuler.py's (ne: the nanoeuler module), or nanoeuler_cuda.py's with
     make_params(cfg, flat) (its decoder) and gen (its generate)"""
+    if not args.host.strip():                            # the socket takes "" as every network: refuse, do not guess
+        raise ne.NanoEulerError("--host is empty (an unset variable?); give 127.0.0.1 (this machine only) or "
+                                "0.0.0.0 (every network)")
     cfg, flat, tok = ne.load_model(args.model)
     try:
         server = ChatServer(ne, None, cfg, tok, gen or ne.generate, os.path.basename(args.model), args.host,

@@ -596,6 +596,7 @@ def test_serve_prints_its_address_answers_and_stops_on_ctrl_c(model):
 @pytest.mark.parametrize("args, words", [
     (["--model", "nowhere.safetensors"], "nowhere.safetensors"),
     (["--model", "{model}", "--host", "no.such.host.invalid"], "--host no.such.host.invalid is not an address"),
+    (["--model", "{model}", "--host", ""], "--host is empty"),          # "" would listen on every network
     (["--model", "{model}", "--port", "65536"], "argument --port: '65536' is not a TCP port from 0 to 65535"),
     (["--model", "{model}", "--port", "http"], "argument --port: 'http' is not a TCP port"),
     (["--model", "{model}", "--port", "{taken}"], "is taken on 127.0.0.1"),
