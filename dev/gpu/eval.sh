@@ -11,7 +11,7 @@
 #  4. the SFT model, --chat: ARC whole, GSM8K's first 64 items
 # OUTDIR: summary.log (the tables, the timings), *.json (every result), *.log (each command's output).
 source "$(dirname "$0")/common.sh"
-EV="python tools/eval.py --quiet"
+EV=${EVAL_CMD:-python tools/eval.py --quiet}     # EVAL_CMD: another command line (a dry run on the CPU)
 SMALL=${EVAL_SMALL:-out/small/best.safetensors}
 BIG=${EVAL_BIG:-out/big/best.safetensors}
 SFT=${EVAL_SFT:-out/sft/best.safetensors}
@@ -69,6 +69,12 @@ if [ -f "$SFT" ]; then
   table sft_arc.log
   t sft_gsm8k.log $EV --model "$SFT" --chat --gpu --tasks gsm8k --limit 64 --json "$R/sft_gsm8k.json"
   table sft_gsm8k.log
+  python - "$R" <<'EOF' | tee -a "$S"
+import json, sys
+tasks = [t for n in ("sft_arc", "sft_gsm8k") for t in json.load(open(f"{sys.argv[1]}/{n}.json"))["tasks"]]
+c = [(t["acc_norm"] - t["chance"]) / (1 - t["chance"]) for t in tasks if t["acc_norm"] is not None]
+print(f"ChatCORE-lite over ARC-E, ARC-C (whole) and GSM8K (first 64): {sum(c) / len(c):.4f}")
+EOF
 else
   echo "no $SFT: part 4 skipped" | tee -a "$S"
 fi
