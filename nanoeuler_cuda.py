@@ -972,6 +972,713 @@ class GPUModel:
 
 
 # -----------------------------------------------------------------------------
+# training
+
+PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495, "bf16": 989}, "H200": {"fp32": 67, "tf32": 495, "bf16": 989},
+               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312}}        # dense, from the vendors' datasheets
+
+
+def flops_per_token(cfg):
+    """6 per weight of every matmul (forward + backward), plus causal attention's two matmuls"""
+    matmul_params = num_params(cfg) - cfg.V * cfg.C - (2 * cfg.L + 1) * cfg.C      # no lookup, no norms
+    return 6 * matmul_params + 6 * cfg.L * cfg.Hq * cfg.D * cfg.T      # 12 L Hq D T, halved by the mask
+
+
+# a training step is one CUDA graph, captured at the second step and replayed (the first
+# runs kernel by kernel, so that cuBLAS has set itself up before a capture); False, or
+# --no-graph: every step kernel by kernel. Both give the same bits.
+GRAPH_STEP = True
+# train and sft save a checkpoint every 10 minutes (and at the end): the big model's
+# 200 steps of 15 ms (the CPU's --save-every) took 3 s, and its pair 2 s to write
+SAVE_MINUTES = 10
+
+
+def capture_graph(run, what):
+    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph
+    (a training step's, a decoding step's). The garbage collector waits from before the
+    capture begins to after it ends: a DeviceArray it freed inside one (cuMemFree) would end
+    it with an error."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+              "cuStreamBeginCapture")
+        try:
+            run()
+        finally:
+            graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
+    finally:
+        if collecting:
+            gc.enable()
+    try:
+        return check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
+    finally:
+        check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+
+
+class GPUEngine:
+    """nanoeuler.train_loop's engine, on the GPU"""
+
+    def __init__(self, cfg, flat, m, v, args, rank=0, world=1):
+        self.cfg, self.args = cfg, args
+        rows = shard_rows(args.batch, world, rank)
+        self.zero = args.zero
+        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if self.zero else 1,
+                              rank if self.zero else 0)
+        peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
+        self.peak = peak[gpu.precision] * 1e12 if peak else None
+        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T / world    # this GPU's share
+        # not where cuBLAS rounds fp32 inputs into scratch (BF16_ACTIVATIONS off): it may move
+        self.use_graph = GRAPH_STEP and not getattr(args, "no_graph", False) and \
+            (gpu.precision != "bf16" or self.model.bf16)
+        self.graph, self.steps, self.saved = None, 0, None
+
+    def step(self, idx, targets, lr, step):
+        """upload the batch and the step's numbers, one step on the GPU (from the graph when
+        there is one), then read the loss sums and the norm: the host waits once. A non-finite
+        loss or norm has left the weights and moments as they were (see run_update)."""
+        m = self.model
+        counts = m.stage(idx, targets)
+        m.stage_hyper(lr, step)
+        if self.use_graph and self.steps > 0 and len(idx) == m.B and gpu.profile is None:
+            if self.graph is None:
+                self.graph = capture_graph(lambda: m.run_step(self.args.clip, self.args.weight_decay),
+                                           "a training step")
+            check(cu.cuGraphLaunch(self.graph, gpu.stream), "cuGraphLaunch (a training step)")
+        else:
+            m.run_step(self.args.clip, self.args.weight_decay)
+        self.steps += 1
+        results = m.results.download()
+        loss, ce = m.loss(results[:self.cfg.K], counts)
+        return loss, ce, float(results[self.cfg.K])
+
+    def evaluate(self, batches, token_bytes):
+        def ce_of(idx, targets):                       # in parts of B rows: B/N of the batch on N GPUs
+            counts, B = target_counts(targets), self.model.B
+            return sum(self.model.forward(idx[i:i + B], targets[i:i + B], counts)[1] for i in range(0, len(idx), B))
+        return ne.evaluate(ce_of, batches, token_bytes)
+
+    def host_params(self):
+        return self.model.flat.view(0, (self.model.n_params,)).download()
+
+    def host_weights(self):
+        """the weights and moments copied into page-locked memory of the engine's own (the same
+        each time, freed with the engine): a checkpoint is written from there while the next
+        steps run, and the GPU waits only for the copy (1.4 GB for the big model)"""
+        n = self.model.n_params
+        self.saved = self.saved or [PinnedBuffer(4 * n) for _ in range(3)]
+        for host, a in zip(self.saved, (self.model.flat, self.model.m, self.model.v)):
+            check(cu.cuMemcpyDtoHAsync(host.ptr, a.ptr, 4 * n, gpu.stream), "cuMemcpyDtoHAsync")
+        gpu.sync("a checkpoint's copy from the GPU")
+        return [host.array.view(np.float32) for host in self.saved]
+
+    def mfu(self, dt):
+        return self.flops_per_step / dt / self.peak if self.peak else None
+
+    def close(self):
+        gpu.sync()
+
+
+def preset_config(name):
+    """SPEC's preset `name` (train's and bench's model_size), or one sentence naming the choices"""
+    if name not in PRESETS:
+        raise NanoEulerError(f"unknown model {name}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def cmd_train(args):
+    """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
+    cfg = ne.preset_with(preset_config(args.model_size), args)
+    ne.corpus_files(args.data)                  # a --data that is not there: said before the GPU is asked
+    rank, world, local, place = rank_and_world(args)
+    if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
+        count_gpus()                            # no driver, no GPU: said before minutes of preparing data
+        return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args,
+                            before=lambda: ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out)))
+    if place:                                   # a rank of torchrun, srun or mpirun
+        rank, world, local = join_world(args, place)
+        local = gpu_of(local, place)
+        prepare_once(args, cfg)
+    init_gpu(args.precision, local)
+    if world and rank == 0:
+        stop_when_orphaned()
+    if world:
+        make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
+    else:
+        make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
+
+    def lead(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+        if world:
+            engine.share_start({"rng": state["rng"], "data": data_digest(tok, val_batches)})
+        ne.train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state)
+
+    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+        start = engine.share_start({})
+        if start["data"] != data_digest(tok, val_batches):
+            raise NanoEulerError(f"rank {rank}'s data is not rank 0's (another tokenizer, or other validation "
+                                 "rows): give every host the same --data text")
+        follow(engine, next_batch, ne.saved_rng(start))
+
+    if rank:                                    # rank 0 resumes and hands the others its start (DataParallelEngine)
+        args.resume = False
+    ne.pretrain(args, cfg.validate(), make_engine,
+                lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
+                                           f"{args.precision} matmuls, peak "
+                                           f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +
+                                           (", data parallel over NCCL" + (", ZeRO-1" if args.zero else "")
+                                            if world else ""))],
+                loop=lead if rank == 0 else follow_rank0)
+
+
+# -----------------------------------------------------------------------------
+# decoding: nanoeuler.py's generation section on the GPU
+#
+# GPUDecoder holds the weights for decoding (bf16, or fp32 with --precision fp32),
+# a KV cache and the buffers of one step. The prompt is pre-filled in one pass
+# (cuBLAS products over all its rows, as in training; attention and the cache
+# write by the decode kernel over all the rows); then each step feeds R rows, the last token and in
+# speculative decoding the drafts after it, through the decode kernels of
+# kernels.cu: a memory-bound matrix-vector product per weight with the norm,
+# swiglu or residual add fused in, rope and the cache write in one kernel, one
+# attention kernel over the cache, head 0 and the draft heads in one product,
+# argmax and the acceptance rule on the GPU. The step reads its position and
+# token ids from GPU memory and updates them itself, so it is captured once
+# per R as a CUDA graph and replayed; in greedy mode the only thing that
+# crosses to the host is each step's chosen ids, which the accept kernel
+# writes straight into page-locked host memory (a ring the host reads behind
+# the GPU, LOOKAHEAD steps ahead at most).
+# A step is 6 kernels a layer: the qkv product with the attention norm fused in,
+# attention with rope and the cache write fused in, the wo product adding into
+# the residual stream, the gate/up product with the MLP norm fused in, the down
+# product reading swiglu of gate/up and adding into the residual; and 3 more
+# (embedding, heads with the final norm, argmax with the acceptance rule).
+# kernels.cu's decoding section says why each kernel splits its work as it does.
+
+DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
+DECODE_OUTS = 4                 # as in kernels.cu: outputs (weight rows) a warp of decode_matvec
+DECODE_LOADS = 2                # as in kernels.cu: 16-byte loads in flight a weight row per lane of decode_matvec
+DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
+DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
+SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
+# kernels.cu's decode_matvec entry points by (the input's treatment, the weights' type)
+DECODE_MATVEC_KERNELS = {
+    ("plain", "f32"): "decode_matvec_plain_f32_kernel", ("plain", "bf16"): "decode_matvec_plain_bf16_kernel",
+    ("rmsnorm", "f32"): "decode_matvec_rmsnorm_f32_kernel", ("rmsnorm", "bf16"): "decode_matvec_rmsnorm_bf16_kernel",
+    ("swiglu", "f32"): "decode_matvec_swiglu_f32_kernel", ("swiglu", "bf16"): "decode_matvec_swiglu_bf16_kernel",
+}
+DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split attention (its scratch grows with them)
+# decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
+# "single", one block per query head and row (attention_decode_kernel, the kernel before it,
+# kept to fall back on; head dims the split one lacks always take it)
+DECODE_ATTENTION = "split"
+# programmatic dependent launch of a step's kernels (sm_90 on; see kernels.cu): on an H200
+# 3,300 tokens/s against 2,768 without (BENCHMARKS.md); `check` compares it with plain
+# launches bit for bit
+DECODE_PDL = True
+# each product of a step asks L2 for the next product's weights once its own have come (a hint
+# that cannot change a result; whether it pays is for bench --decode-variants to say), so off
+DECODE_PREFETCH = False
+RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
+LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
+DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
+
+
+def matvec_splits(In, Out, elems, sms):
+    """warps sharing decode_matvec's outputs (1, 2, 4 or 8), from the matrix's shape alone (so
+    each row's sum runs in the same order whatever R): enough that a lane's part of a
+    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
+    more while the matrix makes fewer than 8 warps per SM and each lane keeps a chunk
+    (splits at most 8: past that a lane's part takes several rounds)"""
+    chunks, splits = In // elems, 1
+    while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or
+                          (Out * splits < 8 * DECODE_OUTS * sms and chunks >= 2 * 32 * splits)):
+        splits *= 2
+    return splits
+
+
+def decode_launch(name, grid, block, pdl, *args, shared=0):
+    """gpu.launch, or with pdl through cuLaunchKernelEx with programmatic stream
+    serialization: the kernel may start while the one before it still runs (each decode
+    kernel waits for it in decode_wait before it reads what it wrote)"""
+    if not pdl:
+        return gpu.launch(name, grid, block, *args, shared=shared)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid if isinstance(grid, tuple) else (grid, 1, 1)
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = shared, gpu.stream
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config.attrs, config.numAttrs = [attr], 1
+    gpu.last_kernel = name
+    with gpu.timed(name):
+        check(cu.cuLaunchKernelEx(config, gpu.function(name), ctypes.addressof(params), 0),
+              f"launching {name} (programmatic dependent launch; DECODE_PDL = False turns it off)")
+
+
+def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None, splits=None,
+                  pdl=False, prefetch=None):
+    """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
+    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16); splits: matvec_splits
+    of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
+    kind = "bf16" if w.dtype == np.uint16 else "f32"
+    splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
+    decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 * DECODE_OUTS // splits), 256, pdl, ptr_arg(out),
+                  ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
+                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
+                  long_arg(prefetch.nbytes if prefetch else 0))
+
+
+def attention_kernel(D, attention=None):
+    """"split" or "single": the attention kernel decoding runs at head dim D"""
+    attention = attention or DECODE_ATTENTION
+    if attention not in ("split", "single"):
+        raise NanoEulerError(f"DECODE_ATTENTION is {attention!r}; it must be 'split' or 'single'")
+    return "split" if attention == "split" and D in SPLIT_HEAD_DIMS else "single"
+
+
+def split_scratch(cfg):
+    """(floats of partial records, ints of counts) the split attention needs: a record per
+    (row, block, chunk of keys), a count per (row, block), for the rows of one launch"""
+    rows, blocks = min(cfg.T, DECODE_PREFILL_ROWS), cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS)
+    return rows * blocks * ceil_div(cfg.T, DECODE_CHUNK) * DECODE_HEADS * (cfg.D + 2), rows * blocks
+
+
+def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
+                     pdl=False, row0=0):
+    """and rope, and the cache write of the R rows' keys and values (see the kernels); keys: the
+    most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
+    the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
+    (split only)"""
+    scale = float_arg(1 / math.sqrt(D))
+    if kernel == "single":                     # launched plainly: it has no decode_wait
+        warps = 8
+        gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, ptr_arg(y), ptr_arg(k_cache),
+                   ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin), ptr_arg(pos), int_arg(Hq),
+                   int_arg(Hkv), int_arg(D), scale, shared=4 * (D + 2 * warps + warps * D))
+        return
+    grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
+    decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, ptr_arg(y), ptr_arg(scratch[0]),
+                  ptr_arg(scratch[1]), ptr_arg(k_cache), ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin),
+                  ptr_arg(pos), int_arg(row0), int_arg(Hq), int_arg(Hkv), scale)
+
+
+def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
+    decode_launch("argmax_accept_kernel", 1, 1024, pdl, ptr_arg(ids), ptr_arg(pos), ptr_arg(counter), ptr_arg(ring),
+                  ptr_arg(amax), ptr_arg(logits), int_arg(V), int_arg(R), int_arg(n_heads), int_arg(RING))
+
+
+class HostRing:
+    """page-locked host memory that kernels write into directly (mapped): the chosen ids"""
+
+    def __init__(self, n):
+        self.host = check(cu.cuMemHostAlloc(4 * n, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self.ptr = int(check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
+        self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(int(self.host)))
+        self.array[:] = 0
+
+    def __del__(self):
+        if cu is not None:
+            cu.cuMemFreeHost(self.host)
+
+
+def max_rows(cfg):
+    """rows a decoding step can feed"""
+    return DECODE_MAX_ROWS
+
+
+def decode_check_sizes(cfg):
+    """the decode kernels read weight rows 16 bytes at a time and split attention's block by D;
+    the prefill's norms hold a row in registers, as training's do (C at most kernels.cu's MAX_C)"""
+    if cfg.C % 8 or cfg.F % 8 or cfg.D % 8 or cfg.D > 128 or cfg.T < 2 or cfg.C > RMSNORM_WIDTHS[-1]:
+        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8, C at most {RMSNORM_WIDTHS[-1]} and a head "
+                             f"dim that is a multiple of 8 up to 128 "
+                             f"(this model: C={cfg.C}, F={cfg.F}, D={cfg.D}); nanoeuler.py samples it on the CPU")
+
+
+class GPUDecoder:
+    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
+    attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
+    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only), prefetch:
+    each product prefetches the next one's weights into L2 (default DECODE_PREFETCH)"""
+
+    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, prefetch=None):
+        decode_check_sizes(cfg)
+        init_gpu(precision)
+        self.cfg, self.precision = cfg, precision
+        self.attention = attention_kernel(cfg.D, attention)
+        self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
+        self.prefetch = bool(DECODE_PREFETCH if prefetch is None else prefetch)
+        C, D, F, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
+        QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
+        n = num_params(cfg)
+        self.flat = to_gpu(flat)
+        self.params = GPUModel.carve(self, self.flat)                 # the SPEC tensors, w_gate_up too
+        self.weights = self.params                                     # what the step's products read
+        if precision == "bf16":                                        # bf16 copies: half the bytes per step
+            self.flat16 = DeviceArray((n,), np.uint16)
+            to_bf16(self.flat16, self.flat, n)
+            self.weights = GPUModel.carve(self, self.flat16)
+            for name, w16 in self.weights.items():
+                self.params[name].bf16 = w16                           # prefill's cuBLAS products read them
+        self.heads = self.weights["heads.0"].view(0, (cfg.K * V, C))   # heads 0..K-1 lie one after another
+        # head 0's sums in the order of a one-head product whatever n_heads: plain == speculative
+        self.head_splits = matvec_splits(C, V, 8 if precision == "bf16" else 4, gpu.sms)
+        cos, sin = ne.rope_table(T, D, 0, np.float32)
+        self.cos, self.sin = to_gpu(cos), to_gpu(sin)
+        self.k_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        partial, count = split_scratch(cfg)
+        self.split = (DeviceArray((partial,)), DeviceArray((count,), np.int32).zero())   # counts reset themselves
+        # the prefill's activations (T rows; p_norm_out: h, then m) and the step's (R rows)
+        self.p_ids, self.p_x, self.p_norm_out = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
+        self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
+        self.p_gu, self.p_s, self.p_branch_out = DeviceArray((T, 2 * F)), DeviceArray((T, F)), DeviceArray((T, C))
+        self.ids, self.x, self.qkv = DeviceArray((R,), np.int32), DeviceArray((R, C)), DeviceArray((R, QKV))
+        self.y, self.gu = DeviceArray((R, HD)), DeviceArray((R, 2 * F))
+        self.logits, self.amax = DeviceArray((R, cfg.K * V)), DeviceArray((R, cfg.K), np.int32)
+        self.pos, self.counter = DeviceArray((1,), np.int32).zero(), DeviceArray((1,), np.int32).zero()
+        self.ring = HostRing(RING * (1 + DECODE_MAX_ROWS))
+        self.passes = 0                                                # accept kernels queued: == *counter
+        no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
+        self.graphs = {}                                               # (R, n_heads) -> executable graph
+
+    def attend(self, l, y, qkv, R, prefill=False, pdl=False):
+        """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
+        prefill's rows DECODE_PREFILL_ROWS at a time (the split kernel's scratch)"""
+        cfg = self.cfg
+        step = DECODE_PREFILL_ROWS if prefill and self.attention == "split" else R
+        for row0 in range(0, R, step):
+            rows = min(step, R - row0)
+            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, rows, cfg.Hq,
+                             cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0)
+
+    def layers(self, x, R, heads):
+        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small);
+        heads: the weights of the product after them (with prefetch, the last one's to ask for)"""
+        cfg, w, pdl = self.cfg, self.weights, self.pdl
+        C, F, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
+        products = [w[f"layers.{l}.{name}"] for l in range(cfg.L) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
+        after = iter(products[1:] + [heads] if self.prefetch else [None] * len(products))   # each one's next
+        for l in range(cfg.L):
+            lw = lambda name: w[f"layers.{l}.{name}"]
+            norm = lambda name: self.params[f"layers.{l}.{name}"]
+            decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl,
+                          prefetch=next(after))
+            self.attend(l, self.y, self.qkv, R, pdl=pdl)
+            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl,
+                          prefetch=next(after))
+            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F, "rmsnorm", pdl=pdl,
+                          prefetch=next(after))
+            decode_matvec(x, self.gu, lw("w_down"), None, R, F, C, "swiglu", accumulate=True, pdl=pdl,
+                          prefetch=next(after))
+
+    def tail(self, x, R, n_heads, pdl=False):
+        """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
+        cfg = self.cfg
+        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm",
+                      splits=self.head_splits, pdl=pdl)
+        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads, pdl)
+        self.passes += 1
+
+    def step(self, R, n_heads):
+        """one decoding pass over the R fed ids at *pos (see the kernels)"""
+        embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
+        self.layers(self.x, R, self.heads.view(0, (n_heads * self.cfg.V, self.cfg.C)))
+        self.tail(self.x, R, n_heads, self.pdl)
+
+    def launch_step(self, R, n_heads):
+        """step() replayed from its CUDA graph (captured on first use); -> its ring entry"""
+        key = (R, n_heads)
+        if key not in self.graphs:
+            passes = self.passes
+            try:
+                self.graphs[key] = capture_graph(lambda: self.step(R, n_heads), "a decoding step")
+            finally:                                                   # also when a Ctrl-C stops a chat's reply
+                self.passes = passes                                   # captured, not run
+        check(cu.cuGraphLaunch(self.graphs[key], gpu.stream), "cuGraphLaunch")
+        self.passes += 1
+        return self.record()
+
+    def record(self):
+        entry = (self.passes - 1) % RING
+        check(cu.cuEventRecord(self.events[entry], gpu.stream), "cuEventRecord")
+        return entry
+
+    def prefill(self, tokens, n_heads):
+        """tokens at positions 0..n-1, in one pass (cuBLAS products over the n rows); the
+        tail at the last row as after a step -> its ring entry"""
+        cfg, p = self.cfg, self.params
+        n, C, D, F = len(tokens), cfg.C, cfg.D, cfg.F
+        gpu.precision = self.precision                                 # cuBLAS's, for this decoder
+        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
+        self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
+        self.pos.zero()                                                # a memset: no wait for the GPU
+        # the ring starts again: no pass the host reads is in flight here (generate waits
+        # for the queue before a slide), and this puts the counts in step again if a Ctrl-C
+        # came between a launch and its count (chat goes on after one)
+        self.counter.zero()
+        self.passes = 0
+        x = self.p_x
+        embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
+        for l in range(cfg.L):
+            w = lambda name: p[f"layers.{l}.{name}"]
+            rmsnorm_forward(self.p_norm_out, self.p_rstd, x, w("attn_norm"), n, C)
+            matmul(self.p_qkv, self.p_norm_out, w("wqkv"), n, QKV, C, trans_b=True)
+            self.attend(l, self.p_y, self.p_qkv, n, prefill=True)
+            matmul(self.p_branch_out, self.p_y, w("wo"), n, C, HD, trans_b=True)
+            residual_forward(x, x, self.p_branch_out, n * C)
+            rmsnorm_forward(self.p_norm_out, self.p_rstd, x, w("mlp_norm"), n, C)
+            matmul(self.p_gu, self.p_norm_out, w("w_gate_up"), n, 2 * F, C, trans_b=True)
+            swiglu_forward(self.p_s, self.p_gu, n, F)
+            matmul(self.p_branch_out, self.p_s, w("w_down"), n, C, F, trans_b=True)
+            residual_forward(x, x, self.p_branch_out, n * C)
+        self.pos.fill_bits(n - 1)                                      # the tail's row; accept moves it to n
+        self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
+        return self.record()
+
+    def wait(self, entry):
+        """-> the ids that pass `entry` chose (its ring entry), once it is done"""
+        check(cu.cuEventSynchronize(self.events[entry]), "the GPU's decoding step")
+        e = self.ring.array[entry * (1 + DECODE_MAX_ROWS):(entry + 1) * (1 + DECODE_MAX_ROWS)]
+        return [int(t) for t in e[1:1 + e[0]]]
+
+    def set_feed(self, ids, pos):
+        """sampling: the host's choice of the next feed and position, in place of the argmax's"""
+        self.ids.view(0, (len(ids),)).upload(np.asarray(ids, np.int32))
+        self.pos.fill_bits(pos)
+
+
+def queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T):
+    """generate's queue of passes in flight, (ring entry, rows fed; 0 = a prefill), filled up
+    to lookahead while the furthest the position can be leaves room for n_heads rows
+    -> feed, pos (a slide, when the cache is full, re-feeds the last T/2 tokens from 0)"""
+    while len(queue) < lookahead:
+        reach = pos + sum(rows for _, rows in queue)
+        if reach + n_heads <= T:
+            queue.append((decoder.launch_step(n_heads, n_heads), n_heads))
+        elif queue:
+            break                                                      # near the end: wait for the queue
+        elif pos + 1 <= T:                                             # fewer drafts, as the CPU feeds
+            queue.append((decoder.launch_step(T - pos, n_heads), T - pos))
+        else:                                                          # the cache is full: slide
+            queue.append((decoder.prefill(tokens[-(T // 2):], n_heads), 0))
+            feed, pos = tokens[-(T // 2):], T // 2
+    return feed, pos
+
+
+def sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p):
+    """sampling: the tokens a finished pass over rows rows gives, by nanoeuler.generate's
+    rule (sample row j; go on while it equals the draft fed at row j+1) -> chosen, and the
+    heads' argmax of each row (the next drafts)"""
+    R = max(rows, 1)
+    logits = decoder.logits.view(0, (R, n_heads * cfg.V)).download()[:, :cfg.V]
+    amax = decoder.amax.view(0, (R, n_heads)).download()
+    guesses = feed[1:rows]
+    chosen = []
+    for j in range(len(guesses) + 1):
+        chosen.append(ne.sample_token(logits[j], rng, temperature, top_k, top_p))
+        if j == len(guesses) or guesses[j] != chosen[-1]:
+            break
+    return chosen, amax
+
+
+def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
+             speculative=False, stop=None, stats=None, drafts=None):
+    """nanoeuler.generate on the GPU, the same arguments with a GPUDecoder for params:
+    yields new token ids one by one, after the prompt ids, with the same window
+    slide (the last T/2 tokens fed again from position 0 when the cache is full)
+    and the same speculative acceptance rule (every emitted token is head 0's
+    choice), so greedy output is plain greedy output.
+
+    Greedy: the GPU chooses and accepts, the host reads the chosen ids up to
+    LOOKAHEAD passes behind it, queueing a pass only while it surely fits in the
+    window (each pass moves the position by 1 to R); near the end of the window
+    it waits, and feeds fewer drafts exactly where nanoeuler.generate does.
+    Sampling: after each pass the host reads the rows' logits of head 0,
+    samples as nanoeuler.generate does and sets the next feed itself."""
+    rng = np.random.default_rng(seed)
+    T = cfg.T
+    tokens = list(prompt)[-(T - 1):] if prompt else []
+    if not tokens:
+        raise NanoEulerError("the prompt is empty; give at least one token")
+    n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
+    n_drafts = min(n_drafts, max_rows(cfg) - 1)
+    n_heads = 1 + n_drafts if speculative else 1
+    greedy = temperature <= 0
+    lookahead = LOOKAHEAD if greedy else 1
+    queue = []                                  # passes in flight: (ring entry, rows fed; 0 = a prefill)
+    feed = list(tokens)                         # sampling: what the oldest pass in flight was fed
+    pos, emitted = 0, 0                         # pos: where the next pass after the queue's starts, at least
+    queue.append((decoder.prefill(tokens, n_heads), 0))
+    pos = len(tokens)
+    while True:
+        feed, pos = queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T)
+        entry, rows = queue.pop(0)
+        if greedy:
+            chosen = decoder.wait(entry)
+        else:
+            decoder.wait(entry)
+            chosen, amax = sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p)
+        if rows:
+            pos += len(chosen)
+        if stats is not None:
+            stats["steps"] = stats.get("steps", 0) + 1
+            stats["tokens"] = stats.get("tokens", 0) + len(chosen)
+        for t in chosen:
+            tokens.append(t)
+            emitted += 1
+            yield t
+            if t == stop or emitted >= max_new_tokens:
+                return
+        if not greedy:
+            feed = [chosen[-1]] + amax[len(chosen) - 1 if rows else 0, 1:].tolist()
+            decoder.set_feed(feed, pos)
+
+
+def cmd_sample(args):
+    """nanoeuler.py's sample (the prompt, streaming, its notes), generating on the GPU"""
+    ne.cmd_sample(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+
+
+# -----------------------------------------------------------------------------
+# supervised fine-tuning and chat (nanoeuler.py's, with the GPU engine and decoder)
+
+def cmd_sft(args):
+    """nanoeuler.py sft (same template, data reader, masks, validation and checkpoints) on the GPU"""
+    args.zero = False
+    ne.load_model(args.model), ne.load_instructions(args.data)   # bad files are refused before the GPU starts
+    init_gpu(args.precision)
+    ne.cmd_sft(args, make_engine=lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
+               engine=f"{gpu.name}, sm_{gpu.arch}, {args.precision} matmuls")
+
+
+def cmd_chat(args):
+    """nanoeuler.py chat's REPL (/reset, /quit, Ctrl-D), generating on the GPU"""
+    ne.cmd_chat(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+
+
+def cmd_serve(args):
+    """nanoeuler.py serve (serve.py's page and API), generating on the GPU"""
+    ne.cmd_serve(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID <= n <= ne.MAX_V,
+                                      f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
+
+
+def add_precision_flag(sp):
+    """train's, sft's and bench's --precision (sample and chat say what it means for decoding)"""
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help="fp32; tf32 (fp32, products on tensor cores in tf32); bf16 (activations and their "
+                         "gradients in bfloat16, fp32 master weights, gradients and optimizer state)")
+
+
+def add_gpus_flags(sp):
+    sp.add_argument("--gpus", type=ne.nonnegative_int, default=0,
+                    help="data parallel over N GPUs through NCCL, one process each (--batch is the whole "
+                         "batch); 0 = this process on one GPU, without NCCL")
+    sp.add_argument("--zero", action="store_true", help="with --gpus: shard AdamW's moments (ZeRO-1)")
+
+
+def add_graph_flag(sp):
+    sp.add_argument("--no-graph", action="store_true",
+                    help="launch each training step kernel by kernel, not as one CUDA graph (the same bits)")
+
+
+def add_bench_flags(sp):
+    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
+    sp.add_argument("--batch", type=ne.positive_int, default=16, help="rows of T+K tokens per step")
+    sp.add_argument("--steps", type=ne.positive_int, default=10, help="timed steps")
+    add_precision_flag(sp)
+    sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
+    sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
+    sp.add_argument("--max-new-tokens", type=ne.positive_int, default=500, help="decoding: tokens to generate")
+    sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
+    sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
+    sp.add_argument("--no-decode", action="store_true", help="training steps only, no decoding timings")
+    sp.add_argument("--decode-variants", action="store_true",
+                    help="decoding: also time the other attention kernel and programmatic dependent launch")
+    add_gpus_flags(sp)
+    add_graph_flag(sp)
+    add_nodes_flags(sp)
+    sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0,
+                    help="the timed steps clip the gradient norm as train's do; 0 = off")
+    sp.add_argument("--weight-decay", type=ne.nonnegative_float, default=0.1,
+                    help="the timed steps' AdamW weight decay, as train's")
+
+
+def add_generation_flags(sp):
+    """sample's and chat's"""
+    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp.add_argument("--max-new-tokens", type=ne.count_type, default=200, help="tokens to generate")
+    sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+    sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+    sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
+    sp.add_argument("--seed", type=ne.nonnegative_int, default=None,
+                    help="seed of the sampler (default: a fresh one each run)")
+    sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
+    sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
+                    help="with --speculative: draft with heads 1..N (at most K-1)")
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
+
+
+def build_parser():
+    p = ne.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
+        "--seed", type=ne.nonnegative_int, default=1337, help="seed of the random inputs")
+    sp = sub.add_parser("train", help="train a model (big by default) on the GPU")
+    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
+    sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
+                    help="UTF-8 text file or folder of .txt files")
+    sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
+    ne.add_mtp_weight_flag(sp)
+    add_precision_flag(sp)
+    # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
+    # embedded books (9 s of steps on an H200, 15.4 ms each; validation 1.83 bits per byte
+    # at step 600, still falling); for more, bring more text (get_data.sh) and raise --steps
+    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False, save_minutes=SAVE_MINUTES)
+    add_gpus_flags(sp)
+    add_graph_flag(sp)
+    add_nodes_flags(sp)
+    add_bench_flags(sub.add_parser("bench", help="time training steps, decoding and prefill"))
+    sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
+    sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
+    sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
+    add_precision_flag(sp)
+    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False, save_minutes=SAVE_MINUTES)
+    sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
+    add_generation_flags(sp)
+    sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
+    add_nodes_flags(sub.add_parser("rendezvous", help="under a launcher or --nnodes: check that every rank finds "
+                                                      "rank 0 and gets the same id, without a GPU"))
+    sp = sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md), on the GPU")
+    ne.add_serve_flags(sp)
+    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
+                    help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
+    return p
+
+
+def main(argv=None):
+    started = ne.now()                                             # --minutes counts the whole run from here
+    args = build_parser().parse_args(argv)
+    args.started = started
+    args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
+    commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
+                "chat": cmd_chat, "rendezvous": cmd_rendezvous, "serve": cmd_serve}
+    ne.run_command(commands[args.command], args)
+
+
+
+# -----------------------------------------------------------------------------
 # check
 #
 # Every kernel against the numpy layer it mirrors, in float64, in both builds of
@@ -1585,600 +2292,6 @@ def cmd_check(args):
 
 
 # -----------------------------------------------------------------------------
-# decoding: nanoeuler.py's generation section on the GPU
-#
-# GPUDecoder holds the weights for decoding (bf16, or fp32 with --precision fp32),
-# a KV cache and the buffers of one step. The prompt is pre-filled in one pass
-# (cuBLAS products over all its rows, as in training; attention and the cache
-# write by the decode kernel over all the rows); then each step feeds R rows, the last token and in
-# speculative decoding the drafts after it, through the decode kernels of
-# kernels.cu: a memory-bound matrix-vector product per weight with the norm,
-# swiglu or residual add fused in, rope and the cache write in one kernel, one
-# attention kernel over the cache, head 0 and the draft heads in one product,
-# argmax and the acceptance rule on the GPU. The step reads its position and
-# token ids from GPU memory and updates them itself, so it is captured once
-# per R as a CUDA graph and replayed; in greedy mode the only thing that
-# crosses to the host is each step's chosen ids, which the accept kernel
-# writes straight into page-locked host memory (a ring the host reads behind
-# the GPU, LOOKAHEAD steps ahead at most).
-# A step is 6 kernels a layer: the qkv product with the attention norm fused in,
-# attention with rope and the cache write fused in, the wo product adding into
-# the residual stream, the gate/up product with the MLP norm fused in, the down
-# product reading swiglu of gate/up and adding into the residual; and 3 more
-# (embedding, heads with the final norm, argmax with the acceptance rule).
-# kernels.cu's decoding section says why each kernel splits its work as it does.
-
-DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
-DECODE_OUTS = 4                 # as in kernels.cu: outputs (weight rows) a warp of decode_matvec
-DECODE_LOADS = 2                # as in kernels.cu: 16-byte loads in flight a weight row per lane of decode_matvec
-DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention
-DECODE_HEADS = 4                # as in kernels.cu: query heads per block of the split attention
-SPLIT_HEAD_DIMS = (8, 16, 32, 64, 128)      # attention_decode_split_kernel_<D> is written out for these
-# kernels.cu's decode_matvec entry points by (the input's treatment, the weights' type)
-DECODE_MATVEC_KERNELS = {
-    ("plain", "f32"): "decode_matvec_plain_f32_kernel", ("plain", "bf16"): "decode_matvec_plain_bf16_kernel",
-    ("rmsnorm", "f32"): "decode_matvec_rmsnorm_f32_kernel", ("rmsnorm", "bf16"): "decode_matvec_rmsnorm_bf16_kernel",
-    ("swiglu", "f32"): "decode_matvec_swiglu_f32_kernel", ("swiglu", "bf16"): "decode_matvec_swiglu_bf16_kernel",
-}
-DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split attention (its scratch grows with them)
-# decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
-# "single", one block per query head and row (attention_decode_kernel, the kernel before it,
-# kept to fall back on; head dims the split one lacks always take it)
-DECODE_ATTENTION = "split"
-# programmatic dependent launch of a step's kernels (sm_90 on; see kernels.cu): on an H200
-# 3,300 tokens/s against 2,768 without (BENCHMARKS.md); `check` compares it with plain
-# launches bit for bit
-DECODE_PDL = True
-# each product of a step asks L2 for the next product's weights once its own have come (a hint
-# that cannot change a result; whether it pays is for bench --decode-variants to say), so off
-DECODE_PREFETCH = False
-RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
-LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
-DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
-
-
-def matvec_splits(In, Out, elems, sms):
-    """warps sharing decode_matvec's outputs (1, 2, 4 or 8), from the matrix's shape alone (so
-    each row's sum runs in the same order whatever R): enough that a lane's part of a
-    weight row (In / elems 16-byte chunks in all) is one round of DECODE_LOADS loads, and
-    more while the matrix makes fewer than 8 warps per SM and each lane keeps a chunk
-    (splits at most 8: past that a lane's part takes several rounds)"""
-    chunks, splits = In // elems, 1
-    while splits < 8 and (ceil_div(chunks, splits) > 32 * DECODE_LOADS or
-                          (Out * splits < 8 * DECODE_OUTS * sms and chunks >= 2 * 32 * splits)):
-        splits *= 2
-    return splits
-
-
-def decode_launch(name, grid, block, pdl, *args, shared=0):
-    """gpu.launch, or with pdl through cuLaunchKernelEx with programmatic stream
-    serialization: the kernel may start while the one before it still runs (each decode
-    kernel waits for it in decode_wait before it reads what it wrote)"""
-    if not pdl:
-        return gpu.launch(name, grid, block, *args, shared=shared)
-    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    config = cu.CUlaunchConfig()
-    config.gridDimX, config.gridDimY, config.gridDimZ = grid if isinstance(grid, tuple) else (grid, 1, 1)
-    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
-    config.sharedMemBytes, config.hStream = shared, gpu.stream
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value.programmaticStreamSerializationAllowed = 1
-    config.attrs, config.numAttrs = [attr], 1
-    gpu.last_kernel = name
-    with gpu.timed(name):
-        check(cu.cuLaunchKernelEx(config, gpu.function(name), ctypes.addressof(params), 0),
-              f"launching {name} (programmatic dependent launch; DECODE_PDL = False turns it off)")
-
-
-def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None, splits=None,
-                  pdl=False, prefetch=None):
-    """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
-    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16); splits: matvec_splits
-    of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
-    kind = "bf16" if w.dtype == np.uint16 else "f32"
-    splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
-    decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 * DECODE_OUTS // splits), 256, pdl, ptr_arg(out),
-                  ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
-                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
-                  long_arg(prefetch.nbytes if prefetch else 0))
-
-
-def attention_kernel(D, attention=None):
-    """"split" or "single": the attention kernel decoding runs at head dim D"""
-    attention = attention or DECODE_ATTENTION
-    if attention not in ("split", "single"):
-        raise NanoEulerError(f"DECODE_ATTENTION is {attention!r}; it must be 'split' or 'single'")
-    return "split" if attention == "split" and D in SPLIT_HEAD_DIMS else "single"
-
-
-def split_scratch(cfg):
-    """(floats of partial records, ints of counts) the split attention needs: a record per
-    (row, block, chunk of keys), a count per (row, block), for the rows of one launch"""
-    rows, blocks = min(cfg.T, DECODE_PREFILL_ROWS), cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS)
-    return rows * blocks * ceil_div(cfg.T, DECODE_CHUNK) * DECODE_HEADS * (cfg.D + 2), rows * blocks
-
-
-def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
-                     pdl=False, row0=0):
-    """and rope, and the cache write of the R rows' keys and values (see the kernels); keys: the
-    most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
-    the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
-    (split only)"""
-    scale = float_arg(1 / math.sqrt(D))
-    if kernel == "single":                     # launched plainly: it has no decode_wait
-        warps = 8
-        gpu.launch("attention_decode_kernel", (Hq, R, 1), 32 * warps, ptr_arg(y), ptr_arg(k_cache),
-                   ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin), ptr_arg(pos), int_arg(Hq),
-                   int_arg(Hkv), int_arg(D), scale, shared=4 * (D + 2 * warps + warps * D))
-        return
-    grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
-    decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, ptr_arg(y), ptr_arg(scratch[0]),
-                  ptr_arg(scratch[1]), ptr_arg(k_cache), ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin),
-                  ptr_arg(pos), int_arg(row0), int_arg(Hq), int_arg(Hkv), scale)
-
-
-def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
-    decode_launch("argmax_accept_kernel", 1, 1024, pdl, ptr_arg(ids), ptr_arg(pos), ptr_arg(counter), ptr_arg(ring),
-                  ptr_arg(amax), ptr_arg(logits), int_arg(V), int_arg(R), int_arg(n_heads), int_arg(RING))
-
-
-class HostRing:
-    """page-locked host memory that kernels write into directly (mapped): the chosen ids"""
-
-    def __init__(self, n):
-        self.host = check(cu.cuMemHostAlloc(4 * n, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
-        self.ptr = int(check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
-        self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(int(self.host)))
-        self.array[:] = 0
-
-    def __del__(self):
-        if cu is not None:
-            cu.cuMemFreeHost(self.host)
-
-
-def max_rows(cfg):
-    """rows a decoding step can feed"""
-    return DECODE_MAX_ROWS
-
-
-def decode_check_sizes(cfg):
-    """the decode kernels read weight rows 16 bytes at a time and split attention's block by D;
-    the prefill's norms hold a row in registers, as training's do (C at most kernels.cu's MAX_C)"""
-    if cfg.C % 8 or cfg.F % 8 or cfg.D % 8 or cfg.D > 128 or cfg.T < 2 or cfg.C > RMSNORM_WIDTHS[-1]:
-        raise NanoEulerError(f"GPU decoding needs C and F multiples of 8, C at most {RMSNORM_WIDTHS[-1]} and a head "
-                             f"dim that is a multiple of 8 up to 128 "
-                             f"(this model: C={cfg.C}, F={cfg.F}, D={cfg.D}); nanoeuler.py samples it on the CPU")
-
-
-class GPUDecoder:
-    """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
-    attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
-    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only), prefetch:
-    each product prefetches the next one's weights into L2 (default DECODE_PREFETCH)"""
-
-    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, prefetch=None):
-        decode_check_sizes(cfg)
-        init_gpu(precision)
-        self.cfg, self.precision = cfg, precision
-        self.attention = attention_kernel(cfg.D, attention)
-        self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
-        self.prefetch = bool(DECODE_PREFETCH if prefetch is None else prefetch)
-        C, D, F, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
-        QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
-        n = num_params(cfg)
-        self.flat = to_gpu(flat)
-        self.params = GPUModel.carve(self, self.flat)                 # the SPEC tensors, w_gate_up too
-        self.weights = self.params                                     # what the step's products read
-        if precision == "bf16":                                        # bf16 copies: half the bytes per step
-            self.flat16 = DeviceArray((n,), np.uint16)
-            to_bf16(self.flat16, self.flat, n)
-            self.weights = GPUModel.carve(self, self.flat16)
-            for name, w16 in self.weights.items():
-                self.params[name].bf16 = w16                           # prefill's cuBLAS products read them
-        self.heads = self.weights["heads.0"].view(0, (cfg.K * V, C))   # heads 0..K-1 lie one after another
-        # head 0's sums in the order of a one-head product whatever n_heads: plain == speculative
-        self.head_splits = matvec_splits(C, V, 8 if precision == "bf16" else 4, gpu.sms)
-        cos, sin = ne.rope_table(T, D, 0, np.float32)
-        self.cos, self.sin = to_gpu(cos), to_gpu(sin)
-        self.k_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
-        self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
-        partial, count = split_scratch(cfg)
-        self.split = (DeviceArray((partial,)), DeviceArray((count,), np.int32).zero())   # counts reset themselves
-        # the prefill's activations (T rows; p_norm_out: h, then m) and the step's (R rows)
-        self.p_ids, self.p_x, self.p_norm_out = DeviceArray((T,), np.int32), DeviceArray((T, C)), DeviceArray((T, C))
-        self.p_rstd, self.p_qkv, self.p_y = DeviceArray((T,)), DeviceArray((T, QKV)), DeviceArray((T, HD))
-        self.p_gu, self.p_s, self.p_branch_out = DeviceArray((T, 2 * F)), DeviceArray((T, F)), DeviceArray((T, C))
-        self.ids, self.x, self.qkv = DeviceArray((R,), np.int32), DeviceArray((R, C)), DeviceArray((R, QKV))
-        self.y, self.gu = DeviceArray((R, HD)), DeviceArray((R, 2 * F))
-        self.logits, self.amax = DeviceArray((R, cfg.K * V)), DeviceArray((R, cfg.K), np.int32)
-        self.pos, self.counter = DeviceArray((1,), np.int32).zero(), DeviceArray((1,), np.int32).zero()
-        self.ring = HostRing(RING * (1 + DECODE_MAX_ROWS))
-        self.passes = 0                                                # accept kernels queued: == *counter
-        no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
-        self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
-        self.graphs = {}                                               # (R, n_heads) -> executable graph
-
-    def attend(self, l, y, qkv, R, prefill=False, pdl=False):
-        """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
-        prefill's rows DECODE_PREFILL_ROWS at a time (the split kernel's scratch)"""
-        cfg = self.cfg
-        step = DECODE_PREFILL_ROWS if prefill and self.attention == "split" else R
-        for row0 in range(0, R, step):
-            rows = min(step, R - row0)
-            attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, rows, cfg.Hq,
-                             cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0)
-
-    def layers(self, x, R, heads):
-        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small);
-        heads: the weights of the product after them (with prefetch, the last one's to ask for)"""
-        cfg, w, pdl = self.cfg, self.weights, self.pdl
-        C, F, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
-        products = [w[f"layers.{l}.{name}"] for l in range(cfg.L) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-        after = iter(products[1:] + [heads] if self.prefetch else [None] * len(products))   # each one's next
-        for l in range(cfg.L):
-            lw = lambda name: w[f"layers.{l}.{name}"]
-            norm = lambda name: self.params[f"layers.{l}.{name}"]
-            decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl,
-                          prefetch=next(after))
-            self.attend(l, self.y, self.qkv, R, pdl=pdl)
-            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl,
-                          prefetch=next(after))
-            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F, "rmsnorm", pdl=pdl,
-                          prefetch=next(after))
-            decode_matvec(x, self.gu, lw("w_down"), None, R, F, C, "swiglu", accumulate=True, pdl=pdl,
-                          prefetch=next(after))
-
-    def tail(self, x, R, n_heads, pdl=False):
-        """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
-        cfg = self.cfg
-        decode_matvec(self.logits, x, self.heads, self.params["final_norm"], R, cfg.C, n_heads * cfg.V, "rmsnorm",
-                      splits=self.head_splits, pdl=pdl)
-        argmax_accept(self.ids, self.pos, self.counter, self.ring.ptr, self.amax, self.logits, cfg.V, R, n_heads, pdl)
-        self.passes += 1
-
-    def step(self, R, n_heads):
-        """one decoding pass over the R fed ids at *pos (see the kernels)"""
-        embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
-        self.layers(self.x, R, self.heads.view(0, (n_heads * self.cfg.V, self.cfg.C)))
-        self.tail(self.x, R, n_heads, self.pdl)
-
-    def launch_step(self, R, n_heads):
-        """step() replayed from its CUDA graph (captured on first use); -> its ring entry"""
-        key = (R, n_heads)
-        if key not in self.graphs:
-            passes = self.passes
-            try:
-                self.graphs[key] = capture_graph(lambda: self.step(R, n_heads), "a decoding step")
-            finally:                                                   # also when a Ctrl-C stops a chat's reply
-                self.passes = passes                                   # captured, not run
-        check(cu.cuGraphLaunch(self.graphs[key], gpu.stream), "cuGraphLaunch")
-        self.passes += 1
-        return self.record()
-
-    def record(self):
-        entry = (self.passes - 1) % RING
-        check(cu.cuEventRecord(self.events[entry], gpu.stream), "cuEventRecord")
-        return entry
-
-    def prefill(self, tokens, n_heads):
-        """tokens at positions 0..n-1, in one pass (cuBLAS products over the n rows); the
-        tail at the last row as after a step -> its ring entry"""
-        cfg, p = self.cfg, self.params
-        n, C, D, F = len(tokens), cfg.C, cfg.D, cfg.F
-        gpu.precision = self.precision                                 # cuBLAS's, for this decoder
-        QKV, HD = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D
-        self.p_ids.view(0, (n,)).upload(np.asarray(tokens, np.int32))
-        self.pos.zero()                                                # a memset: no wait for the GPU
-        # the ring starts again: no pass the host reads is in flight here (generate waits
-        # for the queue before a slide), and this puts the counts in step again if a Ctrl-C
-        # came between a launch and its count (chat goes on after one)
-        self.counter.zero()
-        self.passes = 0
-        x = self.p_x
-        embedding_forward(x, self.p_ids, p["tok_emb"], n, C)
-        for l in range(cfg.L):
-            w = lambda name: p[f"layers.{l}.{name}"]
-            rmsnorm_forward(self.p_norm_out, self.p_rstd, x, w("attn_norm"), n, C)
-            matmul(self.p_qkv, self.p_norm_out, w("wqkv"), n, QKV, C, trans_b=True)
-            self.attend(l, self.p_y, self.p_qkv, n, prefill=True)
-            matmul(self.p_branch_out, self.p_y, w("wo"), n, C, HD, trans_b=True)
-            residual_forward(x, x, self.p_branch_out, n * C)
-            rmsnorm_forward(self.p_norm_out, self.p_rstd, x, w("mlp_norm"), n, C)
-            matmul(self.p_gu, self.p_norm_out, w("w_gate_up"), n, 2 * F, C, trans_b=True)
-            swiglu_forward(self.p_s, self.p_gu, n, F)
-            matmul(self.p_branch_out, self.p_s, w("w_down"), n, C, F, trans_b=True)
-            residual_forward(x, x, self.p_branch_out, n * C)
-        self.pos.fill_bits(n - 1)                                      # the tail's row; accept moves it to n
-        self.tail(x.view((n - 1) * C, (1, C)), 1, n_heads)
-        return self.record()
-
-    def wait(self, entry):
-        """-> the ids that pass `entry` chose (its ring entry), once it is done"""
-        check(cu.cuEventSynchronize(self.events[entry]), "the GPU's decoding step")
-        e = self.ring.array[entry * (1 + DECODE_MAX_ROWS):(entry + 1) * (1 + DECODE_MAX_ROWS)]
-        return [int(t) for t in e[1:1 + e[0]]]
-
-    def set_feed(self, ids, pos):
-        """sampling: the host's choice of the next feed and position, in place of the argmax's"""
-        self.ids.view(0, (len(ids),)).upload(np.asarray(ids, np.int32))
-        self.pos.fill_bits(pos)
-
-
-def queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T):
-    """generate's queue of passes in flight, (ring entry, rows fed; 0 = a prefill), filled up
-    to lookahead while the furthest the position can be leaves room for n_heads rows
-    -> feed, pos (a slide, when the cache is full, re-feeds the last T/2 tokens from 0)"""
-    while len(queue) < lookahead:
-        reach = pos + sum(rows for _, rows in queue)
-        if reach + n_heads <= T:
-            queue.append((decoder.launch_step(n_heads, n_heads), n_heads))
-        elif queue:
-            break                                                      # near the end: wait for the queue
-        elif pos + 1 <= T:                                             # fewer drafts, as the CPU feeds
-            queue.append((decoder.launch_step(T - pos, n_heads), T - pos))
-        else:                                                          # the cache is full: slide
-            queue.append((decoder.prefill(tokens[-(T // 2):], n_heads), 0))
-            feed, pos = tokens[-(T // 2):], T // 2
-    return feed, pos
-
-
-def sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p):
-    """sampling: the tokens a finished pass over rows rows gives, by nanoeuler.generate's
-    rule (sample row j; go on while it equals the draft fed at row j+1) -> chosen, and the
-    heads' argmax of each row (the next drafts)"""
-    R = max(rows, 1)
-    logits = decoder.logits.view(0, (R, n_heads * cfg.V)).download()[:, :cfg.V]
-    amax = decoder.amax.view(0, (R, n_heads)).download()
-    guesses = feed[1:rows]
-    chosen = []
-    for j in range(len(guesses) + 1):
-        chosen.append(ne.sample_token(logits[j], rng, temperature, top_k, top_p))
-        if j == len(guesses) or guesses[j] != chosen[-1]:
-            break
-    return chosen, amax
-
-
-def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
-             speculative=False, stop=None, stats=None, drafts=None):
-    """nanoeuler.generate on the GPU, the same arguments with a GPUDecoder for params:
-    yields new token ids one by one, after the prompt ids, with the same window
-    slide (the last T/2 tokens fed again from position 0 when the cache is full)
-    and the same speculative acceptance rule (every emitted token is head 0's
-    choice), so greedy output is plain greedy output.
-
-    Greedy: the GPU chooses and accepts, the host reads the chosen ids up to
-    LOOKAHEAD passes behind it, queueing a pass only while it surely fits in the
-    window (each pass moves the position by 1 to R); near the end of the window
-    it waits, and feeds fewer drafts exactly where nanoeuler.generate does.
-    Sampling: after each pass the host reads the rows' logits of head 0,
-    samples as nanoeuler.generate does and sets the next feed itself."""
-    rng = np.random.default_rng(seed)
-    T = cfg.T
-    tokens = list(prompt)[-(T - 1):] if prompt else []
-    if not tokens:
-        raise NanoEulerError("the prompt is empty; give at least one token")
-    n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
-    n_drafts = min(n_drafts, max_rows(cfg) - 1)
-    n_heads = 1 + n_drafts if speculative else 1
-    greedy = temperature <= 0
-    lookahead = LOOKAHEAD if greedy else 1
-    queue = []                                  # passes in flight: (ring entry, rows fed; 0 = a prefill)
-    feed = list(tokens)                         # sampling: what the oldest pass in flight was fed
-    pos, emitted = 0, 0                         # pos: where the next pass after the queue's starts, at least
-    queue.append((decoder.prefill(tokens, n_heads), 0))
-    pos = len(tokens)
-    while True:
-        feed, pos = queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T)
-        entry, rows = queue.pop(0)
-        if greedy:
-            chosen = decoder.wait(entry)
-        else:
-            decoder.wait(entry)
-            chosen, amax = sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p)
-        if rows:
-            pos += len(chosen)
-        if stats is not None:
-            stats["steps"] = stats.get("steps", 0) + 1
-            stats["tokens"] = stats.get("tokens", 0) + len(chosen)
-        for t in chosen:
-            tokens.append(t)
-            emitted += 1
-            yield t
-            if t == stop or emitted >= max_new_tokens:
-                return
-        if not greedy:
-            feed = [chosen[-1]] + amax[len(chosen) - 1 if rows else 0, 1:].tolist()
-            decoder.set_feed(feed, pos)
-
-
-def cmd_sample(args):
-    """nanoeuler.py's sample (the prompt, streaming, its notes), generating on the GPU"""
-    ne.cmd_sample(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
-
-
-# -----------------------------------------------------------------------------
-# training
-
-PEAK_TFLOPS = {"H100": {"fp32": 67, "tf32": 495, "bf16": 989}, "H200": {"fp32": 67, "tf32": 495, "bf16": 989},
-               "A100": {"fp32": 19.5, "tf32": 156, "bf16": 312}}        # dense, from the vendors' datasheets
-
-
-def flops_per_token(cfg):
-    """6 per weight of every matmul (forward + backward), plus causal attention's two matmuls"""
-    matmul_params = num_params(cfg) - cfg.V * cfg.C - (2 * cfg.L + 1) * cfg.C      # no lookup, no norms
-    return 6 * matmul_params + 6 * cfg.L * cfg.Hq * cfg.D * cfg.T      # 12 L Hq D T, halved by the mask
-
-
-# a training step is one CUDA graph, captured at the second step and replayed (the first
-# runs kernel by kernel, so that cuBLAS has set itself up before a capture); False, or
-# --no-graph: every step kernel by kernel. Both give the same bits.
-GRAPH_STEP = True
-# train and sft save a checkpoint every 10 minutes (and at the end): the big model's
-# 200 steps of 15 ms (the CPU's --save-every) took 3 s, and its pair 2 s to write
-SAVE_MINUTES = 10
-
-
-def capture_graph(run, what):
-    """run()'s launches on gpu.stream captured as a CUDA graph, not run -> the executable graph
-    (a training step's, a decoding step's). The garbage collector waits from before the
-    capture begins to after it ends: a DeviceArray it freed inside one (cuMemFree) would end
-    it with an error."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        check(cu.cuStreamBeginCapture(gpu.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
-              "cuStreamBeginCapture")
-        try:
-            run()
-        finally:
-            graph = check(cu.cuStreamEndCapture(gpu.stream), f"cuStreamEndCapture (capturing {what})")
-    finally:
-        if collecting:
-            gc.enable()
-    try:
-        return check(cu.cuGraphInstantiate(graph, 0), f"cuGraphInstantiate ({what})")
-    finally:
-        check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
-
-
-class GPUEngine:
-    """nanoeuler.train_loop's engine, on the GPU"""
-
-    def __init__(self, cfg, flat, m, v, args, rank=0, world=1):
-        self.cfg, self.args = cfg, args
-        rows = shard_rows(args.batch, world, rank)
-        self.zero = args.zero
-        self.model = GPUModel(cfg, rows.stop - rows.start, flat, m, v, world if self.zero else 1,
-                              rank if self.zero else 0)
-        peak = next((p for name, p in PEAK_TFLOPS.items() if name in gpu.name), None)
-        self.peak = peak[gpu.precision] * 1e12 if peak else None
-        self.flops_per_step = flops_per_token(cfg) * args.batch * cfg.T / world    # this GPU's share
-        # not where cuBLAS rounds fp32 inputs into scratch (BF16_ACTIVATIONS off): it may move
-        self.use_graph = GRAPH_STEP and not getattr(args, "no_graph", False) and \
-            (gpu.precision != "bf16" or self.model.bf16)
-        self.graph, self.steps, self.saved = None, 0, None
-
-    def step(self, idx, targets, lr, step):
-        """upload the batch and the step's numbers, one step on the GPU (from the graph when
-        there is one), then read the loss sums and the norm: the host waits once. A non-finite
-        loss or norm has left the weights and moments as they were (see run_update)."""
-        m = self.model
-        counts = m.stage(idx, targets)
-        m.stage_hyper(lr, step)
-        if self.use_graph and self.steps > 0 and len(idx) == m.B and gpu.profile is None:
-            if self.graph is None:
-                self.graph = capture_graph(lambda: m.run_step(self.args.clip, self.args.weight_decay),
-                                           "a training step")
-            check(cu.cuGraphLaunch(self.graph, gpu.stream), "cuGraphLaunch (a training step)")
-        else:
-            m.run_step(self.args.clip, self.args.weight_decay)
-        self.steps += 1
-        results = m.results.download()
-        loss, ce = m.loss(results[:self.cfg.K], counts)
-        return loss, ce, float(results[self.cfg.K])
-
-    def evaluate(self, batches, token_bytes):
-        def ce_of(idx, targets):                       # in parts of B rows: B/N of the batch on N GPUs
-            counts, B = target_counts(targets), self.model.B
-            return sum(self.model.forward(idx[i:i + B], targets[i:i + B], counts)[1] for i in range(0, len(idx), B))
-        return ne.evaluate(ce_of, batches, token_bytes)
-
-    def host_params(self):
-        return self.model.flat.view(0, (self.model.n_params,)).download()
-
-    def host_weights(self):
-        """the weights and moments copied into page-locked memory of the engine's own (the same
-        each time, freed with the engine): a checkpoint is written from there while the next
-        steps run, and the GPU waits only for the copy (1.4 GB for the big model)"""
-        n = self.model.n_params
-        self.saved = self.saved or [PinnedBuffer(4 * n) for _ in range(3)]
-        for host, a in zip(self.saved, (self.model.flat, self.model.m, self.model.v)):
-            check(cu.cuMemcpyDtoHAsync(host.ptr, a.ptr, 4 * n, gpu.stream), "cuMemcpyDtoHAsync")
-        gpu.sync("a checkpoint's copy from the GPU")
-        return [host.array.view(np.float32) for host in self.saved]
-
-    def mfu(self, dt):
-        return self.flops_per_step / dt / self.peak if self.peak else None
-
-    def close(self):
-        gpu.sync()
-
-
-def preset_config(name):
-    """SPEC's preset `name` (train's and bench's model_size), or one sentence naming the choices"""
-    if name not in PRESETS:
-        raise NanoEulerError(f"unknown model {name}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name]
-
-
-def cmd_train(args):
-    """one GPU, or --gpus N: DataParallelEngine and launch_ranks, in the data-parallel section at the end"""
-    cfg = ne.preset_with(preset_config(args.model_size), args)
-    ne.corpus_files(args.data)                  # a --data that is not there: said before the GPU is asked
-    rank, world, local, place = rank_and_world(args)
-    if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
-        count_gpus()                            # no driver, no GPU: said before minutes of preparing data
-        return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args,
-                            before=lambda: ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out)))
-    if place:                                   # a rank of torchrun, srun or mpirun
-        rank, world, local = join_world(args, place)
-        local = gpu_of(local, place)
-        prepare_once(args, cfg)
-    init_gpu(args.precision, local)
-    if world and rank == 0:
-        stop_when_orphaned()
-    if world:
-        make_engine = lambda cfg, flat, m, v: DataParallelEngine(cfg, flat, m, v, args, rank, world)
-    else:
-        make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
-
-    def lead(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
-        if world:
-            engine.share_start({"rng": state["rng"], "data": data_digest(tok, val_batches)})
-        ne.train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state)
-
-    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
-        start = engine.share_start({})
-        if start["data"] != data_digest(tok, val_batches):
-            raise NanoEulerError(f"rank {rank}'s data is not rank 0's (another tokenizer, or other validation "
-                                 "rows): give every host the same --data text")
-        follow(engine, next_batch, ne.saved_rng(start))
-
-    if rank:                                    # rank 0 resumes and hands the others its start (DataParallelEngine)
-        args.resume = False
-    ne.pretrain(args, cfg.validate(), make_engine,
-                lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
-                                           f"{args.precision} matmuls, peak "
-                                           f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +
-                                           (", data parallel over NCCL" + (", ZeRO-1" if args.zero else "")
-                                            if world else ""))],
-                loop=lead if rank == 0 else follow_rank0)
-
-
-# -----------------------------------------------------------------------------
-# supervised fine-tuning and chat (nanoeuler.py's, with the GPU engine and decoder)
-
-def cmd_sft(args):
-    """nanoeuler.py sft (same template, data reader, masks, validation and checkpoints) on the GPU"""
-    args.zero = False
-    ne.load_model(args.model), ne.load_instructions(args.data)   # bad files are refused before the GPU starts
-    init_gpu(args.precision)
-    ne.cmd_sft(args, make_engine=lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
-               engine=f"{gpu.name}, sm_{gpu.arch}, {args.precision} matmuls")
-
-
-def cmd_chat(args):
-    """nanoeuler.py chat's REPL (/reset, /quit, Ctrl-D), generating on the GPU"""
-    ne.cmd_chat(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
-
-
-def cmd_serve(args):
-    """nanoeuler.py serve (serve.py's page and API), generating on the GPU"""
-    ne.cmd_serve(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
-
-
-# -----------------------------------------------------------------------------
 # benchmark
 
 def time_attention(model, reps=20):
@@ -2451,119 +2564,6 @@ def bench_decoding(args):
             times.append(time.perf_counter() - t0)
         print(f"  {f'prefill of {len(long)} tokens':<32} {np.median(times[1:]) * 1e3:8.2f} ms  "
               "(median of 10 after a warm-up)")
-
-
-# -----------------------------------------------------------------------------
-# command line
-
-vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID <= n <= ne.MAX_V,
-                                      f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
-
-
-def add_precision_flag(sp):
-    """train's, sft's and bench's --precision (sample and chat say what it means for decoding)"""
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                    help="fp32; tf32 (fp32, products on tensor cores in tf32); bf16 (activations and their "
-                         "gradients in bfloat16, fp32 master weights, gradients and optimizer state)")
-
-
-def add_gpus_flags(sp):
-    sp.add_argument("--gpus", type=ne.nonnegative_int, default=0,
-                    help="data parallel over N GPUs through NCCL, one process each (--batch is the whole "
-                         "batch); 0 = this process on one GPU, without NCCL")
-    sp.add_argument("--zero", action="store_true", help="with --gpus: shard AdamW's moments (ZeRO-1)")
-
-
-def add_graph_flag(sp):
-    sp.add_argument("--no-graph", action="store_true",
-                    help="launch each training step kernel by kernel, not as one CUDA graph (the same bits)")
-
-
-def add_bench_flags(sp):
-    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
-    sp.add_argument("--batch", type=ne.positive_int, default=16, help="rows of T+K tokens per step")
-    sp.add_argument("--steps", type=ne.positive_int, default=10, help="timed steps")
-    add_precision_flag(sp)
-    sp.add_argument("--profile", action="store_true", help="also time every kernel of one step")
-    sp.add_argument("--model", default=None, help="trained model for the decoding timings (default: random weights)")
-    sp.add_argument("--max-new-tokens", type=ne.positive_int, default=500, help="decoding: tokens to generate")
-    sp.add_argument("--decode-precision", default="bf16", help="decoding: weights, bf16 or fp32 or both (bf16,fp32)")
-    sp.add_argument("--decode-only", action="store_true", help="decoding timings only, no training steps")
-    sp.add_argument("--no-decode", action="store_true", help="training steps only, no decoding timings")
-    sp.add_argument("--decode-variants", action="store_true",
-                    help="decoding: also time the other attention kernel and programmatic dependent launch")
-    add_gpus_flags(sp)
-    add_graph_flag(sp)
-    add_nodes_flags(sp)
-    sp.add_argument("--clip", type=ne.positive_float_or_off, default=1.0,
-                    help="the timed steps clip the gradient norm as train's do; 0 = off")
-    sp.add_argument("--weight-decay", type=ne.nonnegative_float, default=0.1,
-                    help="the timed steps' AdamW weight decay, as train's")
-
-
-def add_generation_flags(sp):
-    """sample's and chat's"""
-    sp.add_argument("--model", required=True, help=".safetensors model file")
-    sp.add_argument("--max-new-tokens", type=ne.count_type, default=200, help="tokens to generate")
-    sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
-    sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
-    sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
-    sp.add_argument("--seed", type=ne.nonnegative_int, default=None,
-                    help="seed of the sampler (default: a fresh one each run)")
-    sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
-    sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
-                    help="with --speculative: draft with heads 1..N (at most K-1)")
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                    help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
-
-
-def build_parser():
-    p = ne.ArgumentParser(prog="nanoeuler_cuda.py", description="NanoEuler on NVIDIA GPUs")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("check", help="every kernel and the whole model against nanoeuler.py").add_argument(
-        "--seed", type=ne.nonnegative_int, default=1337, help="seed of the random inputs")
-    sp = sub.add_parser("train", help="train a model (big by default) on the GPU")
-    sp.add_argument("model_size", nargs="?", default="big", help="SPEC preset: big or small")
-    sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
-                    help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
-    ne.add_mtp_weight_flag(sp)
-    add_precision_flag(sp)
-    # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
-    # embedded books (9 s of steps on an H200, 15.4 ms each; validation 1.83 bits per byte
-    # at step 600, still falling); for more, bring more text (get_data.sh) and raise --steps
-    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False, save_minutes=SAVE_MINUTES)
-    add_gpus_flags(sp)
-    add_graph_flag(sp)
-    add_nodes_flags(sp)
-    add_bench_flags(sub.add_parser("bench", help="time training steps, decoding and prefill"))
-    sp = sub.add_parser("sft", help="fine-tune on instructions on the GPU, loss on responses only")
-    sp.add_argument("--model", required=True, help="pretrained .safetensors (e.g. out/big/best.safetensors)")
-    sp.add_argument("--data", default=ne.DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
-    add_precision_flag(sp)
-    ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False, save_minutes=SAVE_MINUTES)
-    sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
-    add_generation_flags(sp)
-    sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
-    add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
-    add_nodes_flags(sub.add_parser("rendezvous", help="under a launcher or --nnodes: check that every rank finds "
-                                                      "rank 0 and gets the same id, without a GPU"))
-    sp = sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md), on the GPU")
-    ne.add_serve_flags(sp)
-    sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
-                    help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
-    return p
-
-
-def main(argv=None):
-    started = ne.now()                                             # --minutes counts the whole run from here
-    args = build_parser().parse_args(argv)
-    args.started = started
-    args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
-    commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
-                "chat": cmd_chat, "rendezvous": cmd_rendezvous, "serve": cmd_serve}
-    ne.run_command(commands[args.command], args)
-
 
 
 # -----------------------------------------------------------------------------
