@@ -259,6 +259,11 @@ def test_bad_input_is_one_sentence(tiny, data, tmp_path):
         f.write(b"\0")
     r = run("--model", path, "--data", damaged, "--tasks", "hellaswag")
     assert r.returncode == 2 and "is damaged (its sha256" in r.stderr and r.stderr.count("\n") == 1
+    for garbage in (b"not a list of sums\n", b"\xff\xfe\0 binary\n"):     # SHA256SUMS damaged: the same sentence
+        with open(os.path.join(damaged, ev.SUMS), "wb") as f:
+            f.write(garbage)
+        r = run("--model", path, "--data", damaged, "--tasks", "hellaswag")
+        assert r.returncode == 2 and "is damaged (its sha256" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     r = run("--model", path, "--data", data, "--tasks", "mmlu")
     assert r.returncode == 2 and "pyarrow" in r.stderr
     r = run("--model", path, "--data", data, "--tasks", "nope")

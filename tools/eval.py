@@ -163,8 +163,8 @@ def read_requests(task, data_dir):
     sums_path = os.path.join(data_dir, SUMS)
     if not os.path.isfile(path) or not os.path.isfile(sums_path):
         raise NanoEulerError(f"{path} is not there: the evaluation data is not fetched; run {fetch_hint(data_dir)}")
-    with open(sums_path) as f:
-        sums = {name: sha for sha, name in (line.split() for line in f if line.strip())}
+    with open(sums_path, encoding="utf-8", errors="replace") as f:      # a damaged list: its lines are not "sha  name"
+        sums = {fields[1]: fields[0] for fields in (line.split() for line in f) if len(fields) == 2}
     if sums.get(task + ".jsonl.gz") != sha256_file(path):
         raise NanoEulerError(f"{path} is damaged (its sha256 is not the one in {sums_path}); "
                              f"run {fetch_hint(data_dir)} again")
