@@ -338,3 +338,22 @@ def test_gpu_scorer_on_the_cpu_emulator_gives_the_cpu_choices(tiny, data, monkey
         for (a, ha), (b, hb) in zip(gpu, cpu):
             np.testing.assert_allclose(a, b, atol=tol, rtol=tol)
             assert ha == hb
+
+
+def test_every_eval_command_in_the_docs_parses():
+    import re
+    import shlex
+    lines = []
+    for page in ["README.md", os.path.join("docs", "eval.md"), "BENCHMARKS.md"]:
+        with open(os.path.join(HERE, page), encoding="utf-8") as f:
+            text = f.read()
+        lines += [m for block in re.findall(r"```\n(.*?)```", text, re.S) for m in block.splitlines()]
+        lines += re.findall(r"`(python tools/eval\.py [^`]*)`", text)
+    commands = [line.split("  #")[0].strip()[len("python tools/eval.py "):] for line in lines
+                if line.strip().startswith("python tools/eval.py ")]
+    assert len(commands) >= 5
+    for rest in commands:
+        try:
+            ev.build_parser().parse_args(shlex.split(rest.replace("[", "").replace("]", "")))
+        except SystemExit:
+            pytest.fail(f"`python tools/eval.py {rest}` does not parse")
