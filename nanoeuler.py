@@ -1443,8 +1443,8 @@ class CPUEngine:
                         parts, token_bytes, self.pool)
 
     def host_params(self):
-        """flat params as a float32 numpy array"""
-        return self.flat
+        """a copy of the flat params (float32): best.safetensors is written from it beside the steps"""
+        return self.flat.copy()
 
     def host_weights(self):
         """copies of the flat params, m, v (float32), the same buffers each time: a checkpoint
@@ -1679,9 +1679,11 @@ def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
-def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed):
-    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet;
-    elapsed() -> the run's time so far, as text"""
+def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed,
+                   save_best=None):
+    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
+    (save_best(flat): the loop's CheckpointWriter's; default: written here); elapsed() -> the
+    run's time so far, as text"""
     val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
     stop_if_not_finite({"validation loss": val_loss}, step, out_dir)
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
@@ -1690,7 +1692,7 @@ def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, s
     stop_if_not_finite({"weights": flat}, step, out_dir)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-        save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)
+        (save_best or (lambda flat: save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)))(flat)
     print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
     return val_loss, val_bpb
 
@@ -1767,7 +1769,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                 if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
                     t_eval = clock()
                     val = run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt,
-                                         elapsed)
+                                         elapsed, saves.save_best)
                     eval_time = clock() - t_eval
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 saves.finish(poll=True)
@@ -2821,14 +2823,15 @@ class CheckpointWriter:
     copies of the weights and moments (host_weights: on the GPU into page-locked memory, in
     well under a second) and of the state; a thread writes the pair as save_checkpoint does
     (state first, model last, each through a temp name) and prunes the older pairs, so a
-    kill at any moment leaves the pair before. One save at most is in flight: the next
-    waits for it, and says so once. finish() waits and says it is saved; stop_on_nan
-    waits too (wait()), so that it names the newest pair."""
-    thread = None                                    # the save in flight, one per process
+    kill at any moment leaves the pair before. best.safetensors goes the same way
+    (save_best). One write at most is in flight: the next save waits for it (and says so
+    once, for a pair). finish() waits and says a pair is saved; stop_on_nan waits too
+    (wait()), so that it names the newest pair."""
+    thread = None                                    # the write in flight, one per process
 
     def __init__(self, out_dir, cfg, tok, clock):
         self.out_dir, self.cfg, self.tok, self.clock = out_dir, cfg, tok, clock
-        self.said, self.result, self.last, self.paused, self.took = False, None, clock(), 0.0, 0.0
+        self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, clock(), 0.0, 0.0
 
     def due(self, step, every, minutes):
         """--save-every's multiples, or --save-minutes since the last save"""
@@ -2837,7 +2840,7 @@ class CheckpointWriter:
     def save(self, step, engine, state, rng, background=True):
         """the pair of `step`, with the data order's random state -> the model's path"""
         t0 = self.last = self.clock()
-        if self.writing() and not self.said:
+        if self.writing() and self.pair and not self.said:
             self.said = True
             print("note: a checkpoint is still being written when the next is due; training waits for it "
                   "(now and later); save less often, or to a faster disk", file=sys.stderr)
@@ -2845,24 +2848,34 @@ class CheckpointWriter:
         state.update(step=step, rng=rng.bit_generator.state)
         flat, m, v = engine.host_weights()
         stop_if_not_finite({"weights": flat}, step, self.out_dir)
-        work = (step, flat, m, v, json.loads(json.dumps(state)))
+        state = json.loads(json.dumps(state))            # the loop goes on changing its own
         self.paused = self.clock() - t0                  # how long the save held training
-        if background:
-            CheckpointWriter.thread = threading.Thread(target=self.write, args=work, name="checkpoint writer")
-            CheckpointWriter.thread.start()
-        else:
-            self.write(*work)
-            self.finish()
+        self.start(lambda: (save_checkpoint(self.out_dir, step, self.cfg, flat, m, v, self.tok, state),
+                            prune_checkpoints(self.out_dir)), step, background)
         return checkpoint_path(self.out_dir, step)
 
-    def write(self, step, flat, m, v, state):
-        t0 = self.clock()
-        try:
-            save_checkpoint(self.out_dir, step, self.cfg, flat, m, v, self.tok, state)
-            prune_checkpoints(self.out_dir)
-            self.took, self.result = self.clock() - t0, step
-        except BaseException as e:                   # for finish() to raise in the loop's thread
-            self.result = e
+    def save_best(self, flat):
+        """best.safetensors of flat (a copy that the steps do not change), written beside them"""
+        self.finish()
+        self.start(lambda: save_model(os.path.join(self.out_dir, "best.safetensors"), self.cfg, flat, self.tok))
+
+    def start(self, work, step=None, background=True):
+        """work() on the writer's thread, or on this one and finished; step: the pair's (None: best)"""
+        def write():
+            t0 = self.clock()
+            try:
+                work()
+                if step:
+                    self.took, self.result = self.clock() - t0, step
+            except BaseException as e:               # for finish() to raise in the loop's thread
+                self.result = e
+        self.pair = step is not None
+        if background:
+            CheckpointWriter.thread = threading.Thread(target=write, name="checkpoint writer")
+            CheckpointWriter.thread.start()
+        else:
+            write()
+            self.finish()
 
     @classmethod
     def writing(cls):
@@ -2875,8 +2888,8 @@ class CheckpointWriter:
             cls.thread = None
 
     def finish(self, poll=False):
-        """wait for the save in flight (poll: only if it has ended) and say it is saved, or raise
-        what stopped it"""
+        """wait for the write in flight (poll: only if it has ended) and say a pair is saved, or
+        raise what stopped it"""
         if poll and self.writing():
             return
         self.wait()

@@ -174,6 +174,31 @@ def test_a_save_waits_for_the_one_in_flight_and_says_so_once(tmp_path, gate, wai
     assert ne.checkpoint_steps(str(tmp_path)) == [4, 3]            # pruned to the newest two
 
 
+def test_best_is_written_beside_the_steps_and_a_pair_due_meanwhile_waits_for_it_unsaid(tmp_path, gate, waiting,
+                                                                                           capsys):
+    args = argparse.Namespace(clip=1.0, weight_decay=0.1, batch=2, threads=1)
+    flat = ne.init_params(CFG)
+    engine = ne.CPUEngine(CFG, flat, np.zeros_like(flat), np.zeros_like(flat), args)
+    idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, CFG.V, (2, CFG.T + CFG.K)), CFG.T, CFG.K)
+    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
+    weights = engine.host_params()
+    before = weights.copy()
+    saves.save_best(weights)
+    assert gate.held.wait(60) and not os.path.exists(tmp_path / "best.safetensors")
+    engine.step(idx, targets, 1e-2, 1)                              # the loop goes on
+    t, out = in_thread(lambda: saves.save(1, engine, start_state(), np.random.default_rng(0)))
+    assert waiting.wait(60)                                         # the pair waits for best's write
+    gate.open.set()
+    t.join()
+    saves.finish()
+    assert np.array_equal(ne.load_model(str(tmp_path / "best.safetensors"))[1], before)
+    assert np.array_equal(ne.load_model(str(tmp_path / "model_000001.safetensors"))[1], engine.flat)
+    assert not np.array_equal(engine.flat, before)
+    out = capsys.readouterr()
+    assert "still being written" not in out.err and out.out.count("saved  ") == 1
+    engine.close()
+
+
 def test_a_write_that_has_ended_is_said_between_steps_and_one_in_flight_is_not(tmp_path, gate, capsys):
     ticks = iter([0.0, 10.0, 10.5, 11.0, 14.0])                 # the writer's clock, read in turn
     saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), lambda: next(ticks))
