@@ -427,3 +427,28 @@ def test_kill_9_during_a_background_write_leaves_the_pair_before_and_resume_is_b
     assert (tmp_path / "straight" / name).read_bytes() == (run / name).read_bytes()
     (a, _), (b, _) = (ne.read_safetensors(str(folder / "state_000012.safetensors")) for folder in (tmp_path / "straight", run))
     assert a["m"].tobytes() == b["m"].tobytes() and a["v"].tobytes() == b["v"].tobytes()
+
+
+def test_a_second_signal_quits_at_once_while_a_write_is_held_and_the_pair_before_stays(tmp_path, corpus):
+    run = tmp_path / "run"
+    proc, gate, stdout, stderr = start_gated(tmp_path, 6, *train_args(run, corpus, "--steps", "100000",
+                                                                      "--save-every", "3"))
+    try:
+        wait_until(lambda: (gate / "held").exists(), proc, "held write")
+        wait_until(lambda: b"still being written" in stderr.read_bytes(), proc, "note")    # step 9 waits for 6
+        proc.send_signal(signal.SIGINT)
+        wait_until(lambda: b"then saving a checkpoint" in stderr.read_bytes(), proc, "signal's line")
+        proc.send_signal(signal.SIGINT)                                   # the gate stays shut
+        assert proc.wait(timeout=240) == 130
+    finally:
+        proc.kill()
+    err = stderr.read_text().strip()
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        f"Ctrl-C: interrupted; the last complete checkpoint is {run / 'model_000003.safetensors'}, continue with "
+        "--resume")
+    assert ne.checkpoint_steps(str(run)) == [3] and not (run / "model_000006.safetensors").exists()
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"),
+                        *train_args(run, corpus, "--steps", "5", "--save-every", "3", "--resume")],
+                       capture_output=True, timeout=300, cwd=HERE)
+    assert r.returncode == 0 and b"at step 3" in r.stdout, r.stderr.decode()
+    assert not [f for f in os.listdir(run) if f.endswith(".tmp")] and ne.checkpoint_steps(str(run)) == [5, 3]
