@@ -109,33 +109,8 @@ class Config:
 
     def validate(self, source="the config"):
         """refuse a config that the code cannot run or that would ask for absurd memory,
-        before anything is allocated from it; -> self. source names it in the message."""
-        def fail(problem):
-            raise NanoEulerError(f"{source} is unusable: {problem}")
-        for name in SIZE_FIELDS:
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:          # bool is an int subclass: refused too
-                fail(f"its {name} = {value!r} is not a positive integer")
-        w = self.mtp_weight
-        if type(w) not in (int, float) or not 0 <= w < math.inf:
-            fail(f"its mtp_weight = {w!r} is not a finite number >= 0")
-        if self.C % self.Hq or self.D % 2:
-            fail(f"its width C = {self.C} does not split into Hq = {self.Hq} heads of even size")
-        if self.Hq % self.Hkv:
-            fail(f"its Hq = {self.Hq} query heads are not a multiple of its Hkv = {self.Hkv} key/value heads")
-        if self.V > MAX_V:
-            fail(f"its vocabulary V = {self.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
-        if self.T < 2:
-            fail(f"its context T = {self.T} is below 2, the least that generation can slide a window over")
-        if self.T > MAX_T:
-            fail(f"its context T = {self.T:,} is above {MAX_T:,}, the most this program allows "
-                 "(attention holds a T x T matrix per head)")
-        # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
-        per_layer = 2 * self.C + (self.Hq + 2 * self.Hkv) * self.D * self.C + self.C * self.Hq * self.D \
-            + 3 * self.F * self.C
-        n = (1 + self.K) * self.V * self.C + self.C + self.L * per_layer
-        if n > MAX_PARAMS:
-            fail(f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
+        before anything is allocated from it (check_config, in the operations part); -> self"""
+        check_config(self, source)
         return self
 
 
@@ -2444,6 +2419,37 @@ def read_text(path):
         return decode_text(f.read(), path, 0)
 
 
+def check_config(cfg, source="the config"):
+    """Config.validate: refuse a config that the code cannot run or that would ask for absurd
+    memory, before anything is allocated from it. source names it in the message."""
+    def fail(problem):
+        raise NanoEulerError(f"{source} is unusable: {problem}")
+    for name in SIZE_FIELDS:
+        value = getattr(cfg, name)
+        if type(value) is not int or value < 1:          # bool is an int subclass: refused too
+            fail(f"its {name} = {value!r} is not a positive integer")
+    w = cfg.mtp_weight
+    if type(w) not in (int, float) or not 0 <= w < math.inf:
+        fail(f"its mtp_weight = {w!r} is not a finite number >= 0")
+    if cfg.C % cfg.Hq or cfg.D % 2:
+        fail(f"its width C = {cfg.C} does not split into Hq = {cfg.Hq} heads of even size")
+    if cfg.Hq % cfg.Hkv:
+        fail(f"its Hq = {cfg.Hq} query heads are not a multiple of its Hkv = {cfg.Hkv} key/value heads")
+    if cfg.V > MAX_V:
+        fail(f"its vocabulary V = {cfg.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
+    if cfg.T < 2:
+        fail(f"its context T = {cfg.T} is below 2, the least that generation can slide a window over")
+    if cfg.T > MAX_T:
+        fail(f"its context T = {cfg.T:,} is above {MAX_T:,}, the most this program allows "
+             "(attention holds a T x T matrix per head)")
+    # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
+    per_layer = 2 * cfg.C + (cfg.Hq + 2 * cfg.Hkv) * cfg.D * cfg.C + cfg.C * cfg.Hq * cfg.D \
+        + 3 * cfg.F * cfg.C
+    n = (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
+    if n > MAX_PARAMS:
+        fail(f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
+
+
 MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
 
 
@@ -3640,8 +3646,9 @@ def run_command(command, args, closed=()):
         args.out = os.path.join("out", args.model_size)
     try:
         refuse_at_start(args, closed)
-        holds = run and getattr(command, "holds_out", lambda args: True)(args)   # nanoeuler_cuda.py: rank 0 only
-        with signals_interrupt(), (claim_out(args.out, args.resume, args.fresh) if holds else contextlib.nullcontext()) as lock:
+        holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
+        claim = claim_out(args.out, args.resume, args.fresh) if holds else contextlib.nullcontext()   # entered below
+        with signals_interrupt(), claim as lock:
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:

@@ -125,10 +125,10 @@ SPEC_MUTATIONS = [
 
 # each input check taken out or loosened: test_inputs.py must notice
 INPUT_MUTATIONS = [
-    ("config: no limit on T", "if self.T > MAX_T:", "if False:"),
-    ("config: no limit on V", "if self.V > MAX_V:", "if False:"),
-    ("config: Hq need not be a multiple of Hkv", "if self.Hq % self.Hkv:", "if False:"),
-    ("config: odd head size allowed", "if self.C % self.Hq or self.D % 2:", "if self.C % self.Hq:"),
+    ("config: no limit on T", "if cfg.T > MAX_T:", "if False:"),
+    ("config: no limit on V", "if cfg.V > MAX_V:", "if False:"),
+    ("config: Hq need not be a multiple of Hkv", "if cfg.Hq % cfg.Hkv:", "if False:"),
+    ("config: odd head size allowed", "if cfg.C % cfg.Hq or cfg.D % 2:", "if cfg.C % cfg.Hq:"),
     ("config: floats and bools pass as sizes", "if type(value) is not int or value < 1:", "if value < 1:"),
     ("file: overlapping tensors allowed", "if begin != end:", "if begin > end:"),
     ("file: trailing bytes allowed", "if found > end:", "if False:"),
