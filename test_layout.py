@@ -34,12 +34,12 @@ ALLOWANCE = {"lines": 200, "names": 4, "functions": 6}
 
 # measured by python tools/layout.py on main, 2026-12-04 (first figures: story 2,413, file 3,493,
 # 31 names, 80 functions, comment share 0.280)
-STORY_LINES = 2279 + ALLOWANCE["lines"]
+STORY_LINES = 2241 + ALLOWANCE["lines"]
 FILE_LINES = 3529 + ALLOWANCE["lines"]
 STORY_NAMES_FROM_OPERATIONS = 22 + ALLOWANCE["names"]
 FUNCTIONS_TO_MODEL_FORWARD = 79 + ALLOWANCE["functions"]
-COMMENT_SHARE = 0.287 - 0.003       # lines holding a comment or docstring; explanations are not cut to fit
-LINES_OVER_120 = 1
+COMMENT_SHARE = 0.289 - 0.003       # lines holding a comment or docstring; explanations are not cut to fit
+LINES_OVER_120 = 0
 
 # the model's mathematics, which belongs to the story and never to operations
 MATH = ["model_forward", "model_backward", "block_forward", "attention_forward", "adamw_update",
