@@ -24,8 +24,8 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
 tokenizer, data, a training step on every core, the training loop,
-supervised fine-tuning and chat, command line; then benchmark. Last comes the
-operations part: what keeps a long run from losing work or failing without a
+supervised fine-tuning and chat, command line; then the benchmark and the
+loss plot (log.svg). Last comes the operations part: what keeps a long run from losing work or failing without a
 word (checked inputs, checkpoint files written atomically and resumed from,
 the run folder's lock, signals, memory, lost output streams); a first reading
 may skip it.
@@ -1585,67 +1585,6 @@ def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
     csv.flush()
 
 
-def svg_plot(steps, loss, val, width=640, height=360):
-    """train loss as a line by step, validation loss as dots, both axes labelled, as SVG text"""
-    left, bottom, top, right = 60, 40, 10, 10                 # margins for the labels
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    ys = loss + [v for _, v in val]
-    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
-
-    def xy(s, y):                                          # data -> pixels (y grows downwards)
-        return (left + (s - x0) / (x1 - x0) * (width - left - right),
-                height - bottom - (y - y0) / (y1 - y0) * (height - bottom - top))
-    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>']
-    for i in range(5):                                     # five ticks on each axis, with grid lines
-        (x, _), (_, y) = xy(x0 + (x1 - x0) * i / 4, y0), xy(x0, y0 + (y1 - y0) * i / 4)
-        svg += [f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">'
-                f'{x0 + (x1 - x0) * i / 4:.0f}</text>',
-                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{y0 + (y1 - y0) * i / 4:.3f}</text>',
-                f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>']
-    line = " ".join("{:.1f},{:.1f}".format(*xy(s, y)) for s, y in zip(steps, loss))
-    svg.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1"/>')
-    svg += ['<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="#ff7f0e"/>'.format(*xy(s, v)) for s, v in val]
-    svg += [f'<text x="{(left + width) / 2:.0f}" y="{height - 6}" text-anchor="middle">step</text>',
-            f'<text transform="translate(14 {(height - bottom) / 2:.0f}) rotate(-90)" text-anchor="middle">'
-            'loss (nats per token)</text>',
-            f'<text x="{width - 16}" y="24" text-anchor="end" fill="#1f77b4">train CE_0</text>',
-            f'<text x="{width - 16}" y="40" text-anchor="end" fill="#ff7f0e">val CE_0 (dots)</text>', '</svg>']
-    return "\n".join(svg) + "\n"
-
-
-def plot_log(csv_path, out=print):
-    """the loss curve beside log.csv: log.svg always (SVG is text: no package needed),
-    and log.png too when matplotlib is installed"""
-    with open(csv_path, encoding="utf-8", errors="replace") as f:
-        rows = [row for line in f if (row := log_row(line))]
-    if not rows:
-        return
-    steps, loss = [r[0] for r in rows], [r[1] for r in rows]
-    val = [(r[0], r[2]) for r in rows if r[2] is not None]
-    svg = os.path.splitext(csv_path)[0] + ".svg"
-    atomic_write(svg, svg_plot(steps, loss, val).encode())
-    out(f"loss curve: {svg}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(steps, loss, lw=0.8, label="train CE_0")
-    if val:
-        ax.plot(*zip(*val), "o-", label="val CE_0")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    png = os.path.splitext(csv_path)[0] + ".png"
-    fig.savefig(png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    out(f"loss curve: {png}")
-
-
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far"""
     params = carve(flat, cfg)
@@ -2052,17 +1991,6 @@ def argv_text(text):
     return raw.decode("utf-8", "replace")
 
 
-def cmd_plot(args):
-    """log.svg (and log.png) of a run folder or a log.csv, drawn again"""
-    csv_path = os.path.join(args.run, "log.csv") if os.path.isdir(args.run) else args.run
-    if not os.path.isfile(csv_path):
-        raise NanoEulerError(f"{csv_path} is not there; give a run folder (like out/small) or its log.csv")
-    with open(csv_path, encoding="utf-8", errors="replace") as f:
-        if not any(log_row(line) for line in f):
-            raise NanoEulerError(f"{csv_path} holds no step yet; plot it once the run has logged one")
-    plot_log(csv_path)
-
-
 def cmd_serve(args, make_params=None, gen=None):
     """the chat page and its OpenAI-shaped API: serve.py, beside this file (docs/serve.md)"""
     import serve
@@ -2341,13 +2269,93 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
         print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
 
 
+# -----------------------------------------------------------------------------
+# the loss plot
+#
+# train_loop ends by drawing log.csv as log.svg (and log.png with matplotlib);
+# `python nanoeuler.py plot RUN` draws it again. Drawing, not learning: a first
+# reading may skip it, as it may skip the benchmark.
+
+def svg_plot(steps, loss, val, width=640, height=360):
+    """train loss as a line by step, validation loss as dots, both axes labelled, as SVG text"""
+    left, bottom, top, right = 60, 40, 10, 10                 # margins for the labels
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    ys = loss + [v for _, v in val]
+    y0, y1 = min(ys), max(max(ys), min(ys) + 1e-6)
+
+    def xy(s, y):                                          # data -> pixels (y grows downwards)
+        return (left + (s - x0) / (x1 - x0) * (width - left - right),
+                height - bottom - (y - y0) / (y1 - y0) * (height - bottom - top))
+    svg = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>']
+    for i in range(5):                                     # five ticks on each axis, with grid lines
+        (x, _), (_, y) = xy(x0 + (x1 - x0) * i / 4, y0), xy(x0, y0 + (y1 - y0) * i / 4)
+        svg += [f'<text x="{x:.1f}" y="{height - bottom + 16}" text-anchor="middle">'
+                f'{x0 + (x1 - x0) * i / 4:.0f}</text>',
+                f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{y0 + (y1 - y0) * i / 4:.3f}</text>',
+                f'<line x1="{left}" x2="{width - right}" y1="{y:.1f}" y2="{y:.1f}" stroke="#ddd"/>']
+    line = " ".join("{:.1f},{:.1f}".format(*xy(s, y)) for s, y in zip(steps, loss))
+    svg.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4" stroke-width="1"/>')
+    svg += ['<circle cx="{:.1f}" cy="{:.1f}" r="3" fill="#ff7f0e"/>'.format(*xy(s, v)) for s, v in val]
+    svg += [f'<text x="{(left + width) / 2:.0f}" y="{height - 6}" text-anchor="middle">step</text>',
+            f'<text transform="translate(14 {(height - bottom) / 2:.0f}) rotate(-90)" text-anchor="middle">'
+            'loss (nats per token)</text>',
+            f'<text x="{width - 16}" y="24" text-anchor="end" fill="#1f77b4">train CE_0</text>',
+            f'<text x="{width - 16}" y="40" text-anchor="end" fill="#ff7f0e">val CE_0 (dots)</text>', '</svg>']
+    return "\n".join(svg) + "\n"
+
+
+def plot_log(csv_path, out=print):
+    """the loss curve beside log.csv: log.svg always (SVG is text: no package needed),
+    and log.png too when matplotlib is installed"""
+    with open(csv_path, encoding="utf-8", errors="replace") as f:
+        rows = [row for line in f if (row := log_row(line))]
+    if not rows:
+        return
+    steps, loss = [r[0] for r in rows], [r[1] for r in rows]
+    val = [(r[0], r[2]) for r in rows if r[2] is not None]
+    svg = os.path.splitext(csv_path)[0] + ".svg"
+    atomic_write(svg, svg_plot(steps, loss, val).encode())
+    out(f"loss curve: {svg}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(steps, loss, lw=0.8, label="train CE_0")
+    if val:
+        ax.plot(*zip(*val), "o-", label="val CE_0")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    png = os.path.splitext(csv_path)[0] + ".png"
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    out(f"loss curve: {png}")
+
+
+def cmd_plot(args):
+    """log.svg (and log.png) of a run folder or a log.csv, drawn again"""
+    csv_path = os.path.join(args.run, "log.csv") if os.path.isdir(args.run) else args.run
+    if not os.path.isfile(csv_path):
+        raise NanoEulerError(f"{csv_path} is not there; give a run folder (like out/small) or its log.csv")
+    with open(csv_path, encoding="utf-8", errors="replace") as f:
+        if not any(log_row(line) for line in f):
+            raise NanoEulerError(f"{csv_path} holds no step yet; plot it once the run has logged one")
+    plot_log(csv_path)
+
+
 # =============================================================================
 # operations
 #
 # Everything above is the story (the model, its data, its training and its
-# commands) and the benchmark. What follows keeps long runs and bad inputs
-# safe; a first reading may skip it. The story calls these functions by name,
-# and Python looks a name up when the call runs, so they may come after it.
+# commands), the benchmark and the loss plot. What follows keeps long runs
+# and bad inputs safe; a first reading may skip it. The story calls these
+# functions by name, and Python looks a name up when the call runs, so they
+# may come after it.
 # The guarantees it keeps:
 # - the run folder and its lock: one run per folder (train.lock, taken over
 #   from a killed run), another run's files refused without --resume

@@ -7,9 +7,10 @@ The shape of nanoeuler.py and the front door, in the numbers issue 30 asks for:
     python tools/layout.py --no-trace   # leave out the one count that runs `train`
 
 The parts of nanoeuler.py are found by their section headers: the story runs from
-line 1 to the line before the "# benchmark" section, the benchmark from there to
-the "# ====" banner whose next line is "# operations", and the operations part
-from that banner (with the guarantees it opens with) to the end of the file.
+line 1 to the line before the "# benchmark" section, the benchmark (and the loss
+plot after it) from there to the "# ====" banner whose next line is "# operations",
+and the operations part from that banner (with the guarantees it opens with) to the
+end of the file.
 
 - comment share: lines holding a comment or a docstring, over the lines that are
   not blank
@@ -246,7 +247,7 @@ def main():
         return
     rows = [("nanoeuler.py lines", got["file_lines"]),
             ("  story (line 1 to the benchmark)", got["story_lines"]),
-            ("  benchmark", got["bench_lines"]),
+            ("  benchmark and loss plot", got["bench_lines"]),
             ("  operations (its banner to the end)", got["operations_lines"]),
             ("lines over 120 columns", got["lines_over_120"]),
             ("comment share (whole file / story / operations)",
