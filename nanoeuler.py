@@ -3542,20 +3542,22 @@ CORES = available_cores()                              # read once, for threads_
 
 def check_memory(cfg, batch, threads, available=available_memory):
     """refuse, before anything is allocated, a --batch whose step would not fit in memory:
-    the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the batch's ids,
-    and the activations of the micro-batches in flight, one per thread (an evaluation
-    runs the same micro-batches)"""
+    the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the copies
+    of the weights, m and v that a checkpoint is written from, and the weights' copy that a
+    validation samples from and writes best.safetensors from; the batch's ids, and the
+    activations of the micro-batches in flight, one per thread (an evaluation runs the same
+    micro-batches)"""
     have = available()
     if have is None:
         return
     threads = threads_for(batch, threads)
     parts = micro_batches(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
-    weights = 4 * (4 + threads) * num_params(cfg)
+    weights = 4 * (8 + threads) * num_params(cfg)
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
-                             f"of weights, moments, decay mask and {threads} gradient buffers, {threads} x "
+                             f"of weights, moments, decay mask, their copies for saving and {threads} gradient buffers, {threads} x "
                              f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; "
                              f"lower --batch{' or --threads' if threads > 1 else ''}")
 

@@ -131,12 +131,12 @@ def test_the_engine_holds_a_gradient_buffer_a_thread_and_check_memory_counts_the
     monkeypatch.setattr(ne, "CORES", 16)
     cfg, P = ne.PRESETS["small"], ne.num_params(ne.PRESETS["small"])
     # --batch 1024 on 16 cores: 16 threads, 128 micro-batches of 8 rows, 16 gradient buffers (not 128)
-    need = 4 * (4 + 16) * P + 16 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    need = 4 * (8 + 16) * P + 16 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 1024, 16, available=lambda: need)
     with pytest.raises(ne.NanoEulerError, match="16 gradient buffers, 16 x 8 rows"):
         ne.check_memory(cfg, 1024, 16, available=lambda: need - 1)
     # 32 rows asking for 16 threads: 8 threads of 4 rows, 8 buffers
-    need = 4 * (4 + 8) * P + 8 * ne.activation_bytes(cfg, 4) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    need = 4 * (8 + 8) * P + 8 * ne.activation_bytes(cfg, 4) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 32, 16, available=lambda: need)
     with pytest.raises(ne.NanoEulerError, match="8 gradient buffers, 8 x 4 rows"):
         ne.check_memory(cfg, 32, 16, available=lambda: need - 1)

@@ -886,9 +886,10 @@ def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated(monkeypat
     cfg = ne.PRESETS["small"]
     P = ne.num_params(cfg)
     # 64 rows on 2 threads: 8 micro-batches of 8 rows (micro_batches), two at a time, each
-    # thread adding its micro-batches' gradients into a buffer of its own; the weights, m, v
-    # and the decay mask are P float32 each
-    need = 4 * (4 + 2) * P + 2 * ne.activation_bytes(cfg, 8) + 64 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    # thread adding its micro-batches' gradients into a buffer of its own; the weights, m, v,
+    # the decay mask, the checkpoint's copies of the weights, m and v, and a validation's copy
+    # of the weights are P float32 each
+    need = 4 * (8 + 2) * P + 2 * ne.activation_bytes(cfg, 8) + 64 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 64, 2, available=lambda: need)
     with pytest.raises(ne.NanoEulerError) as e:
         ne.check_memory(cfg, 64, 2, available=lambda: need - 1)
