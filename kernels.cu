@@ -370,6 +370,7 @@ __device__ void rmsnorm_backward(floatX* dx, float* partial, const floatX* dout,
     }
 }
 
+// the entry points, one per WIDTH, written out: the host picks the narrowest that fits C
 extern "C" __global__ void __launch_bounds__(256) rmsnorm_backward_kernel_256(floatX* dx, float* partial,
         const floatX* dout, const floatX* x, const float* w, const float* rstd, int N, int C, int accumulate) {
     rmsnorm_backward<256>(dx, partial, dout, x, w, rstd, N, C, accumulate);
@@ -433,6 +434,7 @@ __device__ void rope(floatX* qkv, const float* cos, const float* sin, int N, int
     store_pack(e + half, b);
 }
 
+// the entry points: rope above, the forward (sign +1) and the backward (sign -1: the opposite angle)
 extern "C" __global__ void rope_forward_kernel(floatX* qkv, const float* cos, const float* sin, int N, int T,
                                                int n_heads, int D, int stride, int pos) {
     rope(qkv, cos, sin, N, T, n_heads, D, stride, pos, 1.0f);

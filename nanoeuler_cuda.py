@@ -14,13 +14,24 @@ product in cuBLAS, called through ctypes. No framework.
 It shares with nanoeuler.py (imported, not copied): Config and the presets, the
 tokenizer, the data pipeline, the checkpoint files and the training loop's log
 and checkpoint logic. A checkpoint written here samples in nanoeuler.py and
-the other way round. Its sections follow nanoeuler.py's order, under the same
-names (rmsnorm_backward is a numpy layer there, a launcher here and
-rmsnorm_backward_kernel_<width> in kernels.cu): compiling the kernels and the CUDA
-plumbing first, then the kernel launchers and cuBLAS's matmuls (the layers), the
-model, check (in the gradient check's place), decoding (generation), training,
-SFT and chat, the benchmark, the command line; then the data-parallel part (--gpus,
-NCCL) and, last, several hosts (torchrun, srun, mpirun, --nnodes; docs/multinode.md).
+the other way round.
+
+The file reads in nanoeuler.py's order, under its names (rmsnorm_backward is a
+numpy layer there, a launcher here and rmsnorm_backward_kernel_<width> in
+kernels.cu). First the story:
+- the device and its kernels: compiling the kernels (NVRTC, a disk cache), the
+  CUDA plumbing (GPU memory, launches), the kernel launchers and cuBLAS's
+  matmuls: the layers;
+- the model on the GPU (GPUModel: its buffers, and forward, backward and AdamW
+  in one run_step);
+- training: GPUEngine (that step as one CUDA graph, for nanoeuler.train_loop)
+  and the train command;
+- decoding (nanoeuler.py's generation): GPUDecoder, its KV cache, sample;
+- SFT, chat and serve (nanoeuler.py's, on the GPU), the command line.
+Then what a first reading may skip: check (every kernel and the whole model
+against nanoeuler.py, the gradient check's counterpart), the benchmark, several
+GPUs (--gpus: data parallel over NCCL) and, last, several hosts (torchrun, srun,
+mpirun, --nnodes; docs/multinode.md).
 
 Precision: --precision fp32 (exact: fp32 matmuls, attention on CUDA cores), tf32
 (matmuls and attention on tensor cores with 10-bit mantissas) or bf16 (the
@@ -432,6 +443,7 @@ def pack(a):
 
 
 def embedding_forward(x, idx, tok_emb, N, C):
+    """x[n] = tok_emb[idx[n]] for the N positions (N, C), a thread per element"""
     block = 256
     gpu.launch("embedding_forward_kernel", ceil_div(N * C, block), block, ptr_arg(x), ptr_arg(idx), ptr_arg(tok_emb),
                int_arg(N), int_arg(C), bf16=bf16(x))
@@ -444,6 +456,8 @@ def embedding_backward(dtok_emb, idx, dx, N, C, V):
 
 
 def rmsnorm_forward(out, rstd, x, w, N, C):
+    """out = x * rstd * w for each row of x (N, C), rstd = 1 / sqrt(mean(x^2) + eps) kept for the
+    backward; a warp per row"""
     block = 256                                              # 8 rows per block, a warp each
     gpu.launch("rmsnorm_forward_kernel", ceil_div(N, block // 32), block, ptr_arg(out), ptr_arg(rstd), ptr_arg(x),
                ptr_arg(w), int_arg(N), int_arg(C), bf16=bf16(x))
@@ -474,6 +488,8 @@ def rmsnorm_backward(dx, dw, dout, x, w, rstd, N, C, accumulate=True, partial=No
 
 
 def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    """the first n_heads heads of each row of qkv (q and k) rotated in place by the angle of
+    position pos + t, t the row's place in its sequence of T (rotate-half RoPE); a thread per PACK pairs"""
     block = 256
     gpu.launch("rope_forward_kernel", ceil_div(N * n_heads * D // 2 // pack(qkv), block), block, ptr_arg(qkv),
                ptr_arg(cos), ptr_arg(sin), int_arg(N), int_arg(T), int_arg(n_heads), int_arg(D), int_arg(stride),
@@ -481,6 +497,7 @@ def rope_forward(qkv, cos, sin, N, T, n_heads, D, stride, pos=0):
 
 
 def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
+    """dq and dk in dqkv rotated back in place: rope_forward's transpose, the opposite angle"""
     block = 256
     gpu.launch("rope_backward_kernel", ceil_div(N * n_heads * D // 2 // pack(dqkv), block), block, ptr_arg(dqkv),
                ptr_arg(cos), ptr_arg(sin), int_arg(N), int_arg(T), int_arg(n_heads), int_arg(D), int_arg(stride),
@@ -488,18 +505,22 @@ def rope_backward(dqkv, cos, sin, N, T, n_heads, D, stride, pos=0):
 
 
 def swiglu_forward(out, gu, N, F):
+    """out (N, F) = silu(gate) * up, gu (N, 2F) holding gate then up; a thread per PACK outputs"""
     block = 256
     gpu.launch("swiglu_forward_kernel", ceil_div(N * F // pack(out), block), block, ptr_arg(out), ptr_arg(gu),
                int_arg(N), int_arg(F), bf16=bf16(out))
 
 
 def swiglu_backward(dgu, dout, gu, N, F):
+    """dgu (N, 2F) = d loss / d gate, then d loss / d up, from dout (N, F)"""
     block = 256
     gpu.launch("swiglu_backward_kernel", ceil_div(N * F // pack(dgu), block), block, ptr_arg(dgu), ptr_arg(dout),
                ptr_arg(gu), int_arg(N), int_arg(F), bf16=bf16(dgu))
 
 
 def residual_forward(out, x, a, n):
+    """out = x + a over n elements (decoding's prefill; training fuses the add into
+    residual_rmsnorm_forward)"""
     block = 256
     gpu.launch("residual_forward_kernel", ceil_div(n, block), block, ptr_arg(out), ptr_arg(x), ptr_arg(a),
                long_arg(n), bf16=bf16(out))
@@ -518,6 +539,7 @@ def cross_entropy_sum(sums, losses, N, K):
 
 
 def to_bf16(out, x, n):
+    """out (bf16 bits) = x (fp32) rounded to nearest even, 4 elements a thread"""
     block = 256
     gpu.launch("to_bf16_kernel", ceil_div(n, 4 * block), block, ptr_arg(out), ptr_arg(x), long_arg(n))
 
@@ -1247,7 +1269,8 @@ def split_scratch(cfg):
 
 def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
                      pdl=False, row0=0):
-    """and rope, and the cache write of the R rows' keys and values (see the kernels); keys: the
+    """y = the R rows' causal attention over the cache and this pass's keys, with rope and the cache
+    write of the R rows' keys and values fused in (see the kernels); keys: the
     most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
     the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
     (split only)"""
@@ -1265,6 +1288,8 @@ def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, key
 
 
 def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
+    """amax = each row's argmax of logits (R * n_heads, V), then nanoeuler.generate's acceptance
+    rule on the GPU: the kept tokens into ring, the next feed into ids, pos moved on (one block)"""
     decode_launch("argmax_accept_kernel", 1, 1024, pdl, ptr_arg(ids), ptr_arg(pos), ptr_arg(counter), ptr_arg(ring),
                   ptr_arg(amax), ptr_arg(logits), int_arg(V), int_arg(R), int_arg(n_heads), int_arg(RING))
 
@@ -1680,6 +1705,8 @@ def main(argv=None):
 
 # -----------------------------------------------------------------------------
 # check
+#
+# The story ends above; check, the benchmark and several GPUs and hosts follow.
 #
 # Every kernel against the numpy layer it mirrors, in float64, in both builds of
 # kernels.cu: fp32 from the same float32 inputs, and bf16 (floatX = bfloat16) from
