@@ -3557,8 +3557,9 @@ def check_memory(cfg, batch, threads, available=available_memory):
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
-                             f"of weights, moments, decay mask, their copies for saving and {threads} gradient buffers, {threads} x "
-                             f"{rows:,} rows of activations), more than the {have / 1e9:,.1f} GB available; "
+                             f"of weights, moments, decay mask, their copies for saving and {threads} gradient "
+                             f"buffers, {threads} x {rows:,} rows of activations), more than the {have / 1e9:,.1f} GB "
+                             "available; "
                              f"lower --batch{' or --threads' if threads > 1 else ''}")
 
 
