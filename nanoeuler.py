@@ -1709,18 +1709,18 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
 
 
-def pretrain(args, cfg, make_engine, describe, loop=None):
+def pretrain(args, cfg, make_engine, describe=None, loop=None):
     """tokenizer and tokens (cached), validation rows, then the loop; both engines train
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
-    engine's lines of the settings table; loop: train_loop (nanoeuler_cuda.py's
-    ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
+    engine's lines of the settings table (default: its line); loop: train_loop
+    (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
     refuse_other_run_early(args, cfg)
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
     flat, m, v, state = resume_or_init(args, cfg, tok, lambda: init_params(cfg, args.seed))
     engine = make_engine(cfg, flat, m, v)
-    print_table(describe(engine) +
+    print_table((describe(engine) if describe else [("engine", engine.line)]) +
                 [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
                   " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
                  ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
@@ -1977,8 +1977,7 @@ def preset_with(preset, args):
 def cmd_train(args):
     cfg = preset_with(PRESETS[args.model_size], args).validate()
     check_memory(cfg, args.batch, args.threads)
-    pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args),
-             lambda engine: [("engine", engine.line)])
+    pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args))
 
 
 def argv_text(text):
@@ -3681,17 +3680,6 @@ def run_command(command, args, closed=()):
         sys.exit(2)
 
 
-def stream_open(fd, name):
-    """whether sys.<name> is there and fd open for its direction: a launcher that ran
-    with fd 1 or 2 closed (pyenv's shim script) may have left a read-only file there"""
-    if getattr(sys, name) is None:
-        return False
-    try:
-        return fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
-    except OSError:
-        return False
-
-
 def reopen_closed_streams():
     """stdin, stdout or stderr closed at start (`>&-`) become /dev/null, so that no write
     fails on None and no file we open later takes their descriptor; a text that cannot
@@ -3699,7 +3687,14 @@ def reopen_closed_streams():
     lacks. -> the names of the ones that were closed"""
     closed = []
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
-        if not stream_open(fd, name):
+        # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
+        # script) may have left a read-only file there
+        try:
+            is_open = getattr(sys, name) is not None and (
+                fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY)
+        except OSError:
+            is_open = False
+        if not is_open:
             null = os.open(os.devnull, os.O_RDWR)
             if null != fd:
                 os.dup2(null, fd)
