@@ -312,6 +312,15 @@ def test_save_minutes_saves_by_the_clock(tmp_path, corpus, monkeypatch, capsys):
     assert ne.checkpoint_steps(str(tmp_path / "run")) == [10, 9]
 
 
+def test_the_gpu_trainer_counts_minutes_from_its_start(monkeypatch):
+    # main reads the clock before anything else, as nanoeuler.py's does: --minutes is the whole run
+    clock, seen = iter([123.0]), []
+    monkeypatch.setattr(ne, "now", lambda: next(clock))
+    monkeypatch.setattr(ne, "run_command", lambda command, args: seen.append(args))
+    nc.main(["train", "--minutes", "10"])
+    assert seen[0].started == 123.0 and seen[0].minutes == 10
+
+
 def test_minutes_plans_with_a_save_every_so_many_minutes():
     # by hand: 3,600 s less 10 s spent; n more steps of 0.5 s and one evaluation of 1 s at
     # the end make r = 0.5 n + 1 s, with s = floor(r / 600) + 1 checkpoints (every 10
