@@ -1484,6 +1484,12 @@ PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 MAX_PLANNED_STEPS = 10 ** 9
 
 
+def save_interval(args):
+    """(steps, minutes) between checkpoints: --save-every, else --save-minutes (the GPU's
+    default), else every SAVE_EVERY steps (the CPU's)"""
+    return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
+
+
 def plan_at(args, state, start):
     """the step after which --minutes sets the run's length (once per run), or None"""
     return start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
@@ -1518,12 +1524,6 @@ def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
         print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
               "so far followed --steps's schedule")
     return total
-
-
-def save_interval(args):
-    """(steps, minutes) between checkpoints: --save-every, else --save-minutes (the GPU's
-    default), else every SAVE_EVERY steps (the CPU's)"""
-    return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
 
 
 def steps_text(args, state):
