@@ -25,10 +25,12 @@ The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
 tokenizer, data, a training step on every core, the training loop,
 supervised fine-tuning and chat, command line; then the benchmark and the
-loss plot (log.svg). Last comes the operations part: what keeps a long run from losing work or failing without a
-word (checked inputs, checkpoint files written atomically and resumed from,
-the run folder's lock, signals, memory, lost output streams); a first reading
-may skip it.
+loss plot (log.svg). Last comes the operations part: what keeps a long run
+from losing work or failing without a word (checked inputs, checkpoint files
+written atomically and resumed from, the run folder's lock, signals, memory,
+lost output streams); a first reading may skip it. The story calls into it by
+name (load_model, atomic_write, StopFlag, run_command, ...): a name met in
+the story whose definition comes later is one of those.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
