@@ -3148,8 +3148,10 @@ def listen(port):
                              "or MASTER_PORT") from None
 
 
-def ranks_text(ranks):
-    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+def ranks_text(ranks, count=None):
+    """the first 8 of ranks, and how many more of count (default: len(ranks)) there are"""
+    count = len(ranks) if count is None else count
+    return ", ".join(map(str, ranks[:8])) + (f" and {count - 8} more" if count > 8 else "")
 
 
 def send_id(unique_id, place, settings, timeout, clock=time.monotonic, server=None):
@@ -3167,8 +3169,10 @@ def send_id(unique_id, place, settings, timeout, clock=time.monotonic, server=No
             while len(peers) < place.world - 1:
                 left = deadline - clock()
                 if left <= 0:
-                    missing = sorted(set(range(1, place.world)) - set(peers))
-                    raise NanoEulerError(f"rank(s) {ranks_text(missing)} of {place.world} never came to rank 0 "
+                    # the first missing ranks only: a WORLD_SIZE of 10**20 is a number, not a list to build
+                    missing = [r for r in range(1, min(place.world, len(peers) + 10)) if r not in peers]
+                    missing = ranks_text(missing, place.world - 1 - len(peers))
+                    raise NanoEulerError(f"rank(s) {missing} of {place.world} never came to rank 0 "
                                          f"(port {place.port}: {place.source}) within {timeout:g} s; are they "
                                          "running, and can they reach this host on that port?")
                 server.settimeout(left)

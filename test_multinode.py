@@ -237,6 +237,22 @@ def test_ranks_that_never_come_are_named_by_rank0():
         nc.send_id("ab" * 128, place(0, 3, port), SETTINGS, 0.2, server=server)
 
 
+def test_a_huge_world_that_never_comes_is_named_without_listing_it():
+    """WORLD_SIZE=10**20 (a typo, a variable set by hand): rank 0 names the first missing ranks and
+    counts the rest; it built the list of every missing rank, and ran out of memory, before"""
+    import tracemalloc
+    server, port = free_server()
+    tracemalloc.start()
+    try:
+        with pytest.raises(ne.NanoEulerError, match="rank\\(s\\) 1, 2, 3, 4, 5, 6, 7, 8 and 999991 more of 1000000 "
+                           "never came to rank 0"):
+            nc.send_id("ab" * 128, place(0, 10 ** 6, port), SETTINGS, 0.2, server=server)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, peak                     # a set of 10**6 ranks alone is over 30 MB
+
+
 def test_a_port_in_use_is_refused():
     server, port = free_server()
     with server, pytest.raises(ne.NanoEulerError, match=f"rank 0 cannot listen on port {port}: another program"):
