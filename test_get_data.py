@@ -223,7 +223,7 @@ def test_no_argument_prints_usage_not_code(tmp_path):
         assert rc == 2
         if args == ["nonsense"]:                               # an unknown target is named first
             first, err = err.split("\n", 1)
-            assert first == "get_data.sh: unknown target 'nonsense'; the targets are books, web, alpaca, all and strip"
+            assert first == "get_data.sh: unknown target 'nonsense'; the targets are books, web, alpaca, eval, all and strip"
         assert err.startswith("usage: bash get_data.sh TARGET")
         for target in ("books", "web [SIZE]", "alpaca", "all"):
             assert target in err

