@@ -377,17 +377,29 @@ class CachedTokenizer:
             workers = ne.available_cores() if len(texts) >= 2000 else 1
         if workers <= 1 or not texts:
             return
+        parts = [texts[i::workers * 4] for i in range(workers * 4)]
+        pool = worker_pool(self.tok, workers)
+        for part, ids in zip(parts, pool.map(_encode_texts, parts)):
+            self.cache.update(zip(part, ids))
+
+
+_POOLS = {}
+
+
+def worker_pool(tok, workers):
+    """processes that encode with tok, started once and kept for the next tasks (a start costs
+    about a second); shut down at exit"""
+    key = (id(tok), workers)
+    if key not in _POOLS:
+        import atexit
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
-        parts = [texts[i::workers * 4] for i in range(workers * 4)]
         with ne.signals_blocked():
             pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=ne._start_worker,
-                                       initargs=(self.tok.merges, self.tok.max_piece_bytes))
-        try:
-            for part, ids in zip(parts, pool.map(_encode_texts, parts)):
-                self.cache.update(zip(part, ids))
-        finally:
-            pool.shutdown(cancel_futures=True)
+                                       initargs=(tok.merges, tok.max_piece_bytes))
+        atexit.register(pool.shutdown, cancel_futures=True)
+        _POOLS[key] = (pool, tok)                       # tok kept alive: its id stays its own
+    return _POOLS[key][0]
 
 
 def _encode_texts(texts):
