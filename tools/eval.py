@@ -551,7 +551,9 @@ def evaluate_model(path, args, out=sys.stdout, scorer=None):
     cfg, flat, tok = ne.load_model(path)
     tasks = parse_tasks(args.tasks, args.chat)
     data = OrderedDict((t, load_task(t, args.data)[:args.limit]) for t in tasks)   # all refusals first
+    t0 = time.time()
     scorer = scorer or make_scorer(args, cfg, flat)
+    setup = round(time.time() - t0, 2)                 # on the GPU: the driver, the kernels (compiled or cached)
     results = []
     for task, items in data.items():
         r = evaluate_task(task, items, tok, scorer, cfg, chat=args.chat, progress=not args.quiet,
@@ -560,7 +562,7 @@ def evaluate_model(path, args, out=sys.stdout, scorer=None):
         if r.get("interrupted"):
             break
     core, n = summary(results, args.chat)
-    report = {"model": path, "device": scorer.name, "chat": args.chat, "limit": args.limit,
+    report = {"model": path, "device": scorer.name, "setup_seconds": setup, "chat": args.chat, "limit": args.limit,
               "precision": args.precision if args.gpu else "fp32",
               "chat_core_lite" if args.chat else "core_lite": core, "tasks": results,
               "not_scored": NOT_SCORED, "interrupted": any(r.get("interrupted") for r in results)}

@@ -17,7 +17,7 @@ BIG=${EVAL_BIG:-out/big/best.safetensors}
 SFT=${EVAL_SFT:-out/sft/best.safetensors}
 [ -f data/eval/SHA256SUMS ] || { echo "data/eval is missing: carry it (python tools/eval.py --fetch makes it)" | tee -a "$S"; exit 2; }
 table() { grep -vE "^results:|^mmlu:" "$R/$1" | tee -a "$S"; }
-seconds() { python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1] + ': ' + ', '.join(f\"{t['task']} {t['seconds']} s\" for t in r['tasks']))" "$1" | tee -a "$S"; }
+seconds() { python -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1] + f\": setup {r['setup_seconds']} s, \" + ', '.join(f\"{t['task']} {t['seconds']} s\" for t in r['tasks']))" "$1" | tee -a "$S"; }
 
 if [ -f "$SMALL" ]; then
   echo "== 1. CPU and GPU, small model, HellaSwag's first 1,000 items" | tee -a "$S"
