@@ -268,6 +268,9 @@ def test_bad_input_is_one_sentence(tiny, data, tmp_path):
     assert r.returncode == 2 and "pyarrow" in r.stderr
     r = run("--model", path, "--data", data, "--tasks", "nope")
     assert r.returncode == 2 and "not one of hellaswag" in r.stderr
+    for workers in ("0", "-1", str(4 * ne.available_cores() + 1), "100000"):    # 100000 spawned as many processes
+        r = run("--model", path, "--data", data, "--workers", workers)
+        assert r.returncode == 2 and "argument --workers" in r.stderr and "1 to 4 per core" in r.stderr, r.stderr
     r = run("--model", path, "--data", data, "--limit", "0")
     assert r.returncode == 2 and "--limit 0 is below 1" in r.stderr
 

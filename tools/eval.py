@@ -612,8 +612,8 @@ def build_parser():
     p.add_argument("--gpu", action="store_true", help="score on the GPU (nanoeuler_cuda's forward)")
     p.add_argument("--precision", choices=["fp32", "tf32", "bf16"], default="bf16", help="with --gpu")
     p.add_argument("--json", help="where to write the results (default: beside the model, <model>.eval.json)")
-    p.add_argument("--workers", type=int, help="processes that tokenize (default: every core for a task of "
-                                                "2,000 texts or more, else 1)")
+    p.add_argument("--workers", type=ne.workers_count,              # 1 to 4 a core: 100000 spawned as many
+                   help="processes that tokenize (default: every core for a task of 2,000 texts or more, else 1)")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
