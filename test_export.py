@@ -13,6 +13,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -420,6 +421,10 @@ def test_bad_input_is_refused_in_one_sentence(exported, tmp_path):
     assert_refused(run_export("--model", model), "--hf", "--gguf")
     assert_refused(run_export("--model", model, "--hf", ""), "--hf is empty")
     assert_refused(run_export("--model", "", "--hf", out), "--model is empty")
+    assert_refused(run_export("--model", model, "--gguf", out + "/"), "--gguf", "ends in /", "file name")
+    slash = run_export("--model", model, "--hf", str(tmp_path / "slash") + "/")     # the folder, not "could not be written"
+    assert slash.returncode == 0 and os.path.isfile(tmp_path / "slash" / "config.json"), slash.stderr
+    shutil.rmtree(tmp_path / "slash")
     same = str(tmp_path / "same")                      # refused before either is written, not after the folder
     assert_refused(run_export("--model", model, "--hf", same, "--gguf", same), "--hf and --gguf", "same")
     assert_refused(run_export("--model", model, "--hf", same, "--gguf", str(tmp_path / "." / "same")), "--gguf")

@@ -336,6 +336,11 @@ def export_to(path, flag, write):
 
 
 def cmd_export(args):
+    if args.hf and args.hf.endswith("/") and args.hf.strip("/"):     # small-hf/ names the folder small-hf
+        args.hf = args.hf.rstrip("/")
+    if args.gguf and args.gguf.endswith("/"):
+        raise ne.NanoEulerError(f"--gguf {args.gguf} ends in /, a folder's name; give a file name such as "
+                                "small.gguf")
     for flag, path in (("--hf", args.hf), ("--gguf", args.gguf)):
         if path == "":
             raise ne.NanoEulerError(f"{flag} is empty; give a new {'folder' if flag == '--hf' else 'file'} name")
