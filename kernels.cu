@@ -752,19 +752,6 @@ __device__ __forceinline__ float matvec_rstd(const float* in, int In, int r, int
     return 1.0f / sqrtf(warp_sum(ss) / In + 1e-5f);
 }
 
-// Asks L2 for `bytes` bytes from p, spread over the grid's threads, 128 bytes each: the
-// weights of the next product (nanoeuler_cuda.DECODE_PREFETCH), so that they stream in from
-// memory while this kernel finishes and the next one launches. A hint: no result depends on it.
-__device__ __forceinline__ void prefetch_l2(const char* p, long bytes) {
-    long threads = (long)gridDim.x * gridDim.y * gridDim.z * blockDim.x;
-    long i = ((long)(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-    for (i *= 128; i < bytes; i += threads * 128) {
-#ifdef __CUDA_ARCH__
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i));
-#endif
-    }
-}
-
 // one round of a lane's weight loads: chunks c, c+32, .. (DECODE_LOADS of them) below c1.
 // Evict-first loads (ld.global.cs): a pass reads each weight once, about 200 MB through the
 // H200's 50 MB L2, which would otherwise push out what the next kernels read again (the
@@ -794,13 +781,12 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // is summed by warp r of every block over the whole row while the weights are on their way
 // (the same order in every block; kept out of the main loop, whose registers it would
 // take). No kernel writes a weight, so with programmatic launch the first round's loads go
-// out before the wait for the kernel that wrote `in`. next: the next product's weights
-// (next_bytes of them) to prefetch into L2 once this warp's own have come, or nullptr.
+// out before the wait for the kernel that wrote `in`.
 // block 256 (8 warps, R <= 8), grid = ceil(Out / (8 * DECODE_OUTS / splits)); splits 1, 2, 4 or 8;
 // launch bounds (256, 2): at most 128 registers (the bf16 norm and SwiGLU builds spill 12-16 bytes)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
-                              int ld_out, int accumulate, int splits, const char* next, long next_bytes) {
+                              int ld_out, int accumulate, int splits) {
     __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, groups = 8 / splits;   // groups of outputs a block
@@ -847,7 +833,6 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             }
         }
     }
-    if (next) prefetch_l2(next, next_bytes);
 #pragma unroll
     for (int r = 0; r < DECODE_MAX_ROWS; r++) {
         if (r >= R) break;
@@ -872,33 +857,33 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 // the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits, const char* next, long next_bytes) {
-    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
+    int accumulate, int splits) {
+    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits, const char* next, long next_bytes) {
-    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
+    int accumulate, int splits) {
+    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits, const char* next, long next_bytes) {
-    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
+    int accumulate, int splits) {
+    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits, const char* next, long next_bytes) {
-    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
+    int accumulate, int splits) {
+    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits, const char* next, long next_bytes) {
-    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
+    int accumulate, int splits) {
+    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
-    int accumulate, int splits, const char* next, long next_bytes) {
-    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, next, next_bytes);
+    int accumulate, int splits) {
+    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
 }
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,

@@ -1197,9 +1197,6 @@ DECODE_ATTENTION = "split"
 # 3,300 tokens/s against 2,768 without (BENCHMARKS.md); `check` compares it with plain
 # launches bit for bit
 DECODE_PDL = True
-# each product of a step asks L2 for the next product's weights once its own have come (a hint
-# that cannot change a result; whether it pays is for bench --decode-variants to say), so off
-DECODE_PREFETCH = False
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
@@ -1240,16 +1237,15 @@ def decode_launch(name, grid, block, pdl, *args, shared=0):
 
 
 def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None, splits=None,
-                  pdl=False, prefetch=None):
+                  pdl=False):
     """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
     or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16); splits: matvec_splits
-    of (In, Out) unless given; prefetch: an array (the next product's weights) to ask L2 for"""
+    of (In, Out) unless given"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
     splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
     decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 * DECODE_OUTS // splits), 256, pdl, ptr_arg(out),
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
-                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), ptr_arg(prefetch),
-                  long_arg(prefetch.nbytes if prefetch else 0))
+                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits))
 
 
 def attention_kernel(D, attention=None):
@@ -1325,16 +1321,14 @@ def decode_check_sizes(cfg):
 class GPUDecoder:
     """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
     attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
-    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only), prefetch:
-    each product prefetches the next one's weights into L2 (default DECODE_PREFETCH)"""
+    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only)"""
 
-    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, prefetch=None):
+    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None):
         decode_check_sizes(cfg)
         init_gpu(precision)
         self.cfg, self.precision = cfg, precision
         self.attention = attention_kernel(cfg.D, attention)
         self.pdl = bool(DECODE_PDL if pdl is None else pdl) and int(gpu.arch) >= 90
-        self.prefetch = bool(DECODE_PREFETCH if prefetch is None else prefetch)
         C, D, F, V, T = cfg.C, cfg.D, cfg.F, cfg.V, cfg.T
         QKV, HD, R = (cfg.Hq + 2 * cfg.Hkv) * D, cfg.Hq * D, DECODE_MAX_ROWS
         n = num_params(cfg)
@@ -1380,25 +1374,18 @@ class GPUDecoder:
             attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, rows, cfg.Hq,
                              cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0)
 
-    def layers(self, x, R, heads):
-        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small);
-        heads: the weights of the product after them (with prefetch, the last one's to ask for)"""
+    def layers(self, x, R):
+        """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
         cfg, w, pdl = self.cfg, self.weights, self.pdl
         C, F, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
-        products = [w[f"layers.{l}.{name}"] for l in range(cfg.L) for name in ("wqkv", "wo", "w_gate_up", "w_down")]
-        after = iter(products[1:] + [heads] if self.prefetch else [None] * len(products))   # each one's next
         for l in range(cfg.L):
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
-            decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl,
-                          prefetch=next(after))
+            decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl)
             self.attend(l, self.y, self.qkv, R, pdl=pdl)
-            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl,
-                          prefetch=next(after))
-            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F, "rmsnorm", pdl=pdl,
-                          prefetch=next(after))
-            decode_matvec(x, self.gu, lw("w_down"), None, R, F, C, "swiglu", accumulate=True, pdl=pdl,
-                          prefetch=next(after))
+            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl)
+            decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F, "rmsnorm", pdl=pdl)
+            decode_matvec(x, self.gu, lw("w_down"), None, R, F, C, "swiglu", accumulate=True, pdl=pdl)
 
     def tail(self, x, R, n_heads, pdl=False):
         """final norm, heads 0..n_heads-1 and their argmax at R rows of x, the acceptance rule"""
@@ -1411,7 +1398,7 @@ class GPUDecoder:
     def step(self, R, n_heads):
         """one decoding pass over the R fed ids at *pos (see the kernels)"""
         embedding_forward(self.x, self.ids, self.params["tok_emb"], R, self.cfg.C)
-        self.layers(self.x, R, self.heads.view(0, (n_heads * self.cfg.V, self.cfg.C)))
+        self.layers(self.x, R)
         self.tail(self.x, R, n_heads, self.pdl)
 
     def launch_step(self, R, n_heads):
@@ -2198,7 +2185,7 @@ def margin_model(cfg, rng):
 
 
 def check_decode_logits(report, what, cfg, flat, params, precision, ids, n0, **options):
-    """GPUDecoder's logits (options: its attention, pdl, prefetch) after a prefill of ids[:n0],
+    """GPUDecoder's logits (options: its attention, pdl) after a prefill of ids[:n0],
     one-token steps at n0..n0+3 and a 3-row pass after them, against nanoeuler.model_forward
     with a KV cache (params: the float64 model); and a 3-row pass over n0..n0+2 == those
     one-token steps, bit for bit. -> every logit read, in order"""
@@ -2230,8 +2217,8 @@ def check_decoding(rng, report, precision):
     """check_decode_logits with the attention kernel in use and the other one, on a model
     whose rows see one chunk of keys and on one (D = 64 as the big model's, G = 8 query
     heads per kv head: two blocks each) whose rows see up to three, the 3-row pass
-    straddling a chunk's end; L2 prefetch, and on sm_90 the step's kernels with
-    programmatic dependent launch, give the bits of plain launches; then check_speculative"""
+    straddling a chunk's end; on sm_90 the step's kernels with programmatic
+    dependent launch give the bits of plain launches; then check_speculative"""
     cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
     wide = Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
     other = "single" if attention_kernel(cfg.D) == "split" else "split"
@@ -2243,8 +2230,7 @@ def check_decoding(rng, report, precision):
         what = f"decode {precision}" + (f" D={c.D} G={c.Hq // c.Hkv}" if c is wide else "")
         seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)
         check_decode_logits(report, f"{what} {other}", c, flat, params, precision, ids, n0, attention=other)
-        variants = [("L2 prefetch", dict(prefetch=True))] + \
-            [("without PDL" if DECODE_PDL else "PDL launches", dict(pdl=not DECODE_PDL))] * (int(gpu.arch) >= 90)
+        variants = [("without PDL" if DECODE_PDL else "PDL launches", dict(pdl=not DECODE_PDL))] * (int(gpu.arch) >= 90)
         for name, options in variants:
             try:
                 got = check_decode_logits(lambda *_: None, what, c, flat, params, precision, ids, n0, **options)
@@ -2540,14 +2526,13 @@ def print_speeds(dec, cfg, prompt, n, drafts_list, what=""):
 
 
 def bench_variants(cfg, flat, precision, prompt, n, plain):
-    """the other attention kernel, L2 prefetch, and PDL launches (sm_90 on) with and without
-    it, plain and with the default drafts"""
+    """the other attention kernel, and launches the other way than DECODE_PDL's (sm_90 on),
+    plain and with the default drafts"""
     other = "single" if attention_kernel(cfg.D) == "split" else "split"
-    variants = [(f", {other} attention", dict(attention=other)), (", L2 prefetch", dict(prefetch=True))]
+    variants = [(f", {other} attention", dict(attention=other))]
     if int(gpu.arch) >= 90:                    # launches the other way than DECODE_PDL's
         flip = "without PDL" if DECODE_PDL else "PDL launches"
-        variants += [(f", {flip}", dict(pdl=not DECODE_PDL)), (f", {flip} + L2 prefetch", dict(pdl=not DECODE_PDL,
-                                                                                            prefetch=True))]
+        variants += [(f", {flip}", dict(pdl=not DECODE_PDL))]
     for what, kwargs in variants:
         try:
             dec = GPUDecoder(cfg, flat, precision, **kwargs)
@@ -2576,7 +2561,7 @@ def bench_decoding(args):
         dec = GPUDecoder(cfg, flat, precision)
         print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
               f"{n} new tokens (median of 3 after a warm-up), {what}; {dec.attention} attention"
-              f"{', PDL launches' if dec.pdl else ''}{', L2 prefetch' if dec.prefetch else ''}")
+              f"{', PDL launches' if dec.pdl else ''}")
         plain, _ = print_speeds(dec, cfg, prompt, n, range(1, min(cfg.K, max_rows(cfg))))
         if args.decode_variants:
             bench_variants(cfg, flat, precision, prompt, n, plain)

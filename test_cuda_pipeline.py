@@ -420,7 +420,7 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
     ids = rng.integers(0, cfg.V, 134).tolist()
     failed, seen = [], {}
     for precision, attention, extra, slice_rows in (("fp32", "split", {}, 512), ("fp32", "single", {}, 512),
-                                                    ("fp32", "split", {"pdl": True, "prefetch": True}, 512),
+                                                    ("fp32", "split", {"pdl": True}, 512),
                                                     ("fp32", "split", {}, 48), ("bf16", "split", {}, 512)):
         monkeypatch.setattr(nc, "DECODE_PREFILL_ROWS", slice_rows)            # 126 rows: 48 + 48 + 30
         params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
@@ -430,7 +430,7 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
                                             attention=attention, **extra)
     assert not failed, failed
     plain = seen["fp32 split [] slices of 512"]
-    for what in ("fp32 split ['pdl', 'prefetch'] slices of 512", "fp32 split [] slices of 48"):
+    for what in ("fp32 split ['pdl'] slices of 512", "fp32 split [] slices of 48"):
         assert all(np.array_equal(a, b) for a, b in zip(seen[what], plain)), what
     assert emulated.programmatic > 0
 
