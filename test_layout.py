@@ -28,13 +28,13 @@ import layout  # noqa: E402
 # lines, file 3,493, 31 names, 80 functions, comment share 0.280, one line over 120 columns. After
 # issue 30's moves and mechanisms, and the day's other work (CPU threads, serve, the async checkpoint
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
-# 24 names, 83 functions, comment share 0.291, no line over 120. Each limit leaves a little room for
-# small fixes still in flight that day: lower it to the figure once they have landed.
-STORY_LINES = 2196 + 58
-FILE_LINES = 3713 + 16
-STORY_NAMES_FROM_OPERATIONS = 24 + 2
-FUNCTIONS_TO_MODEL_FORWARD = 83 + 2    # build_parser builds every command's flags on train's way too
-COMMENT_SHARE = 0.290 - 0.003          # lines holding a comment or docstring; explanations are not cut to fit
+# 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
+# story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
+STORY_LINES = 2198
+FILE_LINES = 3718
+STORY_NAMES_FROM_OPERATIONS = 24
+FUNCTIONS_TO_MODEL_FORWARD = 83       # build_parser builds every command's flags on train's way too
+COMMENT_SHARE = 0.292 - 0.002          # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 0
 
 # the model's mathematics, which belongs to the story and never to operations
