@@ -153,6 +153,12 @@ def read_chat_request(body, limits, V):
         raise Refused(400, 'stream_options must be an object, such as {"include_usage": true}')
     if body.get("n", 1) != 1:
         raise Refused(400, "n must be 1: this server generates one reply at a time")
+    if body.get("stop") not in (None, "", []):
+        raise Refused(400, "stop must be null or empty: this server ends a reply only at <|end|> or max_tokens "
+                           "(it has no stop strings)")
+    if body.get("tools") not in (None, []):
+        raise Refused(400, "tools must be null or empty: this model was fine-tuned without tools, so it cannot "
+                           "call them")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     return dict(turns=turns, stream=stream, usage=options.get("include_usage") is True,
                 temperature=number(body, "temperature", 0.8, 0, 2),

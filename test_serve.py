@@ -363,6 +363,10 @@ def small(model):
     ({"messages": [user("a")], "seed": -1}, "seed must be an integer"),
     ({"messages": [user("a")], "stream": "yes"}, "stream must be true or false"),
     ({"messages": [user("a")], "n": 2}, "n must be 1"),
+    ({"messages": [user("a")], "stop": ["\n"]}, "stop must be null or empty"),
+    ({"messages": [user("a")], "stop": "x"}, "stop must be null or empty"),
+    ({"messages": [user("a")], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tools must be null or empty"),
     ({"messages": "hello"}, "messages must be a non-empty list"),
     ({"messages": []}, "messages must be a non-empty list"),
     ({}, "messages must be a non-empty list"),
@@ -387,6 +391,8 @@ def test_within_the_limits_is_answered(small):
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hel"},
                                                        {"type": "text", "text": "lo"}]}]}
     assert call(small, "POST", "/v1/chat/completions", parts)[0] == 200         # content as OpenAI's parts
+    for empty in ({"stop": None, "tools": None}, {"stop": [], "tools": []}, {"stop": ""}):   # null or empty: accepted
+        assert call(small, "POST", "/v1/chat/completions", {"messages": [user("a")], **empty})[0] == 200, empty
 
 
 def still_answers(srv):

