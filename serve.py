@@ -684,7 +684,5 @@ def cmd_serve(args, ne, make_params=None, gen=None):
               "password; use 127.0.0.1 to keep it to this machine", flush=True)
     try:
         server.run()
-    except KeyboardInterrupt as e:
-        if isinstance(e, ne.Interrupted):                  # SIGTERM, SIGHUP: run_command says so
-            raise
+    except KeyboardInterrupt:                              # SIGTERM and SIGHUP (ne.Interrupted) pass on to run_command
         print("\nstopped")
