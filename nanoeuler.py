@@ -1595,11 +1595,9 @@ def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
-def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed,
-                   save_best=None):
+def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed, save_best):
     """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
-    (save_best(flat): the loop's CheckpointWriter's; default: written here); elapsed() -> the
-    run's time so far, as text"""
+    (save_best(flat): the loop's CheckpointWriter's); elapsed() -> the run's time so far, as text"""
     val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
     stop_if_not_finite({"validation loss": val_loss}, step, out_dir)
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
@@ -1608,7 +1606,7 @@ def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, s
     stop_if_not_finite({"weights": flat}, step, out_dir)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-        (save_best or (lambda flat: save_model(os.path.join(out_dir, "best.safetensors"), cfg, flat, tok)))(flat)
+        save_best(flat)
     print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
     return val_loss, val_bpb
 

@@ -442,7 +442,8 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
         ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save(3, Engine(), state, rng)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
-        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s")
+        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s",
+                          ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save_best)
     assert os.listdir(tmp_path) == []
 
 
@@ -521,9 +522,11 @@ def test_best_model_is_the_first_of_equal_losses(tmp_path):
         def evaluate(self, batches, token_bytes):
             return next(losses), 0.5
     state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
-    best = []
+    best, saves = [], ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0)
     for step in range(1, 6):
-        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, step, 5, [0], lambda: "0 s")
+        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, step, 5, [0], lambda: "0 s",
+                          saves.save_best)
+        saves.finish()                                    # best.safetensors is written beside the steps
         weights = ne.load_model(str(tmp_path / "best.safetensors"))[1]
         best.append((state["best_step"], state["best_val"], float(weights[0])))
     assert best == [(1, 3.0, 1.0), (2, 2.0, 2.0), (2, 2.0, 2.0), (2, 2.0, 2.0), (5, 1.5, 5.0)]
