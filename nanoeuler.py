@@ -1316,9 +1316,9 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 MIN_ROWS = 4                                        # a thread's rows at the least
 
 
-def threads_for(B, threads, cores=None):
+def threads_for(B, threads):
     """the threads a batch of B rows is split over: --threads, at most one a core and one per MIN_ROWS rows"""
-    return max(1, min(threads, CORES if cores is None else cores, B // MIN_ROWS))
+    return max(1, min(threads, CORES, B // MIN_ROWS))
 
 
 def micro_batches(B, n_threads):

@@ -36,9 +36,10 @@ TINY = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
     (7, 8, 8, 1),
     (1, 1, 1, 1),
 ])
-def test_a_batch_gets_a_thread_per_core_and_at_least_min_rows_a_thread(B, threads, cores, expected):
+def test_a_batch_gets_a_thread_per_core_and_at_least_min_rows_a_thread(B, threads, cores, expected, monkeypatch):
+    monkeypatch.setattr(ne, "CORES", cores)
     assert ne.MIN_ROWS == 4
-    assert ne.threads_for(B, threads, cores) == expected
+    assert ne.threads_for(B, threads) == expected
 
 
 def test_threads_for_takes_the_cores_read_at_import_when_not_told(monkeypatch):
