@@ -424,7 +424,7 @@ drop_cache() {   # CACHE: the lock given up, and the cache folder removed if not
 
 do_web() {
     local want shard_bytes dir="$DATA/web" cache="$DATA/.cache/fineweb" stage i=0 name pq total=0 ndone=0 short="" why f host
-    want=$(parse_size "${1:-1G}") || { fail "web: SIZE '${1:-}' is not a size like 300M or 1G (at most 100T)"; exit 2; }
+    want=$(parse_size "$1") || { fail "web: SIZE '$1' is not a size like 300M or 1G (at most 100T)"; exit 2; }
     shard_bytes=$(parse_size "$SHARD") || { fail "NANOEULER_WEB_SHARD '$SHARD' is not a size like 100M (at most 100T)"; exit 2; }
     if [ -f "$dir/.complete" ]; then
         local had asked shards
@@ -569,12 +569,24 @@ do_eval() {   # tools/eval.py --fetch does the work (pip download, sha256 checks
 
 # -----------------------------------------------------------------------------
 
+# TARGET MIN NAMES ARG...: TARGET takes MIN to (the words in NAMES) arguments; else one sentence
+# and the usage, exit 2 (an empty argument counts: web '' is refused by parse_size)
+takes() {
+    local target=$1 min=$2 names=$3 max; shift 3
+    max=$(wc -w <<<"$names")
+    [ $# -ge "$min" ] && [ $# -le "$max" ] && return 0
+    fail "$target takes ${names:-no arguments}, but was given $# ($(printf "'%s' " "$@" | sed 's/ $//'))"
+    usage >&2
+    exit 2
+}
+
 case "${1:-}" in
-books)  do_books ;;
-web)    [ $# -le 2 ] || { usage >&2; exit 2; }; do_web "${2:-1G}" ;;
-alpaca) do_alpaca ;;
-eval)   do_eval || exit 1 ;;
+books)  takes books 0 "" "${@:2}"; do_books ;;
+web)    takes web 0 "[SIZE]" "${@:2}"; do_web "${2-1G}" ;;
+alpaca) takes alpaca 0 "" "${@:2}"; do_alpaca ;;
+eval)   takes eval 0 "" "${@:2}"; do_eval || exit 1 ;;
 all)
+    takes all 0 "" "${@:2}"
     rc=0
     do_books || rc=1
     do_web 1G || rc=1
@@ -582,7 +594,7 @@ all)
     exit $rc
     ;;
 strip)
-    [ $# -eq 3 ] || { usage >&2; exit 2; }
+    takes strip 2 "IN OUT" "${@:2}"
     need_python
     strip_gutenberg "$2" "$3" || exit 1
     ;;

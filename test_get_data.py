@@ -218,16 +218,33 @@ def test_sizes_are_decimal_from_1_byte_to_100t():
 
 
 def test_no_argument_prints_usage_not_code(tmp_path):
+    firsts = {"nonsense": "get_data.sh: unknown target 'nonsense'; the targets are books, web, alpaca, eval, all and strip",
+              "web": "get_data.sh: web takes [SIZE], but was given 2 ('1G' 'extra')"}
     for args in ([], ["nonsense"], ["web", "1G", "extra"]):
         rc, out, err = run(args, env_for(tmp_path, "http://127.0.0.1:9"))
         assert rc == 2
-        if args == ["nonsense"]:                               # an unknown target is named first
+        if args:                                               # what is wrong is named first
             first, err = err.split("\n", 1)
-            assert first == "get_data.sh: unknown target 'nonsense'; the targets are books, web, alpaca, eval, all and strip"
+            assert first == firsts[args[0]]
         assert err.startswith("usage: bash get_data.sh TARGET")
         for target in ("books", "web [SIZE]", "alpaca", "all"):
             assert target in err
         assert "#!" not in err and "set -" not in err and "fi\n" not in err
+    assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("args, first", [
+    (["books", "extra"], "books takes no arguments, but was given 1 ('extra')"),
+    (["alpaca", ""], "alpaca takes no arguments, but was given 1 ('')"),
+    (["eval", "a", "b"], "eval takes no arguments, but was given 2 ('a' 'b')"),
+    (["all", "1G"], "all takes no arguments, but was given 1 ('1G')"),
+    (["strip", "raw.txt"], "strip takes IN OUT, but was given 1 ('raw.txt')"),
+    (["strip", "a", "b", "c"], "strip takes IN OUT, but was given 3 ('a' 'b' 'c')"),
+    (["web", ""], "web: SIZE '' is not a size like 300M or 1G (at most 100T)"),
+])
+def test_arguments_a_target_does_not_take_are_refused(tmp_path, args, first):
+    rc, out, err = run(args, env_for(tmp_path, "http://127.0.0.1:9"))
+    assert (rc, out, err.split("\n")[0]) == (2, "", "get_data.sh: " + first)
     assert not (tmp_path / "data").exists()
 
 
