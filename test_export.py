@@ -24,8 +24,9 @@ import tokenizers
 from hypothesis import given, settings, strategies as st
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "tools"))
+sys.path[:0] = [os.path.join(HERE, "tools"), os.path.join(HERE, "dev")]
 import export  # noqa: E402
+import export_check  # noqa: E402  (dev/export_check.py: measures the real consumers; its chat_ids are chat's)
 
 # text in many scripts and the awkward corners of UTF-8 and of the split pattern
 ODD_TEXT = [
@@ -201,23 +202,14 @@ CHAT = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "co
         {"role": "user", "content": " Tell me about\tcafés "}]
 
 
-def chat_ids(tok, messages):
-    """chat's ids for this conversation (nanoeuler.py cmd_chat): render_turn per exchange"""
-    ids = []
-    for i in range(0, len(messages), 2):
-        reply = messages[i + 1]["content"] if i + 1 < len(messages) else None
-        ids += ne.render_turn(tok, messages[i]["content"], reply)[0]
-    return ids
-
-
 def test_chat_template_renders_chats_ids(exported, tok):
     with open(os.path.join(exported["hf"], "tokenizer_config.json"), encoding="utf-8") as f:
         config = json.load(f)
     t = hf_tokenizer(exported["hf"], specials_as_text=False)
     text = render_chat(config["chat_template"], CHAT, add_generation_prompt=True)
-    assert t.encode(text).ids == chat_ids(tok, CHAT)
+    assert t.encode(text).ids == export_check.chat_ids(tok, CHAT)
     text = render_chat(config["chat_template"], CHAT[:2], add_generation_prompt=False)
-    assert t.encode(text).ids == chat_ids(tok, CHAT[:2])
+    assert t.encode(text).ids == export_check.chat_ids(tok, CHAT[:2])
     with pytest.raises(ValueError, match="roles user and assistant"):
         render_chat(config["chat_template"], [{"role": "system", "content": "be brief"}] + CHAT, True)
 
@@ -460,8 +452,6 @@ def have(*modules):
 def consumers(tok, tmp_path_factory):
     """a model with weights far from ties, room for 100 greedy tokens, rows that split into
     Q8_0's blocks, measured by dev/export_check.py"""
-    sys.path.insert(0, os.path.join(HERE, "dev"))
-    import export_check
     d = tmp_path_factory.mktemp("consumers")
     cfg = ne.Config(V=tok.vocab_size, C=64, Hq=4, Hkv=2, L=2, T=128, F=128, K=2)
     model = str(d / "model.safetensors")
