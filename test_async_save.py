@@ -28,6 +28,7 @@ import pytest
 
 import nanoeuler_cuda as nc
 from test_gpu_host import emulated  # noqa: F401  (a fixture: nanoeuler_cuda on an emulated GPU)
+from test_reliability import corpus  # noqa: F401  (a fixture: 40,000 characters of Shakespeare)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
@@ -35,14 +36,6 @@ CFG = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
 
 # -----------------------------------------------------------------------------
 # common test data
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    text = open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:40_000]
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text, encoding="utf-8")
-    return str(path)
-
 
 def train_args(out, data, *extra):
     """the small model, a 300-token vocabulary and 4-row batches: a step takes tens of ms"""
