@@ -1511,7 +1511,7 @@ def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
     def cost(total):                                   # seconds from now to the end of a run of `total` steps
         ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
         run = (total - step) * step_time + ends(args.eval_every) * eval_time
-        saves = ends(every) if every else int(run // (minutes * 60)) + 1
+        saves = ends(every) if every else int(min(run // (minutes * 60) + 1, total - step))   # one a step at most
         behind = max(0.0, write - (every * step_time if every else minutes * 60))
         return run + saves * pause + (saves - 1) * behind + write
     lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many

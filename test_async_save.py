@@ -327,6 +327,16 @@ def test_minutes_plans_with_a_save_every_so_many_minutes():
     assert ne.plan_steps(args, 20, 0.5, 1.0, 2.0, 630.0, 10.0) == 20 + 5658
 
 
+@pytest.mark.parametrize("minutes", ["0.001", "1e-310"])
+def test_minutes_plans_at_most_a_save_a_step_when_save_minutes_is_shorter_than_a_step(minutes):
+    # saves are due only between steps: n steps of 0.5 s and one evaluation of 1 s, a save
+    # after each step holding the loop 0.1 s, writes of 0 s: 0.6 n + 1 <= 3,590 s, n = 5,981
+    # (1e-310 minutes made the count of saves infinite: a traceback)
+    args = ne.build_parser().parse_args(["train", "--minutes", "60", "--save-minutes", minutes, "--eval-every",
+                                         "100000"])
+    assert ne.plan_steps(args, 20, 0.5, 1.0, 0.1, 0.0, 10.0) == 20 + 5981
+
+
 # -----------------------------------------------------------------------------
 # real processes: signals and kill -9 while a write is held open
 
