@@ -136,6 +136,14 @@ def start(args, env):
                             start_new_session=True, preexec_fn=default_signals)
 
 
+def start_stalled(server, url_path, args, env):
+    """start(args, env) with the server holding url_path: returned once that download is in flight"""
+    server.stall.add(url_path)
+    p = start(args, env)
+    assert server.stalled.wait(20)
+    return p
+
+
 def leftovers(data):
     """scratch files or folders a run must not leave behind"""
     return [p for p in os.listdir(data) if p.startswith(".get_data.") or p.endswith((".tmp", ".old"))]
@@ -390,9 +398,7 @@ def test_no_curl_nor_wget(tmp_path):
 
 def test_books_ctrl_c_leaves_nothing_partial(tmp_path, server):
     listing = serve_books(server, ["1342", "98"])
-    server.stall.add("/epub/98/pg98.txt")
-    p = start(["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing))
-    assert server.stalled.wait(20)
+    p = start_stalled(server, "/epub/98/pg98.txt", ["books"], env_for(tmp_path, server.url, NANOEULER_BOOKS=listing))
     os.killpg(p.pid, signal.SIGINT)                              # what Ctrl-C sends: the whole group
     out, err = p.communicate(timeout=20)
     assert p.returncode == 130
@@ -535,9 +541,7 @@ def test_web_larger_size_replaces_the_corpus(tmp_path, fineweb):
 def test_web_ctrl_c_keeps_only_the_resumable_download(tmp_path, server):
     body = bytes(range(256)) * 40
     server.files["/10BT/000_00000.parquet"] = body
-    server.stall.add("/10BT/000_00000.parquet")
-    p = start(["web", "1K"], env_for(tmp_path, server.url))
-    assert server.stalled.wait(20)
+    p = start_stalled(server, "/10BT/000_00000.parquet", ["web", "1K"], env_for(tmp_path, server.url))
     part_path = tmp_path / "data" / ".cache" / "fineweb" / "000_00000.parquet.part"
     deadline = time.monotonic() + 20                             # wait for curl to write what it got
     while not (part_path.exists() and part_path.stat().st_size > 0) and time.monotonic() < deadline:
@@ -838,9 +842,7 @@ def test_sigterm_stops_a_download_at_once(tmp_path, server):
     # the server holds the download for 30 s; the script must not wait for it, nor leave curl behind
     body = bytes(range(256)) * 40
     server.files["/10BT/000_00000.parquet"] = body
-    server.stall.add("/10BT/000_00000.parquet")
-    p = start(["web", "1K"], env_for(tmp_path, server.url))
-    assert server.stalled.wait(20)
+    p = start_stalled(server, "/10BT/000_00000.parquet", ["web", "1K"], env_for(tmp_path, server.url))
     p.send_signal(signal.SIGTERM)                                # to the script alone: kill PID, docker stop
     out, err = p.communicate(timeout=20)
     assert p.returncode == 143 and "interrupted" in err.decode()
@@ -956,10 +958,8 @@ def test_a_second_web_run_waits_for_the_download_in_flight(tmp_path, server):
     # two curl -C - appending to one .part would mix two downloads into one file
     body = write_parquet(tmp_path / "a.parquet", DOCS_0)
     server.files["/10BT/000_00000.parquet"] = body
-    server.stall.add("/10BT/000_00000.parquet")
     env = env_for(tmp_path, server.url)
-    first = start(["web", "60"], env)
-    assert server.stalled.wait(20)
+    first = start_stalled(server, "/10BT/000_00000.parquet", ["web", "60"], env)
     rc, out, err = run(["web", "60"], env)
     cache = tmp_path / "data" / ".cache" / "fineweb"
     assert rc == 1 and err.splitlines() == [
