@@ -2887,12 +2887,12 @@ def stop_when_orphaned(every=0.2):
     came twice on the H200 (perhaps once for each of the launcher's CUDA and NCCL threads we
     were handed to as they ended), and a second SIGTERM means "quit at once, unsaved"."""
     value, fd = os.environ.get("NANOEULER_LAUNCHER", ""), os.environ.get("NANOEULER_LOCK_FD", "")
-    launcher = int(value) if value.isdigit() else 0             # set by launch_ranks, for its ranks only
+    launcher = int(value) if value.isdecimal() else 0             # set by launch_ranks, for its ranks only
 
     def watch():
         while os.getppid() == launcher:
             time.sleep(every)
-        if fd.isdigit():                                         # the lock now names us as its holder
+        if fd.isdecimal():                                       # the lock now names us as its holder
             with contextlib.suppress(OSError):
                 os.ftruncate(int(fd), 0)
                 os.pwrite(int(fd), f"{os.getpid()}\n".encode(), 0)
@@ -2908,7 +2908,7 @@ def rank_and_world(args):
     rendezvous still to come. Refuses --zero with one GPU, before anything starts."""
     found = {name: os.environ.get(name, "0") for name in ("NANOEULER_RANK", "NANOEULER_WORLD")}
     for name, value in found.items():                         # set by launch_ranks, for its ranks only
-        if not value.isdigit():
+        if not value.isdecimal():
             raise NanoEulerError(f"{name}={value!r} in the environment is not a number; it is for the ranks "
                                  "that --gpus starts: unset it")
     rank, world = int(found["NANOEULER_RANK"]), int(found["NANOEULER_WORLD"])
@@ -2986,7 +2986,7 @@ def expand_host(item):
     out = []
     for part in ranges.split(","):
         lo, _, hi = part.partition("-")
-        if not (lo.isdigit() and (hi.isdigit() or not hi)) or (hi and int(hi) < int(lo)):
+        if not (lo.isdecimal() and (hi.isdecimal() or not hi)) or (hi and int(hi) < int(lo)):
             return [""]                                   # expand_nodelist says so
         out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi or lo) + 1)]
     return [h + t for h in out for t in expand_host(tail)]
@@ -2997,14 +2997,14 @@ def env_int(env, name, launcher):
     if value is None:
         raise NanoEulerError(f"{name} is not set, though {launcher}'s other variables are; start the program "
                              f"with {launcher} itself, or set {name}")
-    if not value.strip().isdigit():
+    if not value.strip().isdecimal():
         raise NanoEulerError(f"{name}={value!r} in the environment is not a whole number; {launcher} sets it: "
                              "start the program with it, or unset it")
     return int(value)
 
 
 def port_number(value, what):
-    if not (value.isdigit() and 0 < int(value) < 65536):
+    if not (value.isdecimal() and 0 < int(value) < 65536):
         raise NanoEulerError(f"{what}={value!r} is not a port number (1 to 65535)")
     return int(value)
 
@@ -3428,7 +3428,7 @@ def world_rank(args):
     """this process's rank in the whole world, before any rendezvous: only rank 0 holds --out
     (run_command asks cmd_train.holds_out)"""
     if os.environ.get("NANOEULER_WORLD", "0") not in ("", "0"):
-        return int(os.environ.get("NANOEULER_RANK", "0")) if os.environ.get("NANOEULER_RANK", "0").isdigit() else 0
+        return int(os.environ.get("NANOEULER_RANK", "0")) if os.environ.get("NANOEULER_RANK", "0").isdecimal() else 0
     place = find_place(args)
     return place.rank if place else 0
 

@@ -381,7 +381,7 @@ class Handler(BaseHTTPRequestHandler):
         length = self.headers.get("Content-Length")
         if length is None:
             raise Refused(411, "send the body with a Content-Length")
-        if not length.isdigit():
+        if not length.isdecimal():           # not isdigit: '²' is a digit that int() refuses
             raise Refused(400, f"Content-Length {length[:20]!r} is not a number of bytes")
         length = int(length)
         if length > limits.body_bytes:

@@ -223,10 +223,12 @@ def test_bench_flags_are_refused_before_a_gpu_starts(argv, words, monkeypatch, c
 def test_a_stray_rank_variable_is_named_not_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(nc, "init_gpu", lambda *a, **k: pytest.fail("a GPU was asked for"))
     for name in ("NANOEULER_RANK", "NANOEULER_WORLD"):
-        monkeypatch.setenv(name, "abc")
-        with pytest.raises(SystemExit) as e:
-            nc.main(["bench"])
-        assert e.value.code == 2 and f"{name}='abc' in the environment is not a number" in capsys.readouterr().err
+        for value in ("abc", "\u00b2"):                  # superscript two: a digit to isdigit, not to int
+            monkeypatch.setenv(name, value)
+            with pytest.raises(SystemExit) as e:
+                nc.main(["bench"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"{name}={value!r} in the environment is not a number" in err
         monkeypatch.setenv(name, "0")
 
 

@@ -147,6 +147,8 @@ def test_torchrun_port_says_why_it_is_not_master_port():
 @pytest.mark.parametrize("env, message", [
     ({**TORCHRUN, "RANK": "16"}, "RANK=16 is not below WORLD_SIZE=16"),
     ({**SLURM, "SLURM_PROCID": "x"}, "SLURM_PROCID='x' in the environment is not a whole number"),
+    ({**SLURM, "SLURM_PROCID": "\u00b2"}, "SLURM_PROCID='\u00b2' in the environment is not a whole number"),
+    ({**TORCHRUN, "MASTER_PORT": "\u00b2"}, "MASTER_PORT='\u00b2' is not a port number"),    # isdigit, not int
     ({k: v for k, v in OMPI.items() if "LOCAL" not in k}, "OMPI_COMM_WORLD_LOCAL_RANK is not set"),
     ({**TORCHRUN, "MASTER_PORT": "70000"}, "MASTER_PORT='70000' is not a port number"),
     ({**SLURM, "SLURM_STEP_NODELIST": "gpu[1-"}, "node list 'gpu\\[1-' cannot be read"),

@@ -495,6 +495,8 @@ def test_lengths_that_lie_or_are_missing(model):
         assert status == 411 and "Content-Length" in message
         status, message, _ = raw(srv, post(srv, b"{}").replace(b"Content-Length: 2", b"Content-Length: -2"))
         assert status == 400 and "is not a number of bytes" in message
+        status, message, _ = raw(srv, post(srv, b"{}").replace(b"Content-Length: 2", b"Content-Length: \xb2"))
+        assert status == 400 and "is not a number of bytes" in message          # a digit to isdigit, not to int
         still_answers(srv)
 
 
