@@ -170,23 +170,37 @@ def hf_config(cfg, tok):
     }
 
 
-def hf_tensors(cfg, params):
-    """(name, array) in Hugging Face's Llama names; rotate-half is their layout too: no permutation"""
+# Llama's tensors as each format names them: ours, with wqkv split into q, k and v, and
+# heads.0 the output head; a layer's own in the order written, each after its prefix
+HF_NAMES = {"tok_emb": "model.embed_tokens.weight", "layer": "model.layers.{}.",
+            "attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
+            "v": "self_attn.v_proj.weight", "wo": "self_attn.o_proj.weight",
+            "mlp_norm": "post_attention_layernorm.weight", "w_gate": "mlp.gate_proj.weight",
+            "w_up": "mlp.up_proj.weight", "w_down": "mlp.down_proj.weight",
+            "final_norm": "model.norm.weight", "heads.0": "lm_head.weight"}
+GGUF_NAMES = {"tok_emb": "token_embd.weight", "layer": "blk.{}.",
+              "attn_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
+              "wo": "attn_output.weight", "mlp_norm": "ffn_norm.weight", "w_gate": "ffn_gate.weight",
+              "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
+              "final_norm": "output_norm.weight", "heads.0": "output.weight"}
+LAYER_PARTS = ("attn_norm", "q", "k", "v", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def llama_tensors(cfg, params, names, permute=lambda w, H: w):
+    """(name, array) in names' spelling; the rows of q and k through permute(w, their heads)"""
     Hq, Hkv, D = cfg.Hq, cfg.Hkv, cfg.D
-    out = [("model.embed_tokens.weight", params["tok_emb"])]
+    out = [(names["tok_emb"], params["tok_emb"])]
     for l in range(cfg.L):
-        p, pre = ne.layer_params(params, l), f"model.layers.{l}."
-        wqkv = p["wqkv"]                                              # ((Hq+2Hkv)*D, C)
-        out += [(pre + "input_layernorm.weight", p["attn_norm"]),
-                (pre + "self_attn.q_proj.weight", wqkv[:Hq * D]),
-                (pre + "self_attn.k_proj.weight", wqkv[Hq * D:(Hq + Hkv) * D]),
-                (pre + "self_attn.v_proj.weight", wqkv[(Hq + Hkv) * D:]),
-                (pre + "self_attn.o_proj.weight", p["wo"]),
-                (pre + "post_attention_layernorm.weight", p["mlp_norm"]),
-                (pre + "mlp.gate_proj.weight", p["w_gate"]),
-                (pre + "mlp.up_proj.weight", p["w_up"]),
-                (pre + "mlp.down_proj.weight", p["w_down"])]
-    return out + [("model.norm.weight", params["final_norm"]), ("lm_head.weight", params["heads.0"])]
+        p = ne.layer_params(params, l)
+        q, k, v = np.split(p["wqkv"], [Hq * D, (Hq + Hkv) * D])      # wqkv: ((Hq+2Hkv)*D, C)
+        p = {**p, "q": permute(q, Hq), "k": permute(k, Hkv), "v": v}
+        out += [(names["layer"].format(l) + names[part], p[part]) for part in LAYER_PARTS]
+    return out + [(names["final_norm"], params["final_norm"]), (names["heads.0"], params["heads.0"])]
+
+
+def hf_tensors(cfg, params):
+    """Hugging Face's Llama names; rotate-half is their layout too: no permutation"""
+    return llama_tensors(cfg, params, HF_NAMES)
 
 
 def write_hf(folder, cfg, params, tok):
@@ -225,22 +239,8 @@ def permute_rope(w, H):
 
 
 def gguf_tensors(cfg, params, permute=permute_rope):
-    """(name, float32 array) in llama.cpp's names, q and k permuted (k with its Hkv heads)"""
-    Hq, Hkv, D = cfg.Hq, cfg.Hkv, cfg.D
-    out = [("token_embd.weight", params["tok_emb"])]
-    for l in range(cfg.L):
-        p, pre = ne.layer_params(params, l), f"blk.{l}."
-        wqkv = p["wqkv"]
-        out += [(pre + "attn_norm.weight", p["attn_norm"]),
-                (pre + "attn_q.weight", permute(wqkv[:Hq * D], Hq)),
-                (pre + "attn_k.weight", permute(wqkv[Hq * D:(Hq + Hkv) * D], Hkv)),
-                (pre + "attn_v.weight", wqkv[(Hq + Hkv) * D:]),
-                (pre + "attn_output.weight", p["wo"]),
-                (pre + "ffn_norm.weight", p["mlp_norm"]),
-                (pre + "ffn_gate.weight", p["w_gate"]),
-                (pre + "ffn_up.weight", p["w_up"]),
-                (pre + "ffn_down.weight", p["w_down"])]
-    return out + [("output_norm.weight", params["final_norm"]), ("output.weight", params["heads.0"])]
+    """llama.cpp's names, q and k permuted (k with its Hkv heads)"""
+    return llama_tensors(cfg, params, GGUF_NAMES, permute)
 
 
 def write_gguf(path, cfg, params, tok, outtype, name, permute=permute_rope):
