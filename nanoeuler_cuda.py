@@ -2938,6 +2938,7 @@ DEFAULT_PORT = 29500
 RENDEZVOUS_TIMEOUT = 300
 HELLO = "nanoeuler rendezvous 1"            # every message's first field: a stranger on the port is told apart
 MAX_MESSAGE = 1 << 20
+MAX_HOSTS = 1 << 20                # a longer Slurm node list is not read (gpu[0-999999999999] filled memory)
 # launcher: (rank, world size, local rank) variables, the innermost launcher first (torchrun
 # may run under srun, and an mpirun inside a Slurm job sees the job's variables too)
 LAUNCHERS = {"torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -2970,6 +2971,8 @@ def expand_nodelist(nodelist):
         if c == "," and depth == 0:
             hosts += expand_host(nodelist[start:i])
             start = i + 1
+            if len(hosts) > MAX_HOSTS:
+                hosts = [""]
         if depth < 0 or depth > 1:
             break
     if depth or not hosts or not all(hosts):
@@ -2986,10 +2989,11 @@ def expand_host(item):
     out = []
     for part in ranges.split(","):
         lo, _, hi = part.partition("-")
-        if not (lo.isdecimal() and (hi.isdecimal() or not hi)) or (hi and int(hi) < int(lo)):
+        if not (lo.isdecimal() and (hi.isdecimal() or not hi)) or (hi and not 0 <= int(hi) - int(lo) < MAX_HOSTS):
             return [""]                                   # expand_nodelist says so
         out += [f"{head}{n:0{len(lo)}d}" for n in range(int(lo), int(hi or lo) + 1)]
-    return [h + t for h in out for t in expand_host(tail)]
+    tails = expand_host(tail)
+    return [h + t for h in out for t in tails] if len(out) * len(tails) <= MAX_HOSTS else [""]
 
 
 def env_int(env, name, launcher):

@@ -104,7 +104,8 @@ def test_expand_nodelist(nodelist, hosts):
     assert nc.expand_nodelist(nodelist) == hosts
 
 
-@pytest.mark.parametrize("nodelist", ["n[1-", "n[3-1]", "n[a-b]", "", "a,,b", "n[1-2]]"])
+@pytest.mark.parametrize("nodelist", ["n[1-", "n[3-1]", "n[a-b]", "", "a,,b", "n[1-2]]", "n[0-999999999999]",
+                                      "r[1-2000]-n[1-2000]", ",".join(["n[1-999999]"] * 3)])   # huge: not built
 def test_a_node_list_that_cannot_be_read_is_refused_naming_master_addr(nodelist):
     with pytest.raises(ne.NanoEulerError, match="cannot be read; set MASTER_ADDR"):
         nc.expand_nodelist(nodelist)
