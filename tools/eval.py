@@ -45,6 +45,7 @@ import contextlib
 import csv
 import gzip
 import hashlib
+import io
 import json
 import math
 import os
@@ -615,38 +616,34 @@ def run_checkpoints(args):
         except NanoEulerError as e:
             raise damaged(name, e) from None
     path = os.path.join(args.run, "eval.csv")
-    try:
-        write_csv(args, names, path + ".tmp", damaged)
-        os.replace(path + ".tmp", path)
-    finally:                                           # a refusal, Ctrl-C, a full disk: no eval.csv.tmp left
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
+    ne.atomic_write(path, csv_text(args, names, damaged).encode())       # a full disk: no temp left
     print(f"wrote {path}")
 
 
-def write_csv(args, names, tmp, damaged):
-    fields = None
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        for name in names:
-            step = int(name[6:-12])
-            try:
-                report = evaluate_model(os.path.join(args.run, name), args)
-            except NanoEulerError as e:                # NaN weights, found once the weights are read
-                if str(e).startswith(os.path.join(args.run, name)):
-                    raise damaged(name, e) from None
-                raise
-            key = "chat_core_lite" if args.chat else "core_lite"
-            if fields is None:
-                fields = [r["task"] for r in report["tasks"]] + ["lambada_bpb"] * any(
-                    r["task"] == "lambada" for r in report["tasks"])
-                w.writerow(["step", key] + fields)
-            by = {r["task"]: r["acc_norm"] for r in report["tasks"]}
-            by["lambada_bpb"] = next((r.get("bpb") for r in report["tasks"] if r["task"] == "lambada"), None)
-            w.writerow([step, fmt(report[key])] + [fmt(by.get(t)) for t in fields])
-            print(f"step {step}: {key} {fmt(report[key])}", file=sys.stderr)
-            if report["interrupted"]:
-                break
+def csv_text(args, names, damaged):
+    """eval.csv's text: a row a checkpoint scored (a refusal or Ctrl-C before the end: nothing written)"""
+    fields, f = None, io.StringIO(newline="")
+    w = csv.writer(f)
+    for name in names:
+        step = int(name[6:-12])
+        try:
+            report = evaluate_model(os.path.join(args.run, name), args)
+        except NanoEulerError as e:                    # NaN weights, found once the weights are read
+            if str(e).startswith(os.path.join(args.run, name)):
+                raise damaged(name, e) from None
+            raise
+        key = "chat_core_lite" if args.chat else "core_lite"
+        if fields is None:
+            fields = [r["task"] for r in report["tasks"]] + ["lambada_bpb"] * any(
+                r["task"] == "lambada" for r in report["tasks"])
+            w.writerow(["step", key] + fields)
+        by = {r["task"]: r["acc_norm"] for r in report["tasks"]}
+        by["lambada_bpb"] = next((r.get("bpb") for r in report["tasks"] if r["task"] == "lambada"), None)
+        w.writerow([step, fmt(report[key])] + [fmt(by.get(t)) for t in fields])
+        print(f"step {step}: {key} {fmt(report[key])}", file=sys.stderr)
+        if report["interrupted"]:
+            break
+    return f.getvalue()
 
 
 def build_parser():
