@@ -569,12 +569,15 @@ do_eval() {   # tools/eval.py --fetch does the work (pip download, sha256 checks
 
 # -----------------------------------------------------------------------------
 
-# TARGET MIN NAMES ARG...: TARGET takes MIN to (the words in NAMES) arguments; else one sentence
-# and the usage, exit 2 (an empty argument counts: web '' is refused by parse_size)
+# TARGET MIN NAMES ARG...: TARGET takes MIN to (the words in NAMES) arguments, none empty; else
+# one sentence and the usage, exit 2
 takes() {
-    local target=$1 min=$2 names=$3 max; shift 3
+    local target=$1 min=$2 names=$3 max a; shift 3
     max=$(wc -w <<<"$names")
-    [ $# -ge "$min" ] && [ $# -le "$max" ] && return 0
+    if [ $# -ge "$min" ] && [ $# -le "$max" ]; then
+        for a in "$@"; do [ -n "$a" ] || { fail "$target takes $names, but was given an empty one"; usage >&2; exit 2; }; done
+        return 0
+    fi
     fail "$target takes ${names:-no arguments}, but was given $# ($(printf "'%s' " "$@" | sed 's/ $//'))"
     usage >&2
     exit 2
@@ -584,7 +587,7 @@ case "${1:-}" in
 books)  takes books 0 "" "${@:2}"; do_books ;;
 web)    takes web 0 "[SIZE]" "${@:2}"; do_web "${2-1G}" ;;
 alpaca) takes alpaca 0 "" "${@:2}"; do_alpaca ;;
-eval)   takes eval 0 "" "${@:2}"; do_eval || exit 1 ;;
+eval)   takes eval 0 "" "${@:2}"; do_eval ;;
 all)
     takes all 0 "" "${@:2}"
     rc=0

@@ -248,7 +248,8 @@ def test_no_argument_prints_usage_not_code(tmp_path):
     (["all", "1G"], "all takes no arguments, but was given 1 ('1G')"),
     (["strip", "raw.txt"], "strip takes IN OUT, but was given 1 ('raw.txt')"),
     (["strip", "a", "b", "c"], "strip takes IN OUT, but was given 3 ('a' 'b' 'c')"),
-    (["web", ""], "web: SIZE '' is not a size like 300M or 1G (at most 100T)"),
+    (["web", ""], "web takes [SIZE], but was given an empty one"),
+    (["strip", "raw.txt", ""], "strip takes IN OUT, but was given an empty one"),
 ])
 def test_arguments_a_target_does_not_take_are_refused(tmp_path, args, first):
     rc, out, err = run(args, env_for(tmp_path, "http://127.0.0.1:9"))
