@@ -295,6 +295,13 @@ class PinnedBuffer:
         check(cu.cuEventRecord(self.event, gpu.stream), "cuEventRecord")
         self.recorded = True
 
+    def floats(self):
+        """its memory as float32s, in an array that keeps this buffer (and so the memory) alive: a
+        checkpoint's writer thread may still read it after an error has let the engine go"""
+        raw = (ctypes.c_float * (len(self.array) // 4)).from_address(self.ptr)
+        raw.owner = self
+        return np.ctypeslib.as_array(raw)
+
     def __del__(self):
         if cu is not None:
             cu.cuEventDestroy(self.event)
@@ -1092,7 +1099,7 @@ class GPUEngine:
         for host, a in zip(self.saved, (self.model.flat, self.model.m, self.model.v)):
             check(cu.cuMemcpyDtoHAsync(host.ptr, a.ptr, 4 * n, gpu.stream), "cuMemcpyDtoHAsync")
         gpu.sync("a checkpoint's copy from the GPU")
-        return [host.array.view(np.float32) for host in self.saved]
+        return [host.floats() for host in self.saved]
 
     def mfu(self, dt):
         return self.flops_per_step / dt / self.peak if self.peak else None

@@ -15,6 +15,7 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 
 import argparse
 import errno
+import gc
 import os
 import re
 import signal
@@ -263,6 +264,10 @@ def test_the_gpu_engine_copies_into_page_locked_buffers_of_its_own(emulated):  #
     again = engine.host_weights()                                  # the same buffers, refilled
     assert [a.ctypes.data for a in again] == [a.ctypes.data for a in copies]
     assert np.array_equal(again[0], model.flat.download()[:n]) and not np.array_equal(again[0], want[0])
+    flat = model.flat.download()[:n]
+    del engine, model, copies                                      # an error lets the engine go mid-write:
+    gc.collect()                                                   # the writer's arrays keep their memory
+    assert {a.ctypes.data for a in again} <= set(nc.cu.host) and np.array_equal(again[0], flat)
 
 
 # -----------------------------------------------------------------------------
