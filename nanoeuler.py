@@ -721,7 +721,7 @@ def decode_params(params):
 
 
 class LogitsNotFinite(NanoEulerError):
-    """generation met a NaN or infinite logit; sample and chat name the model file (generating)"""
+    """generation met a NaN or infinite logit; run_command (and serve) name the model file"""
 
 
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
@@ -1935,8 +1935,7 @@ def cmd_chat(args, make_params=None, gen=None):
             out.write("bot> ")
             reply = []
             try:
-                with generating(args.model):
-                    chat_reply(params, cfg, tok, history, args, out, reply, gen, stats)
+                chat_reply(params, cfg, tok, history, args, out, reply, gen, stats)
             except KeyboardInterrupt:                      # Ctrl-C stops the reply, not the chat
                 print("(reply stopped; Ctrl-C at the prompt, /quit or Ctrl-D leaves)")
             history += reply + [tok.special("<|end|>")]
@@ -2010,11 +2009,10 @@ def cmd_sample(args, make_params=None, gen=None):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     stats = {} if args.speculative else None
-    with generating(args.model):
-        for t in (gen or generate)(params, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                                   args.top_p, args.seed, args.speculative, drafts=args.drafts, stats=stats):
-            sys.stdout.write(decoder.decode(tok.vocab[t]))
-            sys.stdout.flush()
+    for t in (gen or generate)(params, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
+                               args.top_p, args.seed, args.speculative, drafts=args.drafts, stats=stats):
+        sys.stdout.write(decoder.decode(tok.vocab[t]))
+        sys.stdout.flush()
     sys.stdout.write(decoder.decode(b"", final=True) + "\n")
     speculation_report(stats)
 
@@ -2185,13 +2183,9 @@ def build_parser():
 
 
 def main(argv=None):
-    started = now()                                    # --minutes counts the whole run from here
-    closed = reopen_closed_streams()
-    args = build_parser().parse_args(argv)
-    args.started = started
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot, "serve": cmd_serve}
-    run_command(commands[args.command], args, closed)
+    run_main(commands, build_parser, argv)
 
 
 # -----------------------------------------------------------------------------
@@ -2961,10 +2955,6 @@ def atomic_write(path, write):
         raise
 
 
-def atomic_write_bytes(path, data):                 # nanoeuler_cuda.py's name for atomic_write(path, data)
-    atomic_write(path, data)
-
-
 TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's temp files
 STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
 
@@ -3624,7 +3614,7 @@ NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
 
 def refuse_at_start(args, closed):
     """what a command cannot start with, refused before it starts: stdin or stdout closed
-    at start (`>&-`: closed, from reopen_closed_streams) where the command needs it; a
+    at start (`>&-`: closed, from run_main) where the command needs it; a
     path flag given empty (--out "" would put prepare's cache in ../cache, and --model ""
     reads as "does not exist"); a working folder deleted under us (all but check use paths)"""
     command = getattr(args, "command", None)
@@ -3648,7 +3638,7 @@ def run_command(command, args, closed=()):
     """run a subcommand: the one place where a refusal ends a command. A NanoEulerError
     raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
     code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
-    streams that were closed at start (reopen_closed_streams). train and sft hold their
+    streams that were closed at start (run_main). train and sft hold their
     --out folder while they run (claim_out); prepare only writes the cache beside it, so
     it holds nothing."""
     run = hasattr(args, "out") and hasattr(args, "resume")
@@ -3658,11 +3648,15 @@ def run_command(command, args, closed=()):
         refuse_at_start(args, closed)
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
         claim = claim_out(args.out, args.resume, args.fresh) if holds else contextlib.nullcontext()   # entered below
-        with signals_interrupt(), claim as lock:
+        with signals_interrupt(), claim as lock, warnings.catch_warnings():
+            # numpy's overflow warnings (a model with huge weights, a run on its way to a NaN)
+            # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_on_nan)
+            warnings.simplefilter("ignore", RuntimeWarning)
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:
-        print(f"error: {e}", file=sys.stderr)
+        model = f"{args.model}: " if isinstance(e, LogitsNotFinite) else ""    # sample's, chat's (generate)
+        print(f"error: {model}{e}", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:
         exit_interrupted(getattr(e, "signum", signal.SIGINT), args.out if run else None)
@@ -3680,12 +3674,12 @@ def run_command(command, args, closed=()):
         sys.exit(2)
 
 
-def reopen_closed_streams():
-    """stdin, stdout or stderr closed at start (`>&-`) become /dev/null, so that no write
-    fails on None and no file we open later takes their descriptor; a text that cannot
-    be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it
-    lacks. -> the names of the ones that were closed"""
-    closed = []
+def run_main(commands, build_parser, argv=None):
+    """the program: its flags parsed, then run_command(commands[the command]). First stdin,
+    stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
+    too) fails on None and no file we open later takes their descriptor; a text that cannot
+    be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
+    started, closed = now(), []                        # --minutes counts the whole run from here
     for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
         # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
         # script) may have left a read-only file there
@@ -3704,7 +3698,9 @@ def reopen_closed_streams():
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="replace")
-    return closed
+    args = build_parser().parse_args(argv)
+    args.started = started
+    run_command(commands[args.command], args, closed)
 
 
 if __name__ == "__main__":

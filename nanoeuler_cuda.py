@@ -169,7 +169,7 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
             print(f"{path} is damaged; compiling {name} again", file=sys.stderr)
         cubins[name] = nvrtc_compile(file, source, arch, defines)
         os.makedirs(cache_dir, exist_ok=True)
-        ne.atomic_write_bytes(path, cubins[name] + hashlib.sha256(cubins[name]).digest())
+        ne.atomic_write(path, cubins[name] + hashlib.sha256(cubins[name]).digest())
     return cubins
 
 

@@ -507,7 +507,7 @@ def test_cli_error_is_one_line(tmp_path):
 
 def test_atomic_write_leaves_no_partial_file(tmp_path):
     path = str(tmp_path / "x.bin")
-    ne.atomic_write_bytes(path, b"old")
+    ne.atomic_write(path, b"old")
 
     def fail(f):
         f.write(b"half")

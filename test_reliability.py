@@ -373,7 +373,7 @@ def test_two_writers_never_share_a_temp_file(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
     assert child.stdout.readline() == b"half\n"
-    ne.atomic_write_bytes(str(path), b"parent " * 100)   # while the child's file is half written
+    ne.atomic_write(str(path), b"parent " * 100)   # while the child's file is half written
     assert path.read_bytes() == b"parent " * 100
     _, err = child.communicate(b"go\n", timeout=60)
     assert child.returncode == 0, err.decode()
