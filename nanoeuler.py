@@ -1595,18 +1595,18 @@ def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
-def run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt, elapsed, save_best):
+def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt, elapsed):
     """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
-    (save_best(flat): the loop's CheckpointWriter's); elapsed() -> the run's time so far, as text"""
+    (the run folder's save_best); elapsed() -> the run's time so far, as text"""
     val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
-    stop_if_not_finite({"validation loss": val_loss}, step, out_dir)
+    run.stop_if_not_finite({"validation loss": val_loss}, step)
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
           f"{len(val_batches)} batches | {elapsed()} elapsed")
     flat = engine.host_params()                    # one copy for both, and no moments
-    stop_if_not_finite({"weights": flat}, step, out_dir)
+    run.stop_if_not_finite({"weights": flat}, step)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-        save_best(flat)
+        run.save_best(flat)
     print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
     return val_loss, val_bpb
 
@@ -1625,13 +1625,13 @@ def now():
     return time.perf_counter()
 
 
-def timed_step(engine, batch, step, total, args, out_dir, clock):
+def timed_step(engine, batch, step, total, args, run, clock):
     """update number `step` on batch() -> ce (K,), lr, gradient norm, seconds (the batch's
     making included); stops the run if it diverged"""
     t0 = clock()
     lr = lr_schedule(step - 1, total, args.lr, args.warmup)
     loss, ce, norm = engine.step(*batch(), lr, step)
-    stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, out_dir, made_by=step - 1)
+    run.stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, made_by=step - 1)
     return ce, lr, norm, clock() - t0
 
 
@@ -1657,7 +1657,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    last_path = checkpoint_path(out_dir, start) if start else None
+    saves = RunFolder(out_dir, cfg, tok, clock)
+    last_path = saves.path(start) if start else None
     if finish_if_complete(engine, out_dir, start, total, last_path):
         return start
     os.makedirs(out_dir, exist_ok=True)
@@ -1666,15 +1667,15 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     times, t_start = [], clock()
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
-    flag, saves = StopFlag(), CheckpointWriter(out_dir, cfg, tok, clock)
+    flag = StopFlag()
     every, minutes = save_interval(args)
     with flag.signals_handled(), warnings.catch_warnings():
-        # numpy's warnings on the way to a NaN print source lines; stop_on_nan says it in one sentence
+        # numpy's warnings on the way to a NaN print source lines; stop_if_not_finite says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
         with flag.output_may_go():
             while step < stop_at(args, start, total) and not flag.stop:
                 step += 1
-                ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, out_dir, clock)
+                ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, saves, clock)
                 if step > start + 1:
                     times.append(dt)                      # the first step warms up: left out
                 log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu := engine.mfu(dt))
@@ -1682,8 +1683,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                 # after a signal the save comes first: no evaluation, sample or plan before it
                 if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
                     t_eval = clock()
-                    val = run_validation(engine, val_batches, cfg, tok, out_dir, state, step, total, sample_prompt,
-                                         elapsed, saves.save_best)
+                    val = run_validation(engine, val_batches, cfg, tok, saves, state, step, total, sample_prompt,
+                                         elapsed)
                     eval_time = clock() - t_eval
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 saves.finish(poll=True)
@@ -1714,11 +1715,12 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
     engine's lines of the settings table (default: its line); loop: train_loop
     (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
-    refuse_other_run_early(args, cfg)
+    run = RunFolder(args.out, cfg)
+    run.refuse_other_run_early(args, cfg)              # before the corpus is tokenized, which can take minutes
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
-    flat, m, v, state = resume_or_init(args, cfg, tok, lambda: init_params(cfg, args.seed))
+    flat, m, v, state = run.resume_or_init(args, tok, lambda: init_params(cfg, args.seed))
     engine = make_engine(cfg, flat, m, v)
     print_table((describe(engine) if describe else [("engine", engine.line)]) +
                 [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
@@ -1800,7 +1802,7 @@ def cmd_sft(args, make_engine=None, engine=None):
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
     rows, mask = rows[:-n_val], mask[:-n_val]
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
-    flat, m, v, state = resume_or_init(args, cfg, tok, lambda: flat0)
+    flat, m, v, state = RunFolder(args.out, cfg).resume_or_init(args, tok, lambda: flat0)
     made = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                  ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
@@ -2366,9 +2368,10 @@ def cmd_plot(args):
 #   quietly, saved; closed streams at start become /dev/null
 # Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
 # in one sentence by run_command, the one place a command ends; a damaged
-# file's content is MALFORMED, refused by refused_if_malformed; the training
-# loop's signals and lost output are a StopFlag (elsewhere SIGTERM and SIGHUP
-# raise Interrupted); a NaN anywhere in a run stops it in stop_if_not_finite.
+# file's content is MALFORMED, refused by refused_if_malformed; everything a run
+# does to its folder is a RunFolder (a NaN anywhere in a run stops it in its
+# stop_if_not_finite); the training loop's signals and lost output are a StopFlag
+# (elsewhere SIGTERM and SIGHUP raise Interrupted).
 
 # -----------------------------------------------------------------------------
 # operations: input checks
@@ -2825,113 +2828,13 @@ def load_checkpoint(out_dir, step):
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 
 
-class CheckpointWriter:
-    """The loop's checkpoints, written while training goes on. save() takes the engine's
-    copies of the weights and moments (host_weights: on the GPU into page-locked memory, in
-    well under a second) and of the state; a thread writes the pair as save_checkpoint does
-    (state first, model last, each through a temp name) and prunes the older pairs, so a
-    kill at any moment leaves the pair before. best.safetensors goes the same way
-    (save_best). One write at most is in flight: the next save waits for it (and says so
-    once, for a pair). finish() waits and says a pair is saved; stop_on_nan waits too
-    (wait()), so that it names the newest pair."""
-    thread = None                                    # the write in flight, one per process
-
-    def __init__(self, out_dir, cfg, tok, clock):
-        self.out_dir, self.cfg, self.tok, self.clock = out_dir, cfg, tok, clock
-        self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, clock(), 0.0, 0.0
-
-    def due(self, step, every, minutes):
-        """--save-every's multiples, or --save-minutes since the last save"""
-        return step % every == 0 if every else self.clock() - self.last >= minutes * 60
-
-    def save(self, step, engine, state, rng, background=True):
-        """the pair of `step`, with the data order's random state -> the model's path"""
-        t0 = self.last = self.clock()
-        if self.writing() and self.pair and not self.said:
-            self.said = True
-            print("note: a checkpoint is still being written when the next is due; training waits for it "
-                  "(now and later); save less often, or to a faster disk", file=sys.stderr)
-        self.finish()
-        state.update(step=step, rng=rng.bit_generator.state)
-        flat, m, v = engine.host_weights()
-        stop_if_not_finite({"weights": flat}, step, self.out_dir)
-        state = json.loads(json.dumps(state))            # the loop goes on changing its own
-        self.paused = self.clock() - t0                  # how long the save held training
-        self.start(lambda: (save_checkpoint(self.out_dir, step, self.cfg, flat, m, v, self.tok, state),
-                            prune_checkpoints(self.out_dir)), step, background)
-        return checkpoint_path(self.out_dir, step)
-
-    def save_best(self, flat):
-        """best.safetensors of flat (a copy that the steps do not change), written beside them"""
-        self.finish()
-        self.start(lambda: save_model(os.path.join(self.out_dir, "best.safetensors"), self.cfg, flat, self.tok))
-
-    def start(self, work, step=None, background=True):
-        """work() on the writer's thread, or on this one and finished; step: the pair's (None: best)"""
-        def write():
-            t0 = self.clock()
-            try:
-                work()
-                if step:
-                    self.took, self.result = self.clock() - t0, step
-            except BaseException as e:               # for finish() to raise in the loop's thread
-                self.result = e
-        self.pair = step is not None
-        if background:
-            CheckpointWriter.thread = threading.Thread(target=write, name="checkpoint writer")
-            CheckpointWriter.thread.start()
-        else:
-            write()
-            self.finish()
-
-    @classmethod
-    def writing(cls):
-        return cls.thread is not None and cls.thread.is_alive()
-
-    @classmethod
-    def wait(cls):
-        if cls.thread:
-            cls.thread.join()
-            cls.thread = None
-
-    def finish(self, poll=False):
-        """wait for the write in flight (poll: only if it has ended) and say a pair is saved, or
-        raise what stopped it"""
-        if poll and self.writing():
-            return
-        self.wait()
-        result, self.result = self.result, None
-        if isinstance(result, BaseException):
-            raise result
-        if result is not None:
-            print(f"saved  {checkpoint_path(self.out_dir, result)} (+ state) in {self.paused + self.took:.1f} s, "
-                  f"training held {self.paused:.2f} s")
-
-
 def start_state(args, seed):
     settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}    # no settings
     return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": settings}
 
 
-def resume_or_init(args, cfg, tok, init_flat):
-    """the newest complete checkpoint under --out with --resume, else a fresh start"""
-    found = newest_readable_checkpoint(args.out) if args.resume else None
-    if args.resume and found is None:
-        print(f"--resume: no checkpoint under {args.out} yet, starting from scratch")
-        best = os.path.join(args.out, "best.safetensors")
-        if os.path.exists(best):                       # an earlier start's best: this start would overwrite it
-            print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
-    if found is None:
-        return init_flat(), np.zeros(num_params(cfg), np.float32), np.zeros(num_params(cfg), np.float32), \
-            start_state(args, args.seed)
-    step, (cfg2, flat, tok2, m, v, state) = found
-    refuse_other_run(args, step, state.get("args", {}).get("command"), cfg2 == cfg and tok2.merges == tok.merges)
-    print(f"resuming from {checkpoint_path(args.out, step)} at step {step}")
-    return flat, m, v, state
-
-
 # -----------------------------------------------------------------------------
-# operations: atomic files and the run folder
+# operations: atomic files
 
 def atomic_write(path, write):
     """write(f) (or the bytes `write`) into path.<pid>.tmp, flush to disk, then rename
@@ -2983,62 +2886,6 @@ def remove_stale_tmp(folder, idle=STALE_TMP_SECONDS):
                     os.remove(path)
 
 
-def model_steps(out_dir):
-    """the steps of the model_<step>.safetensors files in out_dir, newest first"""
-    return sorted((int(m.group(1)) for f in os.listdir(out_dir) if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
-                  reverse=True)
-
-
-def checkpoint_steps(out_dir):
-    """the steps whose model file (written last, so the pair is complete) and state file exist, newest first"""
-    steps = model_steps(out_dir) if os.path.isdir(out_dir) else []
-    return [s for s in steps if os.path.exists(checkpoint_path(out_dir, s, "state"))]
-
-
-def latest_checkpoint(out_dir):
-    """the highest step with a complete pair of files, or None"""
-    steps = checkpoint_steps(out_dir)
-    return steps[0] if steps else None
-
-
-def newest_readable_checkpoint(out_dir):
-    """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
-    when there is no pair. Newer pairs that do not read (a truncated file, a state
-    that is not JSON) are renamed to *.broken, so that neither a later --resume nor
-    the pruning takes them for checkpoints, each with one line saying why."""
-    set_aside_lone_models(out_dir)
-    skipped = []                                       # (step, why) of the newer pairs that do not read
-    for step in checkpoint_steps(out_dir):
-        try:
-            loaded = load_checkpoint(out_dir, step)
-        except NanoEulerError as e:
-            # read_safetensors's advice ("re-run with --resume") is what brought us here: keep only what is wrong
-            skipped.append((step, str(e).split("; ")[0]))
-            continue
-        for bad, why in skipped:
-            for kind in ("model", "state"):
-                set_aside(checkpoint_path(out_dir, bad, kind), ".broken")
-            print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
-                  f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
-        return step, loaded
-    if skipped:
-        raise NanoEulerError(f"--resume: no checkpoint in {out_dir} can be read (the newest: {skipped[0][1]}); "
-                             "train afresh with another --out")
-    return None
-
-
-def set_aside_lone_models(out_dir):
-    """--resume: a model_<step> file without its state is none of ours (we write the state
-    first and delete the model first): a copied model, or a state deleted by hand. Renamed
-    to *.lone, so that no save at its step overwrites it and no pruning deletes it."""
-    for step in model_steps(out_dir) if os.path.isdir(out_dir) else []:
-        if not os.path.exists(checkpoint_path(out_dir, step, "state")):
-            path = checkpoint_path(out_dir, step)
-            kept = set_aside(path, ".lone")
-            print(f"--resume: {path} has no {os.path.basename(checkpoint_path(out_dir, step, 'state'))} beside it, "
-                  f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
-
-
 def set_aside(path, suffix):
     """rename path to path + suffix, or + suffix.1, .2, ... where that is taken (nothing set
     aside before is overwritten) -> the new name"""
@@ -3050,169 +2897,326 @@ def set_aside(path, suffix):
     return new
 
 
-def prune_checkpoints(out_dir, keep=2):
-    """delete all but the newest `keep` complete checkpoint pairs (best.safetensors stays)"""
-    for step in checkpoint_steps(out_dir)[keep:]:
-        remove_checkpoint(out_dir, step)
 
-
-def remove_checkpoint(out_dir, step):
-    """the pair of step's files, model first: a state alone is no checkpoint"""
-    for kind in ("model", "state"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(checkpoint_path(out_dir, step, kind))
-
-
-# One run per folder. A second trainer on a folder that is training refuses at
-# once (train.lock), and a run into a folder that holds another run's files
-# continues it (--resume) or refuses: two runs' logs, best models and pruning
-# never mix. run_command holds the folder for train and sft from start to end.
+# -----------------------------------------------------------------------------
+# operations: the run folder
+#
+# One object, RunFolder, is everything a run does to its folder (--out): the lock
+# (one run per folder), the refusal of another run's files, resume-or-init, the
+# checkpoint pairs (written in the background while training goes on, pruned,
+# damaged ones set aside) and the stop of a run that diverged.
+# A second trainer on a folder that is training refuses at once (train.lock),
+# and a run into a folder that holds another run's files continues it (--resume)
+# or refuses: two runs' logs, best models and pruning never mix. run_command
+# holds the folder for train and sft from start to end (claim).
 
 LOCK_NAME = "train.lock"
 RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
 
 
-def lock_out(out_dir):
-    """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
-    it for us. flock: the kernel lets go of it when its process ends, however it ends,
-    so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
-    the file is there to name the holder."""
-    path = os.path.join(out_dir, LOCK_NAME)
-    mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a folder there is named as any other path)
-        kind = "a link" if stat.S_ISLNK(mode) else "a pipe, a device or a socket"
-        raise NanoEulerError(f"{path} is {kind}, not a file; move it away (it is where a run keeps its "
-                             "lock) and run again")
-    while True:
-        f = open(path, "a+")
+class RunFolder:
+    """A run's folder. out: its path; cfg, tok: the model's (for the checkpoints it writes);
+    clock: seconds (the loop's, for the save timings).
+
+    The loop's checkpoints are written while training goes on: save() takes the engine's
+    copies of the weights and moments (host_weights: on the GPU into page-locked memory,
+    in well under a second) and of the state; a thread writes the pair as save_checkpoint
+    does (state first, model last, each through a temp name) and prunes the older pairs,
+    so a kill at any moment leaves the pair before. best.safetensors goes the same way
+    (save_best). One write at most is in flight: the next save waits for it (and says so
+    once, for a pair). finish() waits and says a pair is saved; stop_if_not_finite waits
+    too (wait()), so that it names the newest pair."""
+    thread = None                                    # the write in flight, one per process
+
+    def __init__(self, out, cfg=None, tok=None, clock=None):
+        self.out, self.cfg, self.tok, self.clock = out, cfg, tok, clock or now
+        self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, self.clock(), 0., 0.
+
+    def path(self, step, kind="model"):
+        return checkpoint_path(self.out, step, kind)
+
+    def steps(self, complete=True):
+        """the steps of the model_<step>.safetensors files, newest first; complete: only those
+        whose state file exists too (the model is written last, so the pair is complete)"""
+        names = os.listdir(self.out) if os.path.isdir(self.out) else []
+        steps = sorted((int(m.group(1)) for f in names if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
+                       reverse=True)
+        return [s for s in steps if not complete or os.path.exists(self.path(s, "state"))]
+
+    def latest(self):
+        """the highest step with a complete pair of files, or None"""
+        return next(iter(self.steps()), None)
+
+    def remove(self, step):
+        """the pair of step's files, model first: a state alone is no checkpoint"""
+        for kind in ("model", "state"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path(step, kind))
+
+    def prune(self, keep=2):
+        """delete all but the newest `keep` complete checkpoint pairs (best.safetensors stays)"""
+        for step in self.steps()[keep:]:
+            self.remove(step)
+
+    # -- the folder held by one run
+
+    def lock(self):
+        """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
+        it for us. flock: the kernel lets go of it when its process ends, however it ends,
+        so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
+        the file is there to name the holder."""
+        path = os.path.join(self.out, LOCK_NAME)
+        mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a folder there is named as any other path)
+            kind = "a link" if stat.S_ISLNK(mode) else "a pipe, a device or a socket"
+            raise NanoEulerError(f"{path} is {kind}, not a file; move it away (it is where a run keeps its "
+                                 "lock) and run again")
+        while True:
+            f = open(path, "a+")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                f.close()
+                if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
+                    return None                        # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
+                raise NanoEulerError(f"{self.out} is in use by another training run (pid {holder}); wait for it "
+                                     "to end, or train into another --out") from None
+            try:
+                if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+                    break
+            except FileNotFoundError:
+                pass
+            f.close()                                  # its holder removed it as we opened it: once more
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        return f
+
+    @contextlib.contextmanager
+    def claim(self, resume, fresh=False):
+        """hold the folder for one run: the lock, then refuse another run's folder without --resume,
+        or with --fresh set it aside whole (renamed while still locked, so no run can slip in);
+        -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
+        out = self.out
+        if os.path.exists(out) and not os.path.isdir(out):
+            raise NanoEulerError(f"--out {out} is a file, not a folder; give a folder for the checkpoints")
+        created, d = [], os.path.abspath(out)          # the folders makedirs makes (out/ of out/small too)
+        while not os.path.exists(d):
+            created.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(out, exist_ok=True)
+        lock = self.lock()
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            f.close()
-            if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
-                return None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
-            raise NanoEulerError(f"{out_dir} is in use by another training run (pid {holder}); wait for it "
-                                 "to end, or train into another --out") from None
+            if lock:                                   # temp files of killed writers (whose pid is gone)
+                remove_stale_tmp(out, idle=0)
+            held = any(RUN_FILE.fullmatch(f) for f in os.listdir(out))
+            if fresh and held and lock:
+                old = set_aside(out, ".old")
+                os.makedirs(out)
+                lock, old_lock = self.lock(), lock
+                os.remove(os.path.join(old, LOCK_NAME))
+                old_lock.close()
+                print(f"--fresh: the run that was in {out} is kept in {old}", file=sys.stderr)
+            elif not resume and held:
+                raise NanoEulerError(f"{out} holds another run; continue it with --resume, start over with --fresh "
+                                     "(the old run is kept aside), or train into another --out")
+            for f in ("log.csv", "best.safetensors"):  # a folder or a pipe there would fail a save, or hang
+                path = os.path.join(out, f)
+                if os.path.lexists(path) and not os.path.isfile(path):
+                    raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
+            yield lock
+        finally:
+            if lock:
+                os.remove(lock.name)                   # while still locked: see lock's samestat
+                lock.close()
+            with contextlib.suppress(OSError):         # a run refused before it wrote anything leaves no folder
+                for d in created:                      # deepest first; one that holds something stays
+                    os.rmdir(d)
+
+    # -- --resume, or a fresh start
+
+    def refuse_other_run(self, args, step, made_by, same_model, differs=""):
+        """--resume: the checkpoint at step was made by made_by (a command), with this run's config
+        and tokenizer or not (same_model; differs: which settings, when known): what this run
+        cannot continue is refused"""
+        # a train run and an sft run in one folder would mix their logs, best models and steps
+        command = getattr(args, "command", None)
+        if made_by and command and made_by != command:
+            raise NanoEulerError(f"{self.out} holds checkpoints of {made_by}, which {command} cannot continue; "
+                                 f"give {command} its own --out")
+        if not same_model:
+            give = "--model" if command == "sft" else "--data and settings"
+            raise NanoEulerError(f"the checkpoint at step {step} in {self.out} was trained with another config "
+                                 f"or tokenizer{differs}; pass the same {give}, or another --out")
+
+    def refuse_other_run_early(self, args, cfg):
+        """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
+        config but for V, which the tokenizer may still lower) made from its files' headers alone,
+        before the corpus is tokenized, which can take minutes"""
+        steps = self.steps() if args.resume else []
+        if not steps:
+            return
         try:
-            if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
-                break
-        except FileNotFoundError:
-            pass
-        f.close()                                      # its holder removed it as we opened it: once more
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    return f
+            _, meta = read_safetensors(self.path(steps[0], "state"), header_only=True)
+            made_by = json.loads(meta["state"]).get("args", {}).get("command")
+            _, meta = read_safetensors(self.path(steps[0]), header_only=True)
+            saved = json.loads(meta["config"])
+            other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
+        except (NanoEulerError, *MALFORMED):
+            return                                     # a broken pair: newest_readable says so later
+        self.refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
 
+    def resume_or_init(self, args, tok, init_flat):
+        """the newest complete checkpoint with --resume (another run's refused), else a fresh start
+        -> flat, m, v, state; tok: the run's tokenizer (the checkpoints it writes hold it)"""
+        self.tok = tok
+        found = self.newest_readable() if args.resume else None
+        if args.resume and found is None:
+            print(f"--resume: no checkpoint under {self.out} yet, starting from scratch")
+            best = os.path.join(self.out, "best.safetensors")
+            if os.path.exists(best):                   # an earlier start's best: this start would overwrite it
+                print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
+        if found is None:
+            n = num_params(self.cfg)
+            return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), start_state(args, args.seed)
+        step, (cfg2, flat, tok2, m, v, state) = found
+        self.refuse_other_run(args, step, state.get("args", {}).get("command"),
+                              cfg2 == self.cfg and tok2.merges == self.tok.merges)
+        print(f"resuming from {self.path(step)} at step {step}")
+        return flat, m, v, state
 
-@contextlib.contextmanager
-def claim_out(out_dir, resume, fresh=False):
-    """hold out_dir for one run: the lock, then refuse another run's folder without --resume,
-    or with --fresh set it aside whole (renamed while still locked, so no run can slip in);
-    -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise NanoEulerError(f"--out {out_dir} is a file, not a folder; give a folder for the checkpoints")
-    created, d = [], os.path.abspath(out_dir)          # the folders makedirs makes (out/ of out/small too)
-    while not os.path.exists(d):
-        created.append(d)
-        d = os.path.dirname(d)
-    os.makedirs(out_dir, exist_ok=True)
-    lock = lock_out(out_dir)
-    try:
-        if lock:                                       # temp files of killed writers (whose pid is gone)
-            remove_stale_tmp(out_dir, idle=0)
-        held = any(RUN_FILE.fullmatch(f) for f in os.listdir(out_dir))
-        if fresh and held and lock:
-            old = set_aside(out_dir, ".old")
-            os.makedirs(out_dir)
-            lock, old_lock = lock_out(out_dir), lock
-            os.remove(os.path.join(old, LOCK_NAME))
-            old_lock.close()
-            print(f"--fresh: the run that was in {out_dir} is kept in {old}", file=sys.stderr)
-        elif not resume and held:
-            raise NanoEulerError(f"{out_dir} holds another run; continue it with --resume, start over with --fresh "
-                                 "(the old run is kept aside), or train into another --out")
-        for f in ("log.csv", "best.safetensors"):      # a folder or a pipe there would fail a save, or hang
-            path = os.path.join(out_dir, f)
-            if os.path.lexists(path) and not os.path.isfile(path):
-                raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
-        yield lock
-    finally:
-        if lock:
-            os.remove(lock.name)                       # while still locked: see lock_out's samestat
-            lock.close()
-        with contextlib.suppress(OSError):             # a run refused before it wrote anything leaves no folder
-            for d in created:                          # deepest first; one that holds something stays
-                os.rmdir(d)
+    def newest_readable(self):
+        """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
+        when there is no pair. Newer pairs that do not read (a truncated file, a state
+        that is not JSON) are renamed to *.broken, so that neither a later --resume nor
+        the pruning takes them for checkpoints, each with one line saying why.
+        A model_<step> file without its state is none of ours (we write the state first
+        and delete the model first): a copied model, or a state deleted by hand. Renamed
+        to *.lone, so that no save at its step overwrites it and no pruning deletes it."""
+        for step in [s for s in self.steps(complete=False) if not os.path.exists(self.path(s, "state"))]:
+            kept = set_aside(self.path(step), ".lone")
+            print(f"--resume: {self.path(step)} has no {os.path.basename(self.path(step, 'state'))} beside it, "
+                  f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
+        skipped = []                                   # (step, why) of the newer pairs that do not read
+        for step in self.steps():
+            try:
+                loaded = load_checkpoint(self.out, step)
+            except NanoEulerError as e:
+                # read_safetensors's advice ("re-run with --resume") is what brought us here: keep what is wrong
+                skipped.append((step, str(e).split("; ")[0]))
+                continue
+            for bad, why in skipped:
+                for kind in ("model", "state"):
+                    set_aside(self.path(bad, kind), ".broken")
+                print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
+                      f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
+            return step, loaded
+        if skipped:
+            raise NanoEulerError(f"--resume: no checkpoint in {self.out} can be read (the newest: {skipped[0][1]}); "
+                                 "train afresh with another --out")
+        return None
 
+    # -- the loop's checkpoints, written while training goes on
 
-def refuse_other_run(args, step, made_by, same_model, differs=""):
-    """--resume: the checkpoint at step was made by made_by (a command), with this run's config
-    and tokenizer or not (same_model; differs: which settings, when known): what this run
-    cannot continue is refused"""
-    # a train run and an sft run in one folder would mix their logs, best models and steps
-    command = getattr(args, "command", None)
-    if made_by and command and made_by != command:
-        raise NanoEulerError(f"{args.out} holds checkpoints of {made_by}, which {command} cannot continue; give "
-                             f"{command} its own --out")
-    if not same_model:
-        give = "--model" if command == "sft" else "--data and settings"
-        raise NanoEulerError(f"the checkpoint at step {step} in {args.out} was trained with another config "
-                             f"or tokenizer{differs}; pass the same {give}, or another --out")
+    def due(self, step, every, minutes):
+        """--save-every's multiples, or --save-minutes since the last save"""
+        return step % every == 0 if every else self.clock() - self.last >= minutes * 60
 
+    def save(self, step, engine, state, rng, background=True):
+        """the pair of `step`, with the data order's random state -> the model's path"""
+        t0 = self.last = self.clock()
+        if self.writing() and self.pair and not self.said:
+            self.said = True
+            print("note: a checkpoint is still being written when the next is due; training waits for it "
+                  "(now and later); save less often, or to a faster disk", file=sys.stderr)
+        self.finish()
+        state.update(step=step, rng=rng.bit_generator.state)
+        flat, m, v = engine.host_weights()
+        self.stop_if_not_finite({"weights": flat}, step)
+        state = json.loads(json.dumps(state))            # the loop goes on changing its own
+        self.paused = self.clock() - t0                  # how long the save held training
+        self.start(lambda: (save_checkpoint(self.out, step, self.cfg, flat, m, v, self.tok, state),
+                            self.prune()), step, background)
+        return self.path(step)
 
-def refuse_other_run_early(args, cfg):
-    """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
-    config but for V, which the tokenizer may still lower) made from its files' headers alone,
-    before the corpus is tokenized, which can take minutes"""
-    steps = checkpoint_steps(args.out) if args.resume else []
-    if not steps:
-        return
-    try:
-        _, meta = read_safetensors(checkpoint_path(args.out, steps[0], "state"), header_only=True)
-        made_by = json.loads(meta["state"]).get("args", {}).get("command")
-        _, meta = read_safetensors(checkpoint_path(args.out, steps[0]), header_only=True)
-        saved = json.loads(meta["config"])
-        other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
-    except (NanoEulerError, *MALFORMED):
-        return                                         # a broken pair: newest_readable_checkpoint says so later
-    refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
+    def save_best(self, flat):
+        """best.safetensors of flat (a copy that the steps do not change), written beside them"""
+        self.finish()
+        self.start(lambda: save_model(os.path.join(self.out, "best.safetensors"), self.cfg, flat, self.tok))
 
+    def start(self, work, step=None, background=True):
+        """work() on the writer's thread, or on this one and finished; step: the pair's (None: best)"""
+        def write():
+            t0 = self.clock()
+            try:
+                work()
+                if step:
+                    self.took, self.result = self.clock() - t0, step
+            except BaseException as e:               # for finish() to raise in the loop's thread
+                self.result = e
+        self.pair = step is not None
+        if background:
+            RunFolder.thread = threading.Thread(target=write, name="checkpoint writer")
+            RunFolder.thread.start()
+        else:
+            write()
+            self.finish()
 
-def stop_on_nan(what, value, step, out_dir, made_by=None):
-    """the run diverged at `step`: stop, naming the newest checkpoint whose weights went on
-    to a finite loss. made_by: the step whose weights gave the bad value; its checkpoint,
-    if one was saved, is removed (resuming from it meets the same value at once), while
-    every older checkpoint was followed by a finite step. The save in flight ends first."""
-    CheckpointWriter.wait()
-    if made_by == 0:                                      # no update yet: neither --lr nor --weight-decay did it
-        raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, before "
-                             "any update, so training stopped; with sft, the --model file gives it: use another model")
-    removed = ""
-    if made_by is not None and os.path.exists(checkpoint_path(out_dir, made_by)):
-        remove_checkpoint(out_dir, made_by)
-        removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
-    good = latest_checkpoint(out_dir)
-    if good is None:
-        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
-                             f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
-    raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good checkpoint "
-                         f"is {checkpoint_path(out_dir, good)}{removed}; lower --lr (or "
-                         "--weight-decay) and continue from it with --resume")
+    @classmethod
+    def writing(cls):
+        return cls.thread is not None and cls.thread.is_alive()
 
+    @classmethod
+    def wait(cls):
+        if cls.thread:
+            cls.thread.join()
+            cls.thread = None
 
-def stop_if_not_finite(values, step, out_dir, made_by=None):
-    """values: {what: a number or an array}, in the order to name them; the first that is
-    NaN or infinite anywhere stops the run (stop_on_nan). The loop asks this of a step's
-    loss and gradient norm (made_by: step - 1, whose weights gave them), of the validation
-    loss, and of the weights before any model is written: an update can break them after
-    a finite loss (a huge --weight-decay), and best.safetensors must stay good."""
-    for what, value in values.items():
-        if not np.isfinite(value).all():
-            stop_on_nan(what, value if np.ndim(value) == 0 else "NaN or infinite", step, out_dir, made_by)
+    def finish(self, poll=False):
+        """wait for the write in flight (poll: only if it has ended) and say a pair is saved, or
+        raise what stopped it"""
+        if poll and self.writing():
+            return
+        self.wait()
+        result, self.result = self.result, None
+        if isinstance(result, BaseException):
+            raise result
+        if result is not None:
+            print(f"saved  {self.path(result)} (+ state) in {self.paused + self.took:.1f} s, "
+                  f"training held {self.paused:.2f} s")
+
+    def stop_if_not_finite(self, values, step, made_by=None):
+        """values: {what: a number or an array}, in the order to name them; the first that is
+        NaN or infinite anywhere stops the run, naming the newest checkpoint whose weights
+        went on to a finite loss. The loop asks this of a step's loss and gradient norm
+        (made_by: step - 1, whose weights gave them), of the validation loss, and of the
+        weights before any model is written: an update can break them after a finite loss
+        (a huge --weight-decay), and best.safetensors must stay good. made_by's checkpoint,
+        if one was saved, is removed (resuming from it meets the same value at once), while
+        every older checkpoint was followed by a finite step. The save in flight ends first."""
+        what, value = next(((w, v) for w, v in values.items() if not np.isfinite(v).all()), (None, None))
+        if what is None:
+            return
+        value = value if np.ndim(value) == 0 else "NaN or infinite"
+        RunFolder.wait()
+        if made_by == 0:                                  # no update yet: neither --lr nor --weight-decay did it
+            raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, "
+                                 "before any update, so training stopped; with sft, the --model file gives it: use "
+                                 "another model")
+        removed = ""
+        if made_by is not None and os.path.exists(self.path(made_by)):
+            self.remove(made_by)
+            removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
+        good = self.latest()
+        if good is None:
+            raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
+                                 f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
+        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good "
+                             f"checkpoint is {self.path(good)}{removed}; lower --lr (or --weight-decay) and continue "
+                             "from it with --resume")
 
 
 # -----------------------------------------------------------------------------
@@ -3389,7 +3393,7 @@ def exit_interrupted(signum, out_dir):
         silence_lost_output()                          # the terminal is most likely gone
     step = None
     with contextlib.suppress(OSError):
-        step = latest_checkpoint(out_dir) if out_dir else None
+        step = RunFolder(out_dir).latest() if out_dir else None
     where = (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
              "continue with --resume") if step is not None else ""
     with contextlib.suppress(OSError):
@@ -3639,7 +3643,7 @@ def run_command(command, args, closed=()):
     raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
     code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
     streams that were closed at start (run_main). train and sft hold their
-    --out folder while they run (claim_out); prepare only writes the cache beside it, so
+    --out folder while they run (RunFolder.claim); prepare only writes the cache beside it, so
     it holds nothing."""
     run = hasattr(args, "out") and hasattr(args, "resume")
     if run and args.out is None:                       # train's folder is named after its model size
@@ -3647,10 +3651,10 @@ def run_command(command, args, closed=()):
     try:
         refuse_at_start(args, closed)
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
-        claim = claim_out(args.out, args.resume, args.fresh) if holds else contextlib.nullcontext()   # entered below
+        claim = RunFolder(args.out).claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
         with signals_interrupt(), claim as lock, warnings.catch_warnings():
             # numpy's overflow warnings (a model with huge weights, a run on its way to a NaN)
-            # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_on_nan)
+            # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_if_not_finite)
             warnings.simplefilter("ignore", RuntimeWarning)
             args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)

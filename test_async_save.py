@@ -67,19 +67,19 @@ def gate(monkeypatch, request):
     g = Gate(monkeypatch, request.param)
     yield g
     g.open.set()                                       # a failed test must not leave a writer waiting
-    ne.CheckpointWriter.wait()
+    ne.RunFolder.wait()
 
 
 @pytest.fixture
 def waiting(monkeypatch):
     """an event set when some thread starts waiting for a write that is still in flight"""
-    event, wait = threading.Event(), ne.CheckpointWriter.wait.__func__
+    event, wait = threading.Event(), ne.RunFolder.wait.__func__
 
     def watched(cls):
         if cls.thread is not None and cls.thread.is_alive():
             event.set()
         wait(cls)
-    monkeypatch.setattr(ne.CheckpointWriter, "wait", classmethod(watched))
+    monkeypatch.setattr(ne.RunFolder, "wait", classmethod(watched))
     return event
 
 
@@ -126,11 +126,11 @@ def test_the_pair_holds_the_weights_moments_and_state_of_its_step_while_training
     engine.step(idx, targets, 1e-2, 1)
     before = [a.copy() for a in (engine.flat, engine.m, engine.v)]
     state, rng = start_state(), np.random.default_rng(5)
-    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
+    saves = ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
     assert saves.save(1, engine, state, rng) == str(tmp_path / "model_000001.safetensors")
     assert gate.held.wait(60)
     # held before the state file or before the model file: no pair yet, and the loop goes on
-    assert ne.checkpoint_steps(str(tmp_path)) == []
+    assert ne.RunFolder(str(tmp_path)).steps() == []
     engine.step(idx, targets, 1e-2, 2)
     state["best_val"] = 1.5
     assert not np.array_equal(engine.flat, before[0]) and not np.array_equal(engine.v, before[2])
@@ -144,7 +144,7 @@ def test_the_pair_holds_the_weights_moments_and_state_of_its_step_while_training
 
 def test_a_save_waits_for_the_one_in_flight_and_says_so_once(tmp_path, gate, waiting, capsys):
     engine, state, rng = Engine(), start_state(), np.random.default_rng(0)
-    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
+    saves = ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
     saves.save(1, engine, state, rng)
     assert gate.held.wait(60)
     t, out = in_thread(lambda: saves.save(2, engine, state, rng))
@@ -165,7 +165,7 @@ def test_a_save_waits_for_the_one_in_flight_and_says_so_once(tmp_path, gate, wai
     saves.finish()
     err = capsys.readouterr().err
     assert err.count("still being written") == 1, err
-    assert ne.checkpoint_steps(str(tmp_path)) == [4, 3]            # pruned to the newest two
+    assert ne.RunFolder(str(tmp_path)).steps() == [4, 3]            # pruned to the newest two
 
 
 def test_best_is_written_beside_the_steps_and_a_pair_due_meanwhile_waits_for_it_unsaid(tmp_path, gate, waiting,
@@ -174,7 +174,7 @@ def test_best_is_written_beside_the_steps_and_a_pair_due_meanwhile_waits_for_it_
     flat = ne.init_params(CFG)
     engine = ne.CPUEngine(CFG, flat, np.zeros_like(flat), np.zeros_like(flat), args)
     idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, CFG.V, (2, CFG.T + CFG.K)), CFG.T, CFG.K)
-    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
+    saves = ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
     weights = engine.host_params()
     before = weights.copy()
     saves.save_best(weights)
@@ -195,13 +195,13 @@ def test_best_is_written_beside_the_steps_and_a_pair_due_meanwhile_waits_for_it_
 
 def test_a_write_that_has_ended_is_said_between_steps_and_one_in_flight_is_not(tmp_path, gate, capsys):
     ticks = iter([0.0, 10.0, 10.5, 11.0, 14.0])                 # the writer's clock, read in turn
-    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), lambda: next(ticks))
+    saves = ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer(), lambda: next(ticks))
     saves.save(7, Engine(), start_state(), np.random.default_rng(0))   # 10 s in, copied by 10.5
     assert gate.held.wait(60)
     saves.finish(poll=True)
     assert capsys.readouterr().out == ""
     gate.open.set()                                             # written from 11 s to 14 s
-    ne.CheckpointWriter.thread.join()
+    ne.RunFolder.thread.join()
     saves.finish(poll=True)
     assert capsys.readouterr().out == (f"saved  {tmp_path / 'model_000007.safetensors'} (+ state) in 3.5 s, "
                                        "training held 0.50 s\n")
@@ -211,7 +211,7 @@ def test_a_write_that_has_ended_is_said_between_steps_and_one_in_flight_is_not(t
 def test_a_failed_background_write_stops_the_loop_with_one_sentence_and_keeps_the_pair_before(tmp_path, gate,
                                                                                                 monkeypatch):
     engine, state, rng = Engine(), start_state(), np.random.default_rng(0)
-    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
+    saves = ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
     saves.save(2, engine, state, rng, background=False)
 
     def full(f):
@@ -225,24 +225,24 @@ def test_a_failed_background_write_stops_the_loop_with_one_sentence_and_keeps_th
     assert e.value.filename == str(tmp_path / "model_000004.safetensors") and e.value.errno == errno.ENOSPC
     with pytest.raises(OSError, match="model_000006"):            # the last save, written before going on
         saves.save(6, engine, state, rng, background=False)
-    assert ne.checkpoint_steps(str(tmp_path)) == [2]
+    assert ne.RunFolder(str(tmp_path)).steps() == [2]
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 def test_a_nan_stop_waits_for_the_save_in_flight_and_names_the_newest_good_pair(tmp_path, gate, waiting):
     engine, state, rng = Engine(), start_state(), np.random.default_rng(0)
-    saves = ne.CheckpointWriter(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
+    saves = ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer(), time.monotonic)
     saves.save(2, engine, state, rng, background=False)
     saves.save(4, engine, state, rng)                             # written while step 5 runs
     assert gate.held.wait(60)
     # step 5's loss is NaN: step 4's weights gave it, so its pair must go, once it is written
-    t, out = in_thread(lambda: ne.stop_if_not_finite({"loss": float("nan")}, 5, str(tmp_path), made_by=4))
+    t, out = in_thread(lambda: saves.stop_if_not_finite({"loss": float("nan")}, 5, made_by=4))
     assert waiting.wait(60)
     gate.open.set()
     t.join()
     assert isinstance(out[0], ne.NanoEulerError)
     assert f"the last good checkpoint is {tmp_path / 'model_000002.safetensors'} (the one of step 4" in str(out[0])
-    assert ne.checkpoint_steps(str(tmp_path)) == [2] and not os.path.exists(tmp_path / "model_000004.safetensors")
+    assert ne.RunFolder(str(tmp_path)).steps() == [2] and not os.path.exists(tmp_path / "model_000004.safetensors")
 
 
 def test_the_gpu_engine_copies_into_page_locked_buffers_of_its_own(emulated):  # noqa: F811
@@ -307,7 +307,7 @@ def test_save_minutes_saves_by_the_clock(tmp_path, corpus, monkeypatch, capsys):
     ne.main(train_args(tmp_path / "run", corpus, "--steps", "10", "--save-minutes", "0.01"))
     saved = re.findall(r"saved  \S+model_(\d+).safetensors", capsys.readouterr().out)
     assert sorted(map(int, saved)) == [3, 6, 9, 10]
-    assert ne.checkpoint_steps(str(tmp_path / "run")) == [10, 9]
+    assert ne.RunFolder(str(tmp_path / "run")).steps() == [10, 9]
 
 
 def test_the_gpu_trainer_counts_minutes_from_its_start(monkeypatch):
@@ -401,7 +401,7 @@ def test_training_goes_on_while_a_pair_is_written_and_a_signal_keeps_both_pairs(
     try:
         wait_until(lambda: (gate / "held").exists(), proc, "held write")
         wait_until(lambda: last_step(stdout) >= 5, proc, "step 5")           # the steps go on meanwhile
-        assert (run / "state_000003.safetensors").exists() and ne.checkpoint_steps(str(run)) == []
+        assert (run / "state_000003.safetensors").exists() and ne.RunFolder(str(run)).steps() == []
         wait_until(lambda: b"still being written" in stderr.read_bytes(), proc, "note")   # step 6's save waits
         assert last_step(stdout) == 6 and not (run / "state_000006.safetensors").exists()
         proc.send_signal(sig)
@@ -414,7 +414,7 @@ def test_training_goes_on_while_a_pair_is_written_and_a_signal_keeps_both_pairs(
     assert "Traceback" not in err and err.count("still being written") == 1
     assert err.splitlines()[-1].endswith(f"stopped at step 6, saved as {run / 'model_000006.safetensors'}; "
                                          "continue with --resume")
-    assert ne.checkpoint_steps(str(run)) == [6, 3] and [int(s) for s in re.findall(
+    assert ne.RunFolder(str(run)).steps() == [6, 3] and [int(s) for s in re.findall(
         r"saved  \S+model_(\d+)", stdout.read_text())] == [3, 6]
     assert not [f for f in os.listdir(run) if f.endswith(".tmp")]
     for step in (3, 6):
@@ -434,7 +434,7 @@ def test_kill_9_during_a_background_write_leaves_the_pair_before_and_resume_is_b
         proc.wait(timeout=60)
     finally:
         proc.kill()
-    assert ne.checkpoint_steps(str(run)) == [4] and (run / "state_000008.safetensors").exists()
+    assert ne.RunFolder(str(run)).steps() == [4] and (run / "state_000008.safetensors").exists()
     r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"),
                         *train_args(run, corpus, "--steps", "12", "--save-every", "4", "--resume")],
                        capture_output=True, timeout=300, cwd=HERE)
@@ -463,9 +463,9 @@ def test_a_second_signal_quits_at_once_while_a_write_is_held_and_the_pair_before
     assert "Traceback" not in err and err.splitlines()[-1] == (
         f"Ctrl-C: interrupted; the last complete checkpoint is {run / 'model_000003.safetensors'}, continue with "
         "--resume")
-    assert ne.checkpoint_steps(str(run)) == [3] and not (run / "model_000006.safetensors").exists()
+    assert ne.RunFolder(str(run)).steps() == [3] and not (run / "model_000006.safetensors").exists()
     r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"),
                         *train_args(run, corpus, "--steps", "5", "--save-every", "3", "--resume")],
                        capture_output=True, timeout=300, cwd=HERE)
     assert r.returncode == 0 and b"at step 3" in r.stdout, r.stderr.decode()
-    assert not [f for f in os.listdir(run) if f.endswith(".tmp")] and ne.checkpoint_steps(str(run)) == [5, 3]
+    assert not [f for f in os.listdir(run) if f.endswith(".tmp")] and ne.RunFolder(str(run)).steps() == [5, 3]

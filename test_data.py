@@ -402,7 +402,7 @@ def test_a_run_folder_takes_away_the_temp_files_of_dead_writers_only(tmp_path, m
     writing = tmp_path / f"tokens_z.npy.{os.getppid()}.tmp"
     for p in (left, writing):
         p.write_bytes(b"half a file")
-    with ne.claim_out(str(tmp_path), resume=True):
+    with ne.RunFolder(str(tmp_path)).claim(resume=True):
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([writing.name, ne.LOCK_NAME])
     with pytest.raises(ne.NanoEulerError, match="^--out out/cache is where runs beside it cache their tokens; "):
         ne.data_cache("out/cache")

@@ -174,7 +174,7 @@ def test_fresh_is_refused_while_another_run_holds_the_folder(tmp_path):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "log.csv").write_text(ne.LOG_HEADER)
-    with ne.claim_out(str(out), resume=True):                     # another run holds it
+    with ne.RunFolder(str(out)).claim(resume=True):                     # another run holds it
         r = run_cli("train", "--out", str(out), "--fresh", "--steps", "1")
     err = r.stderr.decode()
     assert r.returncode == 2 and "in use by another training run" in err, err

@@ -9,9 +9,7 @@ better, lower its limit here to the new figure (never raise one).
 Where the limits are going (issue 30): the story at most 1,750 lines, the
 operations part 900, the file 2,650; the story calling into operations through
 at most 12 names; `train --steps 1` entering at most 25 functions on its way to
-the first model_forward. The operations part has no limit of its own yet: it
-grows by what moves out of the story, and the file's limit holds the two
-together.
+the first model_forward.
 """
 
 import os
@@ -30,9 +28,10 @@ import layout  # noqa: E402
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
 # 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
 # story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
-STORY_LINES = 2196                    # run_validation's default save_best gone (2 lines)
+STORY_LINES = 2192                    # run_main (reopen_closed_streams inside), RunFolder (ops30)
 FILE_LINES = 3716
-STORY_NAMES_FROM_OPERATIONS = 24
+STORY_NAMES_FROM_OPERATIONS = 17      # RunFolder, run_main (ops30)
+OPERATIONS_LINES = 1371               # the operations part (issue 30: at most 900)
 FUNCTIONS_TO_MODEL_FORWARD = 83       # build_parser builds every command's flags on train's way too
 COMMENT_SHARE = 0.292 - 0.002          # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 0
@@ -50,6 +49,7 @@ def shape():
 def test_the_story_and_the_file_stay_within_their_lines(shape):
     assert shape["story_lines"] <= STORY_LINES, shape["story_lines"]
     assert shape["file_lines"] <= FILE_LINES, shape["file_lines"]
+    assert shape["operations_lines"] <= OPERATIONS_LINES, shape["operations_lines"]
     assert shape["lines_over_120"] <= LINES_OVER_120, shape["lines_over_120"]
 
 

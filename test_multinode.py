@@ -485,7 +485,7 @@ def test_a_rank_gone_under_a_launcher_stops_the_others_at_once(tmp_path, dies, m
                                            ("0", "is in use by another training run")])
 def test_only_rank0_locks_out(tmp_path, rank, message):
     s, port = closed_port()
-    with s, ne.claim_out(str(tmp_path / "run"), resume=False):
+    with s, ne.RunFolder(str(tmp_path / "run")).claim(resume=False):
         r = run(sys.executable, "nanoeuler_cuda.py", "train", "--out", str(tmp_path / "run"), "--rendezvous-timeout",
                 "1", env={"RANK": rank, "WORLD_SIZE": "2", "LOCAL_RANK": rank, "MASTER_ADDR": "127.0.0.1",
                           "MASTER_PORT": str(port)})

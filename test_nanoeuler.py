@@ -599,7 +599,7 @@ def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, 
     ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume", "--eval-every", "1000"))
     out = capsys.readouterr().out
     assert "plan |" not in out and f"step {planned}/{planned} |" in out
-    assert ne.latest_checkpoint(str(tmp_path / "run")) == planned
+    assert ne.RunFolder(str(tmp_path / "run")).latest() == planned
 
 
 def test_minutes_is_the_whole_run_within_five_percent(tmp_path, capsys, monkeypatch):
@@ -625,7 +625,7 @@ def test_resume_is_bit_identical(tmp_path):
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "straight", data, "--steps", "10"))
     ne.main(train_args(tmp_path / "split", data, "--steps", "10", "--stop-after", "5"))
-    assert ne.latest_checkpoint(str(tmp_path / "split")) == 5
+    assert ne.RunFolder(str(tmp_path / "split")).latest() == 5
     ne.main(train_args(tmp_path / "split", data, "--steps", "10", "--resume"))
     a = open(tmp_path / "straight" / "model_000010.safetensors", "rb").read()
     b = open(tmp_path / "split" / "model_000010.safetensors", "rb").read()
@@ -644,7 +644,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
     assert r.returncode == 2, r.stdout.decode()[-2000:]
     err = r.stderr.decode()
     assert "training stopped" in err and "Traceback" not in err
-    last = ne.latest_checkpoint(str(tmp_path / "run"))
+    last = ne.RunFolder(str(tmp_path / "run")).latest()
     assert last is not None
     cfg, flat, _ = ne.load_model(str(tmp_path / "run" / f"model_{last:06d}.safetensors"))
     assert np.isfinite(flat).all()
@@ -661,7 +661,7 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err.decode()                # 128 + SIGINT: stopped, saved
-    step = ne.latest_checkpoint(str(tmp_path / "run"))
+    step = ne.RunFolder(str(tmp_path / "run")).latest()
     assert step is not None and step >= 3
     assert f"model_{step:06d}.safetensors".encode() in out
 
@@ -1095,7 +1095,7 @@ folder, out, program = sys.argv[1:]
 nc.count_gpus, nc.nccl_unique_id = lambda: 2, lambda: "ab" * 128
 for _ in range(3):                            # NCCL's and CUDA's threads in a real launcher
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-with ne.claim_out(out, resume=False) as lock:
+with ne.RunFolder(out).claim(resume=False) as lock:
     nc.launch_ranks([folder], 2, program=program, lock=lock)
 """
 
@@ -1124,14 +1124,14 @@ def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_
         assert (tmp_path / "signal").read_text() == str(int(signal.SIGTERM))
         rank0 = int((tmp_path / "ready0").read_text())
         with pytest.raises(ne.NanoEulerError, match=fr"is in use by another training run \(pid {rank0}\)"):
-            ne.lock_out(str(out))                            # while rank 0 saves, the folder is still held, by it
+            ne.RunFolder(str(out)).lock()                            # while rank 0 saves, the folder is still held, by it
     finally:
         (tmp_path / "go").write_text("")
     deadline = time.time() + 20
     while time.time() < deadline and os.path.exists(f"/proc/{rank0}") and \
             "Z" not in open(f"/proc/{rank0}/stat").read().split()[2]:
         time.sleep(0.05)
-    ne.lock_out(str(out)).close()                            # rank 0 gone: a new run may take the folder
+    ne.RunFolder(str(out)).lock().close()                            # rank 0 gone: a new run may take the folder
 
 
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal(fake_ranks, tmp_path):

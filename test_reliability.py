@@ -125,7 +125,7 @@ def test_a_run_killed_before_its_first_save_resumes_with_one_header(corpus, tmp_
     wait_for_step(proc, 3)
     proc.kill()                                          # no chance to save anything
     proc.wait()
-    assert ne.latest_checkpoint(str(out)) is None and (out / "log.csv").exists()
+    assert ne.RunFolder(str(out)).latest() is None and (out / "log.csv").exists()
     r = run_cli(*train_args(out, corpus, "--steps", "4", "--resume"))
     assert r.returncode == 0, r.stderr.decode()
     assert b"starting from scratch" in r.stdout
@@ -136,8 +136,8 @@ def test_a_run_killed_before_its_first_save_resumes_with_one_header(corpus, tmp_
 def test_a_fresh_start_with_resume_keeps_an_earlier_starts_best_model(finished_run, corpus, tmp_path):
     # a run that stopped before its first checkpoint pair (a NaN, say) leaves only its best model
     out = copy_of(finished_run, tmp_path)
-    for step in ne.checkpoint_steps(str(out)):
-        ne.remove_checkpoint(str(out), step)
+    for step in ne.RunFolder(str(out)).steps():
+        ne.RunFolder(str(out)).remove(step)
     best = (out / "best.safetensors").read_bytes()
     r = run_cli(*train_args(out, corpus, "--steps", "4", "--resume"))
     assert r.returncode == 0, r.stderr.decode()
@@ -210,16 +210,16 @@ def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus,
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (out / ne.LOCK_NAME).write_text(f"{dead.pid}\n")
-    step = ne.latest_checkpoint(str(out))
+    step = ne.RunFolder(str(out)).latest()
     r = run_cli(*train_args(out, corpus, "--steps", str(step + 2), "--resume"))
     assert r.returncode == 0, r.stderr.decode()
-    assert ne.latest_checkpoint(str(out)) == step + 2 and not (out / ne.LOCK_NAME).exists()
+    assert ne.RunFolder(str(out)).latest() == step + 2 and not (out / ne.LOCK_NAME).exists()
 
 
 def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
     # nanoeuler_cuda.py --gpus N: the launcher holds --out (run_command), then starts one
     # process per GPU, which run_command again; those, and only those, share its lock
-    code = "import sys, nanoeuler as ne\ntry:\n    print(ne.lock_out(sys.argv[1]))\nexcept ne.NanoEulerError as e:\n" \
+    code = "import sys, nanoeuler as ne\ntry:\n    print(ne.RunFolder(sys.argv[1]).lock())\nexcept ne.NanoEulerError as e:\n" \
            "    print(e)"
 
     def child(**env):
@@ -227,7 +227,7 @@ def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
                            env={**os.environ, **env}, timeout=60)
         return r.stdout.decode().strip()
     monkeypatch.delenv("NANOEULER_RANK", raising=False)
-    with ne.claim_out(str(tmp_path), resume=False):
+    with ne.RunFolder(str(tmp_path)).claim(resume=False):
         assert child(NANOEULER_RANK="1") == "None"
         assert child() == (f"{tmp_path} is in use by another training run (pid {os.getpid()}); wait for it "
                            "to end, or train into another --out")
@@ -259,13 +259,13 @@ def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instruc
                                                            capsys):
     out = tmp_path / "sft"
     r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "2"))
-    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 2, r.stderr.decode()[-2000:]
+    assert r.returncode == 0 and ne.RunFolder(str(out)).latest() == 2, r.stderr.decode()[-2000:]
     before = files_of(out)
     err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "8", "--resume")))
     assert err == f"error: {out} holds checkpoints of sft, which train cannot continue; give train its own --out"
     assert files_of(out) == before
     r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", out, instructions, "--steps", "4", "--resume"))
-    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == 4, r.stderr.decode()[-2000:]
+    assert r.returncode == 0 and ne.RunFolder(str(out)).latest() == 4, r.stderr.decode()[-2000:]
     # refused from the checkpoint's headers, before the corpus is tokenized (minutes on a large one)
     monkeypatch.setattr(ne, "prepare_data", lambda *a, **k: pytest.fail("tokenized before refusing"))
     with pytest.raises(SystemExit) as stop:
@@ -346,7 +346,7 @@ def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(fi
     # sft's config and tokenizer come from its --model: that is what to give again
     sft = ne.build_parser().parse_args(["sft", "--model", "m", "--out", str(out)])
     with pytest.raises(ne.NanoEulerError, match=r"tokenizer; pass the same --model, or another --out$"):
-        ne.refuse_other_run(sft, 8, "sft", same_model=False)
+        ne.RunFolder(str(out)).refuse_other_run(sft, 8, "sft", same_model=False)
     # V alone may differ before tokenizing (a small corpus can end with fewer merges): no refusal yet
     args = train_args(out, corpus, "--steps", "12", "--resume")
     with pytest.raises(Tokenizing):
@@ -392,7 +392,7 @@ def test_the_nan_stop_names_a_checkpoint_whose_loss_was_finite(corpus, tmp_path)
     err = one_sentence(r)
     assert err.startswith("error: the loss became nan at step "), err
     bad = int(err.split("at step ")[1].split(",")[0])    # the step whose loss was NaN
-    good = ne.latest_checkpoint(str(out))
+    good = ne.RunFolder(str(out)).latest()
     assert str(out / f"model_{good:06d}.safetensors") in err and "--resume" in err
     # the log shows a finite loss for the step after the named checkpoint (its weights gave it),
     # and the checkpoint whose weights gave the NaN (step bad - 1) is gone
@@ -403,7 +403,7 @@ def test_the_nan_stop_names_a_checkpoint_whose_loss_was_finite(corpus, tmp_path)
     r = run_cli(*train_args(out, corpus, "--steps", str(bad + 4), "--lr", "1e-4", "--warmup", "1", "--resume"))
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     assert f"resuming from {out / f'model_{good:06d}.safetensors'} at step {good}".encode() in r.stdout
-    assert ne.latest_checkpoint(str(out)) == bad + 4
+    assert ne.RunFolder(str(out)).latest() == bad + 4
 
 
 def test_weights_that_are_not_finite_are_never_saved(finished_run, corpus, tmp_path):
@@ -416,7 +416,7 @@ def test_weights_that_are_not_finite_are_never_saved(finished_run, corpus, tmp_p
     assert re.search(r"became (nan|NaN or infinite) at step 9,", err) and "--weight-decay" in err, err
     assert str(out / "model_000008.safetensors") in err
     assert (out / "best.safetensors").read_bytes() == best
-    assert ne.checkpoint_steps(str(out)) == [8, 4]
+    assert ne.RunFolder(str(out)).steps() == [8, 4]
     r = run_cli(*train_args(tmp_path / "fresh", corpus, "--steps", "4", "--weight-decay", "1e308", "--save-every",
                             "1", "--eval-every", "1"))
     assert "before any good checkpoint" in one_sentence(r)
@@ -440,10 +440,10 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
     state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
     rng = np.random.default_rng(0)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
-        ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save(3, Engine(), state, rng)
+        ne.RunFolder(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save(3, Engine(), state, rng)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
-        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, 3, 10, [0], lambda: "0 s",
-                          ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save_best)
+        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), ne.RunFolder(str(tmp_path), cfg, ne.Tokenizer(),
+                                                                           lambda: 0.0), state, 3, 10, [0], lambda: "0 s")
     assert os.listdir(tmp_path) == []
 
 
@@ -488,7 +488,7 @@ def test_a_folder_with_only_a_log_holds_another_run(tmp_path, monkeypatch):
     monkeypatch.delenv("NANOEULER_RANK", raising=False)
     (tmp_path / "log.csv").write_text(ne.LOG_HEADER + "1,5.0,1e-3,1.0,10.0,100.0,,,\n")
     with pytest.raises(ne.NanoEulerError, match="holds another run; continue it with --resume"):
-        with ne.claim_out(str(tmp_path), resume=False):
+        with ne.RunFolder(str(tmp_path)).claim(resume=False):
             pass
 
 
@@ -505,8 +505,8 @@ def test_check_state_refuses_another_step_and_zero_counts():
 
 def test_an_infinite_gradient_norm_stops_the_run_like_a_nan_loss(tmp_path):
     with pytest.raises(ne.NanoEulerError, match="^the gradient norm became inf at step 5, so training stopped"):
-        ne.stop_if_not_finite({"loss": 1.0, "gradient norm": math.inf}, 5, str(tmp_path), made_by=4)
-    ne.stop_if_not_finite({"loss": 1.0, "gradient norm": 2.0}, 5, str(tmp_path), made_by=4)   # finite: nothing
+        ne.RunFolder(str(tmp_path)).stop_if_not_finite({"loss": 1.0, "gradient norm": math.inf}, 5, made_by=4)
+    ne.RunFolder(str(tmp_path)).stop_if_not_finite({"loss": 1.0, "gradient norm": 2.0}, 5, made_by=4)  # finite: nothing
 
 
 def test_best_model_is_the_first_of_equal_losses(tmp_path):
@@ -522,10 +522,9 @@ def test_best_model_is_the_first_of_equal_losses(tmp_path):
         def evaluate(self, batches, token_bytes):
             return next(losses), 0.5
     state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
-    best, saves = [], ne.CheckpointWriter(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0)
+    best, saves = [], ne.RunFolder(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0)
     for step in range(1, 6):
-        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), str(tmp_path), state, step, 5, [0], lambda: "0 s",
-                          saves.save_best)
+        ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), saves, state, step, 5, [0], lambda: "0 s")
         saves.finish()                                    # best.safetensors is written beside the steps
         weights = ne.load_model(str(tmp_path / "best.safetensors"))[1]
         best.append((state["best_step"], state["best_val"], float(weights[0])))
@@ -595,7 +594,7 @@ def test_resume_falls_back_to_the_newest_pair_that_reads(finished_run, corpus, t
     said = [ln for ln in r.stderr.decode().splitlines() if "skipped" in ln]
     assert len(said) == 1 and f"{kind}_000008.safetensors" in said[0] and "re-run with --resume" not in said[0]
     assert f"resuming from {out / 'model_000004.safetensors'} at step 4".encode() in r.stdout
-    assert ne.latest_checkpoint(str(out)) == 12
+    assert ne.RunFolder(str(out)).latest() == 12
     assert (out / f"{kind}_000008.safetensors.broken").exists()   # set aside, not deleted
 
 
@@ -633,7 +632,7 @@ def test_resume_sets_a_model_without_its_state_aside_and_prunes_only_pairs(finis
     said = [ln for ln in r.stderr.decode().splitlines() if "no checkpoint" in ln]
     assert len(said) == 1 and "model_000008.safetensors has no state_000008.safetensors" in said[0], said
     assert (out / "model_000008.safetensors.lone").read_bytes() == lone
-    assert ne.checkpoint_steps(str(out)) == [16, 12]             # 4 and 8 pruned as pairs
+    assert ne.RunFolder(str(out)).steps() == [16, 12]             # 4 and 8 pruned as pairs
 
 
 def test_pruning_deletes_only_complete_pairs(tmp_path):
@@ -641,7 +640,7 @@ def test_pruning_deletes_only_complete_pairs(tmp_path):
         for kind in ("model", "state"):
             if (step, kind) != (3, "state"):
                 (tmp_path / f"{kind}_{step:06d}.safetensors").write_bytes(b"x")
-    ne.prune_checkpoints(str(tmp_path), keep=2)
+    ne.RunFolder(str(tmp_path)).prune(keep=2)
     assert sorted(os.listdir(tmp_path)) == ["model_000002.safetensors", "model_000003.safetensors",
                                             "model_000004.safetensors", "state_000002.safetensors",
                                             "state_000004.safetensors"]
@@ -664,7 +663,7 @@ def test_a_model_copied_into_the_folder_is_kept_when_resume_starts_afresh(finish
                 "--steps", "6", "--save-every", "1", "--resume")
     assert r.returncode == 0, r.stderr.decode()
     assert (out / "model_000004.safetensors.lone").read_bytes() == mine
-    assert ne.checkpoint_steps(str(out)) == [6, 5]
+    assert ne.RunFolder(str(out)).steps() == [6, 5]
 
 
 def test_resume_with_no_readable_pair_says_so(finished_run, corpus, tmp_path):
@@ -755,14 +754,14 @@ def test_a_signal_saves_a_checkpoint_and_the_run_resumes(corpus, tmp_path, sig):
     said, err = proc.communicate(timeout=120)
     # the shell's convention: a process a signal ended exits 128 + its number (130, 143, 129)
     assert proc.returncode == {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}[sig], err.decode()
-    step = ne.latest_checkpoint(str(out))
+    step = ne.RunFolder(str(out)).latest()
     assert step is not None and step >= 3 and f"model_{step:06d}.safetensors".encode() in said
     last = err.decode().strip().splitlines()[-1]
     assert f"stopped at step {step}, saved as {out / f'model_{step:06d}.safetensors'}" in last and "--resume" in last
     assert b"saving a checkpoint" in err and b"Traceback" not in err and b"done:" not in said
     r = run_cli(*train_args(out, corpus, "--steps", str(step + 2), "--resume"))
     assert r.returncode == 0, r.stderr.decode()
-    assert f"at step {step}".encode() in r.stdout and ne.latest_checkpoint(str(out)) == step + 2
+    assert f"at step {step}".encode() in r.stdout and ne.RunFolder(str(out)).latest() == step + 2
 
 
 def test_a_hangup_that_was_ignored_at_start_stays_ignored(corpus, tmp_path):
@@ -779,7 +778,7 @@ def test_a_hangup_that_was_ignored_at_start_stays_ignored(corpus, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143 and b"SIGHUP" not in err, err.decode()[-2000:]
-    assert ne.latest_checkpoint(str(out)) >= 6
+    assert ne.RunFolder(str(out)).latest() >= 6
 
 
 def test_a_closed_terminal_saves_a_checkpoint(corpus, tmp_path):
@@ -807,10 +806,10 @@ def test_a_closed_terminal_saves_a_checkpoint(corpus, tmp_path):
     os.close(master)                                     # the terminal hangs up
     proc.wait(timeout=120)
     assert proc.returncode == 129
-    step = ne.latest_checkpoint(str(out))
+    step = ne.RunFolder(str(out)).latest()
     assert step is not None and step >= 3
     r = run_cli(*train_args(out, corpus, "--steps", str(step + 1), "--resume"))
-    assert r.returncode == 0 and ne.latest_checkpoint(str(out)) == step + 1, r.stderr.decode()
+    assert r.returncode == 0 and ne.RunFolder(str(out)).latest() == step + 1, r.stderr.decode()
 
 
 def test_a_closed_pipe_saves_a_checkpoint_and_ends_quietly(corpus, tmp_path):
@@ -822,7 +821,7 @@ def test_a_closed_pipe_saves_a_checkpoint_and_ends_quietly(corpus, tmp_path):
     err = proc.stderr.read().decode()
     proc.wait(timeout=120)
     assert proc.returncode == 1 and "Traceback" not in err and "error" not in err, err[-2000:]
-    step = ne.latest_checkpoint(str(out))
+    step = ne.RunFolder(str(out)).latest()
     assert step is not None and step >= 3
     rows = [ln.split(",")[0] for ln in (out / "log.csv").read_text().splitlines()[1:]]
     assert rows == [str(s) for s in range(1, len(rows) + 1)] and len(rows) >= step - 1
@@ -848,7 +847,7 @@ def test_a_stop_saves_before_any_evaluation_or_sample(corpus, tmp_path, capsys, 
     said = capsys.readouterr()
     assert calls == ["evaluate", "sample"]               # step 2's only
     assert re.search(r"val +2/100", said.out) and not re.search(r"val +4/100", said.out)
-    assert ne.latest_checkpoint(str(out)) == 4 and "stopped at step 4" in said.err
+    assert ne.RunFolder(str(out)).latest() == 4 and "stopped at step 4" in said.err
     assert (out / "log.csv").read_text().splitlines()[-1].startswith("4,")
 
 

@@ -589,9 +589,9 @@ def test_checkpoint_pairing(tmp_path):
         rng = np.random.default_rng(step).bit_generator.state      # load_checkpoint checks it is one
         ne.save_checkpoint(out, step, cfg, flat, m, v, tok, {"step": step, "rng": rng})
         saved[step] = (flat, m, v)
-    assert ne.latest_checkpoint(out) == 10
+    assert ne.RunFolder(out).latest() == 10
     os.remove(os.path.join(out, "state_000010.safetensors"))  # as if stopped between the two writes
-    assert ne.latest_checkpoint(out) == 5
+    assert ne.RunFolder(out).latest() == 5
     cfg2, flat, tok2, m, v, state = ne.load_checkpoint(out, 5)
     assert cfg2 == cfg and state == {"step": 5, "rng": np.random.default_rng(5).bit_generator.state}
     for got, want in zip((flat, m, v), saved[5]):
