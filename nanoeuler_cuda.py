@@ -55,6 +55,7 @@ headers, cuBLAS and, for --gpus, NCCL wheels) and an NVIDIA driver.
 """
 
 import argparse
+import collections
 import contextlib
 import ctypes
 import errno
@@ -1207,6 +1208,9 @@ DECODE_PDL = True
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
+DRAFT_WINDOW = 8                # DraftPolicy: the drafting passes whose tokens it averages
+DRAFT_PROBE = 2                 # DraftPolicy: passes that feed drafts in a probe
+DRAFT_WAIT = (16, 256)          # DraftPolicy: plain passes before a probe, the first wait and the longest
 
 
 def matvec_splits(In, Out, elems, sms):
@@ -1370,6 +1374,7 @@ class GPUDecoder:
         no_timing = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
         self.graphs = {}                                               # (R, n_heads) -> executable graph
+        self.costs = {}                                                # pass_cost's, by R
 
     def attend(self, l, y, qkv, R, prefill=False, pdl=False):
         """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
@@ -1469,21 +1474,96 @@ class GPUDecoder:
         self.ids.view(0, (len(ids),)).upload(np.asarray(ids, np.int32))
         self.pos.fill_bits(pos)
 
+    def pass_cost(self, R):
+        """GPU time of a pass over R rows and R heads against a plain one (1 row, 1 head), each
+        replayed from its graph up to 20 times from position 0, measured once (DraftPolicy's
+        cost; the cache and feed it leaves are a prefill's to set); 1 where the window is
+        too short to measure it"""
+        replays = min(20, (self.cfg.T - 1) // R - 1)                   # every replay moves *pos by R at most
+        if R not in self.costs:
+            us = []
+            for rows in (1, R):
+                self.set_feed([0] * rows, 0)
+                us.append(replay_time(self, replays, rows, rows) if replays > 0 else 1.0)
+            self.costs[R] = us[1] / us[0]
+        return self.costs[R]
 
-def queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T):
-    """generate's queue of passes in flight, (ring entry, rows fed; 0 = a prefill), filled up
-    to lookahead while the furthest the position can be leaves room for n_heads rows
-    -> feed, pos (a slide, when the cache is full, re-feeds the last T/2 tokens from 0)"""
+
+def replay_time(dec, replays, R=1, n_heads=1):
+    """microseconds of GPU time per replay of the graph of a step over R rows and n_heads
+    heads (the plain step: 1, 1), replayed `replays` times from *pos"""
+    dec.wait(dec.launch_step(R, n_heads))               # captured now if it was not yet
+    a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
+    check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
+    for _ in range(replays):
+        check(cu.cuGraphLaunch(dec.graphs[R, n_heads], gpu.stream), "cuGraphLaunch")
+    check(cu.cuEventRecord(b, gpu.stream), "cuEventRecord")
+    gpu.sync()
+    dec.passes += replays                               # the replays' accept kernels counted too
+    us = check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") * 1e3 / replays
+    for e in (a, b):
+        cu.cuEventDestroy(e)
+    return us
+
+
+class DraftPolicy:
+    """when speculative decoding drafts. A pass that drafts (1 + drafts heads) lets the next
+    one feed the drafts after the last token (1 + drafts rows); a pass over those rows
+    costs `cost` times a plain one (GPUDecoder.pass_cost). So drafting goes on while the
+    last DRAFT_WINDOW passes that fed drafts gave more than `cost` tokens each, and stops
+    when they did not (drafts that always fail, as on random weights, then cost nearly
+    nothing); after DRAFT_WAIT[0] plain passes a probe drafts again for DRAFT_PROBE
+    passes, judged on their own, the wait doubling after each probe up to DRAFT_WAIT[1]
+    and back to the first once drafting pays. Counts alone decide, never a clock, and
+    the output does not depend on them: every emitted token is head 0's choice."""
+
+    def __init__(self, drafts, cost=1.0):
+        self.drafts, self.cost = drafts, cost
+        self.recent = collections.deque(maxlen=DRAFT_WINDOW)          # tokens of the last passes fed drafts
+        self.drafting = drafts > 0                                     # until passes say otherwise
+        self.probe, self.plain, self.wait = 0, 0, DRAFT_WAIT[0]        # probe: its passes still to queue
+        self.heads = 1                                                 # the last pass's: rows the next can feed
+
+    def next(self):
+        """-> (rows, heads) of the next pass queued"""
+        if self.drafts and not self.drafting and not self.probe:
+            self.plain += 1
+            if self.plain > self.wait:                                 # a pass drafts, DRAFT_PROBE feed drafts
+                self.plain, self.probe, self.wait = 0, 1 + DRAFT_PROBE, min(2 * self.wait, DRAFT_WAIT[1])
+                self.recent.clear()
+        heads = 1 + self.drafts if self.drafting or self.probe else 1
+        self.probe = max(self.probe - 1, 0)
+        rows, self.heads = min(self.heads, heads), heads
+        return rows, heads
+
+    def observe(self, rows, tokens):
+        """a pass over rows rows gave tokens tokens (only passes fed all the drafts count)"""
+        if not self.drafts or rows != 1 + self.drafts:
+            return
+        self.recent.append(tokens)
+        self.drafting = sum(self.recent) > self.cost * len(self.recent)
+        if self.drafting:
+            self.wait = DRAFT_WAIT[0]
+
+
+def queue_passes(decoder, queue, lookahead, tokens, feed, pos, policy, T):
+    """generate's queue of passes in flight, (ring entry, rows fed (0 = a prefill), heads),
+    filled up to lookahead while the furthest the position can be leaves room for the rows
+    the next pass may feed; policy: DraftPolicy -> feed, pos (a slide, when the cache is
+    full, re-feeds the last T/2 tokens from 0)"""
     while len(queue) < lookahead:
-        reach = pos + sum(rows for _, rows in queue)
-        if reach + n_heads <= T:
-            queue.append((decoder.launch_step(n_heads, n_heads), n_heads))
+        reach = pos + sum(rows for _, rows, _ in queue)
+        if reach + policy.heads <= T:
+            rows, heads = policy.next()
+            queue.append((decoder.launch_step(rows, heads), rows, heads))
         elif queue:
             break                                                      # near the end: wait for the queue
         elif pos + 1 <= T:                                             # fewer drafts, as the CPU feeds
-            queue.append((decoder.launch_step(T - pos, n_heads), T - pos))
+            rows, heads = policy.next()
+            queue.append((decoder.launch_step(min(rows, T - pos), heads), min(rows, T - pos), heads))
         else:                                                          # the cache is full: slide
-            queue.append((decoder.prefill(tokens[-(T // 2):], n_heads), 0))
+            _, heads = policy.next()
+            queue.append((decoder.prefill(tokens[-(T // 2):], heads), 0, heads))
             feed, pos = tokens[-(T // 2):], T // 2
     return feed, pos
 
@@ -1510,12 +1590,14 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
     yields new token ids one by one, after the prompt ids, with the same window
     slide (the last T/2 tokens fed again from position 0 when the cache is full)
     and the same speculative acceptance rule (every emitted token is head 0's
-    choice), so greedy output is plain greedy output.
+    choice), so greedy output is plain greedy output. Unlike nanoeuler.generate
+    it drafts only while drafting pays (DraftPolicy): which passes draft changes
+    the speed, never the tokens.
 
     Greedy: the GPU chooses and accepts, the host reads the chosen ids up to
     LOOKAHEAD passes behind it, queueing a pass only while it surely fits in the
     window (each pass moves the position by 1 to R); near the end of the window
-    it waits, and feeds fewer drafts exactly where nanoeuler.generate does.
+    it waits, and feeds fewer drafts where nanoeuler.generate does.
     Sampling: after each pass the host reads the rows' logits of head 0,
     samples as nanoeuler.generate does and sets the next feed itself."""
     rng = np.random.default_rng(seed)
@@ -1524,28 +1606,31 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
     n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
-    n_drafts = min(n_drafts, max_rows(cfg) - 1)
-    n_heads = 1 + n_drafts if speculative else 1
+    n_drafts = min(n_drafts, max_rows(cfg) - 1) if speculative else 0
+    policy = DraftPolicy(n_drafts, decoder.pass_cost(1 + n_drafts) if n_drafts else 1.0)
     greedy = temperature <= 0
     lookahead = LOOKAHEAD if greedy else 1
-    queue = []                                  # passes in flight: (ring entry, rows fed; 0 = a prefill)
+    queue = []                                  # passes in flight: (ring entry, rows fed (0 = a prefill), heads)
     feed = list(tokens)                         # sampling: what the oldest pass in flight was fed
     pos, emitted = 0, 0                         # pos: where the next pass after the queue's starts, at least
-    queue.append((decoder.prefill(tokens, n_heads), 0))
+    _, heads = policy.next()
+    queue.append((decoder.prefill(tokens, heads), 0, heads))
     pos = len(tokens)
     while True:
-        feed, pos = queue_passes(decoder, queue, lookahead, tokens, feed, pos, n_heads, T)
-        entry, rows = queue.pop(0)
+        feed, pos = queue_passes(decoder, queue, lookahead, tokens, feed, pos, policy, T)
+        entry, rows, heads = queue.pop(0)
         if greedy:
             chosen = decoder.wait(entry)
         else:
             decoder.wait(entry)
-            chosen, amax = sample_rows(decoder, cfg, rows, n_heads, feed, rng, temperature, top_k, top_p)
+            chosen, amax = sample_rows(decoder, cfg, rows, heads, feed, rng, temperature, top_k, top_p)
         if rows:
             pos += len(chosen)
+        policy.observe(rows, len(chosen))
         if stats is not None:
             stats["steps"] = stats.get("steps", 0) + 1
             stats["tokens"] = stats.get("tokens", 0) + len(chosen)
+            stats["drafted"] = stats.get("drafted", 0) + (rows > 1)
         for t in chosen:
             tokens.append(t)
             emitted += 1
@@ -2440,23 +2525,6 @@ def profile_step(engine, batch, step):
 BENCH_PROMPT = "ROMEO:\nWhat say you"
 
 
-def replay_time(dec, replays, R=1, n_heads=1):
-    """microseconds of GPU time per replay of the graph of a step over R rows and n_heads
-    heads (the plain step: 1, 1), replayed `replays` times from *pos"""
-    dec.wait(dec.launch_step(R, n_heads))               # captured now if it was not yet
-    a, b = (check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
-    check(cu.cuEventRecord(a, gpu.stream), "cuEventRecord")
-    for _ in range(replays):
-        check(cu.cuGraphLaunch(dec.graphs[R, n_heads], gpu.stream), "cuGraphLaunch")
-    check(cu.cuEventRecord(b, gpu.stream), "cuEventRecord")
-    gpu.sync()
-    dec.passes += replays                               # the replays' accept kernels counted too
-    us = check(cu.cuEventElapsedTime(a, b), "cuEventElapsedTime") * 1e3 / replays
-    for e in (a, b):
-        cu.cuEventDestroy(e)
-    return us
-
-
 def profile_decoding(dec, prompt, replays=100):
     """GPU time of a plain step (one row) replayed from its graph, after the prompt and with
     the cache nearly full (attention's share grows with the keys); by kernel when launched
@@ -2528,7 +2596,8 @@ def print_speeds(dec, cfg, prompt, n, drafts_list, what=""):
         default = " (default)" if drafts == DEFAULT_DRAFTS else ""
         name = f"speculative, {drafts} draft" + "s" * (drafts > 1) + default + what
         print(f"  {name:<32} {len(spec) / dt_s:8,.0f} tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, "
-              f"{dt / dt_s:.2f}x plain, same as plain for {same} of {len(plain)} tokens")
+              f"{dt / dt_s:.2f}x plain, same as plain for {same} of {len(plain)} tokens; {stats['drafted']} of "
+              f"{stats['steps']} passes fed drafts (a pass over {1 + drafts}: {dec.pass_cost(1 + drafts):.2f}x one)")
     return plain, dt
 
 

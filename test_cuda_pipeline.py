@@ -82,7 +82,7 @@ class StandInDecoder:
     def launch_step(self, R, n_heads):
         self.log.append(("step", R))
         self.heads.add(n_heads)
-        assert R <= n_heads <= nc.DECODE_MAX_ROWS
+        assert R <= n_heads <= nc.DECODE_MAX_ROWS and R <= len(self.ids)   # the rows fed: the pass before made them
         feed = self.ids[:R]
         return self.finish(self.run(feed, self.pos, n_heads), feed, self.pos, n_heads)
 
@@ -92,6 +92,9 @@ class StandInDecoder:
 
     def set_feed(self, ids, pos):
         self.ids, self.pos = list(ids), pos
+
+    def pass_cost(self, R):
+        return 1.1                                                          # drafting pays at 1.1 tokens a pass
 
 
 def margin_model(cfg, seed=7):
@@ -118,6 +121,71 @@ def test_greedy_host_loop_equals_cpu_generate_across_slides(prompt):
             assert stats["tokens"] / stats["steps"] > 1.3
             # near the end of the window a pass feeds fewer drafts, as nanoeuler.generate does
             assert any(kind == "step" and R < 1 + (drafts or CFG.K - 1) for kind, R in dec.log)
+
+
+def policy_passes(policy, n, tokens):
+    """(rows, heads) of n passes that DraftPolicy picks, each observed at once: tokens(i, rows)
+    gives what pass i (from 1) emitted"""
+    passes = []
+    for i in range(1, n + 1):
+        rows, heads = policy.next()
+        policy.observe(rows, tokens(i, rows))
+        passes.append((rows, heads))
+    return passes
+
+
+def runs(*parts):
+    """[(count, pass), ...] written out"""
+    return [p for count, p in parts for _ in range(count)]
+
+
+def test_drafts_that_always_fail_stop_and_are_probed_less_and_less_often():
+    # the first pass drafts, the second feeds its draft: 1 token at a cost of 1.2 -> stop;
+    # after 16 plain passes a probe (a pass that drafts, 2 that feed drafts), the wait doubles
+    got = policy_passes(nc.DraftPolicy(1, cost=1.2), 1200, lambda i, rows: 1)
+    probe = [(1, (1, 2)), (2, (2, 2))]
+    assert got[:121] == runs(*probe[:1], (1, (2, 2)), (16, (1, 1)), *probe, (32, (1, 1)), *probe, (64, (1, 1)),
+                             probe[0])
+    plain_runs = [len(r) for r in "".join("p" if p == (1, 1) else "d" for p in got).split("d") if r]
+    assert plain_runs == [16, 32, 64, 128, 256, 256, 256, 169]         # the wait stops doubling at 256
+    assert sum(p == (2, 2) for p in got) == 1 + 2 * 7                 # 15 of 1,200 passes fed a failing draft
+
+
+def test_a_probe_whose_drafts_are_right_starts_drafting_again():
+    # drafts fail up to pass 30, are right for passes 31-70, fail again from 71: the second
+    # probe (passes 54-56) finds them right, judged alone (with the 3 failures before it, 7/5
+    # tokens a pass would not beat 1.45); drafting stops after 5 failures (2 - 5/8 <= 1.45),
+    # and the wait before the next probe is the first again
+    got = policy_passes(nc.DraftPolicy(1, cost=1.45), 130, lambda i, rows: rows if 30 < i <= 70 else 1)
+    assert got[18:21] == [(1, 2), (2, 2), (2, 2)] and got[21:53] == runs((32, (1, 1)))
+    probe = [(1, (1, 2)), (2, (2, 2))]
+    assert got[53:] == runs(probe[0], (21, (2, 2)), (16, (1, 1)), *probe, (32, (1, 1)), *probe, (1, (1, 1)))
+
+
+def test_drafting_stops_when_the_last_8_drafting_passes_give_no_more_than_their_cost():
+    # 10 passes of 2 tokens fill the window, then 1 token each: the mean over the last 8 is
+    # 2 - k/8 after k of them, not above 1.5 at k = 4 -> passes 2..15 fed drafts, then plain
+    got = policy_passes(nc.DraftPolicy(1, cost=1.5), 20, lambda i, rows: 2 if i <= 11 else 1)
+    assert got == [(1, 2)] + runs((14, (2, 2)), (5, (1, 1)))
+    # three drafts: rows 4 and heads 4 while 2.5 tokens a pass beat the cost of 2.4
+    got = policy_passes(nc.DraftPolicy(3, cost=2.4), 10, lambda i, rows: 2.5 if i <= 5 else 1)
+    assert got == [(1, 4)] + runs((5, (4, 4)), (4, (1, 1)))
+
+
+def test_plain_decoding_is_one_row_and_one_head_always():
+    assert policy_passes(nc.DraftPolicy(0), 50, lambda i, rows: 1) == runs((50, (1, 1)))
+
+
+def test_drafts_that_never_match_cost_little_and_change_no_token():
+    # head 1 guesses one token past head 0's map (its rows rolled by one): drafts always fail
+    params = margin_model(CFG)
+    params["heads"][1] = np.roll(params["heads"][1], 1, axis=0)
+    want = list(ne.generate(params, CFG, [3], 4 * CFG.T, temperature=0))
+    dec, stats = StandInDecoder(params, CFG), {}
+    assert list(nc.generate(dec, CFG, [3], 4 * CFG.T, temperature=0, speculative=True, drafts=1, stats=stats)) == want
+    # the passes queued before the first verdict came back (LOOKAHEAD), then two probes of 2
+    # passes (after 16 and 32 plain passes) in the 80 passes
+    assert stats["tokens"] == stats["steps"] == 80 and stats["drafted"] == nc.LOOKAHEAD + 2 * 2
 
 
 @pytest.mark.parametrize("K, speculative, drafts, heads", [
@@ -732,6 +800,7 @@ def test_speculative_equals_plain_greedy_on_the_cpu_emulator(emulated):
     params = margin_model(CFG)
     want = list(ne.generate(params, CFG, [3, 5, 7], 2 * CFG.T, temperature=0))
     dec = nc.GPUDecoder(CFG, nc.margin_model(CFG, np.random.default_rng(7)), "bf16")
+    dec.costs[3] = 1.1                                  # no timing in a test (pass_cost measures it on a GPU)
     assert list(nc.generate(dec, CFG, [3, 5, 7], 2 * CFG.T, temperature=0)) == want
     stats = {}
     assert list(nc.generate(dec, CFG, [3, 5, 7], 2 * CFG.T, temperature=0, speculative=True, drafts=2,

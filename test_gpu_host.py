@@ -865,9 +865,11 @@ def test_the_decoding_queue_fills_to_the_end_of_the_window():
             self.rows.append(R)
             return 0
 
-    decoder, queue = Decoder(), [(0, 4)]
-    nc.queue_passes(decoder, queue, 8, list(range(12)), [], 12, 4, 20)   # 12 + 4 queued + 4 = 20 = T
-    assert decoder.rows == [4] and queue == [(0, 4), (0, 4)]
+    policy = nc.DraftPolicy(3)
+    assert policy.next() == (1, 4)                                      # the pass queued: it drafts 3
+    decoder, queue = Decoder(), [(0, 4, 4)]
+    nc.queue_passes(decoder, queue, 8, list(range(12)), [], 12, policy, 20)   # 12 + 4 queued + 4 = 20 = T
+    assert decoder.rows == [4] and queue == [(0, 4, 4), (0, 4, 4)]
 
 
 def test_only_rank_0_speaks_and_a_rank_launches_no_ranks(tmp_path, monkeypatch, capfd):
