@@ -1478,14 +1478,14 @@ class GPUDecoder:
         """GPU time of a pass over R rows and R heads against a plain one (1 row, 1 head), each
         replayed from its graph up to 20 times from position 0, measured once (DraftPolicy's
         cost; the cache and feed it leaves are a prefill's to set); 1 where the window is
-        too short to measure it"""
+        too short to measure it or the timing is 0 (an emulator)"""
         replays = min(20, (self.cfg.T - 1) // R - 1)                   # every replay moves *pos by R at most
         if R not in self.costs:
             us = []
             for rows in (1, R):
                 self.set_feed([0] * rows, 0)
-                us.append(replay_time(self, replays, rows, rows) if replays > 0 else 1.0)
-            self.costs[R] = us[1] / us[0]
+                us.append(replay_time(self, replays, rows, rows) if replays > 0 else 0.0)
+            self.costs[R] = us[1] / us[0] if us[0] > 0 else 1.0
         return self.costs[R]
 
 
