@@ -1184,13 +1184,12 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
     done, n_tokens, t0 = 0, 0, time.time()
     chunks = encoded_chunks(files, tok, workers)
     try:
-        with signals_interrupt():                      # also where run_command has not set it up
-            for ids, nbytes in chunks:
-                write(ids)
-                n_tokens += len(ids)
-                done += nbytes
-                if progress:
-                    progress_line(progress_text(done, total, time.time() - t0))
+        for ids, nbytes in chunks:
+            write(ids)
+            n_tokens += len(ids)
+            done += nbytes
+            if progress:
+                progress_line(progress_text(done, total, time.time() - t0))
     finally:
         chunks.close()                                 # stops the workers now, also on Ctrl-C
     if progress:
@@ -1254,27 +1253,18 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     if vocab_size > MAX_V:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
     corpus = file_digest(files)
-    if os.path.isdir(cache_dir):
-        remove_stale_tmp(cache_dir)
-    tok_path = os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json")
-    tok = cached_tokenizer(tok_path, vocab_size)
-    if tok is None:
+
+    def train_tokenizer(tok_path):
         text = tokenizer_sample(files)
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
         os.makedirs(cache_dir, exist_ok=True)          # made only now: a refused run leaves no empty cache
         atomic_write(tok_path, tok.to_json().encode())
+    tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, vocab_size)
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
-    tokens_path = os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy")
-    tokens, problem = load_tokens(tokens_path, tok.vocab_size) if os.path.exists(tokens_path) else (None, None)
-    if problem:
-        print(f"{tokens_path} is damaged ({problem}); tokenizing again", file=sys.stderr)
-    if tokens is None:
-        write_tokens(tokens_path, files, tok, workers, progress)
-        tokens, problem = load_tokens(tokens_path, tok.vocab_size)
-        if problem:
-            raise NanoEulerError(f"{tokens_path} cannot be read back ({problem}); delete it and run again")
+    tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
+                    lambda tokens_path: write_tokens(tokens_path, files, tok, workers, progress), tok.vocab_size)
     return tok, tokens
 
 
@@ -2486,48 +2476,62 @@ def refuse_special_file(path, what):
         raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
 
 
-def cached_tokenizer(path, vocab_size):
-    """the tokenizer cached at path; None if there is none, or it is damaged (then it is trained
-    again). It may hold fewer than vocab_size tokens (a small corpus runs out of pairs), never more."""
-    if not os.path.exists(path):
-        return None
-    refuse_special_file(path, "the tokenizer")
-    try:
-        with open(path) as f:
-            tok = Tokenizer.from_json(f.read())
-        if tok.vocab_size > vocab_size:
-            raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
-        return tok
-    except MALFORMED as e:
-        print(f"{path} cannot be read ({e}); training the tokenizer again", file=sys.stderr)
-        return None
+def read_tokenizer(path, vocab_size):
+    """the tokenizer cached at path. It may hold fewer than vocab_size tokens (a small corpus
+    runs out of pairs), never more."""
+    with open(path) as f:
+        tok = Tokenizer.from_json(f.read())
+    if tok.vocab_size > vocab_size:
+        raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
+    return tok
 
 
 def load_tokens(path, vocab_size, chunk=1 << 24):
-    """the cached token file, memory-mapped -> (tokens, None), or (None, what is wrong) unless
-    it holds what write_tokens writes: a 1-D array of the tokenizer's dtype, exactly as long
-    as its header says, every id below vocab_size (checked chunk by chunk: no copy in memory)"""
+    """the cached token file, memory-mapped, if it holds what write_tokens writes: a 1-D array
+    of the tokenizer's dtype, exactly as long as its header says, every id below vocab_size
+    (checked chunk by chunk: no copy in memory); else ValueError saying what is wrong"""
     fmt = np.lib.format
-    refuse_special_file(path, "the corpus's tokens")
-    try:
-        with open(path, "rb") as f:
+    with open(path, "rb") as f:
+        try:
             if fmt.read_magic(f) != (1, 0):
-                return None, "not a version 1.0 .npy file"
+                raise ValueError("not a version 1.0 .npy file")
             shape, _, dtype = fmt.read_array_header_1_0(f)
-            offset = f.tell()
-        if dtype != token_dtype(vocab_size) or len(shape) != 1:
-            return None, f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids"
-        size = os.path.getsize(path)
-        if size != offset + shape[0] * dtype.itemsize:
-            return None, (f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
-                          f"{size - offset:,} bytes")
-        tokens = np.load(path, mmap_mode="r")
-    except MALFORMED as e:                             # not a .npy file, a broken header
-        return None, f"not a .npy file: {e}"
+        except MALFORMED as e:                         # not a .npy file, a broken header
+            raise ValueError(f"not a .npy file: {e}") from None
+        offset = f.tell()
+    if dtype != token_dtype(vocab_size) or len(shape) != 1:
+        raise ValueError(f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids")
+    size = os.path.getsize(path)
+    if size != offset + shape[0] * dtype.itemsize:
+        raise ValueError(f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
+                         f"{size - offset:,} bytes")
+    tokens = np.load(path, mmap_mode="r")
     for i in range(0, len(tokens), chunk):
         if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
-            return None, f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids"
-    return tokens, None
+            raise ValueError(f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids")
+    return tokens
+
+
+def cached(path, make, vocab_size):
+    """the data cache's one reader: the tokenizer (tokenizer_*.json) or the tokens (tokens_*.npy)
+    cached at path, read by the reader of its kind; made (make(path) writes it) where there is
+    none or it does not read (MALFORMED: one line says why), then read back. The temp files
+    that killed writers left in the folder are removed first."""
+    folder = os.path.dirname(path)
+    if os.path.isdir(folder):
+        remove_stale_tmp(folder)
+    tokenizer = path.endswith(".json")
+    read, what = (read_tokenizer, "the tokenizer") if tokenizer else (load_tokens, "the corpus's tokens")
+    refuse_special_file(path, what)
+    if os.path.exists(path):
+        try:
+            return read(path, vocab_size)
+        except MALFORMED as e:
+            print(f"{path} is damaged ({e}); {'training the tokenizer' if tokenizer else 'tokenizing'} again",
+                  file=sys.stderr)
+    make(path)
+    with refused_if_malformed(lambda e: f"{path} cannot be read back ({e}); delete it and run again"):
+        return read(path, vocab_size)
 
 
 MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
@@ -3304,7 +3308,7 @@ class StopFlag:
         """after the save: a signal exits as it would have killed us (exit_stopped); lost
         output is raised again, for run_command (quiet on a closed pipe, one line otherwise)"""
         if self.signum:
-            exit_stopped(self.signum, step, last_path)
+            exit_stopped(self.signum, step=step, last_path=last_path)
         if self.lost:
             raise self.lost
 
@@ -3364,7 +3368,8 @@ def encoding_pool(workers, tok):
         with signals_blocked():                        # submit may start a worker
             return pool.submit(_encode_chunk, chunk)
     try:
-        yield submit
+        with signals_interrupt():                      # also where run_command has not set it up
+            yield submit
     except BrokenProcessPool:
         raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
                              "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
@@ -3372,32 +3377,26 @@ def encoding_pool(workers, tok):
         pool.shutdown(cancel_futures=True)
 
 
-def exit_stopped(signum, step, last_path):
-    """a signal stopped the run, saved: say where it stands and exit as the signal's
-    killing would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP)"""
-    name = StopFlag.SIGNALS[signum]
-    if last_path:
-        print(f"{name}: stopped at step {step}, saved as {last_path}; continue with --resume", file=sys.stderr)
-    else:
-        print(f"{name}: stopped before the first step; nothing to save", file=sys.stderr)
-    sys.exit(128 + signum)
-
-
-def exit_interrupted(signum, out_dir):
-    """a signal stopped the command outside the training loop's saving stop (while the data
-    is prepared, or a second signal during a save): say so, and for train and sft name the
-    last complete checkpoint; exit 128 + signum (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)"""
+def exit_stopped(signum, out_dir=None, step=None, last_path=None):
+    """a signal stopped the command: say where it stands and exit as the signal's killing
+    would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP). step:
+    where the training loop's saving stop ended the run, saved as last_path (None: before
+    the first step); else (while the data is prepared, or a second signal during a save)
+    train and sft name the last complete checkpoint in out_dir"""
     for sig in StopFlag.SIGNALS:                       # a further signal must not cut these last words
         signal.signal(sig, signal.SIG_IGN)
     if signum == signal.SIGHUP:
         silence_lost_output()                          # the terminal is most likely gone
-    step = None
+    if step is not None:
+        lead, said = "", (f"stopped at step {step}, saved as {last_path}; continue with --resume" if last_path
+                          else "stopped before the first step; nothing to save")
+    else:                                              # on a line of its own: a step's line may be unfinished
+        with contextlib.suppress(OSError):
+            step = RunFolder(out_dir).latest() if out_dir else None
+        lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
+                                            "continue with --resume" if step is not None else "")
     with contextlib.suppress(OSError):
-        step = RunFolder(out_dir).latest() if out_dir else None
-    where = (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
-             "continue with --resume") if step is not None else ""
-    with contextlib.suppress(OSError):
-        print(f"\n{StopFlag.SIGNALS[signum]}: interrupted{where}", file=sys.stderr)
+        print(f"{lead}{StopFlag.SIGNALS[signum]}: {said}", file=sys.stderr)
     sys.exit(128 + signum)
 
 
@@ -3449,16 +3448,24 @@ def available_memory(root="/"):
     cgroup memory limit leaves less (a container's, a batch job's; inside a container
     MemAvailable is the whole machine's); None where none of them can be read (not Linux)"""
     have = []
-    try:
-        with open(os.path.join(root, "proc/meminfo")) as f:
-            have.append(next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:")))
-    except (OSError, ValueError, IndexError, StopIteration):
-        pass
+    with contextlib.suppress(ValueError, IndexError, StopIteration):
+        have.append(next(int(ln.split()[1]) * 1024 for ln in system_file(root, "proc/meminfo").splitlines()
+                         if ln.startswith("MemAvailable:")))
     for folder in cgroups(root):
         left = cgroup_memory_left(folder)
         if left is not None:
             have.append(left)
     return min(have) if have else None
+
+
+def system_file(*path):
+    """the text of a file the system keeps (/proc, /sys/fs/cgroup), or "" where it cannot be read
+    (not Linux, no such cgroup, not UTF-8): the readers below then find no number in it"""
+    try:
+        with open(os.path.join(*path)) as f:
+            return f.read()
+    except (OSError, ValueError):
+        return ""
 
 
 # cgroup v2 and v1 (its memory controller): the limit, the usage, and memory.stat's line of
@@ -3471,12 +3478,7 @@ def cgroups(root="/", controller="memory"):
     """(version, folder) of this process's memory (or other controller's) cgroup and of each
     one above it (a limit anywhere above applies too), from /proc/self/cgroup; inside a cgroup
     namespace its path reads "/" and the mount's root is the container's own cgroup"""
-    found = []
-    try:
-        with open(os.path.join(root, "proc/self/cgroup")) as f:
-            lines = [ln.rstrip("\n").split(":", 2) for ln in f]
-    except (OSError, ValueError):                      # ValueError: not UTF-8
-        return found
+    found, lines = [], [ln.split(":", 2) for ln in system_file(root, "proc/self/cgroup").splitlines()]
     for number, controllers, path in (ln for ln in lines if len(ln) == 3):
         if number == "0" and controllers == "":
             version, mount = "v2", os.path.join(root, "sys/fs/cgroup")
@@ -3494,25 +3496,15 @@ def cgroup_memory_left(version_folder):
     where it sets no limit or its files cannot be read"""
     version, folder = version_folder
     limit_file, usage_file, cache_line = CGROUP_FILES[version]
+    limit, usage = system_file(folder, limit_file).strip(), system_file(folder, usage_file)
+    stats = dict(ln.partition(" ")[::2] for ln in system_file(folder, "memory.stat").splitlines())
     try:
-        with open(os.path.join(folder, limit_file)) as f:
-            limit = f.read().strip()
-        with open(os.path.join(folder, usage_file)) as f:
-            usage = int(f.read())
-        if limit == "max":                             # v2's word for no limit (v1 gives a huge number)
-            return None
-        limit = int(limit)
-    except (OSError, ValueError):
+        limit, usage = int(limit), int(usage)          # v2 says "max" for no limit (v1 gives a huge number)
+    except ValueError:
         return None
     cache = 0
-    try:
-        with open(os.path.join(folder, "memory.stat")) as f:
-            for line in f:
-                name, _, value = line.partition(" ")
-                if name == cache_line:
-                    cache = int(value)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(ValueError):
+        cache = int(stats.get(cache_line, 0))
     return max(0, limit - usage + cache)
 
 
@@ -3522,11 +3514,9 @@ def available_cores(root="/", affinity=getattr(os, "sched_getaffinity", None)):
     have = [len(affinity(0)) if affinity else os.cpu_count() or 1]
     for version, folder in cgroups(root, "cpu"):
         names = ["cpu.max"] if version == "v2" else ["cpu.cfs_quota_us", "cpu.cfs_period_us"]
-        try:                                               # no quota: v2's "max", v1's -1
-            quota, period = " ".join(read_text(os.path.join(folder, n)) for n in names).split()[:2]
+        with contextlib.suppress(ValueError, ZeroDivisionError):      # no quota: v2's "max", v1's -1
+            quota, period = " ".join(system_file(folder, n) for n in names).split()[:2]
             have += [max(1, int(quota) // int(period))] if quota not in ("max", "-1") else []
-        except (OSError, ValueError, ZeroDivisionError, NanoEulerError):
-            pass
     return min(have)
 
 
@@ -3663,7 +3653,7 @@ def run_command(command, args, closed=()):
         print(f"error: {model}{e}", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:
-        exit_interrupted(getattr(e, "signum", signal.SIGINT), args.out if run else None)
+        exit_stopped(getattr(e, "signum", signal.SIGINT), args.out if run else None)
     except MemoryError as e:                           # numpy's says what it could not allocate
         lower = "lower --batch, or " if hasattr(args, "batch") else ""
         print(f"error: out of memory ({str(e) or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)

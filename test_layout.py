@@ -28,9 +28,9 @@ import layout  # noqa: E402
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
 # 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
 # story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
-STORY_LINES = 2192                    # run_main (reopen_closed_streams inside), RunFolder (ops30)
-FILE_LINES = 3716
-STORY_NAMES_FROM_OPERATIONS = 17      # RunFolder, run_main (ops30)
+STORY_LINES = 2182                    # run_main, RunFolder, cached (ops30)
+FILE_LINES = 3706
+STORY_NAMES_FROM_OPERATIONS = 14      # RunFolder, run_main, cached (ops30)
 OPERATIONS_LINES = 1371               # the operations part (issue 30: at most 900)
 FUNCTIONS_TO_MODEL_FORWARD = 83       # build_parser builds every command's flags on train's way too
 COMMENT_SHARE = 0.292 - 0.002          # lines holding a comment or docstring; explanations are not cut to fit
