@@ -2470,12 +2470,6 @@ def check_merges(merges):
     return merges
 
 
-def refuse_special_file(path, what):
-    """a named pipe there would hang the read (a device, a folder fail it): refuse them in one sentence"""
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
-
-
 def read_tokenizer(path, vocab_size):
     """the tokenizer cached at path. It may hold fewer than vocab_size tokens (a small corpus
     runs out of pairs), never more."""
@@ -2522,7 +2516,8 @@ def cached(path, make, vocab_size):
         remove_stale_tmp(folder)
     tokenizer = path.endswith(".json")
     read, what = (read_tokenizer, "the tokenizer") if tokenizer else (load_tokens, "the corpus's tokens")
-    refuse_special_file(path, what)
+    if os.path.exists(path) and not os.path.isfile(path):     # a named pipe would hang the read
+        raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
     if os.path.exists(path):
         try:
             return read(path, vocab_size)
@@ -3451,10 +3446,17 @@ def available_memory(root="/"):
     with contextlib.suppress(ValueError, IndexError, StopIteration):
         have.append(next(int(ln.split()[1]) * 1024 for ln in system_file(root, "proc/meminfo").splitlines()
                          if ln.startswith("MemAvailable:")))
-    for folder in cgroups(root):
-        left = cgroup_memory_left(folder)
-        if left is not None:
-            have.append(left)
+    # each cgroup's room below its limit, the droppable page cache counted as free; none where
+    # it sets no limit or its files cannot be read
+    for version, folder in cgroups(root):
+        limit_file, usage_file, cache_line = CGROUP_FILES[version]
+        limit, usage = system_file(folder, limit_file).strip(), system_file(folder, usage_file)
+        stats = dict(ln.partition(" ")[::2] for ln in system_file(folder, "memory.stat").splitlines())
+        with contextlib.suppress(ValueError):          # v2 says "max" for no limit (v1 gives a huge number)
+            limit, usage, cache = int(limit), int(usage), 0
+            with contextlib.suppress(ValueError):
+                cache = int(stats.get(cache_line, 0))
+            have.append(max(0, limit - usage + cache))
     return min(have) if have else None
 
 
@@ -3489,23 +3491,6 @@ def cgroups(root="/", controller="memory"):
         parts = [p for p in path.split("/") if p]
         found += [(version, os.path.join(mount, *parts[:depth])) for depth in range(len(parts), -1, -1)]
     return found
-
-
-def cgroup_memory_left(version_folder):
-    """bytes below one cgroup's memory limit, the droppable page cache counted as free; None
-    where it sets no limit or its files cannot be read"""
-    version, folder = version_folder
-    limit_file, usage_file, cache_line = CGROUP_FILES[version]
-    limit, usage = system_file(folder, limit_file).strip(), system_file(folder, usage_file)
-    stats = dict(ln.partition(" ")[::2] for ln in system_file(folder, "memory.stat").splitlines())
-    try:
-        limit, usage = int(limit), int(usage)          # v2 says "max" for no limit (v1 gives a huge number)
-    except ValueError:
-        return None
-    cache = 0
-    with contextlib.suppress(ValueError):
-        cache = int(stats.get(cache_line, 0))
-    return max(0, limit - usage + cache)
 
 
 def available_cores(root="/", affinity=getattr(os, "sched_getaffinity", None)):
@@ -3606,40 +3591,35 @@ PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "m
 NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
 
 
-def refuse_at_start(args, closed):
-    """what a command cannot start with, refused before it starts: stdin or stdout closed
-    at start (`>&-`: closed, from run_main) where the command needs it; a
-    path flag given empty (--out "" would put prepare's cache in ../cache, and --model ""
-    reads as "does not exist"); a working folder deleted under us (all but check use paths)"""
-    command = getattr(args, "command", None)
-    for name in (n for n in NEEDS_STREAMS.get(command, []) if n in closed):
-        raise NanoEulerError(f"{command} needs its {name}, which is closed; run it without closing {name} "
-                             f"({'<&-' if name == 'stdin' else '>&-'})")
-    for flag, what in PATH_FLAGS.items():
-        if flag == "data" and command == "sft":
-            what = "a JSONL or Alpaca JSON file of instructions"
-        if getattr(args, flag, None) == "":
-            raise NanoEulerError(f"--{flag} is empty; give {what}")
-    if command != "check":
-        try:
-            os.getcwd()
-        except FileNotFoundError:
-            raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
-                                 "again") from None
-
-
 def run_command(command, args, closed=()):
     """run a subcommand: the one place where a refusal ends a command. A NanoEulerError
     raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
     code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
     streams that were closed at start (run_main). train and sft hold their
     --out folder while they run (RunFolder.claim); prepare only writes the cache beside it, so
-    it holds nothing."""
-    run = hasattr(args, "out") and hasattr(args, "resume")
+    it holds nothing.
+    What a command cannot start with is refused before it starts: stdin or stdout closed at
+    start (`>&-`: closed) where the command needs it; a path flag given empty (--out "" would
+    put prepare's cache in ../cache, and --model "" reads as "does not exist"); a working
+    folder deleted under us (all but check use paths)."""
+    run, name = hasattr(args, "out") and hasattr(args, "resume"), getattr(args, "command", None)
     if run and args.out is None:                       # train's folder is named after its model size
         args.out = os.path.join("out", args.model_size)
     try:
-        refuse_at_start(args, closed)
+        for stream in (n for n in NEEDS_STREAMS.get(name, []) if n in closed):
+            raise NanoEulerError(f"{name} needs its {stream}, which is closed; run it without closing {stream} "
+                                 f"({'<&-' if stream == 'stdin' else '>&-'})")
+        for flag, what in PATH_FLAGS.items():
+            if flag == "data" and name == "sft":
+                what = "a JSONL or Alpaca JSON file of instructions"
+            if getattr(args, flag, None) == "":
+                raise NanoEulerError(f"--{flag} is empty; give {what}")
+        if name != "check":
+            try:
+                os.getcwd()
+            except FileNotFoundError:
+                raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
+                                     "again") from None
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
         claim = RunFolder(args.out).claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
         with signals_interrupt(), claim as lock, warnings.catch_warnings():
