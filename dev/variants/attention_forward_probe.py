@@ -4,7 +4,10 @@ SOURCE) up to its entry points, with -D switches and the entry point at the bott
 a warp, FWD_KEYS keys a step, FWD_BLOCKS blocks an SM in its launch bounds. For each: median GPU
 time of a launch at the big model's shape (T = 512, 12 query and 4 kv heads), B = 64 and 16, on
 random N(0, 1) bf16 qkv; y and lse against float64 for batch row 0; bits against the first variant.
-    python dev/variants/attention_forward_probe.py [--ncu]   (--ncu: one launch each, for ncu)"""
+    SOURCE=flash_attn_variants.cu VARIANTS=";-DFWD_LAZY=8" python dev/variants/attention_forward_probe.py [--ncu]
+(--ncu: one launch each, for ncu). The switches of dev/variants/attention_forward_rescale_exp_max.diff
+(FWD_SKIP, FWD_LAZY, FWD_POLY, FWD_TREE, FWD_QS; none: the kept kernel) are in a copy of flash_attn.cu
+with that diff applied (patch -o flash_attn_variants.cu flash_attn.cu < the diff), given as SOURCE."""
 import os
 import sys
 
@@ -28,7 +31,9 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS, FWD_BLOCKS) attention_
     attention_forward_bf16<64, FWD_MT, FWD_KEYS>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }
 """
-VARIANTS = [v.split(",") if v else [] for v in os.environ.get("VARIANTS", ",-DFWD_SKIP=1,-DFWD_LAZY=8").split(";")]
+# VARIANTS="a;b": variants separated by ';', each its -D switches separated by ',' (and @FILE: built from
+# FILE instead of SOURCE); an empty one is SOURCE as it stands (the default: only that)
+VARIANTS = [[d for d in v.split(",") if d] for v in os.environ.get("VARIANTS", "").split(";")]
 
 
 def bf16_bits(x):
@@ -64,9 +69,15 @@ def main():
     data = {B: bf16_bits(rng.standard_normal((B, T, (Hq + 2 * Hkv) * D), np.float32)) for B in (64, 16)}
     ref = reference(data[16], 0)
     first = {}
-    for defines in VARIANTS:
-        name = " ".join(defines) or "base"
-        mod = cp.RawModule(code=src, options=("-std=c++17", "--use_fast_math", "-lineinfo", *defines))
+    for variant in VARIANTS:
+        defines = [d for d in variant if not d.startswith("@")]
+        files = [d[1:] for d in variant if d.startswith("@")]          # @FILE: that source instead of SOURCE
+        name = " ".join(variant) or "base"
+        code = src
+        if files:
+            code = open(files[0]).read()
+            code = code[:code.index("// entry points")] + ENTRY
+        mod = cp.RawModule(code=code, options=("-std=c++17", "--use_fast_math", "-lineinfo", *defines))
         f = mod.get_function("attention_forward_bf16_kernel_64")
         mt = int(next((d.split("=")[1] for d in defines if d.startswith("-DFWD_MT=")), 2))
         row = [f"{name:<40} regs {f.num_regs:3d} local {f.local_size_bytes:3d}"]
