@@ -1482,11 +1482,6 @@ def save_interval(args):
     return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
 
 
-def plan_at(args, state, start):
-    """the step after which --minutes sets the run's length (once per run), or None"""
-    return start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
-
-
 def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
     """--minutes: the most steps that end the whole run on time: the minutes less the
     time since the program started (elapsed), then every step, evaluation and
@@ -1525,11 +1520,6 @@ def steps_text(args, state):
     if getattr(args, "minutes", 0) > 0:
         return f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
     return str(args.steps)
-
-
-def stop_at(args, start, total):
-    """the step this session ends at: the run's last, or sooner with --stop-after"""
-    return min(total, start + args.stop_after) if args.stop_after > 0 else total
 
 
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
@@ -1610,29 +1600,8 @@ def print_summary(steps, elapsed, times, state, out_dir, last_path):
     print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
 
 
-def now():
-    """seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)"""
-    return time.perf_counter()
-
-
-def timed_step(engine, batch, step, total, args, run, clock):
-    """update number `step` on batch() -> ce (K,), lr, gradient norm, seconds (the batch's
-    making included); stops the run if it diverged"""
-    t0 = clock()
-    lr = lr_schedule(step - 1, total, args.lr, args.warmup)
-    loss, ce, norm = engine.step(*batch(), lr, step)
-    run.stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, made_by=step - 1)
-    return ce, lr, norm, clock() - t0
-
-
-def finish_if_complete(engine, out_dir, start, total, last_path):
-    """--resume of a run that has made all its steps: say so, and there is nothing to do"""
-    if start < total:
-        return False
-    engine.close()
-    print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
-          "nothing to do (--fresh starts it over, the old run kept aside)")
-    return True
+# seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)
+now = time.perf_counter
 
 
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
@@ -1649,11 +1618,17 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
     saves = RunFolder(out_dir, cfg, tok, clock)
     last_path = saves.path(start) if start else None
-    if finish_if_complete(engine, out_dir, start, total, last_path):
+    if start >= total:                                   # --resume of a run that has made all its steps
+        engine.close()
+        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
+              "nothing to do (--fresh starts it over, the old run kept aside)")
         return start
     os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
-    csv, plan_step = open_log(csv_path, start), plan_at(args, state, start)
+    csv = open_log(csv_path, start)
+    # --minutes sets the run's length after PLAN_AFTER steps, once per run (a resumed run keeps its plan)
+    plan_step = start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
+    stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times, t_start = [], clock()
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
@@ -1663,9 +1638,13 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         # numpy's warnings on the way to a NaN print source lines; stop_if_not_finite says it in one sentence
         warnings.simplefilter("ignore", RuntimeWarning)
         with flag.output_may_go():
-            while step < stop_at(args, start, total) and not flag.stop:
+            while step < min(total, stop) and not flag.stop:
                 step += 1
-                ce, lr, norm, dt = timed_step(engine, lambda: next_batch(rng), step, total, args, saves, clock)
+                t0 = clock()                              # the step's time: the batch's making included
+                lr = lr_schedule(step - 1, total, args.lr, args.warmup)
+                loss, ce, norm = engine.step(*next_batch(rng), lr, step)
+                saves.stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, made_by=step - 1)
+                dt = clock() - t0
                 if step > start + 1:
                     times.append(dt)                      # the first step warms up: left out
                 log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu := engine.mfu(dt))
