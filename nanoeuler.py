@@ -904,11 +904,8 @@ class Tokenizer:
         self.vocab = [bytes([i]) for i in range(256)] + [s.encode() for s in SPECIALS]
         for a, b in self.merges:
             self.vocab.append(self.vocab[a] + self.vocab[b])
+        self.vocab_size = len(self.vocab)
         self.cache = {}                                              # piece -> its ids
-
-    @property
-    def vocab_size(self):
-        return len(self.vocab)
 
     def special(self, name):
         """the id of a special token, e.g. special('<|endoftext|>') == 256"""
@@ -1055,6 +1052,7 @@ DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a 
 CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
 SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
+TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (Config refuses a larger V)
 
 
 def corpus_files(path):
@@ -1120,12 +1118,6 @@ def text_chunks(files):
             yield path, offset, data, book
 
 
-def token_dtype(vocab_size):
-    """the token cache's type: uint16, which every id below MAX_V fits (Config refuses a larger V)"""
-    assert vocab_size <= MAX_V
-    return np.dtype("<u2")
-
-
 def encode_chunk(tok, path, offset, data, ends_document):
     """one chunk of a file -> its token ids (an array of the token file's dtype),
     with <|endoftext|> after each document that ends in it"""
@@ -1135,7 +1127,7 @@ def encode_chunk(tok, path, offset, data, ends_document):
         ids += tok.encode(doc)
         if i < len(docs) - 1 or ends_document:
             ids.append(eot)
-    return np.array(ids, dtype=token_dtype(tok.vocab_size))
+    return np.array(ids, dtype=TOKEN_DTYPE)
 
 
 def encoded_chunks(files, tok, workers):
@@ -1211,13 +1203,11 @@ def write_tokens(path, files, tok, workers=None, progress=True):
     holds their count, is written last into the room left for it. All goes to
     path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
     and two runs that share the cache each write their own temp file."""
-    dtype = token_dtype(tok.vocab_size)
-
     def write(f):
-        f.seek(len(npy_header(dtype, 0)))
+        f.seek(len(npy_header(TOKEN_DTYPE, 0)))
         n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
         f.seek(0)
-        f.write(npy_header(dtype, n))
+        f.write(npy_header(TOKEN_DTYPE, n))
     atomic_write(path, write)
 
 
@@ -1772,7 +1762,7 @@ def cmd_sft(args, make_engine=None, engine=None):
     rows, mask = rows[:-n_val], mask[:-n_val]
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
     flat, m, v, state = RunFolder(args.out, cfg).resume_or_init(args, tok, lambda: flat0)
-    made = (make_engine or (lambda *a: CPUEngine(*a, args)))(cfg, flat, m, v)
+    made = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
     print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                  ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
                                                            f"context of {cfg.T} tokens)" if kept < n else "")),
@@ -1947,7 +1937,7 @@ def preset_with(preset, args):
 def cmd_train(args):
     cfg = preset_with(PRESETS[args.model_size], args).validate()
     check_memory(cfg, args.batch, args.threads)
-    pretrain(args, cfg, lambda cfg, flat, m, v: CPUEngine(cfg, flat, m, v, args))
+    pretrain(args, cfg, functools.partial(CPUEngine, args=args))
 
 
 def argv_text(text):
@@ -2023,6 +2013,7 @@ vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
 
 
+port_type = number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535")
 workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
                             "a number of processes from 1 to 4 per core")
 
@@ -2058,8 +2049,7 @@ def add_serve_flags(sp):
     sp.add_argument("--model", required=True, help=".safetensors model file")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 lets in every machine that "
                     "reaches this one, with no password")
-    sp.add_argument("--port", type=number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535"),
-                    default=8000, help="TCP port; 0 = any free one")
+    sp.add_argument("--port", type=port_type, default=8000, help="TCP port; 0 = any free one")
 
 
 def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_minutes=None):
@@ -2472,8 +2462,8 @@ def load_tokens(path, vocab_size, chunk=1 << 24):
         except MALFORMED as e:                         # not a .npy file, a broken header
             raise ValueError(f"not a .npy file: {e}") from None
         offset = f.tell()
-    if dtype != token_dtype(vocab_size) or len(shape) != 1:
-        raise ValueError(f"it holds {dtype} of shape {shape}, not {token_dtype(vocab_size)} ids")
+    if dtype != TOKEN_DTYPE or len(shape) != 1:
+        raise ValueError(f"it holds {dtype} of shape {shape}, not {TOKEN_DTYPE} ids")
     size = os.path.getsize(path)
     if size != offset + shape[0] * dtype.itemsize:
         raise ValueError(f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "

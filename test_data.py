@@ -604,7 +604,7 @@ def test_a_cached_token_file_with_an_id_at_the_vocabulary_size_is_refused(tmp_pa
     # ids run from 0 to vocab_size - 1: vocab_size itself would index past the embedding
     path = str(tmp_path / "tokens.npy")
     for top, ok in ((511, True), (512, False)):
-        np.save(path, np.array([0, 5, top, 7], dtype=ne.token_dtype(512)))
+        np.save(path, np.array([0, 5, top, 7], dtype=ne.TOKEN_DTYPE))
         if ok:
             assert ne.load_tokens(path, 512, chunk=2).tolist() == [0, 5, top, 7]
         else:
