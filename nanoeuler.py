@@ -829,8 +829,7 @@ MAX_PIECE_BYTES = 128
 # size; learned merges take the ids from 260 up. Ordinary text never encodes to
 # them: they come only from Tokenizer.special(name).
 SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
-
-
+SPECIAL_IDS = {s: 256 + i for i, s in enumerate(SPECIALS)}
 FIRST_MERGE_ID = 256 + len(SPECIALS)
 
 
@@ -909,7 +908,7 @@ class Tokenizer:
 
     def special(self, name):
         """the id of a special token, e.g. special('<|endoftext|>') == 256"""
-        return 256 + SPECIALS.index(name)
+        return SPECIAL_IDS[name]
 
     @classmethod
     def train(cls, text, vocab_size, progress=True, max_piece_bytes=MAX_PIECE_BYTES):
@@ -1011,13 +1010,13 @@ class Tokenizer:
     def to_json(self):
         return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
                            "max_piece_bytes": self.max_piece_bytes,
-                           "specials": {s: self.special(s) for s in SPECIALS},
+                           "specials": SPECIAL_IDS,
                            "merges": [list(p) for p in self.merges]})
 
     @classmethod
     def from_json(cls, text):
         d = json.loads(text)
-        if not isinstance(d, dict) or d.get("specials") != {s: 256 + i for i, s in enumerate(SPECIALS)}:
+        if not isinstance(d, dict) or d.get("specials") != SPECIAL_IDS:
             raise ValueError("its special tokens differ from this program's")
         # SPEC: encoding splits with the stored pattern; this program knows GPT-2's only
         if d.get("type", "byte-level-bpe") != "byte-level-bpe" or d.get("pattern", SPLIT_PATTERN.pattern) != \
@@ -1430,18 +1429,9 @@ class CPUEngine:
 # time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows
 # at lr 2e-3 reach 2.25, 32 rows at 3e-3 only 2.31.
 DEFAULT_BATCH = 32
-
-
 DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
 DEFAULT_WARMUP = 30
-
-
-def print_table(rows):
-    """the resolved settings, once, as two aligned columns (llm.c does this)"""
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}} | {v}")
 
 
 def data_cache(out_dir):
@@ -1503,13 +1493,20 @@ def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
     return total
 
 
-def steps_text(args, state):
-    """the settings table's steps: with --minutes the plan is made later (plan_steps prints it)"""
+def print_settings(rows, args, state):
+    """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
+    run's steps and folder. With --minutes the steps are planned later (plan_steps prints them)."""
     if "planned_steps" in state:
-        return f"{state['planned_steps']} (planned for --minutes)"
-    if getattr(args, "minutes", 0) > 0:
-        return f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
-    return str(args.steps)
+        steps = f"{state['planned_steps']} (planned for --minutes)"
+    elif getattr(args, "minutes", 0) > 0:
+        steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
+    else:
+        steps = str(args.steps)
+    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
+                             f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}} | {v}")
 
 
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
@@ -1558,7 +1555,9 @@ def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
 
 
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
-    """a short sample, so the log shows what the model has learned so far"""
+    """a short sample, so the log shows what the model has learned so far; prompt: ids
+    (default: a document's start)"""
+    prompt = prompt or [tok.special("<|endoftext|>")]
     params = carve(flat, cfg)
     ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
                         stop=tok.special("<|end|>")))
@@ -1600,10 +1599,9 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     save, and stop cleanly (on a signal or when our output is gone: saved first). next_batch(rng)
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
     the best validation. The log's samples continue sample_prompt (ids; default: a document's
-    start). clock: seconds, for the timings and --minutes's plan (default now(), which main
+    start: sample_text_for_log). clock: seconds, for the timings and --minutes's plan (default now(), which main
     read as args.started)."""
     clock = clock or now
-    sample_prompt = sample_prompt or [tok.special("<|endoftext|>")]
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
     saves = RunFolder(out_dir, cfg, tok, clock)
@@ -1681,15 +1679,13 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
     flat, m, v, state = run.resume_or_init(args, tok, lambda: init_params(cfg, args.seed))
     engine = make_engine(cfg, flat, m, v)
-    print_table((describe(engine) if describe else [("engine", engine.line)]) +
-                [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
-                  " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
-                 ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
-                          f"vocab {tok.vocab_size}"),
-                 ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step"),
-                 ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
-                           f"{args.lr * LR_FLOOR:g}, weight decay {args.weight_decay}, clip {args.clip}"),
-                 ("out", args.out)])
+    print_settings((describe(engine) if describe else [("engine", engine.line)]) +
+                   [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
+                     " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
+                    ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
+                             f"vocab {tok.vocab_size}"),
+                    ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step")],
+                   args, state)
 
     def next_batch(rng):
         return split_rows(get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
@@ -1763,15 +1759,13 @@ def cmd_sft(args, make_engine=None, engine=None):
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
     flat, m, v, state = RunFolder(args.out, cfg).resume_or_init(args, tok, lambda: flat0)
     made = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
-    print_table([("model", f"{args.model}: {num_params(cfg):,} parameters"),
-                 ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
-                                                           f"context of {cfg.T} tokens)" if kept < n else "")),
-                 ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
-                          f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses only"),
-                 ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or made.line}"),
-                 ("steps", f"{steps_text(args, state)}, warmup {args.warmup}, lr {args.lr:g} cosine to "
-                           f"{args.lr * LR_FLOOR:g}"),
-                 ("out", args.out)])
+    print_settings([("model", f"{args.model}: {num_params(cfg):,} parameters"),
+                    ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
+                                                              f"context of {cfg.T} tokens)" if kept < n else "")),
+                    ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
+                             f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses "
+                             "only"),
+                    ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or made.line}")], args, state)
 
     def next_batch(rng):
         pick = rng.integers(0, len(rows), size=args.batch)
@@ -1796,24 +1790,25 @@ def check_drafts(args, cfg):
         args.drafts = cfg.K - 1
 
 
-def chat_reply(params, cfg, tok, history, args, out, reply, gen=None, stats=None):
+def chat_reply(params, cfg, tok, history, args, out, reply, gen=None, stats=None, chat=True):
     """generate the assistant's turn after history, streaming its text to out and its ids
     into reply as they come (so a Ctrl-C keeps what was said). gen: generate's twin
-    (nanoeuler_cuda.generate, with its decoder for params); stats: generate's pass counts"""
+    (nanoeuler_cuda.generate, with its decoder for params); stats: generate's pass counts.
+    chat=False (sample): the text goes on past <|end|> and the other specials, as written."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    end = tok.special("<|end|>")
+    end = tok.special("<|end|>") if chat else None
     gen = gen or generate
     cut = False                                        # whether --max-new-tokens ended the reply
     try:
         for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                      args.seed, args.speculative, stop=end, drafts=args.drafts, stats=stats):
-            if t == end or t >= 256 and t < FIRST_MERGE_ID:
+            if chat and (t == end or 256 <= t < FIRST_MERGE_ID):
                 break
             reply.append(t)
             out.write(decoder.decode(tok.vocab[t]))
             out.flush()
         else:
-            cut = len(reply) >= args.max_new_tokens
+            cut = chat and len(reply) >= args.max_new_tokens
     finally:
         out.write(decoder.decode(b"", final=True) + "\n")
         out.flush()
@@ -1967,14 +1962,9 @@ def cmd_sample(args, make_params=None, gen=None):
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
               f"keeping its last {cfg.T - 1}", file=sys.stderr)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     sys.stdout.write(args.prompt)
     stats = {} if args.speculative else None
-    for t in (gen or generate)(params, cfg, prompt, args.max_new_tokens, args.temperature, args.top_k,
-                               args.top_p, args.seed, args.speculative, drafts=args.drafts, stats=stats):
-        sys.stdout.write(decoder.decode(tok.vocab[t]))
-        sys.stdout.flush()
-    sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+    chat_reply(params, cfg, tok, prompt, args, sys.stdout, [], gen, stats, chat=False)
     speculation_report(stats)
 
 
@@ -2007,12 +1997,8 @@ minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of
 # --steps, --max-new-tokens: more than a billion is a typo, and 10^30 steps showed an eta of 10^25 hours
 count_type = number_type(int, lambda n: 1 <= n <= MAX_PLANNED_STEPS, f"a positive integer up to {MAX_PLANNED_STEPS:,}")
 positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
-
-
 vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
-
-
 port_type = number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535")
 workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
                             "a number of processes from 1 to 4 per core")

@@ -674,8 +674,10 @@ def test_the_settings_table_says_when_minutes_sets_the_steps(tmp_path, capsys):
     assert len(table) == 1 and table[0].split("|")[1].startswith(" as many as fit in 1.5 minutes (planned after 20 "
                                                                  "steps), warmup"), table
     args = ne.build_parser().parse_args(["train", "--minutes", "1.5"])
-    assert ne.steps_text(args, {"planned_steps": 345}) == "345 (planned for --minutes)"
-    assert ne.steps_text(ne.build_parser().parse_args(["train", "--steps", "77"]), {}) == "77"
+    ne.print_settings([], args, {"planned_steps": 345})
+    assert capsys.readouterr().out.startswith("steps | 345 (planned for --minutes), warmup")
+    ne.print_settings([], ne.build_parser().parse_args(["train", "--steps", "77"]), {})
+    assert capsys.readouterr().out.startswith("steps | 77, warmup")
 
 
 def test_bench_refuses_a_bad_model_before_timing_anything(tmp_path):
