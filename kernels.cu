@@ -801,6 +801,13 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
     decode_wait();
+    // thread t: output k = t / R of the block (output j of group g), row r; the residual's old
+    // value loaded now (its writer is done), not after the sums: one trip less on the chain
+    // (a one-row pass 213.1 -> 211.0 us, a 4-row pass 356.2 -> 348.6 us on an H200)
+    int t = threadIdx.x, r = t % R, k = t / R, g = k / DECODE_OUTS, j = k % DECODE_OUTS;
+    int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
+    bool writes = k < groups * DECODE_OUTS && o < Out;
+    float old = accumulate && writes ? out[(long)r * ld_out + o] : 0.0f;
     if (MODE == IN_RMSNORM && warp < R) {
         float rs = matvec_rstd(in, In, warp, lane);
         if (lane == 0) rstd[warp] = rs;
@@ -843,15 +850,11 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
         }
     }
     __syncthreads();
-    // thread t: output k = t / R of the block (output j of group g), row r
-    int t = threadIdx.x, r = t % R, k = t / R, g = k / DECODE_OUTS, j = k % DECODE_OUTS;
-    int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
-    if (k >= groups * DECODE_OUTS || o >= Out) return;
+    if (!writes) return;
     float s = 0.0f;
     for (int p = 0; p < splits; p++) s += part_sum[g * splits + p][j][r];
     if (MODE == IN_RMSNORM) s *= rstd[r];
-    float* dst = out + (long)r * ld_out + o;
-    *dst = (accumulate ? *dst : 0.0f) + s;
+    out[(long)r * ld_out + o] = old + s;
 }
 
 // the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
