@@ -1234,6 +1234,16 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
+def data_cache(out_dir):
+    """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
+    runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
+    cache = os.path.normpath(os.path.join(out_dir, "..", "cache"))
+    if cache == os.path.normpath(out_dir):
+        raise NanoEulerError(f"--out {out_dir} is where runs beside it cache their tokens; give the run a folder "
+                             "of another name")
+    return cache
+
+
 def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
     and the tokens written once, both cached under cache_dir by the corpus's
@@ -1432,16 +1442,6 @@ DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
 DEFAULT_WARMUP = 30
-
-
-def data_cache(out_dir):
-    """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
-    runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
-    cache = os.path.normpath(os.path.join(out_dir, "..", "cache"))
-    if cache == os.path.normpath(out_dir):
-        raise NanoEulerError(f"--out {out_dir} is where runs beside it cache their tokens; give the run a folder "
-                             "of another name")
-    return cache
 
 
 def saved_rng(state):
@@ -1677,7 +1677,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
-    flat, m, v, state = run.resume_or_init(args, tok, lambda: init_params(cfg, args.seed))
+    flat, m, v, state = run.resume_or_init(args, tok, functools.partial(init_params, cfg, args.seed))
     engine = make_engine(cfg, flat, m, v)
     print_settings((describe(engine) if describe else [("engine", engine.line)]) +
                    [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
@@ -1777,8 +1777,11 @@ def cmd_sft(args, make_engine=None, engine=None):
     train_loop(args, cfg, tok, made, next_batch, val, args.out, state, prompt)
 
 
-def check_drafts(args, cfg):
-    """--speculative --drafts N: a model has K-1 draft heads; say so when N asks for more, or none"""
+def load_for_decoding(args, make_params=None):
+    """sample's and chat's --model -> cfg, params, tok; params carved from the weights, or made by
+    make_params(cfg, flat) (nanoeuler_cuda.py's decoder). --speculative --drafts N: a model has
+    K-1 draft heads; say so when N asks for more, or none"""
+    cfg, flat, tok = load_model(args.model)
     if args.speculative and (args.drafts == 0 or cfg.K == 1):
         why = "with --drafts 0" if args.drafts == 0 else f"on a model with one head ({args.model})"
         print(f"note: --speculative {why} has nothing to draft with; decoding plainly", file=sys.stderr)
@@ -1788,6 +1791,7 @@ def check_drafts(args, cfg):
         print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
               f"{cfg.K - 1}", file=sys.stderr)
         args.drafts = cfg.K - 1
+    return cfg, carve(flat, cfg) if make_params is None else make_params(cfg, flat), tok
 
 
 def chat_reply(params, cfg, tok, history, args, out, reply, gen=None, stats=None, chat=True):
@@ -1852,9 +1856,7 @@ def cmd_chat(args, make_params=None, gen=None):
     """a REPL on stdin/stdout: /reset forgets the conversation, /quit (or Ctrl-D, or Ctrl-C
     at the prompt) leaves; Ctrl-C during a reply stops it, and what was said stays.
     make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder and generate"""
-    cfg, flat, tok = load_model(args.model)
-    check_drafts(args, cfg)
-    params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
+    cfg, params, tok = load_for_decoding(args, make_params)
     out = sys.stdout
     interactive = sys.stdin.isatty()
     if interactive:
@@ -1954,9 +1956,7 @@ def cmd_serve(args, make_params=None, gen=None):
 def cmd_sample(args, make_params=None, gen=None):
     """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
     and generate (the model file is read, and refused, before either)"""
-    cfg, flat, tok = load_model(args.model)
-    check_drafts(args, cfg)
-    params = carve(flat, cfg) if make_params is None else make_params(cfg, flat)
+    cfg, params, tok = load_for_decoding(args, make_params)
     args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:

@@ -32,7 +32,7 @@ STORY_LINES = 2137                    # run_main, RunFolder, cached (ops30); tra
 FILE_LINES = 3641
 STORY_NAMES_FROM_OPERATIONS = 14      # RunFolder, run_main, cached (ops30)
 OPERATIONS_LINES = 1351               # the operations part (issue 30: at most 900)
-FUNCTIONS_TO_MODEL_FORWARD = 70       # build_parser builds every command's flags on train's way too
+FUNCTIONS_TO_MODEL_FORWARD = 69       # build_parser builds every command's flags on train's way too
 COMMENT_SHARE = 0.292 - 0.002          # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 0
 
