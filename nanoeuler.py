@@ -814,7 +814,6 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
 # lossless. BPE merges never cross a piece boundary.
 SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\w]|_)+|\s+(?!\S)|\s+""")
 
-
 # A piece longer than this many bytes (300,000 letters without a space, a long
 # run of spaces) is cut into parts of at most this many bytes, never inside a
 # character, and each part is merged on its own. BPE over a piece of n bytes
@@ -824,7 +823,6 @@ SPLIT_PATTERN = re.compile(r"""'(?:[sdmt]|ll|ve|re)| ?[^\W\d_]+| ?\d+| ?(?:[^\s\
 # saved without one gets this value.
 MAX_PIECE_BYTES = 128
 
-
 # Special tokens sit right after the 256 bytes at fixed ids, whatever the vocab
 # size; learned merges take the ids from 260 up. Ordinary text never encodes to
 # them: they come only from Tokenizer.special(name).
@@ -832,13 +830,10 @@ SPECIALS = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
 SPECIAL_IDS = {s: 256 + i for i, s in enumerate(SPECIALS)}
 FIRST_MERGE_ID = 256 + len(SPECIALS)
 
-
 # The encoder caches the ids of each distinct piece and clears the cache when
 # it holds this many (about 35 MB), so a worker's memory stays bounded.
 CACHE_PIECES = 100_000
-
-
-_last_progress = [0.0]
+_last_progress = [0.0]          # when progress_line last wrote a line to a log file
 
 
 def progress_line(text, done=False):
@@ -2074,6 +2069,22 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_min
                                                                         "--save-every") + "); and at the end")
 
 
+def add_generation_flags(sp, drafts=1):
+    """sample's and chat's flags (both programs; nanoeuler_cuda.py's --drafts default is its own)"""
+    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp.add_argument("--max-new-tokens", type=count_type, default=200, help="tokens to generate")
+    sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
+    sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
+    sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
+    sp.add_argument("--seed", type=nonnegative_int, default=None,
+                    help="seed of the sampler (default: a fresh one each run)")
+    sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
+    # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
+    # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
+    sp.add_argument("--drafts", type=nonnegative_int, default=drafts, help="with --speculative: draft with heads "
+                    "1..N (at most K-1)")
+
+
 def build_parser():
     p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
@@ -2101,24 +2112,10 @@ def build_parser():
     sp.add_argument("--data", default=DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
     add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
 
-    def generation_flags(sp):
-        sp.add_argument("--model", required=True, help=".safetensors model file")
-        sp.add_argument("--max-new-tokens", type=count_type, default=200, help="tokens to generate")
-        sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
-        sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
-        sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
-        sp.add_argument("--seed", type=nonnegative_int, default=None,
-                        help="seed of the sampler (default: a fresh one each run)")
-        sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
-        # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
-        # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
-        sp.add_argument("--drafts", type=nonnegative_int, default=1, help="with --speculative: draft with heads "
-                        "1..N (at most K-1)")
-
     sp = sub.add_parser("sample", help="continue a prompt")
-    generation_flags(sp)
+    add_generation_flags(sp)
     sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
-    generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
+    add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
     add_serve_flags(sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md)"))
     sub.add_parser("plot", help="draw a run's loss curve again (log.svg, and log.png with matplotlib)").add_argument(
         "run", help="a run folder (out/small) or its log.csv")

@@ -1718,17 +1718,8 @@ def add_bench_flags(sp):
 
 
 def add_generation_flags(sp):
-    """sample's and chat's"""
-    sp.add_argument("--model", required=True, help=".safetensors model file")
-    sp.add_argument("--max-new-tokens", type=ne.count_type, default=200, help="tokens to generate")
-    sp.add_argument("--temperature", type=ne.nonnegative_float, default=0.8, help="0 = greedy, deterministic")
-    sp.add_argument("--top-k", type=ne.nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
-    sp.add_argument("--top-p", type=ne.probability, default=0.95, help="nucleus sampling mass; 1 = off")
-    sp.add_argument("--seed", type=ne.nonnegative_int, default=None,
-                    help="seed of the sampler (default: a fresh one each run)")
-    sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
-    sp.add_argument("--drafts", type=ne.nonnegative_int, default=DEFAULT_DRAFTS,
-                    help="with --speculative: draft with heads 1..N (at most K-1)")
+    """sample's and chat's: nanoeuler.py's, and the precision decoding reads the weights in"""
+    ne.add_generation_flags(sp, DEFAULT_DRAFTS)
     sp.add_argument("--precision", default="bf16", choices=["fp32", "tf32", "bf16"],
                     help="weights read by decoding: bf16, or fp32 (tf32: fp32 with a tf32 prefill)")
 
