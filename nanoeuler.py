@@ -109,12 +109,6 @@ class Config:
         """head dimension (small 32, big 64)"""
         return self.C // self.Hq
 
-    def validate(self, source="the config"):
-        """refuse a config that the code cannot run or that would ask for absurd memory,
-        before anything is allocated from it (check_config, in the operations part); -> self"""
-        check_config(self, source)
-        return self
-
 
 PRESETS = {
     "small": Config(V=512, C=128, Hq=4, Hkv=2, L=4, T=128, F=344, K=4),
@@ -1112,6 +1106,15 @@ def text_chunks(files):
             yield path, offset, data, book
 
 
+def decode_text(data, path, offset):
+    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
+                             "convert it, e.g. with iconv -t utf-8") from None
+
+
 def encode_chunk(tok, path, offset, data, ends_document):
     """one chunk of a file -> its token ids (an array of the token file's dtype),
     with <|endoftext|> after each document that ends in it"""
@@ -1599,8 +1602,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     clock = clock or now
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    saves = RunFolder(out_dir, cfg, tok, clock)
-    last_path = saves.path(start) if start else None
+    run = RunFolder(out_dir, cfg, tok, clock)             # its checkpoints, and when to stop
+    last_path = run.path(start) if start else None
     if start >= total:                                   # --resume of a run that has made all its steps
         engine.close()
         print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
@@ -1615,45 +1618,42 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     times, t_start = [], clock()
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
-    flag = StopFlag()
     every, minutes = save_interval(args)
-    with flag.signals_handled(), warnings.catch_warnings():
-        # numpy's warnings on the way to a NaN print source lines; stop_if_not_finite says it in one sentence
-        warnings.simplefilter("ignore", RuntimeWarning)
-        with flag.output_may_go():
-            while step < min(total, stop) and not flag.stop:
+    with run.signals_handled():                          # (numpy's warnings on the way to a NaN: run_command's)
+        with run.output_may_go():
+            while step < min(total, stop) and not run.stop:
                 step += 1
                 t0 = clock()                              # the step's time: the batch's making included
                 lr = lr_schedule(step - 1, total, args.lr, args.warmup)
                 loss, ce, norm = engine.step(*next_batch(rng), lr, step)
-                saves.stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, made_by=step - 1)
+                run.stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, made_by=step - 1)
                 dt = clock() - t0
                 if step > start + 1:
                     times.append(dt)                      # the first step warms up: left out
                 log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu := engine.mfu(dt))
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
-                if not flag.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
+                if not run.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
                     t_eval = clock()
-                    val = run_validation(engine, val_batches, cfg, tok, saves, state, step, total, sample_prompt,
+                    val = run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt,
                                          elapsed)
                     eval_time = clock() - t_eval
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
-                saves.finish(poll=True)
+                run.finish(poll=True)
                 planning = step == plan_step and val           # --minutes: an evaluation and a save, timed
-                if saves.due(step, every, minutes) or step == total or planning:
+                if run.due(step, every, minutes) or step == total or planning:
                     # written while the next steps run; the last, and the timed one, before going on
-                    saved, last_path = step, saves.save(step, engine, state, rng, background=not (
+                    saved, last_path = step, run.save(step, engine, state, rng, background=not (
                         planning or step == total))
                     if planning:
                         total = state["planned_steps"] = plan_steps(args, step, np.mean(times), eval_time,
-                                                                    saves.paused, saves.took, clock() - began)
+                                                                    run.paused, run.took, clock() - began)
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
-            last_path = saves.save(step, engine, state, rng, background=False)
-        saves.finish()                                    # the save in flight, whatever stopped the loop
+            last_path = run.save(step, engine, state, rng, background=False)
+        run.finish()                                      # the save in flight, whatever stopped the loop
     csv.close()
     engine.close()
-    flag.exit_if_stopped(step, last_path)                 # a signal: exit 128 + N; lost output: run_command's
+    run.exit_if_stopped(step, last_path)                 # a signal: exit 128 + N; lost output: run_command's
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
@@ -1927,7 +1927,7 @@ def preset_with(preset, args):
 
 
 def cmd_train(args):
-    cfg = preset_with(PRESETS[args.model_size], args).validate()
+    cfg = check_config(preset_with(PRESETS[args.model_size], args))
     check_memory(cfg, args.batch, args.threads)
     pretrain(args, cfg, functools.partial(CPUEngine, args=args))
 
@@ -2312,8 +2312,8 @@ def cmd_plot(args):
 # in one sentence by run_command, the one place a command ends; a damaged
 # file's content is MALFORMED, refused by refused_if_malformed; everything a run
 # does to its folder is a RunFolder (a NaN anywhere in a run stops it in its
-# stop_if_not_finite); the training loop's signals and lost output are a StopFlag
-# (elsewhere SIGTERM and SIGHUP raise Interrupted).
+# stop_if_not_finite, its signals and lost output stop the training loop saved);
+# elsewhere SIGTERM and SIGHUP raise Interrupted.
 
 # -----------------------------------------------------------------------------
 # operations: input checks
@@ -2350,15 +2350,6 @@ def not_a_file(path, noun, advice):
     return NanoEulerError(f"{path} {what}; {advice}")
 
 
-def decode_text(data, path, offset):
-    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
-                             "convert it, e.g. with iconv -t utf-8") from None
-
-
 def read_text(path):
     """the whole file as str, refusing what is not UTF-8 text"""
     with open(path, "rb") as f:
@@ -2366,8 +2357,8 @@ def read_text(path):
 
 
 def check_config(cfg, source="the config"):
-    """Config.validate: refuse a config that the code cannot run or that would ask for absurd
-    memory, before anything is allocated from it. source names it in the message."""
+    """-> cfg, once it is a config that the code can run and that would not ask for absurd
+    memory: refused before anything is allocated from it. source names it in the message."""
     def fail(problem):
         raise NanoEulerError(f"{source} is unusable: {problem}")
     for name in SIZE_FIELDS:
@@ -2394,6 +2385,7 @@ def check_config(cfg, source="the config"):
     n = (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
     if n > MAX_PARAMS:
         fail(f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
+    return cfg
 
 
 MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
@@ -2587,7 +2579,7 @@ def model_header(path, shapes, meta):
             raise ValueError(f"the config lacks {', '.join(missing)}")
         known = {f.name for f in fields(Config)}
         cfg = Config(**{k: v for k, v in given.items() if k in known})
-    cfg.validate(f"the config in {path}")               # before anything is made from its sizes
+    check_config(cfg, f"the config in {path}")          # before anything is made from its sizes
     with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
         tok = Tokenizer.from_json(meta["tokenizer"])
     # counted before the list of shapes is made: a crafted L = 10^18 must not build it
@@ -2867,7 +2859,8 @@ RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.cs
 
 class RunFolder:
     """A run's folder. out: its path; cfg, tok: the model's (for the checkpoints it writes);
-    clock: seconds (the loop's, for the save timings).
+    clock: seconds (the loop's, for the save timings). The training loop asks it when to
+    stop (run.stop: a signal, or output that is gone) and saves through it.
 
     The loop's checkpoints are written while training goes on: save() takes the engine's
     copies of the weights and moments (host_weights: on the GPU into page-locked memory,
@@ -2882,6 +2875,7 @@ class RunFolder:
     def __init__(self, out, cfg=None, tok=None, clock=None):
         self.out, self.cfg, self.tok, self.clock = out, cfg, tok, clock or now
         self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, self.clock(), 0., 0.
+        self.stop, self.signum, self.lost = False, None, None      # the loop's stop (below)
 
     def path(self, step, kind="model"):
         return checkpoint_path(self.out, step, kind)
@@ -3070,6 +3064,52 @@ class RunFolder:
                                  "train afresh with another --out")
         return None
 
+    # -- the training loop's one signal policy, and lost output
+    # Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
+    # terminal closed) asks the loop to stop after the step in flight and save; a second
+    # one stops at once. A signal that was ignored when we started (nohup, a background
+    # job) stays ignored. Output that is gone (a closed pipe, a hung-up terminal) stops
+    # the loop the same way, saved:
+    #     with run.signals_handled():
+    #         with run.output_may_go():
+    #             ... steps, until run.stop
+    #         ... save
+    #     run.exit_if_stopped(step, last_path)
+
+    def signals_handled(self):
+        """handle (below) the three signals while inside; the previous handlers after"""
+        return signals_handled(SIGNALS, self.handle)
+
+    def handle(self, signum, frame):
+        if self.signum is not None:                    # a second signal (not a lost output's stop):
+            raise Interrupted(signum)                  # run_command names the last complete checkpoint
+        self.stop, self.signum = True, signum
+        if signum == signal.SIGHUP:
+            silence_lost_output()                      # the terminal is most likely gone
+        with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
+            print(f"\n{SIGNALS[signum]}: finishing this step, then saving a checkpoint ({SIGNALS[signum]} again "
+                  "to quit at once)", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def output_may_go(self):
+        """end the steps, not the run, when our output is gone (`train | head` has exited,
+        the terminal closed): the loop saves, then ends quietly (self.lost holds the error)"""
+        try:
+            yield
+        except OSError as e:
+            if not output_lost(e):
+                raise
+            self.stop, self.lost = True, e
+            silence_lost_output()
+
+    def exit_if_stopped(self, step, last_path):
+        """after the save: a signal exits as it would have killed us (exit_stopped); lost
+        output is raised again, for run_command (quiet on a closed pipe, one line otherwise)"""
+        if self.signum:
+            exit_stopped(self.signum, step=step, last_path=last_path)
+        if self.lost:
+            raise self.lost
+
     # -- the loop's checkpoints, written while training goes on
 
     def due(self, step, every, minutes):
@@ -3217,58 +3257,7 @@ def signals_interrupt():
     return signals_handled((signal.SIGTERM, signal.SIGHUP), _raise_interrupt)
 
 
-class StopFlag:
-    """The training loop's one signal policy. Ctrl-C (SIGINT), SIGTERM (what a scheduler
-    or `docker stop` sends) or SIGHUP (the terminal closed) asks the loop to stop after
-    the step in flight and save; a second one stops at once. A signal that was ignored
-    when we started (nohup, a background job) stays ignored. Output that is gone (a
-    closed pipe, a hung-up terminal) stops the loop the same way, saved.
-
-        flag = StopFlag()
-        with flag.signals_handled():
-            with flag.output_may_go():
-                ... steps, until flag.stop
-            ... save
-        flag.exit_if_stopped(step, last_path)"""
-    SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
-
-    def __init__(self):
-        self.stop, self.signum, self.lost = False, None, None
-
-    def signals_handled(self):
-        """handle (below) the three signals while inside; the previous handlers after"""
-        return signals_handled(self.SIGNALS, self.handle)
-
-    @contextlib.contextmanager
-    def output_may_go(self):
-        """end the steps, not the run, when our output is gone (`train | head` has exited,
-        the terminal closed): the loop saves, then ends quietly (self.lost holds the error)"""
-        try:
-            yield
-        except OSError as e:
-            if not output_lost(e):
-                raise
-            self.stop, self.lost = True, e
-            silence_lost_output()
-
-    def exit_if_stopped(self, step, last_path):
-        """after the save: a signal exits as it would have killed us (exit_stopped); lost
-        output is raised again, for run_command (quiet on a closed pipe, one line otherwise)"""
-        if self.signum:
-            exit_stopped(self.signum, step=step, last_path=last_path)
-        if self.lost:
-            raise self.lost
-
-    def handle(self, signum, frame):
-        if self.signum is not None:                    # a second signal (not a lost output's stop):
-            raise Interrupted(signum)                  # run_command names the last complete checkpoint
-        self.stop, self.signum = True, signum
-        if signum == signal.SIGHUP:
-            silence_lost_output()                      # the terminal is most likely gone
-        name = self.SIGNALS[signum]
-        with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
-            print(f"\n{name}: finishing this step, then saving a checkpoint ({name} again to quit at once)",
-                  file=sys.stderr)
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
 
 
 # Tokenizing on every core (the data section's encoded_chunks) runs worker processes.
@@ -3330,7 +3319,7 @@ def exit_stopped(signum, out_dir=None, step=None, last_path=None):
     where the training loop's saving stop ended the run, saved as last_path (None: before
     the first step); else (while the data is prepared, or a second signal during a save)
     train and sft name the last complete checkpoint in out_dir"""
-    for sig in StopFlag.SIGNALS:                       # a further signal must not cut these last words
+    for sig in SIGNALS:                                # a further signal must not cut these last words
         signal.signal(sig, signal.SIG_IGN)
     if signum == signal.SIGHUP:
         silence_lost_output()                          # the terminal is most likely gone
@@ -3343,7 +3332,7 @@ def exit_stopped(signum, out_dir=None, step=None, last_path=None):
         lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
                                             "continue with --resume" if step is not None else "")
     with contextlib.suppress(OSError):
-        print(f"{lead}{StopFlag.SIGNALS[signum]}: {said}", file=sys.stderr)
+        print(f"{lead}{SIGNALS[signum]}: {said}", file=sys.stderr)
     sys.exit(128 + signum)
 
 

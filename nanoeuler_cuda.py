@@ -1151,7 +1151,7 @@ def cmd_train(args):
 
     if rank:                                    # rank 0 resumes and hands the others its start (DataParallelEngine)
         args.resume = False
-    ne.pretrain(args, cfg.validate(), make_engine,
+    ne.pretrain(args, ne.check_config(cfg), make_engine,
                 lambda engine: [("device", f"{gpu.name} x {max(world, 1)}, sm_{gpu.arch}, {gpu.sms} SMs, "
                                            f"{args.precision} matmuls, peak "
                                            f"{engine.peak / 1e12 if engine.peak else '?'} TFLOP/s per GPU" +

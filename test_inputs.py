@@ -111,7 +111,7 @@ def test_crafted_config_is_refused_before_anything_is_allocated(tmp_path, change
        L=st.integers(1, 2), T=st.integers(2, 6), F=st.integers(1, 6), K=st.integers(1, 4))
 def test_every_config_of_spec_shape_is_accepted_trains_and_generates(Hkv, G, half, V, L, T, F, K):
     # validate is not stricter than SPEC, nor looser than the code: what it lets through runs
-    cfg = ne.Config(V=V, C=Hkv * G * 2 * half, Hq=Hkv * G, Hkv=Hkv, L=L, T=T, F=F, K=K).validate()
+    cfg = ne.check_config(ne.Config(V=V, C=Hkv * G * 2 * half, Hq=Hkv * G, Hkv=Hkv, L=L, T=T, F=F, K=K))
     flat = ne.init_params(cfg)
     idx, targets = ne.split_rows(np.random.default_rng(0).integers(0, cfg.V, (2, cfg.T + cfg.K)), cfg.T, cfg.K)
     loss, ce = ne.loss_and_grads(flat, cfg, idx, targets, [np.zeros_like(flat)])
@@ -165,10 +165,10 @@ def test_many_layers_within_the_bound_are_refused_without_listing_the_tensors(tm
 def test_the_parameter_bound_counts_every_tensor(cfg, monkeypatch):
     n = sum(math.prod(shape) for _, shape in ne.param_shapes(cfg))
     monkeypatch.setattr(ne, "MAX_PARAMS", n)
-    cfg.validate()
+    ne.check_config(cfg)
     monkeypatch.setattr(ne, "MAX_PARAMS", n - 1)
     with pytest.raises(ne.NanoEulerError, match=f"{n:,} parameters"):
-        cfg.validate()
+        ne.check_config(cfg)
 
 
 def test_a_header_claiming_a_huge_width_is_refused_before_reading(tmp_path):

@@ -721,7 +721,7 @@ def test_a_second_signal_quits_without_waiting_for_the_step_in_flight(corpus, tm
 
 def test_an_interrupted_save_names_the_last_complete_checkpoint(finished_run, tmp_path, capsys):
     out = copy_of(finished_run, tmp_path)
-    flag = ne.StopFlag()
+    flag = ne.RunFolder(str(out))
     flag.handle(signal.SIGTERM, None)                             # the first asks for a save
     with pytest.raises(ne.Interrupted) as e:
         flag.handle(signal.SIGTERM, None)                         # the second quits at once
@@ -730,7 +730,7 @@ def test_an_interrupted_save_names_the_last_complete_checkpoint(finished_run, tm
     def interrupted_save(args):                                   # a state file written, its model not yet
         (out / "state_000012.safetensors").write_bytes(b"half")
         raise e.value
-    handlers = {sig: signal.getsignal(sig) for sig in ne.StopFlag.SIGNALS}
+    handlers = {sig: signal.getsignal(sig) for sig in ne.SIGNALS}
     try:
         with pytest.raises(SystemExit) as done:
             ne.run_command(interrupted_save, ne.build_parser().parse_args(["train", "--out", str(out), "--resume"]))
@@ -1087,7 +1087,7 @@ def test_chat_says_when_a_question_is_longer_than_the_context(finished_run):
 def test_a_first_signal_after_lost_output_still_lets_the_save_finish():
     """lost output sets stop without a signal: the first SIGTERM after it is a first signal
     (it finishes the step and saves), only a second one quits at once"""
-    flag = ne.StopFlag()
+    flag = ne.RunFolder("run")
     flag.stop = True                                   # what output_may_go does when stdout is gone
     flag.handle(signal.SIGTERM, None)                  # must not raise
     assert flag.signum == signal.SIGTERM
