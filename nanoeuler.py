@@ -3319,14 +3319,14 @@ def exit_stopped(signum, out_dir=None, step=None, last_path=None):
     where the training loop's saving stop ended the run, saved as last_path (None: before
     the first step); else (while the data is prepared, or a second signal during a save)
     train and sft name the last complete checkpoint in out_dir"""
-    for sig in SIGNALS:                                # a further signal must not cut these last words
-        signal.signal(sig, signal.SIG_IGN)
-    if signum == signal.SIGHUP:
-        silence_lost_output()                          # the terminal is most likely gone
-    if step is not None:
+    if step is not None:                               # (the loop's handler silenced a hung-up terminal)
         lead, said = "", (f"stopped at step {step}, saved as {last_path}; continue with --resume" if last_path
                           else "stopped before the first step; nothing to save")
     else:                                              # on a line of its own: a step's line may be unfinished
+        for sig in SIGNALS:                            # a further signal must not cut these last words
+            signal.signal(sig, signal.SIG_IGN)
+        if signum == signal.SIGHUP:
+            silence_lost_output()                      # the terminal is most likely gone
         with contextlib.suppress(OSError):
             step = RunFolder(out_dir).latest() if out_dir else None
         lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
