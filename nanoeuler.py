@@ -1291,21 +1291,21 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 # -----------------------------------------------------------------------------
 # a training step on every core
 #
-# numpy works on one core at a time, so a step cuts its batch into parts that
-# run on a pool of threads (numpy lets go of the GIL inside its loops and BLAS
-# calls), each thread into a gradient buffer of its own, and AdamW runs on slices of
-# the flat buffer at once. BLAS is held to one thread per caller (the setting
-# above `import numpy`): two layers of threads on two cores made every step
-# twice as slow. With these and keep_freed_memory, a step on 2 cores runs
-# 1.2x PyTorch's eager CPU step; without any one of them it falls behind
-# (BENCHMARKS.md, "what the reference keeps for speed"). On 16 cores, 16 threads of
-# 2 rows were slower than 2 of 16 (waiting for the GIL in turn; docs/cpu_threads.md).
-MIN_ROWS = 4                                        # a thread's rows at the least
+# numpy works on one core at a time, so a step cuts its batch into parts that run on a
+# pool of threads (numpy lets go of the GIL inside its loops and BLAS calls), each thread
+# into a gradient buffer of its own, and AdamW runs on slices of the flat buffer at once.
+# BLAS is held to one thread per caller (the setting above `import numpy`): two layers of
+# threads on two cores made every step twice as slow. With these and keep_freed_memory, a
+# step on 2 cores runs at PyTorch's eager CPU step's speed. Between two numpy calls a thread
+# needs the GIL, and many threads wait for it in turn: on 16 cores 4 threads of 2 rows were
+# fastest at batch 8, 8 of 4 at batch 32, and 16 threads slower at both (docs/cpu_threads.md).
+MIN_ROWS, MAX_THREADS = 2, 8                        # a thread's rows at the least, the threads at most
 
 
 def threads_for(B, threads):
-    """the threads a batch of B rows is split over: --threads, at most one a core and one per MIN_ROWS rows"""
-    return max(1, min(threads, CORES, B // MIN_ROWS))
+    """the threads a batch of B rows is split over: --threads, at most one a core, one per MIN_ROWS rows
+    and MAX_THREADS"""
+    return max(1, min(threads, CORES, B // MIN_ROWS, MAX_THREADS))
 
 
 def micro_batches(B, n_threads):
@@ -1383,8 +1383,8 @@ class CPUEngine:
         self.pool = ThreadPoolExecutor(self.n_threads)
         # the run's header line: the threads, what held them below --threads, their rows, BLAS's threads
         n, blas = self.n_threads, os.environ.get("OPENBLAS_NUM_THREADS", "1")
-        why = (f" ({CORES} cores here)" if n == CORES < args.threads else
-               f" ({MIN_ROWS} rows a thread at least)" * (n < args.threads))
+        why = (f" ({CORES} cores here)" if n == CORES < args.threads else f" ({MAX_THREADS} at most: the GIL)"
+               if n == MAX_THREADS < args.threads else f" ({MIN_ROWS} rows a thread at least)" * (n < args.threads))
         self.line = (f"numpy {np.__version__}, {n} thread{'s' * (n > 1)}{why}, {-(-self.batch // self.parts)}-row "
                      f"micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
 

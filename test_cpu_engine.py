@@ -26,19 +26,21 @@ TINY = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
 
 
 @pytest.mark.parametrize("B, threads, cores, expected", [
-    (32, 16, 16, 8),      # 4 rows a thread at least: 8 threads, not 16 of 2 rows
-    (8, 16, 16, 2),
+    (32, 16, 16, 8),      # 8 threads at most: 8 of 4 rows, not 16 of 2 (the GIL's turns)
+    (8, 16, 16, 4),       # 2 rows a thread at least: 4 threads of 2 rows, not 8 of 1
+    (1000, 64, 64, 8),
     (8, 2, 2, 2),         # 2 cores, batch 8: two threads of 4 rows, as before the rule
     (32, 2, 2, 2),
     (32, 16, 2, 2),       # more threads than cores: as many as cores
     (1000, 4, 16, 4),     # --threads below the cores: --threads
-    (3, 8, 8, 1),         # fewer rows than MIN_ROWS: one thread
-    (7, 8, 8, 1),
+    (3, 8, 8, 1),         # fewer rows than 2 MIN_ROWS: one thread
+    (7, 8, 8, 3),
     (1, 1, 1, 1),
 ])
-def test_a_batch_gets_a_thread_per_core_and_at_least_min_rows_a_thread(B, threads, cores, expected, monkeypatch):
+def test_a_batch_gets_a_thread_per_core_at_least_min_rows_a_thread_and_8_at_most(B, threads, cores, expected,
+                                                                                   monkeypatch):
     monkeypatch.setattr(ne, "CORES", cores)
-    assert ne.MIN_ROWS == 4
+    assert (ne.MIN_ROWS, ne.MAX_THREADS) == (2, 8)
     assert ne.threads_for(B, threads) == expected
 
 
@@ -115,14 +117,16 @@ def test_the_header_line_says_the_threads_the_rows_and_the_blas_threads(monkeypa
     monkeypatch.setattr(ne, "CORES", 16)
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     version = f"numpy {np.__version__}, "
-    # 32 rows on 16 cores: 8 threads, each one micro-batch of 4 rows
-    assert engine_for(32, 16).line == version + "8 threads (4 rows a thread at least), 4-row micro-batches, " \
+    # 32 rows on 16 cores: 8 threads, each one micro-batch of 4 rows; 8 rows: 4 threads of 2
+    assert engine_for(32, 16).line == version + "8 threads (8 at most: the GIL), 4-row micro-batches, " \
                                                 "1 BLAS thread each"
+    assert engine_for(8, 16).line == version + "4 threads (2 rows a thread at least), 2-row micro-batches, " \
+                                               "1 BLAS thread each"
     # 512 rows on 4 threads: micro_batches cuts 64 parts of 8 rows
     assert engine_for(512, 4).line == version + "4 threads, 8-row micro-batches, 1 BLAS thread each"
     monkeypatch.setattr(ne, "CORES", 2)
     assert engine_for(32, 16).line == version + "2 threads (2 cores here), 8-row micro-batches, 1 BLAS thread each"
-    assert engine_for(3, 2).line == version + "1 thread (4 rows a thread at least), 3-row micro-batches, " \
+    assert engine_for(3, 2).line == version + "1 thread (2 rows a thread at least), 3-row micro-batches, " \
                                               "1 BLAS thread each"
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")                # the user's own setting is kept, and said
     assert engine_for(64, 2).line.endswith("2 threads, 8-row micro-batches, 4 BLAS threads each")
@@ -131,10 +135,10 @@ def test_the_header_line_says_the_threads_the_rows_and_the_blas_threads(monkeypa
 def test_the_engine_holds_a_gradient_buffer_a_thread_and_check_memory_counts_them(monkeypatch):
     monkeypatch.setattr(ne, "CORES", 16)
     cfg, P = ne.PRESETS["small"], ne.num_params(ne.PRESETS["small"])
-    # --batch 1024 on 16 cores: 16 threads, 128 micro-batches of 8 rows, 16 gradient buffers (not 128)
-    need = 4 * (8 + 16) * P + 16 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    # --batch 1024 on 16 cores: 8 threads, 128 micro-batches of 8 rows, 8 gradient buffers (not 128)
+    need = 4 * (8 + 8) * P + 8 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 1024, 16, available=lambda: need)
-    with pytest.raises(ne.NanoEulerError, match="16 gradient buffers, 16 x 8 rows"):
+    with pytest.raises(ne.NanoEulerError, match="8 gradient buffers, 8 x 8 rows"):
         ne.check_memory(cfg, 1024, 16, available=lambda: need - 1)
     # 32 rows asking for 16 threads: 8 threads of 4 rows, 8 buffers
     need = 4 * (8 + 8) * P + 8 * ne.activation_bytes(cfg, 4) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
@@ -150,7 +154,7 @@ def test_bench_train_makes_the_buffers_of_the_threads_it_runs(monkeypatch):
     monkeypatch.setattr(ne.np, "zeros_like", lambda a, *k, **kw: made.append(a.size) or real_zeros_like(a, *k, **kw))
     monkeypatch.setattr(ne, "CORES", 64)
     assert np.isfinite(ne.bench_train(TINY, 12, 10 ** 4, steps=1))
-    assert made.count(ne.num_params(TINY)) == 2 + 3         # m, v and a buffer for each of 3 threads of 4 rows
+    assert made.count(ne.num_params(TINY)) == 2 + 6         # m, v and a buffer for each of 6 threads of 2 rows
 
 
 def test_the_default_threads_are_the_cores_this_process_may_run_on(monkeypatch):

@@ -51,11 +51,16 @@ def run(cmd, timeout, env=None):
     return p.stdout, ""
 
 
-def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None):
+def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None, variant=""):
     """NanoEuler's ms a step, and its engine line; min_rows replaces nanoeuler.MIN_ROWS and blas
-    sets OPENBLAS_NUM_THREADS (nanoeuler.py keeps one a caller otherwise), the variants measured"""
+    sets OPENBLAS_NUM_THREADS (nanoeuler.py keeps one a caller otherwise), the variants measured;
+    variant: 'NAME=VALUE ..', each a nanoeuler setting (MIN_ROWS=2, STEP_PROCESSES=False) or,
+    for OPENBLAS_NUM_THREADS, the environment's"""
+    settings = dict(token.split("=", 1) for token in variant.split())
+    blas = settings.pop("OPENBLAS_NUM_THREADS", blas)
     code = ("import nanoeuler as ne\n"
             + (f"ne.MIN_ROWS = {min_rows}\n" if min_rows else "")
+            + "".join(f"ne.{name} = {value}\n" for name, value in settings.items())
             + f"ne.check_memory(ne.PRESETS['small'], {B}, {threads})\n"
             + f"args = ne.build_parser().parse_args(['train', '--batch', '{B}', '--threads', '{threads}'])\n"
             + "flat = ne.init_params(ne.PRESETS['small'])\n"
@@ -131,6 +136,9 @@ def main():
                    help="NanoEuler variants, in the rounds: nanoeuler.MIN_ROWS set to each of these")
     p.add_argument("--blas", type=int_list, default=[],
                    help="NanoEuler variants, in the rounds: OPENBLAS_NUM_THREADS set to each of these")
+    p.add_argument("--variant", action="append", default=[],
+                   help="a NanoEuler variant, in the rounds: nanoeuler settings as 'MIN_ROWS=2 STEP_PROCESSES=False' "
+                        "(OPENBLAS_NUM_THREADS=N sets the environment's); may be given again")
     p.add_argument("--timeout", type=int, default=300, help="seconds one figure may take (default 300)")
     args = p.parse_args()
     if args.rounds < 1 or args.steps < 1:
@@ -146,6 +154,7 @@ def main():
     ours, theirs, variants = {}, {}, {}
     sides = ["nanoeuler"] + (["torch"] if torch_version else [])
     sides += [("min_rows", v) for v in args.min_rows] + [("blas", v) for v in args.blas]
+    sides += [("variant", v) for v in args.variant]
     t_start = time.time()
     for r in range(args.rounds):
         for B in args.batches:
@@ -158,7 +167,7 @@ def main():
                         (ms, note), got, label = torch_ms(B, n, args.steps, args.timeout), theirs, side
                     else:
                         ms, note = nanoeuler_ms(B, n, args.steps, args.timeout, **{side[0]: side[1]})
-                        got, label = variants, f"{side[0]}={side[1]}"
+                        got, label = variants, side[1] if side[0] == "variant" else f"{side[0]}={side[1]}"
                     got.setdefault((label, B, n) if got is variants else (B, n), []).append(ms)
                     shown = f"{ms:8.1f} ms" if ms is not None else "  failed"
                     print(f"round {r + 1}  B={B:<3d} threads={n:<3d} {label:<11s} {shown}   {note}", flush=True)
