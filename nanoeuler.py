@@ -24,7 +24,7 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
 tokenizer, data, a training step on every core, the training loop,
-supervised fine-tuning and chat, command line; then the benchmark and the
+supervised fine-tuning, chat and sample, command line; then the benchmark and the
 loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
@@ -1691,7 +1691,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
 
 
 # -----------------------------------------------------------------------------
-# supervised fine-tuning and chat
+# supervised fine-tuning, chat and sample
 
 def render_turn(tok, instruction, response=None):
     """<|user|> instruction <|assistant|> [response <|end|>] -> ids, train_on (1 = a response token)"""
@@ -1898,6 +1898,31 @@ def cmd_chat(args, make_params=None, gen=None):
     speculation_report(stats)
 
 
+def argv_text(text):
+    """a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
+    as lone surrogates) become U+FFFD, as chat does with its input"""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:                         # a surrogate that no byte made
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
+def cmd_sample(args, make_params=None, gen=None):
+    """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
+    and generate (the model file is read, and refused, before either)"""
+    cfg, params, tok = load_for_decoding(args, make_params)
+    args.prompt = argv_text(args.prompt)
+    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
+    if len(prompt) > cfg.T - 1:
+        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
+              f"keeping its last {cfg.T - 1}", file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    stats = {} if args.speculative else None
+    chat_reply(params, cfg, tok, prompt, args, sys.stdout, [], gen, stats, chat=False)
+    speculation_report(stats)
+
+
 # -----------------------------------------------------------------------------
 # command line
 
@@ -1932,35 +1957,10 @@ def cmd_train(args):
     pretrain(args, cfg, functools.partial(CPUEngine, args=args))
 
 
-def argv_text(text):
-    """a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
-    as lone surrogates) become U+FFFD, as chat does with its input"""
-    try:
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:                         # a surrogate that no byte made
-        raw = text.encode("utf-8", "replace")
-    return raw.decode("utf-8", "replace")
-
-
 def cmd_serve(args, make_params=None, gen=None):
     """the chat page and its OpenAI-shaped API: serve.py, beside this file (docs/serve.md)"""
     import serve
     serve.cmd_serve(args, sys.modules[__name__], make_params, gen)
-
-
-def cmd_sample(args, make_params=None, gen=None):
-    """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
-    and generate (the model file is read, and refused, before either)"""
-    cfg, params, tok = load_for_decoding(args, make_params)
-    args.prompt = argv_text(args.prompt)
-    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
-    if len(prompt) > cfg.T - 1:
-        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
-              f"keeping its last {cfg.T - 1}", file=sys.stderr)
-    sys.stdout.write(args.prompt)
-    stats = {} if args.speculative else None
-    chat_reply(params, cfg, tok, prompt, args, sys.stdout, [], gen, stats, chat=False)
-    speculation_report(stats)
 
 
 # Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError
