@@ -777,14 +777,14 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
             t = sample_token(logits[0, first + j], rng, temperature, top_k, top_p)
             tokens.append(t)
             emitted += 1
+            if stats is not None:                          # counted before the yield: the caller may stop here
+                stats["steps"] = stats.get("steps", 0) + (j == 0)
+                stats["tokens"] = stats.get("tokens", 0) + 1
             yield t
             if t == stop or emitted >= max_new_tokens:
                 return
             if j == len(guesses) or guesses[j] != t:
                 break
-        if stats is not None:
-            stats["steps"] = stats.get("steps", 0) + 1
-            stats["tokens"] = stats.get("tokens", 0) + j + 1
         # the cache keeps the fed tokens up to feed[first + j]; the rest are overwritten later
         pos += first + j + 1
         pending = [tokens[-1]]
@@ -2201,7 +2201,6 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
             times.append(time.perf_counter() - t0)
         dt = float(np.median(times[1:]))
         name = f"speculative, {drafts} draft{'s' if drafts > 1 else ''}" if drafts else "plain KV cache"
-        # (stats count the passes before the last: one new token makes none)
         extra = f"  {stats['tokens'] / stats['steps']:.2f} tokens per pass" if drafts and stats else ""
         print(f"  {name:<26} {len(out) / dt:8,.0f} tok/s{extra}")
 

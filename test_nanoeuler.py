@@ -394,6 +394,20 @@ def test_speculative_greedy_equals_plain_greedy():
                                     drafts=drafts))
             assert spec == plain                            # across two window slides, too
             assert 1.3 < stats["tokens"] / stats["steps"] <= 1 + (drafts or cfg.K - 1)
+            assert stats["tokens"] == 60                    # the last pass, cut at 60, counts too
+
+
+def test_generation_counts_every_pass_even_the_last():
+    # plain decoding: one pass per token, counted by the time the token is yielded
+    # (chat stops reading at <|end|>, before generate would go on)
+    _, params = random_model(TINY)
+    for n in (1, 5):
+        stats = {}
+        tokens = ne.generate(params, TINY, [5, 17], n, temperature=0, stats=stats)
+        next(tokens)
+        assert stats == {"steps": 1, "tokens": 1}
+        list(tokens)
+        assert stats == {"steps": n, "tokens": n}
 
 
 def test_a_reply_cut_inside_a_character_ends_with_its_replacement():
@@ -407,14 +421,15 @@ def test_a_reply_cut_inside_a_character_ends_with_its_replacement():
 
 
 def test_bench_times_generation_down_to_one_new_token(capsys):
-    # one new token comes from the prompt's pass alone: no pass counts, no tokens-per-pass ratio
+    # one new token comes from the prompt's pass alone: 1.00 tokens per pass
     cfg = ne.Config(V=260, C=16, Hq=2, Hkv=1, L=1, T=16, F=32, K=3)
-    for n, ratio in ((1, False), (9, True)):
+    for n in (1, 9):
         ne.bench_generation(cfg, ne.init_params(cfg), ne.Tokenizer(), "tiny", n)
         lines = capsys.readouterr().out.splitlines()
         assert f"greedy, {n} new tokens" in lines[1] and len(lines) == 5      # plain, 2 drafts, 1 draft
         assert [ln.split()[0:2] for ln in lines[2:]] == [["plain", "KV"], ["speculative,", "2"], ["speculative,", "1"]]
-        assert all(("tokens per pass" in ln) == ratio for ln in lines[3:])
+        assert all("tokens per pass" in ln for ln in lines[3:])
+        assert n > 1 or all("1.00 tokens per pass" in ln for ln in lines[3:])
 
 
 def test_generation_slides_past_the_context():
