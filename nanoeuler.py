@@ -2308,11 +2308,13 @@ def cmd_plot(args):
 # - lost output streams: a closed pipe or a hung-up terminal ends the run
 #   quietly, saved; closed streams at start become /dev/null
 # Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
-# in one sentence by run_command, the one place a command ends; a damaged
-# file's content is MALFORMED, refused by refused_if_malformed; everything a run
-# does to its folder is a RunFolder (a NaN anywhere in a run stops it in its
-# stop_if_not_finite, its signals and lost output stop the training loop saved);
-# elsewhere SIGTERM and SIGHUP raise Interrupted.
+# in one sentence by run_command, the one place a command ends (run_main, the
+# program's entry, reopens closed streams before it); a damaged file's content
+# is MALFORMED, refused by refused_if_malformed, or in the data cache (cached)
+# made again; everything a run does to its folder is a RunFolder (a NaN
+# anywhere in a run stops it in its stop_if_not_finite, its signals and lost
+# output stop the training loop saved); elsewhere SIGTERM and SIGHUP raise
+# Interrupted (signals_handled).
 
 # -----------------------------------------------------------------------------
 # operations: input checks
@@ -2321,7 +2323,7 @@ def cmd_plot(args):
 # training state, a cached tokenizer or token file, instructions) takes what a
 # parser raises on content it cannot read as one tuple, MALFORMED, and turns it
 # into one sentence naming the file (refused_if_malformed), or into a cache
-# file made again.
+# file made again (cached).
 
 # json's errors and bytes that are not UTF-8 (ValueError), nesting past the parser's
 # depth (RecursionError), a field that is missing or of the wrong type (KeyError,
@@ -3239,21 +3241,18 @@ def _raise_interrupt(signum, frame):
 
 
 @contextlib.contextmanager
-def signals_handled(signals, handler):
+def signals_handled(signals=(signal.SIGTERM, signal.SIGHUP), handler=_raise_interrupt):
     """handler(signum, frame) for these signals while inside, the previous ones after;
-    a signal that was ignored when we started (nohup, a background job) stays ignored"""
+    a signal that was ignored when we started (nohup, a background job) stays ignored.
+    By default SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed)
+    stop the process as Ctrl-C does (Interrupted), rather than kill it midway with its
+    workers and lock left behind"""
     previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def signals_interrupt():
-    """SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed) stop the
-    process as Ctrl-C does, rather than kill it midway with its workers and lock left behind"""
-    return signals_handled((signal.SIGTERM, signal.SIGHUP), _raise_interrupt)
 
 
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
@@ -3303,7 +3302,7 @@ def encoding_pool(workers, tok):
         with signals_blocked():                        # submit may start a worker
             return pool.submit(_encode_chunk, chunk)
     try:
-        with signals_interrupt():                      # also where run_command has not set it up
+        with signals_handled():                        # SIGTERM, SIGHUP; also where run_command has not
             yield submit
     except BrokenProcessPool:
         raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
@@ -3562,7 +3561,7 @@ def run_command(command, args, closed=()):
                                      "again") from None
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
         claim = RunFolder(args.out).claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
-        with signals_interrupt(), claim as lock, warnings.catch_warnings():
+        with signals_handled(), claim as lock, warnings.catch_warnings():
             # numpy's overflow warnings (a model with huge weights, a run on its way to a NaN)
             # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_if_not_finite)
             warnings.simplefilter("ignore", RuntimeWarning)

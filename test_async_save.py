@@ -1,5 +1,5 @@
 """
-Checkpoints written while training goes on (issue 40): CheckpointWriter copies the
+Checkpoints written while training goes on (issue 40): RunFolder.save copies the
 weights, moments and state, and a thread writes the pair (state first, model last,
 each through a temp name) while the next steps run; at most one save is in flight; a
 signal, a NaN stop or kill -9 leave a complete pair; --save-every N or --save-minutes M

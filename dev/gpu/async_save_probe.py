@@ -3,7 +3,7 @@ Issue 40's before and after on one GPU, the big model (bash dev/gpu/async_save.s
 alone: python dev/gpu/async_save_probe.py FOLDER [PRESET], which gets two checkpoints, deleted after).
 Before: what a checkpoint held the training loop for (the weights and moments copied from
 the GPU into pageable numpy arrays, then the pair written and pruned, the loop waiting).
-After: what CheckpointWriter.save holds it for (copies into page-locked memory), the write's
+After: what RunFolder.save (CheckpointWriter then) holds it for (copies into page-locked memory), the write's
 own time, and the step time while the write runs beside the steps against the step time alone.
 """
 
@@ -56,19 +56,19 @@ t0 = clock()
 flat, m, v = engine.host_params(), engine.model.m.download()[:n], engine.model.v.download()[:n]
 t1 = clock()
 ne.save_checkpoint(folder, step, cfg, flat, m, v, tok, state)
-ne.prune_checkpoints(folder)
+ne.RunFolder(folder).prune()
 t2 = clock()
 print(f"before: a checkpoint held training {t2 - t0:.2f} s: copies from the GPU {t1 - t0:.3f} s (pageable), "
       f"the pair written {t2 - t1:.2f} s")
 del flat, m, v
 
-# after: CheckpointWriter, the write beside the steps
-saves = ne.CheckpointWriter(folder, cfg, tok, clock)
+# after: RunFolder.save, the write beside the steps
+saves = ne.RunFolder(folder, cfg, tok, clock)
 for attempt in ("first (page-locked buffers made)", "second"):
     steps(5)
     saves.save(step, engine, {"step": step}, rng)
     beside = []
-    while ne.CheckpointWriter.writing():
+    while ne.RunFolder.writing():
         beside += steps(1)
     saves.finish()
     print(f"after, {attempt}: training held {saves.paused:.3f} s, the pair written in {saves.took:.2f} s beside "
