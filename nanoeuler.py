@@ -2673,18 +2673,6 @@ def load_instructions(path):
     return pairs
 
 
-@contextlib.contextmanager
-def generating(model_path):
-    """sample and chat: numpy's overflow warnings from a model with huge weights are not
-    printed (they show source lines), and non-finite logits are named by the model file"""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        try:
-            yield
-        except LogitsNotFinite as e:
-            raise NanoEulerError(f"{model_path}: {e}") from None
-
-
 # -----------------------------------------------------------------------------
 # operations: checkpoint files
 #

@@ -252,7 +252,7 @@ class Model:
         s, ne, tok = job.settings, self.ne, self.tok
         end, reason, n = tok.special("<|end|>"), "length", 0
         try:
-            with ne.generating(self.name), contextlib.closing(
+            with contextlib.closing(
                     self.gen(self.params, self.cfg, job.prompt, s["max_tokens"], s["temperature"], s["top_k"],
                              s["top_p"], s["seed"], False, stop=end)) as ids:
                 for t in ids:
@@ -266,8 +266,8 @@ class Model:
                     job.out.put(t)
                 else:
                     reason = "length" if n >= s["max_tokens"] else "stop"
-        except ne.NanoEulerError as e:
-            job.error, reason = str(e), "error"
+        except ne.NanoEulerError as e:                     # LogitsNotFinite: a broken model, named by its file
+            job.error, reason = f"{self.name}: {e}" if isinstance(e, ne.LogitsNotFinite) else str(e), "error"
         except Exception as e:                             # a bug or a GPU's error: this reply fails, not the server
             job.error, reason = f"generating failed ({type(e).__name__}: {e})", "error"
         job.out.put((reason, n))
