@@ -1092,8 +1092,8 @@ def text_chunks(files):
     for path in files:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
-            f.seek(max(0, size - len(DOC_MARKER) - 1))
-            book = not re.search(rb"<\|endoftext\|>\n?\Z", f.read())
+            f.seek(max(0, size - (4 << 10)))
+            book = not re.search(rb"<\|endoftext\|>\n*\Z", f.read())    # blank lines after the marker: no document
             f.seek(0)
             offset, data = 0, b""
             while block := f.read(CHUNK_BYTES):

@@ -254,7 +254,7 @@ def test_chunks_keep_every_document_and_all_the_text(tok, tmp_path_factory, part
     path = tmp_path_factory.mktemp("c") / "f.txt"
     path.write_bytes(text.encode("utf-8"))
     docs = re.split(r"\n?<\|endoftext\|>\n?", text)         # the contract: split on the marker
-    ends_with_marker = re.search(r"<\|endoftext\|>\n?\Z", text)
+    ends_with_marker = re.search(r"<\|endoftext\|>\n*\Z", text)
     want = "<|endoftext|>".join(docs) + ("" if ends_with_marker or not text else "<|endoftext|>")
     old, ne.CHUNK_BYTES = ne.CHUNK_BYTES, chunk_bytes           # tiny chunks: cuts everywhere
     try:
@@ -263,6 +263,17 @@ def test_chunks_keep_every_document_and_all_the_text(tok, tmp_path_factory, part
         ne.CHUNK_BYTES = old
     assert tok.decode(ids) == want
     assert ids.count(EOT) == want.count("<|endoftext|>")
+
+
+def test_blank_lines_after_the_last_marker_are_no_document(tmp_path, monkeypatch):
+    # "a\n<|endoftext|>\n\n": the separator takes one newline, the other is text (10),
+    # and no <|endoftext|> follows it; chunks of 16 bytes end the file with a chunk "\n"
+    path = tmp_path / "shard.txt"
+    path.write_bytes(b"a\n<|endoftext|>\n\n")
+    for chunk_bytes in (1 << 10, 16):
+        monkeypatch.setattr(ne, "CHUNK_BYTES", chunk_bytes)
+        chunks = ne.text_chunks([str(path)])
+        assert [i for c in chunks for i in ne.encode_chunk(ne.Tokenizer(), *c).tolist()] == [97, 256, 10]
 
 
 def test_workers_give_the_same_tokens_and_are_not_forked(tmp_path, tok, monkeypatch):
