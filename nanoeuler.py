@@ -2760,11 +2760,6 @@ def load_checkpoint(out_dir, step):
     return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
 
 
-def start_state(args, seed):
-    settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}    # no settings
-    return {"step": 0, "rng": np.random.default_rng(seed).bit_generator.state, "args": settings}
-
-
 # -----------------------------------------------------------------------------
 # operations: atomic files
 
@@ -3013,9 +3008,11 @@ class RunFolder:
             best = os.path.join(self.out, "best.safetensors")
             if os.path.exists(best):                   # an earlier start's best: this start would overwrite it
                 print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
-        if found is None:
-            n = num_params(self.cfg)
-            return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), start_state(args, args.seed)
+        if found is None:                              # the state a fresh run starts from (the settings: not
+            n = num_params(self.cfg)                   # the lock's open file and the start time)
+            settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}
+            state = {"step": 0, "rng": np.random.default_rng(args.seed).bit_generator.state, "args": settings}
+            return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), state
         step, (cfg2, flat, tok2, m, v, state) = found
         self.refuse_other_run(args, step, state.get("args", {}).get("command"),
                               cfg2 == self.cfg and tok2.merges == self.tok.merges)

@@ -437,7 +437,8 @@ def test_a_checkpoint_of_weights_that_are_not_finite_is_refused(tmp_path):
 
         def evaluate(self, batches, token_bytes):
             return 1.0, 1.0                               # a finite loss: the weights must still be checked
-    state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
+    state = ne.RunFolder(str(tmp_path), cfg).resume_or_init(ne.build_parser().parse_args(["train", "--seed", "0"]),
+                                                            ne.Tokenizer(), lambda: None)[3]
     rng = np.random.default_rng(0)
     with pytest.raises(ne.NanoEulerError, match="weights became NaN or infinite at step 3"):
         ne.RunFolder(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0).save(3, Engine(), state, rng)
@@ -521,7 +522,8 @@ def test_best_model_is_the_first_of_equal_losses(tmp_path):
 
         def evaluate(self, batches, token_bytes):
             return next(losses), 0.5
-    state = ne.start_state(ne.build_parser().parse_args(["train"]), 0)
+    state = ne.RunFolder(str(tmp_path), cfg).resume_or_init(ne.build_parser().parse_args(["train", "--seed", "0"]),
+                                                            ne.Tokenizer(), lambda: None)[3]
     best, saves = [], ne.RunFolder(str(tmp_path), cfg, ne.Tokenizer(), lambda: 0.0)
     for step in range(1, 6):
         ne.run_validation(Engine(), [], cfg, ne.Tokenizer(), saves, state, step, 5, [0], lambda: "0 s")
