@@ -29,8 +29,8 @@ loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
-name (load_model, atomic_write, RunFolder, run_main, ...): a name met in
-the story whose definition comes later is one of those.
+name (load_model, atomic_write, RunFolder, run_main, ...): a name met in the
+story and defined later is one of those, or cmd_bench, cmd_plot or plot_log.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
