@@ -1598,7 +1598,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
     the best validation. The log's samples continue sample_prompt (ids; default: a document's
     start: sample_text_for_log). clock: seconds, for the timings and --minutes's plan (default
-    now(), which main read as args.started)."""
+    now(), which run_main read as args.started)."""
     clock = clock or now
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
