@@ -2037,8 +2037,8 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_min
     """the flags train and sft share (and nanoeuler_cuda.py's, without --threads, saving every 10 minutes)"""
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type=count_type, default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type=minutes_type, default=0,
-                   help="instead of --steps: as many steps as fit in about M minutes, timed on the first 20; 0 = off")
+    g.add_argument("--minutes", type=minutes_type, default=0, help="instead of --steps: as many steps as fit in "
+                   f"about M minutes, timed on the first {PLAN_AFTER}; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv" +
                    (" (default: out/ and the model size: out/small, out/big)" if out is None else ""))
     again = g.add_mutually_exclusive_group()
@@ -2050,7 +2050,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_min
     g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the data order (and of train's init)")
     if threads:
         g.add_argument("--threads", type=positive_int, default=CORES,
-                       help="threads the batch is split over, at most (one a core, 4 rows a thread at least)")
+                       help=f"threads the batch is split over, at most (one a core, {MIN_ROWS} rows a thread at least)")
     g = sp.add_argument_group("optimization")
     g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
     g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
@@ -2060,7 +2060,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_min
     g = sp.add_argument_group("evaluation")
     g.add_argument("--eval-every", type=positive_int, default=100, help="validate and sample every N steps")
     g.add_argument("--eval-batches", type=positive_int, default=20,
-                   help="validation batches (pretraining: of 32 rows; sft: of --batch held-out examples)")
+                   help=f"validation batches (pretraining: of {EVAL_ROWS} rows; sft: of --batch held-out examples)")
     saving = g.add_mutually_exclusive_group()
     saving.add_argument("--save-every", type=positive_int, default=None,
                         help=f"checkpoint every N steps (default: {'--save-minutes' if save_minutes else SAVE_EVERY})")
