@@ -884,8 +884,8 @@ class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
     def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
-        if not (isinstance(max_piece_bytes, int) and max_piece_bytes >= 4):
-            raise ValueError(f"its piece bound {max_piece_bytes!r} is not a whole number of at least 4 bytes")
+        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):   # from_json's check too
+            raise ValueError(f"its max_piece_bytes is {max_piece_bytes!r}, not a whole number from 4 to 1,048,576")
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
         self.max_piece_bytes = max_piece_bytes
@@ -1011,10 +1011,7 @@ class Tokenizer:
         if d.get("type", "byte-level-bpe") != "byte-level-bpe" or d.get("pattern", SPLIT_PATTERN.pattern) != \
                 SPLIT_PATTERN.pattern:
             raise ValueError("its type or split pattern differs from this program's (byte-level-bpe, GPT-2's)")
-        bound = d.get("max_piece_bytes", MAX_PIECE_BYTES)
-        if type(bound) is not int or not 4 <= bound <= 1 << 20:
-            raise ValueError(f"its max_piece_bytes is {bound!r}, not a whole number from 4 to 1,048,576")
-        return cls(check_merges(d.get("merges")), bound)
+        return cls(check_merges(d.get("merges")), d.get("max_piece_bytes", MAX_PIECE_BYTES))
 
 
 # -----------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def test_encoding_a_word_without_spaces_is_linear(monkeypatch):
         return steps[0]
     bounded = [work(ne.Tokenizer(pairs, 128), n) for n in (1000, 2000, 4000)]
     assert 1.8 < bounded[1] / bounded[0] < 2.2 and 1.8 < bounded[2] / bounded[1] < 2.2
-    unbounded = [work(ne.Tokenizer(pairs, 10**9), n) for n in (2000, 4000)]
+    unbounded = [work(ne.Tokenizer(pairs, 1 << 20), n) for n in (2000, 4000)]
     assert unbounded[1] / unbounded[0] > 3                  # what the count sees without the bound
 
 
@@ -194,6 +194,8 @@ def test_the_bound_is_saved_with_the_tokenizer(tmp_path):
     assert ne.load_model(path)[2].max_piece_bytes == 64
     with pytest.raises(ValueError):
         ne.Tokenizer(t.merges, 3)                             # a 4-byte character would not fit
+    with pytest.raises(ValueError, match="from 4 to 1,048,576"):
+        ne.Tokenizer(t.merges, (1 << 20) + 1)                 # what a saved tokenizer may not say either
 
 
 # -----------------------------------------------------------------------------
