@@ -730,7 +730,7 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
     with np.errstate(over="ignore"):                   # -inf is what we want there
         z = (logits.astype(np.float64) - logits.max()) / temperature
     if 0 < top_k < len(z):
-        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest
+        z[z < np.partition(z, -top_k)[-top_k]] = -np.inf             # keep the k largest (and any equal to the k-th)
     p = np.exp(z - z.max())
     p /= p.sum()
     if top_p < 1.0:                                                    # nucleus: smallest set with mass >= top_p
