@@ -86,10 +86,7 @@ class NanoEulerError(Exception):
 # -----------------------------------------------------------------------------
 # configuration
 
-SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
 MAX_V = 65536           # token ids are cached as uint16
-MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
-MAX_PARAMS = 2 ** 31    # 8 GB of float32 weights, 32 GB with AdamW's moments and a gradient; big has 0.1 billion
 
 
 @dataclass
@@ -2386,6 +2383,9 @@ def check_config(cfg, source="the config"):
     return cfg
 
 
+SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fields, all in every checkpoint
+MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
+MAX_PARAMS = 2 ** 31    # 8 GB of float32 weights, 32 GB with AdamW's moments and a gradient; big has 0.1 billion
 MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
 
 
