@@ -2828,7 +2828,8 @@ def set_aside(path, suffix):
 # One object, RunFolder, is everything a run does to its folder (--out): the lock
 # (one run per folder), the refusal of another run's files, resume-or-init, the
 # checkpoint pairs (written in the background while training goes on, pruned,
-# damaged ones set aside) and the stop of a run that diverged.
+# damaged ones set aside), the stop of a run that diverged, and the training
+# loop's stop on a signal or lost output (saved first).
 # A second trainer on a folder that is training refuses at once (train.lock),
 # and a run into a folder that holds another run's files continues it (--resume)
 # or refuses: two runs' logs, best models and pruning never mix. run_command
@@ -2840,8 +2841,7 @@ RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.cs
 
 class RunFolder:
     """A run's folder. out: its path; cfg, tok: the model's (for the checkpoints it writes);
-    clock: seconds (the loop's, for the save timings). The training loop asks it when to
-    stop (run.stop: a signal, or output that is gone) and saves through it.
+    clock: seconds (the loop's, for the save timings); run.stop: the loop is to stop.
 
     The loop's checkpoints are written while training goes on: save() takes the engine's
     copies of the weights and moments (host_weights: on the GPU into page-locked memory,
