@@ -53,6 +53,7 @@ import io
 import json
 import math
 import os
+import pickle
 import re
 import select
 import signal
@@ -1022,9 +1023,9 @@ class Tokenizer:
 #
 # Preparing a corpus: the tokenizer is trained on a sample of it; then the
 # files are read in chunks of 256 KB, encoded on every core, and the tokens
-# written to disk as they come (uint16: write_tokens, in operations), so memory
-# stays small whatever the corpus's size. Training reads them memory-mapped, so a
-# corpus larger than memory trains. Both are cached by the corpus's hash and the tokenizer.
+# written to disk as they come (uint16), so memory stays small whatever the
+# corpus's size. Training reads them memory-mapped, so a corpus larger than
+# memory trains. Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1079,6 +1080,27 @@ def chunk_end(data):
     return end
 
 
+def text_chunks(files):
+    """yield (path, offset, data, ends_document) for pieces of the files of about
+    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
+    when the file does not end with the marker (a book): its end ends a document."""
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - (4 << 10)))
+            book = not re.search(rb"<\|endoftext\|>\n*\Z", f.read())    # blank lines after the marker: no document
+            f.seek(0)
+            offset, data = 0, b""
+            while block := f.read(CHUNK_BYTES):
+                data += block
+                cut = chunk_end(data)
+                if cut:
+                    yield path, offset, data[:cut], False
+                    offset, data = offset + cut, data[cut:]
+        if size:
+            yield path, offset, data, book
+
+
 def decode_text(data, path, offset):
     """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
     try:
@@ -1098,6 +1120,87 @@ def encode_chunk(tok, path, offset, data, ends_document):
         if i < len(docs) - 1 or ends_document:
             ids.append(eot)
     return np.array(ids, dtype=TOKEN_DTYPE)
+
+
+def encoded_chunks(files, tok, workers):
+    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
+    by `workers` processes (or by this one when workers is 1).
+
+    The workers are started with spawn, each a fresh interpreter: forking a
+    process that already runs threads (training's, CUDA's) can deadlock the
+    child. At most two chunks per worker are in flight, so the reader never
+    runs ahead of the encoders and memory stays bounded."""
+    if workers <= 1:
+        for chunk in text_chunks(files):
+            yield encode_chunk(tok, *chunk), len(chunk[2])
+        return
+    from collections import deque
+    pending = deque()
+    with Workers.tokenizing(workers, tok) as submit:   # the processes and their signals: operations
+        for chunk in text_chunks(files):
+            pending.append((submit(chunk), len(chunk[2])))
+            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                future, nbytes = pending.popleft()
+                yield future.result(), nbytes
+        while pending:
+            future, nbytes = pending.popleft()
+            yield future.result(), nbytes
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def progress_text(done, total, seconds):
+    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
+    rate = done / max(seconds, 1e-9)
+    left = fmt_time((total - done) / rate) if rate > 0 else "?"
+    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
+
+
+def tokenize_files(files, tok, write, workers=None, progress=True):
+    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
+    -> the number of tokens. Every core works unless the corpus is small."""
+    total = sum(os.path.getsize(f) for f in files)
+    if workers is None:
+        workers = CORES if total >= POOL_MIN_BYTES else 1
+    done, n_tokens, t0 = 0, 0, time.time()
+    chunks = encoded_chunks(files, tok, workers)
+    try:
+        for ids, nbytes in chunks:
+            write(ids)
+            n_tokens += len(ids)
+            done += nbytes
+            if progress:
+                progress_line(progress_text(done, total, time.time() - t0))
+    finally:
+        chunks.close()                                 # stops the workers now, also on Ctrl-C
+    if progress:
+        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
+                      f"{n_tokens:,} tokens", done=True)
+    return n_tokens
+
+
+def npy_header(dtype, n):
+    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                             "fortran_order": False, "shape": (n,)})
+    return f.getvalue()
+
+
+def write_tokens(path, files, tok, workers=None, progress=True):
+    """tokenize files into the .npy file path as the ids come. The header, which
+    holds their count, is written last into the room left for it. All goes to
+    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
+    and two runs that share the cache each write their own temp file."""
+    def write(f):
+        f.seek(len(npy_header(TOKEN_DTYPE, 0)))
+        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+        f.seek(0)
+        f.write(npy_header(TOKEN_DTYPE, n))
+    atomic_write(path, write)
 
 
 def file_digest(files):
@@ -1183,21 +1286,21 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 # -----------------------------------------------------------------------------
 # a training step on every core
 #
-# numpy works on one core at a time, so a step cuts its batch into parts that run on a
-# pool of threads (numpy lets go of the GIL inside its loops and BLAS calls), each thread
-# into a gradient buffer of its own, and AdamW runs on slices of the flat buffer at once.
-# BLAS is held to one thread per caller (the setting above `import numpy`): two layers of
-# threads on two cores made every step twice as slow. With these and keep_freed_memory, a
-# step on 2 cores runs at PyTorch's eager CPU step's speed. Between two numpy calls a thread
-# needs the GIL, and many threads wait for it in turn: on 16 cores 4 threads of 2 rows were
-# fastest at batch 8, 8 of 4 at batch 32, and 16 threads slower at both (docs/cpu_threads.md).
-MIN_ROWS, MAX_THREADS = 2, 8                        # a thread's rows at the least, the threads at most
+# numpy works on one core at a time, so a step cuts its batch into parts that run on a pool of workers, each into a
+# gradient buffer of its own, summed; AdamW runs on slices of the flat buffer at once. BLAS is held to one thread per
+# caller (the setting above `import numpy`): two layers of threads on two cores made every step twice as slow. With
+# these and keep_freed_memory, a step on 2 cores runs at PyTorch's eager CPU step's speed. Threads while a few workers
+# do (numpy lets go of the GIL in its loops and BLAS calls), else forked processes: between numpy calls a thread needs
+# the GIL; on 16 cores 8 threads took 2.4x the step of 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md).
+MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, threads at most; processes above
 
 
-def threads_for(B, threads):
-    """the threads a batch of B rows is split over: --threads, at most one a core, one per MIN_ROWS rows
-    and MAX_THREADS"""
-    return max(1, min(threads, CORES, B // MIN_ROWS, MAX_THREADS))
+def workers_for(B, threads):
+    """-> (n, processes): the workers a batch of B rows is split over, at most --threads and one a core;
+    processes where more than PROCESSES_ABOVE, a row each at least; else threads, MIN_ROWS rows each"""
+    n = max(1, min(threads, CORES, B))
+    processes = n > PROCESSES_ABOVE and sys.platform == "linux"
+    return (n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))), processes
 
 
 def micro_batches(B, n_threads):
@@ -1207,34 +1310,32 @@ def micro_batches(B, n_threads):
     return n_threads * max(1, B // (8 * n_threads))
 
 
+def grads_of_parts(flat, cfg, counts, parts, grad):
+    """a worker's micro-batches [(idx, targets), ..] -> loss, ce (K,); their gradients summed in grad"""
+    loss, ce, grad[...] = 0.0, 0.0, 0.0
+    for idx, targets in parts:
+        part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx, targets, counts)
+        model_backward(carve(grad, cfg), cache)
+        del cache                                                  # before the next part's forward
+        loss, ce = loss + part_loss, ce + part_ce
+    return loss, ce
+
+
 def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
     """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
 
-    The batch is cut into `parts` micro-batches (default: one per buffer) that run on
-    the pool's threads, a gradient buffer each: with n buffers, buffer t adds up the
-    gradients of parts t, t + n, t + 2n, .. in that order, so memory grows with the
-    threads, not with the batch. numpy lets go of the GIL inside its loops and BLAS
-    calls, so every core works. Every part divides by the whole batch's target counts,
-    so the parts add up exactly, and in an order fixed by parts and n alone."""
+    The batch is cut into `parts` micro-batches (default: one per buffer) that run on the pool's workers: buffer t
+    of n adds up parts t, t + n, .. in that order, so memory grows with the workers, not the batch. Each part
+    divides by the whole batch's target counts: the parts add up exactly, in an order fixed by parts and n alone."""
     counts = (targets >= 0).sum(axis=(0, 1))                          # (K,)
     n = len(grad_bufs)
-    split = [p for p in np.array_split(np.arange(len(idx)), parts or n) if len(p)]
-
-    def run(t):
-        grad_bufs[t][...] = 0.0
-        loss, ce = 0.0, 0.0
-        for p in split[t::n]:
-            rows = slice(p[0], p[-1] + 1)
-            part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx[rows], targets[rows], counts)
-            model_backward(carve(grad_bufs[t], cfg), cache)
-            del cache                                              # before the next part's forward
-            loss, ce = loss + part_loss, ce + part_ce
-        return loss, ce
-
-    used = min(n, len(split))
-    results = list(pool.map(run, range(used))) if pool and used > 1 else [run(t) for t in range(used)]
-    for buf in grad_bufs[1:used]:
-        grad_bufs[0] += buf
+    split = [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(len(idx)), parts or n) if len(p)]
+    jobs = [[(idx[rows], targets[rows]) for rows in split[t::n]] for t in range(min(n, len(split)))]
+    spread = pool.map if pool and len(jobs) > 1 else map
+    results = list(spread(functools.partial(grads_of_parts, flat, cfg, counts), jobs, grad_bufs))
+    sums = np.array_split(grad_bufs[0], n)                          # the buffers summed on n slices at once
+    for buf in grad_bufs[1:len(jobs)]:
+        list(spread(np.add, sums, np.array_split(buf, n), sums))
     return sum(r[0] for r in results), sum(r[1] for r in results)
 
 
@@ -1266,37 +1367,37 @@ class CPUEngine:
     and moments on the host for checkpoints. nanoeuler_cuda.py has a GPU one."""
 
     def __init__(self, cfg, flat, m, v, args):
-        self.cfg, self.flat, self.m, self.v = cfg, flat, m, v
+        self.cfg, self.m, self.v = cfg, m, v
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.decay = decay_mask(cfg)
-        self.n_threads = threads_for(args.batch, args.threads)
+        self.n_threads, processes = workers_for(args.batch, args.threads)
         self.parts = micro_batches(args.batch, self.n_threads)
-        self.grad_bufs = [np.zeros_like(flat) for _ in range(self.n_threads)]
-        self.pool = ThreadPoolExecutor(self.n_threads)
-        # the run's header line: the threads, what held them below --threads, their rows, BLAS's threads
-        n, blas = self.n_threads, os.environ.get("OPENBLAS_NUM_THREADS", "1")
-        why = (f" ({CORES} cores here)" if n == CORES < args.threads else f" ({MAX_THREADS} at most: the GIL)"
-               if n == MAX_THREADS < args.threads else f" ({MIN_ROWS} rows a thread at least)" * (n < args.threads))
-        self.line = (f"numpy {np.__version__}, {n} thread{'s' * (n > 1)}{why}, {-(-self.batch // self.parts)}-row "
-                     f"micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+        self.pool = Workers(self.n_threads, flat, processes)     # threads, or forked processes (operations)
+        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
+        # the run's header line: the workers, what held them below --threads, their rows, BLAS's threads
+        n, procs, blas = self.n_threads, self.pool.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
+        why = (f" ({CORES} cores here)" if n == CORES < args.threads else
+               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < args.threads))
+        self.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
+                     f"{-(-self.batch // self.parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
         loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool, self.parts)
         norm = clip_grad_norm(self.grad_bufs[0], self.clip)
         if np.isfinite(loss) and np.isfinite(norm):
-            adamw_update_parallel(self.pool, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
+            adamw_update_parallel(self.pool.threads, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
                                   step, lr, self.decay, weight_decay=self.weight_decay)
         return loss, ce, norm
 
     def evaluate(self, batches, token_bytes):
         params = carve(self.flat, self.cfg)
-        # in a step's micro-batches: a forward keeps its caches, so 32 rows at once would
-        # need more memory than the step (check_memory counts a step's)
+        # in a step's micro-batches: a forward keeps its caches, and 32 rows at once would outgrow the step's memory
         n = -(-self.batch // self.parts)
         parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
         return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
-                        parts, token_bytes, self.pool)
+                        parts, token_bytes, self.pool.threads)
 
     def host_params(self):
         """a copy of the flat params (float32): best.safetensors is written from it beside the steps"""
@@ -1314,7 +1415,7 @@ class CPUEngine:
         return None                                       # only the GPU log shows MFU
 
     def close(self):
-        self.pool.shutdown()
+        self.pool.close()
 
 
 # -----------------------------------------------------------------------------
@@ -1352,9 +1453,40 @@ def save_interval(args):
     return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
 
 
+def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
+    """--minutes: the most steps that end the whole run on time: the minutes less the
+    time since the program started (elapsed), then every step, evaluation and
+    checkpoint to come, the last step's included. A checkpoint holds the loop for its
+    copy (pause) and is written (write) while the next steps run: it costs the loop
+    the pause, and what the write outlasts those steps by; the last costs its write
+    too. Set within the warmup (while the learning rate does not depend on the total),
+    once, and kept in the training state, so a resumed run keeps the plan."""
+    left = args.minutes * 60 - elapsed
+    every, minutes = save_interval(args)
+
+    def cost(total):                                   # seconds from now to the end of a run of `total` steps
+        ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
+        run = (total - step) * step_time + ends(args.eval_every) * eval_time
+        saves = ends(every) if every else int(min(run // (minutes * 60) + 1, total - step))   # one a step at most
+        behind = max(0.0, write - (every * step_time if every else minutes * 60))
+        return run + saves * pause + (saves - 1) * behind + write
+    lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
+    while lo < hi:                                     # cost grows with total: bisect for the last that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
+    total = lo
+    print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
+          f"{eval_time:.1f} s an evaluation every {args.eval_every}, a checkpoint every "
+          f"{every or f'{minutes:g} minutes'} holding training {pause:.2f} s, written in {write:.1f} s)")
+    if args.warmup < step:
+        print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
+              "so far followed --steps's schedule")
+    return total
+
+
 def print_settings(rows, args, state):
     """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
-    run's steps and folder. With --minutes the steps are planned later (run.plan prints them)."""
+    run's steps and folder. With --minutes the steps are planned later (plan_steps prints them)."""
     if "planned_steps" in state:
         steps = f"{state['planned_steps']} (planned for --minutes)"
     elif getattr(args, "minutes", 0) > 0:
@@ -1368,9 +1500,32 @@ def print_settings(rows, args, state):
         print(f"{k:<{width}} | {v}")
 
 
-def fmt_time(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
+
+
+def log_row(line):
+    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
+    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
+    cells = line.rstrip("\n").split(",")
+    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
+        return None
+    try:
+        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
+    except ValueError:
+        return None
+
+
+def open_log(csv_path, step):
+    """log.csv with the header and the rows up to step, open to append: a resumed run
+    drops the rows past its checkpoint (and any half-written or garbled line), a fresh
+    run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
+    read as U+FFFD: a damaged log never stops a resume."""
+    rows = []
+    if step > 0 and os.path.exists(csv_path):
+        with open(csv_path, encoding="utf-8", errors="replace") as f:
+            rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
+    atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
+    return open(csv_path, "a", encoding="utf-8")
 
 
 def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
@@ -1449,7 +1604,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         return start
     os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
-    csv = run.open_log(csv_path, start)
+    csv = open_log(csv_path, start)
     # --minutes sets the run's length after PLAN_AFTER steps, once per run (a resumed run keeps its plan)
     plan_step = start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
@@ -1484,8 +1639,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                     saved, last_path = step, run.save(step, engine, state, rng, background=not (
                         planning or step == total))
                     if planning:
-                        total = state["planned_steps"] = run.plan(args, step, np.mean(times), eval_time,
-                                                                  clock() - began)
+                        total = state["planned_steps"] = plan_steps(args, step, np.mean(times), eval_time,
+                                                                    run.paused, run.took, clock() - began)
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
             last_path = run.save(step, engine, state, rng, background=False)
         run.finish()                                      # the save in flight, whatever stopped the loop
@@ -1975,20 +2130,20 @@ def main(argv=None):
 
 def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
-    threads = threads_for(B, threads)
-    flat = init_params(cfg)
+    n, processes = workers_for(B, threads)
+    pool = Workers(n, init_params(cfg), processes)
+    flat, bufs, parts = pool.flat, pool.grad_bufs, micro_batches(B, n)
     m, v, decay = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
-    bufs, parts = [np.zeros_like(flat) for _ in range(threads)], micro_batches(B, threads)
     rng = np.random.default_rng(0)
     times = []
-    with ThreadPoolExecutor(threads) as pool:
-        for step in range(steps + 2):
-            idx, targets = split_rows(rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K)), cfg.T, cfg.K)
-            t0 = time.perf_counter()
-            loss_and_grads(flat, cfg, idx, targets, bufs, pool, parts)
-            clip_grad_norm(bufs[0], 1.0)
-            adamw_update_parallel(pool, threads, flat, bufs[0], m, v, step + 1, 1e-3, decay)
-            times.append(time.perf_counter() - t0)
+    for step in range(steps + 2):
+        idx, targets = split_rows(rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K)), cfg.T, cfg.K)
+        t0 = time.perf_counter()
+        loss_and_grads(flat, cfg, idx, targets, bufs, pool, parts)
+        clip_grad_norm(bufs[0], 1.0)
+        adamw_update_parallel(pool.threads, n, flat, bufs[0], m, v, step + 1, 1e-3, decay)
+        times.append(time.perf_counter() - t0)
+    pool.close()
     return float(np.median(times[2:]))
 
 
@@ -1999,8 +2154,9 @@ def cmd_bench(args):
     check_memory(cfg, 32, args.threads)
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
     for B in (8, 32):
-        dt, n = bench_train(cfg, B, args.threads), threads_for(B, args.threads)
-        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s, {n} thread{'s' * (n > 1)}")
+        dt, (n, processes) = bench_train(cfg, B, args.threads), workers_for(B, args.threads)
+        print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s, {n} "
+              f"{'process' if processes else 'thread'}{'es' if processes and n > 1 else 's' * (n > 1)}")
     files = corpus_files(os.path.join(DATA_DIR, "gutenberg")) + [DEFAULT_CORPUS]
     text = "\n".join(read_text(f) for f in files)
     nbytes = len(text.encode())
@@ -2670,10 +2826,10 @@ def set_aside(path, suffix):
 # operations: the run folder
 #
 # One object, RunFolder, is everything a run does to its folder (--out): the lock
-# (one run per folder), the refusal of another run's files, resume-or-init, log.csv
-# (cut back to the checkpoint resumed), the checkpoint pairs (written in the background
-# while training goes on, pruned, damaged ones set aside), the stop of a run that diverged,
-# and the training loop's stop on a signal or lost output (saved first).
+# (one run per folder), the refusal of another run's files, resume-or-init, the
+# checkpoint pairs (written in the background while training goes on, pruned,
+# damaged ones set aside), the stop of a run that diverged, and the training
+# loop's stop on a signal or lost output (saved first).
 # A second trainer on a folder that is training refuses at once (train.lock),
 # and a run into a folder that holds another run's files continues it (--resume)
 # or refuses: two runs' logs, best models and pruning never mix. run_command
@@ -2681,19 +2837,6 @@ def set_aside(path, suffix):
 
 LOCK_NAME = "train.lock"
 RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
-LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
-
-
-def log_row(line):
-    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
-    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
-    cells = line.rstrip("\n").split(",")
-    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
-        return None
-    try:
-        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
-    except ValueError:
-        return None
 
 
 class RunFolder:
@@ -2904,18 +3047,6 @@ class RunFolder:
                                  "train afresh with another --out")
         return None
 
-    def open_log(self, csv_path, step):
-        """log.csv with the header and the rows up to step, open to append: a resumed run
-        drops the rows past its checkpoint (and any half-written or garbled line), a fresh
-        run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
-        read as U+FFFD: a damaged log never stops a resume."""
-        rows = []
-        if step > 0 and os.path.exists(csv_path):
-            with open(csv_path, encoding="utf-8", errors="replace") as f:
-                rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
-        atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
-        return open(csv_path, "a", encoding="utf-8")
-
     # -- the training loop's one signal policy, and lost output
     # Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
     # terminal closed) asks the loop to stop after the step in flight and save; a second
@@ -2967,37 +3098,6 @@ class RunFolder:
     def due(self, step, every, minutes):
         """--save-every's multiples, or --save-minutes since the last save"""
         return step % every == 0 if every else self.clock() - self.last >= minutes * 60
-
-    def plan(self, args, step, step_time, eval_time, elapsed):
-        """--minutes: the most steps that end the whole run on time: the minutes less the
-        time since the program started (elapsed), then every step, evaluation and
-        checkpoint to come, the last step's included. A checkpoint holds the loop for its
-        copy (pause) and is written (write) while the next steps run: it costs the loop
-        the pause, and what the write outlasts those steps by; the last costs its write
-        too. Set within the warmup (while the learning rate does not depend on the total),
-        once, and kept in the training state, so a resumed run keeps the plan."""
-        pause, write = self.paused, self.took            # the timed save's: the plan's own checkpoint
-        left = args.minutes * 60 - elapsed
-        every, minutes = save_interval(args)
-
-        def cost(total):                                   # seconds from now to the end of a run of `total` steps
-            ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
-            run = (total - step) * step_time + ends(args.eval_every) * eval_time
-            saves = ends(every) if every else int(min(run // (minutes * 60) + 1, total - step))   # one a step at most
-            behind = max(0.0, write - (every * step_time if every else minutes * 60))
-            return run + saves * pause + (saves - 1) * behind + write
-        lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
-        while lo < hi:                                     # cost grows with total: bisect for the last that fits
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
-        total = lo
-        print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
-              f"{eval_time:.1f} s an evaluation every {args.eval_every}, a checkpoint every "
-              f"{every or f'{minutes:g} minutes'} holding training {pause:.2f} s, written in {write:.1f} s)")
-        if args.warmup < step:
-            print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
-                  "so far followed --steps's schedule")
-        return total
 
     def save(self, step, engine, state, rng, background=True):
         """the pair of `step`, with the data order's random state -> the model's path"""
@@ -3094,106 +3194,6 @@ class RunFolder:
 
 
 # -----------------------------------------------------------------------------
-# operations: tokenizing a corpus at scale (write_tokens, the data section's one call here)
-
-def text_chunks(files):
-    """yield (path, offset, data, ends_document) for pieces of the files of about
-    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
-    when the file does not end with the marker (a book): its end ends a document."""
-    for path in files:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            f.seek(max(0, size - (4 << 10)))
-            book = not re.search(rb"<\|endoftext\|>\n*\Z", f.read())    # blank lines after the marker: no document
-            f.seek(0)
-            offset, data = 0, b""
-            while block := f.read(CHUNK_BYTES):
-                data += block
-                cut = chunk_end(data)
-                if cut:
-                    yield path, offset, data[:cut], False
-                    offset, data = offset + cut, data[cut:]
-        if size:
-            yield path, offset, data, book
-
-
-def encoded_chunks(files, tok, workers):
-    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
-    by `workers` processes (or by this one when workers is 1).
-
-    The workers are started with spawn, each a fresh interpreter: forking a
-    process that already runs threads (training's, CUDA's) can deadlock the
-    child. At most two chunks per worker are in flight, so the reader never
-    runs ahead of the encoders and memory stays bounded."""
-    if workers <= 1:
-        for chunk in text_chunks(files):
-            yield encode_chunk(tok, *chunk), len(chunk[2])
-        return
-    from collections import deque
-    pending = deque()
-    with encoding_pool(workers, tok) as submit:        # the processes and their signals: operations
-        for chunk in text_chunks(files):
-            pending.append((submit(chunk), len(chunk[2])))
-            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
-                future, nbytes = pending.popleft()
-                yield future.result(), nbytes
-        while pending:
-            future, nbytes = pending.popleft()
-            yield future.result(), nbytes
-
-
-def progress_text(done, total, seconds):
-    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
-    rate = done / max(seconds, 1e-9)
-    left = fmt_time((total - done) / rate) if rate > 0 else "?"
-    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
-
-
-def tokenize_files(files, tok, write, workers=None, progress=True):
-    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
-    -> the number of tokens. Every core works unless the corpus is small."""
-    total = sum(os.path.getsize(f) for f in files)
-    if workers is None:
-        workers = CORES if total >= POOL_MIN_BYTES else 1
-    done, n_tokens, t0 = 0, 0, time.time()
-    chunks = encoded_chunks(files, tok, workers)
-    try:
-        for ids, nbytes in chunks:
-            write(ids)
-            n_tokens += len(ids)
-            done += nbytes
-            if progress:
-                progress_line(progress_text(done, total, time.time() - t0))
-    finally:
-        chunks.close()                                 # stops the workers now, also on Ctrl-C
-    if progress:
-        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
-                      f"{n_tokens:,} tokens", done=True)
-    return n_tokens
-
-
-def npy_header(dtype, n):
-    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
-    f = io.BytesIO()
-    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                             "fortran_order": False, "shape": (n,)})
-    return f.getvalue()
-
-
-def write_tokens(path, files, tok, workers=None, progress=True):
-    """tokenize files into the .npy file path as the ids come. The header, which
-    holds their count, is written last into the room left for it. All goes to
-    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
-    and two runs that share the cache each write their own temp file."""
-    def write(f):
-        f.seek(len(npy_header(TOKEN_DTYPE, 0)))
-        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
-        f.seek(0)
-        f.write(npy_header(TOKEN_DTYPE, n))
-    atomic_write(path, write)
-
-
-# -----------------------------------------------------------------------------
 # operations: signals
 
 @contextlib.contextmanager
@@ -3240,7 +3240,7 @@ def signals_handled(signals=(signal.SIGTERM, signal.SIGHUP), handler=_raise_inte
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
 
 
-# Tokenizing on every core (encoded_chunks, above) runs worker processes.
+# Tokenizing on every core (the data section's encoded_chunks) runs worker processes.
 # Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
 # processes started here (the workers, multiprocessing's resource tracker) inherit
 # both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
@@ -3291,6 +3291,91 @@ def encoding_pool(workers, tok):
                              "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+# The training step's workers (the story's "a training step on every core"): threads, or
+# processes forked once, while this process has no other thread (a fork beside one can deadlock
+# the child; else threads). The weights and the gradient buffers live in memory shared with them,
+# and arrays in it travel as their place in it. A worker ignores the signals (this process stops
+# it) and ends when its pipe does, also when this process is killed; an error in one is raised here.
+
+class Workers:
+    """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
+    them (flat itself for threads), grad_bufs: n gradient buffers; threads: a pool of n threads here"""
+    tokenizing = staticmethod(encoding_pool)             # the data section's: the tokenizer's processes
+
+    def __init__(self, n, flat, processes=False):
+        import mmap
+        from multiprocessing import Pipe
+        self.threads, self.conns, self.pids = ThreadPoolExecutor(n), [], []
+        self.processes = processes and n > 1 and threading.active_count() == 1
+        if not self.processes:
+            self.flat, self.grad_bufs, self.map = flat, [np.zeros_like(flat) for _ in range(n)], self.threads.map
+            return
+        self.memory = mmap.mmap(-1, (n + 1) * flat.nbytes)
+        self.flat, *self.grad_bufs = np.frombuffer(self.memory, flat.dtype).reshape(n + 1, flat.size)
+        self.flat[...] = flat
+        with signals_blocked(tuple(SIGNALS)):                 # a signal until the worker ignores it is ours
+            for _ in range(n):
+                ours, theirs = Pipe()
+                pid = os.fork()
+                if pid == 0:
+                    self._serve(theirs, ours)                  # and exits
+                theirs.close()
+                self.conns.append(ours)
+                self.pids.append(pid)
+
+    def _serve(self, conn, ours):
+        """in a worker process: run what map sends until the pipe closes"""
+        try:
+            for end in self.conns + [ours]:              # this process's ends would keep the pipes open
+                end.close()
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            while True:
+                unpickler = pickle.Unpickler(io.BytesIO(conn.recv_bytes()))
+                unpickler.persistent_load = lambda key: np.ndarray(key[2], key[1], self.memory, key[0], key[3])
+                fn, args = unpickler.load()
+                try:
+                    result = fn(*args)
+                except Exception as e:                     # noqa: BLE001 (raised in the main process)
+                    result = e
+                conn.send(result)
+        finally:                                           # EOFError, OSError: the main process closed the pipe,
+            os._exit(0)                                    # or is gone
+
+    def _dump(self, obj):
+        """obj pickled, an array in the shared memory as its place there (offset, dtype, shape, strides)"""
+        f, base = io.BytesIO(), self.flat.ctypes.data
+        pickler = pickle.Pickler(f, pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = lambda a: ((a.ctypes.data - base, a.dtype.str, a.shape, a.strides) if isinstance(
+            a, np.ndarray) and 0 <= a.ctypes.data - base < len(self.memory) else None)
+        pickler.dump(obj)
+        return f.getvalue()
+
+    def map(self, fn, *iterables):
+        """[fn(*args) for args in zip(*iterables)], item i on process i % n, in that order"""
+        calls = list(zip(*iterables))
+        try:
+            for i, args in enumerate(calls):
+                self.conns[i % len(self.conns)].send_bytes(self._dump((fn, args)))
+            results = [self.conns[i % len(self.conns)].recv() for i in range(len(calls))]
+        except (EOFError, OSError):
+            raise NanoEulerError("a training worker process died (out of memory?); free some memory, or "
+                                 "lower --batch or --threads") from None
+        for error in (r for r in results if isinstance(r, BaseException)):
+            raise error
+        return results
+
+    def close(self):
+        """stop the workers now (a step cut short by a signal is lost anyway)"""
+        self.threads.shutdown()
+        for conn, pid in zip(self.conns, self.pids):
+            conn.close()
+            os.kill(pid, signal.SIGKILL)                   # not reaped yet: the pid is still this worker's
+            os.waitpid(pid, 0)
+        self.conns, self.pids = [], []
 
 
 def exit_stopped(signum, out_dir=None, step=None, last_path=None):
@@ -3426,7 +3511,7 @@ def available_cores(root="/", affinity=getattr(os, "sched_getaffinity", None)):
     return min(have)
 
 
-CORES = available_cores()                              # read once, for threads_for and --threads
+CORES = available_cores()                              # read once, for workers_for and --threads
 
 
 def check_memory(cfg, batch, threads, available=available_memory):
@@ -3439,10 +3524,10 @@ def check_memory(cfg, batch, threads, available=available_memory):
     have = available()
     if have is None:
         return
-    threads = threads_for(batch, threads)
+    threads, processes = workers_for(batch, threads)
     parts = micro_batches(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
-    weights = 4 * (8 + threads) * num_params(cfg)
+    weights = 4 * (8 + processes + threads) * num_params(cfg)      # (processes: the weights' shared copy)
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     if need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "

@@ -1,6 +1,6 @@
 """
 The CPU training engine on many cores (issue 39; docs/cpu_threads.md): how many threads a
-batch gets (threads_for), the cores a process may run on (available_cores, cgroup and
+batch gets (workers_for: threads or processes; Workers), the cores a process may run on (available_cores, cgroup and
 affinity aware), the run's header line that says both, and tools/cpu_scaling.py's reading
 of its own measurements. No test here times anything: speed is what tools/cpu_scaling.py
 measures, these pin the rules it measures.
@@ -11,6 +11,8 @@ measures, these pin the rules it measures.
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
 import os
+import select
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,27 +28,35 @@ TINY = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
 
 
 @pytest.mark.parametrize("B, threads, cores, expected", [
-    (32, 16, 16, 8),      # 8 threads at most: 8 of 4 rows, not 16 of 2 (the GIL's turns)
-    (8, 16, 16, 4),       # 2 rows a thread at least: 4 threads of 2 rows, not 8 of 1
-    (1000, 64, 64, 8),
-    (8, 2, 2, 2),         # 2 cores, batch 8: two threads of 4 rows, as before the rule
-    (32, 2, 2, 2),
-    (32, 16, 2, 2),       # more threads than cores: as many as cores
-    (1000, 4, 16, 4),     # --threads below the cores: --threads
-    (3, 8, 8, 1),         # fewer rows than 2 MIN_ROWS: one thread
-    (7, 8, 8, 3),
-    (1, 1, 1, 1),
+    (8, 16, 16, (8, True)),       # more than 4 workers: processes, a row each (31 ms; 4 threads of 2 rows: 50)
+    (32, 16, 16, (16, True)),     # 16 processes of 2 rows (71 ms; 8 threads of 4: 111)
+    (1000, 64, 64, (64, True)),
+    (5, 16, 16, (5, True)),
+    (8, 4, 16, (4, False)),       # 4 workers: threads, 2 rows each (50 ms; 4 processes: 56-67)
+    (4, 16, 16, (2, False)),      # 4 rows: 2 threads of 2
+    (8, 2, 2, (2, False)),        # 2 cores: two threads of 4 rows, as before the rule
+    (32, 16, 2, (2, False)),      # more threads than cores: as many as cores
+    (1000, 4, 16, (4, False)),    # --threads below the cores: --threads
+    (3, 8, 8, (1, False)),        # fewer rows than 2 MIN_ROWS: one thread
+    (1, 1, 1, (1, False)),
 ])
-def test_a_batch_gets_a_thread_per_core_at_least_min_rows_a_thread_and_8_at_most(B, threads, cores, expected,
-                                                                                   monkeypatch):
+def test_a_few_workers_are_threads_of_2_rows_and_more_are_processes_of_a_row(B, threads, cores, expected,
+                                                                             monkeypatch):
     monkeypatch.setattr(ne, "CORES", cores)
-    assert (ne.MIN_ROWS, ne.MAX_THREADS) == (2, 8)
-    assert ne.threads_for(B, threads) == expected
+    assert (ne.MIN_ROWS, ne.MAX_THREADS, ne.PROCESSES_ABOVE) == (2, 8, 4)
+    assert ne.workers_for(B, threads) == expected
 
 
-def test_threads_for_takes_the_cores_read_at_import_when_not_told(monkeypatch):
+@pytest.mark.parametrize("B, threads, cores, expected", [(32, 16, 16, 8), (8, 16, 16, 4), (7, 8, 8, 3)])
+def test_without_fork_the_workers_are_threads_of_2_rows_and_8_at_most(B, threads, cores, expected, monkeypatch):
+    monkeypatch.setattr(ne, "CORES", cores)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert ne.workers_for(B, threads) == (expected, False)
+
+
+def test_workers_for_takes_the_cores_read_at_import_when_not_told(monkeypatch):
     monkeypatch.setattr(ne, "CORES", 3)
-    assert ne.threads_for(64, 16) == 3
+    assert ne.workers_for(64, 16) == (3, False)
 
 
 def fake_machine(tmp_path, cgroup="0::/\n", folders=()):
@@ -106,55 +116,57 @@ def test_this_machine_has_at_least_one_core_and_no_more_than_its_affinity():
 
 
 def engine_for(B, threads):
+    """a CPUEngine for TINY, closed (its workers stopped): its line and buffers stay"""
     args = ne.build_parser().parse_args(["train", "--batch", str(B), "--threads", str(threads)])
     flat = ne.init_params(TINY)
     engine = ne.CPUEngine(TINY, flat, np.zeros_like(flat), np.zeros_like(flat), args)
-    engine.pool.shutdown()
+    engine.close()
     return engine
 
 
-def test_the_header_line_says_the_threads_the_rows_and_the_blas_threads(monkeypatch):
+def test_the_header_line_says_threads_or_processes_their_rows_and_the_blas_threads(monkeypatch):
     monkeypatch.setattr(ne, "CORES", 16)
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
     version = f"numpy {np.__version__}, "
-    # 32 rows on 16 cores: 8 threads, each one micro-batch of 4 rows; 8 rows: 4 threads of 2
-    assert engine_for(32, 16).line == version + "8 threads (8 at most: the GIL), 4-row micro-batches, " \
-                                                "1 BLAS thread each"
-    assert engine_for(8, 16).line == version + "4 threads (2 rows a thread at least), 2-row micro-batches, " \
+    # 32 rows on 16 cores: 16 processes, each one micro-batch of 2 rows; 8 rows: 8 processes of a row
+    assert engine_for(32, 16).line == version + "16 processes, 2-row micro-batches, 1 BLAS thread each"
+    assert engine_for(8, 16).line == version + "8 processes (a row a process at least), 1-row micro-batches, " \
                                                "1 BLAS thread each"
+    assert engine_for(8, 4).line == version + "4 threads, 2-row micro-batches, 1 BLAS thread each"
     # 512 rows on 4 threads: micro_batches cuts 64 parts of 8 rows
     assert engine_for(512, 4).line == version + "4 threads, 8-row micro-batches, 1 BLAS thread each"
     monkeypatch.setattr(ne, "CORES", 2)
     assert engine_for(32, 16).line == version + "2 threads (2 cores here), 8-row micro-batches, 1 BLAS thread each"
-    assert engine_for(3, 2).line == version + "1 thread (2 rows a thread at least), 3-row micro-batches, " \
-                                              "1 BLAS thread each"
+    assert engine_for(3, 2).line == version + "1 thread (2 rows a thread at least, 8 at most), 3-row " \
+                                              "micro-batches, 1 BLAS thread each"
     monkeypatch.setenv("OPENBLAS_NUM_THREADS", "4")                # the user's own setting is kept, and said
     assert engine_for(64, 2).line.endswith("2 threads, 8-row micro-batches, 4 BLAS threads each")
 
 
-def test_the_engine_holds_a_gradient_buffer_a_thread_and_check_memory_counts_them(monkeypatch):
+def test_the_engine_holds_a_gradient_buffer_a_worker_and_check_memory_counts_them(monkeypatch):
     monkeypatch.setattr(ne, "CORES", 16)
     cfg, P = ne.PRESETS["small"], ne.num_params(ne.PRESETS["small"])
-    # --batch 1024 on 16 cores: 8 threads, 128 micro-batches of 8 rows, 8 gradient buffers (not 128)
-    need = 4 * (8 + 8) * P + 8 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
-    ne.check_memory(cfg, 1024, 16, available=lambda: need)
-    with pytest.raises(ne.NanoEulerError, match="8 gradient buffers, 8 x 8 rows"):
-        ne.check_memory(cfg, 1024, 16, available=lambda: need - 1)
-    # 32 rows asking for 16 threads: 8 threads of 4 rows, 8 buffers
-    need = 4 * (8 + 8) * P + 8 * ne.activation_bytes(cfg, 4) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    # --batch 1024 on 4 threads: 128 micro-batches of 8 rows, 4 gradient buffers (not 128)
+    need = 4 * (8 + 4) * P + 4 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    ne.check_memory(cfg, 1024, 4, available=lambda: need)
+    with pytest.raises(ne.NanoEulerError, match="4 gradient buffers, 4 x 8 rows"):
+        ne.check_memory(cfg, 1024, 4, available=lambda: need - 1)
+    # 32 rows on 16 cores: 16 processes of 2 rows, 16 buffers and the weights' copy they read
+    need = 4 * (8 + 1 + 16) * P + 16 * ne.activation_bytes(cfg, 2) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 32, 16, available=lambda: need)
-    with pytest.raises(ne.NanoEulerError, match="8 gradient buffers, 8 x 4 rows"):
+    with pytest.raises(ne.NanoEulerError, match="16 gradient buffers, 16 x 2 rows"):
         ne.check_memory(cfg, 32, 16, available=lambda: need - 1)
     engine = engine_for(32, 16)
-    assert engine.n_threads == 8 and len(engine.grad_bufs) == 8 and engine.parts == 8
+    assert engine.n_threads == 16 and len(engine.grad_bufs) == 16 and engine.parts == 16
+    assert engine.pool.processes and all(b.base is engine.flat.base for b in engine.grad_bufs)   # shared memory
 
 
 def test_bench_train_makes_the_buffers_of_the_threads_it_runs(monkeypatch):
     made, real_zeros_like = [], np.zeros_like
     monkeypatch.setattr(ne.np, "zeros_like", lambda a, *k, **kw: made.append(a.size) or real_zeros_like(a, *k, **kw))
-    monkeypatch.setattr(ne, "CORES", 64)
+    monkeypatch.setattr(ne, "CORES", 4)
     assert np.isfinite(ne.bench_train(TINY, 12, 10 ** 4, steps=1))
-    assert made.count(ne.num_params(TINY)) == 2 + 6         # m, v and a buffer for each of 6 threads of 2 rows
+    assert made.count(ne.num_params(TINY)) == 2 + 4         # m, v and a buffer for each of 4 threads of 3 rows
 
 
 def test_the_default_threads_are_the_cores_this_process_may_run_on(monkeypatch):
@@ -180,6 +192,79 @@ def test_a_thread_count_gives_the_same_bits_every_run_and_others_the_same_sums()
     for n in (2, 4):                                           # other sums' order: the same to rounding
         assert results[n][0] == pytest.approx(results[1][0], rel=1e-6)
         np.testing.assert_allclose(results[n][2], results[1][2], rtol=1e-4, atol=1e-7)
+
+
+def test_processes_give_the_bits_of_threads_step_after_step():
+    flat = ne.init_params(TINY)
+    rng = np.random.default_rng(4)
+    for n in (2, 3):
+        pool = ne.Workers(n, flat, processes=True)
+        assert pool.processes and pool.flat is not flat and np.array_equal(pool.flat, flat)
+        try:
+            for step in range(2):                       # the second: the buffers zeroed, new weights read
+                idx, targets = ne.split_rows(rng.integers(0, TINY.V, size=(12, TINY.T + TINY.K)), TINY.T, TINY.K)
+                pool.flat += 0.01 * step
+                bufs = [np.zeros_like(flat) for _ in range(n)]
+                with ThreadPoolExecutor(n) as threads:
+                    loss, ce = ne.loss_and_grads(pool.flat.copy(), TINY, idx, targets, bufs, threads, 2 * n)
+                got = ne.loss_and_grads(pool.flat, TINY, idx, targets, pool.grad_bufs, pool, 2 * n)
+                assert got[0] == loss and np.array_equal(got[1], ce)
+                assert np.array_equal(pool.grad_bufs[0], bufs[0])
+        finally:
+            pool.close()
+
+
+def test_an_error_in_a_worker_process_is_raised_here_and_a_dead_one_is_one_sentence():
+    flat = ne.init_params(TINY)
+    idx, targets = ne.split_rows(np.zeros((4, TINY.T + TINY.K), dtype=np.int64), TINY.T, TINY.K)
+    pool = ne.Workers(2, flat, processes=True)
+    try:
+        with pytest.raises(IndexError):                              # a token id past the vocabulary
+            ne.loss_and_grads(pool.flat, TINY, idx + TINY.V, targets, pool.grad_bufs, pool, 2)
+        os.kill(pool.pids[0], signal.SIGINT)                         # ignored: this process handles Ctrl-C
+        loss, _ = ne.loss_and_grads(pool.flat, TINY, idx, targets, pool.grad_bufs, pool, 2)    # still in step
+        assert np.isfinite(loss)
+        os.kill(pool.pids[1], signal.SIGKILL)
+        with pytest.raises(ne.NanoEulerError, match="^a training worker process died .*; free some memory, or "
+                                                    "lower --batch or --threads$"):
+            ne.loss_and_grads(pool.flat, TINY, idx, targets, pool.grad_bufs, pool, 2)
+    finally:
+        pool.close()
+
+
+def test_worker_processes_end_when_the_main_process_is_killed():
+    # the workers inherit the write end of a pipe: it reads its end once every process holding it is gone
+    r, w = os.pipe()
+    code = ("import nanoeuler as ne, sys\n"
+            "pool = ne.Workers(3, ne.init_params(ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)), True)\n"
+            "print(pool.processes, flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         pass_fds=(w,))
+    os.close(w)
+    try:
+        assert p.stdout.readline() == b"True\n"
+        p.kill()
+        p.wait()
+        assert select.select([r], [], [], 60)[0] and os.read(r, 1) == b""       # not a worker left
+    finally:
+        os.close(r)
+        p.kill()
+
+
+def test_a_run_on_worker_processes_trains_and_ends_and_a_dead_worker_is_one_sentence(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "c.txt"
+    data.write_text(open(os.path.join(HERE, "data", "tinyshakespeare.txt"), encoding="utf-8").read()[:5_000])
+    monkeypatch.setattr(ne, "CORES", 6)
+    ne.main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--vocab-size", "270", "--batch", "6",
+             "--steps", "2"])                                      # under pytest, beside its threads: no hang
+    assert "engine | numpy " + np.__version__ + ", 6 processes, 1-row micro-batches" in capsys.readouterr().out
+    code = ("import os, sys, nanoeuler as ne\nne.CORES = 6\n"
+            "def grads_of_parts(*args):\n    os._exit(9)                  # a worker that dies (the OOM killer)\n"
+            "ne.grads_of_parts = grads_of_parts\nne.main(sys.argv[1:])\n")
+    r = subprocess.run([sys.executable, "-c", code, "train", "--data", str(data), "--out", str(tmp_path / "run2"),
+                        "--vocab-size", "270", "--batch", "6", "--steps", "2"], cwd=HERE, capture_output=True)
+    assert r.returncode == 2 and r.stderr.decode().strip().splitlines() == [
+        "error: a training worker process died (out of memory?); free some memory, or lower --batch or --threads"]
 
 
 # -----------------------------------------------------------------------------

@@ -54,7 +54,7 @@ def run(cmd, timeout, env=None):
 def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None, variant=""):
     """NanoEuler's ms a step, and its engine line; min_rows replaces nanoeuler.MIN_ROWS and blas
     sets OPENBLAS_NUM_THREADS (nanoeuler.py keeps one a caller otherwise), the variants measured;
-    variant: 'NAME=VALUE ..', each a nanoeuler setting (MIN_ROWS=2, STEP_PROCESSES=False) or,
+    variant: 'NAME=VALUE ..', each a nanoeuler setting (MIN_ROWS=2, PROCESSES_ABOVE=64) or,
     for OPENBLAS_NUM_THREADS, the environment's"""
     settings = dict(token.split("=", 1) for token in variant.split())
     blas = settings.pop("OPENBLAS_NUM_THREADS", blas)
@@ -65,7 +65,7 @@ def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None, variant="
             + f"args = ne.build_parser().parse_args(['train', '--batch', '{B}', '--threads', '{threads}'])\n"
             + "flat = ne.init_params(ne.PRESETS['small'])\n"
             + "engine = ne.CPUEngine(ne.PRESETS['small'], flat, flat * 0, flat * 0, args)\n"
-            + "print(engine.line)\nengine.pool.shutdown()\ndel engine, flat\n"
+            + "print(engine.line)\nengine.close()\ndel engine, flat\n"
             + f"print(1e3 * ne.bench_train(ne.PRESETS['small'], {B}, {threads}, steps={steps}))")
     env = dict(os.environ, **({"OPENBLAS_NUM_THREADS": str(blas)} if blas else {}))
     out, err = run([sys.executable, "-c", code], timeout, env)
@@ -137,7 +137,7 @@ def main():
     p.add_argument("--blas", type=int_list, default=[],
                    help="NanoEuler variants, in the rounds: OPENBLAS_NUM_THREADS set to each of these")
     p.add_argument("--variant", action="append", default=[],
-                   help="a NanoEuler variant, in the rounds: nanoeuler settings as 'MIN_ROWS=2 STEP_PROCESSES=False' "
+                   help="a NanoEuler variant, in the rounds: nanoeuler settings as 'MIN_ROWS=2 PROCESSES_ABOVE=64' "
                         "(OPENBLAS_NUM_THREADS=N sets the environment's); may be given again")
     p.add_argument("--timeout", type=int, default=300, help="seconds one figure may take (default 300)")
     args = p.parse_args()

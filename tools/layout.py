@@ -42,6 +42,7 @@ TRACE = r"""
 import json, os, sys, threading
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 import nanoeuler
+nanoeuler.PROCESSES_ABOVE = 10 ** 9          # the step on threads: a profile does not follow a forked worker
 target = os.path.abspath(nanoeuler.__file__)
 seen, done = {}, []
 
