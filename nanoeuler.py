@@ -1500,34 +1500,6 @@ def print_settings(rows, args, state):
         print(f"{k:<{width}} | {v}")
 
 
-LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
-
-
-def log_row(line):
-    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
-    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
-    cells = line.rstrip("\n").split(",")
-    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
-        return None
-    try:
-        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
-    except ValueError:
-        return None
-
-
-def open_log(csv_path, step):
-    """log.csv with the header and the rows up to step, open to append: a resumed run
-    drops the rows past its checkpoint (and any half-written or garbled line), a fresh
-    run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
-    read as U+FFFD: a damaged log never stops a resume."""
-    rows = []
-    if step > 0 and os.path.exists(csv_path):
-        with open(csv_path, encoding="utf-8", errors="replace") as f:
-            rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
-    atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
-    return open(csv_path, "a", encoding="utf-8")
-
-
 def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
     """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
     left, estimated from the last 50 steps"""
@@ -1604,7 +1576,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
         return start
     os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
-    csv = open_log(csv_path, start)
+    csv = run.open_log(csv_path, start)
     # --minutes sets the run's length after PLAN_AFTER steps, once per run (a resumed run keeps its plan)
     plan_step = start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
@@ -2826,10 +2798,10 @@ def set_aside(path, suffix):
 # operations: the run folder
 #
 # One object, RunFolder, is everything a run does to its folder (--out): the lock
-# (one run per folder), the refusal of another run's files, resume-or-init, the
-# checkpoint pairs (written in the background while training goes on, pruned,
-# damaged ones set aside), the stop of a run that diverged, and the training
-# loop's stop on a signal or lost output (saved first).
+# (one run per folder), the refusal of another run's files, resume-or-init, log.csv
+# (cut back to the checkpoint resumed), the checkpoint pairs (written in the background
+# while training goes on, pruned, damaged ones set aside), the stop of a run that diverged,
+# and the training loop's stop on a signal or lost output (saved first).
 # A second trainer on a folder that is training refuses at once (train.lock),
 # and a run into a folder that holds another run's files continues it (--resume)
 # or refuses: two runs' logs, best models and pruning never mix. run_command
@@ -2837,6 +2809,19 @@ def set_aside(path, suffix):
 
 LOCK_NAME = "train.lock"
 RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
+LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
+
+
+def log_row(line):
+    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
+    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
+    cells = line.rstrip("\n").split(",")
+    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
+        return None
+    try:
+        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
+    except ValueError:
+        return None
 
 
 class RunFolder:
@@ -3046,6 +3031,18 @@ class RunFolder:
             raise NanoEulerError(f"--resume: no checkpoint in {self.out} can be read (the newest: {skipped[0][1]}); "
                                  "train afresh with another --out")
         return None
+
+    def open_log(self, csv_path, step):
+        """log.csv with the header and the rows up to step, open to append: a resumed run
+        drops the rows past its checkpoint (and any half-written or garbled line), a fresh
+        run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
+        read as U+FFFD: a damaged log never stops a resume."""
+        rows = []
+        if step > 0 and os.path.exists(csv_path):
+            with open(csv_path, encoding="utf-8", errors="replace") as f:
+                rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
+        atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
+        return open(csv_path, "a", encoding="utf-8")
 
     # -- the training loop's one signal policy, and lost output
     # Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
