@@ -62,7 +62,7 @@ import sys
 import threading
 import time
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 
@@ -1023,9 +1023,9 @@ class Tokenizer:
 #
 # Preparing a corpus: the tokenizer is trained on a sample of it; then the
 # files are read in chunks of 256 KB, encoded on every core, and the tokens
-# written to disk as they come (uint16), so memory stays small whatever the
-# corpus's size. Training reads them memory-mapped, so a corpus larger than
-# memory trains. Both are cached by the corpus's hash and the tokenizer.
+# written to disk as they come (uint16: Workers.write_tokens, in operations), so
+# memory stays small whatever the corpus's size. Training reads them memory-mapped, so
+# a corpus larger than memory trains. Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1080,27 +1080,6 @@ def chunk_end(data):
     return end
 
 
-def text_chunks(files):
-    """yield (path, offset, data, ends_document) for pieces of the files of about
-    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
-    when the file does not end with the marker (a book): its end ends a document."""
-    for path in files:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            f.seek(max(0, size - (4 << 10)))
-            book = not re.search(rb"<\|endoftext\|>\n*\Z", f.read())    # blank lines after the marker: no document
-            f.seek(0)
-            offset, data = 0, b""
-            while block := f.read(CHUNK_BYTES):
-                data += block
-                cut = chunk_end(data)
-                if cut:
-                    yield path, offset, data[:cut], False
-                    offset, data = offset + cut, data[cut:]
-        if size:
-            yield path, offset, data, book
-
-
 def decode_text(data, path, offset):
     """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
     try:
@@ -1120,87 +1099,6 @@ def encode_chunk(tok, path, offset, data, ends_document):
         if i < len(docs) - 1 or ends_document:
             ids.append(eot)
     return np.array(ids, dtype=TOKEN_DTYPE)
-
-
-def encoded_chunks(files, tok, workers):
-    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
-    by `workers` processes (or by this one when workers is 1).
-
-    The workers are started with spawn, each a fresh interpreter: forking a
-    process that already runs threads (training's, CUDA's) can deadlock the
-    child. At most two chunks per worker are in flight, so the reader never
-    runs ahead of the encoders and memory stays bounded."""
-    if workers <= 1:
-        for chunk in text_chunks(files):
-            yield encode_chunk(tok, *chunk), len(chunk[2])
-        return
-    from collections import deque
-    pending = deque()
-    with Workers.tokenizing(workers, tok) as submit:   # the processes and their signals: operations
-        for chunk in text_chunks(files):
-            pending.append((submit(chunk), len(chunk[2])))
-            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
-                future, nbytes = pending.popleft()
-                yield future.result(), nbytes
-        while pending:
-            future, nbytes = pending.popleft()
-            yield future.result(), nbytes
-
-
-def fmt_time(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def progress_text(done, total, seconds):
-    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
-    rate = done / max(seconds, 1e-9)
-    left = fmt_time((total - done) / rate) if rate > 0 else "?"
-    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
-
-
-def tokenize_files(files, tok, write, workers=None, progress=True):
-    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
-    -> the number of tokens. Every core works unless the corpus is small."""
-    total = sum(os.path.getsize(f) for f in files)
-    if workers is None:
-        workers = CORES if total >= POOL_MIN_BYTES else 1
-    done, n_tokens, t0 = 0, 0, time.time()
-    chunks = encoded_chunks(files, tok, workers)
-    try:
-        for ids, nbytes in chunks:
-            write(ids)
-            n_tokens += len(ids)
-            done += nbytes
-            if progress:
-                progress_line(progress_text(done, total, time.time() - t0))
-    finally:
-        chunks.close()                                 # stops the workers now, also on Ctrl-C
-    if progress:
-        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
-                      f"{n_tokens:,} tokens", done=True)
-    return n_tokens
-
-
-def npy_header(dtype, n):
-    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
-    f = io.BytesIO()
-    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                             "fortran_order": False, "shape": (n,)})
-    return f.getvalue()
-
-
-def write_tokens(path, files, tok, workers=None, progress=True):
-    """tokenize files into the .npy file path as the ids come. The header, which
-    holds their count, is written last into the room left for it. All goes to
-    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
-    and two runs that share the cache each write their own temp file."""
-    def write(f):
-        f.seek(len(npy_header(TOKEN_DTYPE, 0)))
-        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
-        f.seek(0)
-        f.write(npy_header(TOKEN_DTYPE, n))
-    atomic_write(path, write)
 
 
 def file_digest(files):
@@ -1256,7 +1154,8 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, vocab_size)
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
-                    lambda tokens_path: write_tokens(tokens_path, files, tok, workers, progress), tok.vocab_size)
+                    lambda tokens_path: Workers.write_tokens(tokens_path, files, tok, workers, progress),
+                    tok.vocab_size)
     return tok, tokens
 
 
@@ -1498,6 +1397,11 @@ def print_settings(rows, args, state):
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}} | {v}")
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
 
 
 def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
@@ -3191,6 +3095,105 @@ class RunFolder:
 
 
 # -----------------------------------------------------------------------------
+# operations: tokenizing a corpus at scale (write_tokens: the data section's one call, as Workers.write_tokens)
+
+def text_chunks(files):
+    """yield (path, offset, data, ends_document) for pieces of the files of about
+    CHUNK_BYTES, cut by chunk_end. ends_document is set on a file's last chunk
+    when the file does not end with the marker (a book): its end ends a document."""
+    for path in files:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            f.seek(max(0, size - (4 << 10)))
+            book = not re.search(rb"<\|endoftext\|>\n*\Z", f.read())    # blank lines after the marker: no document
+            f.seek(0)
+            offset, data = 0, b""
+            while block := f.read(CHUNK_BYTES):
+                data += block
+                cut = chunk_end(data)
+                if cut:
+                    yield path, offset, data[:cut], False
+                    offset, data = offset + cut, data[cut:]
+        if size:
+            yield path, offset, data, book
+
+
+def encoded_chunks(files, tok, workers):
+    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
+    by `workers` processes (or by this one when workers is 1).
+
+    The workers are started with spawn, each a fresh interpreter: forking a
+    process that already runs threads (training's, CUDA's) can deadlock the
+    child. At most two chunks per worker are in flight, so the reader never
+    runs ahead of the encoders and memory stays bounded."""
+    if workers <= 1:
+        for chunk in text_chunks(files):
+            yield encode_chunk(tok, *chunk), len(chunk[2])
+        return
+    pending = deque()
+    with encoding_pool(workers, tok) as submit:        # the processes and their signals: below
+        for chunk in text_chunks(files):
+            pending.append((submit(chunk), len(chunk[2])))
+            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                future, nbytes = pending.popleft()
+                yield future.result(), nbytes
+        while pending:
+            future, nbytes = pending.popleft()
+            yield future.result(), nbytes
+
+
+def progress_text(done, total, seconds):
+    """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
+    rate = done / max(seconds, 1e-9)
+    left = fmt_time((total - done) / rate) if rate > 0 else "?"
+    return f"tokenizing: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB, {rate / 1e6:.1f} MB/s, {left} left"
+
+
+def tokenize_files(files, tok, write, workers=None, progress=True):
+    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
+    -> the number of tokens. Every core works unless the corpus is small."""
+    total = sum(os.path.getsize(f) for f in files)
+    if workers is None:
+        workers = CORES if total >= POOL_MIN_BYTES else 1
+    done, n_tokens, t0 = 0, 0, time.time()
+    chunks = encoded_chunks(files, tok, workers)
+    try:
+        for ids, nbytes in chunks:
+            write(ids)
+            n_tokens += len(ids)
+            done += nbytes
+            if progress:
+                progress_line(progress_text(done, total, time.time() - t0))
+    finally:
+        chunks.close()                                 # stops the workers now, also on Ctrl-C
+    if progress:
+        progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
+                      f"{n_tokens:,} tokens", done=True)
+    return n_tokens
+
+
+def npy_header(dtype, n):
+    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
+    f = io.BytesIO()
+    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                             "fortran_order": False, "shape": (n,)})
+    return f.getvalue()
+
+
+def write_tokens(path, files, tok, workers=None, progress=True):
+    """tokenize files into the .npy file path as the ids come. The header, which
+    holds their count, is written last into the room left for it. All goes to
+    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
+    and two runs that share the cache each write their own temp file."""
+    def write(f):
+        f.seek(len(npy_header(TOKEN_DTYPE, 0)))
+        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+        f.seek(0)
+        f.write(npy_header(TOKEN_DTYPE, n))
+    atomic_write(path, write)
+
+
+# -----------------------------------------------------------------------------
 # operations: signals
 
 @contextlib.contextmanager
@@ -3237,7 +3240,7 @@ def signals_handled(signals=(signal.SIGTERM, signal.SIGHUP), handler=_raise_inte
 SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
 
 
-# Tokenizing on every core (the data section's encoded_chunks) runs worker processes.
+# Tokenizing on every core (encoded_chunks, above) runs worker processes.
 # Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
 # processes started here (the workers, multiprocessing's resource tracker) inherit
 # both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
@@ -3299,7 +3302,7 @@ def encoding_pool(workers, tok):
 class Workers:
     """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
     them (flat itself for threads), grad_bufs: n gradient buffers; threads: a pool of n threads here"""
-    tokenizing = staticmethod(encoding_pool)             # the data section's: the tokenizer's processes
+    write_tokens = staticmethod(write_tokens)            # the data section's: a corpus tokenized on every core
 
     def __init__(self, n, flat, processes=False):
         import mmap
