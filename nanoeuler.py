@@ -1352,40 +1352,9 @@ def save_interval(args):
     return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
 
 
-def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
-    """--minutes: the most steps that end the whole run on time: the minutes less the
-    time since the program started (elapsed), then every step, evaluation and
-    checkpoint to come, the last step's included. A checkpoint holds the loop for its
-    copy (pause) and is written (write) while the next steps run: it costs the loop
-    the pause, and what the write outlasts those steps by; the last costs its write
-    too. Set within the warmup (while the learning rate does not depend on the total),
-    once, and kept in the training state, so a resumed run keeps the plan."""
-    left = args.minutes * 60 - elapsed
-    every, minutes = save_interval(args)
-
-    def cost(total):                                   # seconds from now to the end of a run of `total` steps
-        ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
-        run = (total - step) * step_time + ends(args.eval_every) * eval_time
-        saves = ends(every) if every else int(min(run // (minutes * 60) + 1, total - step))   # one a step at most
-        behind = max(0.0, write - (every * step_time if every else minutes * 60))
-        return run + saves * pause + (saves - 1) * behind + write
-    lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
-    while lo < hi:                                     # cost grows with total: bisect for the last that fits
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
-    total = lo
-    print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
-          f"{eval_time:.1f} s an evaluation every {args.eval_every}, a checkpoint every "
-          f"{every or f'{minutes:g} minutes'} holding training {pause:.2f} s, written in {write:.1f} s)")
-    if args.warmup < step:
-        print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
-              "so far followed --steps's schedule")
-    return total
-
-
 def print_settings(rows, args, state):
     """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
-    run's steps and folder. With --minutes the steps are planned later (plan_steps prints them)."""
+    run's steps and folder. With --minutes the steps are planned later (run.plan prints them)."""
     if "planned_steps" in state:
         steps = f"{state['planned_steps']} (planned for --minutes)"
     elif getattr(args, "minutes", 0) > 0:
@@ -1515,8 +1484,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                     saved, last_path = step, run.save(step, engine, state, rng, background=not (
                         planning or step == total))
                     if planning:
-                        total = state["planned_steps"] = plan_steps(args, step, np.mean(times), eval_time,
-                                                                    run.paused, run.took, clock() - began)
+                        total = state["planned_steps"] = run.plan(args, step, np.mean(times), eval_time,
+                                                                  clock() - began)
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
             last_path = run.save(step, engine, state, rng, background=False)
         run.finish()                                      # the save in flight, whatever stopped the loop
@@ -2999,6 +2968,36 @@ class RunFolder:
     def due(self, step, every, minutes):
         """--save-every's multiples, or --save-minutes since the last save"""
         return step % every == 0 if every else self.clock() - self.last >= minutes * 60
+
+    def plan(self, args, step, step_time, eval_time, elapsed):
+        """--minutes: the most steps that end the whole run on time: the minutes less the
+        time since the program started (elapsed), then every step, evaluation and
+        checkpoint to come, the last step's included. A checkpoint holds the loop for its
+        copy (paused: the timed save's) and is written (took) while the next steps run: it costs
+        the loop the pause, and what the write outlasts those steps by; the last costs its write
+        too. Set within the warmup (while the learning rate does not depend on the total),
+        once, and kept in the training state, so a resumed run keeps the plan."""
+        left = args.minutes * 60 - elapsed
+        every, minutes = save_interval(args)
+
+        def cost(total):                                   # seconds from now to the end of a run of `total` steps
+            ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too
+            run = (total - step) * step_time + ends(args.eval_every) * eval_time
+            saves = ends(every) if every else int(min(run // (minutes * 60) + 1, total - step))   # one a step at most
+            behind = max(0.0, self.took - (every * step_time if every else minutes * 60))
+            return run + saves * self.paused + (saves - 1) * behind + self.took
+        lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
+        while lo < hi:                                     # cost grows with total: bisect for the last that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
+        total = lo
+        print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
+              f"{eval_time:.1f} s an evaluation every {args.eval_every}, a checkpoint every "
+              f"{every or f'{minutes:g} minutes'} holding training {self.paused:.2f} s, written in {self.took:.1f} s)")
+        if args.warmup < step:
+            print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
+                  "so far followed --steps's schedule")
+        return total
 
     def save(self, step, engine, state, rng, background=True):
         """the pair of `step`, with the data order's random state -> the model's path"""

@@ -320,6 +320,13 @@ def test_the_gpu_trainer_counts_minutes_from_its_start(monkeypatch):
     assert seen[0].started == 123.0 and seen[0].minutes == 10
 
 
+def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
+    """RunFolder.plan, after a timed save that held the loop `pause` s and was written in `write` s"""
+    run = ne.RunFolder("out")
+    run.paused, run.took = pause, write
+    return run.plan(args, step, step_time, eval_time, elapsed)
+
+
 def test_minutes_plans_with_a_save_every_so_many_minutes():
     # by hand: 3,600 s less 10 s spent; n more steps of 0.5 s and one evaluation of 1 s at
     # the end make r = 0.5 n + 1 s, with s = floor(r / 600) + 1 checkpoints (every 10
@@ -327,10 +334,10 @@ def test_minutes_plans_with_a_save_every_so_many_minutes():
     # the steps, and the last one's write waited for: r + 2 s + 30 <= 3,590. n = 7,094:
     # r = 3,548, s = 6: 3,548 + 12 + 30 = 3,590; n = 7,095 is half a second over
     args = ne.build_parser().parse_args(["train", "--minutes", "60", "--save-minutes", "10", "--eval-every", "100000"])
-    assert ne.plan_steps(args, 20, 0.5, 1.0, 2.0, 30.0, 10.0) == 20 + 7094
+    assert plan_steps(args, 20, 0.5, 1.0, 2.0, 30.0, 10.0) == 20 + 7094
     # a write of 630 s outlasts the 10 minutes to the next save, which waits 30 s for it:
     # r + 2 s + 30 (s - 1) + 630 <= 3,590. n = 5,658: r = 2,830, s = 5: 2,830 + 10 + 120 + 630
-    assert ne.plan_steps(args, 20, 0.5, 1.0, 2.0, 630.0, 10.0) == 20 + 5658
+    assert plan_steps(args, 20, 0.5, 1.0, 2.0, 630.0, 10.0) == 20 + 5658
 
 
 @pytest.mark.parametrize("minutes", ["0.001", "1e-310"])
@@ -340,7 +347,7 @@ def test_minutes_plans_at_most_a_save_a_step_when_save_minutes_is_shorter_than_a
     # (1e-310 minutes made the count of saves infinite: a traceback)
     args = ne.build_parser().parse_args(["train", "--minutes", "60", "--save-minutes", minutes, "--eval-every",
                                          "100000"])
-    assert ne.plan_steps(args, 20, 0.5, 1.0, 0.1, 0.0, 10.0) == 20 + 5981
+    assert plan_steps(args, 20, 0.5, 1.0, 0.1, 0.0, 10.0) == 20 + 5981
 
 
 # -----------------------------------------------------------------------------

@@ -872,12 +872,19 @@ def brute_force_plan(step, left, step_time, eval_every, eval_time, save_every, p
     return n
 
 
+def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
+    """RunFolder.plan, after a timed save that held the loop `pause` s and was written in `write` s"""
+    run = ne.RunFolder("out")
+    run.paused, run.took = pause, write
+    return run.plan(args, step, step_time, eval_time, elapsed)
+
+
 def test_minutes_plans_at_most_a_billion_steps(capsys):
     args = ne.build_parser().parse_args(["train", "--minutes", "14400", "--eval-every", "10"])
     assert args.minutes == 14400
     for step_time, eval_time, pause, write in ((0.0, 0.0, 0.0, 0.0), (1e-300, 0.0, 0.0, 0.0), (0.5, 5.0, 2.0, 18.0),
                                                (0.5, 5.0, 2.0, 130.0)):
-        total = ne.plan_steps(args, 20, step_time, eval_time, pause, write, 3.0)
+        total = plan_steps(args, 20, step_time, eval_time, pause, write, 3.0)
         # 864,000 s less the 3 s spent; 0.5 s a step, an evaluation of 5 s every 10 and a
         # checkpoint every 200 that holds the loop 2 s: about 1.01 s a step, while its write
         # (18 s) runs beside the next 100 s of steps; one of 130 s holds the loop 30 s more
