@@ -1203,9 +1203,8 @@ def workers_for(B, threads):
 
 
 def micro_batches(B, n_threads):
-    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the
-    threads, of about 8 rows each (32 rows as 4 parts of 8 ran 2-4% faster than as
-    2 of 16 on 2 cores: smaller arrays stay in cache; 8 parts of 4 were slower)"""
+    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the threads, of about 8 rows each
+    (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4 slower)"""
     return n_threads * max(1, B // (8 * n_threads))
 
 
@@ -1226,23 +1225,24 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
     The batch is cut into `parts` micro-batches (default: one per buffer) that run on the pool's workers: buffer t
     of n adds up parts t, t + n, .. in that order, so memory grows with the workers, not the batch. Each part
     divides by the whole batch's target counts: the parts add up exactly, in an order fixed by parts and n alone."""
-    counts = (targets >= 0).sum(axis=(0, 1))                          # (K,)
-    n = len(grad_bufs)
+    counts, n = (targets >= 0).sum(axis=(0, 1)), len(grad_bufs)       # (K,), the workers
     split = [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(len(idx)), parts or n) if len(p)]
     jobs = [[(idx[rows], targets[rows]) for rows in split[t::n]] for t in range(min(n, len(split)))]
     spread = pool.map if pool and len(jobs) > 1 else map
     results = list(spread(functools.partial(grads_of_parts, flat, cfg, counts), jobs, grad_bufs))
-    sums = np.array_split(grad_bufs[0], n)                          # the buffers summed on n slices at once
-    for buf in grad_bufs[1:len(jobs)]:
-        list(spread(np.add, sums, np.array_split(buf, n), sums))
+    list(spread(add_into, *[np.array_split(buf, n) for buf in grad_bufs[:len(jobs)]]))   # on n slices at once
     return sum(r[0] for r in results), sum(r[1] for r in results)
+
+
+def add_into(total, *bufs):
+    """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
+    total[...] = functools.reduce(np.add, bufs, total)          # ((total + bufs[0]) + bufs[1]) + ..
 
 
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
     """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
-    bounds = np.linspace(0, flat.size, n + 1).astype(int)
-    slices = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
-    list(pool.map(lambda s: adamw_update(flat[s], grad[s], m[s], v[s], step, lr, decay[s], **kw), slices))
+    list(pool.map(lambda f, g, m_, v_, d: adamw_update(f, g, m_, v_, step, lr, d, **kw),
+                  *(np.array_split(a, n) for a in (flat, grad, m, v, decay))))
 
 
 def evaluate(ce_of, batches, token_bytes, pool=None):
