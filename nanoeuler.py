@@ -29,7 +29,7 @@ loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
-name (load_model, atomic_write, RunFolder, run_main, ...): a name met in the
+name (load_model, atomic_write, RunFolder, ArgumentParser, ...): a name met in the
 story and defined later is one of those, or cmd_bench, cmd_plot or plot_log.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
@@ -1154,8 +1154,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, vocab_size)
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
-                    lambda tokens_path: Workers.write_tokens(tokens_path, files, tok, workers, progress),
-                    tok.vocab_size)
+                    lambda npy_path: Workers.write_tokens(npy_path, files, tok, workers, progress), tok.vocab_size)
     return tok, tokens
 
 
@@ -1343,7 +1342,6 @@ def saved_rng(state):
 
 SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
-MAX_PLANNED_STEPS = 10 ** 9
 
 
 def save_interval(args):
@@ -1436,7 +1434,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
     the best validation. The log's samples continue sample_prompt (ids; default: a document's
     start: sample_text_for_log). clock: seconds, for the timings and --minutes's plan (default
-    now(), which run_main read as args.started)."""
+    now(), which ArgumentParser.run read as args.started)."""
     clock = clock or now
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
@@ -1801,64 +1799,9 @@ def cmd_serve(args, make_params=None, gen=None):
     serve.cmd_serve(args, sys.modules[__name__], make_params, gen)
 
 
-# Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError
-# into "argument --batch: 0 is not ...", one line with the usage, exit code 2.
-
-def number_type(convert, ok, what):
-    """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
-    def parse(text):
-        try:
-            value = convert(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    parse.__name__ = what                               # what argparse shows if it ever names the type
-    return parse
-
-
-positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
-nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
-positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
-nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
-probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
-positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
-MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
-minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} "
-                           "(10 days)")
-# --steps, --max-new-tokens: more than a billion is a typo, and 10^30 steps showed an eta of 10^25 hours
-count_type = number_type(int, lambda n: 1 <= n <= MAX_PLANNED_STEPS, f"a positive integer up to {MAX_PLANNED_STEPS:,}")
-positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
-vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
-                         f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
-port_type = number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535")
-workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
-                            "a number of processes from 1 to 4 per core")
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """every flag's default in --help, unless its help already says it in words or
-    there is none to say (an off switch, an optional value that is not given)"""
-
-    def _get_help_string(self, action):
-        # "is", not "in": 0 == False, and --minutes' 0 has something to say
-        if "(default: " in (action.help or "") or action.default is None or action.default is False \
-                or action.default == "":
-            return action.help
-        return super()._get_help_string(action)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose --help shows every flag's default; subcommands inherit it"""
-
-    def __init__(self, *args, formatter_class=HelpFormatter, **kw):
-        super().__init__(*args, formatter_class=formatter_class, **kw)
-
-
 def add_mtp_weight_flag(sp):
     """train's --mtp-weight (both programs)"""
-    sp.add_argument("--mtp-weight", type=nonnegative_float, default=None,
+    sp.add_argument("--mtp-weight", type="nonnegative_float", default=None,
                     help="weight of the extra heads' mean loss, 0 to 1,000 (default: the preset's, SPEC's 0.5); "
                          "more makes them better drafters for --speculative, at some cost to head 0")
 
@@ -1868,14 +1811,14 @@ def add_serve_flags(sp):
     sp.add_argument("--model", required=True, help=".safetensors model file")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 lets in every machine that "
                     "reaches this one, with no password")
-    sp.add_argument("--port", type=port_type, default=8000, help="TCP port; 0 = any free one")
+    sp.add_argument("--port", type="port_type", default=8000, help="TCP port; 0 = any free one")
 
 
 def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_minutes=None):
     """the flags train and sft share (and nanoeuler_cuda.py's, without --threads, saving every 10 minutes)"""
     g = sp.add_argument_group("run")
-    g.add_argument("--steps", type=count_type, default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type=minutes_type, default=0, help="instead of --steps: as many steps as fit in "
+    g.add_argument("--steps", type="count_type", default=steps, help="optimizer steps in the whole run")
+    g.add_argument("--minutes", type="minutes_type", default=0, help="instead of --steps: as many steps as fit in "
                    f"about M minutes, timed on the first {PLAN_AFTER}; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv" +
                    (" (default: out/ and the model size: out/small, out/big)" if out is None else ""))
@@ -1883,26 +1826,26 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_min
     again.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     again.add_argument("--fresh", action="store_true", help="start over in --out: a run there is renamed "
                        "--out.old (.old.1, ...), never deleted")
-    g.add_argument("--stop-after", type=positive_int_or_off, default=-1,
+    g.add_argument("--stop-after", type="positive_int_or_off", default=-1,
                    help="stop (and save) after N steps of this run; -1 = off")
-    g.add_argument("--seed", type=nonnegative_int, default=1337, help="seed of the data order (and of train's init)")
+    g.add_argument("--seed", type="nonnegative_int", default=1337, help="seed of the data order (and of train's init)")
     if threads:
-        g.add_argument("--threads", type=positive_int, default=CORES,
+        g.add_argument("--threads", type="positive_int", default=CORES,
                        help=f"threads the batch is split over, at most (one a core, {MIN_ROWS} rows a thread at least)")
     g = sp.add_argument_group("optimization")
-    g.add_argument("--batch", type=positive_int, default=batch, help="rows of T+K tokens per step")
-    g.add_argument("--lr", type=positive_float, default=lr, help="peak learning rate")
-    g.add_argument("--warmup", type=nonnegative_int, default=warmup, help="linear warmup steps")
-    g.add_argument("--weight-decay", type=nonnegative_float, default=0.1, help="AdamW decay, matrices only")
-    g.add_argument("--clip", type=positive_float_or_off, default=1.0, help="global grad-norm clip; -1 = off")
+    g.add_argument("--batch", type="positive_int", default=batch, help="rows of T+K tokens per step")
+    g.add_argument("--lr", type="positive_float", default=lr, help="peak learning rate")
+    g.add_argument("--warmup", type="nonnegative_int", default=warmup, help="linear warmup steps")
+    g.add_argument("--weight-decay", type="nonnegative_float", default=0.1, help="AdamW decay, matrices only")
+    g.add_argument("--clip", type="positive_float_or_off", default=1.0, help="global grad-norm clip; -1 = off")
     g = sp.add_argument_group("evaluation")
-    g.add_argument("--eval-every", type=positive_int, default=100, help="validate and sample every N steps")
-    g.add_argument("--eval-batches", type=positive_int, default=20,
+    g.add_argument("--eval-every", type="positive_int", default=100, help="validate and sample every N steps")
+    g.add_argument("--eval-batches", type="positive_int", default=20,
                    help=f"validation batches (pretraining: of {EVAL_ROWS} rows; sft: of --batch held-out examples)")
     saving = g.add_mutually_exclusive_group()
-    saving.add_argument("--save-every", type=positive_int, default=None,
+    saving.add_argument("--save-every", type="positive_int", default=None,
                         help=f"checkpoint every N steps (default: {'--save-minutes' if save_minutes else SAVE_EVERY})")
-    saving.add_argument("--save-minutes", type=positive_float, default=save_minutes,
+    saving.add_argument("--save-minutes", type="positive_float", default=save_minutes,
                         help="checkpoint every M minutes (default: " + (f"{save_minutes:g}" if save_minutes else
                                                                         "--save-every") + "); and at the end")
 
@@ -1910,16 +1853,16 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_min
 def add_generation_flags(sp, drafts=1):
     """sample's and chat's flags (both programs; nanoeuler_cuda.py's --drafts default is its own)"""
     sp.add_argument("--model", required=True, help=".safetensors model file")
-    sp.add_argument("--max-new-tokens", type=count_type, default=200, help="tokens to generate")
-    sp.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy, deterministic")
-    sp.add_argument("--top-k", type=nonnegative_int, default=40, help="sample from the k likeliest; 0 = all")
-    sp.add_argument("--top-p", type=probability, default=0.95, help="nucleus sampling mass; 1 = off")
-    sp.add_argument("--seed", type=nonnegative_int, default=None,
+    sp.add_argument("--max-new-tokens", type="count_type", default=200, help="tokens to generate")
+    sp.add_argument("--temperature", type="nonnegative_float", default=0.8, help="0 = greedy, deterministic")
+    sp.add_argument("--top-k", type="nonnegative_int", default=40, help="sample from the k likeliest; 0 = all")
+    sp.add_argument("--top-p", type="probability", default=0.95, help="nucleus sampling mass; 1 = off")
+    sp.add_argument("--seed", type="nonnegative_int", default=None,
                     help="seed of the sampler (default: a fresh one each run)")
     sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
     # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
     # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
-    sp.add_argument("--drafts", type=nonnegative_int, default=drafts, help="with --speculative: draft with heads "
+    sp.add_argument("--drafts", type="nonnegative_int", default=drafts, help="with --speculative: draft with heads "
                     "1..N (at most K-1)")
 
 
@@ -1927,12 +1870,12 @@ def build_parser():
     p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
-        "--seed", type=nonnegative_int, default=1337, help="random seed of the check")
+        "--seed", type="nonnegative_int", default=1337, help="random seed of the check")
 
     # Defaults by measurement on 2 cores (BENCHMARKS.md): see the comment at DEFAULT_STEPS
     sp = sub.add_parser("train", help="pretrain a model (the small preset unless --model-size)")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=vocab_size, default=None,
+    sp.add_argument("--vocab-size", type="vocab_size", default=None,
                     help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
     add_mtp_weight_flag(sp)
@@ -1940,9 +1883,9 @@ def build_parser():
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
-    sp.add_argument("--vocab-size", type=vocab_size, default=512, help="BPE vocabulary (V)")
+    sp.add_argument("--vocab-size", type="vocab_size", default=512, help="BPE vocabulary (V)")
     sp.add_argument("--out", default=os.path.join("out", "small"), help="the run's folder; the cache is beside it")
-    sp.add_argument("--workers", type=workers_count, default=None,
+    sp.add_argument("--workers", type="workers_count", default=None,
                     help="processes that encode (default: every core; one for a corpus under 4 MB)")
 
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
@@ -1959,15 +1902,15 @@ def build_parser():
         "run", help="a run folder (out/small) or its log.csv")
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
-    sp.add_argument("--threads", type=positive_int, default=CORES, help="threads for training steps")
-    sp.add_argument("--max-new-tokens", type=count_type, default=400, help="tokens to generate")
+    sp.add_argument("--threads", type="positive_int", default=CORES, help="threads for training steps")
+    sp.add_argument("--max-new-tokens", type="count_type", default=400, help="tokens to generate")
     return p
 
 
 def main(argv=None):
     commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot, "serve": cmd_serve}
-    run_main(commands, build_parser, argv)
+    build_parser().run(commands, argv)
 
 
 # -----------------------------------------------------------------------------
@@ -2147,7 +2090,7 @@ def cmd_plot(args):
 # - lost output streams: a closed pipe or a hung-up terminal ends the run
 #   quietly, saved; closed streams at start become /dev/null
 # Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
-# in one sentence by run_command, the one place a command ends (run_main, the
+# in one sentence by run_command, the one place a command ends (ArgumentParser.run, the
 # program's entry, reopens closed streams before it); a damaged file's content
 # is MALFORMED, refused by refused_if_malformed, or in the data cache (cached)
 # made again; everything a run does to its folder is a RunFolder (a NaN
@@ -3537,7 +3480,7 @@ def check_memory(cfg, batch, threads, available=available_memory):
 
 
 # -----------------------------------------------------------------------------
-# operations: lost output streams, and every command's last words
+# operations: lost output streams, every command's last words, and the program's flags
 
 def silence_lost_output():
     """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
@@ -3600,7 +3543,7 @@ def run_command(command, args, closed=()):
     """run a subcommand: the one place where a refusal ends a command. A NanoEulerError
     raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
     code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
-    streams that were closed at start (run_main). train and sft hold their
+    streams that were closed at start (ArgumentParser.run). train and sft hold their
     --out folder while they run (RunFolder.claim); prepare only writes the cache beside it, so
     it holds nothing.
     What a command cannot start with is refused before it starts: stdin or stdout closed at
@@ -3653,33 +3596,91 @@ def run_command(command, args, closed=()):
         sys.exit(2)
 
 
-def run_main(commands, build_parser, argv=None):
-    """the program: its flags parsed, then run_command(commands[the command]). First stdin,
-    stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
-    too) fails on None and no file we open later takes their descriptor; a text that cannot
-    be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
-    started, closed = now(), []                        # --minutes counts the whole run from here
-    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
-        # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
-        # script) may have left a read-only file there
+# Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError into "argument --batch: 0 is
+# not ...", one line with the usage, exit code 2. The story names them (type="positive_int": FLAG_TYPES, registered).
+def number_type(convert, ok, what):
+    """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
+    def parse(text):
         try:
-            is_open = getattr(sys, name) is not None and (
-                fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY)
-        except OSError:
-            is_open = False
-        if not is_open:
-            null = os.open(os.devnull, os.O_RDWR)
-            if null != fd:
-                os.dup2(null, fd)
-                os.close(null)
-            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
-            closed.append(name)
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="replace")
-    args = build_parser().parse_args(argv)
-    args.started = started
-    run_command(commands[args.command], args, closed)
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    parse.__name__ = what                               # what argparse shows if it ever names the type
+    return parse
+
+
+positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
+nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
+positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
+nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
+probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
+positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
+MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
+minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} "
+                           "(10 days)")
+# --steps, --max-new-tokens: more than a billion is a typo, and 10^30 steps showed an eta of 10^25 hours
+MAX_PLANNED_STEPS = 10 ** 9
+count_type = number_type(int, lambda n: 1 <= n <= MAX_PLANNED_STEPS, f"a positive integer up to {MAX_PLANNED_STEPS:,}")
+positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
+vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
+                         f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
+port_type = number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535")
+workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
+                            "a number of processes from 1 to 4 per core")
+FLAG_TYPES = ("positive_int", "positive_int_or_off", "nonnegative_float", "minutes_type", "workers_count", "port_type",
+              "nonnegative_int", "positive_float", "positive_float_or_off", "probability", "count_type", "vocab_size")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """every flag's default in --help, unless its help already says it in words or
+    there is none to say (an off switch, an optional value that is not given)"""
+
+    def _get_help_string(self, action):
+        # "is", not "in": 0 == False, and --minutes' 0 has something to say
+        if "(default: " in (action.help or "") or action.default is None or action.default is False \
+                or action.default == "":
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose --help shows every flag's default, its flags' types named; subcommands inherit it"""
+
+    def __init__(self, *args, formatter_class=HelpFormatter, **kw):
+        super().__init__(*args, formatter_class=formatter_class, **kw)
+        for name in FLAG_TYPES:                        # type="positive_int" is positive_int
+            self.register("type", name, globals()[name])
+
+    def run(self, commands, argv=None):
+        """the program: its flags parsed, then run_command(commands[the command]). First stdin,
+        stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
+        too) fails on None and no file we open later takes their descriptor; a text that cannot
+        be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
+        started, closed = now(), []                        # --minutes counts the whole run from here
+        for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+            # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
+            # script) may have left a read-only file there
+            try:
+                is_open = getattr(sys, name) is not None and (
+                    fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY)
+            except OSError:
+                is_open = False
+            if not is_open:
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != fd:
+                    os.dup2(null, fd)
+                    os.close(null)
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+                closed.append(name)
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "reconfigure"):
+                stream.reconfigure(errors="replace")
+        args = self.parse_args(argv)
+        args.started = started
+        run_command(commands[args.command], args, closed)
 
 
 if __name__ == "__main__":
