@@ -1734,21 +1734,10 @@ def cmd_chat(args, make_params=None, gen=None):
     speculation_report(stats)
 
 
-def argv_text(text):
-    """a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
-    as lone surrogates) become U+FFFD, as chat does with its input"""
-    try:
-        raw = text.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:                         # a surrogate that no byte made
-        raw = text.encode("utf-8", "replace")
-    return raw.decode("utf-8", "replace")
-
-
 def cmd_sample(args, make_params=None, gen=None):
     """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
     and generate (the model file is read, and refused, before either)"""
     cfg, params, tok = load_for_decoding(args, make_params)
-    args.prompt = argv_text(args.prompt)
     prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
     if len(prompt) > cfg.T - 1:
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
@@ -1895,7 +1884,7 @@ def build_parser():
 
     sp = sub.add_parser("sample", help="continue a prompt")
     add_generation_flags(sp)
-    sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    sp.add_argument("--prompt", type="argv_text", default="", help="text to continue (default: none, a new document)")
     add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
     add_serve_flags(sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md)"))
     sub.add_parser("plot", help="draw a run's loss curve again (log.svg, and log.png with matplotlib)").add_argument(
@@ -3612,6 +3601,16 @@ def number_type(convert, ok, what):
     return parse
 
 
+def argv_text(text):
+    """a flag type: a command-line string as valid text: bytes that were not UTF-8 (Python keeps them
+    as lone surrogates) become U+FFFD, as chat does with its input"""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:                         # a surrogate that no byte made
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
+
 positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
 nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
 positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
@@ -3630,8 +3629,8 @@ vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
 port_type = number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535")
 workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
                             "a number of processes from 1 to 4 per core")
-FLAG_TYPES = ("positive_int", "positive_int_or_off", "nonnegative_float", "minutes_type", "workers_count", "port_type",
-              "nonnegative_int", "positive_float", "positive_float_or_off", "probability", "count_type", "vocab_size")
+FLAG_TYPES = ("positive_int positive_int_or_off nonnegative_int nonnegative_float positive_float positive_float_or_off "
+              "probability minutes_type count_type vocab_size port_type workers_count argv_text").split()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

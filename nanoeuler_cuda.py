@@ -1751,7 +1751,7 @@ def build_parser():
     ne.add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"), threads=False, save_minutes=SAVE_MINUTES)
     sp = sub.add_parser("sample", help="continue a prompt on the GPU (KV cache, CUDA graphs)")
     add_generation_flags(sp)
-    sp.add_argument("--prompt", default="", help="text to continue (default: none, a new document)")
+    sp.add_argument("--prompt", type="argv_text", default="", help="text to continue (default: none, a new document)")
     add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout, generating on the GPU"))
     add_nodes_flags(sub.add_parser("rendezvous", help="under a launcher or --nnodes: check that every rank finds "
                                                       "rank 0 and gets the same id, without a GPU"))
