@@ -1101,17 +1101,6 @@ def encode_chunk(tok, path, offset, data, ends_document):
     return np.array(ids, dtype=TOKEN_DTYPE)
 
 
-def file_digest(files):
-    """sha256 over the names and contents of the corpus files: the cache key"""
-    h = hashlib.sha256()
-    for path in files:
-        h.update(os.fsencode(os.path.basename(path)))     # a name that is not UTF-8 is bytes we kept
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                h.update(block)
-    return h.hexdigest()[:16]
-
-
 def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     """what the tokenizer is trained on: at most max_bytes, an equal share from the
     start of every file, cut as chunks are, its documents joined by newlines"""
@@ -1142,7 +1131,13 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     files = corpus_files(path)
     if vocab_size > MAX_V:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
-    corpus = file_digest(files)
+    h = hashlib.sha256()                               # the cache key: the corpus files' names and contents
+    for name in files:
+        h.update(os.fsencode(os.path.basename(name)))  # a name that is not UTF-8 is bytes we kept
+        with open(name, "rb") as f:
+            while block := f.read(1 << 24):
+                h.update(block)
+    corpus = h.hexdigest()[:16]
 
     def train_tokenizer(tok_path):
         text = tokenizer_sample(files)
@@ -1454,7 +1449,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     times, t_start = [], clock()
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
-    every, minutes = save_interval(args)
     with run.signals_handled():                          # (numpy's warnings on the way to a NaN: run_command's)
         with run.output_may_go():
             while step < min(total, stop) and not run.stop:
@@ -1477,7 +1471,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 run.finish(poll=True)
                 planning = step == plan_step and val           # --minutes: an evaluation and a save, timed
-                if run.due(step, every, minutes) or step == total or planning:
+                if run.due(step, args) or step == total or planning:
                     # written while the next steps run; the last, and the timed one, before going on
                     saved, last_path = step, run.save(step, engine, state, rng, background=not (
                         planning or step == total))
@@ -1504,7 +1498,8 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     engine's lines of the settings table (default: its line); loop: train_loop
     (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
     run = RunFolder(args.out, cfg)
-    run.refuse_other_run_early(args, cfg)              # before the corpus is tokenized, which can take minutes
+    if args.resume:                                    # refused before the corpus is tokenized (minutes)
+        run.refuse_other_run_early(args, cfg)
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
@@ -2598,7 +2593,6 @@ def set_aside(path, suffix):
     return new
 
 
-
 # -----------------------------------------------------------------------------
 # operations: the run folder
 #
@@ -2772,7 +2766,7 @@ class RunFolder:
         """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
         config but for V, which the tokenizer may still lower) made from its files' headers alone,
         before the corpus is tokenized, which can take minutes"""
-        steps = self.steps() if args.resume else []
+        steps = self.steps()
         if not steps:
             return
         try:
@@ -2897,8 +2891,9 @@ class RunFolder:
 
     # -- the loop's checkpoints, written while training goes on
 
-    def due(self, step, every, minutes):
-        """--save-every's multiples, or --save-minutes since the last save"""
+    def due(self, step, args):
+        """--save-every's multiples, or --save-minutes since the last save (save_interval)"""
+        every, minutes = save_interval(args)
         return step % every == 0 if every else self.clock() - self.last >= minutes * 60
 
     def plan(self, args, step, step_time, eval_time, elapsed):
@@ -3375,28 +3370,6 @@ def activation_bytes(cfg, rows):
     return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
 
 
-def available_memory(root="/"):
-    """bytes this process may still take: MemAvailable of /proc/meminfo, or less where a
-    cgroup memory limit leaves less (a container's, a batch job's; inside a container
-    MemAvailable is the whole machine's); None where none of them can be read (not Linux)"""
-    have = []
-    with contextlib.suppress(ValueError, IndexError, StopIteration):
-        have.append(next(int(ln.split()[1]) * 1024 for ln in system_file(root, "proc/meminfo").splitlines()
-                         if ln.startswith("MemAvailable:")))
-    # each cgroup's room below its limit, the droppable page cache counted as free; none where
-    # it sets no limit or its files cannot be read
-    for version, folder in cgroups(root):
-        limit_file, usage_file, cache_line = CGROUP_FILES[version]
-        limit, usage = system_file(folder, limit_file).strip(), system_file(folder, usage_file)
-        stats = dict(ln.partition(" ")[::2] for ln in system_file(folder, "memory.stat").splitlines())
-        with contextlib.suppress(ValueError):          # v2 says "max" for no limit (v1 gives a huge number)
-            limit, usage, cache = int(limit), int(usage), 0
-            with contextlib.suppress(ValueError):
-                cache = int(stats.get(cache_line, 0))
-            have.append(max(0, limit - usage + cache))
-    return min(have) if have else None
-
-
 def system_file(*path):
     """the text of a file the system keeps (/proc, /sys/fs/cgroup), or "" where it cannot be read
     (not Linux, no such cgroup, not UTF-8): the readers below then find no number in it"""
@@ -3443,6 +3416,28 @@ def available_cores(root="/", affinity=getattr(os, "sched_getaffinity", None)):
 
 
 CORES = available_cores()                              # read once, for workers_for and --threads
+
+
+def available_memory(meminfo="/proc/meminfo", folders=cgroups()):
+    """bytes this process may still take: MemAvailable of meminfo, or less where a cgroup memory limit leaves less
+    (a container's, a batch job's; inside a container MemAvailable is the whole machine's); None where none of them
+    can be read (not Linux). folders: our memory cgroups, read once, at import (only their figures change)"""
+    have = []
+    with contextlib.suppress(ValueError, IndexError, StopIteration):
+        have.append(next(int(ln.split()[1]) * 1024 for ln in system_file(meminfo).splitlines()
+                         if ln.startswith("MemAvailable:")))
+    # each cgroup's room below its limit, the droppable page cache counted as free; none where
+    # it sets no limit or its files cannot be read
+    for version, folder in folders:
+        limit_file, usage_file, cache_line = CGROUP_FILES[version]
+        limit, usage = system_file(folder, limit_file).strip(), system_file(folder, usage_file)
+        stats = dict(ln.partition(" ")[::2] for ln in system_file(folder, "memory.stat").splitlines())
+        with contextlib.suppress(ValueError):          # v2 says "max" for no limit (v1 gives a huge number)
+            limit, usage, cache = int(limit), int(usage), 0
+            with contextlib.suppress(ValueError):
+                cache = int(stats.get(cache_line, 0))
+            have.append(max(0, limit - usage + cache))
+    return min(have) if have else None
 
 
 def check_memory(cfg, batch, threads, available=available_memory):

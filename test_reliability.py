@@ -921,7 +921,7 @@ def test_available_memory_is_the_least_of_meminfo_and_every_cgroup_limit_above_u
             (folder / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
             if stat is not None:
                 (folder / "memory.stat").write_text(stat)
-        return ne.available_memory(str(root))
+        return ne.available_memory(str(root / "proc/meminfo"), ne.cgroups(str(root)))   # the folders, as at import
 
     GB = 10 ** 9
     assert machine(8_000_000) == 8_192_000_000                                  # no limit: MemAvailable
