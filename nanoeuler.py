@@ -1783,13 +1783,6 @@ def cmd_serve(args, make_params=None, gen=None):
     serve.cmd_serve(args, sys.modules[__name__], make_params, gen)
 
 
-def add_mtp_weight_flag(sp):
-    """train's --mtp-weight (both programs)"""
-    sp.add_argument("--mtp-weight", type="nonnegative_float", default=None,
-                    help="weight of the extra heads' mean loss, 0 to 1,000 (default: the preset's, SPEC's 0.5); "
-                         "more makes them better drafters for --speculative, at some cost to head 0")
-
-
 def add_serve_flags(sp):
     """serve's flags (both programs)"""
     sp.add_argument("--model", required=True, help=".safetensors model file")
@@ -1798,8 +1791,13 @@ def add_serve_flags(sp):
     sp.add_argument("--port", type="port_type", default=8000, help="TCP port; 0 = any free one")
 
 
-def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_minutes=None):
-    """the flags train and sft share (and nanoeuler_cuda.py's, without --threads, saving every 10 minutes)"""
+def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_minutes=None, mtp_weight=False):
+    """the flags train and sft share, and train's --mtp-weight (and nanoeuler_cuda.py's, without --threads,
+    saving every 10 minutes)"""
+    if mtp_weight:
+        sp.add_argument("--mtp-weight", type="nonnegative_float", default=None,
+                        help="weight of the extra heads' mean loss, 0 to 1,000 (default: the preset's, SPEC's 0.5); "
+                             "more makes them better drafters for --speculative, at some cost to head 0")
     g = sp.add_argument_group("run")
     g.add_argument("--steps", type="count_type", default=steps, help="optimizer steps in the whole run")
     g.add_argument("--minutes", type="minutes_type", default=0, help="instead of --steps: as many steps as fit in "
@@ -1862,8 +1860,7 @@ def build_parser():
     sp.add_argument("--vocab-size", type="vocab_size", default=None,
                     help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
-    add_mtp_weight_flag(sp)
-    add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None)
+    add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None, mtp_weight=True)
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")

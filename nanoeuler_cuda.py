@@ -1734,12 +1734,11 @@ def build_parser():
     sp.add_argument("--data", default=os.path.join(ne.DATA_DIR, "gutenberg"),
                     help="UTF-8 text file or folder of .txt files")
     sp.add_argument("--vocab-size", type=vocab_size_or_preset, default=0, help="BPE vocabulary; 0 = the preset's V")
-    ne.add_mtp_weight_flag(sp)
     add_precision_flag(sp)
     # 600 steps of 16 x 512 tokens are about 4.5 passes over the 1.1M tokens of the
     # embedded books (9 s of steps on an H200, 15.4 ms each; validation 1.83 bits per byte
     # at step 600, still falling); for more, bring more text (get_data.sh) and raise --steps
-    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False, save_minutes=SAVE_MINUTES)
+    ne.add_training_flags(sp, 600, 16, 6e-4, 100, None, threads=False, save_minutes=SAVE_MINUTES, mtp_weight=True)
     add_gpus_flags(sp)
     add_graph_flag(sp)
     add_nodes_flags(sp)
