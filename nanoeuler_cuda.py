@@ -1629,11 +1629,12 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
         policy.observe(rows, len(chosen))
         if stats is not None:
             stats["steps"] = stats.get("steps", 0) + 1
-            stats["tokens"] = stats.get("tokens", 0) + len(chosen)
             stats["drafted"] = stats.get("drafted", 0) + (rows > 1)
         for t in chosen:
             tokens.append(t)
             emitted += 1
+            if stats is not None:                       # counted as given: max_new_tokens or stop may cut a pass
+                stats["tokens"] = stats.get("tokens", 0) + 1
             yield t
             if t == stop or emitted >= max_new_tokens:
                 return

@@ -115,6 +115,7 @@ def test_greedy_host_loop_equals_cpu_generate_across_slides(prompt):
         got = list(nc.generate(dec, CFG, prompt, 3 * CFG.T, temperature=0, speculative=speculative,
                                stats=stats, drafts=drafts))
         assert got == want, (speculative, drafts)
+        assert stats["tokens"] == len(got)                         # a pass cut by max_new_tokens counts what it gave
         assert 1 < dec.most_unread <= nc.LOOKAHEAD                # it did read behind the passes
         assert sum(kind == "prefill" for kind, _ in dec.log) >= 3  # the prompt and two slides at least
         if speculative:
@@ -232,7 +233,12 @@ def test_stop_token_and_max_new_tokens():
     stop = want[7]
     got = list(nc.generate(StandInDecoder(params, CFG), CFG, [1], 30, temperature=0, stop=stop))
     assert got == want[:want.index(stop) + 1]
-    assert len(list(nc.generate(StandInDecoder(params, CFG), CFG, [1], 5, temperature=0, speculative=True))) == 5
+    for stop_at, n in ((None, 5), (stop, 30)):                      # both cut a pass of several tokens short
+        stats = {}
+        got = list(nc.generate(StandInDecoder(params, CFG), CFG, [1], n, temperature=0, speculative=True, stop=stop_at,
+                               stats=stats))
+        assert got == want[:5] if stop_at is None else got == want[:want.index(stop) + 1]
+        assert stats["tokens"] == len(got)
 
 
 def test_empty_prompt_is_refused():
