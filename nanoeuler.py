@@ -1744,7 +1744,7 @@ def cmd_sample(args, make_params=None, gen=None):
 
 
 # -----------------------------------------------------------------------------
-# command line
+# command line: a flag's type is named by a string ("positive_int"), checked by the operations part's FLAG_TYPES
 
 def cmd_check(args):
     if not gradient_check(args.seed):
