@@ -1023,7 +1023,7 @@ class Tokenizer:
 #
 # Preparing a corpus: the tokenizer is trained on a sample of it; then the
 # files are read in chunks of 256 KB, encoded on every core, and the tokens
-# written to disk as they come (uint16: Workers.write_tokens, in operations), so
+# written to disk as they come (uint16: write_tokens, in operations), so
 # memory stays small whatever the corpus's size. Training reads them memory-mapped, so
 # a corpus larger than memory trains. Both are cached by the corpus's hash and the tokenizer.
 
@@ -1149,7 +1149,7 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, vocab_size)
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
-                    lambda npy_path: Workers.write_tokens(npy_path, files, tok, workers, progress), tok.vocab_size)
+                    lambda npy_path: write_tokens(npy_path, files, tok, workers, progress), tok.vocab_size)
     return tok, tokens
 
 
@@ -1230,7 +1230,8 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
 
 def add_into(total, *bufs):
     """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
-    total[...] = functools.reduce(np.add, bufs, total)          # ((total + bufs[0]) + bufs[1]) + ..
+    for buf in bufs:
+        total += buf
 
 
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
@@ -3018,7 +3019,7 @@ class RunFolder:
 
 
 # -----------------------------------------------------------------------------
-# operations: tokenizing a corpus at scale (write_tokens: the data section's one call, as Workers.write_tokens)
+# operations: tokenizing a corpus at scale (write_tokens: the data section's one call)
 
 def text_chunks(files):
     """yield (path, offset, data, ends_document) for pieces of the files of about
@@ -3225,7 +3226,6 @@ def encoding_pool(workers, tok):
 class Workers:
     """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
     them (flat itself for threads), grad_bufs: n gradient buffers; threads: a pool of n threads here"""
-    write_tokens = staticmethod(write_tokens)            # the data section's: a corpus tokenized on every core
 
     def __init__(self, n, flat, processes=False):
         import mmap
