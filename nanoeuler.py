@@ -1190,9 +1190,9 @@ MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, 
 
 def workers_for(B, threads):
     """-> (n, processes): the workers a batch of B rows is split over, at most --threads and one a core;
-    processes where more than PROCESSES_ABOVE, a row each at least; else threads, MIN_ROWS rows each"""
+    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each"""
     n = max(1, min(threads, CORES, B))
-    processes = n > PROCESSES_ABOVE and sys.platform == "linux"
+    processes = n > PROCESSES_ABOVE and sys.platform == "linux" and threading.active_count() == 1   # fork: no thread
     return (n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))), processes
 
 
@@ -3231,7 +3231,7 @@ class Workers:
         import mmap
         from multiprocessing import Pipe
         self.threads, self.conns, self.pids = ThreadPoolExecutor(n), [], []
-        self.processes = processes and n > 1 and threading.active_count() == 1
+        self.processes = processes and n > 1
         if not self.processes:
             self.flat, self.grad_bufs, self.map = flat, [np.zeros_like(flat) for _ in range(n)], self.threads.map
             return

@@ -43,14 +43,20 @@ TINY = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
 def test_a_few_workers_are_threads_of_2_rows_and_more_are_processes_of_a_row(B, threads, cores, expected,
                                                                              monkeypatch):
     monkeypatch.setattr(ne, "CORES", cores)
+    monkeypatch.setattr(ne.threading, "active_count", lambda: 1)      # whatever threads pytest's other tests left
     assert (ne.MIN_ROWS, ne.MAX_THREADS, ne.PROCESSES_ABOVE) == (2, 8, 4)
     assert ne.workers_for(B, threads) == expected
 
 
 @pytest.mark.parametrize("B, threads, cores, expected", [(32, 16, 16, 8), (8, 16, 16, 4), (7, 8, 8, 3)])
-def test_without_fork_the_workers_are_threads_of_2_rows_and_8_at_most(B, threads, cores, expected, monkeypatch):
+@pytest.mark.parametrize("no_fork", ["another system", "another thread running"])
+def test_without_fork_the_workers_are_threads_of_2_rows_and_8_at_most(B, threads, cores, expected, no_fork,
+                                                                       monkeypatch):
     monkeypatch.setattr(ne, "CORES", cores)
-    monkeypatch.setattr(sys, "platform", "darwin")
+    if no_fork == "another system":
+        monkeypatch.setattr(sys, "platform", "darwin")
+    else:                                                  # a fork would copy a lock that thread may hold
+        monkeypatch.setattr(ne.threading, "active_count", lambda: 2)
     assert ne.workers_for(B, threads) == (expected, False)
 
 
