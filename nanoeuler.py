@@ -1500,7 +1500,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
     run = RunFolder(args.out, cfg)
     if args.resume:                                    # refused before the corpus is tokenized (minutes)
-        run.refuse_other_run_early(args, cfg)
+        run.refuse_other_run(args)
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
@@ -2746,36 +2746,33 @@ class RunFolder:
 
     # -- --resume, or a fresh start
 
-    def refuse_other_run(self, args, step, made_by, same_model, differs=""):
-        """--resume: the checkpoint at step was made by made_by (a command), with this run's config
-        and tokenizer or not (same_model; differs: which settings, when known): what this run
-        cannot continue is refused"""
-        # a train run and an sft run in one folder would mix their logs, best models and steps
-        command = getattr(args, "command", None)
-        if made_by and command and made_by != command:
+    def refuse_other_run(self, args, found=None):
+        """--resume: what this run cannot continue is refused: checkpoints of another command (a
+        train run and an sft run in one folder would mix their logs, best models and steps), of
+        another config or tokenizer. found: resume_or_init's (step, load_checkpoint's tuple); None:
+        the newest pair from its files' headers alone, before the corpus is tokenized (minutes): V
+        aside (the tokenizer may still lower it), and a broken pair left to newest_readable"""
+        if found is None and (steps := self.steps()):
+            try:
+                _, meta = read_safetensors(self.path(steps[0], "state"), header_only=True)
+                state = {"args": {"command": json.loads(meta["state"]).get("args", {}).get("command")}}
+                _, meta = read_safetensors(self.path(steps[0]), header_only=True)
+                found = steps[0], (Config(**{**json.loads(meta["config"]), "V": self.cfg.V}), 0, None, 0, 0, state)
+            except (NanoEulerError, *MALFORMED):
+                return
+        if found is None:
+            return
+        (step, (cfg, _, tok, _, _, state)), command = found, getattr(args, "command", None)
+        if (made_by := state.get("args", {}).get("command")) and command and made_by != command:
             raise NanoEulerError(f"{self.out} holds checkpoints of {made_by}, which {command} cannot continue; "
                                  f"give {command} its own --out")
-        if not same_model:
+        differs = "; ".join(f"{k} {v} there, {asdict(self.cfg)[k]} here" for k, v in asdict(cfg).items()
+                            if v != asdict(self.cfg)[k])
+        if differs or tok and tok.merges != self.tok.merges:
             give = "--model" if command == "sft" else "--data and settings"
             raise NanoEulerError(f"the checkpoint at step {step} in {self.out} was trained with another config "
-                                 f"or tokenizer{differs}; pass the same {give}, or another --out")
-
-    def refuse_other_run_early(self, args, cfg):
-        """--resume: resume_or_init's refusals for the newest checkpoint (another command's, another
-        config but for V, which the tokenizer may still lower) made from its files' headers alone,
-        before the corpus is tokenized, which can take minutes"""
-        steps = self.steps()
-        if not steps:
-            return
-        try:
-            _, meta = read_safetensors(self.path(steps[0], "state"), header_only=True)
-            made_by = json.loads(meta["state"]).get("args", {}).get("command")
-            _, meta = read_safetensors(self.path(steps[0]), header_only=True)
-            saved = json.loads(meta["config"])
-            other = [f"{k} {saved[k]} there, {v} here" for k, v in asdict(cfg).items() if k != "V" and saved[k] != v]
-        except (NanoEulerError, *MALFORMED):
-            return                                     # a broken pair: newest_readable says so later
-        self.refuse_other_run(args, steps[0], made_by, not other, f" ({'; '.join(other)})" if other else "")
+                                 f"or tokenizer{f' ({differs})' if differs else ''}; pass the same {give}, or "
+                                 "another --out")
 
     def resume_or_init(self, args, tok, init_flat):
         """the newest complete checkpoint with --resume (another run's refused), else a fresh start
@@ -2792,9 +2789,8 @@ class RunFolder:
             settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}
             state = {"step": 0, "rng": np.random.default_rng(args.seed).bit_generator.state, "args": settings}
             return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), state
-        step, (cfg2, flat, tok2, m, v, state) = found
-        self.refuse_other_run(args, step, state.get("args", {}).get("command"),
-                              cfg2 == self.cfg and tok2.merges == self.tok.merges)
+        step, (_, flat, _, m, v, state) = found
+        self.refuse_other_run(args, found)
         print(f"resuming from {self.path(step)} at step {step}")
         return flat, m, v, state
 

@@ -345,8 +345,10 @@ def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(fi
     assert err.strip().endswith("pass the same --data and settings, or another --out")
     # sft's config and tokenizer come from its --model: that is what to give again
     sft = ne.build_parser().parse_args(["sft", "--model", "m", "--out", str(out)])
+    cfg, other_tok = ne.PRESETS["small"], ne.Tokenizer()        # the same config, another tokenizer's merges
+    other_tok.merges = [(1, 2)]
     with pytest.raises(ne.NanoEulerError, match=r"tokenizer; pass the same --model, or another --out$"):
-        ne.RunFolder(str(out)).refuse_other_run(sft, 8, "sft", same_model=False)
+        ne.RunFolder(str(out), cfg, ne.Tokenizer()).refuse_other_run(sft, (8, (cfg, None, other_tok, None, None, {})))
     # V alone may differ before tokenizing (a small corpus can end with fewer merges): no refusal yet
     args = train_args(out, corpus, "--steps", "12", "--resume")
     with pytest.raises(Tokenizing):
