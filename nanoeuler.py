@@ -2923,7 +2923,7 @@ class RunFolder:
     def save(self, step, engine, state, rng, background=True):
         """the pair of `step`, with the data order's random state -> the model's path"""
         t0 = self.last = self.clock()
-        if self.writing() and self.pair and not self.said:
+        if self.pair and RunFolder.thread and RunFolder.thread.is_alive() and not self.said:
             self.said = True
             print("note: a checkpoint is still being written when the next is due; training waits for it "
                   "(now and later); save less often, or to a faster disk", file=sys.stderr)
@@ -2939,11 +2939,12 @@ class RunFolder:
 
     def save_best(self, flat):
         """best.safetensors of flat (a copy that the steps do not change), written beside them"""
-        self.finish()
         self.start(lambda: save_model(os.path.join(self.out, "best.safetensors"), self.cfg, flat, self.tok))
 
     def start(self, work, step=None, background=True):
-        """work() on the writer's thread, or on this one and finished; step: the pair's (None: best)"""
+        """work() on the writer's thread once the write before it is finished, or on this one and finished;
+        step: the pair's (None: best)"""
+        self.finish()
         def write():
             t0 = self.clock()
             try:
@@ -2961,10 +2962,6 @@ class RunFolder:
             self.finish()
 
     @classmethod
-    def writing(cls):
-        return cls.thread is not None and cls.thread.is_alive()
-
-    @classmethod
     def wait(cls):
         if cls.thread:
             cls.thread.join()
@@ -2973,7 +2970,7 @@ class RunFolder:
     def finish(self, poll=False):
         """wait for the write in flight (poll: only if it has ended) and say a pair is saved, or
         raise what stopped it"""
-        if poll and self.writing():
+        if poll and RunFolder.thread and RunFolder.thread.is_alive():
             return
         self.wait()
         result, self.result = self.result, None
