@@ -3128,11 +3128,8 @@ class Interrupted(BaseException):
     KeyboardInterrupt is (a BaseException: no `except Exception` stops it), so that every
     cleanup on the way out runs (workers stopped, temp files and train.lock removed);
     run_command then exits with 128 + signum. Not a KeyboardInterrupt: what Ctrl-C alone
-    ends (a chat reply, the chat) never takes it for one."""
-
-    def __init__(self, signum):
-        super().__init__(signum)
-        self.signum = signum
+    ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: the signal's number."""
+    signum = property(lambda self: self.args[0])
 
 
 def _raise_interrupt(signum, frame):
