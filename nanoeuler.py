@@ -2084,15 +2084,23 @@ def cmd_plot(args):
 # operations: input checks
 #
 # Every reader of a file that a user or a crash may have damaged (a model, a
-# training state, a cached tokenizer or token file, instructions) takes what a
-# parser raises on content it cannot read as one tuple, MALFORMED, and turns it
-# into one sentence naming the file (refused_if_malformed), or into a cache
-# file made again (cached).
+# training state, a cached tokenizer or token file, instructions) checks what it
+# reads with one helper, require (a ValueError saying what is wrong), takes that
+# and what a parser raises on content it cannot read as one tuple, MALFORMED,
+# and turns it into one sentence naming the file (refused_if_malformed), or into
+# a cache file made again (cached).
 
 # json's errors and bytes that are not UTF-8 (ValueError), nesting past the parser's
 # depth (RecursionError), a field that is missing or of the wrong type (KeyError,
 # TypeError, AttributeError), a number too large for what it sizes (OverflowError)
 MALFORMED = (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError)
+
+
+def require(ok, problem):
+    """the one check of what a file or a config holds: ValueError(problem) unless ok. The problem's
+    words are made before the check, so they use only what the checks before it proved."""
+    if not ok:
+        raise ValueError(problem)
 
 
 @contextlib.contextmanager
@@ -2124,32 +2132,26 @@ def read_text(path):
 def check_config(cfg, source="the config"):
     """-> cfg, once it is a config that the code can run and that would not ask for absurd
     memory: refused before anything is allocated from it. source names it in the message."""
-    def fail(problem):
-        raise NanoEulerError(f"{source} is unusable: {problem}")
-    for name in SIZE_FIELDS:
-        value = getattr(cfg, name)
-        if type(value) is not int or value < 1:          # bool is an int subclass: refused too
-            fail(f"its {name} = {value!r} is not a positive integer")
-    w = cfg.mtp_weight
-    if type(w) not in (int, float) or not 0 <= w < math.inf:
-        fail(f"its mtp_weight = {w!r} is not a finite number >= 0")
-    if cfg.C % cfg.Hq or cfg.D % 2:
-        fail(f"its width C = {cfg.C} does not split into Hq = {cfg.Hq} heads of even size")
-    if cfg.Hq % cfg.Hkv:
-        fail(f"its Hq = {cfg.Hq} query heads are not a multiple of its Hkv = {cfg.Hkv} key/value heads")
-    if cfg.V > MAX_V:
-        fail(f"its vocabulary V = {cfg.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
-    if cfg.T < 2:
-        fail(f"its context T = {cfg.T} is below 2, the least that generation can slide a window over")
-    if cfg.T > MAX_T:
-        fail(f"its context T = {cfg.T:,} is above {MAX_T:,}, the most this program allows "
-             "(attention holds a T x T matrix per head)")
-    # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
-    per_layer = 2 * cfg.C + (cfg.Hq + 2 * cfg.Hkv) * cfg.D * cfg.C + cfg.C * cfg.Hq * cfg.D \
-        + 3 * cfg.F * cfg.C
-    n = (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
-    if n > MAX_PARAMS:
-        fail(f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
+    with refused_if_malformed(lambda e: f"{source} is unusable: {e}"):
+        for name in SIZE_FIELDS:
+            value = getattr(cfg, name)                  # bool is an int subclass: refused too
+            require(type(value) is int and value >= 1, f"its {name} = {value!r} is not a positive integer")
+        w = cfg.mtp_weight
+        require(type(w) in (int, float) and 0 <= w < math.inf, f"its mtp_weight = {w!r} is not a finite number >= 0")
+        require(cfg.C % cfg.Hq == 0 and cfg.D % 2 == 0,
+                f"its width C = {cfg.C} does not split into Hq = {cfg.Hq} heads of even size")
+        require(cfg.Hq % cfg.Hkv == 0,
+                f"its Hq = {cfg.Hq} query heads are not a multiple of its Hkv = {cfg.Hkv} key/value heads")
+        require(cfg.V <= MAX_V,
+                f"its vocabulary V = {cfg.V:,} is above {MAX_V:,}, the most the uint16 token cache holds")
+        require(cfg.T >= 2, f"its context T = {cfg.T} is below 2, the least that generation can slide a window over")
+        require(cfg.T <= MAX_T, f"its context T = {cfg.T:,} is above {MAX_T:,}, the most this program allows "
+                "(attention holds a T x T matrix per head)")
+        # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
+        per_layer = 2 * cfg.C + (cfg.Hq + 2 * cfg.Hkv) * cfg.D * cfg.C + cfg.C * cfg.Hq * cfg.D \
+            + 3 * cfg.F * cfg.C
+        n = (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
+        require(n <= MAX_PARAMS, f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
     return cfg
 
 
@@ -2164,21 +2166,18 @@ def check_merges(merges):
     special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
     doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
     Raises ValueError saying which merge is wrong."""
-    if not isinstance(merges, list) or len(merges) > MAX_V - FIRST_MERGE_ID:
-        raise ValueError(f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
+    require(isinstance(merges, list) and len(merges) <= MAX_V - FIRST_MERGE_ID,
+            f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
     lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
     for i, pair in enumerate(merges):
-        if not (isinstance(pair, list) and len(pair) == 2 and
-                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
-            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
-                             "(bytes or earlier merges)")
-        if tuple(pair) in seen:
-            raise ValueError(f"merge {i} repeats the pair {pair}")
+        require(isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair),
+                f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} (bytes or earlier merges)")
+        require(tuple(pair) not in seen, f"merge {i} repeats the pair {pair}")
         seen.add(tuple(pair))
         lengths.append(lengths[pair[0]] + lengths[pair[1]])
         total += lengths[-1]
-        if total > MAX_VOCAB_BYTES:
-            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+        require(total <= MAX_VOCAB_BYTES, f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
     return merges
 
 
@@ -2187,8 +2186,7 @@ def read_tokenizer(path, vocab_size):
     runs out of pairs), never more."""
     with open(path) as f:
         tok = Tokenizer.from_json(f.read())
-    if tok.vocab_size > vocab_size:
-        raise ValueError(f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
+    require(tok.vocab_size <= vocab_size, f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
     return tok
 
 
@@ -2199,22 +2197,19 @@ def load_tokens(path, vocab_size, chunk=1 << 24):
     fmt = np.lib.format
     with open(path, "rb") as f:
         try:
-            if fmt.read_magic(f) != (1, 0):
-                raise ValueError("not a version 1.0 .npy file")
+            require(fmt.read_magic(f) == (1, 0), "not a version 1.0 .npy file")
             shape, _, dtype = fmt.read_array_header_1_0(f)
         except MALFORMED as e:                         # not a .npy file, a broken header
             raise ValueError(f"not a .npy file: {e}") from None
         offset = f.tell()
-    if dtype != TOKEN_DTYPE or len(shape) != 1:
-        raise ValueError(f"it holds {dtype} of shape {shape}, not {TOKEN_DTYPE} ids")
+    require(dtype == TOKEN_DTYPE and len(shape) == 1, f"it holds {dtype} of shape {shape}, not {TOKEN_DTYPE} ids")
     size = os.path.getsize(path)
-    if size != offset + shape[0] * dtype.itemsize:
-        raise ValueError(f"its header says {shape[0]:,} ids ({shape[0] * dtype.itemsize:,} bytes), its data is "
-                         f"{size - offset:,} bytes")
+    require(size == offset + shape[0] * dtype.itemsize, f"its header says {shape[0]:,} ids "
+            f"({shape[0] * dtype.itemsize:,} bytes), its data is {size - offset:,} bytes")
     tokens = np.load(path, mmap_mode="r")
     for i in range(0, len(tokens), chunk):
-        if (top := int(tokens[i:i + chunk].max())) >= vocab_size:
-            raise ValueError(f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids")
+        require((top := int(tokens[i:i + chunk].max())) < vocab_size,
+                f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids")
     return tokens
 
 
@@ -2223,9 +2218,7 @@ def cached(path, make, vocab_size):
     cached at path, read by the reader of its kind; made (make(path) writes it) where there is
     none or it does not read (MALFORMED: one line says why), then read back. The temp files
     that killed writers left in the folder are removed first."""
-    folder = os.path.dirname(path)
-    if os.path.isdir(folder):
-        remove_stale_tmp(folder)
+    remove_stale_tmp(os.path.dirname(path))
     tokenizer = path.endswith(".json")
     read, what = (read_tokenizer, "the tokenizer") if tokenizer else (load_tokens, "the corpus's tokens")
     if os.path.exists(path) and not os.path.isfile(path):     # a named pipe would hang the read
@@ -2244,34 +2237,6 @@ def cached(path, make, vocab_size):
 MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
 
 
-def tensor_entries(header, bad):
-    """a safetensors header's tensors -> [(begin, end, name, shape)] in data order and the
-    end of the last, once each is float32 with a shape that matches its bytes and they
-    tile the data without gaps or overlaps; bad(problem) -> the error to raise"""
-    entries = []
-    for name, h in header.items():
-        if not isinstance(h, dict):
-            raise bad(f"the entry of tensor {name!r} is not a map")
-        shape, offsets = h.get("shape"), h.get("data_offsets")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-            raise bad(f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                and 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-        if h.get("dtype") != "F32" or offsets[1] - offsets[0] != 4 * math.prod(shape):
-            raise bad(f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
-                      f"{offsets[1] - offsets[0]:,} bytes)")
-        entries.append((offsets[0], offsets[1], name, shape))
-    entries.sort()
-    end = 0
-    for begin, stop, name, _ in entries:
-        if begin != end:
-            raise bad(f"tensor {name!r} starts at byte {begin:,} of the data, where "
-                      f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
-        end = stop
-    return entries, end
-
-
 def read_safetensors(path, check=None, header_only=False):
     """-> (dict name -> float32 array in file order, metadata); one clear error for a bad file.
 
@@ -2279,60 +2244,59 @@ def read_safetensors(path, check=None, header_only=False):
     and the tensors must tile the data exactly (no overlaps, no gaps, nothing
     after them, as the safetensors library demands), so nothing is allocated
     beyond the file itself, and that only once its header adds up.
-    check(shapes {name: shape tuple}, metadata): the caller's own checks of the
-    header (raising NanoEulerError), also before the data is read.
+    check(path, shapes {name: shape tuple}, metadata): the caller's own checks of
+    the header (raising NanoEulerError), also before the data is read; what it
+    returns is returned in the metadata's place (model_header: cfg, tokenizer).
     header_only: -> (shapes, metadata), the data left unread."""
     if not os.path.isfile(path):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
-
-    def bad(problem):
-        return NanoEulerError(f"{path} is not a usable safetensors file: {problem}")
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        first = f.read(8)
-        n = int.from_bytes(first, "little") if len(first) == 8 else -1
-        with refused_if_malformed(lambda e: f"{path} is not a safetensors file (its header cannot be read)"):
-            if not 2 <= n <= min(size - 8, MAX_HEADER):
-                raise ValueError
+        size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
+        with refused_if_malformed(lambda e: f"{path} is not a safetensors file (its header cannot be read: {e})"):
+            require(2 <= n <= min(size - 8, MAX_HEADER), f"it says {n:,} bytes")
             header = json.loads(f.read(n))
-            if not isinstance(header, dict):
-                raise ValueError
-        metadata = header.pop("__metadata__", {})
-        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-            raise bad("its __metadata__ is not a map of strings")
-        entries, end = tensor_entries(header, bad)
-        found = size - 8 - n
-        if found < end:
-            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
-                                 "use an earlier checkpoint or re-run with --resume")
-        if found > end:
-            raise bad(f"{found - end:,} bytes follow its last tensor")
-        shapes = {name: tuple(shape) for _, _, name, shape in entries}
-        if check:
-            check(shapes, metadata)
+            require(isinstance(header, dict), "it is not a map")
+        with refused_if_malformed(lambda e: f"{path} is not a usable safetensors file: {e}"):
+            metadata = header.pop("__metadata__", {})
+            require(isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()),
+                    "its __metadata__ is not a map of strings")
+            entries = []                                   # (begin, end, name, shape) of each tensor
+            for name, h in header.items():
+                require(isinstance(h, dict), f"the entry of tensor {name!r} is not a map")
+                shape, offsets = h.get("shape"), h.get("data_offsets")
+                require(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape),
+                        f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+                require(isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                        and 0 <= offsets[0] <= offsets[1],
+                        f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+                require(h.get("dtype") == "F32" and offsets[1] - offsets[0] == 4 * math.prod(shape),
+                        f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                        f"{offsets[1] - offsets[0]:,} bytes)")
+                entries.append((offsets[0], offsets[1], name, tuple(shape)))
+            entries.sort()
+            end = 0                                        # they tile the data: each starts where the last ended
+            for begin, stop, name, _ in entries:
+                require(begin == end, f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                        f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+                end = stop
+            found = size - 8 - n
+            if found < end:
+                raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
+                                     "use an earlier checkpoint or re-run with --resume")
+            require(found == end, f"{found - end:,} bytes follow its last tensor")
+        shapes = {name: shape for _, _, name, shape in entries}
+        checked = check(path, shapes, metadata) if check else metadata
         if header_only:
-            return shapes, metadata
+            return shapes, checked
         data = f.read(end)
     if len(data) != end:                               # the file shrank while we read it
         raise NanoEulerError(f"{path} changed while it was read; try again")
-    tensors = {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
-               for begin, stop, name, shape in entries}
-    return tensors, metadata
-
-
-def tensor_mismatch(shapes, want, n_want):
-    """what differs between a file's tensors (name -> shape) and SPEC's (want), in words"""
-    if len(shapes) != n_want:
-        return f"{len(shapes)} tensors, SPEC expects {n_want}"
-    missing = [name for name in want if name not in shapes]
-    if missing:
-        return f"it lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}"
-    name = next(n for n in want if shapes[n] != want[n])
-    return f"{name} has shape {shapes[name]}, SPEC expects {want[name]}"
+    return {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
+            for begin, stop, name, shape in entries}, checked
 
 
 def model_header(path, shapes, meta):
-    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer"""
+    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer (read_safetensors's check)"""
     if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
         state = meta.get("format") == "nanoeuler-state"  # the state_<step> file beside a model_<step>
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
@@ -2340,49 +2304,47 @@ def model_header(path, shapes, meta):
                              ("; it is a training state: give the model_ file of its step" if state else ""))
     with refused_if_malformed(lambda e: f"{path} has a broken config in its metadata ({e})"):
         given = json.loads(meta["config"])
-        if not isinstance(given, dict):
-            raise ValueError("the config is not a map")
+        require(isinstance(given, dict), "the config is not a map")
         missing = [k for k in SIZE_FIELDS if k not in given]
-        if missing:
-            raise ValueError(f"the config lacks {', '.join(missing)}")
+        require(not missing, f"the config lacks {', '.join(missing)}")
         known = {f.name for f in fields(Config)}
         cfg = Config(**{k: v for k, v in given.items() if k in known})
     check_config(cfg, f"the config in {path}")          # before anything is made from its sizes
     with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
         tok = Tokenizer.from_json(meta["tokenizer"])
-    # counted before the list of shapes is made: a crafted L = 10^18 must not build it
-    n_want = 2 + 7 * cfg.L + cfg.K
-    want = dict(param_shapes(cfg)) if len(shapes) == n_want else {}
-    # we write tensors in SPEC order; other writers may order them otherwise
-    if shapes != want:
-        raise NanoEulerError(f"{path} holds tensors that do not match its config "
-                             f"({tensor_mismatch(shapes, want, n_want)} for {asdict(cfg)})")
+    with refused_if_malformed(lambda e: f"{path} holds tensors that do not match its config ({e} for {asdict(cfg)})"):
+        n_want = 2 + 7 * cfg.L + cfg.K                 # counted first: a crafted L = 10^18 must not list its shapes
+        require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")
+        for name, shape in param_shapes(cfg):          # by name: other writers may order them otherwise
+            require(name in shapes, f"it lacks {name}")
+            require(shapes[name] == shape, f"{name} has shape {shapes[name]}, SPEC expects {shape}")
     if tok.vocab_size != cfg.V:
         raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
     return cfg, tok
 
 
 def check_state(state, step):
-    """raise ValueError (or KeyError, TypeError, OverflowError) saying what is wrong with a
-    training state's JSON, so that --resume sets it aside rather than fail on it later"""
-    if type(state["step"]) is not int or state["step"] != step:
-        raise ValueError(f"it says step {state['step']!r}")
+    """-> state, once it is a training state --resume can continue from: else ValueError (or KeyError,
+    TypeError, OverflowError) saying what is wrong, so that --resume sets it aside rather than fail later"""
+    require(type(state["step"]) is int and state["step"] == step, f"it says step {state['step']!r}")
     saved_rng(state)                                   # numpy refuses what is not a PCG64 state
     best = [name for name in ("best_val", "best_bpb", "best_step") if name in state]
-    if best and len(best) < 3:                         # the best model's three numbers go together
-        raise ValueError(f"it holds {' and '.join(best)} without the rest of best_val, best_bpb, best_step")
+    # the best model's three numbers go together
+    require(len(best) in (0, 3), f"it holds {' and '.join(best)} without the rest of best_val, best_bpb, best_step")
     for name in ("best_val", "best_bpb"):              # a NaN best would never be beaten
-        if name in state and (type(state[name]) not in (int, float) or not math.isfinite(state[name])):
-            raise ValueError(f"its {name} = {state[name]!r} is not a finite number")
+        value = state.get(name, 0)
+        require(type(value) in (int, float) and math.isfinite(value), f"its {name} = {value!r} is not a finite number")
     for name in ("best_step", "planned_steps"):
-        if name in state and (type(state[name]) is not int or not 1 <= state[name] <= MAX_PLANNED_STEPS):
-            raise ValueError(f"its {name} = {state[name]!r} is not a whole number from 1 to {MAX_PLANNED_STEPS:,}")
-    if not isinstance(state.get("args", {}), dict):
-        raise ValueError(f"its args = {state['args']!r:.40} is not a map")
+        value = state.get(name, 1)
+        require(type(value) is int and 1 <= value <= MAX_PLANNED_STEPS,
+                f"its {name} = {value!r} is not a whole number from 1 to {MAX_PLANNED_STEPS:,}")
+    require(isinstance(state.get("args", {}), dict), f"its args = {state.get('args')!r:.40} is not a map")
+    return state
 
 
 def jsonl_records(text):
-    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named"""
+    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named,
+    and a JSON object written over many lines (pretty-printed) is said to be one"""
     records = []
     # lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
     # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
@@ -2391,8 +2353,16 @@ def jsonl_records(text):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
+                try:
+                    one_object = isinstance(json.loads(text), dict)
+                except (ValueError, RecursionError):
+                    one_object = False
+                require(not one_object, "it is one JSON object, not a list of examples nor one example a line")
                 raise ValueError(f"line {n} is not JSON: {e.msg} (column {e.colno})") from None
     return records
+
+
+INSTRUCTIONS = "JSONL or a JSON list of objects with instruction, input and response (or output)"
 
 
 def load_instructions(path):
@@ -2401,42 +2371,27 @@ def load_instructions(path):
     if not os.path.isfile(path):
         raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
-
-    def bad(problem):
-        return NanoEulerError(f"{path} is not instruction data: {problem}; expected JSONL or a JSON list of "
-                              "objects with instruction, input and response (or output)")
-    try:
-        records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
-    except MALFORMED as e:
-        if "integer string conversion" in str(e):
-            raise bad("it holds a number of more than 4,300 digits") from None
-        if text.lstrip().startswith("{") and len(text.strip().splitlines()) > 1:
-            with contextlib.suppress(ValueError, RecursionError):
-                if isinstance(json.loads(text), dict):
-                    raise bad("it is one JSON object, not a list of examples nor one example a line") from None
-        raise bad(f"{type(e).__name__}: {e}") from None
     pairs = []
-    for i, r in enumerate(records):
-        if not isinstance(r, dict):
-            raise bad(f"example {i + 1} is not an object")
-        if "instruction" not in r:
-            raise bad(f"example {i + 1} has no instruction")
-        if "response" not in r and "output" not in r:
-            raise bad(f"example {i + 1} has no response (or output)")
-        response = r["response"] if "response" in r else r["output"]
-        for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")), ("response", response)):
-            if not isinstance(value, str):
-                raise bad(f"the {key} of example {i + 1} is {type(value).__name__}, not text")
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as e:                    # JSON's \ud800: half of a UTF-16 pair
-                raise bad(f"the {key} of example {i + 1} holds {value[e.start]!r}, half of a UTF-16 "
-                          "surrogate pair, which is not text") from None
-        prompt = r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else "")
-        pairs.append((prompt, response))
+    with refused_if_malformed(lambda e: f"{path} is not instruction data: {e}; expected {INSTRUCTIONS}"):
+        try:
+            records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
+        except ValueError as e:                    # Python's own words name a setting this program never sets
+            require("integer string conversion" not in str(e), "it holds a number of more than 4,300 digits")
+            raise
+        for i, r in enumerate(records, 1):
+            require(isinstance(r, dict), f"example {i} is not an object")
+            require("instruction" in r, f"example {i} has no instruction")
+            require("response" in r or "output" in r, f"example {i} has no response (or output)")
+            response = r["response"] if "response" in r else r["output"]
+            for key, value in (("instruction", r["instruction"]), ("input", r.get("input", "")),
+                               ("response", response)):
+                require(isinstance(value, str), f"the {key} of example {i} is {type(value).__name__}, not text")
+                half = re.search("[\ud800-\udfff]", value)      # JSON's \ud800: half of a UTF-16 pair
+                require(not half, f"the {key} of example {i} holds {half and half[0]!r}, half of a UTF-16 "
+                        "surrogate pair, which is not text")
+            pairs.append((r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else ""), response))
     if not pairs:
-        raise NanoEulerError(f"{path} holds no examples; give JSONL or a JSON list of objects with instruction, "
-                             "input and response (or output)")
+        raise NanoEulerError(f"{path} holds no examples; give {INSTRUCTIONS}")
     return pairs
 
 
@@ -2448,7 +2403,8 @@ def load_instructions(path):
 # moments, step, random state) goes in a second safetensors file beside it.
 # Both are written to a .tmp file and renamed (atomic_write), the state first
 # and the model last, so a model file that exists always has its complete
-# state beside it.
+# state beside it. Both are read by read_safetensors, whose check reads the
+# header (model_header, the state's check) before any weight is read.
 
 def write_safetensors(path, tensors, metadata):
     """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
@@ -2478,12 +2434,7 @@ def save_model(path, cfg, flat, tok):
 def load_model(path):
     """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence,
     all but non-finite weights before the weights are read"""
-    header = {}
-
-    def check(shapes, meta):
-        header["cfg"], header["tok"] = model_header(path, shapes, meta)
-    tensors, _ = read_safetensors(path, check)
-    cfg, tok = header["cfg"], header["tok"]
+    tensors, (cfg, tok) = read_safetensors(path, model_header)
     names = [name for name, _ in param_shapes(cfg)]
     bad = [name for name in names if not np.isfinite(tensors[name]).all()]
     if bad:
@@ -2511,20 +2462,20 @@ def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
 def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
     cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
-    path = checkpoint_path(out_dir, step, "state")
 
-    def check(shapes, meta):
+    def check(path, shapes, meta):                     # the state file's header -> its state dict
         if meta.get("format") != "nanoeuler-state" or shapes != {"m": flat.shape, "v": flat.shape}:
             raise NanoEulerError(f"{path} is not the training state of its model file")
-    tensors, meta = read_safetensors(path, check)
+        with refused_if_malformed(lambda e: f"{path} holds a training state that cannot be read "
+                                  f"({type(e).__name__}: {e})"):
+            return check_state(json.loads(meta["state"]), step)
+    path = checkpoint_path(out_dir, step, "state")
+    tensors, state = read_safetensors(path, check)
+    m, v = tensors["m"], tensors["v"]
     # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
-    if not (np.isfinite(tensors["m"]).all() and np.isfinite(tensors["v"]).all() and (tensors["v"] >= 0).all()):
+    if not (np.isfinite(m).all() and np.isfinite(v).all() and (v >= 0).all()):
         raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
-    with refused_if_malformed(lambda e: f"{path} holds a training state that cannot be read "
-                              f"({type(e).__name__}: {e})"):
-        state = json.loads(meta["state"])
-        check_state(state, step)
-    return cfg, flat, tok, tensors["m"].copy(), tensors["v"].copy(), state
+    return cfg, flat, tok, m.copy(), v.copy(), state
 
 
 # -----------------------------------------------------------------------------
@@ -2571,7 +2522,7 @@ def remove_stale_tmp(folder, idle=STALE_TMP_SECONDS):
     process is gone and that nobody wrote for `idle` seconds (in the shared cache, a writer in
     another container shares the folder but not our pids; a locked run folder needs no wait)"""
     now = time.time()
-    for name in os.listdir(folder):
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
         m = TMP_FILE.fullmatch(name)
         path = os.path.join(folder, name)
         if m and not process_exists(int(m.group(1))):

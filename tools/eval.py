@@ -612,7 +612,7 @@ def run_checkpoints(args):
     for name in names:                                 # every header before minutes of scoring
         where = os.path.join(args.run, name)
         try:
-            ne.read_safetensors(where, lambda shapes, meta: ne.model_header(where, shapes, meta), header_only=True)
+            ne.read_safetensors(where, ne.model_header, header_only=True)
         except NanoEulerError as e:
             raise damaged(name, e) from None
     path = os.path.join(args.run, "eval.csv")
