@@ -2131,8 +2131,9 @@ def read_text(path):
 
 def check_config(cfg, source="the config"):
     """-> cfg, once it is a config that the code can run and that would not ask for absurd
-    memory: refused before anything is allocated from it. source names it in the message."""
-    with refused_if_malformed(lambda e: f"{source} is unusable: {e}"):
+    memory: refused before anything is allocated from it. source names it in the message.
+    (A try, not refused_if_malformed: train's way to model_forward enters one function fewer.)"""
+    try:
         for name in SIZE_FIELDS:
             value = getattr(cfg, name)                  # bool is an int subclass: refused too
             require(type(value) is int and value >= 1, f"its {name} = {value!r} is not a positive integer")
@@ -2152,6 +2153,8 @@ def check_config(cfg, source="the config"):
             + 3 * cfg.F * cfg.C
         n = (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
         require(n <= MAX_PARAMS, f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
+    except ValueError as e:
+        raise NanoEulerError(f"{source} is unusable: {e}") from None
     return cfg
 
 
@@ -2169,31 +2172,34 @@ def check_merges(merges):
     require(isinstance(merges, list) and len(merges) <= MAX_V - FIRST_MERGE_ID,
             f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
     lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
+    # per merge, ifs rather than require: its words would be made for every merge (65,536 took 3 times as long)
     for i, pair in enumerate(merges):
-        require(isinstance(pair, list) and len(pair) == 2 and
-                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair),
-                f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} (bytes or earlier merges)")
-        require(tuple(pair) not in seen, f"merge {i} repeats the pair {pair}")
+        if not (isinstance(pair, list) and len(pair) == 2 and
+                all(type(t) is int and (0 <= t < 256 or FIRST_MERGE_ID <= t < FIRST_MERGE_ID + i) for t in pair)):
+            raise ValueError(f"merge {i} is {pair!r}, not a pair of ids below {FIRST_MERGE_ID + i} "
+                             "(bytes or earlier merges)")
+        if tuple(pair) in seen:
+            raise ValueError(f"merge {i} repeats the pair {pair}")
         seen.add(tuple(pair))
         lengths.append(lengths[pair[0]] + lengths[pair[1]])
         total += lengths[-1]
-        require(total <= MAX_VOCAB_BYTES, f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
+        if total > MAX_VOCAB_BYTES:
+            raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
     return merges
 
 
-def read_tokenizer(path, vocab_size):
-    """the tokenizer cached at path. It may hold fewer than vocab_size tokens (a small corpus
-    runs out of pairs), never more."""
-    with open(path) as f:
-        tok = Tokenizer.from_json(f.read())
-    require(tok.vocab_size <= vocab_size, f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
-    return tok
-
-
-def load_tokens(path, vocab_size, chunk=1 << 24):
-    """the cached token file, memory-mapped, if it holds what write_tokens writes: a 1-D array
-    of the tokenizer's dtype, exactly as long as its header says, every id below vocab_size
-    (checked chunk by chunk: no copy in memory); else ValueError saying what is wrong"""
+def read_cache(path, vocab_size, chunk=1 << 24):
+    """a file of the data cache, if it holds what was written there; else ValueError (or what the
+    parser raises: MALFORMED) saying what is wrong. tokenizer_*.json: the tokenizer, which may hold
+    fewer than vocab_size tokens (a small corpus runs out of pairs), never more. tokens_*.npy: the
+    tokens, memory-mapped, if they are what write_tokens writes: a 1-D array of the tokenizer's dtype,
+    exactly as long as its header says, every id below vocab_size (checked chunk by chunk: no copy
+    in memory)."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            tok = Tokenizer.from_json(f.read())
+        require(tok.vocab_size <= vocab_size, f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
+        return tok
     fmt = np.lib.format
     with open(path, "rb") as f:
         try:
@@ -2215,23 +2221,23 @@ def load_tokens(path, vocab_size, chunk=1 << 24):
 
 def cached(path, make, vocab_size):
     """the data cache's one reader: the tokenizer (tokenizer_*.json) or the tokens (tokens_*.npy)
-    cached at path, read by the reader of its kind; made (make(path) writes it) where there is
+    cached at path, read by read_cache; made (make(path) writes it) where there is
     none or it does not read (MALFORMED: one line says why), then read back. The temp files
     that killed writers left in the folder are removed first."""
     remove_stale_tmp(os.path.dirname(path))
     tokenizer = path.endswith(".json")
-    read, what = (read_tokenizer, "the tokenizer") if tokenizer else (load_tokens, "the corpus's tokens")
+    what = "the tokenizer" if tokenizer else "the corpus's tokens"
     if os.path.exists(path) and not os.path.isfile(path):     # a named pipe would hang the read
         raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
     if os.path.exists(path):
         try:
-            return read(path, vocab_size)
+            return read_cache(path, vocab_size)
         except MALFORMED as e:
             print(f"{path} is damaged ({e}); {'training the tokenizer' if tokenizer else 'tokenizing'} again",
                   file=sys.stderr)
     make(path)
     with refused_if_malformed(lambda e: f"{path} cannot be read back ({e}); delete it and run again"):
-        return read(path, vocab_size)
+        return read_cache(path, vocab_size)
 
 
 MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header

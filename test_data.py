@@ -425,8 +425,8 @@ def test_every_chunk_of_the_token_file_is_checked_to_its_last_id(tmp_path):
     path = str(tmp_path / "t.npy")
     np.save(path, np.array([1, 2, 3, 300], np.uint16))
     with pytest.raises(ValueError, match="^it holds the id 300, beyond the tokenizer's 300 ids$"):
-        ne.load_tokens(path, 300, chunk=2)
-    assert ne.load_tokens(path, 301, chunk=2).tolist() == [1, 2, 3, 300]
+        ne.read_cache(path, 300, chunk=2)
+    assert ne.read_cache(path, 301, chunk=2).tolist() == [1, 2, 3, 300]
 
 
 def test_the_cached_tokenizer_is_one_per_vocabulary_size(tmp_path):
@@ -619,7 +619,7 @@ def test_a_cached_token_file_with_an_id_at_the_vocabulary_size_is_refused(tmp_pa
     for top, ok in ((511, True), (512, False)):
         np.save(path, np.array([0, 5, top, 7], dtype=ne.TOKEN_DTYPE))
         if ok:
-            assert ne.load_tokens(path, 512, chunk=2).tolist() == [0, 5, top, 7]
+            assert ne.read_cache(path, 512, chunk=2).tolist() == [0, 5, top, 7]
         else:
             with pytest.raises(ValueError, match="^it holds the id 512, beyond the tokenizer's 512 ids$"):
-                ne.load_tokens(path, 512, chunk=2)
+                ne.read_cache(path, 512, chunk=2)
