@@ -2162,6 +2162,7 @@ SIZE_FIELDS = ("V", "C", "Hq", "Hkv", "L", "T", "F", "K")     # SPEC's size fiel
 MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 8192
 MAX_PARAMS = 2 ** 31    # 8 GB of float32 weights, 32 GB with AdamW's moments and a gradient; big has 0.1 billion
 MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
+MAX_HEADER = 100_000_000       # a safetensors header's bytes: the safetensors library's own bound
 
 
 def check_merges(merges):
@@ -2238,9 +2239,6 @@ def cached(path, make, vocab_size):
     make(path)
     with refused_if_malformed(lambda e: f"{path} cannot be read back ({e}); delete it and run again"):
         return read_cache(path, vocab_size)
-
-
-MAX_HEADER = 100_000_000      # the safetensors library's own bound on a header
 
 
 def read_safetensors(path, check=None, header_only=False):
