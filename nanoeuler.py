@@ -29,7 +29,7 @@ loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
-name (load_model, atomic_write, RunFolder, ArgumentParser, ...): a name met in the
+name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the
 story and defined later is one of those, or cmd_bench, cmd_plot or plot_log.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
@@ -1139,13 +1139,13 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
                 h.update(block)
     corpus = h.hexdigest()[:16]
 
-    def train_tokenizer(tok_path):
+    def train_tokenizer(tok_path):                     # -> its JSON's bytes, which cached writes
         text = tokenizer_sample(files)
         if not text.strip():
             raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
         tok = Tokenizer.train(text, vocab_size, progress)
         os.makedirs(cache_dir, exist_ok=True)          # made only now: a refused run leaves no empty cache
-        atomic_write(tok_path, tok.to_json().encode())
+        return tok.to_json().encode()
     tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, vocab_size)
     tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
     tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
@@ -1628,10 +1628,9 @@ def chat_reply(params, cfg, tok, history, args, out, reply, gen=None, stats=None
     chat=False (sample): the text goes on past <|end|> and the other specials, as written."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     end = tok.special("<|end|>") if chat else None
-    gen = gen or generate
     cut = False                                        # whether --max-new-tokens ended the reply
     try:
-        for t in gen(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+        for t in (gen or generate)(params, cfg, history, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                      args.seed, args.speculative, stop=end, drafts=args.drafts, stats=stats):
             if chat and (t == end or 256 <= t < FIRST_MERGE_ID):
                 break
@@ -1753,9 +1752,6 @@ def cmd_check(args):
 
 
 def cmd_prepare(args):
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise NanoEulerError(f"--out {args.out} is a file, not a folder; give the folder of a run (the tokens are "
-                             "cached beside it)")
     tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
     print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 
@@ -1792,7 +1788,7 @@ def add_serve_flags(sp):
     sp.add_argument("--port", type="port_type", default=8000, help="TCP port; 0 = any free one")
 
 
-def add_training_flags(sp, steps, batch, lr, warmup, out, threads=True, save_minutes=None, mtp_weight=False):
+def add_training_flags(sp, steps, batch, lr, warmup, out, mtp_weight=False, threads=True, save_minutes=None):
     """the flags train and sft share, and train's --mtp-weight (and nanoeuler_cuda.py's, without --threads,
     saving every 10 minutes)"""
     if mtp_weight:
@@ -1849,7 +1845,9 @@ def add_generation_flags(sp, drafts=1):
                     "1..N (at most K-1)")
 
 
-def build_parser():
+def build_parser(command=None):
+    """the program's flags: every command's, or where command is named (main: the one that runs) the shared
+    flags of that one only: add(its parser, *defaults), after its own, as --help lists them (True: --mtp-weight)"""
     p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
@@ -1861,7 +1859,6 @@ def build_parser():
     sp.add_argument("--vocab-size", type="vocab_size", default=None,
                     help="BPE vocabulary (V) (default: the preset's, small 512, big 4096)")
     sp.add_argument("--model-size", default="small", choices=sorted(PRESETS), help="SPEC preset")
-    add_training_flags(sp, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None, mtp_weight=True)
 
     sp = sub.add_parser("prepare", help="train the tokenizer and tokenize a corpus, as train's first step")
     sp.add_argument("--data", default=DEFAULT_CORPUS, help="UTF-8 text file or folder of .txt files")
@@ -1873,26 +1870,29 @@ def build_parser():
     sp = sub.add_parser("sft", help="fine-tune on instructions, loss on responses only")
     sp.add_argument("--model", required=True, help="pretrained .safetensors")
     sp.add_argument("--data", default=DEFAULT_SFT, help="JSONL (instruction/input/response) or Alpaca JSON")
-    add_training_flags(sp, 600, 16, 1e-3, 30, os.path.join("out", "sft"))
-
-    sp = sub.add_parser("sample", help="continue a prompt")
-    add_generation_flags(sp)
-    sp.add_argument("--prompt", type="argv_text", default="", help="text to continue (default: none, a new document)")
-    add_generation_flags(sub.add_parser("chat", help="chat on stdin/stdout"))
-    add_serve_flags(sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md)"))
+    sub.add_parser("sample", help="continue a prompt").add_argument(
+        "--prompt", type="argv_text", default="", help="text to continue (default: none, a new document)")
+    sub.add_parser("chat", help="chat on stdin/stdout")
+    sub.add_parser("serve", help="chat in the browser, and an OpenAI-shaped API (docs/serve.md)")
     sub.add_parser("plot", help="draw a run's loss curve again (log.svg, and log.png with matplotlib)").add_argument(
         "run", help="a run folder (out/small) or its log.csv")
     sp = sub.add_parser("bench", help="time training steps, the tokenizer and generation")
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
     sp.add_argument("--threads", type="positive_int", default=CORES, help="threads for training steps")
     sp.add_argument("--max-new-tokens", type="count_type", default=400, help="tokens to generate")
+    shared = {"train": (add_training_flags, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None, True),
+              "sft": (add_training_flags, 600, 16, 1e-3, 30, os.path.join("out", "sft")),
+              "sample": (add_generation_flags,), "chat": (add_generation_flags,), "serve": (add_serve_flags,)}
+    for name, (add, *defaults) in shared.items():
+        if command in (None, name):
+            add(sub.choices[name], *defaults)
     return p
 
 
 def main(argv=None):
-    commands = {"check": cmd_check, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "bench": cmd_bench, "prepare": cmd_prepare, "plot": cmd_plot, "serve": cmd_serve}
-    build_parser().run(commands, argv)
+    """the program: `python nanoeuler.py train ...` runs cmd_train(args) (ArgumentParser.run)"""
+    argv = sys.argv[1:] if argv is None else argv
+    build_parser(next((a for a in argv if not a.startswith("-")), None)).run(argv)   # its command's flags only
 
 
 # -----------------------------------------------------------------------------
@@ -2222,9 +2222,9 @@ def read_cache(path, vocab_size, chunk=1 << 24):
 
 def cached(path, make, vocab_size):
     """the data cache's one reader: the tokenizer (tokenizer_*.json) or the tokens (tokens_*.npy)
-    cached at path, read by read_cache; made (make(path) writes it) where there is
-    none or it does not read (MALFORMED: one line says why), then read back. The temp files
-    that killed writers left in the folder are removed first."""
+    cached at path, read by read_cache; made where there is none or it does not read (MALFORMED: one line
+    says why) by make(path), which writes it or returns its bytes (atomic_write writes them), then read back.
+    The temp files that killed writers left in the folder are removed first."""
     remove_stale_tmp(os.path.dirname(path))
     tokenizer = path.endswith(".json")
     what = "the tokenizer" if tokenizer else "the corpus's tokens"
@@ -2236,7 +2236,8 @@ def cached(path, make, vocab_size):
         except MALFORMED as e:
             print(f"{path} is damaged ({e}); {'training the tokenizer' if tokenizer else 'tokenizing'} again",
                   file=sys.stderr)
-    make(path)
+    if (made := make(path)) is not None:               # the tokenizer's JSON
+        atomic_write(path, made)
     with refused_if_malformed(lambda e: f"{path} cannot be read back ({e}); delete it and run again"):
         return read_cache(path, vocab_size)
 
@@ -2663,9 +2664,7 @@ class RunFolder:
         """hold the folder for one run: the lock, then refuse another run's folder without --resume,
         or with --fresh set it aside whole (renamed while still locked, so no run can slip in);
         -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
-        out = self.out
-        if os.path.exists(out) and not os.path.isdir(out):
-            raise NanoEulerError(f"--out {out} is a file, not a folder; give a folder for the checkpoints")
+        out = self.out                                 # (an --out that is a file: run_command refused it)
         created, d = [], os.path.abspath(out)          # the folders makedirs makes (out/ of out/small too)
         while not os.path.exists(d):
             created.append(d)
@@ -3473,8 +3472,8 @@ def run_command(command, args, closed=()):
     --out folder while they run (RunFolder.claim); prepare only writes the cache beside it, so
     it holds nothing.
     What a command cannot start with is refused before it starts: stdin or stdout closed at
-    start (`>&-`: closed) where the command needs it; a path flag given empty (--out "" would
-    put prepare's cache in ../cache, and --model "" reads as "does not exist"); a working
+    start (`>&-`: closed) where the command needs it; a path flag given empty (--out "" would put prepare's
+    cache in ../cache, and --model "" reads as "does not exist"), or an --out that is a file; a working
     folder deleted under us (all but check use paths)."""
     run, name = hasattr(args, "out") and hasattr(args, "resume"), getattr(args, "command", None)
     if run and args.out is None:                       # train's folder is named after its model size
@@ -3488,6 +3487,8 @@ def run_command(command, args, closed=()):
                 what = "a JSONL or Alpaca JSON file of instructions"
             if getattr(args, flag, None) == "":
                 raise NanoEulerError(f"--{flag} is empty; give {what}")
+        if os.path.exists(out := getattr(args, "out", None) or "") and not os.path.isdir(out):
+            raise NanoEulerError(f"--out {out} is a file, not a folder; give {PATH_FLAGS['out']}")
         if name != "check":
             try:
                 os.getcwd()
@@ -3590,12 +3591,12 @@ class ArgumentParser(argparse.ArgumentParser):
         for name in FLAG_TYPES:                        # type="positive_int" is positive_int
             self.register("type", name, globals()[name])
 
-    def run(self, commands, argv=None):
-        """the program: its flags parsed, then run_command(commands[the command]). First stdin,
+    def run(self, argv=None):
+        """the program: its flags parsed, then run_command(cmd_<the command>). First stdin,
         stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
         too) fails on None and no file we open later takes their descriptor; a text that cannot
         be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
-        started, closed = now(), []                        # --minutes counts the whole run from here
+        args, closed = argparse.Namespace(started=now()), []   # --minutes counts the whole run from here
         for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
             # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
             # script) may have left a read-only file there
@@ -3614,9 +3615,8 @@ class ArgumentParser(argparse.ArgumentParser):
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "reconfigure"):
                 stream.reconfigure(errors="replace")
-        args = self.parse_args(argv)
-        args.started = started
-        run_command(commands[args.command], args, closed)
+        self.parse_args(argv, args)
+        run_command(globals()[f"cmd_{args.command}"], args, closed)
 
 
 if __name__ == "__main__":
