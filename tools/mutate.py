@@ -147,7 +147,7 @@ INPUT_MUTATIONS = [
     ("sft: an example teaching only the draft heads is kept", "keep = mask[:, 1:cfg.T + 1].any(1)",
      "keep = mask[:, 1:].any(1)"),
     ("sft: a number passes as a response", "require(isinstance(value, str),", "require(True,"),
-    ("sample: argv bytes passed on raw", 'sp.add_argument("--prompt", type="argv_text",', 'sp.add_argument("--prompt",'),
+    ("sample: argv bytes passed on raw", '"--prompt", type="argv_text",', '"--prompt",'),
     ("data: dangling links kept", "for f in [f for f in files if not os.path.isfile(f)]:", "for f in []:"),
     ("flags: positive_int takes 0", "positive_int = number_type(int, lambda n: n >= 1,",
      "positive_int = number_type(int, lambda n: n >= 0,"),
