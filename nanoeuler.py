@@ -30,7 +30,7 @@ from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
 name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the
-story and defined later is one of those, or cmd_bench, cmd_plot or plot_log.
+story and defined later is one of those, or plot_log (the loss plot, after the story).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1213,6 +1213,12 @@ def grads_of_parts(flat, cfg, counts, parts, grad):
     return loss, ce
 
 
+def add_into(total, *bufs):
+    """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
+    for buf in bufs:
+        total += buf
+
+
 def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
     """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
 
@@ -1226,12 +1232,6 @@ def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
     results = list(spread(functools.partial(grads_of_parts, flat, cfg, counts), jobs, grad_bufs))
     list(spread(add_into, *[np.array_split(buf, n) for buf in grad_bufs[:len(jobs)]]))   # on n slices at once
     return sum(r[0] for r in results), sum(r[1] for r in results)
-
-
-def add_into(total, *bufs):
-    """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
-    for buf in bufs:
-        total += buf
 
 
 def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
