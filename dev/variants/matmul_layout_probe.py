@@ -76,4 +76,5 @@ def main():
     print("(each: microseconds a call, then TFLOP/s)")
 
 
-main()
+if __name__ == "__main__":
+    main()
