@@ -23,7 +23,7 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 
 The file reads in that order: configuration, layers (each forward beside its
 backward), the model, gradient check, optimizer and schedule, generation,
-tokenizer, data, a training step on every core, the training loop,
+tokenizer, data, the training loop, a training step on every core,
 supervised fine-tuning, chat and sample, command line; then the benchmark and the
 loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
@@ -66,8 +66,8 @@ from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
 
-# one BLAS thread: training runs threads of its own (why: "a training step on
-# every core", below); BLAS reads this when numpy loads it, so it must come first
+# one BLAS thread: training runs threads of its own ("a training step on every core"), and two layers
+# of threads on two cores made every step twice as slow; BLAS reads this as numpy loads, so it comes first
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 try:
@@ -1177,142 +1177,6 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 
 
 # -----------------------------------------------------------------------------
-# a training step on every core
-#
-# numpy works on one core at a time, so a step cuts its batch into parts that run on a pool of workers, each into a
-# gradient buffer of its own, summed; AdamW runs on slices of the flat buffer at once. BLAS is held to one thread per
-# caller (the setting above `import numpy`): two layers of threads on two cores made every step twice as slow. With
-# these and keep_freed_memory, a step on 2 cores runs at PyTorch's eager CPU step's speed. Threads while a few workers
-# do (numpy lets go of the GIL in its loops and BLAS calls), else forked processes: between numpy calls a thread needs
-# the GIL; on 16 cores 8 threads took 2.4x the step of 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md).
-MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, threads at most; processes above
-
-
-def workers_for(B, threads):
-    """-> (n, processes): the workers a batch of B rows is split over, at most --threads and one a core;
-    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each"""
-    n = max(1, min(threads, CORES, B))
-    processes = n > PROCESSES_ABOVE and sys.platform == "linux" and threading.active_count() == 1   # fork: no thread
-    return (n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))), processes
-
-
-def micro_batches(B, n_threads):
-    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the threads, of about 8 rows each
-    (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4 slower)"""
-    return n_threads * max(1, B // (8 * n_threads))
-
-
-def grads_of_parts(flat, cfg, counts, parts, grad):
-    """a worker's micro-batches [(idx, targets), ..] -> loss, ce (K,); their gradients summed in grad"""
-    loss, ce, grad[...] = 0.0, 0.0, 0.0
-    for idx, targets in parts:
-        part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx, targets, counts)
-        model_backward(carve(grad, cfg), cache)
-        del cache                                                  # before the next part's forward
-        loss, ce = loss + part_loss, ce + part_ce
-    return loss, ce
-
-
-def add_into(total, *bufs):
-    """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
-    for buf in bufs:
-        total += buf
-
-
-def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
-    """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
-
-    The batch is cut into `parts` micro-batches (default: one per buffer) that run on the pool's workers: buffer t
-    of n adds up parts t, t + n, .. in that order, so memory grows with the workers, not the batch. Each part
-    divides by the whole batch's target counts: the parts add up exactly, in an order fixed by parts and n alone."""
-    counts, n = (targets >= 0).sum(axis=(0, 1)), len(grad_bufs)       # (K,), the workers
-    split = [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(len(idx)), parts or n) if len(p)]
-    jobs = [[(idx[rows], targets[rows]) for rows in split[t::n]] for t in range(min(n, len(split)))]
-    spread = pool.map if pool and len(jobs) > 1 else map
-    results = list(spread(functools.partial(grads_of_parts, flat, cfg, counts), jobs, grad_bufs))
-    list(spread(add_into, *[np.array_split(buf, n) for buf in grad_bufs[:len(jobs)]]))   # on n slices at once
-    return sum(r[0] for r in results), sum(r[1] for r in results)
-
-
-def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
-    """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
-    list(pool.map(lambda f, g, m_, v_, d: adamw_update(f, g, m_, v_, step, lr, d, **kw),
-                  *(np.array_split(a, n) for a in (flat, grad, m, v, decay))))
-
-
-def evaluate(ce_of, batches, token_bytes, pool=None):
-    """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte;
-    ce_of(idx, targets) -> ce (K,) is the engine's forward pass"""
-
-    def run(batch):
-        idx, targets = batch
-        ce = ce_of(idx, targets)
-        t0 = targets[..., 0]
-        kept = t0 >= 0
-        return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()
-
-    results = list(pool.map(run, batches)) if pool else [run(b) for b in batches]
-    nats, nbytes, ntok = (sum(r[i] for r in results) for i in range(3))
-    return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
-
-
-class CPUEngine:
-    """what train_loop asks of an engine: one update, an evaluation, and the weights
-    and moments on the host for checkpoints. nanoeuler_cuda.py has a GPU one."""
-
-    def __init__(self, cfg, flat, m, v, args):
-        self.cfg, self.m, self.v = cfg, m, v
-        self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
-        self.decay = decay_mask(cfg)
-        self.n_threads, processes = workers_for(args.batch, args.threads)
-        self.parts = micro_batches(args.batch, self.n_threads)
-        self.pool = Workers(self.n_threads, flat, processes)     # threads, or forked processes (operations)
-        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
-        # the run's header line: the workers, what held them below --threads, their rows, BLAS's threads
-        n, procs, blas = self.n_threads, self.pool.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
-        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
-        why = (f" ({CORES} cores here)" if n == CORES < args.threads else
-               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < args.threads))
-        self.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
-                     f"{-(-self.batch // self.parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
-
-    def step(self, idx, targets, lr, step):
-        """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
-        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool, self.parts)
-        norm = clip_grad_norm(self.grad_bufs[0], self.clip)
-        if np.isfinite(loss) and np.isfinite(norm):
-            adamw_update_parallel(self.pool.threads, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
-                                  step, lr, self.decay, weight_decay=self.weight_decay)
-        return loss, ce, norm
-
-    def evaluate(self, batches, token_bytes):
-        params = carve(self.flat, self.cfg)
-        # in a step's micro-batches: a forward keeps its caches, and 32 rows at once would outgrow the step's memory
-        n = -(-self.batch // self.parts)
-        parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
-        return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
-                        parts, token_bytes, self.pool.threads)
-
-    def host_params(self):
-        """a copy of the flat params (float32): best.safetensors is written from it beside the steps"""
-        return self.flat.copy()
-
-    def host_weights(self):
-        """copies of the flat params, m, v (float32), the same buffers each time: a checkpoint
-        writes them while the next steps change the originals"""
-        self.saved = getattr(self, "saved", None) or [np.empty_like(a) for a in (self.flat, self.m, self.v)]
-        for copy, a in zip(self.saved, (self.flat, self.m, self.v)):
-            np.copyto(copy, a)
-        return self.saved
-
-    def mfu(self, dt):
-        return None                                       # only the GPU log shows MFU
-
-    def close(self):
-        self.pool.close()
-
-
-# -----------------------------------------------------------------------------
 # the training loop
 
 # Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md):
@@ -1520,6 +1384,142 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
                                                                   args.eval_batches)]
     (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
+
+
+# -----------------------------------------------------------------------------
+# a training step on every core
+#
+# The step train_loop asks of its engine is four calls on one thread (params, grads: flat, grad carved):
+#     loss, ce, cache = model_forward(params, cfg, idx, targets); model_backward(grads, cache)
+#     norm = clip_grad_norm(grad, args.clip); adamw_update(flat, grad, m, v, step, lr, decay_mask(cfg))
+# CPUEngine computes that on every core: numpy works on one core at a time, so the batch is cut into parts that
+# workers run (threads or processes: Workers, in operations, says which and why), each into a gradient buffer of its
+# own, summed (add_into); AdamW runs on slices of the flat buffer at once; BLAS keeps to one thread (the import's).
+MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, threads at most; processes above
+
+
+def workers_for(B, threads):
+    """-> (n, processes): the workers a batch of B rows is split over, at most --threads and one a core;
+    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each"""
+    n = max(1, min(threads, CORES, B))
+    processes = n > PROCESSES_ABOVE and sys.platform == "linux" and threading.active_count() == 1   # fork: no thread
+    return (n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))), processes
+
+
+def micro_batches(B, n_threads):
+    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the threads, of about 8 rows each
+    (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4 slower)"""
+    return n_threads * max(1, B // (8 * n_threads))
+
+
+def grads_of_parts(flat, cfg, counts, parts, grad):
+    """a worker's micro-batches [(idx, targets), ..] -> loss, ce (K,); their gradients summed in grad"""
+    loss, ce, grad[...] = 0.0, 0.0, 0.0
+    for idx, targets in parts:
+        part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx, targets, counts)
+        model_backward(carve(grad, cfg), cache)
+        del cache                                                  # before the next part's forward
+        loss, ce = loss + part_loss, ce + part_ce
+    return loss, ce
+
+
+def add_into(total, *bufs):
+    """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
+    for buf in bufs:
+        total += buf
+
+
+def loss_and_grads(flat, cfg, idx, targets, grad_bufs, pool=None, parts=None):
+    """one batch's loss, ce (K,) and gradients, the gradients landing in grad_bufs[0].
+
+    The batch is cut into `parts` micro-batches (default: one per buffer) that run on the pool's workers: buffer t
+    of n adds up parts t, t + n, .. in that order, so memory grows with the workers, not the batch. Each part
+    divides by the whole batch's target counts: the parts add up exactly, in an order fixed by parts and n alone."""
+    counts, n = (targets >= 0).sum(axis=(0, 1)), len(grad_bufs)       # (K,), the workers
+    split = [slice(p[0], p[-1] + 1) for p in np.array_split(np.arange(len(idx)), parts or n) if len(p)]
+    jobs = [[(idx[rows], targets[rows]) for rows in split[t::n]] for t in range(min(n, len(split)))]
+    spread = pool.map if pool and len(jobs) > 1 else map
+    results = list(spread(functools.partial(grads_of_parts, flat, cfg, counts), jobs, grad_bufs))
+    list(spread(add_into, *[np.array_split(buf, n) for buf in grad_bufs[:len(jobs)]]))   # on n slices at once
+    return sum(r[0] for r in results), sum(r[1] for r in results)
+
+
+def adamw_update_parallel(pool, n, flat, grad, m, v, step, lr, decay, **kw):
+    """adamw_update on n slices of the buffers at once: elementwise, so the result is the same"""
+    list(pool.map(lambda f, g, m_, v_, d: adamw_update(f, g, m_, v_, step, lr, d, **kw),
+                  *(np.array_split(a, n) for a in (flat, grad, m, v, decay))))
+
+
+def evaluate(ce_of, batches, token_bytes, pool=None):
+    """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte;
+    ce_of(idx, targets) -> ce (K,) is the engine's forward pass"""
+
+    def run(batch):
+        idx, targets = batch
+        ce = ce_of(idx, targets)
+        t0 = targets[..., 0]
+        kept = t0 >= 0
+        return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()
+
+    results = list(pool.map(run, batches)) if pool else [run(b) for b in batches]
+    nats, nbytes, ntok = (sum(r[i] for r in results) for i in range(3))
+    return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
+
+
+class CPUEngine:
+    """what train_loop asks of an engine: one update, an evaluation, and the weights
+    and moments on the host for checkpoints. nanoeuler_cuda.py has a GPU one."""
+
+    def __init__(self, cfg, flat, m, v, args):
+        self.cfg, self.m, self.v = cfg, m, v
+        self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
+        self.decay = decay_mask(cfg)
+        self.n_threads, processes = workers_for(args.batch, args.threads)
+        self.parts = micro_batches(args.batch, self.n_threads)
+        self.pool = Workers(self.n_threads, flat, processes)     # threads, or forked processes (operations)
+        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
+        # the run's header line: the workers, what held them below --threads, their rows, BLAS's threads
+        n, procs, blas = self.n_threads, self.pool.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
+        why = (f" ({CORES} cores here)" if n == CORES < args.threads else
+               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < args.threads))
+        self.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
+                     f"{-(-self.batch // self.parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+
+    def step(self, idx, targets, lr, step):
+        """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
+        loss, ce = loss_and_grads(self.flat, self.cfg, idx, targets, self.grad_bufs, self.pool, self.parts)
+        norm = clip_grad_norm(self.grad_bufs[0], self.clip)
+        if np.isfinite(loss) and np.isfinite(norm):
+            adamw_update_parallel(self.pool.threads, self.n_threads, self.flat, self.grad_bufs[0], self.m, self.v,
+                                  step, lr, self.decay, weight_decay=self.weight_decay)
+        return loss, ce, norm
+
+    def evaluate(self, batches, token_bytes):
+        params = carve(self.flat, self.cfg)
+        # in a step's micro-batches: a forward keeps its caches, and 32 rows at once would outgrow the step's memory
+        n = -(-self.batch // self.parts)
+        parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
+        return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
+                        parts, token_bytes, self.pool.threads)
+
+    def host_params(self):
+        """a copy of the flat params (float32): best.safetensors is written from it beside the steps"""
+        return self.flat.copy()
+
+    def host_weights(self):
+        """copies of the flat params, m, v (float32), the same buffers each time: a checkpoint
+        writes them while the next steps change the originals"""
+        self.saved = getattr(self, "saved", None) or [np.empty_like(a) for a in (self.flat, self.m, self.v)]
+        for copy, a in zip(self.saved, (self.flat, self.m, self.v)):
+            np.copyto(copy, a)
+        return self.saved
+
+    def mfu(self, dt):
+        return None                                       # only the GPU log shows MFU
+
+    def close(self):
+        self.pool.close()
 
 
 # -----------------------------------------------------------------------------
@@ -3161,11 +3161,12 @@ def encoding_pool(workers, tok):
         pool.shutdown(cancel_futures=True)
 
 
-# The training step's workers (the story's "a training step on every core"): threads, or
-# processes forked once, while this process has no other thread (a fork beside one can deadlock
-# the child; else threads). The weights and the gradient buffers live in memory shared with them,
-# and arrays in it travel as their place in it. A worker ignores the signals (this process stops
-# it) and ends when its pipe does, also when this process is killed; an error in one is raised here.
+# The training step's workers (the story's "a training step on every core"): threads while a few do (numpy lets go of
+# the GIL in its loops and BLAS calls), else processes forked once, if this process has no other thread (a fork beside
+# one can deadlock the child): between numpy calls a thread needs the GIL; on 16 cores 8 threads took 2.4x the step of
+# 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md). Weights and gradient buffers live in memory shared
+# with them, arrays in it travel as their place in it; a worker ignores the signals (this process stops it) and ends
+# when its pipe does, also when this process is killed; an error in one is raised here.
 
 class Workers:
     """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
@@ -3283,11 +3284,10 @@ def exit_now_if_threads_work_on(code):
 # operations: memory
 
 def keep_freed_memory():
-    """numpy makes a fresh array for every result. Above 128 KB glibc maps new
-    pages from the OS for each one and unmaps them on free, and those page
-    faults cost a quarter of a training step (measured, B=8: 76 -> 57 ms).
-    So keep arrays up to 32 MB on the heap, and keep freed heap memory. Called
-    once, when this file is imported."""
+    """numpy makes a fresh array for every result. Above 128 KB glibc maps new pages from the OS for each
+    one and unmaps them on free, and those page faults cost a quarter of a training step (measured, B=8: 76 ->
+    57 ms). So keep arrays up to 32 MB on the heap, and keep freed heap memory: with this and the step's workers,
+    a step on 2 cores runs at PyTorch's eager CPU step's speed. Called once, when this file is imported."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
