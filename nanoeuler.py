@@ -1015,17 +1015,17 @@ class Tokenizer:
 # -----------------------------------------------------------------------------
 # data
 #
-# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh
-# web) holds many documents, each followed by the line <|endoftext|>: the
-# reader splits on that marker, wherever it stands (a newline on either side
-# goes with it), and puts the <|endoftext|> token after each document. A file
-# without the marker (a book) is one document.
+# A corpus becomes one file of uint16 token ids; a batch is B rows of T+K consecutive tokens at random places in it
+# (get_batch; split_rows turns them into inputs and the K heads' targets); validation reads set rows of its last tenth.
 #
-# Preparing a corpus: the tokenizer is trained on a sample of it; then the
-# files are read in chunks of 256 KB, encoded on every core, and the tokens
-# written to disk as they come (uint16: write_tokens, in operations), so
-# memory stays small whatever the corpus's size. Training reads them memory-mapped, so
-# a corpus larger than memory trains. Both are cached by the corpus's hash and the tokenizer.
+# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh web) holds many documents, each followed
+# by the line <|endoftext|>: the reader splits on that marker, wherever it stands (a newline on either side goes with
+# it), and puts the <|endoftext|> token after each document. A file without the marker (a book) is one document.
+#
+# Preparing a corpus: the tokenizer is trained on a sample of it; then the files are read in chunks of 256 KB,
+# encoded on every core, and the tokens written to disk as they come (uint16: write_tokens, in operations), so memory
+# stays small whatever the corpus's size. Training reads them memory-mapped, so a corpus larger than memory trains.
+# Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1036,6 +1036,29 @@ CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
 SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (Config refuses a larger V)
+
+
+def split_train_val(tokens, rows_len, val_fraction=0.1):
+    """the last val_fraction of the tokens is held out for validation"""
+    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)
+    if len(tokens) - n_val < rows_len + 1:
+        raise NanoEulerError(f"the corpus has only {len(tokens):,} tokens, too few for training rows of "
+                             f"{rows_len} tokens plus a validation part; give it more text")
+    return tokens[:-n_val], tokens[-n_val:]
+
+
+def get_batch(tokens, B, rows_len, rng):
+    """B rows of rows_len = T+K consecutive tokens at random offsets -> (B, T+K) int64"""
+    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)
+    return np.stack([tokens[o:o + rows_len] for o in offsets]).astype(np.int64)
+
+
+def fixed_rows(tokens, B, rows_len, max_batches):
+    """evenly spaced validation rows, the same at every evaluation -> list of (B, rows_len)"""
+    n_rows = max(1, min((len(tokens) - 1) // rows_len, B * max_batches))
+    starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
+    return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
+            for i in range(0, n_rows, B)]
 
 
 def corpus_files(path):
@@ -1151,29 +1174,6 @@ def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
     tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
                     lambda npy_path: write_tokens(npy_path, files, tok, workers, progress), tok.vocab_size)
     return tok, tokens
-
-
-def split_train_val(tokens, rows_len, val_fraction=0.1):
-    """the last val_fraction of the tokens is held out for validation"""
-    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)
-    if len(tokens) - n_val < rows_len + 1:
-        raise NanoEulerError(f"the corpus has only {len(tokens):,} tokens, too few for training rows of "
-                             f"{rows_len} tokens plus a validation part; give it more text")
-    return tokens[:-n_val], tokens[-n_val:]
-
-
-def get_batch(tokens, B, rows_len, rng):
-    """B rows of rows_len = T+K consecutive tokens at random offsets -> (B, T+K) int64"""
-    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)
-    return np.stack([tokens[o:o + rows_len] for o in offsets]).astype(np.int64)
-
-
-def fixed_rows(tokens, B, rows_len, max_batches):
-    """evenly spaced validation rows, the same at every evaluation -> list of (B, rows_len)"""
-    n_rows = max(1, min((len(tokens) - 1) // rows_len, B * max_batches))
-    starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
-    return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
-            for i in range(0, n_rows, B)]
 
 
 # -----------------------------------------------------------------------------
