@@ -2701,23 +2701,25 @@ class RunFolder:
     # -- --resume, or a fresh start
 
     def refuse_other_run(self, args, found=None):
-        """--resume: what this run cannot continue is refused: checkpoints of another command (a
-        train run and an sft run in one folder would mix their logs, best models and steps), of
-        another config or tokenizer. found: resume_or_init's (step, load_checkpoint's tuple); None:
-        the newest pair from its files' headers alone, before the corpus is tokenized (minutes): V
-        aside (the tokenizer may still lower it), and a broken pair left to newest_readable"""
-        if found is None and (steps := self.steps()):
+        """--resume: what this run cannot continue is refused: checkpoints of another command (a train run and
+        an sft run in one folder would mix their logs, best models and steps), of another config or tokenizer.
+        found: resume_or_init's (step, load_checkpoint's tuple); None: the newest pair, from its headers alone"""
+        if found:
+            step, (cfg, _, tok, _, _, state) = found
+            made_by = state.get("args", {}).get("command")
+        elif steps := self.steps():                    # before the corpus is tokenized (minutes); the tokenizer
+            step, tok = steps[0], None                 # is compared once the pair is loaded
             try:
-                _, meta = read_safetensors(self.path(steps[0], "state"), header_only=True)
-                state = {"args": {"command": json.loads(meta["state"]).get("args", {}).get("command")}}
-                _, meta = read_safetensors(self.path(steps[0]), header_only=True)
-                found = steps[0], (Config(**{**json.loads(meta["config"]), "V": self.cfg.V}), 0, None, 0, 0, state)
+                _, meta = read_safetensors(self.path(step, "state"), header_only=True)
+                made_by = json.loads(meta["state"]).get("args", {}).get("command")
+                _, meta = read_safetensors(self.path(step), header_only=True)   # V aside: the tokenizer may lower it
+                cfg = Config(**{**json.loads(meta["config"]), "V": self.cfg.V})
             except (NanoEulerError, *MALFORMED):
-                return
-        if found is None:
-            return
-        (step, (cfg, _, tok, _, _, state)), command = found, getattr(args, "command", None)
-        if (made_by := state.get("args", {}).get("command")) and command and made_by != command:
+                return                                 # a broken pair: newest_readable sets it aside
+        else:
+            return                                     # no checkpoint: nothing to continue
+        command = getattr(args, "command", None)
+        if made_by and command and made_by != command:
             raise NanoEulerError(f"{self.out} holds checkpoints of {made_by}, which {command} cannot continue; "
                                  f"give {command} its own --out")
         differs = "; ".join(f"{k} {v} there, {asdict(self.cfg)[k]} here" for k, v in asdict(cfg).items()
