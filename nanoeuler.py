@@ -1399,17 +1399,15 @@ MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, 
 
 
 def workers_for(B, threads):
-    """-> (n, processes): the workers a batch of B rows is split over, at most --threads and one a core;
-    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each"""
+    """-> (n, processes, parts): the workers a batch of B rows is split over, at most --threads and one a core;
+    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each.
+    parts: how many micro-batches loss_and_grads cuts the batch into, a multiple of the workers, of about 8 rows
+    each (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4
+    slower)"""
     n = max(1, min(threads, CORES, B))
     processes = n > PROCESSES_ABOVE and sys.platform == "linux" and threading.active_count() == 1   # fork: no thread
-    return (n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))), processes
-
-
-def micro_batches(B, n_threads):
-    """how many parts loss_and_grads cuts a batch of B rows into: a multiple of the threads, of about 8 rows each
-    (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4 slower)"""
-    return n_threads * max(1, B // (8 * n_threads))
+    n = n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))
+    return n, processes, n * max(1, B // (8 * n))
 
 
 def grads_of_parts(flat, cfg, counts, parts, grad):
@@ -1474,8 +1472,7 @@ class CPUEngine:
         self.cfg, self.m, self.v = cfg, m, v
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.decay = decay_mask(cfg)
-        self.n_threads, processes = workers_for(args.batch, args.threads)
-        self.parts = micro_batches(args.batch, self.n_threads)
+        self.n_threads, processes, self.parts = workers_for(args.batch, args.threads)
         self.pool = Workers(self.n_threads, flat, processes)     # threads, or forked processes (operations)
         self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
         # the run's header line: the workers, what held them below --threads, their rows, BLAS's threads
@@ -1900,9 +1897,9 @@ def main(argv=None):
 
 def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
-    n, processes = workers_for(B, threads)
+    n, processes, parts = workers_for(B, threads)
     pool = Workers(n, init_params(cfg), processes)
-    flat, bufs, parts = pool.flat, pool.grad_bufs, micro_batches(B, n)
+    flat, bufs = pool.flat, pool.grad_bufs
     m, v, decay = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
     rng = np.random.default_rng(0)
     times = []
@@ -1924,7 +1921,7 @@ def cmd_bench(args):
     check_memory(cfg, 32, args.threads)
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
     for B in (8, 32):
-        dt, (n, processes) = bench_train(cfg, B, args.threads), workers_for(B, args.threads)
+        dt, (n, processes, _) = bench_train(cfg, B, args.threads), workers_for(B, args.threads)
         print(f"  B={B:<3d} {dt * 1e3:8.1f} ms/step  {B * cfg.T / dt:9,.0f} tok/s, {n} "
               f"{'process' if processes else 'thread'}{'es' if processes and n > 1 else 's' * (n > 1)}")
     files = corpus_files(os.path.join(DATA_DIR, "gutenberg")) + [DEFAULT_CORPUS]
@@ -3393,8 +3390,7 @@ def check_memory(cfg, batch, threads, available=available_memory):
     have = available()
     if have is None:
         return
-    threads, processes = workers_for(batch, threads)
-    parts = micro_batches(batch, threads)
+    threads, processes, parts = workers_for(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
     weights = 4 * (8 + processes + threads) * num_params(cfg)      # (processes: the weights' shared copy)
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)

@@ -45,7 +45,7 @@ def test_a_few_workers_are_threads_of_2_rows_and_more_are_processes_of_a_row(B, 
     monkeypatch.setattr(ne, "CORES", cores)
     monkeypatch.setattr(ne.threading, "active_count", lambda: 1)      # whatever threads pytest's other tests left
     assert (ne.MIN_ROWS, ne.MAX_THREADS, ne.PROCESSES_ABOVE) == (2, 8, 4)
-    assert ne.workers_for(B, threads) == expected
+    assert ne.workers_for(B, threads)[:2] == expected
 
 
 @pytest.mark.parametrize("B, threads, cores, expected", [(32, 16, 16, 8), (8, 16, 16, 4), (7, 8, 8, 3)])
@@ -57,12 +57,12 @@ def test_without_fork_the_workers_are_threads_of_2_rows_and_8_at_most(B, threads
         monkeypatch.setattr(sys, "platform", "darwin")
     else:                                                  # a fork would copy a lock that thread may hold
         monkeypatch.setattr(ne.threading, "active_count", lambda: 2)
-    assert ne.workers_for(B, threads) == (expected, False)
+    assert ne.workers_for(B, threads)[:2] == (expected, False)
 
 
 def test_workers_for_takes_the_cores_read_at_import_when_not_told(monkeypatch):
     monkeypatch.setattr(ne, "CORES", 3)
-    assert ne.workers_for(64, 16) == (3, False)
+    assert ne.workers_for(64, 16) == (3, False, 6)                  # 6 micro-batches, 2 a thread
 
 
 def fake_machine(tmp_path, cgroup="0::/\n", folders=()):
@@ -139,7 +139,7 @@ def test_the_header_line_says_threads_or_processes_their_rows_and_the_blas_threa
     assert engine_for(8, 16).line == version + "8 processes (a row a process at least), 1-row micro-batches, " \
                                                "1 BLAS thread each"
     assert engine_for(8, 4).line == version + "4 threads, 2-row micro-batches, 1 BLAS thread each"
-    # 512 rows on 4 threads: micro_batches cuts 64 parts of 8 rows
+    # 512 rows on 4 threads: workers_for cuts 64 parts of 8 rows
     assert engine_for(512, 4).line == version + "4 threads, 8-row micro-batches, 1 BLAS thread each"
     monkeypatch.setattr(ne, "CORES", 2)
     assert engine_for(32, 16).line == version + "2 threads (2 cores here), 8-row micro-batches, 1 BLAS thread each"
@@ -190,8 +190,8 @@ def test_a_thread_count_gives_the_same_bits_every_run_and_others_the_same_sums()
         runs = []
         for _ in range(2):
             bufs = [np.zeros_like(flat) for _ in range(n)]
-            with ThreadPoolExecutor(n) as pool:
-                loss, ce = ne.loss_and_grads(flat, TINY, idx, targets, bufs, pool, ne.micro_batches(16, n))
+            with ThreadPoolExecutor(n) as pool:               # 16 rows: 2 parts on 1 or 2 workers, 4 on 4 (workers_for)
+                loss, ce = ne.loss_and_grads(flat, TINY, idx, targets, bufs, pool, max(n, 2))
             runs.append((loss, ce, bufs[0].copy()))
         assert runs[0][0] == runs[1][0] and np.array_equal(runs[0][2], runs[1][2])   # bit-identical
         results[n] = runs[0]

@@ -891,7 +891,7 @@ def test_a_batch_beyond_memory_is_refused_before_anything_is_allocated(monkeypat
     monkeypatch.setattr(ne, "CORES", 2)    # the threads below, on any machine
     cfg = ne.PRESETS["small"]
     P = ne.num_params(cfg)
-    # 64 rows on 2 threads: 8 micro-batches of 8 rows (micro_batches), two at a time, each
+    # 64 rows on 2 threads: 8 micro-batches of 8 rows (workers_for), two at a time, each
     # thread adding its micro-batches' gradients into a buffer of its own; the weights, m, v,
     # the decay mask, the checkpoint's copies of the weights, m and v, and a validation's copy
     # of the weights are P float32 each
