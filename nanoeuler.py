@@ -372,7 +372,9 @@ def param_shapes(cfg):
 
 
 def num_params(cfg):
-    return sum(math.prod(shape) for _, shape in param_shapes(cfg))
+    """how many numbers param_shapes lists, counted from the sizes (a crafted L = 10^18 lists nothing)"""
+    per_layer = 2 * cfg.C + (cfg.Hq + 2 * cfg.Hkv) * cfg.D * cfg.C + cfg.C * cfg.Hq * cfg.D + 3 * cfg.F * cfg.C
+    return (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
 
 
 def carve(flat, cfg):
@@ -2145,10 +2147,7 @@ def check_config(cfg, source="the config"):
         require(cfg.T >= 2, f"its context T = {cfg.T} is below 2, the least that generation can slide a window over")
         require(cfg.T <= MAX_T, f"its context T = {cfg.T:,} is above {MAX_T:,}, the most this program allows "
                 "(attention holds a T x T matrix per head)")
-        # counted from the sizes, not from param_shapes: L = 10^18 must not build a list
-        per_layer = 2 * cfg.C + (cfg.Hq + 2 * cfg.Hkv) * cfg.D * cfg.C + cfg.C * cfg.Hq * cfg.D \
-            + 3 * cfg.F * cfg.C
-        n = (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
+        n = num_params(cfg)                             # from the sizes: L = 10^18 builds no list
         require(n <= MAX_PARAMS, f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
     except ValueError as e:
         raise NanoEulerError(f"{source} is unusable: {e}") from None

@@ -248,6 +248,10 @@ def test_parameter_counts_of_presets():
     assert ne.num_params(ne.PRESETS["small"]) == 1_053_824
     assert ne.num_params(ne.PRESETS["big"]) == 116_417_280
     assert ne.init_params(ne.PRESETS["small"]).size == 1_053_824
+    # num_params counts from the sizes what param_shapes lists, for other head and layer counts too
+    for cfg in (*ne.PRESETS.values(), ne.Config(V=300, C=48, Hq=6, Hkv=3, L=3, T=16, F=72, K=2),
+                ne.Config(V=261, C=8, Hq=1, Hkv=1, L=1, T=2, F=8, K=1)):
+        assert ne.num_params(cfg) == sum(math.prod(shape) for _, shape in ne.param_shapes(cfg))
 
 
 def test_init_follows_spec():
