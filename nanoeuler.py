@@ -1206,15 +1206,9 @@ SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves ev
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 
 
-def save_interval(args):
-    """(steps, minutes) between checkpoints: --save-every, else --save-minutes (the GPU's
-    default), else every SAVE_EVERY steps (the CPU's)"""
-    return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
-
-
 def print_settings(rows, args, state):
     """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
-    run's steps and folder. With --minutes the steps are planned later (run.plan prints them)."""
+    run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
     if "planned_steps" in state:
         steps = f"{state['planned_steps']} (planned for --minutes)"
     elif getattr(args, "minutes", 0) > 0:
@@ -1289,14 +1283,15 @@ def print_summary(steps, elapsed, times, state, out_dir, last_path):
 now = time.perf_counter
 
 
-def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None,
-               clock=None):
-    """the loop that pretraining and SFT, on the CPU and on the GPU, share: step, log, evaluate,
-    save, and stop cleanly (on a signal or when our output is gone: saved first). next_batch(rng)
-    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state,
-    the best validation. The log's samples continue sample_prompt (ids; default: a document's
-    start: sample_text_for_log). clock: seconds, for the timings and --minutes's plan (default
-    now(), which ArgumentParser.run read as args.started)."""
+# The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
+# (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
+# --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
+# the loop on a signal, lost output or a loss that is not finite, saving first; --minutes plans its length (run.plan).
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None, clock=None):
+    """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
+    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state, the best validation.
+    The log's samples continue sample_prompt (ids; default: a document's start: sample_text_for_log). clock:
+    seconds, for the timings and --minutes's plan (default now(), which ArgumentParser.run read as args.started)."""
     clock = clock or now
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
@@ -2837,9 +2832,14 @@ class RunFolder:
 
     # -- the loop's checkpoints, written while training goes on
 
+    @staticmethod
+    def save_interval(args):
+        """(steps, minutes) between saves: --save-every, else --save-minutes (the GPU's), else SAVE_EVERY steps"""
+        return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
+
     def due(self, step, args):
         """--save-every's multiples, or --save-minutes since the last save (save_interval)"""
-        every, minutes = save_interval(args)
+        every, minutes = self.save_interval(args)
         return step % every == 0 if every else self.clock() - self.last >= minutes * 60
 
     def plan(self, args, step, step_time, eval_time, elapsed):
@@ -2851,7 +2851,7 @@ class RunFolder:
         too. Set within the warmup (while the learning rate does not depend on the total),
         once, and kept in the training state, so a resumed run keeps the plan."""
         left = args.minutes * 60 - elapsed
-        every, minutes = save_interval(args)
+        every, minutes = self.save_interval(args)
 
         def cost(total):                                   # seconds from now to the end of a run of `total` steps
             ends = lambda every: total // every - step // every + (total % every != 0)   # the last step's too

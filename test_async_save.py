@@ -275,13 +275,13 @@ def test_the_gpu_engine_copies_into_page_locked_buffers_of_its_own(emulated):  #
 # how often: --save-every, --save-minutes, and --minutes's plan
 
 def test_the_cpu_saves_every_200_steps_and_the_gpu_every_10_minutes_unless_told():
-    cpu, gpu = ne.build_parser().parse_args, nc.build_parser().parse_args
-    assert ne.save_interval(cpu(["train"])) == (200, 0) and ne.save_interval(cpu(["sft", "--model", "m"])) == (200, 0)
-    assert ne.save_interval(cpu(["train", "--save-minutes", "2.5"])) == (0, 2.5)
-    assert ne.save_interval(cpu(["train", "--save-every", "7"])) == (7, 0)
-    assert ne.save_interval(gpu(["train"])) == (0, 10) and ne.save_interval(gpu(["sft", "--model", "m"])) == (0, 10)
-    assert ne.save_interval(gpu(["train", "--save-every", "500"]))[0] == 500
-    assert ne.save_interval(gpu(["train", "--save-minutes", "0.5"])) == (0, 0.5)
+    cpu, gpu, save_interval = ne.build_parser().parse_args, nc.build_parser().parse_args, ne.RunFolder.save_interval
+    assert save_interval(cpu(["train"])) == (200, 0) and save_interval(cpu(["sft", "--model", "m"])) == (200, 0)
+    assert save_interval(cpu(["train", "--save-minutes", "2.5"])) == (0, 2.5)
+    assert save_interval(cpu(["train", "--save-every", "7"])) == (7, 0)
+    assert save_interval(gpu(["train"])) == (0, 10) and save_interval(gpu(["sft", "--model", "m"])) == (0, 10)
+    assert save_interval(gpu(["train", "--save-every", "500"]))[0] == 500
+    assert save_interval(gpu(["train", "--save-minutes", "0.5"])) == (0, 0.5)
 
 
 @pytest.mark.parametrize("program", ["nanoeuler.py", "nanoeuler_cuda.py"])
