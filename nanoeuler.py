@@ -29,8 +29,8 @@ loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
-name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the
-story and defined later is one of those, or plot_log (the loss plot, after the story).
+name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the story and defined
+later is one of those, plot_log (the loss plot, after the story) or decode_params (after generate).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -82,6 +82,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class NanoEulerError(Exception):
     """A problem the user can fix: raised anywhere, it ends the command in one sentence on
     stderr, exit code 2, no traceback (run_command, at the end of the file, says it)."""
+
+
+class LogitsNotFinite(NanoEulerError):
+    """generation met a NaN or infinite logit; run_command (and serve) name the model file"""
 
 
 # -----------------------------------------------------------------------------
@@ -704,20 +708,6 @@ def new_kv_cache(cfg, B, dtype=np.float32):
             for _ in range(cfg.L)]
 
 
-def decode_params(params):
-    """params as decoding reads them: the matrices that block_forward and head 0
-    multiply, stored column-major (same values, so the same logits). x @ w.T is
-    then a product with a row-major (IN, OUT) matrix, which OpenBLAS does 5-9x
-    faster for the 2 to 8 rows of a speculative pass (its small-matrix path):
-    speculative decoding runs 1.5x faster for it (BENCHMARKS.md)."""
-    multiplied = ("wqkv", "wo", "w_gate_up", "w_down", "heads.0")
-    return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
-
-
-class LogitsNotFinite(NanoEulerError):
-    """generation met a NaN or infinite logit; run_command (and serve) name the model file"""
-
-
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
     """logits (V,) -> token id: greedy at temperature 0, else sampled from the kept tokens"""
     if not np.isfinite(logits).all():                  # a broken model: no token is more likely than another
@@ -762,7 +752,7 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
     kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
-    fast = decode_params(params)
+    fast = decode_params(params)                       # the same weights, laid out for speed (after generate)
     n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
     drafters = params["heads"][1:1 + n_drafts].reshape(-1, cfg.C)     # (drafts*V, C)
     pending, guesses, pos, emitted = list(tokens), [], 0, 0   # pending: tokens not yet in the cache
@@ -790,6 +780,15 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
         pending = [tokens[-1]]
         if speculative and n_drafts:                       # heads 1..drafts at the last accepted position
             guesses = (drafters @ x[0, first + j]).reshape(n_drafts, cfg.V).argmax(-1).tolist()
+
+
+def decode_params(params):
+    """speed only, a first reading may skip it: params as generate reads them, the matrices that block_forward
+    and head 0 multiply stored column-major (same values, so the same logits). x @ w.T is then a product with a
+    row-major (IN, OUT) matrix, which OpenBLAS does 5-9x faster for the 2 to 8 rows of a speculative pass (its
+    small-matrix path): speculative decoding runs 1.5x faster for it (BENCHMARKS.md)."""
+    multiplied = ("wqkv", "wo", "w_gate_up", "w_down", "heads.0")
+    return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
 
 # -----------------------------------------------------------------------------
@@ -827,18 +826,7 @@ FIRST_MERGE_ID = 256 + len(SPECIALS)
 # The encoder caches the ids of each distinct piece and clears the cache when
 # it holds this many (about 35 MB), so a worker's memory stays bounded.
 CACHE_PIECES = 100_000
-_last_progress = [0.0]          # when progress_line last wrote a line to a log file
-
-
-def progress_line(text, done=False):
-    """one progress line on stderr: redrawn in place on a terminal; in a log file,
-    a new line at most every 2 seconds and at the end"""
-    now = time.time()
-    if sys.stderr.isatty():
-        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
-    elif done or now - _last_progress[0] >= 2.0:
-        print(text, file=sys.stderr, flush=True)
-        _last_progress[0] = now
+_last_progress = [0.0]          # when progress_line (above class Tokenizer) last wrote to a log file
 
 
 def merge(ids, pair, new_id):
@@ -878,6 +866,17 @@ def count_pieces(text, max_bytes):
         for part in cut_piece(word, max_bytes):
             pieces[part] += n
     return pieces
+
+
+def progress_line(text, done=False):
+    """one progress line on stderr: redrawn in place on a terminal; in a log file,
+    a new line at most every 2 seconds and at the end"""
+    now = time.time()
+    if sys.stderr.isatty():
+        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
+    elif done or now - _last_progress[0] >= 2.0:
+        print(text, file=sys.stderr, flush=True)
+        _last_progress[0] = now
 
 
 class Tokenizer:
