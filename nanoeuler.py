@@ -355,6 +355,7 @@ def mtp_heads_backward(dloss, cache):
 # -----------------------------------------------------------------------------
 # the model
 
+# a block's tensors (layer_params); w_gate_up is not in SPEC: w_gate and w_up as one (2F,C) view, one matmul (carve)
 LAYER_TENSORS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "w_gate_up")
 
 
@@ -759,7 +760,8 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     while emitted < max_new_tokens:
         if pos + len(pending) > cfg.T:                     # slide the window
             pending, guesses, pos = tokens[-(cfg.T // 2):], [], 0
-        guesses = guesses[:cfg.T - pos - len(pending)]     # slide exactly when plain decoding would
+        # drop guesses that would not fit the window: it slides where plain decoding's does, greedy output unchanged
+        guesses = guesses[:cfg.T - pos - len(pending)]
         feed = pending + guesses
         logits, x = model_forward(fast, cfg, np.array([feed]), pos=pos, kv=kv)    # (1,Tn,V), (1,Tn,C)
         first = len(pending) - 1                           # logits at feed[first] predict the next token
@@ -1285,7 +1287,7 @@ now = time.perf_counter
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
 # --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
-# the loop on a signal, lost output or a loss that is not finite, saving first; --minutes plans its length (run.plan).
+# the loop on a signal, lost output or a non-finite loss, saving first; --minutes plans its length after PLAN_AFTER.
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None, clock=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state, the best validation.
@@ -1304,7 +1306,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv = run.open_log(csv_path, start)
-    # --minutes sets the run's length after PLAN_AFTER steps, once per run (a resumed run keeps its plan)
     plan_step = start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times, t_start = [], clock()
@@ -1873,12 +1874,14 @@ def build_parser(command=None):
     sp.add_argument("--model", default=None, help="trained model for the generation timings")
     sp.add_argument("--threads", type="positive_int", default=CORES, help="threads for training steps")
     sp.add_argument("--max-new-tokens", type="count_type", default=400, help="tokens to generate")
-    shared = {"train": (add_training_flags, DEFAULT_STEPS, DEFAULT_BATCH, DEFAULT_LR, DEFAULT_WARMUP, None, True),
-              "sft": (add_training_flags, 600, 16, 1e-3, 30, os.path.join("out", "sft")),
-              "sample": (add_generation_flags,), "chat": (add_generation_flags,), "serve": (add_serve_flags,)}
-    for name, (add, *defaults) in shared.items():
+    shared = {"train": functools.partial(add_training_flags, steps=DEFAULT_STEPS, batch=DEFAULT_BATCH, lr=DEFAULT_LR,
+                                         warmup=DEFAULT_WARMUP, out=None, mtp_weight=True),  # out=None: out/<size>
+              "sft": functools.partial(add_training_flags, steps=600, batch=16, lr=1e-3, warmup=30,
+                                       out=os.path.join("out", "sft")),
+              "sample": add_generation_flags, "chat": add_generation_flags, "serve": add_serve_flags}
+    for name, add in shared.items():
         if command in (None, name):
-            add(sub.choices[name], *defaults)
+            add(sub.choices[name])
     return p
 
 
@@ -2124,8 +2127,7 @@ def read_text(path):
 
 def check_config(cfg, source="the config"):
     """-> cfg, once it is a config that the code can run and that would not ask for absurd
-    memory: refused before anything is allocated from it. source names it in the message.
-    (A try, not refused_if_malformed: train's way to model_forward enters one function fewer.)"""
+    memory: refused before anything is allocated from it. source names it in the message."""
     try:
         for name in SIZE_FIELDS:
             value = getattr(cfg, name)                  # bool is an int subclass: refused too
