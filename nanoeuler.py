@@ -1359,7 +1359,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
     engine's lines of the settings table (default: its line); loop: train_loop
     (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
-    run = RunFolder(args.out, cfg)
+    run = RunFolder(args.out, cfg)                     # a path with methods; run_command holds its lock
     if args.resume:                                    # refused before the corpus is tokenized (minutes)
         run.refuse_other_run(args)
     tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
@@ -1886,7 +1886,9 @@ def build_parser(command=None):
 
 
 def main(argv=None):
-    """the program: `python nanoeuler.py train ...` runs cmd_train(args) (ArgumentParser.run)"""
+    """the program, `python nanoeuler.py train ...`: ArgumentParser.run (end of file) parses the flags; run_command
+    makes train's default --out (out/<size>), takes that folder's lock, calls cmd_<command>(args) (here cmd_train)
+    and turns any NanoEulerError raised on the way into one sentence on stderr (exit code 2)"""
     argv = sys.argv[1:] if argv is None else argv
     build_parser(next((a for a in argv if not a.startswith("-")), None)).run(argv)   # its command's flags only
 
