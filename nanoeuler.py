@@ -885,7 +885,7 @@ class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
     def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
-        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):   # from_json's check too
+        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):   # read_tokenizer's check too
             raise ValueError(f"its max_piece_bytes is {max_piece_bytes!r}, not a whole number from 4 to 1,048,576")
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
@@ -998,22 +998,11 @@ class Tokenizer:
         return n
 
     def to_json(self):
+        """the tokenizer as SPEC's JSON; read_tokenizer (operations: input checks) reads it back, checked"""
         return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
                            "max_piece_bytes": self.max_piece_bytes,
                            "specials": SPECIAL_IDS,
                            "merges": [list(p) for p in self.merges]})
-
-    @classmethod
-    def from_json(cls, text):
-        d = json.loads(text)
-        if not isinstance(d, dict) or d.get("specials") != SPECIAL_IDS:
-            raise ValueError("its special tokens differ from this program's")
-        # SPEC: encoding splits with the stored pattern; this program knows GPT-2's only
-        if d.get("type", "byte-level-bpe") != "byte-level-bpe" or d.get("pattern", SPLIT_PATTERN.pattern) != \
-                SPLIT_PATTERN.pattern:
-            raise ValueError("its type or split pattern differs from this program's (byte-level-bpe, GPT-2's)")
-        return cls(check_merges(d.get("merges")), d.get("max_piece_bytes", MAX_PIECE_BYTES))
-
 
 # -----------------------------------------------------------------------------
 # data
@@ -2159,11 +2148,17 @@ MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary h
 MAX_HEADER = 100_000_000       # a safetensors header's bytes: the safetensors library's own bound
 
 
-def check_merges(merges):
-    """-> merges, if each is a pair of ids made before it (bytes or earlier merges, never a
-    special), none repeats, and the tokens' bytes stay bounded: merging a token with itself
-    doubles its length, so 40 crafted merges would otherwise ask for a terabyte.
-    Raises ValueError saying which merge is wrong."""
+def read_tokenizer(text):
+    """the Tokenizer of to_json's text, if this program can use it: its special tokens and split pattern are
+    this program's, each merge a pair of ids made before it (bytes or earlier merges, never a special), none
+    repeated, and the tokens' bytes bounded (merging a token with itself doubles its length: 40 crafted merges
+    would ask for a terabyte). Else ValueError (or the parser's error: MALFORMED) saying what is wrong"""
+    d = json.loads(text)
+    require(isinstance(d, dict) and d.get("specials") == SPECIAL_IDS, "its special tokens differ from this program's")
+    # SPEC: encoding splits with the stored pattern; this program knows GPT-2's only
+    require(d.get("type", "byte-level-bpe") == "byte-level-bpe" and d.get("pattern", SPLIT_PATTERN.pattern) ==
+            SPLIT_PATTERN.pattern, "its type or split pattern differs from this program's (byte-level-bpe, GPT-2's)")
+    merges = d.get("merges")
     require(isinstance(merges, list) and len(merges) <= MAX_V - FIRST_MERGE_ID,
             f"its merges are not a list of at most {MAX_V - FIRST_MERGE_ID:,} pairs")
     lengths, seen, total = [1] * 256 + [0] * len(SPECIALS), set(), 0
@@ -2180,7 +2175,7 @@ def check_merges(merges):
         total += lengths[-1]
         if total > MAX_VOCAB_BYTES:
             raise ValueError(f"its tokens add up to more than {MAX_VOCAB_BYTES >> 20} MiB")
-    return merges
+    return Tokenizer(merges, d.get("max_piece_bytes", MAX_PIECE_BYTES))
 
 
 def read_cache(path, vocab_size, chunk=1 << 24):
@@ -2192,7 +2187,7 @@ def read_cache(path, vocab_size, chunk=1 << 24):
     in memory)."""
     if path.endswith(".json"):
         with open(path) as f:
-            tok = Tokenizer.from_json(f.read())
+            tok = read_tokenizer(f.read())
         require(tok.vocab_size <= vocab_size, f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
         return tok
     fmt = np.lib.format
@@ -2310,7 +2305,7 @@ def model_header(path, shapes, meta):
         cfg = Config(**{k: v for k, v in given.items() if k in known})
     check_config(cfg, f"the config in {path}")          # before anything is made from its sizes
     with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
-        tok = Tokenizer.from_json(meta["tokenizer"])
+        tok = read_tokenizer(meta["tokenizer"])
     with refused_if_malformed(lambda e: f"{path} holds tensors that do not match its config ({e} for {asdict(cfg)})"):
         n_want = 2 + 7 * cfg.L + cfg.K                 # counted first: a crafted L = 10^18 must not list its shapes
         require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")

@@ -333,8 +333,8 @@ def test_merges_that_double_a_token_forever_are_refused_without_building_it():
     # merges would ask for an exabyte; the check adds up lengths before building any
     merges = [[97, 97]] + [[260 + i, 260 + i] for i in range(59)]
     with pytest.raises(ValueError, match="MiB"):
-        ne.Tokenizer.from_json(json.dumps({"specials": {s: 256 + i for i, s in enumerate(ne.SPECIALS)},
-                                           "merges": merges}))
+        ne.read_tokenizer(json.dumps({"specials": {s: 256 + i for i, s in enumerate(ne.SPECIALS)},
+                                      "merges": merges}))
 
 
 @pytest.mark.parametrize("field, value", [("pattern", r"\S+|\s+"), ("pattern", None), ("type", "wordpiece")])
@@ -352,7 +352,7 @@ def test_a_tokenizer_of_another_pattern_or_type_is_refused(tmp_path, field, valu
 def test_tokenizer_json_that_is_not_a_map_is_refused():
     for text in ("[]", "3", '"x"'):
         with pytest.raises(ValueError):
-            ne.Tokenizer.from_json(text)
+            ne.read_tokenizer(text)
 
 
 # -----------------------------------------------------------------------------
@@ -421,7 +421,7 @@ SPECIALS = {s: 256 + i for i, s in enumerate(ne.SPECIALS)}
 @given(merges=st.lists(st.lists(st.integers(-2, 300), min_size=1, max_size=3), max_size=40) | json_values)
 def test_arbitrary_merges_give_a_valueerror_or_a_working_tokenizer(merges):
     try:
-        tok = ne.Tokenizer.from_json(json.dumps({"specials": SPECIALS, "merges": merges}))
+        tok = ne.read_tokenizer(json.dumps({"specials": SPECIALS, "merges": merges}))
     except ValueError as e:
         assert "\n" not in str(e)
         return
