@@ -1028,6 +1028,7 @@ CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
 SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (Config refuses a larger V)
+CACHE = os.path.join("..", "cache")   # the tokenizer and tokens, beside a run's --out (prepare writes no run)
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -1129,20 +1130,15 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
-def data_cache(out_dir):
-    """where the tokenizer and tokens of a run under out_dir are cached (beside it, shared by
-    runs); normalized, so that making the cache does not make out_dir (prepare writes no run)"""
-    cache = os.path.normpath(os.path.join(out_dir, "..", "cache"))
-    if cache == os.path.normpath(out_dir):
+def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
+    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
+    and the tokens written once, both cached by the corpus's hash (the tokens also
+    by the tokenizer's) in the folder CACHE beside the run's out_dir, shared by the
+    runs there; a damaged cache file is made again"""
+    cache_dir = os.path.normpath(os.path.join(out_dir, CACHE))    # normalized: making it makes no out_dir
+    if cache_dir == os.path.normpath(out_dir):
         raise NanoEulerError(f"--out {out_dir} is where runs beside it cache their tokens; give the run a folder "
                              "of another name")
-    return cache
-
-
-def prepare_data(path, vocab_size, cache_dir, progress=True, workers=None):
-    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
-    and the tokens written once, both cached under cache_dir by the corpus's
-    hash (the tokens also by the tokenizer's); a damaged cache file is made again"""
     files = corpus_files(path)
     if vocab_size > MAX_V:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
@@ -1351,7 +1347,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     run = RunFolder(args.out, cfg)                     # a path with methods; run_command holds its lock
     if args.resume:                                    # refused before the corpus is tokenized (minutes)
         run.refuse_other_run(args)
-    tok, tokens = prepare_data(args.data, cfg.V, data_cache(args.out))
+    tok, tokens = prepare_data(args.data, cfg.V, args.out)
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
     flat, m, v, state = run.resume_or_init(args, tok, functools.partial(init_params, cfg, args.seed))
@@ -1735,7 +1731,7 @@ def cmd_check(args):
 
 
 def cmd_prepare(args):
-    tok, tokens = prepare_data(args.data, args.vocab_size, data_cache(args.out), workers=args.workers)
+    tok, tokens = prepare_data(args.data, args.vocab_size, args.out, workers=args.workers)
     print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 
 

@@ -1124,7 +1124,7 @@ def cmd_train(args):
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data
         return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args,
-                            before=lambda: ne.prepare_data(args.data, cfg.V, ne.data_cache(args.out)))
+                            before=lambda: ne.prepare_data(args.data, cfg.V, args.out))
     if place:                                   # a rank of torchrun, srun or mpirun
         rank, world, local = join_world(args, place)
         local = gpu_of(local, place)
@@ -3488,11 +3488,11 @@ def gpu_of(local_rank, place):
 def prepare_once(args, cfg):
     """the ranks on one host tokenize the corpus into their shared cache one at a time: the
     first makes it, the others find it made"""
-    cache = ne.data_cache(args.out)
+    cache = os.path.normpath(os.path.join(args.out, ne.CACHE))   # prepare_data's
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, "prepare.lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        ne.prepare_data(args.data, cfg.V, cache)
+        ne.prepare_data(args.data, cfg.V, args.out)
 
 
 def world_rank(args):

@@ -319,8 +319,8 @@ def test_progress_says_mb_done_speed_and_time_left():
 def test_prepared_tokens_are_memory_mapped_and_keyed_by_corpus_and_tokenizer(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:20_000], encoding="utf-8")
-    cache = str(tmp_path / "cache")
-    tok, tokens = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    cache, run = str(tmp_path / "cache"), str(tmp_path / "run")       # a run's cache is beside it
+    tok, tokens = ne.prepare_data(str(corpus), 300, run, progress=False)
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint16
     assert tokens.tolist() == expected_tokens(tok, [str(corpus)])
     train, val = ne.split_train_val(tokens, 13)
@@ -329,20 +329,20 @@ def test_prepared_tokens_are_memory_mapped_and_keyed_by_corpus_and_tokenizer(tmp
     tok_file = next(p for p in os.listdir(cache) if p.startswith("tokenizer_"))
     fewer = ne.Tokenizer(tok.merges[:10])
     (tmp_path / "cache" / tok_file).write_text(fewer.to_json())
-    tok2, tokens2 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    tok2, tokens2 = ne.prepare_data(str(corpus), 300, run, progress=False)
     assert tok2.merges == fewer.merges and tokens2.tolist() == expected_tokens(fewer, [str(corpus)])
     # a damaged tokenizer file: trained again
     (tmp_path / "cache" / tok_file).write_text('{"merges": [[1')
-    tok4, tokens4 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    tok4, tokens4 = ne.prepare_data(str(corpus), 300, run, progress=False)
     assert tok4.merges == tok.merges and np.array_equal(tokens4, tokens)
     # one nested past the parser's depth, or with more tokens than asked for: trained again too
     for damaged in ("[" * 100_000 + "]" * 100_000, ne.Tokenizer(tok.merges + [[97, 97]]).to_json()):
         (tmp_path / "cache" / tok_file).write_text(damaged)
-        tok5, _ = ne.prepare_data(str(corpus), 300, cache, progress=False)
+        tok5, _ = ne.prepare_data(str(corpus), 300, run, progress=False)
         assert tok5.merges == tok.merges and tok5.vocab_size == 300
     # a changed corpus: both again
     corpus.write_text("something else entirely " * 500, encoding="utf-8")
-    tok3, tokens3 = ne.prepare_data(str(corpus), 300, cache, progress=False)
+    tok3, tokens3 = ne.prepare_data(str(corpus), 300, run, progress=False)
     assert tok3.decode(tokens3.tolist()) == "something else entirely " * 500 + "<|endoftext|>"
     assert not [p for p in os.listdir(cache) if p.endswith(".tmp")]
 
@@ -396,12 +396,12 @@ def test_temp_files_of_killed_runs_are_removed_and_never_read(tmp_path):
     # prepare never takes a temp file for the cache: it tokenizes, and the result is whole
     corpus = tmp_path / "c.txt"
     corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:5_000], encoding="utf-8")
-    tok, tokens = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    tok, tokens = ne.prepare_data(str(corpus), 270, str(tmp_path / "run"), progress=False)
     digest = hashlib.sha256(b"c.txt" + corpus.read_bytes()).hexdigest()[:16]   # the cache key: names and contents
     leftover = tmp_path / "cache" / (os.path.basename(tokens.filename) + f".{dead.pid}.tmp")
     os.remove(tokens.filename)
     leftover.write_bytes(b"\x93NUMPY half a file")
-    tok2, tokens2 = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    tok2, tokens2 = ne.prepare_data(str(corpus), 270, str(tmp_path / "run"), progress=False)
     assert digest in tokens2.filename and tokens2.tolist() == expected_tokens(tok, [str(corpus)])
 
 
@@ -418,7 +418,7 @@ def test_a_run_folder_takes_away_the_temp_files_of_dead_writers_only(tmp_path, m
     with ne.RunFolder(str(tmp_path)).claim(resume=True):
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([writing.name, ne.LOCK_NAME])
     with pytest.raises(ne.NanoEulerError, match="^--out out/cache is where runs beside it cache their tokens; "):
-        ne.data_cache("out/cache")
+        ne.prepare_data("unused.txt", 300, "out/cache")
 
 
 def test_every_chunk_of_the_token_file_is_checked_to_its_last_id(tmp_path):
@@ -432,9 +432,9 @@ def test_every_chunk_of_the_token_file_is_checked_to_its_last_id(tmp_path):
 def test_the_cached_tokenizer_is_one_per_vocabulary_size(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:20_000], encoding="utf-8")
-    cache = str(tmp_path / "cache")
-    assert ne.prepare_data(str(corpus), 280, cache, progress=False)[0].vocab_size == 280
-    assert ne.prepare_data(str(corpus), 300, cache, progress=False)[0].vocab_size == 300     # 260 + 40 merges
+    run = str(tmp_path / "run")
+    assert ne.prepare_data(str(corpus), 280, run, progress=False)[0].vocab_size == 280
+    assert ne.prepare_data(str(corpus), 300, run, progress=False)[0].vocab_size == 300     # 260 + 40 merges
 
 
 def test_a_corpus_folder_is_read_in_sorted_order_to_its_depths(tmp_path, monkeypatch):
@@ -484,12 +484,12 @@ def damage_token_file(path, how):
 def test_a_damaged_token_cache_is_said_and_made_again(tmp_path, capsys, how, words):
     corpus = tmp_path / "c.txt"
     corpus.write_text(open(SHAKESPEARE, encoding="utf-8").read()[:5_000], encoding="utf-8")
-    tok, tokens = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    tok, tokens = ne.prepare_data(str(corpus), 270, str(tmp_path / "run"), progress=False)
     path = tokens.filename
     del tokens
     damage_token_file(path, how)
     capsys.readouterr()
-    tok2, tokens2 = ne.prepare_data(str(corpus), 270, str(tmp_path / "cache"), progress=False)
+    tok2, tokens2 = ne.prepare_data(str(corpus), 270, str(tmp_path / "run"), progress=False)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"{path} is damaged (") and err[0].endswith("; tokenizing again")
     assert all(w in err[0] for w in words), err[0]

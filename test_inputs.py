@@ -968,8 +968,8 @@ def test_a_full_or_read_only_disk_is_one_sentence_naming_the_file():
 
 
 def test_the_cache_sits_beside_the_run_folder_and_prepare_makes_no_run_folder(tmp_path):
-    assert ne.data_cache("out/small") == os.path.join("out", "cache")
-    assert ne.data_cache("run") == "cache" and ne.data_cache("/a/b/") == "/a/cache"
+    for out, cache in (("out/small", "out/cache"), ("run", "cache"), ("/a/b/", "/a/cache")):   # prepare_data's
+        assert os.path.normpath(os.path.join(out, ne.CACHE)) == cache
     corpus = tmp_path / "c.txt"
     corpus.write_text("to be or not to be " * 200)
     r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "prepare", "--data", str(corpus),

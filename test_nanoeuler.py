@@ -559,10 +559,10 @@ def test_empty_and_non_utf8_corpus_are_refused(tmp_path):
 
 def test_damaged_token_cache_is_rebuilt(tmp_path):
     data = small_corpus(tmp_path)
-    tok, tokens = ne.prepare_data(data, 300, str(tmp_path / "cache"), progress=False)
+    tok, tokens = ne.prepare_data(data, 300, str(tmp_path / "run"), progress=False)
     path = next(p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokens_"))
     path.write_bytes(b"\x00" * 64 + path.read_bytes()[64:])          # a broken header
-    tok2, tokens2 = ne.prepare_data(data, 300, str(tmp_path / "cache"), progress=False)
+    tok2, tokens2 = ne.prepare_data(data, 300, str(tmp_path / "run"), progress=False)
     assert np.array_equal(tokens, tokens2)
 
 
