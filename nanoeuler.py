@@ -41,30 +41,31 @@ config, tokenizer, data, checkpoint and training-loop code from here and
 checks its kernels against the layers here.
 """
 
-import argparse
 import codecs
 import contextlib
-import errno
-import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
 import functools
 import hashlib
 import heapq
-import io
 import json
 import math
 import os
-import pickle
 import re
-import select
-import signal
-import stat
 import sys
 import threading
 import time
-import warnings
 from collections import defaultdict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, fields
+# and what only the operations part uses (deque and fields too): a first reading may skip these
+import argparse                     # the flags' parser, which operations' ArgumentParser extends
+import errno
+import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
+import io
+import pickle
+import select
+import signal
+import stat
+import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 # one BLAS thread: training runs threads of its own ("a training step on every core"), and two layers
 # of threads on two cores made every step twice as slow; BLAS reads this as numpy loads, so it comes first
