@@ -829,7 +829,6 @@ FIRST_MERGE_ID = 256 + len(SPECIALS)
 # The encoder caches the ids of each distinct piece and clears the cache when
 # it holds this many (about 35 MB), so a worker's memory stays bounded.
 CACHE_PIECES = 100_000
-_last_progress = [0.0]          # when progress_line (above class Tokenizer) last wrote to a log file
 
 
 def merge(ids, pair, new_id):
@@ -869,17 +868,6 @@ def count_pieces(text, max_bytes):
         for part in cut_piece(word, max_bytes):
             pieces[part] += n
     return pieces
-
-
-def progress_line(text, done=False):
-    """one progress line on stderr: redrawn in place on a terminal; in a log file,
-    a new line at most every 2 seconds and at the end"""
-    now = time.time()
-    if sys.stderr.isatty():
-        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
-    elif done or now - _last_progress[0] >= 2.0:
-        print(text, file=sys.stderr, flush=True)
-        _last_progress[0] = now
 
 
 class Tokenizer:
@@ -3399,6 +3387,17 @@ def check_memory(cfg, batch, threads, available=available_memory):
 # -----------------------------------------------------------------------------
 # operations: lost output streams, every command's last words, and the program's flags
 
+def progress_line(text, done=False):
+    """one progress line on stderr: redrawn in place on a terminal; in a log file,
+    a new line at most every 2 seconds and at the end"""
+    now = time.time()
+    if sys.stderr.isatty():
+        print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
+    elif done or now - _last_progress[0] >= 2.0:
+        print(text, file=sys.stderr, flush=True)
+        _last_progress[0] = now
+
+
 def silence_lost_output():
     """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
     terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
@@ -3454,6 +3453,7 @@ def failed_stream():
 
 PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
 NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
+_last_progress = [0.0]          # when progress_line last wrote a line to a log file
 
 
 def run_command(command, args, closed=()):
