@@ -5,7 +5,7 @@
 # README flow's validation loss, SPEC's mtp_weight); dev/variants/lt_forward_probe.py; PyTorch's best
 # at 64 and 16 last. VARIANT_TREE: a copy of the tree with the variant applied, carried, e.g.
 #   mkdir -p .carry/train36/tree && git archive HEAD | tar -x -C .carry/train36/tree &&
-#   (cd .carry/train36/tree && git apply dev/variants/residual_add_in_product_epilogue.diff)
+#   (cd .carry/train36/tree && patch -p1 < dev/variants/THE.diff)   # not git apply: inside the repository it applies nothing
 # then run: bash .carry/train36/tree/dev/gpu/train36.sh $OUT .carry/train36/tree (about 5 minutes)
 source "$(dirname "$0")/common.sh"
 V=${1:?usage: bash $0 OUTDIR VARIANT_TREE}

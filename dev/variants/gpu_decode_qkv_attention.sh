@@ -1,7 +1,8 @@
 #!/bin/bash
 # The qkv product and attention in one kernel (issue 35, DECODE_QKV_ATTENTION) on one GPU, in one
-# call, not yet run (the device was not lent on 2026-12-05; dev/LOG-decode.md): from the root of a
-# copy of the tree with dev/variants/decode_qkv_attention.diff applied,
+# call (measured 2026-12-05 by dev/gpu/ab_2026-12-05.sh instead: 14% slower; dev/LOG-decode.md): from the
+# root of a copy of the tree with dev/variants/decode_qkv_attention.diff applied by `patch -p1` (git apply
+# run inside this repository's folder applies nothing, silently),
 #     bash dev/variants/gpu_decode_qkv_attention.sh OUTDIR MAIN [TREE...]
 # MAIN: a checkout of main without it; TREE: copies of the applied tree with a variant on top
 # (decode_qkv_attention_count_late.diff). check; bench --decode-only on random weights in this tree
