@@ -29,8 +29,8 @@ loss plot (log.svg). Last comes the operations part: what keeps a long run
 from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
-name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the story and defined
-later is one of those, plot_log (the loss plot, after the story) or decode_params (after generate).
+name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the story and defined later is one of those,
+plot_log (the loss plot, after the story), decode_params (after generate) or a helper of train_loop (after pretrain).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1170,90 +1170,6 @@ DEFAULT_STEPS = 1000
 DEFAULT_WARMUP = 30
 
 
-def saved_rng(state):
-    """the data order's random generator, where the training state left it"""
-    rng = np.random.default_rng()
-    rng.bit_generator.state = state["rng"]
-    return rng
-
-
-SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
-PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
-
-
-def print_settings(rows, args, state):
-    """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
-    run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
-    if "planned_steps" in state:
-        steps = f"{state['planned_steps']} (planned for --minutes)"
-    elif getattr(args, "minutes", 0) > 0:
-        steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
-    else:
-        steps = str(args.steps)
-    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
-                             f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}} | {v}")
-
-
-def fmt_time(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
-    """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
-    left, estimated from the last 50 steps"""
-    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
-    print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
-          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
-          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
-
-
-def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
-    """one row of log.csv (LOG_HEADER); validation fields empty between evaluations"""
-    csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens / dt:.1f},"
-              f"{'' if mfu is None else f'{mfu:.4f}'},"
-              f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
-    csv.flush()
-
-
-def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
-    """a short sample, so the log shows what the model has learned so far; prompt: ids
-    (default: a document's start)"""
-    prompt = prompt or [tok.special("<|endoftext|>")]
-    params = carve(flat, cfg)
-    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
-                        stop=tok.special("<|end|>")))
-    return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
-
-
-def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt, elapsed):
-    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
-    (the run folder's save_best); elapsed() -> the run's time so far, as text"""
-    val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
-    run.stop_if_not_finite({"validation loss": val_loss}, step)
-    print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
-          f"{len(val_batches)} batches | {elapsed()} elapsed")
-    flat = engine.host_params()                    # one copy for both, and no moments
-    run.stop_if_not_finite({"weights": flat}, step)
-    if val_loss < state.get("best_val", math.inf):
-        state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
-        run.save_best(flat)
-    print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
-    return val_loss, val_bpb
-
-
-def print_summary(steps, elapsed, times, state, out_dir, last_path):
-    # the steps are a part of the run's time: validation, samples and checkpoints take the rest
-    steps_ms = f": {sum(times):.1f} s of steps ({np.mean(times) * 1e3:.1f} ms/step), the rest validation, " \
-        "samples and checkpoints" if times else ""
-    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
-            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
-
-
 # seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)
 now = time.perf_counter
 
@@ -1355,6 +1271,90 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
                                                                   args.eval_batches)]
     (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
+
+
+def saved_rng(state):
+    """the data order's random generator, where the training state left it"""
+    rng = np.random.default_rng()
+    rng.bit_generator.state = state["rng"]
+    return rng
+
+
+SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
+PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
+
+
+def print_settings(rows, args, state):
+    """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
+    run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
+    if "planned_steps" in state:
+        steps = f"{state['planned_steps']} (planned for --minutes)"
+    elif getattr(args, "minutes", 0) > 0:
+        steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
+    else:
+        steps = str(args.steps)
+    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
+                             f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}} | {v}")
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
+    """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
+    left, estimated from the last 50 steps"""
+    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+    print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
+          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
+          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
+
+
+def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
+    """one row of log.csv (LOG_HEADER); validation fields empty between evaluations"""
+    csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens / dt:.1f},"
+              f"{'' if mfu is None else f'{mfu:.4f}'},"
+              f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
+    csv.flush()
+
+
+def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
+    """a short sample, so the log shows what the model has learned so far; prompt: ids
+    (default: a document's start)"""
+    prompt = prompt or [tok.special("<|endoftext|>")]
+    params = carve(flat, cfg)
+    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
+                        stop=tok.special("<|end|>")))
+    return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
+
+
+def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt, elapsed):
+    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
+    (the run folder's save_best); elapsed() -> the run's time so far, as text"""
+    val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
+    run.stop_if_not_finite({"validation loss": val_loss}, step)
+    print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
+          f"{len(val_batches)} batches | {elapsed()} elapsed")
+    flat = engine.host_params()                    # one copy for both, and no moments
+    run.stop_if_not_finite({"weights": flat}, step)
+    if val_loss < state.get("best_val", math.inf):
+        state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
+        run.save_best(flat)
+    print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
+    return val_loss, val_bpb
+
+
+def print_summary(steps, elapsed, times, state, out_dir, last_path):
+    # the steps are a part of the run's time: validation, samples and checkpoints take the rest
+    steps_ms = f": {sum(times):.1f} s of steps ({np.mean(times) * 1e3:.1f} ms/step), the rest validation, " \
+        "samples and checkpoints" if times else ""
+    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
+            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
+    print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
 
 
 # -----------------------------------------------------------------------------
