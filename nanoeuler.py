@@ -1446,13 +1446,7 @@ class CPUEngine:
         self.n_threads, processes, self.parts = workers_for(args.batch, args.threads)
         self.pool = Workers(self.n_threads, flat, processes)     # threads, or forked processes (operations)
         self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
-        # the run's header line: the workers, what held them below --threads, their rows, BLAS's threads
-        n, procs, blas = self.n_threads, self.pool.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
-        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
-        why = (f" ({CORES} cores here)" if n == CORES < args.threads else
-               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < args.threads))
-        self.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
-                     f"{-(-self.batch // self.parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+        self.line = self.pool.describe(args.threads, -(-self.batch // self.parts))   # the run's header line
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
@@ -3216,6 +3210,16 @@ class Workers:
         for error in (r for r in results if isinstance(r, BaseException)):
             raise error
         return results
+
+    def describe(self, threads, rows):
+        """CPUEngine's line in the run's header: the workers, what held them below --threads (the cores, MIN_ROWS
+        or MAX_THREADS; a row a process), rows a micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS, said)"""
+        n, procs, blas = len(self.grad_bufs), self.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
+        why = (f" ({CORES} cores here)" if n == CORES < threads else
+               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < threads))
+        return (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
+                f"{rows}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
 
     def close(self):
         """stop the workers now (a step cut short by a signal is lost anyway)"""
