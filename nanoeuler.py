@@ -1168,6 +1168,9 @@ DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
 DEFAULT_WARMUP = 30
+SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
+PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
+EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
 
 
 # seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)
@@ -1241,9 +1244,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     return step
 
 
-EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
-
-
 def pretrain(args, cfg, make_engine, describe=None, loop=None):
     """tokenizer and tokens (cached), validation rows, then the loop; both engines train
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
@@ -1278,10 +1278,6 @@ def saved_rng(state):
     rng = np.random.default_rng()
     rng.bit_generator.state = state["rng"]
     return rng
-
-
-SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
-PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 
 
 def print_settings(rows, args, state):
