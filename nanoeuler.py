@@ -30,7 +30,7 @@ from losing work or failing without a word (checked inputs, checkpoint files
 written atomically and resumed from, the run folder's lock, signals, memory,
 lost output streams); a first reading may skip it. The story calls into it by
 name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the story and defined later is one of those,
-plot_log (the loss plot, after the story), decode_params (after generate) or a helper of train_loop (after pretrain).
+plot_log, cmd_plot and cmd_bench (after the story), decode_params (after generate) or a helper of train_loop (after it).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1851,10 +1851,12 @@ def build_parser(command=None):
 
 def main(argv=None):
     """the program, `python nanoeuler.py train ...`: ArgumentParser.run (end of file) parses the flags; run_command
-    makes train's default --out (out/<size>), takes that folder's lock, calls cmd_<command>(args) (here cmd_train)
-    and turns any NanoEulerError raised on the way into one sentence on stderr (exit code 2)"""
+    makes train's default --out (out/<size>), takes that folder's lock, calls the command's function from this
+    table (cmd_train) and turns any NanoEulerError raised on the way into one sentence on stderr (exit code 2)"""
+    commands = {"check": cmd_check, "prepare": cmd_prepare, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
+                "chat": cmd_chat, "serve": cmd_serve, "plot": cmd_plot, "bench": cmd_bench}
     argv = sys.argv[1:] if argv is None else argv
-    build_parser(next((a for a in argv if not a.startswith("-")), None)).run(argv)   # its command's flags only
+    build_parser(next((a for a in argv if not a.startswith("-")), None)).run(argv, commands)   # its command's flags
 
 
 # -----------------------------------------------------------------------------
@@ -3583,8 +3585,8 @@ class ArgumentParser(argparse.ArgumentParser):
         for name in FLAG_TYPES:                        # type="positive_int" is positive_int
             self.register("type", name, globals()[name])
 
-    def run(self, argv=None):
-        """the program: its flags parsed, then run_command(cmd_<the command>). First stdin,
+    def run(self, argv, commands):
+        """the program: its flags parsed, then run_command(commands[the command]). First stdin,
         stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
         too) fails on None and no file we open later takes their descriptor; a text that cannot
         be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
@@ -3608,7 +3610,7 @@ class ArgumentParser(argparse.ArgumentParser):
             if hasattr(stream, "reconfigure"):
                 stream.reconfigure(errors="replace")
         self.parse_args(argv, args)
-        run_command(globals()[f"cmd_{args.command}"], args, closed)
+        run_command(commands[args.command], args, closed)
 
 
 if __name__ == "__main__":
