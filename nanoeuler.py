@@ -1255,6 +1255,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     tok, tokens = prepare_data(args.data, cfg.V, args.out)
     cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
     train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
+    # a new run: init_params(--seed), AdamW's m = v = 0, step 0, data order seeded by --seed; --resume: a checkpoint's
     flat, m, v, state = run.resume_or_init(args, tok, functools.partial(init_params, cfg, args.seed))
     engine = make_engine(cfg, flat, m, v)
     print_settings((describe(engine) if describe else [("engine", engine.line)]) +
@@ -1274,7 +1275,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
 
 
 def saved_rng(state):
-    """the data order's random generator, where the training state left it"""
+    """the data order's random generator, where the training state left it (a new run's: seeded from --seed)"""
     rng = np.random.default_rng()
     rng.bit_generator.state = state["rng"]
     return rng
