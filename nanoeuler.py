@@ -3039,6 +3039,104 @@ def write_tokens(path, files, tok, workers=None, progress=True):
 
 
 # -----------------------------------------------------------------------------
+# operations: worker threads and processes (Workers)
+#
+# The training step's workers (the story's "a training step on every core"): threads while a few do (numpy lets go of
+# the GIL in its loops and BLAS calls), else processes forked once, if this process has no other thread (a fork beside
+# one can deadlock the child): between numpy calls a thread needs the GIL; on 16 cores 8 threads took 2.4x the step of
+# 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md). Weights and gradient buffers live in memory shared
+# with them, arrays in it travel as their place in it; a worker ignores the signals (this process stops it) and ends
+# when its pipe does, also when this process is killed; an error in one is raised here.
+
+class Workers:
+    """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
+    them (flat itself for threads), grad_bufs: n gradient buffers; threads: a pool of n threads here"""
+
+    def __init__(self, n, flat, processes=False):
+        import mmap
+        from multiprocessing import Pipe
+        self.threads, self.conns, self.pids = ThreadPoolExecutor(n), [], []
+        self.processes = processes and n > 1
+        if not self.processes:
+            self.flat, self.grad_bufs, self.map = flat, [np.zeros_like(flat) for _ in range(n)], self.threads.map
+            return
+        self.memory = mmap.mmap(-1, (n + 1) * flat.nbytes)
+        self.flat, *self.grad_bufs = np.frombuffer(self.memory, flat.dtype).reshape(n + 1, flat.size)
+        self.flat[...] = flat
+        with signals_blocked(tuple(SIGNALS)):                 # a signal until the worker ignores it is ours
+            for _ in range(n):
+                ours, theirs = Pipe()
+                pid = os.fork()
+                if pid == 0:
+                    self._serve(theirs, ours)                  # and exits
+                theirs.close()
+                self.conns.append(ours)
+                self.pids.append(pid)
+
+    def _serve(self, conn, ours):
+        """in a worker process: run what map sends until the pipe closes"""
+        try:
+            for end in self.conns + [ours]:              # this process's ends would keep the pipes open
+                end.close()
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_SETMASK, [])
+            while True:
+                unpickler = pickle.Unpickler(io.BytesIO(conn.recv_bytes()))
+                unpickler.persistent_load = lambda key: np.ndarray(key[2], key[1], self.memory, key[0], key[3])
+                fn, args = unpickler.load()
+                try:
+                    result = fn(*args)
+                except Exception as e:                     # noqa: BLE001 (raised in the main process)
+                    result = e
+                conn.send(result)
+        finally:                                           # EOFError, OSError: the main process closed the pipe,
+            os._exit(0)                                    # or is gone
+
+    def _dump(self, obj):
+        """obj pickled, an array in the shared memory as its place there (offset, dtype, shape, strides)"""
+        f, base = io.BytesIO(), self.flat.ctypes.data
+        pickler = pickle.Pickler(f, pickle.HIGHEST_PROTOCOL)
+        pickler.persistent_id = lambda a: ((a.ctypes.data - base, a.dtype.str, a.shape, a.strides) if isinstance(
+            a, np.ndarray) and 0 <= a.ctypes.data - base < len(self.memory) else None)
+        pickler.dump(obj)
+        return f.getvalue()
+
+    def map(self, fn, *iterables):
+        """[fn(*args) for args in zip(*iterables)], item i on process i % n, in that order"""
+        calls = list(zip(*iterables))
+        try:
+            for i, args in enumerate(calls):
+                self.conns[i % len(self.conns)].send_bytes(self._dump((fn, args)))
+            results = [self.conns[i % len(self.conns)].recv() for i in range(len(calls))]
+        except (EOFError, OSError):
+            raise NanoEulerError("a training worker process died (out of memory?); free some memory, or "
+                                 "lower --batch or --threads") from None
+        for error in (r for r in results if isinstance(r, BaseException)):
+            raise error
+        return results
+
+    def describe(self, threads, rows):
+        """CPUEngine's line in the run's header: the workers, what held them below --threads (the cores, MIN_ROWS
+        or MAX_THREADS; a row a process), rows a micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS, said)"""
+        n, procs, blas = len(self.grad_bufs), self.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
+        why = (f" ({CORES} cores here)" if n == CORES < threads else
+               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < threads))
+        return (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
+                f"{rows}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+
+    def close(self):
+        """stop the workers now (a step cut short by a signal is lost anyway)"""
+        self.threads.shutdown()
+        for conn, pid in zip(self.conns, self.pids):
+            conn.close()
+            os.kill(pid, signal.SIGKILL)                   # not reaped yet: the pid is still this worker's
+            os.waitpid(pid, 0)
+        self.conns, self.pids = [], []
+
+
+# -----------------------------------------------------------------------------
 # operations: signals
 
 @contextlib.contextmanager
@@ -3133,101 +3231,6 @@ def encoding_pool(workers, tok):
                              "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
     finally:
         pool.shutdown(cancel_futures=True)
-
-
-# The training step's workers (the story's "a training step on every core"): threads while a few do (numpy lets go of
-# the GIL in its loops and BLAS calls), else processes forked once, if this process has no other thread (a fork beside
-# one can deadlock the child): between numpy calls a thread needs the GIL; on 16 cores 8 threads took 2.4x the step of
-# 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md). Weights and gradient buffers live in memory shared
-# with them, arrays in it travel as their place in it; a worker ignores the signals (this process stops it) and ends
-# when its pipe does, also when this process is killed; an error in one is raised here.
-
-class Workers:
-    """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
-    them (flat itself for threads), grad_bufs: n gradient buffers; threads: a pool of n threads here"""
-
-    def __init__(self, n, flat, processes=False):
-        import mmap
-        from multiprocessing import Pipe
-        self.threads, self.conns, self.pids = ThreadPoolExecutor(n), [], []
-        self.processes = processes and n > 1
-        if not self.processes:
-            self.flat, self.grad_bufs, self.map = flat, [np.zeros_like(flat) for _ in range(n)], self.threads.map
-            return
-        self.memory = mmap.mmap(-1, (n + 1) * flat.nbytes)
-        self.flat, *self.grad_bufs = np.frombuffer(self.memory, flat.dtype).reshape(n + 1, flat.size)
-        self.flat[...] = flat
-        with signals_blocked(tuple(SIGNALS)):                 # a signal until the worker ignores it is ours
-            for _ in range(n):
-                ours, theirs = Pipe()
-                pid = os.fork()
-                if pid == 0:
-                    self._serve(theirs, ours)                  # and exits
-                theirs.close()
-                self.conns.append(ours)
-                self.pids.append(pid)
-
-    def _serve(self, conn, ours):
-        """in a worker process: run what map sends until the pipe closes"""
-        try:
-            for end in self.conns + [ours]:              # this process's ends would keep the pipes open
-                end.close()
-            for sig in SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-            signal.pthread_sigmask(signal.SIG_SETMASK, [])
-            while True:
-                unpickler = pickle.Unpickler(io.BytesIO(conn.recv_bytes()))
-                unpickler.persistent_load = lambda key: np.ndarray(key[2], key[1], self.memory, key[0], key[3])
-                fn, args = unpickler.load()
-                try:
-                    result = fn(*args)
-                except Exception as e:                     # noqa: BLE001 (raised in the main process)
-                    result = e
-                conn.send(result)
-        finally:                                           # EOFError, OSError: the main process closed the pipe,
-            os._exit(0)                                    # or is gone
-
-    def _dump(self, obj):
-        """obj pickled, an array in the shared memory as its place there (offset, dtype, shape, strides)"""
-        f, base = io.BytesIO(), self.flat.ctypes.data
-        pickler = pickle.Pickler(f, pickle.HIGHEST_PROTOCOL)
-        pickler.persistent_id = lambda a: ((a.ctypes.data - base, a.dtype.str, a.shape, a.strides) if isinstance(
-            a, np.ndarray) and 0 <= a.ctypes.data - base < len(self.memory) else None)
-        pickler.dump(obj)
-        return f.getvalue()
-
-    def map(self, fn, *iterables):
-        """[fn(*args) for args in zip(*iterables)], item i on process i % n, in that order"""
-        calls = list(zip(*iterables))
-        try:
-            for i, args in enumerate(calls):
-                self.conns[i % len(self.conns)].send_bytes(self._dump((fn, args)))
-            results = [self.conns[i % len(self.conns)].recv() for i in range(len(calls))]
-        except (EOFError, OSError):
-            raise NanoEulerError("a training worker process died (out of memory?); free some memory, or "
-                                 "lower --batch or --threads") from None
-        for error in (r for r in results if isinstance(r, BaseException)):
-            raise error
-        return results
-
-    def describe(self, threads, rows):
-        """CPUEngine's line in the run's header: the workers, what held them below --threads (the cores, MIN_ROWS
-        or MAX_THREADS; a row a process), rows a micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS, said)"""
-        n, procs, blas = len(self.grad_bufs), self.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
-        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
-        why = (f" ({CORES} cores here)" if n == CORES < threads else
-               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < threads))
-        return (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
-                f"{rows}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
-
-    def close(self):
-        """stop the workers now (a step cut short by a signal is lost anyway)"""
-        self.threads.shutdown()
-        for conn, pid in zip(self.conns, self.pids):
-            conn.close()
-            os.kill(pid, signal.SIGKILL)                   # not reaped yet: the pid is still this worker's
-            os.waitpid(pid, 0)
-        self.conns, self.pids = [], []
 
 
 def exit_stopped(signum, out_dir=None, step=None, last_path=None):
