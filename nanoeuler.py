@@ -378,7 +378,7 @@ def param_shapes(cfg):
 
 
 def num_params(cfg):
-    """how many numbers param_shapes lists, counted from the sizes (a crafted L = 10^18 lists nothing)"""
+    """how many numbers param_shapes lists, counted from the sizes alone (check_config asks it of every config)"""
     per_layer = 2 * cfg.C + (cfg.Hq + 2 * cfg.Hkv) * cfg.D * cfg.C + cfg.C * cfg.Hq * cfg.D + 3 * cfg.F * cfg.C
     return (1 + cfg.K) * cfg.V * cfg.C + cfg.C + cfg.L * per_layer
 
@@ -874,7 +874,7 @@ class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
     def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
-        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):   # read_tokenizer's check too
+        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):   # a file's: its reader names it
             raise ValueError(f"its max_piece_bytes is {max_piece_bytes!r}, not a whole number from 4 to 1,048,576")
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
@@ -1016,7 +1016,7 @@ DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a 
 CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
 SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
 POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
-TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (Config refuses a larger V)
+TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (check_config refuses a larger V)
 CACHE = os.path.join("..", "cache")   # the tokenizer and tokens, beside a run's --out (prepare writes no run)
 
 
@@ -1204,7 +1204,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
     times, t_start = [], clock()
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
-    with run.signals_handled():                          # (numpy's warnings on the way to a NaN: run_command's)
+    with run.signals_handled():                          # (run_command silences numpy's overflow warnings)
         with run.output_may_go():
             while step < min(total, stop) and not run.stop:
                 step += 1
@@ -1224,7 +1224,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, 
                                          elapsed)
                     eval_time = clock() - t_eval
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
-                run.finish(poll=True)
+                run.finish(poll=True)                     # say a background save that has finished
                 planning = step == plan_step and val           # --minutes: an evaluation and a save, timed
                 if run.due(step, args) or step == total or planning:
                     # written while the next steps run; the last, and the timed one, before going on
@@ -1420,14 +1420,14 @@ def evaluate(ce_of, batches, token_bytes, pool=None):
     """batches of (idx, targets) -> validation CE_0 (nats per kept token) and bits per byte;
     ce_of(idx, targets) -> ce (K,) is the engine's forward pass"""
 
-    def run(batch):
+    def sums(batch):                                   # one batch's nats, bytes and tokens
         idx, targets = batch
         ce = ce_of(idx, targets)
         t0 = targets[..., 0]
         kept = t0 >= 0
         return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()
 
-    results = list(pool.map(run, batches)) if pool else [run(b) for b in batches]
+    results = list(pool.map(sums, batches)) if pool else [sums(b) for b in batches]
     nats, nbytes, ntok = (sum(r[i] for r in results) for i in range(3))
     return nats / max(ntok, 1), nats / math.log(2) / max(nbytes, 1)
 
@@ -1525,7 +1525,7 @@ def sft_targets(rows, mask, T, K):
 def cmd_sft(args, make_engine=None, engine=None):
     """make_engine(cfg, flat, m, v), engine (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)
-    if make_engine is None:
+    if make_engine is None:                            # CPUEngine's memory; a GPU engine refuses its own
         check_memory(cfg, args.batch, args.threads)
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
