@@ -1181,27 +1181,26 @@ now = time.perf_counter
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
 # --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
 # the loop on a signal, lost output or a non-finite loss, saving first; --minutes plans its length after PLAN_AFTER.
-def train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state, sample_prompt=None, clock=None):
+def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
-    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. state: step, rng state, the best validation.
-    The log's samples continue sample_prompt (ids; default: a document's start: sample_text_for_log). clock:
-    seconds, for the timings and --minutes's plan (default now(), which ArgumentParser.run read as args.started)."""
-    clock = clock or now
+    -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. run: args.run, resumed (its checkpoints and
+    when to stop); state: step, rng state, the best validation. The log's samples continue sample_prompt (ids;
+    default: a document's start: sample_text_for_log). run.clock: the timings' and --minutes's seconds (now())."""
+    clock, out_dir = run.clock, run.out
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    run = RunFolder(out_dir, cfg, tok, clock)             # its checkpoints, and when to stop
     last_path = run.path(start) if start else None
     if start >= total:                                   # --resume of a run that has made all its steps
         engine.close()
         print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
               "nothing to do (--fresh starts it over, the old run kept aside)")
         return start
-    os.makedirs(out_dir, exist_ok=True)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv = run.open_log(csv_path, start)
     plan_step = start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times, t_start = [], clock()
+    run.last = t_start                                   # --save-minutes counts from here
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
     with run.signals_handled():                          # (run_command silences numpy's overflow warnings)
@@ -1249,7 +1248,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
     engine's lines of the settings table (default: its line); loop: train_loop
     (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
-    run = RunFolder(args.out, cfg)                     # a path with methods; run_command holds its lock
+    run, run.cfg = args.run, cfg                       # the run's folder: run_command made it and holds its lock
     if args.resume:                                    # refused before the corpus is tokenized (minutes)
         run.refuse_other_run(args)
     tok, tokens = prepare_data(args.data, cfg.V, args.out)
@@ -1271,7 +1270,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
 
     val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
                                                                   args.eval_batches)]
-    (loop or train_loop)(args, cfg, tok, engine, next_batch, val, args.out, state)
+    (loop or train_loop)(args, cfg, tok, engine, next_batch, val, run, state)
 
 
 def saved_rng(state):
@@ -1543,7 +1542,8 @@ def cmd_sft(args, make_engine=None, engine=None):
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
     rows, mask = rows[:-n_val], mask[:-n_val]
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
-    flat, m, v, state = RunFolder(args.out, cfg).resume_or_init(args, tok, lambda: flat0)
+    run, run.cfg = args.run, cfg                         # the run's folder, as in pretrain
+    flat, m, v, state = run.resume_or_init(args, tok, lambda: flat0)
     made = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
     print_settings([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                     ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
@@ -1560,7 +1560,7 @@ def cmd_sft(args, make_engine=None, engine=None):
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
            for i in range(0, n_eval, args.batch)]
     prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
-    train_loop(args, cfg, tok, made, next_batch, val, args.out, state, prompt)
+    train_loop(args, cfg, tok, made, next_batch, val, run, state, prompt)
 
 
 def load_for_decoding(args, make_params=None):
@@ -2562,6 +2562,7 @@ class RunFolder:
         self.out, self.cfg, self.tok, self.clock = out, cfg, tok, clock or now
         self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, self.clock(), 0., 0.
         self.stop, self.signum, self.lost = False, None, None      # the loop's stop (below)
+        self.held = None                                           # claim's lock, while claimed
 
     def path(self, step, kind="model"):
         return checkpoint_path(self.out, step, kind)
@@ -2630,7 +2631,8 @@ class RunFolder:
     def claim(self, resume, fresh=False):
         """hold the folder for one run: the lock, then refuse another run's folder without --resume,
         or with --fresh set it aside whole (renamed while still locked, so no run can slip in);
-        -> the lock's open file (None in a rank of --gpus, whose launcher holds it)"""
+        -> the lock's open file, also self.held while inside (None in a rank of --gpus, whose launcher
+        holds it; nanoeuler_cuda.py --gpus hands self.held to its ranks)"""
         out = self.out                                 # (an --out that is a file: run_command refused it)
         created, d = [], os.path.abspath(out)          # the folders makedirs makes (out/ of out/small too)
         while not os.path.exists(d):
@@ -2656,6 +2658,7 @@ class RunFolder:
                 path = os.path.join(out, f)
                 if os.path.lexists(path) and not os.path.isfile(path):
                     raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
+            self.held = lock
             yield lock
         finally:
             if lock:
@@ -2708,8 +2711,8 @@ class RunFolder:
             if os.path.exists(best):                   # an earlier start's best: this start would overwrite it
                 print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
         if found is None:                              # the state a fresh run starts from (the settings: not
-            n = num_params(self.cfg)                   # the lock's open file and the start time)
-            settings = {k: v for k, v in vars(args).items() if k not in ("out_lock", "started")}
+            n = num_params(self.cfg)                   # this folder's object and the start time)
+            settings = {k: v for k, v in vars(args).items() if k not in ("run", "started")}
             state = {"step": 0, "rng": np.random.default_rng(args.seed).bit_generator.state, "args": settings}
             return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), state
         step, (_, flat, _, m, v, state) = found
@@ -2752,7 +2755,8 @@ class RunFolder:
         """log.csv with the header and the rows up to step, open to append: a resumed run
         drops the rows past its checkpoint (and any half-written or garbled line), a fresh
         run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
-        read as U+FFFD: a damaged log never stops a resume."""
+        read as U+FFFD: a damaged log never stops a resume. The folder is made again if it went."""
+        os.makedirs(self.out, exist_ok=True)
         rows = []
         if step > 0 and os.path.exists(csv_path):
             with open(csv_path, encoding="utf-8", errors="replace") as f:
@@ -3233,12 +3237,12 @@ def encoding_pool(workers, tok):
         pool.shutdown(cancel_futures=True)
 
 
-def exit_stopped(signum, out_dir=None, step=None, last_path=None):
+def exit_stopped(signum, run=None, step=None, last_path=None):
     """a signal stopped the command: say where it stands and exit as the signal's killing
     would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP). step:
     where the training loop's saving stop ended the run, saved as last_path (None: before
     the first step); else (while the data is prepared, or a second signal during a save)
-    train and sft name the last complete checkpoint in out_dir"""
+    train and sft name the last complete checkpoint in their run's folder (run)"""
     if step is not None:                               # (the loop's handler silenced a hung-up terminal)
         lead, said = "", (f"stopped at step {step}, saved as {last_path}; continue with --resume" if last_path
                           else "stopped before the first step; nothing to save")
@@ -3248,8 +3252,8 @@ def exit_stopped(signum, out_dir=None, step=None, last_path=None):
         if signum == signal.SIGHUP:
             silence_lost_output()                      # the terminal is most likely gone
         with contextlib.suppress(OSError):
-            step = RunFolder(out_dir).latest() if out_dir else None
-        lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {checkpoint_path(out_dir, step)}, "
+            step = run.latest() if run else None
+        lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {run.path(step)}, "
                                             "continue with --resume" if step is not None else "")
     with contextlib.suppress(OSError):
         print(f"{lead}{SIGNALS[signum]}: {said}", file=sys.stderr)
@@ -3466,16 +3470,18 @@ def run_command(command, args, closed=()):
     """run a subcommand: the one place where a refusal ends a command. A NanoEulerError
     raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
     code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
-    streams that were closed at start (ArgumentParser.run). train and sft hold their
-    --out folder while they run (RunFolder.claim); prepare only writes the cache beside it, so
-    it holds nothing.
+    streams that were closed at start (ArgumentParser.run). train and sft get their --out
+    folder as args.run, the one RunFolder of the run, held while they run (claim); prepare only
+    writes the cache beside it, so it holds nothing.
     What a command cannot start with is refused before it starts: stdin or stdout closed at
     start (`>&-`: closed) where the command needs it; a path flag given empty (--out "" would put prepare's
     cache in ../cache, and --model "" reads as "does not exist"), or an --out that is a file; a working
     folder deleted under us (all but check use paths)."""
-    run, name = hasattr(args, "out") and hasattr(args, "resume"), getattr(args, "command", None)
-    if run and args.out is None:                       # train's folder is named after its model size
-        args.out = os.path.join("out", args.model_size)
+    run, name = None, getattr(args, "command", None)
+    if hasattr(args, "out") and hasattr(args, "resume"):
+        if args.out is None:                           # train's folder is named after its model size
+            args.out = os.path.join("out", args.model_size)
+        run = args.run = RunFolder(args.out)           # the run's folder, one object from here to the end
     try:
         for stream in (n for n in NEEDS_STREAMS.get(name, []) if n in closed):
             raise NanoEulerError(f"{name} needs its {stream}, which is closed; run it without closing {stream} "
@@ -3494,19 +3500,18 @@ def run_command(command, args, closed=()):
                 raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
                                      "again") from None
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
-        claim = RunFolder(args.out).claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
-        with signals_handled(), claim as lock, warnings.catch_warnings():
+        claim = run.claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
+        with signals_handled(), claim, warnings.catch_warnings():
             # numpy's overflow warnings (a model with huge weights, a run on its way to a NaN)
             # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_if_not_finite)
             warnings.simplefilter("ignore", RuntimeWarning)
-            args.out_lock = lock                       # nanoeuler_cuda.py --gpus hands it to rank 0
             command(args)
     except NanoEulerError as e:
         model = f"{args.model}: " if isinstance(e, LogitsNotFinite) else ""    # sample's, chat's (generate)
         print(f"error: {model}{e}", file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:
-        exit_stopped(getattr(e, "signum", signal.SIGINT), args.out if run else None)
+        exit_stopped(getattr(e, "signum", signal.SIGINT), run)
     except MemoryError as e:                           # numpy's says what it could not allocate
         lower = "lower --batch, or " if hasattr(args, "batch") else ""
         print(f"error: out of memory ({str(e) or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)

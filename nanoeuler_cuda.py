@@ -1189,7 +1189,7 @@ def cmd_train(args):
     rank, world, local, place = rank_and_world(args)
     if args.gpus and not world:                 # the launcher: the data once, here, then the ranks
         count_gpus()                            # no driver, no GPU: said before minutes of preparing data
-        return launch_ranks(args.argv, args.gpus, lock=args.out_lock, place=place, args=args,
+        return launch_ranks(args.argv, args.gpus, lock=args.run.held, place=place, args=args,
                             before=lambda: ne.prepare_data(args.data, cfg.V, args.out))
     if place:                                   # a rank of torchrun, srun or mpirun
         rank, world, local = join_world(args, place)
@@ -1203,12 +1203,12 @@ def cmd_train(args):
     else:
         make_engine = lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args)
 
-    def lead(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+    def lead(args, cfg, tok, engine, next_batch, val_batches, run, state):
         if world:
             engine.share_start({"rng": state["rng"], "data": data_digest(tok, val_batches)})
-        ne.train_loop(args, cfg, tok, engine, next_batch, val_batches, out_dir, state)
+        ne.train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state)
 
-    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, out_dir, state):
+    def follow_rank0(args, cfg, tok, engine, next_batch, val_batches, run, state):
         start = engine.share_start({})
         if start["data"] != data_digest(tok, val_batches):
             raise NanoEulerError(f"rank {rank}'s data is not rank 0's (another tokenizer, or other validation "
@@ -3079,7 +3079,7 @@ LAUNCHERS = {"torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
              "MPI (PMI)": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
              "srun": ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID")}
 # not compared between ranks: where each host keeps its files, and how it finds rank 0
-LOCAL_SETTINGS = {"argv", "out_lock", "started", "data", "out", "node_rank", "master_addr", "master_port",
+LOCAL_SETTINGS = {"argv", "run", "started", "data", "out", "node_rank", "master_addr", "master_port",
                   "rendezvous", "rendezvous_timeout"}
 
 

@@ -311,9 +311,10 @@ def test_cmd_sft_hands_its_batches_to_the_given_engine(tmp_path, monkeypatch):
     model = str(tmp_path / "m.safetensors")
     ne.save_model(model, cfg, ne.init_params(cfg), ne.Tokenizer())
     args = ne.build_parser().parse_args(["sft", "--model", model, "--out", str(tmp_path / "sft"), "--batch", "4"])
+    args.run = ne.RunFolder(args.out)                  # what run_command hands a command: its run's folder
     seen = {}
 
-    def loop(args, cfg, tok, engine, next_batch, val, out_dir, state, prompt):
+    def loop(args, cfg, tok, engine, next_batch, val, run, state, prompt):
         seen["engine"], seen["batch"] = engine, next_batch(np.random.default_rng(0))
 
     monkeypatch.setattr(ne, "train_loop", loop)

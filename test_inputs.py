@@ -554,6 +554,7 @@ def test_sft_keeps_the_examples_whose_response_head_0_learns_from(tmp_path, monk
     seen = {}
     monkeypatch.setattr(ne, "train_loop", lambda *a, **k: seen.setdefault("run", a))
     args = ne.build_parser().parse_args(["sft", "--model", model, "--data", str(data), "--out", str(tmp_path / "o")])
+    args.run = ne.RunFolder(args.out)                  # what run_command hands a command: its run's folder
     n = cut + reached
     if refused:
         with pytest.raises(ne.NanoEulerError) as e:

@@ -36,19 +36,21 @@ STORY_LINES = 1862                    # story30b's moves; +1: add_into sums in p
                                       # story30c -4: SAVE_EVERY, PLAN_AFTER, EVAL_ROWS join train's defaults
                                       # story30c +2: main's commands table (not globals() in ArgumentParser.run)
                                       # story30c +1: pretrain says what a new run starts from (reader30b)
-FILE_LINES = 3626                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
+FILE_LINES = 3631                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
                                      # story30b +3: reader30's asks (w_gate_up, the slide, keywords, main's route): as at f7ae078
                                      # path30 -5 (from_json and check_merges, one), -4 (data_cache); story30b +1 (imports)
                                      # story30c +4: Workers.describe's def, docstring and blank (its 6 lines moved)
                                      # story30c -4: the training section's constants in one block; +2: commands; +1
                                      # story30c +3: Workers' sub-header
+                                     # run30 +5: the run's one RunFolder (operations)
 STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
                                       # (12 was reached through a Workers.write_tokens alias: a count kept, not a name saved);
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
                                       # path30: no check_merges (from_json and it are read_tokenizer, in operations)
                                       # story30b: progress_line (the tokenizer's and tokenizing's, an operations matter)
 # issue 39: the training step's worker processes (Workers, in operations) add 85 operations lines
-OPERATIONS_LINES = 1611               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
+OPERATIONS_LINES = 1616               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
+                                      # run30 +5: run_command makes the run's one RunFolder (args.run), claim keeps its lock
                                       # story30b: +5, save_interval moved in from the story (RunFolder's alone); file flat
                                       # path30 +6: from_json's input checks came in (read_tokenizer): story -11
                                       # story30b +12: progress_line moved in from the story; file flat

@@ -770,8 +770,10 @@ def test_sft_validates_on_eval_batches_of_held_out_examples(tmp_path, monkeypatc
     monkeypatch.setattr(ne, "train_loop", lambda *a, **k: seen.setdefault("val", a[5]))
     for extra, rows in ((["--eval-batches", "2"], [3, 3]), ([], [3, 3, 3, 1])):
         seen.clear()
-        ne.cmd_sft(ne.build_parser().parse_args(["sft", "--model", model, "--data", str(data), "--batch", "3",
-                                                 "--out", str(tmp_path / "o")] + extra))
+        args = ne.build_parser().parse_args(["sft", "--model", model, "--data", str(data), "--batch", "3",
+                                             "--out", str(tmp_path / "o")] + extra)
+        args.run = ne.RunFolder(args.out)                  # what run_command hands a command: its run's folder
+        ne.cmd_sft(args)
         assert [len(idx) for idx, _ in seen["val"]] == rows
         first = ne.Tokenizer().encode("q190")                  # the held-out examples, in order
         assert seen["val"][0][0][0, 1:1 + len(first)].tolist() == first
@@ -1151,6 +1153,24 @@ def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_
             "Z" not in open(f"/proc/{rank0}/stat").read().split()[2]:
         time.sleep(0.05)
     ne.RunFolder(str(out)).lock().close()                            # rank 0 gone: a new run may take the folder
+
+
+def test_the_gpus_launcher_hands_its_ranks_the_lock_run_command_holds(tmp_path, monkeypatch):
+    """nanoeuler_cuda.py train --gpus N: run_command claims --out (args.run), and the launcher passes that
+    claim's open train.lock (args.run.held) to launch_ranks, whose rank 0 inherits it"""
+    nc = pytest.importorskip("nanoeuler_cuda")
+    monkeypatch.delenv("NANOEULER_RANK", raising=False)
+    monkeypatch.setattr(nc, "count_gpus", lambda: 2)
+    seen = []
+    monkeypatch.setattr(nc, "launch_ranks", lambda argv, world, lock=None, **k: seen.append(
+        (world, lock and lock.name, lock and open(lock.name).read())))
+    (tmp_path / "c.txt").write_text("some text\n")
+    out = tmp_path / "run"
+    args = nc.build_parser().parse_args(["train", "small", "--gpus", "2", "--data", str(tmp_path / "c.txt"),
+                                         "--out", str(out)])
+    args.argv = []
+    ne.run_command(nc.cmd_train, args)
+    assert seen == [(2, str(out / ne.LOCK_NAME), f"{os.getpid()}\n")]
 
 
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal(fake_ranks, tmp_path):
