@@ -53,9 +53,9 @@ import re
 import sys
 import threading
 import time
-from collections import defaultdict, deque
-from dataclasses import asdict, dataclass, fields
-# and what only the operations part uses (deque and fields too): a first reading may skip these
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+# and what only the operations part uses: a first reading may skip these
 import argparse                     # the flags' parser, which operations' ArgumentParser extends
 import errno
 import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
@@ -65,7 +65,9 @@ import select
 import signal
 import stat
 import warnings
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
 # one BLAS thread: training runs threads of its own ("a training step on every core"), and two layers
 # of threads on two cores made every step twice as slow; BLAS reads this as numpy loads, so it comes first
@@ -83,10 +85,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 class NanoEulerError(Exception):
     """A problem the user can fix: raised anywhere, it ends the command in one sentence on
     stderr, exit code 2, no traceback (run_command, at the end of the file, says it)."""
-
-
-class LogitsNotFinite(NanoEulerError):
-    """generation met a NaN or infinite logit; run_command (and serve) name the model file"""
 
 
 # -----------------------------------------------------------------------------
@@ -708,6 +706,10 @@ def new_kv_cache(cfg, B, dtype=np.float32):
     """per layer (k, v), each (B, T, Hkv, D): the keys and values seen so far"""
     return [(np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype), np.zeros((B, cfg.T, cfg.Hkv, cfg.D), dtype))
             for _ in range(cfg.L)]
+
+
+class LogitsNotFinite(NanoEulerError):
+    """sample_token met a NaN or infinite logit; run_command (and serve) name the model file"""
 
 
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
