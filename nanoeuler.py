@@ -1205,7 +1205,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     run.last = t_start                                   # --save-minutes counts from here
     began = getattr(args, "started", t_start)            # --minutes counts from the program's start
     elapsed = lambda: fmt_time(clock() - t_start)
-    with run.signals_handled():                          # (run_command silences numpy's overflow warnings)
+    with signals_handled(run):                           # (run_command silences numpy's overflow warnings)
         with run.output_may_go():
             while step < min(total, stop) and not run.stop:
                 step += 1
@@ -2043,9 +2043,9 @@ def cmd_plot(args):
 # program's entry, reopens closed streams before it); a damaged file's content
 # is MALFORMED, refused by refused_if_malformed, or in the data cache (cached)
 # made again; everything a run does to its folder is a RunFolder (a NaN
-# anywhere in a run stops it in its stop_if_not_finite, its signals and lost
-# output stop the training loop saved); elsewhere SIGTERM and SIGHUP raise
-# Interrupted (signals_handled).
+# anywhere in a run stops it in its stop_if_not_finite, lost output stops the
+# training loop saved); signals follow one policy, signals_handled: raised where
+# the command stands, or in the training loop a stop after the step, saved.
 
 # -----------------------------------------------------------------------------
 # operations: input checks
@@ -2766,23 +2766,17 @@ class RunFolder:
         atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
         return open(csv_path, "a", encoding="utf-8")
 
-    # -- the training loop's one signal policy, and lost output
-    # Ctrl-C (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) or SIGHUP (the
-    # terminal closed) asks the loop to stop after the step in flight and save; a second
-    # one stops at once. A signal that was ignored when we started (nohup, a background
-    # job) stays ignored. Output that is gone (a closed pipe, a hung-up terminal) stops
-    # the loop the same way, saved:
-    #     with run.signals_handled():
+    # -- the training loop's stop: on a signal (the one policy, in operations: signals, calls
+    # handle while the loop runs) or when output is gone (a closed pipe, a hung-up terminal),
+    # the loop stops after the step in flight and saves:
+    #     with signals_handled(run):
     #         with run.output_may_go():
     #             ... steps, until run.stop
     #         ... save
     #     run.exit_if_stopped(step, last_path)
 
-    def signals_handled(self):
-        """handle (below) the three signals while inside; the previous handlers after"""
-        return signals_handled(SIGNALS, self.handle)
-
     def handle(self, signum, frame):
+        """the loop's first signal: stop after this step, saved; a second: raised at once"""
         if self.signum is not None:                    # a second signal (not a lost output's stop):
             raise Interrupted(signum)                  # run_command names the last complete checkpoint
         self.stop, self.signum = True, signum
@@ -3144,6 +3138,17 @@ class Workers:
 
 # -----------------------------------------------------------------------------
 # operations: signals
+#
+# One policy, which every command runs under (run_command's `with signals_handled()`): Ctrl-C
+# (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) and SIGHUP (the terminal closed)
+# stop the command where it stands, raised (KeyboardInterrupt, Interrupted) so that every
+# cleanup on the way out runs; run_command then exits 128 + N. While a training loop runs
+# (signals_handled(run)), the first of them stops the loop after the step in flight, saved
+# (RunFolder.handle), and a second is raised at once. A signal that was ignored when we
+# started (nohup, a background job) stays ignored.
+
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
+
 
 @contextlib.contextmanager
 def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
@@ -3165,25 +3170,20 @@ class Interrupted(BaseException):
 
 
 def _raise_interrupt(signum, frame):
-    raise Interrupted(signum)
+    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
 
 
 @contextlib.contextmanager
-def signals_handled(signals=(signal.SIGTERM, signal.SIGHUP), handler=_raise_interrupt):
-    """handler(signum, frame) for these signals while inside, the previous ones after;
-    a signal that was ignored when we started (nohup, a background job) stays ignored.
-    By default SIGTERM (a scheduler's or docker's stop) and SIGHUP (the terminal closed)
-    stop the process as Ctrl-C does (Interrupted), rather than kill it midway with its
-    workers and lock left behind"""
-    previous = {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) != signal.SIG_IGN}
+def signals_handled(run=None):
+    """the policy above while inside, the previous handlers after; run: the training loop's
+    folder, whose handle takes the signals while the loop runs"""
+    handler = run.handle if run else _raise_interrupt
+    previous = {sig: signal.signal(sig, handler) for sig in SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
 
 
 # Tokenizing on every core (encoded_chunks, above) runs worker processes.
@@ -3230,7 +3230,7 @@ def encoding_pool(workers, tok):
         with signals_blocked():                        # submit may start a worker
             return pool.submit(_encode_chunk, chunk)
     try:
-        with signals_handled():                        # SIGTERM, SIGHUP; also where run_command has not
+        with signals_handled():                        # the policy, also where run_command has not
             yield submit
     except BrokenProcessPool:
         raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "

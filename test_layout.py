@@ -49,20 +49,23 @@ STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParse
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
                                       # path30: no check_merges (from_json and it are read_tokenizer, in operations)
                                       # story30b: progress_line (the tokenizer's and tokenizing's, an operations matter)
+                                      # run30: RunFolder leaves the story's code (run_command hands args.run);
+                                      # signals_handled comes in (one signal policy: signals_handled(run) in the loop)
 # issue 39: the training step's worker processes (Workers, in operations) add 85 operations lines
 OPERATIONS_LINES = 1616               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
-                                      # run30 +5: run_command makes the run's one RunFolder (args.run), claim keeps its lock
+                                      # run30 +5: run_command makes the one RunFolder (args.run), claim keeps its lock
                                       # story30b: +5, save_interval moved in from the story (RunFolder's alone); file flat
                                       # path30 +6: from_json's input checks came in (read_tokenizer): story -11
                                       # story30b +12: progress_line moved in from the story; file flat
                                       # story30c +10: Workers.describe, CPUEngine's header line, moved in (story -6)
                                       # story30c +3: Workers' own sub-header (it was filed under signals)
-FUNCTIONS_TO_MODEL_FORWARD = 57      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
+FUNCTIONS_TO_MODEL_FORWARD = 56      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
                                      # run builds its own command's shared flags only (no add_generation/serve_flags);
                                      # path30: micro_batches folds into workers_for; from_json and check_merges are
                                      # one reader, read_tokenizer; data_cache folds into prepare_data
                                      # story30c +1: Workers.describe (reader30b: CPUEngine.__init__'s 7 lines of
                                      # header text out of the story; a leaf, one call)
+                                     # run30: -1, RunFolder.signals_handled's wrapper goes (one policy)
 COMMENT_SHARE = 0.292 - 0.002          # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 0
 
