@@ -1289,8 +1289,8 @@ def print_settings(rows, args, state):
         steps = f"{state['planned_steps']} (planned for --minutes)"
     elif getattr(args, "minutes", 0) > 0:
         steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
-    else:
-        steps = str(args.steps)
+    else:                                              # a run shorter than its warmup: no cosine at all
+        steps = str(args.steps) + " (all in the warmup: lr never reaches its peak)" * (args.steps < args.warmup)
     rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
                              f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
     width = max(len(k) for k, _ in rows)
