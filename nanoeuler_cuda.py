@@ -648,14 +648,6 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D):
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16BF = 0, 14
 CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32, CUBLAS_GEMM_DEFAULT = 68, 77, -1
-# cuBLASLt (cublasLt.h): the matmul descriptor's transposes, the preference's workspace size
-CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 3, 4, 1
-
-
-class LtHeuristic(ctypes.Structure):
-    """cublasLtMatmulHeuristicResult_t: an algorithm (cublasLtMatmulAlgo_t, 8 words) and what it needs"""
-    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspace", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("waves", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
 
 class Cublas:
@@ -682,19 +674,15 @@ class Cublas:
         self.check(lib.cublasSetWorkspace_v2(self.handle, self.workspace.ptr, workspace_bytes), "cublasSetWorkspace")
         self.one, self.zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         self.bf16 = [None, None]               # scratch for the two operands of a bf16 matmul
-        self.stream, self.workspace_bytes = int(stream), workspace_bytes
-        self.lt, self.lt_handle, self.lt_plans = None, None, {}    # cuBLASLt, opened by the first gemm with add
 
     def check(self, status, what):
         if status:
             raise NanoEulerError(f"cuBLAS error {self.lib.cublasGetStatusName(status).decode()} in {what}")
 
-    def gemm(self, out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False, add=None):
-        """row-major out (M,N) = op(a) @ op(b), or += with accumulate, or = add + op(a) @ op(b)
-        with add (an (M,N) array of out's type, not out: the residual stream, which the product
-        adds into in its epilogue, rounded once). Each array's type is cuBLAS's: bf16
-        activations in and out as they are (fp32 sums inside), fp32 the weights' gradients;
-        in bf16 mode an fp32 input is read as bf16 (see operand)"""
+    def gemm(self, out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
+        """row-major out (M,N) = op(a) @ op(b), or += with accumulate. Each array's type is
+        cuBLAS's: bf16 activations in and out as they are (fp32 sums inside), fp32 the
+        weights' gradients; in bf16 mode an fp32 input is read as bf16 (see operand)"""
         lda = M if trans_a else K                            # row-major leading dimensions
         ldb = K if trans_b else N
         compute = CUBLAS_COMPUTE_32F_FAST_TF32 if gpu.precision == "tf32" else CUBLAS_COMPUTE_32F
@@ -702,68 +690,12 @@ class Cublas:
         b, b_type = self.operand(1, b, K * N)
         out_type = CUDA_R_16BF if out.dtype == np.uint16 else CUDA_R_32F
         beta = self.one if accumulate else self.zero
-        if add is not None:
-            assert not accumulate and add.dtype == out.dtype and add.ptr != out.ptr
-            key = (M, N, K, trans_a, trans_b, a_type, b_type, out_type, compute)
-            if key not in self.lt_plans:
-                self.lt_plans[key] = self.lt_plan(*key)
-            desc, layout_b, layout_a, layout_out, algo = self.lt_plans[key]
-            with gpu.timed(f"matmul {'T' if trans_a else 'N'}{'T' if trans_b else 'N'} + add"):
-                self.check(self.lt.cublasLtMatmul(
-                    self.lt_handle, desc, ctypes.addressof(self.one), b.ptr, layout_b, a.ptr, layout_a,
-                    ctypes.addressof(self.one), add.ptr, layout_out, out.ptr, layout_out, ctypes.addressof(algo),
-                    self.workspace.ptr, self.workspace_bytes, self.stream), f"a {M}x{N}x{K} matmul + add")
-            return
         with gpu.timed(f"matmul {'T' if trans_a else 'N'}{'T' if trans_b else 'N'}"):
             self.check(self.lib.cublasGemmEx(
                 self.handle, CUBLAS_OP_T if trans_b else CUBLAS_OP_N, CUBLAS_OP_T if trans_a else CUBLAS_OP_N,
                 N, M, K, ctypes.addressof(self.one), b.ptr, b_type, ldb, a.ptr, a_type, lda,
                 ctypes.addressof(beta), out.ptr, out_type, N, compute, CUBLAS_GEMM_DEFAULT),
                 f"a {M}x{N}x{K} matmul")
-
-    def lt_plan(self, M, N, K, trans_a, trans_b, a_type, b_type, out_type, compute):
-        """cuBLASLt's descriptor, the operands' layouts and its first algorithm for a product
-        with a separate C (gemm's add), made once a shape: as cublasGemmEx, column-major, the
-        operands swapped (b first, M and N swapped); -> (desc, layout of b, of a, of out, algo)"""
-        if self.lt is None:
-            import cuda.pathfinder as pf
-            lt = self.lt = ctypes.CDLL(pf.load_nvidia_dynamic_lib("cublasLt").abs_path)
-            p, i, u64, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64
-            lt.cublasLtCreate.argtypes = [ctypes.POINTER(p)]
-            lt.cublasLtMatmulDescCreate.argtypes = [ctypes.POINTER(p), i, i]
-            lt.cublasLtMatmulDescSetAttribute.argtypes = [p, i, p, ctypes.c_size_t]
-            lt.cublasLtMatrixLayoutCreate.argtypes = [ctypes.POINTER(p), i, u64, u64, i64]
-            lt.cublasLtMatmulPreferenceCreate.argtypes = [ctypes.POINTER(p)]
-            lt.cublasLtMatmulPreferenceSetAttribute.argtypes = [p, i, p, ctypes.c_size_t]
-            lt.cublasLtMatmulAlgoGetHeuristic.argtypes = [p, p, p, p, p, p, p, i, p, ctypes.POINTER(i)]
-            lt.cublasLtMatmul.argtypes = [p, p, p, p, p, p, p, p, p, p, p, p, p, p, ctypes.c_size_t, p]
-            handle = p()
-            self.check(lt.cublasLtCreate(ctypes.byref(handle)), "cublasLtCreate")
-            self.lt_handle = handle.value
-        lt, made = self.lt, lambda: ctypes.c_void_p()
-        desc = made()
-        self.check(lt.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, CUDA_R_32F), "cublasLtMatmulDescCreate")
-        for attr, trans in ((CUBLASLT_MATMUL_DESC_TRANSA, trans_b), (CUBLASLT_MATMUL_DESC_TRANSB, trans_a)):
-            op = ctypes.c_int32(CUBLAS_OP_T if trans else CUBLAS_OP_N)
-            self.check(lt.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(op), 4),
-                       "cublasLtMatmulDescSetAttribute")
-        layouts = []
-        stored_b, stored_a = (K, N) if trans_b else (N, K), (M, K) if trans_a else (K, M)   # column-major: ld = rows
-        for dtype, rows, cols in ((b_type, *stored_b), (a_type, *stored_a), (out_type, N, M)):
-            layout = made()
-            self.check(lt.cublasLtMatrixLayoutCreate(ctypes.byref(layout), dtype, rows, cols, rows),
-                       "cublasLtMatrixLayoutCreate")
-            layouts.append(layout)
-        pref, size = made(), ctypes.c_uint64(self.workspace_bytes)
-        self.check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        self.check(lt.cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                           ctypes.byref(size), 8), "cublasLtMatmulPreferenceSet")
-        found, count = LtHeuristic(), ctypes.c_int(0)
-        self.check(lt.cublasLtMatmulAlgoGetHeuristic(self.lt_handle, desc, *layouts, layouts[2], pref, 1,
-                                                     ctypes.byref(found), ctypes.byref(count)), "cuBLASLt's heuristic")
-        if count.value < 1:
-            raise NanoEulerError(f"cuBLASLt has no algorithm for a {M}x{N}x{K} matmul + add")
-        return (desc, *layouts, found.algo)
 
     def operand(self, i, x, n):
         """-> x as a product reads it, and its cuBLAS type: bf16 arrays (activations) as they
@@ -785,8 +717,8 @@ class Cublas:
         return self.bf16[i]
 
 
-def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False, add=None):
-    gpu.cublas.gemm(out, a, b, M, N, K, trans_a, trans_b, accumulate, add)
+def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
+    gpu.cublas.gemm(out, a, b, M, N, K, trans_a, trans_b, accumulate)
 
 
 # -----------------------------------------------------------------------------
@@ -917,6 +849,7 @@ class GPUModel:
         self.gu, self.s = per_layer(lambda: act(N, 2 * F)), per_layer(lambda: act(N, F))
         self.xf, self.rstd_final = act(N, C), f32(N)
         self.logits, self.losses = act(N, K * cfg.V), f32(K, N)    # logits: d loss / d logits after the loss
+        self.branch_out = act(N, C)             # the attention's or the MLP's output, on its way into the stream
         # scratch for the backward: each layer overwrites what the layer after it used
         self.dx = act(N, C)                                         # the residual stream's gradient
         # d loss / d (a norm's output): nanoeuler.py's dxf, dm and dh in turn, in one buffer
@@ -986,17 +919,18 @@ class GPUModel:
             matmul(self.qkv[l], self.attn_in[l], w("wqkv"), N, QKV, C, trans_b=True)
             rope_forward(self.qkv[l], self.cos, self.sin, N, T, cfg.Hq + cfg.Hkv, D, QKV)
             attention_forward(self.y[l], self.lse[l], self.qkv[l], B, T, cfg.Hq, cfg.Hkv, D)
-            # x_mid = x + y @ wo.T (residual: the product adds x in its epilogue), and its norm for the MLP
-            matmul(self.x_mid[l], self.y[l], w("wo"), N, C, HD, trans_b=True, add=self.x[l])
-            rmsnorm_forward(self.mlp_in[l], self.rstd_mlp[l], self.x_mid[l], w("mlp_norm"), N, C)
+            matmul(self.branch_out, self.y[l], w("wo"), N, C, HD, trans_b=True)
+            # x_mid = x + y @ wo.T (residual), and its norm for the MLP, in one pass
+            residual_rmsnorm_forward(self.x_mid[l], self.mlp_in[l], self.rstd_mlp[l], self.x[l], self.branch_out,
+                                     w("mlp_norm"), N, C)
             matmul(self.gu[l], self.mlp_in[l], w("w_gate_up"), N, 2 * F, C, trans_b=True)
             swiglu_forward(self.s[l], self.gu[l], N, F)
-            # x[l+1] = x_mid + s @ w_down.T (residual, in the product), and its norm: the next layer's, or the final one
-            matmul(self.x[l + 1], self.s[l], w("w_down"), N, C, F, trans_b=True, add=self.x_mid[l])
+            matmul(self.branch_out, self.s[l], w("w_down"), N, C, F, trans_b=True)
+            # x[l+1] = x_mid + s @ w_down.T (residual), and its norm: the next layer's, or the final one
             last = l == cfg.L - 1
             out, rstd = (self.xf, self.rstd_final) if last else (self.attn_in[l + 1], self.rstd_attn[l + 1])
             norm_w = p["final_norm"] if last else p[f"layers.{l + 1}.attn_norm"]
-            rmsnorm_forward(out, rstd, self.x[l + 1], norm_w, N, C)
+            residual_rmsnorm_forward(self.x[l + 1], out, rstd, self.x_mid[l], self.branch_out, norm_w, N, C)
         matmul(self.logits, self.xf, p["heads"], N, K * V, C, trans_b=True)   # (N, K*V): the K heads side by side
         if with_loss:
             cross_entropy_forward(self.logits, self.losses, self.targets, self.dscale, N, V, K)
@@ -2108,13 +2042,13 @@ def rounded_forward(params, cfg, idx, targets, rnd):
         qk = rnd(qk)                                                # (B,T,Hq+Hkv,D), rotated in place
         y, c_att = ne.attention_forward(qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, (Hq + Hkv) * D:].reshape(B, T, Hkv, D))
         y = rnd(y.reshape(N, Hq * D))
-        x_mid = rnd(x + y @ lw("wo").T)                             # residual in the product, then the MLP's norm
+        x_mid = rnd(x + rnd(y @ lw("wo").T))                        # residual, then the MLP's norm
         m, c_mlp = ne.rmsnorm_forward(x_mid, params[f"layers.{l}.mlp_norm"])
         m = rnd(m)
         gu = rnd(m @ lw("w_gate_up").T)                             # (N, 2F)
         s, c_swiglu = ne.swiglu_forward(gu)
         s = rnd(s)
-        x_next = rnd(x_mid + s @ lw("w_down").T)                    # residual in the product, then the next norm
+        x_next = rnd(x_mid + rnd(s @ lw("w_down").T))               # residual, then the next norm
         norm_w = params["final_norm"] if l == cfg.L - 1 else params[f"layers.{l + 1}.attn_norm"]
         layers.append((c_norm, h, qkv, c_rope, c_att, y, c_mlp, m, gu, c_swiglu, s))
         h, c_norm = ne.rmsnorm_forward(x_next, norm_w)

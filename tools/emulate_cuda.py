@@ -625,27 +625,21 @@ class Cublas:
             v = nc.bf16_round(v) if nc.gpu.precision == "bf16" else v
         return v.reshape(rows, cols).astype(np.float64)
 
-    def gemm(self, out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False, add=None):
+    def gemm(self, out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
         """now, or at each replay of the graph being captured, as cuBLAS's kernels run"""
-        assert add is None or (not accumulate and add.dtype == out.dtype and add.ptr != out.ptr)
-        self.nc.cu.enqueue(lambda: self.product(out, a, b, M, N, K, trans_a, trans_b, accumulate, add))
+        self.nc.cu.enqueue(lambda: self.product(out, a, b, M, N, K, trans_a, trans_b, accumulate))
 
-    def product(self, out, a, b, M, N, K, trans_a, trans_b, accumulate, add=None):
-        """out = op(a) @ op(b), + out with accumulate, + add (cuBLASLt's C) with add; rounded once"""
+    def product(self, out, a, b, M, N, K, trans_a, trans_b, accumulate):
         nc = self.nc
         A = self.read(a, K, M).T if trans_a else self.read(a, M, K)
         B = self.read(b, N, K).T if trans_b else self.read(b, K, N)
         if out.dtype == np.uint16:
-            bits = lambda x: np.ctypeslib.as_array((ctypes.c_uint16 * (M * N)).from_address(x.ptr)).reshape(M, N)
-            o = bits(out)
-            c = bits(out) if accumulate else bits(add) if add is not None else None
-            r = (0 if c is None else nc.from_bf16(c).astype(np.float64)) + A @ B
+            o = np.ctypeslib.as_array((ctypes.c_uint16 * (M * N)).from_address(out.ptr)).reshape(M, N)
+            r = (nc.from_bf16(o).astype(np.float64) if accumulate else 0) + A @ B
             o[...] = nc.bf16_round(r.astype(np.float32)).view(np.uint32) >> 16
         else:
-            floats = lambda x: np.ctypeslib.as_array((ctypes.c_float * (M * N)).from_address(x.ptr)).reshape(M, N)
-            o = floats(out)
-            c = floats(out) if accumulate else floats(add) if add is not None else None
-            o[...] = A @ B if c is None else c + A @ B
+            o = np.ctypeslib.as_array((ctypes.c_float * (M * N)).from_address(out.ptr)).reshape(M, N)
+            o[...] = o + A @ B if accumulate else A @ B
 
 
 def install(nc, sms=2, arch="90", reverse=False):

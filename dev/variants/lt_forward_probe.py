@@ -3,8 +3,8 @@
 it, against cuBLASLt's first 8 heuristic algorithms, each with a separate C added in the epilogue
 (out = c + x @ w.T, as Cublas.gemm's add: the residual stream) and with none (beta 0, C = out).
 Median of 5 x 20 calls between CUDA events, on random bf16. Needs Cublas.gemm's add and lt_plan,
-which main has had since 2026-12-05 (dev/LOG.md: the residual add moved into the products).
-Run from the repository root:
+which only dev/variants/residual_add_in_product_epilogue.diff has (landed and reverted 2026-12-05: dev/LOG.md).
+Run from the root of a tree with that diff applied:
     python dev/variants/lt_forward_probe.py"""
 import ctypes
 import os
