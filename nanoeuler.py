@@ -1121,15 +1121,20 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
-def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
-    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
-    and the tokens written once, both cached by the corpus's hash (the tokens also
-    by the tokenizer's) in the folder CACHE beside the run's out_dir, shared by the
-    runs there; a damaged cache file is made again"""
-    cache_dir = os.path.normpath(os.path.join(out_dir, CACHE))    # normalized: making it makes no out_dir
+def data_cache(out_dir):
+    """the folder CACHE beside a run's out_dir, shared by the runs there (normalized: making it makes no out_dir)"""
+    cache_dir = os.path.normpath(os.path.join(out_dir, CACHE))
     if cache_dir == os.path.normpath(out_dir):
         raise NanoEulerError(f"--out {out_dir} is where runs beside it cache their tokens; give the run a folder "
                              "of another name")
+    return cache_dir
+
+
+def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
+    """corpus -> (tokenizer, tokens memory-mapped): the tokenizer is trained once
+    and the tokens written once, both cached by the corpus's hash (the tokens also
+    by the tokenizer's) in data_cache(out_dir); a damaged cache file is made again"""
+    cache_dir = data_cache(out_dir)
     files = corpus_files(path)
     if vocab_size > MAX_V:
         raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")

@@ -3488,9 +3488,7 @@ def gpu_of(local_rank, place):
 def prepare_once(args, cfg):
     """the ranks on one host tokenize the corpus into their shared cache one at a time: the
     first makes it, the others find it made"""
-    cache = os.path.normpath(os.path.join(args.out, ne.CACHE))   # prepare_data's
-    if cache == os.path.normpath(args.out):                     # refused by prepare_data before anything is made
-        return ne.prepare_data(args.data, cfg.V, args.out)
+    cache = ne.data_cache(args.out)             # prepare_data's folder (an --out that is it: refused here)
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, "prepare.lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)

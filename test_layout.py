@@ -28,22 +28,25 @@ import layout  # noqa: E402
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
 # 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
 # story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
-STORY_LINES = 1864                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
+STORY_LINES = 1869                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
                                       # story30b +5: reader30's asks (w_gate_up, the slide, keywords, main's route)
                                       # path30 -11 (from_json), -4 (data_cache); story30b +1: which imports are operations'
                                       # story30b -12: progress_line moved to operations (lost output streams)
+                                      # review +5: data_cache again, so nanoeuler_cuda.py's prepare_once asks it instead
+                                      # of copying prepare_data's path and refusal
                                       # story30c -6: the workers' header line is Workers.describe (operations)
                                       # story30c -4: SAVE_EVERY, PLAN_AFTER, EVAL_ROWS join train's defaults
                                       # story30c +2: main's commands table (not globals() in ArgumentParser.run)
                                       # story30c +1: pretrain says what a new run starts from (reader30b)
                                       # story30c +2: deque and fields imported in operations' group (reader30b)
-FILE_LINES = 3633                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
+FILE_LINES = 3638                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
                                      # story30b +3: reader30's asks (w_gate_up, the slide, keywords, main's route): as at f7ae078
                                      # path30 -5 (from_json and check_merges, one), -4 (data_cache); story30b +1 (imports)
                                      # story30c +4: Workers.describe's def, docstring and blank (its 6 lines moved)
                                      # story30c -4: the training section's constants in one block; +2: commands; +1
                                      # story30c +3: Workers' sub-header; +2: deque and fields in the second group
                                      # run30 +5: the run's one RunFolder (operations)
+                                     # review +5: data_cache again (one place for the cache's folder and its refusal)
 STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
                                       # (12 was reached through a Workers.write_tokens alias: a count kept, not a name saved);
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
@@ -59,13 +62,15 @@ OPERATIONS_LINES = 1616               # the operations part (issue 30: at most 9
                                       # story30b +12: progress_line moved in from the story; file flat
                                       # story30c +10: Workers.describe, CPUEngine's header line, moved in (story -6)
                                       # story30c +3: Workers' own sub-header (it was filed under signals)
-FUNCTIONS_TO_MODEL_FORWARD = 56      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
+FUNCTIONS_TO_MODEL_FORWARD = 57      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
                                      # run builds its own command's shared flags only (no add_generation/serve_flags);
                                      # path30: micro_batches folds into workers_for; from_json and check_merges are
                                      # one reader, read_tokenizer; data_cache folds into prepare_data
                                      # story30c +1: Workers.describe (reader30b: CPUEngine.__init__'s 7 lines of
                                      # header text out of the story; a leaf, one call)
                                      # run30: -1, RunFolder.signals_handled's wrapper goes (one policy)
+                                     # review +1: data_cache again: folding it into prepare_data had made
+                                     # nanoeuler_cuda.py's prepare_once copy its path and its refusal
 COMMENT_SHARE = 0.292 - 0.002          # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 0
 
