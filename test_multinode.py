@@ -642,3 +642,11 @@ def test_a_ranks_gpu_is_its_local_rank_or_the_one_it_sees(monkeypatch, local, gp
             nc.gpu_of(local, place(0, 4, 1)._replace(launcher="srun"))
     else:
         assert nc.gpu_of(local, place(0, 4, 1)) == device
+
+
+def test_a_host_s_ranks_refuse_an_out_that_is_the_cache_before_making_its_lock(tmp_path):
+    # prepare_once locks data_cache(--out)/prepare.lock; an --out that is that folder is refused first, nothing made
+    args = types.SimpleNamespace(out=str(tmp_path / "cache"), data="unused.txt")
+    with pytest.raises(ne.NanoEulerError, match=r"cache is where runs beside it cache their tokens; "):
+        nc.prepare_once(args, None)
+    assert list(tmp_path.iterdir()) == []
