@@ -21,16 +21,16 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
   cache through the training forward, and self-speculative decoding with the
   MTP heads as drafts
 
-The file reads in that order: configuration, layers (each forward beside its
-backward), the model, gradient check, optimizer and schedule, generation,
-tokenizer, data, the training loop, a training step on every core,
-supervised fine-tuning, chat and sample, command line; then the benchmark and the
-loss plot (log.svg). Last comes the operations part: what keeps a long run
-from losing work or failing without a word (checked inputs, checkpoint files
-written atomically and resumed from, the run folder's lock, signals, memory,
-lost output streams); a first reading may skip it. The story calls into it by
-name (load_model, cached, RunFolder, ArgumentParser, ...): a name met in the story and defined later is one of those,
-plot_log, cmd_plot and cmd_bench (after the story), decode_params (after generate) or a helper of train_loop (after it).
+The file reads in that order: configuration, layers (each forward beside its backward), the model,
+gradient check, optimizer and schedule, generation, tokenizer, data, the training loop, a training
+step on every core, supervised fine-tuning, chat and sample, command line; then the benchmark and
+the run's log (its printed lines, log.csv and the loss plot, log.svg). Last comes the operations
+part: what keeps a long run from losing work or failing without a word (checked inputs, checkpoint
+files written atomically and resumed from, the run folder's lock, signals, memory, lost output
+streams); a first reading may skip it. The story calls into it by name (load_model, cached,
+RunFolder, ArgumentParser, ...): a name met in the story and defined later is one of those, the
+run's log's (print_settings, log_step, log_csv, print_summary, fmt_time, plot_log), cmd_plot and
+cmd_bench (after the story), decode_params (after generate) or a helper of train_loop (after it).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1287,44 +1287,6 @@ def saved_rng(state):
     return rng
 
 
-def print_settings(rows, args, state):
-    """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
-    run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
-    if "planned_steps" in state:
-        steps = f"{state['planned_steps']} (planned for --minutes)"
-    elif getattr(args, "minutes", 0) > 0:
-        steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
-    else:                                              # a run shorter than its warmup: no cosine at all
-        steps = str(args.steps) + " (all in the warmup: lr never reaches its peak)" * (args.steps < args.warmup)
-    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
-                             f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}} | {v}")
-
-
-def fmt_time(seconds):
-    seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
-
-
-def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
-    """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
-    left, estimated from the last 50 steps"""
-    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
-    print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
-          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
-          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
-
-
-def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
-    """one row of log.csv (LOG_HEADER); validation fields empty between evaluations"""
-    csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens / dt:.1f},"
-              f"{'' if mfu is None else f'{mfu:.4f}'},"
-              f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
-    csv.flush()
-
-
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far; prompt: ids
     (default: a document's start)"""
@@ -1349,15 +1311,6 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
         run.save_best(flat)
     print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
     return val_loss, val_bpb
-
-
-def print_summary(steps, elapsed, times, state, out_dir, last_path):
-    # the steps are a part of the run's time: validation, samples and checkpoints take the rest
-    steps_ms = f": {sum(times):.1f} s of steps ({np.mean(times) * 1e3:.1f} ms/step), the rest validation, " \
-        "samples and checkpoints" if times else ""
-    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
-            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
-    print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
 
 
 # -----------------------------------------------------------------------------
@@ -1942,11 +1895,58 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
 
 
 # -----------------------------------------------------------------------------
-# the loss plot
+# the run's log: its lines, log.csv and the loss plot
 #
-# train_loop ends by drawing log.csv as log.svg (and log.png with matplotlib);
-# `python nanoeuler.py plot RUN` draws it again. Drawing, not learning: a first
-# reading may skip it, as it may skip the benchmark.
+# What train_loop says as it goes: the settings table once (print_settings), a line and a row of log.csv a step
+# (log_step, log_csv), the summary (print_summary); then log.csv drawn as log.svg (and log.png with matplotlib);
+# `python nanoeuler.py plot RUN` draws it again. Reporting, not learning: a first reading may skip it, as the benchmark.
+
+def print_settings(rows, args, state):
+    """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
+    run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
+    if "planned_steps" in state:
+        steps = f"{state['planned_steps']} (planned for --minutes)"
+    elif getattr(args, "minutes", 0) > 0:
+        steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
+    else:                                              # a run shorter than its warmup: no cosine at all
+        steps = str(args.steps) + " (all in the warmup: lr never reaches its peak)" * (args.steps < args.warmup)
+    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
+                             f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}} | {v}")
+
+
+def fmt_time(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
+    """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
+    left, estimated from the last 50 steps"""
+    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+    print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
+          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
+          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
+
+
+def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
+    """one row of log.csv (LOG_HEADER); validation fields empty between evaluations"""
+    csv.write(f"{step},{ce[0]:.6f},{lr:.6e},{norm:.6f},{dt * 1e3:.2f},{tokens / dt:.1f},"
+              f"{'' if mfu is None else f'{mfu:.4f}'},"
+              f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
+    csv.flush()
+
+
+def print_summary(steps, elapsed, times, state, out_dir, last_path):
+    # the steps are a part of the run's time: validation, samples and checkpoints take the rest
+    steps_ms = f": {sum(times):.1f} s of steps ({np.mean(times) * 1e3:.1f} ms/step), the rest validation, " \
+        "samples and checkpoints" if times else ""
+    best = (f"best val loss {state['best_val']:.4f} (bpb {state['best_bpb']:.3f}) at step {state['best_step']}, "
+            f"kept as {os.path.join(out_dir, 'best.safetensors')}") if "best_val" in state else "no validation yet"
+    print(f"done: {steps} steps in {elapsed}{steps_ms}; {best}; last checkpoint {last_path}")
+
 
 def svg_plot(steps, loss, val, width=640, height=360):
     """train loss as a line by step, validation loss as dots, both axes labelled, as SVG text"""
@@ -2024,7 +2024,7 @@ def cmd_plot(args):
 # operations
 #
 # Everything above is the story (the model, its data, its training and its
-# commands), the benchmark and the loss plot. What follows keeps long runs
+# commands), the benchmark and the run's log. What follows keeps long runs
 # and bad inputs safe; a first reading may skip it. The story calls these
 # functions by name, and Python looks a name up when the call runs, so they
 # may come after it.
