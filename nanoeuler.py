@@ -23,14 +23,14 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 
 The file reads in that order: configuration, layers (each forward beside its backward), the model,
 gradient check, optimizer and schedule, generation, tokenizer, data, the training loop, a training
-step on every core, supervised fine-tuning, chat and sample, command line; then the benchmark and
-the run's log (its printed lines, log.csv and the loss plot, log.svg). Last comes the operations
-part: what keeps a long run from losing work or failing without a word (checked inputs, checkpoint
-files written atomically and resumed from, the run folder's lock, signals, memory, lost output
-streams); a first reading may skip it. The story calls into it by name (load_model, cached,
-RunFolder, ArgumentParser, ...): a name met in the story and defined later is one of those, the
-run's log's (print_settings, log_step, log_csv, print_summary, fmt_time, plot_log), cmd_plot and
-cmd_bench (after the story), decode_params (after generate) or a helper of train_loop (after it).
+step on every core, supervised fine-tuning, chat and sample, command line; then the benchmark and the
+run's log (its printed lines, log.csv and the loss plot, log.svg). Last comes the operations part:
+what keeps a long run from losing work or failing without a word (checked inputs, checkpoint files
+written atomically and resumed from, the run folder's lock, signals, memory, lost output streams); a
+first reading may skip it. The story calls into it by name (load_model, cached, RunFolder,
+ArgumentParser, ...): a name met in the story and defined later is one of those, the run's log's
+(print_settings, log_step, log_csv, sample_text_for_log, print_summary, fmt_time, plot_log), cmd_plot
+and cmd_bench (after the story), decode_params (after generate) or a helper of train_loop (after it).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1287,16 +1287,6 @@ def saved_rng(state):
     return rng
 
 
-def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
-    """a short sample, so the log shows what the model has learned so far; prompt: ids
-    (default: a document's start)"""
-    prompt = prompt or [tok.special("<|endoftext|>")]
-    params = carve(flat, cfg)
-    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
-                        stop=tok.special("<|end|>")))
-    return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
-
-
 def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt, elapsed):
     """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
     (the run folder's save_best); elapsed() -> the run's time so far, as text"""
@@ -1897,9 +1887,9 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
 # -----------------------------------------------------------------------------
 # the run's log: its lines, log.csv and the loss plot
 #
-# What train_loop says as it goes: the settings table once (print_settings), a line and a row of log.csv a step
-# (log_step, log_csv), the summary (print_summary); then log.csv drawn as log.svg (and log.png with matplotlib);
-# `python nanoeuler.py plot RUN` draws it again. Reporting, not learning: a first reading may skip it, as the benchmark.
+# What train_loop says: the settings table once (print_settings), a line and a log.csv row a step (log_step, log_csv),
+# a sample at each validation (sample_text_for_log), the summary (print_summary); log.csv drawn as log.svg (log.png too
+# with matplotlib), as `python nanoeuler.py plot RUN` draws it again. Reporting, not learning: a first reading skips it.
 
 def print_settings(rows, args, state):
     """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
@@ -1937,6 +1927,16 @@ def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
               f"{'' if mfu is None else f'{mfu:.4f}'},"
               f"{val_loss and f'{val_loss:.6f}'},{val_bpb and f'{val_bpb:.6f}'}\n")
     csv.flush()
+
+
+def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
+    """a short sample, so the log shows what the model has learned so far; prompt: ids
+    (default: a document's start)"""
+    prompt = prompt or [tok.special("<|endoftext|>")]
+    params = carve(flat, cfg)
+    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
+                        stop=tok.special("<|end|>")))
+    return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
 def print_summary(steps, elapsed, times, state, out_dir, last_path):
