@@ -1297,21 +1297,9 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
 #     loss, ce, cache = model_forward(params, cfg, idx, targets); model_backward(grads, cache)
 #     norm = clip_grad_norm(grad, args.clip); adamw_update(flat, grad, m, v, step, lr, decay_mask(cfg))
 # CPUEngine computes that on every core: numpy works on one core at a time, so the batch is cut into parts that
-# workers run (threads or processes: Workers, in operations, says which and why), each into a gradient buffer of its
-# own, summed (add_into); AdamW runs on slices of the flat buffer at once; BLAS keeps to one thread (the import's).
+# workers run (threads or processes: workers_for and Workers, in operations, say which and why), each into a gradient
+# buffer of its own, summed (add_into); AdamW runs on slices of the flat buffer at once; BLAS: a thread (the import's).
 MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, threads at most; processes above
-
-
-def workers_for(B, threads):
-    """-> (n, processes, parts): the workers a batch of B rows is split over, at most --threads and one a core;
-    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each.
-    parts: how many micro-batches loss_and_grads cuts the batch into, a multiple of the workers, of about 8 rows
-    each (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4
-    slower)"""
-    n = max(1, min(threads, CORES, B))
-    processes = n > PROCESSES_ABOVE and sys.platform == "linux" and threading.active_count() == 1   # fork: no thread
-    n = n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))
-    return n, processes, n * max(1, B // (8 * n))
 
 
 def grads_of_parts(flat, cfg, counts, parts, grad):
@@ -1462,7 +1450,7 @@ def cmd_sft(args, make_engine=None, engine=None):
     """make_engine(cfg, flat, m, v), engine (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)
     if make_engine is None:                            # CPUEngine's memory; a GPU engine refuses its own
-        check_memory(cfg, args.batch, args.threads)
+        check_config(cfg, args.model, args.batch, args.threads)
     pairs = load_instructions(args.data)
     rows, mask = sft_rows(tok, pairs, cfg)
     # an example teaches only if a response token is one of head 0's targets, row[1:T+1]
@@ -1665,8 +1653,7 @@ def preset_with(preset, args):
 
 
 def cmd_train(args):
-    cfg = check_config(preset_with(PRESETS[args.model_size], args))
-    check_memory(cfg, args.batch, args.threads)
+    cfg = check_config(preset_with(PRESETS[args.model_size], args), batch=args.batch, threads=args.threads)
     pretrain(args, cfg, functools.partial(CPUEngine, args=args))
 
 
@@ -2101,9 +2088,9 @@ def read_text(path):
         return decode_text(f.read(), path, 0)
 
 
-def check_config(cfg, source="the config"):
-    """-> cfg, once it is a config that the code can run and that would not ask for absurd
-    memory: refused before anything is allocated from it. source names it in the message."""
+def check_config(cfg, source="the config", batch=None, threads=None):
+    """-> cfg, once it is a config that the code can run and that would not ask for absurd memory, with a batch
+    (train, sft) one whose step fits (check_memory): refused before anything is allocated. source names it"""
     try:
         for name in SIZE_FIELDS:
             value = getattr(cfg, name)                  # bool is an int subclass: refused too
@@ -2123,6 +2110,8 @@ def check_config(cfg, source="the config"):
         require(n <= MAX_PARAMS, f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
     except ValueError as e:
         raise NanoEulerError(f"{source} is unusable: {e}") from None
+    if batch:
+        check_memory(cfg, batch, threads)
     return cfg
 
 
@@ -3052,6 +3041,18 @@ def write_tokens(path, files, tok, workers=None, progress=True):
 # 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md). Weights and gradient buffers live in memory shared
 # with them, arrays in it travel as their place in it; a worker ignores the signals (this process stops it) and ends
 # when its pipe does, also when this process is killed; an error in one is raised here.
+
+def workers_for(B, threads):
+    """-> (n, processes, parts): the workers a batch of B rows is split over, at most --threads and one a core;
+    processes where more than PROCESSES_ABOVE and fork is safe, a row each; else threads, MIN_ROWS rows each.
+    parts: how many micro-batches loss_and_grads cuts the batch into, a multiple of the workers, of about 8 rows
+    each (32 rows as 4 parts of 8 ran 2-4% faster than 2 of 16 on 2 cores, smaller arrays staying in cache; 8 of 4
+    slower)"""
+    n = max(1, min(threads, CORES, B))
+    processes = n > PROCESSES_ABOVE and sys.platform == "linux" and threading.active_count() == 1   # fork: no thread
+    n = n if processes else max(1, min(n, B // MIN_ROWS, MAX_THREADS))
+    return n, processes, n * max(1, B // (8 * n))
+
 
 class Workers:
     """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read

@@ -28,7 +28,7 @@ import layout  # noqa: E402
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
 # 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
 # story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
-STORY_LINES = 1799                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
+STORY_LINES = 1786                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
                                       # story30b +5: reader30's asks (w_gate_up, the slide, keywords, main's route)
                                       # path30 -11 (from_json), -4 (data_cache); story30b +1: which imports are operations'
                                       # story30b -12: progress_line moved to operations (lost output streams)
@@ -43,7 +43,9 @@ STORY_LINES = 1799                    # story30b's moves; +1: add_into sums in p
                                       # fmt_time) after the story, beside the loss plot: reporting, not learning
                                       # story30d -10: sample_text_for_log joins them (the log's sample)
                                       # story30d -13: the operations part's own imports open it, not the story
-FILE_LINES = 3638                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
+                                      # story30d -13: workers_for (cores plumbing) to operations' Workers; check_config
+                                      # asks check_memory given a batch (the story names check_memory no more)
+FILE_LINES = 3639                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
                                      # story30b +3: reader30's asks (w_gate_up, the slide, keywords, main's route): as at f7ae078
                                      # path30 -5 (from_json and check_merges, one), -4 (data_cache); story30b +1 (imports)
                                      # story30c +4: Workers.describe's def, docstring and blank (its 6 lines moved)
@@ -51,6 +53,8 @@ FILE_LINES = 3638                    # 3,607 + 85, issue 39: the step's workers 
                                      # story30c +3: Workers' sub-header; +2: deque and fields in the second group
                                      # run30 +5: the run's one RunFolder (operations)
                                      # review +5: data_cache again (one place for the cache's folder and its refusal)
+                                     # story30d +1: check_config's `if batch: check_memory(...)` (two lines, one
+                                     # call fewer in cmd_train): the memory check joins the config's, story -13
 STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
                                       # (12 was reached through a Workers.write_tokens alias: a count kept, not a name saved);
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
@@ -58,8 +62,9 @@ STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParse
                                       # story30b: progress_line (the tokenizer's and tokenizing's, an operations matter)
                                       # run30: RunFolder leaves the story's code (run_command hands args.run);
                                       # signals_handled comes in (one signal policy: signals_handled(run) in the loop)
+                                      # story30d: workers_for in for check_memory out (check_config asks it)
 # issue 39: the training step's worker processes (Workers, in operations) add 85 operations lines
-OPERATIONS_LINES = 1629               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
+OPERATIONS_LINES = 1643               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
                                       # run30 +5: run_command makes the one RunFolder (args.run), claim keeps its lock
                                       # story30b: +5, save_interval moved in from the story (RunFolder's alone); file flat
                                       # path30 +6: from_json's input checks came in (read_tokenizer): story -11
@@ -68,6 +73,7 @@ OPERATIONS_LINES = 1629               # the operations part (issue 30: at most 9
                                       # story30c +3: Workers' own sub-header (it was filed under signals)
                                       # story30d +13: its own imports (argparse .. fields) moved in from the
                                       # story's second import group: story -13, file flat
+                                      # story30d +14: workers_for moved in (story -13); check_config's batch (+1)
 FUNCTIONS_TO_MODEL_FORWARD = 57      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
                                      # run builds its own command's shared flags only (no add_generation/serve_flags);
                                      # path30: micro_batches folds into workers_for; from_json and check_merges are
