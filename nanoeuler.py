@@ -2321,10 +2321,9 @@ def jsonl_records(text):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as e:
-                try:
+                one_object = False
+                with contextlib.suppress(ValueError, RecursionError):
                     one_object = isinstance(json.loads(text), dict)
-                except (ValueError, RecursionError):
-                    one_object = False
                 require(not one_object, "it is one JSON object, not a list of examples nor one example a line")
                 raise ValueError(f"line {n} is not JSON: {e.msg} (column {e.colno})") from None
     return records
@@ -2783,11 +2782,12 @@ class RunFolder:
     @contextlib.contextmanager
     def output_may_go(self):
         """end the steps, not the run, when our output is gone (`train | head` has exited,
-        the terminal closed): the loop saves, then ends quietly (self.lost holds the error)"""
+        the terminal closed): the loop saves, then ends quietly (self.lost holds the error).
+        An error of writing our output has no file name: atomic_write names its file in every error"""
         try:
             yield
         except OSError as e:
-            if not output_lost(e):
+            if e.filename is not None or e.errno not in (errno.EPIPE, errno.EIO):
                 raise
             self.stop, self.lost = True, e
             silence_lost_output()
@@ -2957,6 +2957,34 @@ def text_chunks(files):
             yield path, offset, data, book
 
 
+# Tokenizing on every core (encoded_chunks, below) runs worker processes.
+# Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
+# processes started here (the workers, multiprocessing's resource tracker) inherit
+# both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
+# ignores only SIGINT and SIGTERM); the main process gets them at the unblock, and
+# stops the workers.
+
+_worker_tokenizer = None
+
+
+def _start_worker(merges, max_piece_bytes):
+    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
+    main process, which stops the workers (they were started with it blocked).
+    Should the main process be killed outright (kill -9, out of memory), the
+    worker exits too rather than wait for work forever."""
+    import multiprocessing
+    import threading
+    global _worker_tokenizer
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    main_process = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
+    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
+
+
+def _encode_chunk(chunk):
+    return encode_chunk(_worker_tokenizer, *chunk)
+
+
 def encoded_chunks(files, tok, workers):
     """yield (token ids, bytes read) for every chunk of the files, in order, encoded
     by `workers` processes (or by this one when workers is 1).
@@ -2964,21 +2992,35 @@ def encoded_chunks(files, tok, workers):
     The workers are started with spawn, each a fresh interpreter: forking a
     process that already runs threads (training's, CUDA's) can deadlock the
     child. At most two chunks per worker are in flight, so the reader never
-    runs ahead of the encoders and memory stays bounded."""
+    runs ahead of the encoders and memory stays bounded. A worker that died is
+    one sentence; at the end the pool stops (its running chunks finish: at most a second)."""
     if workers <= 1:
         for chunk in text_chunks(files):
             yield encode_chunk(tok, *chunk), len(chunk[2])
         return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+    with signals_blocked():                            # the workers start with them blocked (above)
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                                   initargs=(tok.merges, tok.max_piece_bytes))
     pending = deque()
-    with encoding_pool(workers, tok) as submit:        # the processes and their signals: below
-        for chunk in text_chunks(files):
-            pending.append((submit(chunk), len(chunk[2])))
-            while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+    try:
+        with signals_handled():                        # the policy, also where run_command has not
+            for chunk in text_chunks(files):
+                with signals_blocked():                # submit may start a worker
+                    pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
+                while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                    future, nbytes = pending.popleft()
+                    yield future.result(), nbytes
+            while pending:
                 future, nbytes = pending.popleft()
                 yield future.result(), nbytes
-        while pending:
-            future, nbytes = pending.popleft()
-            yield future.result(), nbytes
+    except BrokenProcessPool:
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def progress_text(done, total, seconds):
@@ -3192,59 +3234,6 @@ def signals_handled(run=None):
             signal.signal(sig, old)
 
 
-# Tokenizing on every core (encoded_chunks, above) runs worker processes.
-# Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
-# processes started here (the workers, multiprocessing's resource tracker) inherit
-# both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
-# ignores only SIGINT and SIGTERM); the main process gets them at the unblock, and
-# stops the workers.
-
-_worker_tokenizer = None
-
-
-def _start_worker(merges, max_piece_bytes):
-    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
-    main process, which stops the workers (they were started with it blocked).
-    Should the main process be killed outright (kill -9, out of memory), the
-    worker exits too rather than wait for work forever."""
-    import multiprocessing
-    import threading
-    global _worker_tokenizer
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main_process = multiprocessing.parent_process()
-    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
-    _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
-
-
-def _encode_chunk(chunk):
-    return encode_chunk(_worker_tokenizer, *chunk)
-
-
-@contextlib.contextmanager
-def encoding_pool(workers, tok):
-    """-> submit(chunk), a future of encode_chunk(tok, *chunk) run by one of `workers`
-    spawned processes (started with the signals blocked, as above); a worker that died
-    is one sentence; on leaving, the pool stops (its running chunks finish: at most a second)"""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    with signals_blocked():
-        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
-                                   initargs=(tok.merges, tok.max_piece_bytes))
-
-    def submit(chunk):
-        with signals_blocked():                        # submit may start a worker
-            return pool.submit(_encode_chunk, chunk)
-    try:
-        with signals_handled():                        # the policy, also where run_command has not
-            yield submit
-    except BrokenProcessPool:
-        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
-                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
 def exit_stopped(signum, run=None, step=None, last_path=None):
     """a signal stopped the command: say where it stands and exit as the signal's killing
     would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP). step:
@@ -3416,24 +3405,20 @@ def progress_line(text, done=False):
         _last_progress[0] = now
 
 
-def silence_lost_output():
+def silence_lost_output(fds=()):
     """point stdout and stderr, where nobody reads them any more (a closed pipe, a hung-up
     terminal: poll says POLLERR or POLLHUP), at /dev/null, so that the save and the last
-    words cannot fail on them; a file or a live terminal keeps its output"""
+    words cannot fail on them; a file or a live terminal keeps its output. fds: these
+    descriptors, whatever poll says (a closed pipe's stdout; streams closed at start)"""
     poll = select.poll()
     for fd in (1, 2):
         poll.register(fd, select.POLLOUT)
-    for fd, events in poll.poll(0):
-        if events & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, fd)
-            os.close(devnull)
-
-
-def output_lost(e):
-    """an error of writing our output (a closed pipe, a hung-up terminal), not of a file:
-    atomic_write names its file in every error it raises"""
-    return isinstance(e, OSError) and e.filename is None and e.errno in (errno.EPIPE, errno.EIO)
+    gone = select.POLLERR | select.POLLHUP | select.POLLNVAL
+    for fd in fds or [fd for fd, events in poll.poll(0) if events & gone]:
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:                                 # (a closed descriptor's number is the one open gives)
+            os.dup2(null, fd)
+            os.close(null)
 
 
 def os_error_sentence(e, out_flag=True):
@@ -3447,8 +3432,11 @@ def os_error_sentence(e, out_flag=True):
               errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
               errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
     reason = str(e.strerror or e).lower()
-    if e.filename is None and (stream := failed_stream()):
-        return f"writing to {stream} failed ({reason}); send it to another file or device"
+    for fd, stream in ((1, "stdout"), (2, "stderr")) if e.filename is None else ():
+        try:                                         # the stream that refuses even an empty write (stdout > /dev/full)
+            os.write(fd, b"")
+        except OSError:
+            return f"writing to {stream} failed ({reason}); send it to another file or device"
     if not out_flag and e.filename is None:          # a write to stdout's file (sample > file on a full disk)
         room = "free some space, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         return f"the output could not be written ({reason}); {room}send it elsewhere"
@@ -3456,17 +3444,6 @@ def os_error_sentence(e, out_flag=True):
     if not out_flag:
         what = what.replace(", or give another --out", "").replace("give another --out", "give another path")
     return f"{e.filename}: {what}" if e.filename else what
-
-
-def failed_stream():
-    """the output stream (stdout, stderr) that refuses even an empty write, or None: what a
-    write error without a file name came from (stdout > /dev/full)"""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
-        try:
-            os.write(fd, b"")
-        except OSError:
-            return name
-    return None
 
 
 PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
@@ -3514,23 +3491,22 @@ def run_command(command, args, closed=()):
             # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_if_not_finite)
             warnings.simplefilter("ignore", RuntimeWarning)
             command(args)
-    except NanoEulerError as e:
-        model = f"{args.model}: " if isinstance(e, LogitsNotFinite) else ""    # sample's, chat's (generate)
-        print(f"error: {model}{e}", file=sys.stderr)
-        sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as e:
         exit_stopped(getattr(e, "signum", signal.SIGINT), run)
-    except MemoryError as e:                           # numpy's says what it could not allocate
-        lower = "lower --batch, or " if hasattr(args, "batch") else ""
-        print(f"error: out of memory ({str(e) or 'an allocation failed'}); {lower}free some memory", file=sys.stderr)
-        sys.exit(2)
     except BrokenPipeError:
         # the reader of our output went away (sample | head): stop quietly; stdout now
         # goes nowhere, so Python's own flush at exit cannot fail again (Python's docs' recipe)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence_lost_output([sys.stdout.fileno()])
         sys.exit(1)
-    except OSError as e:
-        print(f"error: {os_error_sentence(e, hasattr(args, 'out'))}", file=sys.stderr)
+    except (NanoEulerError, MemoryError, OSError) as e:    # one sentence, exit code 2
+        if isinstance(e, MemoryError):                     # numpy's says what it could not allocate
+            lower = "lower --batch, or " if hasattr(args, "batch") else ""
+            e = f"out of memory ({str(e) or 'an allocation failed'}); {lower}free some memory"
+        elif isinstance(e, OSError):
+            e = os_error_sentence(e, hasattr(args, "out"))
+        elif isinstance(e, LogitsNotFinite):               # sample's, chat's (generate): the model is named
+            e = f"{args.model}: {e}"
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -3617,10 +3593,7 @@ class ArgumentParser(argparse.ArgumentParser):
             except OSError:
                 is_open = False
             if not is_open:
-                null = os.open(os.devnull, os.O_RDWR)
-                if null != fd:
-                    os.dup2(null, fd)
-                    os.close(null)
+                silence_lost_output([fd])
                 setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
                 closed.append(name)
         for stream in (sys.stdout, sys.stderr):
