@@ -2759,14 +2759,9 @@ class RunFolder:
         atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
         return open(csv_path, "a", encoding="utf-8")
 
-    # -- the training loop's stop: on a signal (the one policy, in operations: signals, calls
-    # handle while the loop runs) or when output is gone (a closed pipe, a hung-up terminal),
-    # the loop stops after the step in flight and saves:
-    #     with signals_handled(run):
-    #         with run.output_may_go():
-    #             ... steps, until run.stop
-    #         ... save
-    #     run.exit_if_stopped(step, last_path)
+    # -- the training loop's stop: on a signal (signals_handled(run) calls handle while the loop runs)
+    # or when output is gone (a closed pipe, a hung-up terminal: output_may_go), the loop stops after
+    # the step in flight, saves, then ends in exit_if_stopped (train_loop)
 
     def handle(self, signum, frame):
         """the loop's first signal: stop after this step, saved; a second: raised at once"""
@@ -3209,11 +3204,9 @@ def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's
-    KeyboardInterrupt is (a BaseException: no `except Exception` stops it), so that every
-    cleanup on the way out runs (workers stopped, temp files and train.lock removed);
-    run_command then exits with 128 + signum. Not a KeyboardInterrupt: what Ctrl-C alone
-    ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: the signal's number."""
+    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's KeyboardInterrupt
+    is (the policy above; a BaseException: no `except Exception` stops it). Not a KeyboardInterrupt: what
+    Ctrl-C alone ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: its number."""
     signum = property(lambda self: self.args[0])
 
 
@@ -3271,21 +3264,14 @@ def exit_now_if_threads_work_on(code):
 # -----------------------------------------------------------------------------
 # operations: memory
 
-def keep_freed_memory():
-    """numpy makes a fresh array for every result. Above 128 KB glibc maps new pages from the OS for each
-    one and unmaps them on free, and those page faults cost a quarter of a training step (measured, B=8: 76 ->
-    57 ms). So keep arrays up to 32 MB on the heap, and keep freed heap memory: with this and the step's workers,
-    a step on 2 cores runs at PyTorch's eager CPU step's speed. Called once, when this file is imported."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)                     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
-        libc.mallopt(-1, 1 << 30)                      # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        pass                                           # not glibc: nothing to tune
-
-
-keep_freed_memory()
+# Freed memory is kept: numpy makes a fresh array for every result. Above 128 KB glibc maps new pages from the
+# OS for each one and unmaps them on free, and those page faults cost a quarter of a training step (measured, B=8:
+# 76 -> 57 ms). So keep arrays up to 32 MB on the heap, and keep freed heap memory: with this and the step's
+# workers, a step on 2 cores runs at PyTorch's eager CPU step's speed. Set once, when this file is imported.
+with contextlib.suppress(OSError, AttributeError):    # not glibc: nothing to tune
+    import ctypes
+    ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20)     # M_MMAP_THRESHOLD (glibc caps it at 32 MB)
+    ctypes.CDLL("libc.so.6").mallopt(-1, 1 << 30)      # M_TRIM_THRESHOLD
 
 
 def activation_bytes(cfg, rows):
