@@ -988,9 +988,10 @@ class Tokenizer:
 # A corpus becomes one file of uint16 token ids; a batch is B rows of T+K consecutive tokens at random places in it
 # (get_batch; split_rows turns them into inputs and the K heads' targets); validation reads set rows of its last tenth.
 #
-# A corpus is a text file or a folder of .txt files. A web shard (get_data.sh web) holds many documents, each followed
-# by the line <|endoftext|>: the reader splits on that marker, wherever it stands (a newline on either side goes with
-# it), and puts the <|endoftext|> token after each document. A file without the marker (a book) is one document.
+# A corpus is a text file or a folder of .txt files (corpus_files, in operations' input checks, lists and checks them).
+# A web shard (get_data.sh web) holds many documents, each followed by the line <|endoftext|>: the reader splits on
+# that marker, wherever it stands (a newline on either side goes with it), and puts the <|endoftext|> token after each
+# document. A file without the marker (a book) is one document.
 #
 # Preparing a corpus: the tokenizer is trained on a sample of it; then the files are read in chunks of 256 KB,
 # encoded on every core, and the tokens written to disk as they come (uint16: write_tokens, in operations), so memory
@@ -1030,22 +1031,6 @@ def fixed_rows(tokens, B, rows_len, max_batches):
     starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
     return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
             for i in range(0, n_rows, B)]
-
-
-def corpus_files(path):
-    """a text file, or every .txt file under a folder, in sorted order"""
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
-        for f in [f for f in files if not os.path.isfile(f)]:
-            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
-            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
-            files.remove(f)
-        if not files:
-            raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
-        return files
-    if not os.path.isfile(path):
-        raise not_a_file(path, "a text file", "pass a UTF-8 text file or a folder of .txt files")
-    return [path]
 
 
 def chunk_end(data):
@@ -2080,6 +2065,22 @@ def not_a_file(path, noun, advice):
     else:
         what = "does not exist"
     return NanoEulerError(f"{path} {what}; {advice}")
+
+
+def corpus_files(path):
+    """a text file, or every .txt file under a folder, in sorted order"""
+    if os.path.isdir(path):
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+        for f in [f for f in files if not os.path.isfile(f)]:
+            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
+            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
+            files.remove(f)
+        if not files:
+            raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
+        return files
+    if not os.path.isfile(path):
+        raise not_a_file(path, "a text file", "pass a UTF-8 text file or a folder of .txt files")
+    return [path]
 
 
 def read_text(path):

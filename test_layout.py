@@ -28,7 +28,7 @@ import layout  # noqa: E402
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
 # 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
 # story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
-STORY_LINES = 1786                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
+STORY_LINES = 1771                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
                                       # story30b +5: reader30's asks (w_gate_up, the slide, keywords, main's route)
                                       # path30 -11 (from_json), -4 (data_cache); story30b +1: which imports are operations'
                                       # story30b -12: progress_line moved to operations (lost output streams)
@@ -45,7 +45,8 @@ STORY_LINES = 1786                    # story30b's moves; +1: add_into sums in p
                                       # story30d -13: the operations part's own imports open it, not the story
                                       # story30d -13: workers_for (cores plumbing) to operations' Workers; check_config
                                       # asks check_memory given a batch (the story names check_memory no more)
-FILE_LINES = 3598                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
+                                      # story30d -15: corpus_files (a folder's .txt files, and its refusals) to input checks
+FILE_LINES = 3599                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
                                      # story30b +3: reader30's asks (w_gate_up, the slide, keywords, main's route): as at f7ae078
                                      # path30 -5 (from_json and check_merges, one), -4 (data_cache); story30b +1 (imports)
                                      # story30c +4: Workers.describe's def, docstring and blank (its 6 lines moved)
@@ -57,6 +58,7 @@ FILE_LINES = 3598                    # 3,607 + 85, issue 39: the step's workers 
                                      # call fewer in cmd_train): the memory check joins the config's, story -13
                                      # ops30c -27: one except for the sentences, one way to /dev/null, one pool generator
                                      # ops30c -14: the allocator setting a guarded block at import, not a function called once there
+                                     # story30d +1: the data section's comment points at corpus_files, now in operations
 STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
                                       # (12 was reached through a Workers.write_tokens alias: a count kept, not a name saved);
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
@@ -65,8 +67,9 @@ STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParse
                                       # run30: RunFolder leaves the story's code (run_command hands args.run);
                                       # signals_handled comes in (one signal policy: signals_handled(run) in the loop)
                                       # story30d: workers_for in for check_memory out (check_config asks it)
+                                      # story30d: corpus_files in for not_a_file out (corpus_files holds its one use)
 # issue 39: the training step's worker processes (Workers, in operations) add 85 operations lines
-OPERATIONS_LINES = 1602               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
+OPERATIONS_LINES = 1618               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
                                       # run30 +5: run_command makes the one RunFolder (args.run), claim keeps its lock
                                       # story30b: +5, save_interval moved in from the story (RunFolder's alone); file flat
                                       # path30 +6: from_json's input checks came in (read_tokenizer): story -11
@@ -80,6 +83,7 @@ OPERATIONS_LINES = 1602               # the operations part (issue 30: at most 9
                                       # one way to /dev/null; output_lost, failed_stream, encoding_pool folded in
                                       # ops30c -14: keep_freed_memory's def and call become the block they ran (its why kept as
                                       # a comment); Interrupted's docstring and RunFolder's loop-stop comment no longer repeat the code
+                                      # story30d +16: corpus_files moved in (story -15: it no longer names not_a_file)
 FUNCTIONS_TO_MODEL_FORWARD = 57      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
                                      # run builds its own command's shared flags only (no add_generation/serve_flags);
                                      # path30: micro_batches folds into workers_for; from_json and check_merges are
