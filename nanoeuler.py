@@ -22,15 +22,15 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
   MTP heads as drafts
 
 The file reads in that order: configuration, layers (each forward beside its backward), the model,
-gradient check, optimizer and schedule, generation, tokenizer, data, the training loop, a training
-step on every core, supervised fine-tuning, chat and sample, command line; then the benchmark and the
-run's log (its printed lines, log.csv and the loss plot, log.svg). Last comes the operations part:
-what keeps a long run from losing work or failing without a word (checked inputs, checkpoint files
-written atomically and resumed from, the run folder's lock, signals, memory, lost output streams); a
-first reading may skip it. The story calls into it by name (load_model, cached, RunFolder,
-ArgumentParser, ...): a name met in the story and defined later is one of those, the run's log's
-(print_settings, log_step, log_csv, sample_text_for_log, print_summary, fmt_time, plot_log), cmd_plot
-and cmd_bench (after the story), decode_params (after generate) or a helper of train_loop (after it).
+gradient check, optimizer and schedule, generation, tokenizer, data, the training loop, a training step on
+every core, supervised fine-tuning, chat and sample, command line; then the benchmark and the run's log
+(its printed lines, log.csv and the loss plot, log.svg) and serve's entry. Last comes the operations part:
+what keeps a long run from losing work or failing without a word (checked inputs, checkpoint files written
+atomically and resumed from, the run folder's lock, signals, memory, lost output streams); a first reading
+may skip it. The story calls into it by name (load_model, cached, RunFolder, ArgumentParser, ...): a name
+met in the story and defined later is one of those, the run's log's (print_settings, log_step, log_csv,
+sample_text_for_log, print_summary, fmt_time, plot_log), cmd_plot, cmd_bench, cmd_serve and
+add_serve_flags (after the story), decode_params (after generate) or a helper of train_loop (after it).
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1642,20 +1642,6 @@ def cmd_train(args):
     pretrain(args, cfg, functools.partial(CPUEngine, args=args))
 
 
-def cmd_serve(args, make_params=None, gen=None):
-    """the chat page and its OpenAI-shaped API: serve.py, beside this file (docs/serve.md)"""
-    import serve
-    serve.cmd_serve(args, sys.modules[__name__], make_params, gen)
-
-
-def add_serve_flags(sp):
-    """serve's flags (both programs)"""
-    sp.add_argument("--model", required=True, help=".safetensors model file")
-    sp.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 lets in every machine that "
-                    "reaches this one, with no password")
-    sp.add_argument("--port", type="port_type", default=8000, help="TCP port; 0 = any free one")
-
-
 def add_training_flags(sp, steps, batch, lr, warmup, out, mtp_weight=False, threads=True, save_minutes=None):
     """the flags train and sft share, and train's --mtp-weight (and nanoeuler_cuda.py's, without --threads,
     saving every 10 minutes)"""
@@ -1979,11 +1965,28 @@ def cmd_plot(args):
     plot_log(csv_path)
 
 
+# -----------------------------------------------------------------------------
+# the chat in a browser: serve's command and flags (serve.py has the rest); a first reading may skip it
+
+def cmd_serve(args, make_params=None, gen=None):
+    """the chat page and its OpenAI-shaped API: serve.py, beside this file (docs/serve.md)"""
+    import serve
+    serve.cmd_serve(args, sys.modules[__name__], make_params, gen)
+
+
+def add_serve_flags(sp):
+    """serve's flags (both programs)"""
+    sp.add_argument("--model", required=True, help=".safetensors model file")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 lets in every machine that "
+                    "reaches this one, with no password")
+    sp.add_argument("--port", type="port_type", default=8000, help="TCP port; 0 = any free one")
+
+
 # =============================================================================
 # operations
 #
 # Everything above is the story (the model, its data, its training and its
-# commands), the benchmark and the run's log. What follows keeps long runs
+# commands), the benchmark, the run's log and serve's entry. What follows keeps long runs
 # and bad inputs safe; a first reading may skip it. The story calls these
 # functions by name, and Python looks a name up when the call runs, so they
 # may come after it.
