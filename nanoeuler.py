@@ -2537,10 +2537,9 @@ def log_row(line):
     cells = line.rstrip("\n").split(",")
     if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
         return None
-    try:
+    with contextlib.suppress(ValueError):
         return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
-    except ValueError:
-        return None
+    return None
 
 
 class RunFolder:
@@ -3036,16 +3035,13 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
     if workers is None:
         workers = CORES if total >= POOL_MIN_BYTES else 1
     done, n_tokens, t0 = 0, 0, time.time()
-    chunks = encoded_chunks(files, tok, workers)
-    try:
-        for ids, nbytes in chunks:
+    with contextlib.closing(encoded_chunks(files, tok, workers)) as chunks:   # closed: the workers stop now,
+        for ids, nbytes in chunks:                                                # also on Ctrl-C
             write(ids)
             n_tokens += len(ids)
             done += nbytes
             if progress:
                 progress_line(progress_text(done, total, time.time() - t0))
-    finally:
-        chunks.close()                                 # stops the workers now, also on Ctrl-C
     if progress:
         progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
                       f"{n_tokens:,} tokens", done=True)
@@ -3292,11 +3288,9 @@ def activation_bytes(cfg, rows):
 def system_file(*path):
     """the text of a file the system keeps (/proc, /sys/fs/cgroup), or "" where it cannot be read
     (not Linux, no such cgroup, not UTF-8): the readers below then find no number in it"""
-    try:
-        with open(os.path.join(*path)) as f:
-            return f.read()
-    except (OSError, ValueError):
-        return ""
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(*path)) as f:
+        return f.read()
+    return ""
 
 
 # cgroup v2 and v1 (its memory controller): the limit, the usage, and memory.stat's line of
@@ -3505,10 +3499,9 @@ def run_command(command, args, closed=()):
 def number_type(convert, ok, what):
     """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
     def parse(text):
-        try:
+        value = None
+        with contextlib.suppress(ValueError):
             value = convert(text)
-        except ValueError:
-            value = None
         if value is None or not ok(value):
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
@@ -3577,11 +3570,10 @@ class ArgumentParser(argparse.ArgumentParser):
         for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
             # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
             # script) may have left a read-only file there
-            try:
+            is_open = False
+            with contextlib.suppress(OSError):
                 is_open = getattr(sys, name) is not None and (
                     fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY)
-            except OSError:
-                is_open = False
             if not is_open:
                 silence_lost_output([fd])
                 setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))

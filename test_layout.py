@@ -47,7 +47,7 @@ STORY_LINES = 1757                    # story30b's moves; +1: add_into sums in p
                                       # asks check_memory given a batch (the story names check_memory no more)
                                       # story30d -15: corpus_files (a folder's .txt files, and its refusals) to input checks
                                       # story30d -14: serve's entry (cmd_serve, add_serve_flags) after the story, as bench's
-FILE_LINES = 3602                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
+FILE_LINES = 3594                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
                                      # story30b +3: reader30's asks (w_gate_up, the slide, keywords, main's route): as at f7ae078
                                      # path30 -5 (from_json and check_merges, one), -4 (data_cache); story30b +1 (imports)
                                      # story30c +4: Workers.describe's def, docstring and blank (its 6 lines moved)
@@ -61,6 +61,7 @@ FILE_LINES = 3602                    # 3,607 + 85, issue 39: the step's workers 
                                      # ops30c -14: the allocator setting a guarded block at import, not a function called once there
                                      # story30d +1: the data section's comment points at corpus_files, now in operations
                                      # story30d +3: serve's entry after the story needs a section header (and its blank)
+                                     # ops30c -8: one idiom for 'this may fail, then a default' (contextlib.suppress, closing)
 STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
                                       # (12 was reached through a Workers.write_tokens alias: a count kept, not a name saved);
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
@@ -71,7 +72,7 @@ STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParse
                                       # story30d: workers_for in for check_memory out (check_config asks it)
                                       # story30d: corpus_files in for not_a_file out (corpus_files holds its one use)
 # issue 39: the training step's worker processes (Workers, in operations) add 85 operations lines
-OPERATIONS_LINES = 1618               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
+OPERATIONS_LINES = 1610               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
                                       # run30 +5: run_command makes the one RunFolder (args.run), claim keeps its lock
                                       # story30b: +5, save_interval moved in from the story (RunFolder's alone); file flat
                                       # path30 +6: from_json's input checks came in (read_tokenizer): story -11
@@ -86,6 +87,8 @@ OPERATIONS_LINES = 1618               # the operations part (issue 30: at most 9
                                       # ops30c -14: keep_freed_memory's def and call become the block they ran (its why kept as
                                       # a comment); Interrupted's docstring and RunFolder's loop-stop comment no longer repeat the code
                                       # story30d +16: corpus_files moved in (story -15: it no longer names not_a_file)
+                                      # ops30c -8: system_file, log_row, a flag's parse, the closed-stream probe: 'may
+                                      # fail, then the default' as contextlib.suppress; tokenize_files uses closing
 FUNCTIONS_TO_MODEL_FORWARD = 57      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
                                      # run builds its own command's shared flags only (no add_generation/serve_flags);
                                      # path30: micro_batches folds into workers_for; from_json and check_merges are
