@@ -993,10 +993,10 @@ class Tokenizer:
 # that marker, wherever it stands (a newline on either side goes with it), and puts the <|endoftext|> token after each
 # document. A file without the marker (a book) is one document.
 #
-# Preparing a corpus: the tokenizer is trained on a sample of it; then the files are read in chunks of 256 KB,
-# encoded on every core, and the tokens written to disk as they come (uint16: write_tokens, in operations), so memory
-# stays small whatever the corpus's size. Training reads them memory-mapped, so a corpus larger than memory trains.
-# Both are cached by the corpus's hash and the tokenizer.
+# Preparing a corpus: the tokenizer is trained on a sample of it; then the files are read in chunks of 256 KB, encoded
+# on every core (encode_chunk), and the tokens written to disk as they come (uint16: write_tokens; both in
+# operations), so memory stays small whatever the corpus's size. Training reads them memory-mapped, so a corpus larger
+# than memory trains. Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1066,18 +1066,6 @@ def decode_text(data, path, offset):
     except UnicodeDecodeError as e:
         raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
                              "convert it, e.g. with iconv -t utf-8") from None
-
-
-def encode_chunk(tok, path, offset, data, ends_document):
-    """one chunk of a file -> its token ids (an array of the token file's dtype),
-    with <|endoftext|> after each document that ends in it"""
-    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
-    ids, eot = [], tok.special("<|endoftext|>")
-    for i, doc in enumerate(docs):
-        ids += tok.encode(doc)
-        if i < len(docs) - 1 or ends_document:
-            ids.append(eot)
-    return np.array(ids, dtype=TOKEN_DTYPE)
 
 
 def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
@@ -2953,6 +2941,18 @@ def text_chunks(files):
                     offset, data = offset + cut, data[cut:]
         if size:
             yield path, offset, data, book
+
+
+def encode_chunk(tok, path, offset, data, ends_document):
+    """one chunk of a file -> its token ids (an array of the token file's dtype),
+    with <|endoftext|> after each document that ends in it"""
+    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
+    ids, eot = [], tok.special("<|endoftext|>")
+    for i, doc in enumerate(docs):
+        ids += tok.encode(doc)
+        if i < len(docs) - 1 or ends_document:
+            ids.append(eot)
+    return np.array(ids, dtype=TOKEN_DTYPE)
 
 
 # Tokenizing on every core (encoded_chunks, below) runs worker processes.
