@@ -1096,8 +1096,6 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
     by the tokenizer's) in data_cache(out_dir); a damaged cache file is made again"""
     cache_dir = data_cache(out_dir)
     files = corpus_files(path)
-    if vocab_size > MAX_V:
-        raise NanoEulerError(f"vocab size {vocab_size} does not fit the uint16 token cache (at most {MAX_V:,})")
     h = hashlib.sha256()                               # the cache key: the corpus files' names and contents
     for name in files:
         h.update(os.fsencode(os.path.basename(name)))  # a name that is not UTF-8 is bytes we kept
