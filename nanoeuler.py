@@ -1335,10 +1335,9 @@ class CPUEngine:
         self.cfg, self.m, self.v = cfg, m, v
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.decay = decay_mask(cfg)
-        self.n_threads, processes, self.parts = workers_for(args.batch, args.threads)
-        self.pool = Workers(self.n_threads, flat, processes)     # threads, or forked processes (operations)
+        self.pool = Workers.for_batch(flat, args.batch, args.threads)    # threads, or forked processes (operations)
+        self.n_threads, self.parts, self.line = len(self.pool.grad_bufs), self.pool.parts, self.pool.line  # its header
         self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
-        self.line = self.pool.describe(args.threads, -(-self.batch // self.parts))   # the run's header line
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
@@ -3157,15 +3156,20 @@ class Workers:
             raise error
         return results
 
-    def describe(self, threads, rows):
-        """CPUEngine's line in the run's header: the workers, what held them below --threads (the cores, MIN_ROWS
-        or MAX_THREADS; a row a process), rows a micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS, said)"""
-        n, procs, blas = len(self.grad_bufs), self.processes, os.environ.get("OPENBLAS_NUM_THREADS", "1")
+    @classmethod
+    def for_batch(cls, flat, batch, threads):
+        """CPUEngine's workers for `batch` rows on --threads (how many, of which kind: workers_for), with .parts (its
+        micro-batches) and .line, the run's header line: the workers, what held them below --threads (the cores,
+        MIN_ROWS or MAX_THREADS; a row a process), rows a micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS)"""
+        n, processes, parts = workers_for(batch, threads)
+        pool, blas = cls(n, flat, processes), os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        procs, pool.parts = pool.processes, parts
         kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
         why = (f" ({CORES} cores here)" if n == CORES < threads else
                f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < threads))
-        return (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
-                f"{rows}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+        pool.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
+                     f"{-(-batch // parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+        return pool
 
     def close(self):
         """stop the workers now (a step cut short by a signal is lost anyway)"""
