@@ -993,10 +993,11 @@ class Tokenizer:
 # that marker, wherever it stands (a newline on either side goes with it), and puts the <|endoftext|> token after each
 # document. A file without the marker (a book) is one document.
 #
-# Preparing a corpus: the tokenizer is trained on a sample of it; then the files are read in chunks of 256 KB, encoded
-# on every core (encode_chunk), and the tokens written to disk as they come (uint16: write_tokens; both in
-# operations), so memory stays small whatever the corpus's size. Training reads them memory-mapped, so a corpus larger
-# than memory trains. Both are cached by the corpus's hash and the tokenizer.
+# Preparing a corpus: the tokenizer is trained on a sample of it (at most 16 MB, an equal share of every file's start:
+# tokenizer_sample); then the files are read in chunks of 256 KB, cut where no piece spans the cut (chunk_end), encoded
+# on every core (encode_chunk), and the tokens written to disk as they come (uint16: write_tokens; all four in
+# operations, tokenizing a corpus at scale), so memory stays small whatever the corpus's size. Training reads them
+# memory-mapped, so a corpus larger than memory trains. Both are cached by the corpus's hash and the tokenizer.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1031,54 +1032,6 @@ def fixed_rows(tokens, B, rows_len, max_batches):
     starts = np.linspace(0, len(tokens) - rows_len, n_rows).astype(np.int64)
     return [np.stack([tokens[o:o + rows_len] for o in starts[i:i + B]]).astype(np.int64)
             for i in range(0, n_rows, B)]
-
-
-def chunk_end(data):
-    """where to end a chunk of a file's bytes: before the last space that follows
-    a visible ASCII character and precedes an ASCII letter ("said| the"). No
-    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
-    chunk by chunk gives exactly the tokens of encoding each whole document.
-    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
-    newline, or at a character, never inside an <|endoftext|> line: its pieces
-    at the cut may come out differently, and decoding still gives back the text."""
-    window = max(0, len(data) - (64 << 10))
-    i = len(data)
-    while (i := data.rfind(b" ", window, i)) > 0:
-        if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
-            return i
-    i = data.rfind(b"\n", window)
-    if i >= 0:                                         # before the newline; after it if it ends a marker line
-        return i + 1 if data[:i].endswith(DOC_MARKER) else i
-    end = len(data)
-    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
-        if data.endswith(DOC_MARKER[:k]):
-            return end - k
-    end -= 1                                           # the block may end inside a character:
-    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
-        end -= 1
-    return end
-
-
-def decode_text(data, path, offset):
-    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
-                             "convert it, e.g. with iconv -t utf-8") from None
-
-
-def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
-    """what the tokenizer is trained on: at most max_bytes, an equal share from the
-    start of every file, cut as chunks are, its documents joined by newlines"""
-    share, texts = max(max_bytes // len(files), 1), []
-    for path in files:
-        with open(path, "rb") as f:
-            data = f.read(share + 1)
-        if len(data) > share:
-            data = data[:chunk_end(data[:share])]
-        texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
-    return "\n".join(texts)
 
 
 def data_cache(out_dir):
@@ -2071,6 +2024,15 @@ def corpus_files(path):
     return [path]
 
 
+def decode_text(data, path, offset):
+    """bytes read from path at offset -> str, refusing what is not UTF-8 with one sentence"""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise NanoEulerError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start:,}); "
+                             "convert it, e.g. with iconv -t utf-8") from None
+
+
 def read_text(path):
     """the whole file as str, refusing what is not UTF-8 text"""
     with open(path, "rb") as f:
@@ -2917,7 +2879,33 @@ class RunFolder:
 
 
 # -----------------------------------------------------------------------------
-# operations: tokenizing a corpus at scale (write_tokens: the data section's one call)
+# operations: tokenizing a corpus at scale (tokenizer_sample and write_tokens: the data section's calls)
+
+def chunk_end(data):
+    """where to end a chunk of a file's bytes: before the last space that follows
+    a visible ASCII character and precedes an ASCII letter ("said| the"). No
+    pre-tokenized piece and no <|endoftext|> line spans that place, so encoding
+    chunk by chunk gives exactly the tokens of encoding each whole document.
+    Text with no such place in its last 64 KB (Chinese, say) is cut at its last
+    newline, or at a character, never inside an <|endoftext|> line: its pieces
+    at the cut may come out differently, and decoding still gives back the text."""
+    window = max(0, len(data) - (64 << 10))
+    i = len(data)
+    while (i := data.rfind(b" ", window, i)) > 0:
+        if 0x21 <= data[i - 1] <= 0x7E and data[i + 1:i + 2].isalpha():
+            return i
+    i = data.rfind(b"\n", window)
+    if i >= 0:                                         # before the newline; after it if it ends a marker line
+        return i + 1 if data[:i].endswith(DOC_MARKER) else i
+    end = len(data)
+    for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
+        if data.endswith(DOC_MARKER[:k]):
+            return end - k
+    end -= 1                                           # the block may end inside a character:
+    while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
+        end -= 1
+    return end
+
 
 def text_chunks(files):
     """yield (path, offset, data, ends_document) for pieces of the files of about
@@ -2950,6 +2938,19 @@ def encode_chunk(tok, path, offset, data, ends_document):
         if i < len(docs) - 1 or ends_document:
             ids.append(eot)
     return np.array(ids, dtype=TOKEN_DTYPE)
+
+
+def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
+    """what the tokenizer is trained on: at most max_bytes, an equal share from the
+    start of every file, cut as chunks are, its documents joined by newlines"""
+    share, texts = max(max_bytes // len(files), 1), []
+    for path in files:
+        with open(path, "rb") as f:
+            data = f.read(share + 1)
+        if len(data) > share:
+            data = data[:chunk_end(data[:share])]
+        texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
+    return "\n".join(texts)
 
 
 # Tokenizing on every core (encoded_chunks, below) runs worker processes.

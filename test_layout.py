@@ -28,7 +28,7 @@ import layout  # noqa: E402
 # writer, several machines, reliability: about 170 lines of nanoeuler.py): story 2,196, file 3,713,
 # 24 names, 83 functions, comment share 0.291, no line over 120. At the day's end, every change landed:
 # story 2,198, file 3,718, 24 names, 83 functions, comment share 0.292. The limits are those figures.
-STORY_LINES = 1742                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
+STORY_LINES = 1695                    # story30b's moves; +1: add_into sums in place again; path30 -1; story30b -6;
                                       # story30b +5: reader30's asks (w_gate_up, the slide, keywords, main's route)
                                       # path30 -11 (from_json), -4 (data_cache); story30b +1: which imports are operations'
                                       # story30b -12: progress_line moved to operations (lost output streams)
@@ -50,7 +50,9 @@ STORY_LINES = 1742                    # story30b's moves; +1: add_into sums in p
                                       # story30d -12: encode_chunk (only operations' tokenizing calls it) to operations
                                       # story30d -2: prepare_data's V > 65,536 refusal, said before it on every way in
                                       # story30d -1: CPUEngine gets its workers in one call (Workers.for_batch)
-FILE_LINES = 3596                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
+                                      # story30d -47: tokenizer_sample, chunk_end and decode_text (a big corpus's sample, its
+                                      # chunks' cut, the UTF-8 refusal) to operations, beside their other callers
+FILE_LINES = 3597                    # 3,607 + 85, issue 39: the step's workers (Workers); ops30b -10; ops30a -45; path30 -3;
                                      # story30b +3: reader30's asks (w_gate_up, the slide, keywords, main's route): as at f7ae078
                                      # path30 -5 (from_json and check_merges, one), -4 (data_cache); story30b +1 (imports)
                                      # story30c +4: Workers.describe's def, docstring and blank (its 6 lines moved)
@@ -65,8 +67,9 @@ FILE_LINES = 3596                    # 3,607 + 85, issue 39: the step's workers 
                                      # story30d +1: the data section's comment points at corpus_files, now in operations
                                      # story30d +3: serve's entry after the story needs a section header (and its blank)
                                      # story30d +4: Workers.for_batch: one call for CPUEngine's workers (a name fewer)
+                                     # story30d +1: the data section's comment names what moved (tokenizer_sample, chunk_end)
                                      # ops30c -8: one idiom for 'this may fail, then a default' (contextlib.suppress, closing)
-STORY_NAMES_FROM_OPERATIONS = 11      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
+STORY_NAMES_FROM_OPERATIONS = 12      # RunFolder, cached (ops30); ArgumentParser (story30b); write_tokens by its own name
                                       # (12 was reached through a Workers.write_tokens alias: a count kept, not a name saved);
                                       # story30: cached writes the tokenizer's bytes (atomic_write), the story no atomic files
                                       # path30: no check_merges (from_json and it are read_tokenizer, in operations)
@@ -76,8 +79,9 @@ STORY_NAMES_FROM_OPERATIONS = 11      # RunFolder, cached (ops30); ArgumentParse
                                       # story30d: workers_for in for check_memory out (check_config asks it)
                                       # story30d: corpus_files in for not_a_file out (corpus_files holds its one use)
                                       # story30d: -1, workers_for: CPUEngine asks Workers.for_batch
+                                      # story30d: +1, tokenizer_sample (prepare_data's; chunk_end and decode_text came with it)
 # issue 39: the training step's worker processes (Workers, in operations) add 85 operations lines
-OPERATIONS_LINES = 1627               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
+OPERATIONS_LINES = 1675               # the operations part (issue 30: at most 900); story30b's moves; ops30b -10; ops30a -45
                                       # run30 +5: run_command makes the one RunFolder (args.run), claim keeps its lock
                                       # story30b: +5, save_interval moved in from the story (RunFolder's alone); file flat
                                       # path30 +6: from_json's input checks came in (read_tokenizer): story -11
@@ -97,6 +101,8 @@ OPERATIONS_LINES = 1627               # the operations part (issue 30: at most 9
                                       # story30d +12: encode_chunk moved in beside text_chunks (story -12); file flat
                                       # story30d +5: Workers.for_batch (workers_for, the pool and its header line, the
                                       # describe it replaces) so the story names Workers alone
+                                      # story30d +48: tokenizer_sample, chunk_end (tokenizing at scale), decode_text (input
+                                      # checks, beside read_text) moved in; story -47
 FUNCTIONS_TO_MODEL_FORWARD = 57      # funcs30: file_digest, early refusal, cgroups, due, add_mtp_weight_flag; story30: a
                                      # run builds its own command's shared flags only (no add_generation/serve_flags);
                                      # path30: micro_batches folds into workers_for; from_json and check_merges are
