@@ -55,6 +55,19 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+# and what only the operations part uses: a first reading may skip these
+import argparse                     # the flags' parser, which operations' ArgumentParser extends
+import errno
+import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
+import io
+import pickle
+import select
+import signal
+import stat
+import warnings
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 
 # one BLAS thread: training runs threads of its own ("a training step on every core"), and two layers
 # of threads on two cores made every step twice as slow; BLAS reads this as numpy loads, so it comes first
@@ -1951,19 +1964,6 @@ def add_serve_flags(sp):
 # anywhere in a run stops it in its stop_if_not_finite, lost output stops the
 # training loop saved); signals follow one policy, signals_handled: raised where
 # the command stands, or in the training loop a stop after the step, saved.
-# What only the operations part uses is imported here (the story's imports open the file):
-import argparse                     # the flags' parser, which ArgumentParser extends
-import errno
-import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
-import io
-import pickle
-import select
-import signal
-import stat
-import warnings
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 
 # -----------------------------------------------------------------------------
 # operations: input checks
