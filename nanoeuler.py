@@ -1015,11 +1015,6 @@ class Tokenizer:
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
 DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
-DOC_MARKER = b"<|endoftext|>"
-DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
-CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
-SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
-POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
 TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (check_config refuses a larger V)
 CACHE = os.path.join("..", "cache")   # the tokenizer and tokens, beside a run's --out (prepare writes no run)
 
@@ -1102,10 +1097,6 @@ DEFAULT_WARMUP = 30
 SAVE_EVERY = 200        # steps between checkpoints on the CPU (the GPU saves every 10 minutes)
 PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
-
-
-# seconds on a monotonic clock: timings and --minutes read it (a test passes a fake one)
-now = time.perf_counter
 
 
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
@@ -2476,6 +2467,7 @@ def set_aside(path, suffix):
 LOCK_NAME = "train.lock"
 RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
 LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
+now = time.perf_counter   # seconds, monotonic: run.clock, for the timings and --minutes (a test passes a fake one)
 
 
 def log_row(line):
@@ -2880,6 +2872,13 @@ class RunFolder:
 
 # -----------------------------------------------------------------------------
 # operations: tokenizing a corpus at scale (tokenizer_sample and write_tokens: the data section's calls)
+
+DOC_MARKER = b"<|endoftext|>"
+DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
+CHUNK_BYTES = 256 << 10       # what a worker encodes at a time
+SAMPLE_BYTES = 16 << 20        # text the tokenizer is trained on, at most
+POOL_MIN_BYTES = 4 << 20       # a smaller corpus is encoded in this process: starting workers costs more
+
 
 def chunk_end(data):
     """where to end a chunk of a file's bytes: before the last space that follows
