@@ -1642,8 +1642,8 @@ def add_generation_flags(sp, drafts=1):
 
 
 def build_parser(command=None):
-    """the program's flags: every command's, or where command is named (main: the one that runs) the shared
-    flags of that one only: add(its parser, *defaults), after its own, as --help lists them (True: --mtp-weight)"""
+    """every command's flags, as --help lists them. main passes the command that runs, so that only its shared
+    group (add_training_flags and the like, after its own flags) is built; build_parser() builds all (the tests)"""
     p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
@@ -1689,8 +1689,8 @@ def build_parser(command=None):
 
 def main(argv=None):
     """the program, `python nanoeuler.py train ...`: ArgumentParser.run (end of file) parses the flags; run_command
-    makes train's default --out (out/<size>), takes that folder's lock, calls the command's function from this
-    table (cmd_train) and turns any NanoEulerError raised on the way into one sentence on stderr (exit code 2)"""
+    sets args.run (the --out folder, default out/<size>: a RunFolder, locked), calls the command's function in
+    this table (cmd_train: read it next) and turns a NanoEulerError raised on the way into one sentence (exit 2)"""
     commands = {"check": cmd_check, "prepare": cmd_prepare, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "serve": cmd_serve, "plot": cmd_plot, "bench": cmd_bench}
     argv = sys.argv[1:] if argv is None else argv
