@@ -27,10 +27,8 @@ every core, supervised fine-tuning, chat and sample, command line; then the benc
 (its printed lines, log.csv and the loss plot, log.svg) and serve's entry. Last comes the operations part:
 what keeps a long run from losing work or failing without a word (checked inputs, checkpoint files written
 atomically and resumed from, the run folder's lock, signals, memory, lost output streams); a first reading
-may skip it. The story calls into it by name (load_model, cached, RunFolder, ArgumentParser, ...): a name
-met in the story and defined later is one of those, the run's log's (print_settings, log_step, log_csv,
-sample_text_for_log, print_summary, fmt_time, plot_log), cmd_plot, cmd_bench, cmd_serve and
-add_serve_flags (after the story), decode_params (after generate) or a helper of train_loop (after it).
+may skip it. A name the story uses above its definition is defined a little below, in the run's log after
+the story, or in operations; `python tools/layout.py --verbose` lists each with its line.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout,
 float64 in the check), a gradient-accumulation flag (micro-batches only spread
@@ -1947,6 +1945,8 @@ def add_serve_flags(sp):
 #   do, exit code 2, never a traceback
 # - lost output streams: a closed pipe or a hung-up terminal ends the run
 #   quietly, saved; closed streams at start become /dev/null
+# - tokenizing a corpus: in small memory whatever its size, on every core, the same tokens as whole documents
+# - a training step's workers: they ignore signals, die with this process, and an error in one is raised here
 # Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
 # in one sentence by run_command, the one place a command ends (ArgumentParser.run, the
 # program's entry, reopens closed streams before it); a damaged file's content
