@@ -996,19 +996,13 @@ class Tokenizer:
 # -----------------------------------------------------------------------------
 # data
 #
-# A corpus becomes one file of uint16 token ids; a batch is B rows of T+K consecutive tokens at random places in it
-# (get_batch; split_rows turns them into inputs and the K heads' targets); validation reads set rows of its last tenth.
-#
-# A corpus is a text file or a folder of .txt files (corpus_files, in operations' input checks, lists and checks them).
-# A web shard (get_data.sh web) holds many documents, each followed by the line <|endoftext|>: the reader splits on
-# that marker, wherever it stands (a newline on either side goes with it), and puts the <|endoftext|> token after each
-# document. A file without the marker (a book) is one document.
-#
-# Preparing a corpus: the tokenizer is trained on a sample of it (at most 16 MB, an equal share of every file's start:
-# tokenizer_sample); then the files are read in chunks of 256 KB, cut where no piece spans the cut (chunk_end), encoded
-# on every core (encode_chunk), and the tokens written to disk as they come (uint16: write_tokens; all four in
-# operations, tokenizing a corpus at scale), so memory stays small whatever the corpus's size. Training reads them
-# memory-mapped, so a corpus larger than memory trains. Both are cached by the corpus's hash and the tokenizer.
+# A corpus (a text file, or a folder of .txt files: corpus_files) becomes one file of uint16 token ids, with the
+# <|endoftext|> token after each document: a web shard (get_data.sh web) ends each of its documents with an
+# <|endoftext|> line, a file without one (a book) is one document. The tokenizer is trained on a sample of at most
+# 16 MB (tokenizer_sample); encoding the rest in small memory on every core is in operations, tokenizing a corpus at
+# scale (write_tokens). prepare_data caches both. A batch is B rows of T+K consecutive tokens at random places in the
+# token file, read memory-mapped so that a corpus larger than memory trains (get_batch; split_rows turns them into
+# inputs and the K heads' targets); validation reads set rows of its last tenth.
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1019,7 +1013,7 @@ CACHE = os.path.join("..", "cache")   # the tokenizer and tokens, beside a run's
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
     """the last val_fraction of the tokens is held out for validation"""
-    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)
+    n_val = max(int(len(tokens) * val_fraction), rows_len + 1)        # one validation row at least
     if len(tokens) - n_val < rows_len + 1:
         raise NanoEulerError(f"the corpus has only {len(tokens):,} tokens, too few for training rows of "
                              f"{rows_len} tokens plus a validation part; give it more text")
@@ -1028,7 +1022,7 @@ def split_train_val(tokens, rows_len, val_fraction=0.1):
 
 def get_batch(tokens, B, rows_len, rng):
     """B rows of rows_len = T+K consecutive tokens at random offsets -> (B, T+K) int64"""
-    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)
+    offsets = rng.integers(0, len(tokens) - rows_len + 1, size=B)     # rows may overlap: each is a fresh draw
     return np.stack([tokens[o:o + rows_len] for o in offsets]).astype(np.int64)
 
 
@@ -1061,7 +1055,7 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
         with open(name, "rb") as f:
             while block := f.read(1 << 24):
                 h.update(block)
-    corpus = h.hexdigest()[:16]
+    corpus = h.hexdigest()[:16]                        # in the cache files' names
 
     def train_tokenizer(tok_path):                     # -> its JSON's bytes, which cached writes
         text = tokenizer_sample(files)
@@ -1070,10 +1064,10 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
         tok = Tokenizer.train(text, vocab_size, progress)
         os.makedirs(cache_dir, exist_ok=True)          # made only now: a refused run leaves no empty cache
         return tok.to_json().encode()
-    tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, vocab_size)
-    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]
+    tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, max_v=vocab_size)
+    tok_digest = hashlib.sha256(tok.to_json().encode()).hexdigest()[:8]   # another tokenizer: other tokens
     tokens = cached(os.path.join(cache_dir, f"tokens_{corpus}_{tok_digest}.npy"),
-                    lambda npy_path: write_tokens(npy_path, files, tok, workers, progress), tok.vocab_size)
+                    lambda npy_path: write_tokens(npy_path, files, tok, workers, progress), max_v=tok.vocab_size)
     return tok, tokens
 
 
@@ -1292,7 +1286,7 @@ class CPUEngine:
         self.decay = decay_mask(cfg)
         self.pool = Workers.for_batch(flat, args.batch, args.threads)    # threads, or forked processes (operations)
         self.n_threads, self.parts, self.line = len(self.pool.grad_bufs), self.pool.parts, self.pool.line  # its header
-        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # where the workers read and write
+        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # the workers' (shared memory for processes)
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
@@ -2094,17 +2088,17 @@ def read_tokenizer(text):
     return Tokenizer(merges, d.get("max_piece_bytes", MAX_PIECE_BYTES))
 
 
-def read_cache(path, vocab_size, chunk=1 << 24):
+def read_cache(path, max_v, chunk=1 << 24):
     """a file of the data cache, if it holds what was written there; else ValueError (or what the
     parser raises: MALFORMED) saying what is wrong. tokenizer_*.json: the tokenizer, which may hold
-    fewer than vocab_size tokens (a small corpus runs out of pairs), never more. tokens_*.npy: the
+    fewer than max_v tokens (a small corpus runs out of pairs), never more. tokens_*.npy: the
     tokens, memory-mapped, if they are what write_tokens writes: a 1-D array of the tokenizer's dtype,
-    exactly as long as its header says, every id below vocab_size (checked chunk by chunk: no copy
+    exactly as long as its header says, every id below max_v (checked chunk by chunk: no copy
     in memory)."""
     if path.endswith(".json"):
         with open(path) as f:
             tok = read_tokenizer(f.read())
-        require(tok.vocab_size <= vocab_size, f"{tok.vocab_size} tokens, more than the {vocab_size} asked for")
+        require(tok.vocab_size <= max_v, f"{tok.vocab_size} tokens, more than the {max_v} asked for")
         return tok
     fmt = np.lib.format
     with open(path, "rb") as f:
@@ -2120,12 +2114,12 @@ def read_cache(path, vocab_size, chunk=1 << 24):
             f"({shape[0] * dtype.itemsize:,} bytes), its data is {size - offset:,} bytes")
     tokens = np.load(path, mmap_mode="r")
     for i in range(0, len(tokens), chunk):
-        require((top := int(tokens[i:i + chunk].max())) < vocab_size,
-                f"it holds the id {top}, beyond the tokenizer's {vocab_size} ids")
+        require((top := int(tokens[i:i + chunk].max())) < max_v,
+                f"it holds the id {top}, beyond the tokenizer's {max_v} ids")
     return tokens
 
 
-def cached(path, make, vocab_size):
+def cached(path, make, max_v):
     """the data cache's one reader: the tokenizer (tokenizer_*.json) or the tokens (tokens_*.npy)
     cached at path, read by read_cache; made where there is none or it does not read (MALFORMED: one line
     says why) by make(path), which writes it or returns its bytes (atomic_write writes them), then read back.
@@ -2137,14 +2131,14 @@ def cached(path, make, vocab_size):
         raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
     if os.path.exists(path):
         try:
-            return read_cache(path, vocab_size)
+            return read_cache(path, max_v)
         except MALFORMED as e:
             print(f"{path} is damaged ({e}); {'training the tokenizer' if tokenizer else 'tokenizing'} again",
                   file=sys.stderr)
     if (made := make(path)) is not None:               # the tokenizer's JSON
         atomic_write(path, made)
     with refused_if_malformed(lambda e: f"{path} cannot be read back ({e}); delete it and run again"):
-        return read_cache(path, vocab_size)
+        return read_cache(path, max_v)
 
 
 def read_safetensors(path, check=None, header_only=False):
