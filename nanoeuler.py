@@ -874,7 +874,8 @@ class Tokenizer:
     """byte-level BPE: ids 0..255 are bytes, 256..259 SPECIALS, then one id per merge"""
 
     def __init__(self, merges=(), max_piece_bytes=MAX_PIECE_BYTES):
-        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):   # a file's: its reader names it
+        # a tokenizer file's value: read_tokenizer (operations) turns this ValueError into a sentence naming the file
+        if not (isinstance(max_piece_bytes, int) and 4 <= max_piece_bytes <= 1 << 20):
             raise ValueError(f"its max_piece_bytes is {max_piece_bytes!r}, not a whole number from 4 to 1,048,576")
         self.merges = [tuple(p) for p in merges]                     # in the order learned
         self.ranks = {p: FIRST_MERGE_ID + i for i, p in enumerate(self.merges)}   # pair -> its new id
@@ -1095,6 +1096,7 @@ EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
 # --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
 # the loop on a signal, lost output or a non-finite loss, saving first; --minutes plans its length after PLAN_AFTER.
+# A first reading follows only those five calls: lr_schedule, engine.step, log_step, run_validation and run.save.
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. run: args.run, resumed (its checkpoints and
@@ -1162,7 +1164,8 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
     engine's lines of the settings table (default: its line); loop: train_loop
     (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
-    run, run.cfg = args.run, cfg                       # the run's folder: run_command made it and holds its lock
+    run = args.run                                     # the run's folder: run_command made it and holds its lock
+    run.cfg = cfg                                      # the model its checkpoints describe
     if args.resume:                                    # refused before the corpus is tokenized (minutes)
         run.refuse_other_run(args)
     tok, tokens = prepare_data(args.data, cfg.V, args.out)
@@ -1365,8 +1368,8 @@ def sft_targets(rows, mask, T, K):
     return idx, np.where(keep, targets, -1)
 
 
-def cmd_sft(args, make_engine=None, engine=None):
-    """make_engine(cfg, flat, m, v), engine (its description): nanoeuler_cuda.py's GPU engine"""
+def cmd_sft(args, make_engine=None, engine_line=None):
+    """make_engine(cfg, flat, m, v), engine_line (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)
     if make_engine is None:                            # CPUEngine's memory; a GPU engine refuses its own
         check_config(cfg, args.model, args.batch, args.threads)
@@ -1386,7 +1389,8 @@ def cmd_sft(args, make_engine=None, engine=None):
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
     rows, mask = rows[:-n_val], mask[:-n_val]
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
-    run, run.cfg = args.run, cfg                         # the run's folder, as in pretrain
+    run = args.run                                       # the run's folder, as in pretrain
+    run.cfg = cfg
     flat, m, v, state = run.resume_or_init(args, tok, lambda: flat0)
     made = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
     print_settings([("model", f"{args.model}: {num_params(cfg):,} parameters"),
@@ -1395,7 +1399,7 @@ def cmd_sft(args, make_engine=None, engine=None):
                     ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
                              f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses "
                              "only"),
-                    ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine or made.line}")], args, state)
+                    ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine_line or made.line}")], args, state)
 
     def next_batch(rng):
         pick = rng.integers(0, len(rows), size=args.batch)

@@ -1657,7 +1657,7 @@ def cmd_sft(args):
     ne.load_model(args.model), ne.load_instructions(args.data)   # bad files are refused before the GPU starts
     init_gpu(args.precision)
     ne.cmd_sft(args, make_engine=lambda cfg, flat, m, v: GPUEngine(cfg, flat, m, v, args),
-               engine=f"{gpu.name}, sm_{gpu.arch}, {args.precision} matmuls")
+               engine_line=f"{gpu.name}, sm_{gpu.arch}, {args.precision} matmuls")
 
 
 def cmd_chat(args):

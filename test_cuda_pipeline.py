@@ -319,7 +319,7 @@ def test_cmd_sft_hands_its_batches_to_the_given_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ne, "train_loop", loop)
     made = object()
-    ne.cmd_sft(args, make_engine=lambda cfg_, flat, m, v: made, engine="a GPU")
+    ne.cmd_sft(args, make_engine=lambda cfg_, flat, m, v: made, engine_line="a GPU")
     assert seen["engine"] is made
     idx, targets = seen["batch"]
     assert idx.shape == (4, cfg.T) and targets.shape == (4, cfg.T, cfg.K)
