@@ -707,7 +707,7 @@ def new_kv_cache(cfg, B, dtype=np.float32):
 
 
 class LogitsNotFinite(NanoEulerError):
-    """sample_token met a NaN or infinite logit; run_command (and serve) name the model file"""
+    """sample_token met a NaN or infinite logit: the model is broken; the refusal names its file"""
 
 
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
@@ -994,6 +994,7 @@ class Tokenizer:
                            "specials": SPECIAL_IDS,
                            "merges": [list(p) for p in self.merges]})
 
+
 # -----------------------------------------------------------------------------
 # data
 #
@@ -1009,7 +1010,7 @@ DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
 DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
 TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (check_config refuses a larger V)
-CACHE = os.path.join("..", "cache")   # the tokenizer and tokens, beside a run's --out (prepare writes no run)
+CACHE = os.path.join("..", "cache")   # the tokenizer and tokens: a folder beside a run's --out, shared by its runs
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -1130,7 +1131,8 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 dt = clock() - t0
                 if step > start + 1:
                     times.append(dt)                      # the first step warms up: left out
-                log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu := engine.mfu(dt))
+                mfu = engine.mfu(dt)                      # model FLOPs utilization (None on the CPU)
+                log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
                 if not run.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
