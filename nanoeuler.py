@@ -1105,20 +1105,13 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     default: a document's start: sample_text_for_log). run.clock: the timings' and --minutes's seconds (now())."""
     clock, out_dir = run.clock, run.out
     start = saved = step = state["step"]
-    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on
-    last_path = run.path(start) if start else None
+    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on (run.planning)
     if start >= total:                                   # --resume of a run that has made all its steps
-        engine.close()
-        print(f"the run in {out_dir} is already complete: step {start} of {total}, last checkpoint {last_path}; "
-              "nothing to do (--fresh starts it over, the old run kept aside)")
-        return start
+        return run.complete(start, total, engine)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
-    csv = run.open_log(csv_path, start)
-    plan_step = start + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
+    csv, t_start = run.begin(args, state, csv_path)      # log.csv open; the clocks start (--save-minutes's too)
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
-    times, t_start = [], clock()
-    run.last = t_start                                   # --save-minutes counts from here
-    began = getattr(args, "started", t_start)            # --minutes counts from the program's start
+    times, last_path = [], run.path(start) if start else None
     elapsed = lambda: fmt_time(clock() - t_start)
     with signals_handled(run):                           # (run_command silences numpy's overflow warnings)
         with run.output_may_go():
@@ -1135,21 +1128,19 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
-                if not run.stop and (step == plan_step or step % args.eval_every == 0 or step == total):
-                    t_eval = clock()
-                    val = run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt,
-                                         elapsed)
-                    eval_time = clock() - t_eval
+                planning = run.planning(step)             # --minutes: an evaluation and a save timed, then the plan
+                if planning or not run.stop and (step % args.eval_every == 0 or step == total):
+                    with run.evaluation():                # (timed: the plan counts one)
+                        val = run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt,
+                                             elapsed)
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 run.finish(poll=True)                     # say a background save that has finished
-                planning = step == plan_step and val           # --minutes: an evaluation and a save, timed
                 if run.due(step, args) or step == total or planning:
                     # written while the next steps run; the last, and the timed one, before going on
                     saved, last_path = step, run.save(step, engine, state, rng, background=not (
                         planning or step == total))
                     if planning:
-                        total = state["planned_steps"] = run.plan(args, step, np.mean(times), eval_time,
-                                                                  clock() - began)
+                        total = run.plan(args, state, step, np.mean(times))
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
             last_path = run.save(step, engine, state, rng, background=False)
         run.finish()                                      # the save in flight, whatever stopped the loop
@@ -2688,18 +2679,32 @@ class RunFolder:
                                  "train afresh with another --out")
         return None
 
-    def open_log(self, csv_path, step):
-        """log.csv with the header and the rows up to step, open to append: a resumed run
-        drops the rows past its checkpoint (and any half-written or garbled line), a fresh
-        run starts it anew, so the log always matches the run. Bytes that are not UTF-8 are
-        read as U+FFFD: a damaged log never stops a resume. The folder is made again if it went."""
+    def complete(self, start, total, engine):
+        """--resume of a run that has made all its steps: said, the engine closed -> start (train_loop's)"""
+        engine.close()
+        print(f"the run in {self.out} is already complete: step {start} of {total}, last checkpoint "
+              f"{self.path(start)}; nothing to do (--fresh starts it over, the old run kept aside)")
+        return start
+
+    def begin(self, args, state, csv_path):
+        """the loop's start -> log.csv open to append, and the clock now. log.csv: the header and the
+        rows up to the state's step: a resumed run drops the rows past its checkpoint (and any
+        half-written or garbled line), a fresh run starts it anew, so the log always matches the run.
+        Bytes that are not UTF-8 are read as U+FFFD: a damaged log never stops a resume. The folder is
+        made again if it went. --save-minutes counts from now, --minutes from the program's start;
+        without a plan in the state, --minutes plans PLAN_AFTER steps from here (planning, plan)."""
+        step = state["step"]
         os.makedirs(self.out, exist_ok=True)
         rows = []
         if step > 0 and os.path.exists(csv_path):
             with open(csv_path, encoding="utf-8", errors="replace") as f:
                 rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
         atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
-        return open(csv_path, "a", encoding="utf-8")
+        csv = open(csv_path, "a", encoding="utf-8")
+        self.last = self.clock()
+        self.began = getattr(args, "started", self.last)
+        self.plan_at = step + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
+        return csv, self.last
 
     # -- the training loop's stop: on a signal (signals_handled(run) calls handle while the loop runs)
     # or when output is gone (a closed pipe, a hung-up terminal: output_may_go), the loop stops after
@@ -2737,7 +2742,7 @@ class RunFolder:
         if self.lost:
             raise self.lost
 
-    # -- the loop's checkpoints, written while training goes on
+    # -- the loop's checkpoints, written while training goes on, and --minutes's plan of its length
 
     @staticmethod
     def save_interval(args):
@@ -2749,15 +2754,26 @@ class RunFolder:
         every, minutes = self.save_interval(args)
         return step % every == 0 if every else self.clock() - self.last >= minutes * 60
 
-    def plan(self, args, step, step_time, eval_time, elapsed):
+    def planning(self, step):
+        """--minutes: step is the plan's and the loop goes on: its evaluation and its save are timed, then plan"""
+        return step == self.plan_at and not self.stop
+
+    @contextlib.contextmanager
+    def evaluation(self):
+        """times the evaluation inside (eval_time: plan counts one every --eval-every steps)"""
+        t0 = self.clock()
+        yield
+        self.eval_time = self.clock() - t0
+
+    def plan(self, args, state, step, step_time):
         """--minutes: the most steps that end the whole run on time: the minutes less the
-        time since the program started (elapsed), then every step, evaluation and
-        checkpoint to come, the last step's included. A checkpoint holds the loop for its
-        copy (paused: the timed save's) and is written (took) while the next steps run: it costs
-        the loop the pause, and what the write outlasts those steps by; the last costs its write
-        too. Set within the warmup (while the learning rate does not depend on the total),
-        once, and kept in the training state, so a resumed run keeps the plan."""
-        left = args.minutes * 60 - elapsed
+        time since the program started (began), then every step (step_time: the mean so far),
+        evaluation (eval_time) and checkpoint to come, the last step's included. A checkpoint
+        holds the loop for its copy (paused: the timed save's) and is written (took) while the
+        next steps run: it costs the loop the pause, and what the write outlasts those steps by;
+        the last costs its write too. Set within the warmup (while the learning rate does not
+        depend on the total), once, and kept in the training state, so a resumed run keeps it."""
+        left, eval_time = args.minutes * 60 - (self.clock() - self.began), self.eval_time
         every, minutes = self.save_interval(args)
 
         def cost(total):                                   # seconds from now to the end of a run of `total` steps
@@ -2777,6 +2793,7 @@ class RunFolder:
         if args.warmup < step:
             print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
                   "so far followed --steps's schedule")
+        state["planned_steps"] = total
         return total
 
     def save(self, step, engine, state, rng, background=True):

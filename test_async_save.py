@@ -321,10 +321,11 @@ def test_the_gpu_trainer_counts_minutes_from_its_start(monkeypatch):
 
 
 def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
-    """RunFolder.plan, after a timed save that held the loop `pause` s and was written in `write` s"""
-    run = ne.RunFolder("out")
-    run.paused, run.took = pause, write
-    return run.plan(args, step, step_time, eval_time, elapsed)
+    """RunFolder.plan, `elapsed` s into the run, after an evaluation timed at `eval_time` s and a save
+    that held the loop `pause` s and was written in `write` s"""
+    run = ne.RunFolder("out", clock=lambda: elapsed)            # the program started at 0
+    run.paused, run.took, run.eval_time, run.began = pause, write, eval_time, 0.0
+    return run.plan(args, {}, step, step_time)
 
 
 def test_minutes_plans_with_a_save_every_so_many_minutes():

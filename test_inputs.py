@@ -878,10 +878,11 @@ def brute_force_plan(step, left, step_time, eval_every, eval_time, save_every, p
 
 
 def plan_steps(args, step, step_time, eval_time, pause, write, elapsed):
-    """RunFolder.plan, after a timed save that held the loop `pause` s and was written in `write` s"""
-    run = ne.RunFolder("out")
-    run.paused, run.took = pause, write
-    return run.plan(args, step, step_time, eval_time, elapsed)
+    """RunFolder.plan, `elapsed` s into the run, after an evaluation timed at `eval_time` s and a save
+    that held the loop `pause` s and was written in `write` s"""
+    run = ne.RunFolder("out", clock=lambda: elapsed)            # the program started at 0
+    run.paused, run.took, run.eval_time, run.began = pause, write, eval_time, 0.0
+    return run.plan(args, {}, step, step_time)
 
 
 def test_minutes_plans_at_most_a_billion_steps(capsys):
