@@ -211,12 +211,14 @@ class DeviceArray:
         self.owner = owner                     # a view keeps the memory it points into alive
         if ptr is None:
             self.ptr = int(check(cu.cuMemAlloc(max(self.nbytes, 4)), f"cuMemAlloc of {self.nbytes:,} bytes"))
-            self.owned = True
+            self.owned, self.driver = True, cu
         else:
             self.ptr, self.owned = ptr, False
 
     def __del__(self):
-        if getattr(self, "owned", False) and cu is not None:
+        # only the driver that made it frees it, and only while it is still this module's: tests
+        # put the CPU emulator in and take it out, and one test's garbage may be collected in another's
+        if getattr(self, "owned", False) and self.driver is cu:
             cu.cuMemFree(self.ptr)
 
     def view(self, offset, shape, dtype=None):
@@ -282,6 +284,7 @@ class PinnedBuffer:
     recorded after the last such copy: wait() before writing it again"""
 
     def __init__(self, nbytes):
+        self.driver = cu
         self.host = check(cu.cuMemHostAlloc(max(nbytes, 4), 0), "cuMemHostAlloc")
         self.ptr = int(self.host)
         self.array = np.ctypeslib.as_array((ctypes.c_char * nbytes).from_address(self.ptr))   # its bytes
@@ -304,7 +307,7 @@ class PinnedBuffer:
         return np.ctypeslib.as_array(raw)
 
     def __del__(self):
-        if cu is not None:
+        if self.driver is cu:                            # as DeviceArray's: the driver that made it
             cu.cuEventDestroy(self.event)
             cu.cuMemFreeHost(self.host)
 
@@ -1305,13 +1308,14 @@ class HostRing:
     """page-locked host memory that kernels write into directly (mapped): the chosen ids"""
 
     def __init__(self, n):
+        self.driver = cu
         self.host = check(cu.cuMemHostAlloc(4 * n, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
         self.ptr = int(check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
         self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(int(self.host)))
         self.array[:] = 0
 
     def __del__(self):
-        if cu is not None:
+        if self.driver is cu:                            # as DeviceArray's: the driver that made it
             cu.cuMemFreeHost(self.host)
 
 

@@ -657,6 +657,31 @@ def test_signatures_are_read():
     assert set(KERNELS) <= set(SIGNATURES)                      # every emulation has its kernel
 
 
+def test_memory_is_freed_by_the_driver_that_made_it_and_no_other(monkeypatch):
+    """one test's garbage may be collected during a later test, when nanoeuler_cuda's cu is another
+    driver (another test's emulator, or the real one test_inputs' count_gpus leaves, which raises
+    without a GPU): that one is not asked to free it; the driver that made it frees it"""
+    class Recording:
+        def __init__(self):
+            self.calls = []
+
+        def __getattr__(self, name):
+            return lambda *args: self.calls.append(name) or (0,)
+
+    made, later = Driver(), Recording()
+    monkeypatch.setattr(nc, "cu", made)
+    a, pinned = nc.DeviceArray((4,)), nc.PinnedBuffer(16)
+    view = a.view(1, (2,))
+    assert len(made.mem.buffers) == 1 and len(made.host) == 1
+    monkeypatch.setattr(nc, "cu", later)
+    del a, pinned, view                                       # no cycle: freed here
+    assert later.calls == [] and len(made.mem.buffers) == 1 and len(made.host) == 1
+    monkeypatch.setattr(nc, "cu", made)
+    a, pinned = nc.DeviceArray((4,)), nc.PinnedBuffer(16)
+    del a, pinned
+    assert len(made.mem.buffers) == 1 and len(made.host) == 1   # these two freed; the first two stay unfreed
+
+
 def test_check_passes_on_the_emulated_gpu(emulated, capsys):
     # every launch of check (decoding aside) with its arguments checked: the kernels are
     # numpy here, so what this tests is the host: launchers, buffers, the model's wiring,
