@@ -144,6 +144,13 @@ def start_stalled(server, url_path, args, env):
     return p
 
 
+def wait_for_bytes(path):
+    """wait until the fetcher has written something to path (a condition, capped at 20 s)"""
+    deadline = time.monotonic() + 20
+    while not (path.exists() and path.stat().st_size > 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def leftovers(data):
     """scratch files or folders a run must not leave behind"""
     return [p for p in os.listdir(data) if p.startswith(".get_data.") or p.endswith((".tmp", ".old"))]
@@ -544,9 +551,7 @@ def test_web_ctrl_c_keeps_only_the_resumable_download(tmp_path, server):
     server.files["/10BT/000_00000.parquet"] = body
     p = start_stalled(server, "/10BT/000_00000.parquet", ["web", "1K"], env_for(tmp_path, server.url))
     part_path = tmp_path / "data" / ".cache" / "fineweb" / "000_00000.parquet.part"
-    deadline = time.monotonic() + 20                             # wait for curl to write what it got
-    while not (part_path.exists() and part_path.stat().st_size > 0) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for_bytes(part_path)
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=20)
     assert p.returncode == 130 and "interrupted" in err.decode()
@@ -844,14 +849,16 @@ def test_sigterm_stops_a_download_at_once(tmp_path, server):
     body = bytes(range(256)) * 40
     server.files["/10BT/000_00000.parquet"] = body
     p = start_stalled(server, "/10BT/000_00000.parquet", ["web", "1K"], env_for(tmp_path, server.url))
+    part_path = tmp_path / "data" / ".cache" / "fineweb" / "000_00000.parquet.part"
+    wait_for_bytes(part_path)                                    # the server's flush is not yet curl's write
     p.send_signal(signal.SIGTERM)                                # to the script alone: kill PID, docker stop
     out, err = p.communicate(timeout=20)
     assert p.returncode == 143 and "interrupted" in err.decode()
     assert processes_naming(str(tmp_path)) == []
     data = tmp_path / "data"
     assert sorted(os.listdir(data)) == [".cache"] and not (data / "web").exists()
-    part = (data / ".cache" / "fineweb" / "000_00000.parquet.part").read_bytes()
-    assert body.startswith(part)                                 # what came is kept for curl -C -
+    part = part_path.read_bytes()
+    assert 0 < len(part) < len(body) and body.startswith(part)   # what came is kept for curl -C -
 
 
 def test_sigterm_stops_the_pause_between_books_at_once(tmp_path, server):
