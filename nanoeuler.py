@@ -2766,13 +2766,13 @@ class RunFolder:
         self.eval_time = self.clock() - t0
 
     def plan(self, args, state, step, step_time):
-        """--minutes: the most steps that end the whole run on time: the minutes less the
-        time since the program started (began), then every step (step_time: the mean so far),
-        evaluation (eval_time) and checkpoint to come, the last step's included. A checkpoint
-        holds the loop for its copy (paused: the timed save's) and is written (took) while the
-        next steps run: it costs the loop the pause, and what the write outlasts those steps by;
-        the last costs its write too. Set within the warmup (while the learning rate does not
-        depend on the total), once, and kept in the training state, so a resumed run keeps it."""
+        """--minutes: the most steps that end the whole run on time: the minutes less those since the program began,
+        then every step (step_time: the mean so far), evaluation (eval_time) and checkpoint to come, the last's too. A
+        checkpoint holds the loop for its copy (paused) and is written (took) beside the next steps: it costs the pause
+        and what the write outlasts them by, the last its write. Once, in the warmup (the learning rate not yet bound
+        to the total), kept in the state for a resume; none after a stop (a signal, lost output): -> args.steps."""
+        if self.stop:                                      # came while the evaluation or the save was timed:
+            return args.steps                              # the loop, saved, ends as at any other step
         left, eval_time = args.minutes * 60 - (self.clock() - self.began), self.eval_time
         every, minutes = self.save_interval(args)
 

@@ -855,6 +855,35 @@ def test_a_stop_saves_before_any_evaluation_or_sample(corpus, tmp_path, capsys, 
     assert (out / "log.csv").read_text().splitlines()[-1].startswith("4,")
 
 
+@pytest.mark.parametrize("during", ["step", "evaluate", "host_weights"])
+def test_a_stop_at_the_minutes_plan_saves_and_makes_no_plan(corpus, tmp_path, capsys, monkeypatch, during):
+    # --minutes plans at step PLAN_AFTER (20) from an evaluation and a save it times; the
+    # signal comes during that step, that timed evaluation or that timed save's copy (the
+    # run's first evaluation and save: --eval-every and --save-every 1000): the run saves
+    # step 20 and stops as at any other step, and makes no plan (said or kept)
+    calls = []
+    work = getattr(ne.CPUEngine, during)
+
+    def signal_at_20(self, *args):
+        calls.append(during)
+        if during != "step" or args[-1] == ne.PLAN_AFTER:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return work(self, *args)
+    monkeypatch.setattr(ne.CPUEngine, during, signal_at_20)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        ne.main(train_args(out, corpus, "--minutes", "60", "--eval-every", "1000", "--save-every", "1000"))
+    assert e.value.code == 143
+    said = capsys.readouterr()
+    assert "plan |" not in said.out and "stopped at step 20" in said.err
+    # a signal in the step comes before the evaluation: there is none (the save comes first)
+    assert bool(re.search(r"val +20/", said.out)) == (during != "step")
+    assert calls.count(during) == (20 if during == "step" else 1)
+    cfg, flat, tok, m, v, state = ne.load_checkpoint(str(out), 20)
+    assert state["step"] == 20 and "planned_steps" not in state
+    assert ne.RunFolder(str(out)).latest() == 20
+
+
 def test_a_garbled_log_never_stops_a_resume(finished_run, corpus, tmp_path):
     out = copy_of(finished_run, tmp_path)
     log = out / "log.csv"
