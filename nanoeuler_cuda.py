@@ -282,6 +282,7 @@ def to_gpu(a, dtype=np.float32):
 class PinnedBuffer:
     """page-locked host memory that the GPU copies from asynchronously, and an event
     recorded after the last such copy: wait() before writing it again"""
+    host = event = None                                  # until made: a half-made buffer (refused) frees what it got
 
     def __init__(self, nbytes):
         self.driver = cu
@@ -308,8 +309,10 @@ class PinnedBuffer:
 
     def __del__(self):
         if self.driver is cu:                            # as DeviceArray's: the driver that made it
-            cu.cuEventDestroy(self.event)
-            cu.cuMemFreeHost(self.host)
+            if self.event is not None:
+                cu.cuEventDestroy(self.event)
+            if self.host is not None:
+                cu.cuMemFreeHost(self.host)
 
 
 def count_gpus():
@@ -1306,6 +1309,7 @@ def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=Fals
 
 class HostRing:
     """page-locked host memory that kernels write into directly (mapped): the chosen ids"""
+    host = None                                          # until made: a half-made ring (refused) frees nothing
 
     def __init__(self, n):
         self.driver = cu
@@ -1315,7 +1319,7 @@ class HostRing:
         self.array[:] = 0
 
     def __del__(self):
-        if self.driver is cu:                            # as DeviceArray's: the driver that made it
+        if self.driver is cu and self.host is not None:  # as DeviceArray's: the driver that made it
             cu.cuMemFreeHost(self.host)
 
 

@@ -20,9 +20,11 @@ import nanoeuler as ne  # first: it sets the BLAS thread count before numpy load
 import argparse
 import bisect
 import ctypes
+import gc
 import math
 import os
 import re
+import sys
 import types
 
 import numpy as np
@@ -680,6 +682,30 @@ def test_memory_is_freed_by_the_driver_that_made_it_and_no_other(monkeypatch):
     a, pinned = nc.DeviceArray((4,)), nc.PinnedBuffer(16)
     del a, pinned
     assert len(made.mem.buffers) == 1 and len(made.host) == 1   # these two freed; the first two stay unfreed
+
+
+@pytest.mark.parametrize("make, refused", [
+    (lambda: nc.DeviceArray((4,)), "cuMemAlloc"), (lambda: nc.PinnedBuffer(16), "cuMemHostAlloc"),
+    (lambda: nc.PinnedBuffer(16), "cuEventCreate"), (lambda: nc.HostRing(4), "cuMemHostAlloc"),
+    (lambda: nc.HostRing(4), "cuMemHostGetDevicePointer")])
+def test_memory_the_driver_refused_is_one_sentence_and_its_half_made_object_frees_what_it_got(monkeypatch, make,
+                                                                                            refused):
+    """the driver refusing an allocation or an event (out of page-locked memory, say): the sentence,
+    and the half-made object's __del__ frees what was made before it and raises nothing (an
+    exception there is unraisable: printed, it would fail whichever test collected the object)"""
+    unraisable, driver = [], Driver()
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    monkeypatch.setattr(driver, refused, lambda *args: (2, None), raising=False)      # (no mapped memory here)
+    monkeypatch.setattr(nc, "cu", driver)
+    try:
+        make()
+    except ne.NanoEulerError as e:
+        said = str(e)
+    else:
+        pytest.fail(f"{refused} refused, and nothing said")
+    gc.collect()                                              # the traceback held the half-made object
+    assert said.startswith(f"CUDA error CUDA_ERROR_EMULATED in {refused}")
+    assert [u.exc_value for u in unraisable] == [] and driver.host == {} and driver.mem.buffers == {}
 
 
 def test_check_passes_on_the_emulated_gpu(emulated, capsys):
