@@ -922,8 +922,11 @@ def test_a_closed_stderr_does_not_hide_the_exit_code(tmp_path):
     assert r.returncode == 2 and r.stdout == b""
 
 
-def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path):
+def test_gpus_without_a_driver_says_so_before_preparing_the_data(tmp_path, monkeypatch):
     import nanoeuler_cuda
+    # count_gpus sets the module's driver (cu) to the real one: put back at the end, so that later
+    # tests see the module as they would alone (an emulated object's __del__ frees with its own driver)
+    monkeypatch.setattr(nanoeuler_cuda, "cu", nanoeuler_cuda.cu)
     try:
         nanoeuler_cuda.count_gpus()
         pytest.skip("this machine has a GPU")
