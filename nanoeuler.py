@@ -30,13 +30,11 @@ atomically and resumed from, the run folder's lock, signals, memory, lost output
 may skip it. A name the story uses above its definition is defined a little below, in the run's log after
 the story, or in operations; `python tools/layout.py --verbose` lists each with its line.
 
-What it deliberately leaves out: dropout, mixed precision (float32 throughout,
-float64 in the check), a gradient-accumulation flag (micro-batches only spread
-one batch over threads), training on more than one process or machine
-(tokenizing a corpus does use every core), batched generation (one sequence at
-a time), any autograd or framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the
-config, tokenizer, data, checkpoint and training-loop code from here and
-checks its kernels against the layers here.
+What it deliberately leaves out: dropout, mixed precision (float32 throughout, float64 in the check), a
+gradient-accumulation flag (micro-batches only spread one batch over threads), training on more than one
+process or machine (tokenizing a corpus does use every core), batched generation (one sequence at a time), any
+autograd or framework. The GPU twin of this file is nanoeuler_cuda.py; it imports the config, tokenizer, data,
+checkpoint and training-loop code from here and checks its kernels against the layers here.
 """
 
 import codecs
@@ -1096,7 +1094,8 @@ EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
 # --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
-# the loop on a signal, lost output or a non-finite loss, saving first; --minutes plans its length after PLAN_AFTER.
+# the loop on a signal, lost output or a non-finite loss, saving first. --minutes: at step PLAN_AFTER (run.planning)
+# that step's evaluation and save are timed, then run.plan sets total.
 # A first reading follows only those five calls: lr_schedule, engine.step, log_step, run_validation and run.save.
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
@@ -1113,7 +1112,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times, last_path = [], run.path(start) if start else None
     elapsed = lambda: fmt_time(clock() - t_start)
-    with signals_handled(run):                           # (run_command silences numpy's overflow warnings)
+    with signals_handled(run):  # Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step, saved
         with run.output_may_go():
             while step < min(total, stop) and not run.stop:
                 step += 1
@@ -1128,17 +1127,18 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
-                planning = run.planning(step)             # --minutes: an evaluation and a save timed, then the plan
-                if planning or not run.stop and (step % args.eval_every == 0 or step == total):
-                    with run.evaluation():                # (timed: the plan counts one)
+                planning = run.planning(step)             # --minutes: the plan's step (above)
+                evaluating = planning or (not run.stop and (step % args.eval_every == 0 or step == total))
+                if evaluating:
+                    with run.evaluation():                # times it: the plan counts one every --eval-every steps
                         val = run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt,
                                              elapsed)
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 run.finish(poll=True)                     # say a background save that has finished
                 if run.due(step, args) or step == total or planning:
                     # written while the next steps run; the last, and the timed one, before going on
-                    saved, last_path = step, run.save(step, engine, state, rng, background=not (
-                        planning or step == total))
+                    background = not (planning or step == total)
+                    saved, last_path = step, run.save(step, engine, state, rng, background=background)
                     if planning:
                         total = run.plan(args, state, step, np.mean(times))
         if step > saved:                                  # stopped early: a signal, --stop-after, lost output
@@ -1610,8 +1610,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, mtp_weight=False, thre
     saving.add_argument("--save-every", type="positive_int", default=None,
                         help=f"checkpoint every N steps (default: {'--save-minutes' if save_minutes else SAVE_EVERY})")
     saving.add_argument("--save-minutes", type="positive_float", default=save_minutes,
-                        help="checkpoint every M minutes (default: " + (f"{save_minutes:g}" if save_minutes else
-                                                                        "--save-every") + "); and at the end")
+                        help=f"checkpoint every M minutes (default: {save_minutes or '--save-every'}); and at the end")
 
 
 def add_generation_flags(sp, drafts=1):
@@ -2326,8 +2325,7 @@ def write_safetensors(path, tensors, metadata):
 def save_model(path, cfg, flat, tok):
     """weights only, SPEC order and names, config and tokenizer in the metadata"""
     params = carve(flat, cfg)
-    meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(asdict(cfg)),
-            "tokenizer": tok.to_json()}
+    meta = {"format": "nanoeuler", "version": "1", "config": json.dumps(asdict(cfg)), "tokenizer": tok.to_json()}
     write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
 
 
@@ -2491,6 +2489,7 @@ class RunFolder:
         self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, self.clock(), 0., 0.
         self.stop, self.signum, self.lost = False, None, None      # the loop's stop (below)
         self.held = None                                           # claim's lock, while claimed
+        self.plan_at, self.began, self.eval_time = None, None, None    # --minutes's plan (begin, evaluation)
 
     def path(self, step, kind="model"):
         return checkpoint_path(self.out, step, kind)
