@@ -1091,6 +1091,37 @@ PLAN_AFTER = 20         # --minutes: steps timed before the run's length is set
 EVAL_ROWS = 32          # rows per validation batch whatever --batch is, so runs with other batches see the same rows
 
 
+def pretrain(args, cfg, make_engine, describe=None, loop=None):
+    """tokenizer and tokens (cached), validation rows, then the loop; both engines train
+    through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
+    engine's lines of the settings table (default: its line); loop: train_loop
+    (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
+    run = args.run                                     # the run's folder: run_command made it and holds its lock
+    run.cfg = cfg                                      # the model its checkpoints describe
+    if args.resume:                                    # refused before the corpus is tokenized (minutes)
+        run.refuse_other_run(args)
+    tok, tokens = prepare_data(args.data, cfg.V, args.out)
+    cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
+    train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
+    # a new run: init_params(--seed), AdamW's m = v = 0, step 0, data order seeded by --seed; --resume: a checkpoint's
+    flat, m, v, state = run.resume_or_init(args, tok, functools.partial(init_params, cfg, args.seed))
+    engine = make_engine(cfg, flat, m, v)
+    print_settings((describe(engine) if describe else [("engine", engine.line)]) +
+                   [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
+                     " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
+                    ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
+                             f"vocab {tok.vocab_size}"),
+                    ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step")],
+                   args, state)
+
+    def next_batch(rng):
+        return split_rows(get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
+
+    val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
+                                                                  args.eval_batches)]
+    (loop or train_loop)(args, cfg, tok, engine, next_batch, val, run, state)
+
+
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
 # --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
@@ -1150,37 +1181,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     print_summary(step - start, elapsed(), times, state, out_dir, last_path)
     plot_log(csv_path)
     return step
-
-
-def pretrain(args, cfg, make_engine, describe=None, loop=None):
-    """tokenizer and tokens (cached), validation rows, then the loop; both engines train
-    through here. make_engine(cfg, flat, m, v) -> engine; describe(engine) -> the
-    engine's lines of the settings table (default: its line); loop: train_loop
-    (nanoeuler_cuda.py's ranks 1..N-1 on several GPUs pass their own, which follows rank 0's)"""
-    run = args.run                                     # the run's folder: run_command made it and holds its lock
-    run.cfg = cfg                                      # the model its checkpoints describe
-    if args.resume:                                    # refused before the corpus is tokenized (minutes)
-        run.refuse_other_run(args)
-    tok, tokens = prepare_data(args.data, cfg.V, args.out)
-    cfg.V = tok.vocab_size                             # a tiny corpus can run out of pairs to merge
-    train_tokens, val_tokens = split_train_val(tokens, cfg.T + cfg.K)
-    # a new run: init_params(--seed), AdamW's m = v = 0, step 0, data order seeded by --seed; --resume: a checkpoint's
-    flat, m, v, state = run.resume_or_init(args, tok, functools.partial(init_params, cfg, args.seed))
-    engine = make_engine(cfg, flat, m, v)
-    print_settings((describe(engine) if describe else [("engine", engine.line)]) +
-                   [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
-                     " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
-                    ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
-                             f"vocab {tok.vocab_size}"),
-                    ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step")],
-                   args, state)
-
-    def next_batch(rng):
-        return split_rows(get_batch(train_tokens, args.batch, cfg.T + cfg.K, rng), cfg.T, cfg.K)
-
-    val = [split_rows(rows, cfg.T, cfg.K) for rows in fixed_rows(val_tokens, EVAL_ROWS, cfg.T + cfg.K,
-                                                                  args.eval_batches)]
-    (loop or train_loop)(args, cfg, tok, engine, next_batch, val, run, state)
 
 
 def saved_rng(state):
