@@ -988,8 +988,7 @@ class Tokenizer:
     def to_json(self):
         """the tokenizer as SPEC's JSON; read_tokenizer (operations: input checks) reads it back, checked"""
         return json.dumps({"type": "byte-level-bpe", "pattern": SPLIT_PATTERN.pattern,
-                           "max_piece_bytes": self.max_piece_bytes,
-                           "specials": SPECIAL_IDS,
+                           "max_piece_bytes": self.max_piece_bytes, "specials": SPECIAL_IDS,
                            "merges": [list(p) for p in self.merges]})
 
 
@@ -1074,14 +1073,12 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
 # -----------------------------------------------------------------------------
 # the training loop
 
-# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md):
-# 32 rows of 128 tokens keep both cores busy; lr 3e-3 beat 6e-3 after the first
-# minute; a short warmup (30 steps) gets going sooner. 1000 steps (about 5.5
-# minutes) reach 2.14 bits per byte; past that the small model overfits
-# tinyshakespeare (its 520k training tokens are seen 8 times by step 1000).
-# 4000 steps of 8 rows at lr 2e-3 end the same (2.146) in more time; but when
-# time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows
-# at lr 2e-3 reach 2.25, 32 rows at 3e-3 only 2.31.
+# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md): 32 rows of 128 tokens keep
+# both cores busy; lr 3e-3 beat 6e-3 after the first minute; a short warmup (30 steps) gets going sooner. 1000 steps
+# (about 5.5 minutes) reach 2.14 bits per byte; past that the small model overfits tinyshakespeare (its 520k
+# training tokens are seen 8 times by step 1000). 4000 steps of 8 rows at lr 2e-3 end the same (2.146) in more time;
+# but when time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows at lr 2e-3 reach 2.25, 32
+# rows at 3e-3 only 2.31.
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
@@ -1212,15 +1209,16 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
 # The step train_loop asks of its engine is four calls on one thread (params, grads: flat, grad carved):
 #     loss, ce, cache = model_forward(params, cfg, idx, targets); model_backward(grads, cache)
 #     norm = clip_grad_norm(grad, args.clip); adamw_update(flat, grad, m, v, step, lr, decay_mask(cfg))
-# CPUEngine computes that on every core: numpy works on one core at a time, so the batch is cut into parts that
-# workers run (threads or processes: workers_for and Workers, in operations, say which and why), each into a gradient
-# buffer of its own, summed (add_into); AdamW runs on slices of the flat buffer at once; BLAS: a thread (the import's).
+# CPUEngine runs that on every core: numpy works on one core at a time, so the batch is cut into parts that workers run
+# (threads or processes: workers_for, in operations, says which from the numbers below), each into a gradient buffer of
+# its own, summed (add_into); AdamW runs on slices of the flat buffer at once; BLAS runs one thread (set at import).
 MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, threads at most; processes above
 
 
 def grads_of_parts(flat, cfg, counts, parts, grad):
     """a worker's micro-batches [(idx, targets), ..] -> loss, ce (K,); their gradients summed in grad"""
-    loss, ce, grad[...] = 0.0, 0.0, 0.0
+    grad[...] = 0.0                                                # model_backward adds into it: zeroed first
+    loss, ce = 0.0, 0.0
     for idx, targets in parts:
         part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx, targets, counts)
         model_backward(carve(grad, cfg), cache)
@@ -1280,9 +1278,11 @@ class CPUEngine:
         self.cfg, self.m, self.v = cfg, m, v
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.decay = decay_mask(cfg)
-        self.pool = Workers.for_batch(flat, args.batch, args.threads)    # threads, or forked processes (operations)
-        self.n_threads, self.parts, self.line = len(self.pool.grad_bufs), self.pool.parts, self.pool.line  # its header
+        # pool (operations): .map may be processes (the step's parts); .threads is always threads (AdamW, evaluation)
+        self.pool = Workers.for_batch(flat, args.batch, args.threads)
         self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # the workers' (shared memory for processes)
+        self.n_threads, self.parts = len(self.grad_bufs), self.pool.parts  # a gradient buffer a worker; micro-batches
+        self.line = self.pool.line                         # the engine's line in the settings table
 
     def step(self, idx, targets, lr, step):
         """forward, backward, clip, AdamW (skipped if the loss is not finite) -> loss, ce (K,), norm"""
