@@ -6,9 +6,8 @@ written by hand and proven by a float64 gradient check.
     python nanoeuler.py train     # train the small model on the embedded corpus (5-8 min on 2 cores)
     python nanoeuler.py sample --model out/small/best.safetensors --prompt "ROMEO:"
 
-and sft (fine-tune on instructions, loss on the responses only), chat (talk
-to the fine-tuned model), prepare (tokenize a corpus ahead of train), bench (time
-training steps, the tokenizer and generation).
+and sft (fine-tune on instructions, loss on the responses only), chat (talk to the fine-tuned model),
+prepare (tokenize a corpus ahead of train), bench (time training steps, the tokenizer and generation).
 
 The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 - byte-level BPE tokenizer with GPT-2 style pre-tokenization and chat specials
@@ -17,9 +16,8 @@ The model (docs/SPEC.md is the contract; checkpoints are safetensors):
   share Hkv key/value heads) -> RMSNorm -> SwiGLU MLP, both on a residual stream
 - no biases anywhere; K untied output heads, head k predicts token t+1+k
   (multi-token prediction), loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)
-- AdamW, warmup + cosine schedule, grad-norm clipping; generation with a KV
-  cache through the training forward, and self-speculative decoding with the
-  MTP heads as drafts
+- AdamW, warmup + cosine schedule, grad-norm clipping; generation with a KV cache through the training
+  forward, and self-speculative decoding with the MTP heads as drafts
 
 The file reads in that order: configuration, layers (each forward beside its backward), the model,
 gradient check, optimizer and schedule, generation, tokenizer, data, the training loop, a training step on
@@ -705,7 +703,7 @@ def new_kv_cache(cfg, B, dtype=np.float32):
 
 
 class LogitsNotFinite(NanoEulerError):
-    """sample_token met a NaN or infinite logit: the model is broken; the refusal names its file"""
+    """sample_token met a NaN or infinite logit: the model is broken; run_command and serve put its file's name first"""
 
 
 def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
@@ -734,7 +732,8 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
 
 def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
              speculative=False, stop=None, stats=None, drafts=None):
-    """yields new token ids one by one (for streaming), after the prompt ids.
+    """yields new token ids one by one (for streaming), after the prompt ids. stats: a
+    dict counting passes ("steps") and tokens, for --speculative's report.
 
     The context holds T tokens. A longer prompt keeps its last T-1 tokens. When
     the cache is full, the window slides: the last T/2 tokens are fed again from
@@ -1129,7 +1128,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. run: args.run, resumed (its checkpoints and
     when to stop); state: step, rng state, the best validation. The log's samples continue sample_prompt (ids;
-    default: a document's start: sample_text_for_log). run.clock: the timings' and --minutes's seconds (now())."""
+    default: a document's start: sample_text_for_log). run.clock(): monotonic seconds (a test passes a fake)."""
     clock, out_dir = run.clock, run.out
     start = saved = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on (run.planning)
@@ -1386,12 +1385,12 @@ def cmd_sft(args, make_engine=None, engine_line=None):
     run.cfg = cfg
     flat, m, v, state = run.resume_or_init(args, tok, lambda: flat0)
     made = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
+    left_out = f" ({n - kept:,} left out: their prompt fills the context of {cfg.T} tokens)" if kept < n else ""
+    evaluated = f" (the first {n_eval} evaluated)" if n_eval < n_val else ""
     print_settings([("model", f"{args.model}: {num_params(cfg):,} parameters"),
-                    ("examples", f"{kept:,} of {n:,} kept" + (f" ({n - kept:,} left out: their prompt fills the "
-                                                              f"context of {cfg.T} tokens)" if kept < n else "")),
-                    ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples"
-                             f"{f' (the first {n_eval} evaluated)' if n_eval < n_val else ''}, loss on responses "
-                             "only"),
+                    ("examples", f"{kept:,} of {n:,} kept{left_out}"),
+                    ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples{evaluated}, "
+                             "loss on responses only"),
                     ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine_line or made.line}")], args, state)
 
     def next_batch(rng):
@@ -1631,7 +1630,8 @@ def add_generation_flags(sp, drafts=1):
 
 def build_parser(command=None):
     """every command's flags, as --help lists them. main passes the command that runs, so that only its shared
-    group (add_training_flags and the like, after its own flags) is built; build_parser() builds all (the tests)"""
+    group (add_training_flags and the like, after its own flags) is built; build_parser() builds all (the tests).
+    ArgumentParser: argparse's, extended at the end of the file (flag types named by strings, .run)"""
     p = ArgumentParser(prog="nanoeuler.py", description="NanoEuler on the CPU, in numpy")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("check", help="float64 gradient check of every layer and parameter").add_argument(
