@@ -1151,14 +1151,15 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 if step > start + 1:
                     times.append(dt)                      # the first step warms up: left out
                 mfu = engine.mfu(dt)                      # model FLOPs utilization (None on the CPU)
-                log_step(step, total, ce, lr, norm, dt, times, tokens_per_step, mfu)
+                shown = total if run.plan_at is None else "?"   # --minutes: the log's total is "?" until run.plan
+                log_step(step, shown, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
                 planning = run.planning(step)             # --minutes: the plan's step (above)
                 evaluating = planning or (not run.stop and (step % args.eval_every == 0 or step == total))
                 if evaluating:
                     with run.evaluation():                # times it: the plan counts one every --eval-every steps
-                        val = run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt,
+                        val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt,
                                              elapsed)
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 run.finish(poll=True)                     # say a background save that has finished
@@ -1341,10 +1342,9 @@ def sft_rows(tok, pairs, cfg):
     n = cfg.T + cfg.K
     rows = np.full((len(pairs), n), tok.special("<|endoftext|>"), dtype=np.int64)
     mask = np.zeros((len(pairs), n), dtype=bool)
-    # A text is cut before it is encoded (a record of a gigabyte would take minutes and
-    # gigabytes), to what n ids can span plus two parts of pieces: encoding goes piece by
-    # piece, each in parts of at most max_piece_bytes from its start, so a cut changes the
-    # ids of the last two pieces' last parts only, and the first n ids stay as they were.
+    # A text is cut before it is encoded (a record of a gigabyte would take minutes and gigabytes), to what n ids can
+    # span plus two parts of pieces: encoding goes piece by piece, each in parts of at most max_piece_bytes from its
+    # start, so a cut changes the ids of the last two pieces' last parts only, and the first n ids stay as they were.
     cut = (n + 2) * tok.max_piece_bytes
     for i, (prompt, response) in enumerate(pairs):
         ids, train_on = render_turn(tok, prompt[:cut], response[:cut])
@@ -1769,14 +1769,15 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
 def print_settings(rows, args, state):
     """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
     run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
+    steps, lr = str(args.steps), f"lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}"
     if "planned_steps" in state:
         steps = f"{state['planned_steps']} (planned for --minutes)"
     elif getattr(args, "minutes", 0) > 0:
         steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
-    else:                                              # a run shorter than its warmup: no cosine at all
-        steps = str(args.steps) + " (all in the warmup: lr never reaches its peak)" * (args.steps < args.warmup)
-    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}, "
-                             f"weight decay {args.weight_decay}, clip {args.clip}"), ("out", args.out)]
+    elif args.steps < args.warmup:                     # a run shorter than its warmup: no cosine, the peak not reached
+        steps, lr = f"{args.steps} (all in the warmup)", f"lr peaks at {args.lr * args.steps / args.warmup:.3g}"
+    rows = rows + [("steps", f"{steps}, warmup {args.warmup}, {lr}, weight decay {args.weight_decay}, "
+                             f"clip {args.clip}"), ("out", args.out)]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}} | {v}")
@@ -1789,11 +1790,11 @@ def fmt_time(seconds):
 
 def log_step(step, total, ce, lr, norm, dt, times, tokens, mfu):
     """the step's line: CE_0, learning rate, gradient norm, time, throughput and the time
-    left, estimated from the last 50 steps"""
-    eta = (total - step) * (np.mean(times[-50:]) if times else dt)
+    left, estimated from the last 50 steps (none while total is "?": --minutes before its plan)"""
+    eta = "" if total == "?" else f" | eta {fmt_time((total - step) * (np.mean(times[-50:]) if times else dt))}"
     print(f"step {step:{len(str(total))}d}/{total} | loss {ce[0]:.4f} | lr {lr:.2e} | norm {norm:6.3f} | "
-          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s | " +
-          (f"mfu {100 * mfu:4.1f}% | " if mfu is not None else "") + f"eta {fmt_time(eta)}", flush=True)
+          f"{dt * 1e3:7.1f} ms | {tokens / dt:7,.0f} tok/s" +
+          (f" | mfu {100 * mfu:4.1f}%" if mfu is not None else "") + eta, flush=True)
 
 
 def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
@@ -1809,8 +1810,7 @@ def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     (default: a document's start)"""
     prompt = prompt or [tok.special("<|endoftext|>")]
     params = carve(flat, cfg)
-    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed,
-                        stop=tok.special("<|end|>")))
+    ids = list(generate(params, cfg, prompt, n, temperature=0.8, top_k=40, seed=seed, stop=tok.special("<|end|>")))
     return tok.decode(prompt[1:] + ids) if len(prompt) > 1 else tok.decode(ids)
 
 
@@ -2489,7 +2489,7 @@ class RunFolder:
         self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, self.clock(), 0., 0.
         self.stop, self.signum, self.lost = False, None, None      # the loop's stop (below)
         self.held = None                                           # claim's lock, while claimed
-        self.plan_at, self.began, self.eval_time = None, None, None    # --minutes's plan (begin, evaluation)
+        self.plan_at, self.began, self.eval_time = None, None, None    # --minutes's plan; plan_at None: none to make
 
     def path(self, step, kind="model"):
         return checkpoint_path(self.out, step, kind)
@@ -2793,6 +2793,7 @@ class RunFolder:
             print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
                   "so far followed --steps's schedule")
         state["planned_steps"] = total
+        self.plan_at = None                                # planned: the log shows the total from here
         return total
 
     def save(self, step, engine, state, rng, background=True):
@@ -3389,8 +3390,7 @@ def check_memory(cfg, batch, threads, available=available_memory):
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
                              f"of weights, moments, decay mask, their copies for saving and {threads} gradient "
                              f"buffers, {threads} x {rows:,} rows of activations), more than the {have / 1e9:,.1f} GB "
-                             "available; "
-                             f"lower --batch{' or --threads' if threads > 1 else ''}")
+                             f"available; lower --batch{' or --threads' if threads > 1 else ''}")
 
 
 # -----------------------------------------------------------------------------

@@ -679,10 +679,10 @@ def test_the_settings_table_says_when_minutes_sets_the_steps(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("steps | 345 (planned for --minutes), warmup")
     ne.print_settings([], ne.build_parser().parse_args(["train", "--steps", "77"]), {})
     assert capsys.readouterr().out.startswith("steps | 77, warmup")
-    ne.print_settings([], ne.build_parser().parse_args(["train", "--steps", "20"]), {})   # warmup 30: no peak
-    assert capsys.readouterr().out.startswith("steps | 20 (all in the warmup: lr never reaches its peak), warmup 30")
+    ne.print_settings([], ne.build_parser().parse_args(["train", "--steps", "20"]), {})   # warmup 30: no cosine
+    assert capsys.readouterr().out.startswith("steps | 20 (all in the warmup), warmup 30, lr peaks at 0.002, weight")
     ne.print_settings([], ne.build_parser().parse_args(["train", "--steps", "30"]), {})   # the last step's lr: the peak
-    assert capsys.readouterr().out.startswith("steps | 30, warmup 30")
+    assert capsys.readouterr().out.startswith("steps | 30, warmup 30, lr 0.003 cosine to 0.0003, weight")
 
 
 def test_bench_refuses_a_bad_model_before_timing_anything(tmp_path):

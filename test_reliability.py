@@ -456,9 +456,11 @@ def test_the_step_line_by_hand(capsys):
     times = [9.0] * 10 + [0.5] * 50
     ne.log_step(7, 100, [2.5, 3.0], 1e-3, 0.75, 0.25, times, 2048, 0.125)
     ne.log_step(7, 100, [2.5, 3.0], 1e-3, 0.75, 0.25, [], 2048, None)
+    ne.log_step(7, "?", [2.5, 3.0], 1e-3, 0.75, 0.25, times, 2048, 0.125)     # --minutes before its plan: no eta
     assert capsys.readouterr().out.splitlines() == [
         "step   7/100 | loss 2.5000 | lr 1.00e-03 | norm  0.750 |   250.0 ms |   8,192 tok/s | mfu 12.5% | eta 0m46s",
-        "step   7/100 | loss 2.5000 | lr 1.00e-03 | norm  0.750 |   250.0 ms |   8,192 tok/s | eta 0m23s"]
+        "step   7/100 | loss 2.5000 | lr 1.00e-03 | norm  0.750 |   250.0 ms |   8,192 tok/s | eta 0m23s",
+        "step 7/? | loss 2.5000 | lr 1.00e-03 | norm  0.750 |   250.0 ms |   8,192 tok/s | mfu 12.5%"]
     assert [ne.fmt_time(s) for s in (59.9, 61, 3599, 3600, 90061)] == ["0m59s", "1m01s", "59m59s", "1h00m", "25h01m"]
 
 
