@@ -30,6 +30,7 @@ import pytest
 import nanoeuler_cuda as nc
 from test_gpu_host import emulated  # noqa: F401  (a fixture: nanoeuler_cuda on an emulated GPU)
 from test_reliability import corpus  # noqa: F401  (a fixture: 40,000 characters of Shakespeare)
+from test_reliability import default_signals   # SIGINT, SIGTERM, SIGHUP at their defaults in a child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CFG = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
@@ -384,7 +385,8 @@ def start_gated(tmp_path, step, *args):
     gate.mkdir()
     out, err = open(tmp_path / "stdout", "wb"), open(tmp_path / "stderr", "wb")
     proc = subprocess.Popen([sys.executable, "-u", "-c", GATED.format(here=HERE), *args], stdout=out, stderr=err,
-                            cwd=HERE, env={**os.environ, "GATE": str(gate), "GATE_STEP": str(step)})
+                            cwd=HERE, env={**os.environ, "GATE": str(gate), "GATE_STEP": str(step)},
+                            preexec_fn=default_signals)
     return proc, gate, tmp_path / "stdout", tmp_path / "stderr"
 
 

@@ -27,6 +27,7 @@ import pytest
 
 import nanoeuler_cuda as nc
 from test_gpu_host import emulated  # noqa: F401 (the fixture: nanoeuler_cuda on an emulated GPU)
+from test_reliability import default_signals   # SIGINT, SIGTERM, SIGHUP at their defaults in a child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {"batch": "16", "model_size": "small"}
@@ -616,7 +617,7 @@ def test_ranks_other_than_0_print_nothing_and_leave_signals_to_rank0(tmp_path):
     (tmp_path / "signaled.py").write_text(SIGNALED)
     port = str(port_of_free_server())
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "signaled.py")], cwd=HERE, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_signals,
                               env={**os.environ, "PYTHONPATH": HERE, "RANK": str(r), "WORLD_SIZE": "2",
                                    "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
              for r in range(2)]

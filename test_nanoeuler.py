@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 from test_data import reference_encode    # minbpe's encode, written out once, in the data's tests
+from test_reliability import default_signals   # SIGINT, SIGTERM, SIGHUP at their defaults in a child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -675,7 +676,7 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path):
     data = small_corpus(tmp_path)
     cmd = [sys.executable, "-u", os.path.join(HERE, "nanoeuler.py"),
            *train_args(tmp_path / "run", data, "--steps", "100000", "--save-every", "100000")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE, preexec_fn=default_signals)
     for line in proc.stdout:
         if line.startswith(b"step") and b"/100000" in line and int(line.split()[1].split(b"/")[0]) >= 3:
             break

@@ -797,6 +797,7 @@ def test_a_closed_terminal_saves_a_checkpoint(corpus, tmp_path):
     master, slave = pty.openpty()
 
     def own_terminal():                                  # a session whose controlling terminal is the pty
+        default_signals()                                # (the kernel's SIGHUP must not find it ignored)
         os.setsid()
         fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
     proc = subprocess.Popen([sys.executable, "-u", PROGRAM, *train_args(out, corpus, "--steps", "100000",

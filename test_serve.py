@@ -30,6 +30,7 @@ import threading
 import pytest
 
 import serve
+from test_reliability import default_signals   # SIGINT, SIGTERM, SIGHUP at their defaults in a child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WAIT = 60                                    # seconds before a test gives up on a condition
@@ -583,7 +584,7 @@ def run_cli(*args, program="nanoeuler.py"):
 
 def test_serve_prints_its_address_answers_and_stops_on_ctrl_c(model):
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "nanoeuler.py"), "serve", "--model", model, "--port", "0"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE, preexec_fn=default_signals)
     try:
         first = p.stdout.readline().decode()
         m = re.fullmatch(r"serving \S+ \(47,392 parameters, context 64 tokens\) at http://127\.0\.0\.1:(\d+)/\n", first)
