@@ -593,12 +593,16 @@ def test_argmax_accept_on_the_cpu_emulator(emulated):
 
 @needs_nvrtc
 @needs_gxx
-def test_split_attention_with_two_groups_of_heads_against_float64(emulated):
-    # G = 6 query heads a kv head: two blocks of DECODE_HEADS = 4 and 2 heads; 2 rows at *pos = 70
+@pytest.mark.parametrize("kernel, T, p0", [("split", 80, 70), ("single", 300, 290), ("split", 300, 290)])
+def test_decode_attention_with_two_groups_of_heads_against_float64(emulated, kernel, T, p0):
+    # G = 6 query heads a kv head: two blocks of DECODE_HEADS = 4 and 2 heads; 2 rows at *pos = p0
     # over the cache and their own keys, y exactly R rows (a block writing past its heads would
-    # write past it), against softmax attention in float64 with rope by hand (SPEC)
+    # write past it), against softmax attention in float64 with rope by hand (SPEC); and the
+    # rows' rotated keys and values in the cache. At 290 the split kernel combines 5 chunks,
+    # and the single kernel's warps take 32 keys a round 8 at a time: a warp's second round
+    # rescales what its first summed (a kernel that did not would pass at 80)
     nc.init_gpu("fp32")
-    Hq, Hkv, D, T, R, p0 = 6, 1, 64, 80, 2, 70
+    Hq, Hkv, D, R = 6, 1, 64, 2
     rng = np.random.default_rng(0)
     H = Hq + 2 * Hkv
     qkv = rng.normal(0, 1, (R, H * D)).astype(np.float32)
@@ -606,9 +610,9 @@ def test_split_attention_with_two_groups_of_heads_against_float64(emulated):
     cos, sin = ne.rope_table(T, D, 0, np.float32)
     cfg = ne.Config(V=96, C=Hq * D, Hq=Hq, Hkv=Hkv, L=1, T=T, F=176, K=2)
     partial, count = nc.split_scratch(cfg)
-    y = nc.DeviceArray((R, Hq * D))
-    nc.attention_decode(y, nc.to_gpu(k_cache), nc.to_gpu(v_cache), nc.to_gpu(qkv), nc.to_gpu(cos), nc.to_gpu(sin),
-                        nc.to_gpu(np.array([p0], np.int32), np.int32), R, Hq, Hkv, D, T, "split",
+    y, k_gpu, v_gpu = nc.DeviceArray((R, Hq * D)), nc.to_gpu(k_cache), nc.to_gpu(v_cache)
+    nc.attention_decode(y, k_gpu, v_gpu, nc.to_gpu(qkv), nc.to_gpu(cos), nc.to_gpu(sin),
+                        nc.to_gpu(np.array([p0], np.int32), np.int32), R, Hq, Hkv, D, T, kernel,
                         (nc.DeviceArray((partial,)), nc.DeviceArray((count,), np.int32).zero()))
     nc.gpu.sync()
 
@@ -628,6 +632,7 @@ def test_split_attention_with_two_groups_of_heads_against_float64(emulated):
             w = np.exp(s - s.max())
             want[r, h] = w @ values[:n] / w.sum()
     assert np.abs(y.download() - want.reshape(R, -1)).max() < 1e-5
+    assert np.abs(k_gpu.download()[:, 0] - keys).max() < 1e-5 and np.array_equal(v_gpu.download()[:, 0], values)
 
 
 @needs_nvrtc
