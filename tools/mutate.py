@@ -1,10 +1,12 @@
 """
 Does the test suite catch real bugs? Puts one plausible one-line bug at a time
-into a copy of nanoeuler.py and runs the tests against it; a mutant whose
-tests still pass "survived", and shows a hole in the tests.
+into a copy of nanoeuler.py (or of kernels.cu or flash_attn.cu) and runs the
+tests against it; a mutant whose tests still pass "survived", and shows a hole
+in the tests.
 
     python tools/mutate.py                 # the model and optimizer bugs against test_spec.py
     python tools/mutate.py --set inputs    # the input checks taken out, against test_inputs.py
+    python tools/mutate.py --set kernels   # bugs in kernels.cu and flash_attn.cu, on the CPU emulator
     python tools/mutate.py -k adamw        # the mutants whose name contains "adamw"
     python tools/mutate.py --tests test_spec.py test_nanoeuler.py
 
@@ -155,7 +157,66 @@ INPUT_MUTATIONS = [
      "lambda x: not x < 0, \"a number >= 0\")"),
     ("flags: top-p above 1", "lambda p: 0 < p <= 1,", "lambda p: 0 < p,"),
 ]
-SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"])}
+
+# bugs in the kernels, which test_cuda_pipeline.py runs on tools/emulate_cuda.py's CPU emulator:
+# (name, file, its exact text, what it becomes, pytest -k: the tests that run that kernel)
+TRAINING, DECODING = "training_checks", "test_decode_"
+KERNEL_MUTATIONS = [
+    ("attention fp32: a query does not see itself", "flash_attn.cu", "s[r] = k0 + r <= i ? dot : -INFINITY;",
+     "s[r] = k0 + r < i ? dot : -INFINITY;", TRAINING),
+    ("attention bf16: a query sees the next key", "flash_attn.cu",
+     "> row + 8 * (i >> 1)) s[mt][nt][i] = -INFINITY;", "> row + 8 * (i >> 1) + 1) s[mt][nt][i] = -INFINITY;",
+     TRAINING),
+    ("attention fp32: no softmax scale", "flash_attn.cu",
+     "q[d] = i < T ? base[(long)i * stride + h * D + d] * scale : 0.0f;\n        o[d] = 0.0f;",
+     "q[d] = i < T ? base[(long)i * stride + h * D + d] : 0.0f;\n        o[d] = 0.0f;", TRAINING),
+    ("attention fp32: online softmax, output not rescaled", "flash_attn.cu",
+     "for (int d = 0; d < D; d++) o[d] *= correction;", ";", TRAINING),
+    ("attention bf16: query head h reads kv head h % Hkv", "flash_attn.cu",
+     "kvh = h / (Hq / Hkv), q0 = (gridDim.z - 1 - blockIdx.z) * rows;",
+     "kvh = h % Hkv, q0 = (gridDim.z - 1 - blockIdx.z) * rows;", TRAINING),
+    ("rmsnorm: eps 1e-5 -> 1e-6", "kernels.cu", "sqrtf(warp_sum(ss) / C + 1e-5f)", "sqrtf(warp_sum(ss) / C + 1e-6f)",
+     TRAINING),
+    ("rmsnorm: sum instead of mean", "kernels.cu", "sqrtf(warp_sum(ss) / C + 1e-5f)", "sqrtf(warp_sum(ss) + 1e-5f)",
+     TRAINING),
+    ("rope: sign of the rotation", "kernels.cu", "ra = a[j] * c[j] - b[j] * sign * s[j], rb = b[j] * c[j] + a[j]",
+     "ra = a[j] * c[j] + b[j] * sign * s[j], rb = b[j] * c[j] - a[j]", TRAINING),
+    ("swiglu: gate and up swapped", "kernels.cu", "o[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];",
+     "o[j] = up[j] / (1.0f + expf(-up[j])) * gate[j];", TRAINING),
+    ("cross entropy: the running sum not rescaled", "kernels.cu", "sum *= expf(m - m_new);", "sum *= 1.0f;",
+     TRAINING),
+    ("cross entropy: the running sum not rescaled, V not in packs", "kernels.cu",
+     "sum = sum * expf(m - m_new) + expf(x - m_new);", "sum = sum + expf(x - m_new);", TRAINING),
+    ("cross entropy: the max not added back", "kernels.cu",
+     "float lse = row_max + logf(block_sum(sum * expf(m - row_max)));",
+     "float lse = logf(block_sum(sum * expf(m - row_max)));", TRAINING),
+    ("cross entropy: every head weighted as head 0", "kernels.cu", "float scale = t >= 0 ? dscale[k] : 0.0f;",
+     "float scale = t >= 0 ? dscale[0] : 0.0f;", TRAINING),
+    ("adamw: no bias correction of m", "kernels.cu", "p[j] = pj - lr / bias1 * mi[j]", "p[j] = pj - lr * mi[j]",
+     TRAINING),
+    ("decode attention: a row sees the next key", "kernels.cu", "DECODE_CHUNK && first + jj + KEYS * i < n;",
+     "DECODE_CHUNK && first + jj + KEYS * i <= n;", DECODING),
+    ("decode attention: chunks combined without their max", "kernels.cu",
+     "float f = expf(__ldcg(rc + DECODE_HEADS * D + g) - M);", "float f = 1.0f;", DECODING),
+    ("decode attention: no softmax scale", "kernels.cu",
+     "q[g] = make_float4(a.x * scale, a.y * scale, a.z * scale, a.w * scale);", "q[g] = a;", DECODING),
+    ("decode attention: this pass's keys a row of Hq heads apart", "kernels.cu",
+     "const float* kr = qkv + (long)(j - p0) * H * D", "const float* kr = qkv + (long)(j - p0) * Hq * D", DECODING),
+    ("decode attention single: online softmax, output not rescaled", "kernels.cu",
+     "for (int k = 0; k < 4; k++) acc[k] *= corr;", ";", DECODING),
+    ("decode attention single: rope's sign", "kernels.cu", "float a2 = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));",
+     "float a2 = __fadd_rn(__fmul_rn(a, c), __fmul_rn(b, s));", DECODING),
+    ("decode matvec: += ignored", "kernels.cu", "float old = accumulate && writes ? out[(long)r * ld_out + o] : 0.0f;",
+     "float old = 0.0f;", DECODING),
+    ("decode matvec: rmsnorm eps 1e-5 -> 1e-6", "kernels.cu", "sqrtf(warp_sum(ss) / In + 1e-5f)",
+     "sqrtf(warp_sum(ss) / In + 1e-6f)", DECODING),
+    ("decode matvec: parts added in an order that depends on the row", "kernels.cu",
+     "s += part_sum[g * splits + p][j][r];", "s += part_sum[g * splits + (p + r) % splits][j][r];", DECODING),
+    ("decode matvec: output rows Out apart, not ld_out", "kernels.cu", "out[(long)r * ld_out + o] = old + s;",
+     "out[(long)r * Out + o] = old + s;", DECODING),
+]
+SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"]),
+        "kernels": (KERNEL_MUTATIONS, ["test_cuda_pipeline.py"])}
 MEMORY_LIMIT = 4 << 30    # a mutant that allocates without bound fails fast instead of filling the machine
 
 
@@ -173,43 +234,50 @@ def main():
     args = p.parse_args()
     mutations, tests = SETS[args.set]
     args.tests = args.tests or tests
-    source = open(os.path.join(HERE, "nanoeuler.py")).read()
-    chosen = [m for m in mutations if args.k in m[0]]
+    # every entry as (name, file, text, what it becomes, pytest -k); "" runs all the tests
+    chosen = [m if len(m) == 5 else (m[0], "nanoeuler.py", m[1], m[2], "") for m in mutations if args.k in m[0]]
+    sources = {f: open(os.path.join(HERE, f)).read() for f in ("nanoeuler.py", "kernels.cu", "flash_attn.cu")}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py", "README.md"]:
             shutil.copy(os.path.join(HERE, name), tmp)
-        for folder in ("data", "docs"):                # docs: test_inputs parses the commands on its pages
+        # docs: test_inputs parses the commands on its pages; tools, dev: the emulator, check's parts
+        for folder in ("data", "docs", "tools", "dev"):
             if os.path.isdir(os.path.join(HERE, folder)):
                 os.symlink(os.path.join(HERE, folder), os.path.join(tmp, folder))
 
-        def run_tests(code):
-            with open(os.path.join(tmp, "nanoeuler.py"), "w") as f:
-                f.write(code)
+        def run_tests(file, code, k):
+            for name, text in {**sources, file: code}.items():
+                with open(os.path.join(tmp, name), "w") as f:
+                    f.write(text)
             try:
                 # (the test that this list still applies would fail every mutant: left out)
                 r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                                     "--deselect", "test_spec.py::test_every_mutant_of_tools_mutate_still_applies",
-                                    *args.tests], cwd=tmp, capture_output=True, timeout=args.timeout,
-                                   preexec_fn=limit_memory)
+                                    *(["-k", k] if k else []), *args.tests], cwd=tmp, capture_output=True,
+                                   timeout=args.timeout, preexec_fn=limit_memory)
             except subprocess.TimeoutExpired:
                 return False, "timed out"
             lines = r.stdout.decode().strip().splitlines()
             failed = next((ln.split(" - ")[0] for ln in lines if ln.startswith(("FAILED", "ERROR"))), "")
             if r.returncode == 0:
                 return True, ""
+            if r.returncode == 5:                       # no test ran: not a kill
+                sys.exit(f"pytest -k {k!r} selects no test of {' '.join(args.tests)}")
             return False, failed or f"pytest exit code {r.returncode} (out of memory?)"
 
-        ok, why = run_tests(source)
+        ks = {m[4] for m in chosen}
+        ok, why = run_tests("nanoeuler.py", sources["nanoeuler.py"],
+                            "" if "" in ks or not ks else " or ".join(f"({k})" for k in sorted(ks)))
         if not ok:
-            sys.exit(f"the tests fail on the unchanged nanoeuler.py ({why}); fix that first")
+            sys.exit(f"the tests fail on the unchanged sources ({why}); fix that first")
         survived, stale = [], []
-        for name, old, new in chosen:
-            if source.count(old) != 1:
+        for name, file, old, new, k in chosen:
+            if sources[file].count(old) != 1:
                 stale.append(name)
-                print(f"STALE     {name}: its text occurs {source.count(old)} times in nanoeuler.py")
+                print(f"STALE     {name}: its text occurs {sources[file].count(old)} times in {file}")
                 continue
             t0 = time.time()
-            passed, failed = run_tests(source.replace(old, new))
+            passed, failed = run_tests(file, sources[file].replace(old, new), k)
             if passed:
                 survived.append(name)
             print(f"{'SURVIVED' if passed else 'killed  '}  {name:<55} {time.time() - t0:5.1f} s  {failed}",
