@@ -454,7 +454,7 @@ rank, world, local = nc.join_world(args, nc.find_place(args))
 print(f"rank {rank} joined", file=sys.stderr, flush=True)
 if rank == int(sys.argv[1]):
     os._exit(0)                               # gone without a word, mid-run
-time.sleep(60)                                # waiting in NCCL for the rank that is gone, for ever
+time.sleep(600)                               # waiting in NCCL for the rank that is gone, for ever
 """
 
 
@@ -469,7 +469,11 @@ def test_a_rank_gone_under_a_launcher_stops_the_others_at_once(tmp_path, dies, m
                               env={**os.environ, "PYTHONPATH": HERE, "RANK": str(r), "WORLD_SIZE": "3",
                                    "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
              for r in range(3)]
-    results = [(*p.communicate(timeout=50), p.returncode) for p in procs]    # not the 60 s of the sleep
+    try:
+        results = [(*p.communicate(timeout=120), p.returncode) for p in procs]   # not the 600 s of the sleep
+    finally:
+        for p in procs:
+            p.kill()
     for r, (out, err, code) in enumerate(results):
         if r == dies:
             assert code == 0 and f"rank {r} joined" in err
