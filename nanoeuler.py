@@ -3442,7 +3442,7 @@ def os_error_sentence(e, out_flag=True):
     if not out_flag and e.filename is None:          # a write to stdout's file (sample > file on a full disk)
         room = "free some space, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         return f"the output could not be written ({reason}); {room}send it elsewhere"
-    what = advice.get(e.errno, reason)
+    what = advice.get(e.errno, f"{reason}; check the disk and the file size limit (ulimit -f), or give another --out")
     if not out_flag:
         what = what.replace(", or give another --out", "").replace("give another --out", "give another path")
     return f"{e.filename}: {what}" if e.filename else what

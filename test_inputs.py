@@ -972,7 +972,9 @@ def test_numpy_missing_is_one_sentence(tmp_path, script):
 
 def test_a_full_or_read_only_disk_is_one_sentence_naming_the_file():
     for code, said in ((errno.ENOSPC, "the disk is full; free some space, or give another --out"),
-                       (errno.EROFS, "the file system is read-only; give another --out")):
+                       (errno.EROFS, "the file system is read-only; give another --out"),
+                       (errno.EFBIG, "file too large; check the disk and the file size limit (ulimit -f), or give "
+                                     "another --out")):          # any errno the table leaves out: what to do
         assert ne.os_error_sentence(OSError(code, os.strerror(code), "out/cache/t.npy")) == f"out/cache/t.npy: {said}"
 
 
