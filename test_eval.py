@@ -259,6 +259,10 @@ def test_bad_input_is_one_sentence(tiny, data, tmp_path):
         f.write(b"\0")
     r = run("--model", path, "--data", damaged, "--tasks", "hellaswag")
     assert r.returncode == 2 and "is damaged (its sha256" in r.stderr and r.stderr.count("\n") == 1
+    os.rename(os.path.join(damaged, "SHA256SUMS"), os.path.join(damaged, "sums.old"))   # the list gone: it is named
+    r = run("--model", path, "--data", damaged, "--tasks", "hellaswag")
+    assert r.returncode == 2 and r.stderr.startswith(f"error: {os.path.join(damaged, 'SHA256SUMS')} is not there")
+    os.rename(os.path.join(damaged, "sums.old"), os.path.join(damaged, "SHA256SUMS"))
     for garbage in (b"not a list of sums\n", b"\xff\xfe\0 binary\n"):     # SHA256SUMS damaged: the same sentence
         with open(os.path.join(damaged, ev.SUMS), "wb") as f:
             f.write(garbage)

@@ -173,8 +173,8 @@ def read_requests(task, data_dir):
     """the task's request rows, after checking the file against data_dir's SHA256SUMS"""
     path = os.path.join(data_dir, task + ".jsonl.gz")
     sums_path = os.path.join(data_dir, SUMS)
-    if not os.path.isfile(path) or not os.path.isfile(sums_path):
-        raise NanoEulerError(f"{path} is not there: the evaluation data is not fetched; run {fetch_hint(data_dir)}")
+    for missing in (p for p in (path, sums_path) if not os.path.isfile(p)):    # the one that is missing, named
+        raise NanoEulerError(f"{missing} is not there: the evaluation data is not fetched; run {fetch_hint(data_dir)}")
     with open(sums_path, encoding="utf-8", errors="replace") as f:      # a damaged list: its lines are not "sha  name"
         sums = {fields[1]: fields[0] for fields in (line.split() for line in f) if len(fields) == 2}
     if sums.get(task + ".jsonl.gz") != sha256_file(path):
