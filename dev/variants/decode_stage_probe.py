@@ -14,16 +14,21 @@ import nanoeuler_cuda as nc     # noqa: E402
 LAUNCHES, REPLAYS = 83, 100
 
 
-def per_launch_us(launch):
+def per_launch_us(launch, replays=REPLAYS):
+    """microseconds of GPU time a launch: LAUNCHES calls of launch() captured in one graph, replayed
+    (pdl_floor_probe.py times its chains with this too)"""
     graph = nc.capture_graph(lambda: [launch() for _ in range(LAUNCHES)], "a probe")
     start, end = (nc.check(nc.cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
     nc.check(nc.cu.cuGraphLaunch(graph, nc.gpu.stream), "cuGraphLaunch")          # warm-up
     nc.check(nc.cu.cuEventRecord(start, nc.gpu.stream), "cuEventRecord")
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         nc.check(nc.cu.cuGraphLaunch(graph, nc.gpu.stream), "cuGraphLaunch")
     nc.check(nc.cu.cuEventRecord(end, nc.gpu.stream), "cuEventRecord")
     nc.gpu.sync()
-    return nc.check(nc.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime") * 1e3 / REPLAYS / LAUNCHES
+    us = nc.check(nc.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime") * 1e3 / replays / LAUNCHES
+    for e in (start, end):
+        nc.cu.cuEventDestroy(e)
+    return us
 
 
 def main():

@@ -8,12 +8,15 @@ chains of 83 launches (a big-model pass's count) captured in one CUDA graph and 
 with and without programmatic dependent launch (PDL), at 1, 96 and 264 blocks of 256 threads;
 and, in the same process, the big model's real one-row pass (random bf16 weights) replayed.
 Run from the root of a tree: python dev/variants/pdl_floor_probe.py"""
+import itertools
 import os
 import sys
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nanoeuler as ne          # noqa: E402
 import nanoeuler_cuda as nc     # noqa: E402
+from decode_stage_probe import LAUNCHES, per_launch_us   # noqa: E402
 
 SOURCE = r"""
 __device__ __forceinline__ void ready() {
@@ -36,25 +39,17 @@ extern "C" __global__ void probe_stage_kernel(float* out, const float* in, int n
         out[blockIdx.x * 8 + threadIdx.x] = (part[threadIdx.x] + in[blockIdx.x]) * 1e-3f;
 }
 """
-N, LAUNCHES, REPLAYS = 768, 83, 200
+N, REPLAYS = 768, 200
 
 
 def chain_us(name, blocks, pdl, a, b):
     """microseconds of GPU time a launch in a graph of LAUNCHES launches of `name`, a and b in turn"""
-    def run():
-        for i in range(LAUNCHES):
-            out, inp = (a, b) if i % 2 else (b, a)
-            nc.decode_launch(name, blocks, 256, pdl, nc.ptr_arg(out), nc.ptr_arg(inp), nc.int_arg(N))
-    graph = nc.capture_graph(run, name)
-    start, end = (nc.check(nc.cu.cuEventCreate(0), "cuEventCreate") for _ in range(2))
-    nc.check(nc.cu.cuGraphLaunch(graph, nc.gpu.stream), "cuGraphLaunch")          # warm-up
-    nc.check(nc.cu.cuEventRecord(start, nc.gpu.stream), "cuEventRecord")
-    for _ in range(REPLAYS):
-        nc.check(nc.cu.cuGraphLaunch(graph, nc.gpu.stream), "cuGraphLaunch")
-    nc.check(nc.cu.cuEventRecord(end, nc.gpu.stream), "cuEventRecord")
-    nc.gpu.sync()
-    ms = nc.check(nc.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime")
-    return ms * 1e3 / REPLAYS / LAUNCHES
+    turn = itertools.count()
+
+    def launch():
+        out, inp = (a, b) if next(turn) % 2 else (b, a)
+        nc.decode_launch(name, blocks, 256, pdl, nc.ptr_arg(out), nc.ptr_arg(inp), nc.int_arg(N))
+    return per_launch_us(launch, REPLAYS)
 
 
 def main():
