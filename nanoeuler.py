@@ -1865,22 +1865,19 @@ def plot_log(csv_path, out=print):
     atomic_write(svg, svg_plot(steps, loss, val).encode())
     out(f"loss curve: {svg}")
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure       # not pyplot: no backend to choose, no global figure to close
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     ax.plot(steps, loss, lw=0.8, label="train CE_0")
     if val:
         ax.plot(*zip(*val), "o-", label="val CE_0")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
+    ax.set(xlabel="step", ylabel="loss (nats per token)")
     ax.legend()
     ax.grid(alpha=0.3)
     png = os.path.splitext(csv_path)[0] + ".png"
     fig.savefig(png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
     out(f"loss curve: {png}")
 
 
@@ -1890,6 +1887,9 @@ def cmd_plot(args):
     if not os.path.isfile(csv_path):
         raise NanoEulerError(f"{csv_path} is not there; give a run folder (like out/small) or its log.csv")
     with open(csv_path, encoding="utf-8", errors="replace") as f:
+        if f.readline() != LOG_HEADER:                   # a run writes it first, atomically (RunFolder.begin)
+            raise NanoEulerError(f"{csv_path} is not a run's log (its first line is not log.csv's header); "
+                                 "give a run folder (like out/small) or its log.csv")
         if not any(log_row(line) for line in f):
             raise NanoEulerError(f"{csv_path} holds no step yet; plot it once the run has logged one")
     plot_log(csv_path)

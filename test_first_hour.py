@@ -54,12 +54,18 @@ def test_plot_takes_a_log_csv_and_refuses_what_is_not_one(tmp_path):
     write_log(tmp_path / "log.csv", [(5, 4.0, 4.1), (10, 3.0, None)])
     assert run_cli("plot", str(tmp_path / "log.csv")).returncode == 0
     assert (tmp_path / "log.svg").exists()
-    for path, words in ((tmp_path / "none", "is not there"), (tmp_path / "empty.csv", "holds no step")):
-        if path.name.endswith(".csv"):
-            path.write_text(ne.LOG_HEADER)
-        r = run_cli("plot", str(path))
+    (tmp_path / "empty.csv").write_text(ne.LOG_HEADER)                 # a run's log before its first step
+    (tmp_path / "noise").mkdir()                                          # random bytes: no log.csv's header
+    for name in ("noise.csv", "noise/log.csv"):
+        (tmp_path / name).write_bytes(np.random.default_rng(0).bytes(4096))
+    not_a_log = "is not a run's log (its first line is not log.csv's header); give a run folder (like out/small) " \
+        "or its log.csv"
+    for given, named, words in (("none", "none", "is not there"), ("empty.csv", "empty.csv", "holds no step yet"),
+                                ("noise.csv", "noise.csv", not_a_log), ("noise", "noise/log.csv", not_a_log)):
+        r = run_cli("plot", str(tmp_path / given))
         err = r.stderr.decode()
-        assert r.returncode == 2 and words in err and "Traceback" not in err and err.count("\n") == 1, err
+        assert r.returncode == 2 and f"error: {tmp_path / named} {words}" in err, err
+        assert "Traceback" not in err and err.count("\n") == 1, err
 
 
 def test_a_training_run_ends_with_its_picture(tmp_path):
