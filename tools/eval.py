@@ -672,6 +672,9 @@ def main(argv=None):
     try:
         if args.limit is not None and args.limit < 1:
             raise NanoEulerError(f"--limit {args.limit} is below 1; give a positive number of items")
+        if os.path.lexists(args.data) and not os.path.isdir(args.data):    # --fetch writes a folder there
+            raise NanoEulerError(f"--data {args.data} is not a folder; give the folder of the evaluation data, made "
+                                 "by python tools/eval.py --fetch (into data/eval, or with --data DIR into DIR)")
         if args.model and args.run:
             raise NanoEulerError("--model and --run do not go together; give --model FILE to score one model, "
                                  "or --run DIR to score every checkpoint of a run")
