@@ -352,6 +352,28 @@ def test_a_failed_write_names_its_file_and_leaves_no_temp(tiny, data, tmp_path, 
     assert sorted(os.listdir(tmp_path)) == sorted(["a_folder", "d", ev.WHEEL_FILE])
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_any_item_is_scored(tiny, data, tmp_path):
+    """--json's file, the default beside the model, --run's eval.csv: a folder in its place was found
+    only when the results were written, after every item was scored (hours on a GPU)"""
+    for folder, args in ((tmp_path / "r.json", ["--json", str(tmp_path / "r.json")]),
+                         (tmp_path / "model.eval.json", [])):
+        folder.mkdir()
+        model = tmp_path / "model.safetensors"
+        model.write_bytes(open(tiny[0], "rb").read())
+        r = run("--model", str(model), "--data", data, "--tasks", "arc_easy", *args)
+        assert r.returncode == 2 and r.stderr == f"error: {folder}: a folder is there where a file should be; " \
+                                                 "move it away, or give another path\n", r.stderr
+        assert r.stdout == ""                          # no table: nothing was scored
+        folder.rmdir()
+    _, cfg, flat, tok = tiny
+    ne.save_model(str(tmp_path / "model_000010.safetensors"), cfg, flat, tok)
+    (tmp_path / "eval.csv").mkdir()
+    r = run("--run", str(tmp_path), "--data", data, "--tasks", "arc_easy")
+    assert r.returncode == 2 and r.stderr == f"error: {tmp_path / 'eval.csv'}: a folder is there where a file " \
+                                             "should be; move it away, or give another path\n", r.stderr
+    assert sorted(os.listdir(tmp_path)) == ["eval.csv", "model.safetensors", "model_000010.safetensors"]
+
+
 def test_run_scores_every_checkpoint_into_eval_csv(tiny, data, tmp_path):
     _, cfg, flat, tok = tiny
     for step in (10, 20):

@@ -43,6 +43,7 @@ per-token losses, so no scoring model of its own.
 import argparse
 import contextlib
 import csv
+import errno
 import gzip
 import hashlib
 import io
@@ -596,6 +597,20 @@ def check_json_folder(path):
         raise NanoEulerError(f"{parent} is not a folder; give --json a path in a folder that exists")
 
 
+def check_writable(path):
+    """that atomic_write can write path (its temp file beside it, then the rename), tried before minutes or
+    hours of scoring: a folder in its place, a read-only or full disk is refused now, not after the table"""
+    tmp = f"{path}.{os.getpid()}.tmp"                  # atomic_write's name: nothing else of the user's is touched
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+        with open(tmp, "wb"):
+            pass
+        os.remove(tmp)
+    except OSError as e:                               # named as atomic_write names it: path, not the temp file
+        raise OSError(e.errno, e.strerror, path) from None
+
+
 def write_json(report, path):
     check_json_folder(path)
     ne.atomic_write(path, json.dumps(report, indent=1).encode())           # a folder there, a full disk: no temp left
@@ -609,6 +624,7 @@ def run_checkpoints(args):
     def damaged(name, e):
         return NanoEulerError(f"{e} (--run scores every model_*.safetensors in {args.run}: move {name} out of the "
                               "folder or delete it, then run again)")
+    check_writable(os.path.join(args.run, "eval.csv"))
     for name in names:                                 # every header before minutes of scoring
         where = os.path.join(args.run, name)
         try:
@@ -698,11 +714,13 @@ def main(argv=None):
             return run_checkpoints(args)
         if not args.model:
             raise NanoEulerError("give --model FILE (or --run DIR, or --fetch)")
+        path = args.json or os.path.splitext(args.model)[0] + ".eval.json"
+        if os.path.isfile(args.model):                 # (a missing model is load_model's to name)
+            check_writable(path)
         report = evaluate_model(args.model, args)
         if report["interrupted"]:                      # a second Ctrl-C must not lose the table
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         print_table(report["tasks"], args.chat)
-        path = args.json or os.path.splitext(args.model)[0] + ".eval.json"
         write_json(report, path)
         print(f"results: {path}")
         if report["interrupted"]:
