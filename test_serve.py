@@ -498,6 +498,12 @@ def test_lengths_that_lie_or_are_missing(model):
         assert status == 400 and "is not a number of bytes" in message
         status, message, _ = raw(srv, post(srv, b"{}").replace(b"Content-Length: 2", b"Content-Length: \xb2"))
         assert status == 400 and "is not a number of bytes" in message          # a digit to isdigit, not to int
+        digits = b"9" * 5000                           # more than int() reads (4,300): it was a 500, "please report it"
+        status, message, _ = raw(srv, post(srv, b"{}").replace(b"Content-Length: 2", b"Content-Length: " + digits))
+        assert status == 413 and message == "the body has a length of 5,000 digits, more than the 1,000 bytes " \
+                                            "this server takes", message
+        status, _, _ = raw(srv, post(srv, b"{}").replace(b"Content-Length: 2", b"Content-Length: " + b"0" * 5000 + b"2"))
+        assert status == 400                           # 2 bytes, written long: read, and {} has no messages
         still_answers(srv)
 
 
