@@ -39,6 +39,7 @@ import ipaddress
 import json
 import os
 import queue
+import re
 import select
 import socket
 import socketserver
@@ -303,6 +304,11 @@ def recv_until(sock, deadline, buf, done, limit, what):
     return buf
 
 
+# the empty line after the headers; lines may end in LF alone (a request typed into nc, or written with
+# printf "...\n"), which HTTP lets a server take (RFC 9112, 2.2): they waited out the deadline, a 408
+END_OF_HEAD = re.compile(rb"\r?\n\r?\n")
+
+
 def allowed_host(host, port):
     """whether a Host header names this server: localhost or an IP address, with its port. A web
     page of another site that makes its name point at 127.0.0.1 (DNS rebinding) sends that name."""
@@ -338,8 +344,9 @@ class Handler(BaseHTTPRequestHandler):
         deadline = time.monotonic() + limits.request_seconds
         self.command, self.path, self.request_version, self.requestline = None, "", "HTTP/1.1", ""
         try:
-            buf = recv_until(self.connection, deadline, b"", lambda b: b"\r\n\r\n" in b, limits.head_bytes, "head")
-            head, rest = buf.split(b"\r\n\r\n", 1)
+            buf = recv_until(self.connection, deadline, b"", END_OF_HEAD.search, limits.head_bytes, "head")
+            end = END_OF_HEAD.search(buf)
+            head, rest = buf[:end.start()], buf[end.end():]
             if len(head) > limits.head_bytes:
                 raise Refused(431, f"the request's head is larger than {limits.head_bytes:,} bytes")
             self.rfile = io.BytesIO(head + b"\r\n\r\n")

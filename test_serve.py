@@ -507,6 +507,20 @@ def test_lengths_that_lie_or_are_missing(model):
         still_answers(srv)
 
 
+def test_a_request_whose_lines_end_in_lf_alone_is_answered(model):
+    """nc, or printf "...\\n", ends the lines in LF alone, which HTTP lets a server take (RFC 9112, 2.2):
+    such a request waited out the deadline and got 408 'did not arrive whole', though it had"""
+    with running(model, fake([0x61]), request_seconds=5) as srv:
+        status, _, head = raw(srv, b"GET /v1/models HTTP/1.1\nHost: 127.0.0.1:%d\n\n" % srv.port)
+        assert status == 200, head
+        body = b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 1}'
+        status, _, head = raw(srv, post(srv, body).replace(b"\r\n", b"\n"))
+        assert status == 200, head
+        # an empty line inside the body is the body's: the head ends at the first one
+        status, message, _ = raw(srv, post(srv, b'{"messages":\n\n[]}'))
+        assert status == 400 and "messages must be a non-empty list" in message, message
+
+
 def test_a_client_that_sends_a_byte_at_a_time_is_cut_off_at_the_deadline(model):
     with running(model, fake([0x61]), request_seconds=0.5) as srv:
         request = post(srv, b"{}", extra=b"X-Pad: " + b"a" * 5000 + b"\r\n")
