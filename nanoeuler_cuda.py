@@ -181,14 +181,15 @@ cu = None                                      # cuda.bindings.driver, once init
 gpu = None                                     # the one GPU this program drives
 
 
-def check(result, what):
-    """cuda-python calls return (CUresult, *outputs): raise one sentence naming what failed"""
+def check(result, what, out_of_memory=None):
+    """cuda-python calls return (CUresult, *outputs): raise one sentence naming what failed;
+    out_of_memory: the sentence for CUDA_ERROR_OUT_OF_MEMORY, where it is not the GPU's memory"""
     err = result[0]
     if int(err):
         _, name = cu.cuGetErrorName(err)
         name = name.decode() if isinstance(name, bytes) else str(err)
         if "OUT_OF_MEMORY" in name:
-            raise NanoEulerError(f"out of GPU memory in {what}; lower --batch")
+            raise NanoEulerError(out_of_memory or f"out of GPU memory in {what}; lower --batch")
         raise NanoEulerError(f"CUDA error {name} in {what}")
     return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
 
@@ -279,6 +280,15 @@ def to_gpu(a, dtype=np.float32):
     return DeviceArray(np.shape(a), dtype).upload(a)
 
 
+def host_alloc(nbytes, flags=0):
+    """nbytes of page-locked host memory (cuMemHostAlloc): the machine's RAM, locked so that the
+    GPU copies it directly; a refusal says so (it is not the GPU's memory that ran out)"""
+    return check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc",
+                 f"cuMemHostAlloc could not allocate {nbytes:,} bytes of page-locked host memory (this machine's "
+                 "RAM, not the GPU's); free memory on this machine, or raise its limit (a container's memory "
+                 "limit, ulimit -l)")
+
+
 class PinnedBuffer:
     """page-locked host memory that the GPU copies from asynchronously, and an event
     recorded after the last such copy: wait() before writing it again"""
@@ -286,7 +296,7 @@ class PinnedBuffer:
 
     def __init__(self, nbytes):
         self.driver = cu
-        self.host = check(cu.cuMemHostAlloc(max(nbytes, 4), 0), "cuMemHostAlloc")
+        self.host = host_alloc(max(nbytes, 4))
         self.ptr = int(self.host)
         self.array = np.ctypeslib.as_array((ctypes.c_char * nbytes).from_address(self.ptr))   # its bytes
         self.event = check(cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING.value), "cuEventCreate")
@@ -1313,7 +1323,7 @@ class HostRing:
 
     def __init__(self, n):
         self.driver = cu
-        self.host = check(cu.cuMemHostAlloc(4 * n, cu.CU_MEMHOSTALLOC_DEVICEMAP), "cuMemHostAlloc")
+        self.host = host_alloc(4 * n, cu.CU_MEMHOSTALLOC_DEVICEMAP)
         self.ptr = int(check(cu.cuMemHostGetDevicePointer(self.host, 0), "cuMemHostGetDevicePointer"))
         self.array = np.ctypeslib.as_array((ctypes.c_int32 * n).from_address(int(self.host)))
         self.array[:] = 0

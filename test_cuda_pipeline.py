@@ -737,6 +737,25 @@ def test_no_garbage_collection_frees_gpu_memory_inside_a_graph_capture(emulated)
 
 @needs_nvrtc
 @needs_gxx
+def test_page_locked_memory_the_driver_refuses_is_named_as_the_hosts(emulated, monkeypatch):
+    # cuMemHostAlloc's CUDA_ERROR_OUT_OF_MEMORY is about the machine's RAM (page-locked for the GPU's
+    # copies: a checkpoint's weights and moments, a batch, the ring of chosen ids), not the GPU's; it
+    # said "out of GPU memory in cuMemHostAlloc; lower --batch". cuMemAlloc's still says the GPU's
+    oom = (emulated.real.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
+    monkeypatch.setattr(emulated, "cuMemHostAlloc", lambda n, flags: oom)
+    for make, nbytes in ((lambda: nc.PinnedBuffer(3 << 20), "3,145,728"), (lambda: nc.HostRing(5), "20")):
+        with pytest.raises(ne.NanoEulerError) as e:
+            make()
+        assert str(e.value) == (f"cuMemHostAlloc could not allocate {nbytes} bytes of page-locked host memory "
+                                "(this machine's RAM, not the GPU's); free memory on this machine, or raise its "
+                                "limit (a container's memory limit, ulimit -l)")
+    monkeypatch.setattr(emulated, "cuMemAlloc", lambda n: oom)
+    with pytest.raises(ne.NanoEulerError, match=r"^out of GPU memory in cuMemAlloc of 16 bytes; lower --batch$"):
+        nc.DeviceArray((4,))
+
+
+@needs_nvrtc
+@needs_gxx
 def test_the_decoding_profile_runs_on_the_cpu_emulator(emulated, capsys):
     # bench --profile's decoding part (graph replays, a pass by kernel, passes over 1..K rows
     # and heads) on a small model: every line it promises, and the decoder still decodes after
