@@ -43,6 +43,7 @@ import re
 import select
 import socket
 import socketserver
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler
@@ -696,3 +697,9 @@ def cmd_serve(args, ne, make_params=None, gen=None):
         server.run()
     except KeyboardInterrupt:                              # SIGTERM and SIGHUP (ne.Interrupted) pass on to run_command
         print("\nstopped")
+
+
+if __name__ == "__main__":          # `python serve.py` did nothing and exited 0: this file is the programs' module
+    print("error: serve.py is run by the programs: python nanoeuler.py serve --model FILE (on the CPU), or "
+          "python nanoeuler_cuda.py serve --model FILE (on a GPU); see docs/serve.md", file=sys.stderr)
+    sys.exit(2)

@@ -641,6 +641,16 @@ def test_a_bad_model_host_or_port_is_one_sentence(model, args, words):
     assert err.count("\n") == 1 or err.startswith("usage:"), err
 
 
+def test_serve_py_run_by_itself_says_which_command_serves(model):
+    """`python serve.py --model FILE` printed nothing and exited 0: it is the programs' module, not a program"""
+    for args in ([], ["--model", model]):
+        r = subprocess.run([sys.executable, os.path.join(HERE, "serve.py"), *args], capture_output=True, text=True,
+                           timeout=WAIT)
+        assert (r.returncode, r.stdout) == (2, "") and r.stderr == (
+            "error: serve.py is run by the programs: python nanoeuler.py serve --model FILE (on the CPU), or python "
+            "nanoeuler_cuda.py serve --model FILE (on a GPU); see docs/serve.md\n"), r.stderr
+
+
 def test_the_gpu_program_serves_through_the_same_server_with_its_generate(model, monkeypatch, capsys):
     """nanoeuler_cuda.py serve: its decoder and generate (on test_cuda_pipeline's stand-in for the
     GPU's decoder) give chat's greedy reply too"""
