@@ -2152,11 +2152,11 @@ def read_safetensors(path, check=None, header_only=False):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
     with open(path, "rb") as f:
         size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
-        with refused_if_malformed(lambda e: f"{path} is not a safetensors file (its header cannot be read: {e})"):
-            require(2 <= n <= min(size - 8, MAX_HEADER), f"it says {n:,} bytes")
+        with refused_if_malformed(lambda e: f"{path} is not a safetensors file this program reads ({e}); give a "
+                                  "model file that train or sft wrote (an earlier checkpoint, if this one is damaged)"):
+            require(2 <= n <= min(size - 8, MAX_HEADER), f"its header cannot be read: its length says {n:,} bytes")
             header = json.loads(f.read(n))
-            require(isinstance(header, dict), "it is not a map")
-        with refused_if_malformed(lambda e: f"{path} is not a usable safetensors file: {e}"):
+            require(isinstance(header, dict), "its header is not a map")
             metadata = header.pop("__metadata__", {})
             require(isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()),
                     "its __metadata__ is not a map of strings")
@@ -2199,9 +2199,9 @@ def model_header(path, shapes, meta):
     """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer (read_safetensors's check)"""
     if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
         state = meta.get("format") == "nanoeuler-state"  # the state_<step> file beside a model_<step>
-        raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, "
-                             f"version {meta.get('version')!r})" +
-                             ("; it is a training state: give the model_ file of its step" if state else ""))
+        raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, version "
+                             f"{meta.get('version')!r}); " + ("it is a training state: give the model_ file of its "
+                             "step" if state else "give a model file that train or sft wrote"))
     with refused_if_malformed(lambda e: f"{path} has a broken config in its metadata ({e})"):
         given = json.loads(meta["config"])
         require(isinstance(given, dict), "the config is not a map")

@@ -303,6 +303,31 @@ def test_huge_header_length_is_refused(tmp_path):
     refused(str(path), "header")
 
 
+ADVICE = "give a model file that train or sft wrote"
+
+
+@pytest.mark.parametrize("content, what", [
+    (b"", "is not a safetensors file this program reads (its header cannot be read: its length says 0 bytes)"),
+    (b"ROMEO: hello\n", "is not a safetensors file this program reads (its header cannot be read: its length says "
+                        f"{int.from_bytes(b'ROMEO: h', 'little'):,} bytes)"),
+    ("another program's, bf16", "is not a safetensors file this program reads (tensor 'w' is not float32 of shape "
+                                "[2] ('BF16', 4 bytes))"),
+    ("another program's, float32", "is not a NanoEuler version 1 model (format 'pt', version None)"),
+])
+def test_a_file_that_is_not_a_model_says_what_to_give_instead(tmp_path, content, what):
+    """an empty or text file, or another program's safetensors (Hugging Face's, export's own --hf): the
+    sentence said what was wrong, and not what to do"""
+    path = tmp_path / "m.safetensors"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:                                              # one tensor w of 2 numbers, bf16 or float32, as torch writes
+        dtype, size = ("BF16", 4) if "bf16" in content else ("F32", 8)
+        write_raw(path, {"__metadata__": {"format": "pt"}, "w": {"dtype": dtype, "shape": [2],
+                                                                  "data_offsets": [0, size]}}, b"\0" * size)
+    last = assert_one_sentence(run("nanoeuler.py", "sample", "--model", str(path)), str(path))
+    assert last.startswith(f"error: {path} {what}; {ADVICE}"), last
+
+
 # -----------------------------------------------------------------------------
 # crafted tokenizers
 
