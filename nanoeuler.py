@@ -51,6 +51,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 # and what only the operations part uses: a first reading may skip these
 import argparse                     # the flags' parser, which operations' ArgumentParser extends
+import bisect
 import errno
 import fcntl                        # POSIX: the run folder's lock; signals need POSIX anyway
 import io
@@ -1137,7 +1138,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, t_start = run.begin(args, state, csv_path)      # log.csv open; the clocks start (--save-minutes's too)
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
-    times, last_path = [], run.path(start) if start else None
+    times, last_path, planning = [], run.path(start) if start else None, False
     elapsed = lambda: fmt_time(clock() - t_start)
     with signals_handled(run):  # Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step, saved
         with run.output_may_go():
@@ -1169,7 +1170,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                     saved, last_path = step, run.save(step, engine, state, rng, background=background)
                     if planning:
                         total = run.plan(args, state, step, np.mean(times))
-        if step > saved:                                  # stopped early: a signal, --stop-after, lost output
+        if step > saved or planning and step == stop:   # stopped early; or planned after this step's save
             last_path = run.save(step, engine, state, rng, background=False)
         run.finish()                                      # the save in flight, whatever stopped the loop
     csv.close()
@@ -1365,8 +1366,7 @@ def cmd_sft(args, make_engine=None, engine_line=None):
     cfg, flat0, tok = load_model(args.model)
     if make_engine is None:                            # CPUEngine's memory; a GPU engine refuses its own
         check_config(cfg, args.model, args.batch, args.threads)
-    pairs = load_instructions(args.data)
-    rows, mask = sft_rows(tok, pairs, cfg)
+    rows, mask = sft_rows(tok, load_instructions(args.data), cfg)
     # an example teaches only if a response token is one of head 0's targets, row[1:T+1]
     # (the loss the run reports and keeps the best model by); the rest are left out
     keep = mask[:, 1:cfg.T + 1].any(1)
@@ -1724,9 +1724,8 @@ def cmd_bench(args):
     t0 = time.time()
     tok = Tokenizer.train(text, 4096, progress=False)
     print(f"  {'train vocab 4096:':<22}{time.time() - t0:6.1f} s")
+    tok.cache.clear()                                  # the first encode starts empty, the second finds it warm
     for cache in ("empty", "warm"):
-        if cache == "empty":
-            tok.cache.clear()
         t0 = time.time()
         ids = tok.encode(text)
         dt = time.time() - t0
@@ -1769,13 +1768,14 @@ def bench_generation(cfg, flat, tok, what, max_new_tokens):
 def print_settings(rows, args, state):
     """the resolved settings, once, as two aligned columns (llm.c does this): rows, then the
     run's steps and folder. With --minutes the steps are planned later (the loop prints its plan)."""
-    steps, lr = str(args.steps), f"lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}"
-    if "planned_steps" in state:
-        steps = f"{state['planned_steps']} (planned for --minutes)"
-    elif getattr(args, "minutes", 0) > 0:
+    planned, total = "planned_steps" in state, state.get("planned_steps", args.steps)
+    steps, lr = f"{total}{' (planned for --minutes)' * planned}", f"lr {args.lr:g} cosine to {args.lr * LR_FLOOR:g}"
+    if getattr(args, "minutes", 0) > 0 and not planned:    # the plan will say what its lr does
         steps = f"as many as fit in {args.minutes:g} minutes (planned after {PLAN_AFTER} steps)"
-    elif args.steps < args.warmup:                     # a run shorter than its warmup: no cosine, the peak not reached
-        steps, lr = f"{args.steps} (all in the warmup)", f"lr peaks at {args.lr * args.steps / args.warmup:.3g}"
+        lr += " if the plan outlasts the warmup"
+    elif total < args.warmup:                          # a run shorter than its warmup: no cosine, the peak not reached
+        steps = f"{total} ({'planned for --minutes, ' * planned}all in the warmup)"
+        lr = f"lr peaks at {args.lr * total / args.warmup:.3g}"
     rows = rows + [("steps", f"{steps}, warmup {args.warmup}, {lr}, weight decay {args.weight_decay}, "
                              f"clip {args.clip}"), ("out", args.out)]
     width = max(len(k) for k, _ in rows)
@@ -2781,17 +2781,17 @@ class RunFolder:
             saves = ends(every) if every else int(min(run // (minutes * 60) + 1, total - step))   # one a step at most
             behind = max(0.0, self.took - (every * step_time if every else minutes * 60))
             return run + saves * self.paused + (saves - 1) * behind + self.took
-        lo, hi = step + 1, step + MAX_PLANNED_STEPS        # capped: a step of 0 s must not plan infinitely many
-        while lo < hi:                                     # cost grows with total: bisect for the last that fits
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if cost(mid) <= left else (lo, mid - 1)
-        total = lo
+        # cost grows with total: bisect for the last that fits (one at least; capped: a step of 0 s plans forever)
+        total = step + max(1, bisect.bisect_right(range(step + 1, step + MAX_PLANNED_STEPS + 1), left, key=cost))
         print(f"plan | {total:,} steps in {args.minutes:g} minutes ({step_time * 1e3:.1f} ms a step, "
               f"{eval_time:.1f} s an evaluation every {args.eval_every}, a checkpoint every "
               f"{every or f'{minutes:g} minutes'} holding training {self.paused:.2f} s, written in {self.took:.1f} s)")
         if args.warmup < step:
             print(f"plan | note: the warmup ({args.warmup} steps) ended before the plan; the steps "
                   "so far followed --steps's schedule")
+        elif total < args.warmup:                          # as a --steps run shorter than its warmup (print_settings)
+            print(f"plan | note: all {total} steps are in the warmup ({args.warmup} steps): the lr peaks at "
+                  f"{args.lr * total / args.warmup:.3g}, with no cosine; a --warmup under {total} gives it one")
         state["planned_steps"] = total
         self.plan_at = None                                # planned: the log shows the total from here
         return total

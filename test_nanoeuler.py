@@ -624,6 +624,55 @@ def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, 
     assert ne.RunFolder(str(tmp_path / "run")).latest() == planned
 
 
+def test_minutes_keeps_a_plan_made_at_the_sessions_last_step(tmp_path, capsys, monkeypatch):
+    # the clock of the test above, and --stop-after 20: this session ends at the plan's step,
+    # whose checkpoint is written (and timed) before the plan. The plan it printed is the
+    # run's: --resume continues to it (as after --stop-after 30), makes no other, and a
+    # resume once it is done says so, as for a --steps run that made all its steps
+    now = [0.0]
+    fake_clock(monkeypatch, now, {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
+                                  ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}})
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "25", "--stop-after", "20",
+                       "--eval-every", "1000", "--save-every", "1000"))
+    out = capsys.readouterr().out
+    assert "plan | 88 steps in 0.2 minutes" in out and "done: 20 steps" in out
+    cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 20)
+    assert state["planned_steps"] == 88
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume", "--warmup", "25", "--eval-every", "1000"))
+    out = capsys.readouterr().out
+    assert "steps  | 88 (planned for --minutes), warmup 25" in out
+    assert "plan |" not in out and "step 21/88 |" in out and "step 88/88 |" in out and "step 89" not in out
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume"))
+    assert (f"the run in {tmp_path / 'run'} is already complete: step 88 of 88, last checkpoint "
+            f"{tmp_path / 'run' / 'model_000088.safetensors'}; nothing to do") in capsys.readouterr().out
+
+
+def test_minutes_says_when_its_plan_ends_in_the_warmup(tmp_path, capsys, monkeypatch):
+    # the same clock plans 88 steps; with a warmup of 100 the whole run is warmup, as a
+    # --steps 88 run would be: the plan says so, and no line promises a cosine it never makes
+    now = [0.0]
+    fake_clock(monkeypatch, now, {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
+                                  ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}})
+    data = small_corpus(tmp_path)
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "100", "--stop-after", "30",
+                       "--eval-every", "1000", "--save-every", "1000"))
+    out = capsys.readouterr().out
+    # before the plan nobody knows: the cosine is conditional
+    assert ("steps  | as many as fit in 0.2 minutes (planned after 20 steps), warmup 100, lr 0.003 cosine to "
+            "0.0003 if the plan outlasts the warmup, weight decay") in out
+    # by hand: the last step's lr is 3e-3 * 88 / 100
+    assert "plan | 88 steps in 0.2 minutes" in out
+    assert ("plan | note: all 88 steps are in the warmup (100 steps): the lr peaks at 0.00264, with no cosine; "
+            "a --warmup under 88 gives it one") in out
+    ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--resume", "--warmup", "100",
+                       "--eval-every", "1000"))
+    out = capsys.readouterr().out
+    assert ("steps  | 88 (planned for --minutes, all in the warmup), warmup 100, lr peaks at 0.00264, weight "
+            "decay") in out and "cosine" not in out
+    assert re.search(r"^step 88/88 \| loss [0-9.]+ \| lr 2\.64e-03 \|", out, re.M)
+
+
 def test_minutes_is_the_whole_run_within_five_percent(tmp_path, capsys, monkeypatch):
     # the same fake clock, and a run left to end by itself: from main's start to its
     # last line, the corpus, evaluations, checkpoints and the summary included. A write in
