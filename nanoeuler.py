@@ -1157,8 +1157,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
                 planning = run.planning(step)             # --minutes: the plan's step (above)
-                evaluating = planning or (not run.stop and (step % args.eval_every == 0 or step == total))
-                if evaluating:
+                if planning or (not run.stop and (step % args.eval_every == 0 or step == total)):
                     with run.evaluation():                # times it: the plan counts one every --eval-every steps
                         val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt,
                                              elapsed)
@@ -1580,9 +1579,10 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, mtp_weight=False, thre
                         help="weight of the extra heads' mean loss, 0 to 1,000 (default: the preset's, SPEC's 0.5); "
                              "more makes them better drafters for --speculative, at some cost to head 0")
     g = sp.add_argument_group("run")
-    g.add_argument("--steps", type="count_type", default=steps, help="optimizer steps in the whole run")
-    g.add_argument("--minutes", type="minutes_type", default=0, help="instead of --steps: as many steps as fit in "
-                   f"about M minutes, timed on the first {PLAN_AFTER}; 0 = off")
+    length = g.add_mutually_exclusive_group()          # --minutes sets the steps: given both, argparse refuses
+    length.add_argument("--steps", type="count_type", default=steps, help="optimizer steps in the whole run")
+    length.add_argument("--minutes", type="minutes_type", default=0, help="instead of --steps: as many steps as "
+                        f"fit in about M minutes, timed on the first {PLAN_AFTER}; 0 = off")
     g.add_argument("--out", default=out, help="folder for checkpoints and log.csv" +
                    (" (default: out/ and the model size: out/small, out/big)" if out is None else ""))
     again = g.add_mutually_exclusive_group()

@@ -9,6 +9,7 @@ and reading a file must never allocate more than the file and a sane config impl
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
 import errno
+import importlib
 import json
 import math
 import os
@@ -778,9 +779,10 @@ def test_bad_gpu_flag_is_refused_by_argparse(capsys, command, flag, value):
 
 
 def test_good_flags_still_parse():
-    a = ne.build_parser().parse_args(["train", "--steps", "1", "--minutes", "0", "--clip", "-1", "--stop-after",
-                                      "-1", "--warmup", "0", "--weight-decay", "0", "--vocab-size", "260"])
+    a = ne.build_parser().parse_args(["train", "--steps", "1", "--clip", "-1", "--stop-after", "-1", "--warmup",
+                                      "0", "--weight-decay", "0", "--vocab-size", "260"])
     assert (a.steps, a.minutes, a.clip, a.stop_after, a.warmup, a.vocab_size) == (1, 0, -1, -1, 0, 260)
+    assert ne.build_parser().parse_args(["train", "--minutes", "0"]).minutes == 0
     a = ne.build_parser().parse_args(["sample", "--model", "m", "--temperature", "0", "--top-p", "1",
                                       "--top-k", "0", "--drafts", "0", "--seed", "0"])
     assert (a.temperature, a.top_p, a.top_k, a.drafts, a.seed) == (0, 1, 0, 0, 0)
@@ -806,6 +808,28 @@ def test_help_shows_defaults():
     out = " ".join(run("nanoeuler.py", "prepare", "--help").stdout.decode().split())
     assert "processes that encode (default: every core; one for a corpus under 4 MB)" in out
     assert "(default: None)" not in out and out.count("(default: ") == 4     # --data, --vocab-size, --out, --workers
+
+
+@pytest.mark.parametrize("program, command", [("nanoeuler.py", "train"), ("nanoeuler.py", "sft"),
+                                              ("nanoeuler_cuda.py", "train"), ("nanoeuler_cuda.py", "sft")])
+def test_steps_and_minutes_together_are_refused(tmp_path, program, command):
+    # --minutes sets the steps, so --steps beside it was either overridden by the plan (from
+    # step 20) or stopped the run before any plan, its steps shown as "?" to the end. Both
+    # are refused before anything runs (the missing corpus and model are never read), in
+    # either order, the default's own value too; either alone still parses
+    model = ["--model", str(tmp_path / "m.safetensors")] if command == "sft" else []
+    base = [command, *model, "--data", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "run")]
+    default = 1000 if (program, command) == ("nanoeuler.py", "train") else 600
+    for both in (["--steps", "5", "--minutes", "0.3"], ["--minutes", "2", "--steps", str(default)]):
+        r = run(program, *base, *both)
+        last = assert_one_sentence(r, "--steps", "--minutes", "not allowed with")
+        assert "missing.txt" not in r.stderr.decode() and not (tmp_path / "run").exists(), last
+    parser = importlib.import_module(program[:-3]).build_parser()
+    assert vars(parser.parse_args([command, *model, "--minutes", "2"])).items() >= {"steps": default,
+                                                                                      "minutes": 2}.items()
+    assert vars(parser.parse_args([command, *model, "--steps", "7"])).items() >= {"steps": 7, "minutes": 0}.items()
+    usage = " ".join(run(program, command, "--help").stdout.decode().split())
+    assert "[--steps STEPS | --minutes MINUTES]" in usage and f"(default: {default})" in usage
 
 
 @pytest.mark.parametrize("program, argv, want", [
