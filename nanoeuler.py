@@ -2542,11 +2542,9 @@ class RunFolder:
                     return None                        # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
                 raise NanoEulerError(f"{self.out} is in use by another training run (pid {holder}); wait for it "
                                      "to end, or train into another --out") from None
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
                     break
-            except FileNotFoundError:
-                pass
             f.close()                                  # its holder removed it as we opened it: once more
         f.seek(0)
         f.truncate()
@@ -2913,11 +2911,10 @@ def chunk_end(data):
     i = data.rfind(b"\n", window)
     if i >= 0:                                         # before the newline; after it if it ends a marker line
         return i + 1 if data[:i].endswith(DOC_MARKER) else i
-    end = len(data)
     for k in range(len(DOC_MARKER), 0, -1):            # before a marker the next block may complete
         if data.endswith(DOC_MARKER[:k]):
-            return end - k
-    end -= 1                                           # the block may end inside a character:
+            return len(data) - k
+    end = len(data) - 1                                # the block may end inside a character:
     while end > 0 and data[end] & 0xC0 == 0x80:        # leave its last one to the next chunk
         end -= 1
     return end
@@ -3429,7 +3426,10 @@ def os_error_sentence(e, out_flag=True):
     advice = {errno.ENOSPC: "the disk is full; free some space, or give another --out",
               errno.EDQUOT: "the disk quota is used up; free some space, or give another --out",
               errno.EROFS: "the file system is read-only; give another --out",
+              errno.EFBIG: "the file is too large; check the file size limit (ulimit -f), or give another --out",
               errno.EACCES: "permission denied; check its permissions",
+              errno.EPERM: "the operation is not permitted; check its permissions",
+              errno.ENOENT: "no such file or folder; check its path, or give another --out",
               errno.ENOTDIR: "a part of this path is a file, not a folder; give a path through folders",
               errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
               errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
@@ -3442,7 +3442,7 @@ def os_error_sentence(e, out_flag=True):
     if not out_flag and e.filename is None:          # a write to stdout's file (sample > file on a full disk)
         room = "free some space, or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
         return f"the output could not be written ({reason}); {room}send it elsewhere"
-    what = advice.get(e.errno, f"{reason}; check the disk and the file size limit (ulimit -f), or give another --out")
+    what = advice.get(e.errno, f"{reason}; check the path and the disk, or give another --out")
     if not out_flag:
         what = what.replace(", or give another --out", "").replace("give another --out", "give another path")
     return f"{e.filename}: {what}" if e.filename else what

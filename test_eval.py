@@ -374,6 +374,14 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_item_is_scored(t
     assert sorted(os.listdir(tmp_path)) == ["eval.csv", "model.safetensors", "model_000010.safetensors"]
 
 
+def test_json_where_no_file_can_be_made_says_to_check_its_path(tiny, data):
+    """/proc is a folder that takes no new file (ENOENT): the sentence advised checking the disk and
+    the file size limit (ulimit -f)"""
+    r = run("--model", tiny[0], "--data", data, "--tasks", "arc_easy", "--quiet", "--json", "/proc/x.json")
+    assert (r.returncode, r.stderr) == (2, "error: /proc/x.json: no such file or folder; check its path\n")
+    assert r.stdout == ""                              # refused before any item was scored
+
+
 def test_run_scores_every_checkpoint_into_eval_csv(tiny, data, tmp_path):
     _, cfg, flat, tok = tiny
     for step in (10, 20):

@@ -1022,9 +1022,23 @@ def test_numpy_missing_is_one_sentence(tmp_path, script):
 def test_a_full_or_read_only_disk_is_one_sentence_naming_the_file():
     for code, said in ((errno.ENOSPC, "the disk is full; free some space, or give another --out"),
                        (errno.EROFS, "the file system is read-only; give another --out"),
-                       (errno.EFBIG, "file too large; check the disk and the file size limit (ulimit -f), or give "
-                                     "another --out")):          # any errno the table leaves out: what to do
+                       (errno.EFBIG, "the file is too large; check the file size limit (ulimit -f), or give "
+                                     "another --out")):
         assert ne.os_error_sentence(OSError(code, os.strerror(code), "out/cache/t.npy")) == f"out/cache/t.npy: {said}"
+
+
+@pytest.mark.parametrize("code, said", [
+    (errno.ENOENT, "no such file or folder; check its path, or give another --out"),
+    (errno.EPERM, "the operation is not permitted; check its permissions"),
+    (errno.ENAMETOOLONG, "file name too long; check the path and the disk, or give another --out"),  # any errno
+    (errno.EIO, "input/output error; check the path and the disk, or give another --out"),    # the table leaves out
+])
+def test_a_path_that_cannot_be_made_gets_advice_that_fits(code, said):
+    """a missing folder on the path (ENOENT), a file another user owns in a sticky folder (EPERM), a name
+    past the file system's bound (ENAMETOOLONG) were told to check the disk and ulimit -f"""
+    assert ne.os_error_sentence(OSError(code, os.strerror(code), "out/x/t.npy")) == f"out/x/t.npy: {said}"
+    without_out = ne.os_error_sentence(OSError(code, os.strerror(code), "r.json"), False)
+    assert "--out" not in without_out and "ulimit" not in without_out
 
 
 def test_the_cache_sits_beside_the_run_folder_and_prepare_makes_no_run_folder(tmp_path):
