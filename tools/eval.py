@@ -662,6 +662,10 @@ def csv_text(args, names, damaged):
     return f.getvalue()
 
 
+PATH_FLAGS = {"model": "a model file (.safetensors)", "run": "a run folder", "wheel": "the downloaded wheel's path",
+              "data": "the folder of the task files", "json": "a file for the results"}
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="tools/eval.py", description=__doc__.split("\n\n")[0].strip(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -686,6 +690,9 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        for flag, what in PATH_FLAGS.items():          # '' would read as not given (--json: the default path)
+            if getattr(args, flag) == "":
+                raise NanoEulerError(f"--{flag} is empty; give {what}")
         if args.limit is not None and args.limit < 1:
             raise NanoEulerError(f"--limit {args.limit} is below 1; give a positive number of items")
         if os.path.lexists(args.data) and not os.path.isdir(args.data):    # --fetch writes a folder there
