@@ -646,6 +646,8 @@ def test_minutes_keeps_a_plan_made_at_the_sessions_last_step(tmp_path, capsys, m
     ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume"))
     assert (f"the run in {tmp_path / 'run'} is already complete: step 88 of 88, last checkpoint "
             f"{tmp_path / 'run' / 'model_000088.safetensors'}; nothing to do") in capsys.readouterr().out
+    ne.main(train_args(tmp_path / "run", data, "--steps", "200", "--resume"))   # a new --steps moves no plan
+    assert "already complete: step 88 of 88" in capsys.readouterr().out
 
 
 def test_minutes_says_when_its_plan_ends_in_the_warmup(tmp_path, capsys, monkeypatch):
