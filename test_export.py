@@ -399,6 +399,19 @@ def assert_refused(r, *words):
         assert w in line, line
 
 
+@pytest.mark.parametrize("outtype", ["q8_0", "f16", "bf16"])
+def test_outtype_without_gguf_is_refused(exported, tmp_path, outtype):
+    """--outtype is --gguf's format and --hf is always float32: --hf with --outtype q8_0 wrote float32 and
+    said nothing of it"""
+    out = tmp_path / "hf"
+    r = run_export("--model", exported["model"], "--hf", str(out), "--outtype", outtype)
+    assert_refused(r, f"--outtype {outtype} is the number format of --gguf's file, and no --gguf is given",
+                   "add --gguf FILE, or drop --outtype")
+    assert r.stdout == "" and not out.exists()
+    r = run_export("--model", exported["model"], "--hf", str(out), "--outtype", "f32")    # what --hf writes anyway
+    assert r.returncode == 0 and out.is_dir(), r.stderr
+
+
 def test_bad_input_is_refused_in_one_sentence(exported, tmp_path):
     model = exported["model"]
     out = str(tmp_path / "new")

@@ -341,6 +341,9 @@ def cmd_export(args):
     if args.gguf and args.gguf.endswith("/"):
         raise ne.NanoEulerError(f"--gguf {args.gguf} ends in /, a folder's name; give a file name such as "
                                 "small.gguf")
+    if args.gguf is None and args.outtype != "f32":
+        raise ne.NanoEulerError(f"--outtype {args.outtype} is the number format of --gguf's file, and no --gguf is "
+                                "given (--hf is always float32); add --gguf FILE, or drop --outtype")
     for flag, path in (("--hf", args.hf), ("--gguf", args.gguf)):
         if path == "":
             raise ne.NanoEulerError(f"{flag} is empty; give a new {'folder' if flag == '--hf' else 'file'} name")
