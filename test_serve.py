@@ -507,6 +507,19 @@ def test_lengths_that_lie_or_are_missing(model):
         still_answers(srv)
 
 
+def test_two_content_lengths_that_differ_are_refused(small):
+    """RFC 9112 6.3: differing Content-Length values are an error (a proxy that believes the other one reads
+    another request where we read a body); the first was taken. Equal ones are one length"""
+    good = b'{"messages": [{"role": "user", "content": "a"}]}'
+    for extra in (b"Content-Length: 5\r\n", b"Content-Length: %d\r\n" % (len(good) + 7)):
+        status, message, _ = raw(small, post(small, good, extra=extra))
+        assert (status, message) == (400, f"the request has Content-Length headers that differ "
+                                          f"({extra[16:-2].decode()} and {len(good)}); send one"), message
+    status, _, _ = raw(small, post(small, good, extra=b"Content-Length: %d\r\n" % len(good)))
+    assert status == 200
+    still_answers(small)
+
+
 def test_a_request_whose_lines_end_in_lf_alone_is_answered(model):
     """nc, or printf "...\\n", ends the lines in LF alone, which HTTP lets a server take (RFC 9112, 2.2):
     such a request waited out the deadline and got 408 'did not arrive whole', though it had"""
