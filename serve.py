@@ -387,7 +387,7 @@ class Handler(BaseHTTPRequestHandler):
         if ctype != "application/json":
             raise Refused(415, f"the body must be sent as application/json, not {ctype[:40] or 'without a type'}")
         lengths = self.headers.get_all("Content-Length", [])
-        if len(set(lengths)) > 1:            # RFC 9112 6.3: an error (a proxy that took the other reads another request)
+        if len(set(lengths)) > 1:            # RFC 9112 6.3: an error (a proxy taking the other reads another request)
             raise Refused(400, f"the request has Content-Length headers that differ ({' and '.join(lengths)[:60]}); "
                           "send one")
         length = self.headers.get("Content-Length")
