@@ -179,6 +179,7 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
 
 cu = None                                      # cuda.bindings.driver, once init_gpu ran
 gpu = None                                     # the one GPU this program drives
+memory_advice = "lower --batch"                # check's words when the GPU's memory runs out: main sets the command's
 
 
 def check(result, what, out_of_memory=None):
@@ -189,7 +190,7 @@ def check(result, what, out_of_memory=None):
         _, name = cu.cuGetErrorName(err)
         name = name.decode() if isinstance(name, bytes) else str(err)
         if "OUT_OF_MEMORY" in name:
-            raise NanoEulerError(out_of_memory or f"out of GPU memory in {what}; lower --batch")
+            raise NanoEulerError(out_of_memory or f"out of GPU memory in {what}; {memory_advice}")
         raise NanoEulerError(f"CUDA error {name} in {what}")
     return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
 
@@ -1781,13 +1782,23 @@ def build_parser():
 
 
 def main(argv=None):
+    global memory_advice
     started = ne.now()                                             # --minutes counts the whole run from here
     args = build_parser().parse_args(argv)
     args.started = started
     args.argv = sys.argv[1:] if argv is None else list(argv)       # what --gpus starts once per GPU
     commands = {"check": cmd_check, "train": cmd_train, "bench": cmd_bench, "sample": cmd_sample, "sft": cmd_sft,
                 "chat": cmd_chat, "rendezvous": cmd_rendezvous, "serve": cmd_serve}
-    ne.run_command(commands[args.command], args)
+    before = memory_advice
+    if not hasattr(args, "batch") or getattr(args, "decode_only", False):
+        # decoding holds the model (its weights, their bf16 copy, a KV cache of its T rows) whatever
+        # the --max-new-tokens; check, a few small arrays
+        memory_advice = "free the GPU's memory (nvidia-smi lists what holds it)" + (
+            ", or decode a smaller model" if args.command != "check" else "")
+    try:
+        ne.run_command(commands[args.command], args)
+    finally:                                                       # (a test's next command: its own)
+        memory_advice = before
 
 
 

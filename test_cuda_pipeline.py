@@ -756,6 +756,32 @@ def test_page_locked_memory_the_driver_refuses_is_named_as_the_hosts(emulated, m
 
 @needs_nvrtc
 @needs_gxx
+@pytest.mark.parametrize("argv, advice", [
+    (["sample", "--prompt", "ab"], "free the GPU's memory (nvidia-smi lists what holds it), or decode a smaller model"),
+    (["chat"], "free the GPU's memory (nvidia-smi lists what holds it), or decode a smaller model"),
+    (["bench", "small", "--decode-only"], "free the GPU's memory (nvidia-smi lists what holds it), or decode a "
+                                          "smaller model"),
+    (["sft"], "lower --batch"),
+])
+def test_out_of_gpu_memory_advice_fits_the_command(emulated, monkeypatch, capsys, tmp_path, argv, advice):
+    # cuMemAlloc's CUDA_ERROR_OUT_OF_MEMORY said "lower --batch" to sample, chat and serve, which have no
+    # --batch; what they hold is the model (its weights, a bf16 copy, a KV cache of its T rows): --max-new-tokens
+    # changes none of it
+    tok = ne.Tokenizer()
+    cfg = ne.Config(V=tok.vocab_size, C=32, Hq=2, Hkv=1, L=1, T=32, F=48, K=2)
+    model = str(tmp_path / "m.safetensors")
+    ne.save_model(model, cfg, ne.init_params(cfg, seed=1), tok)
+    monkeypatch.setattr(emulated, "cuMemAlloc", lambda n: (emulated.real.CUresult.CUDA_ERROR_OUT_OF_MEMORY, None))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello\n")))
+    with pytest.raises(SystemExit) as e:
+        nc.main([*argv, "--model", model] + (["--out", str(tmp_path / "sft")] if argv[0] == "sft" else []))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and re.fullmatch(rf"error: out of GPU memory in cuMemAlloc of [\d,]+ bytes; "
+                                              rf"{re.escape(advice)}", err[-1]), err
+
+
+@needs_nvrtc
+@needs_gxx
 def test_the_decoding_profile_runs_on_the_cpu_emulator(emulated, capsys):
     # bench --profile's decoding part (graph replays, a pass by kernel, passes over 1..K rows
     # and heads) on a small model: every line it promises, and the decoder still decodes after
