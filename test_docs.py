@@ -2,7 +2,8 @@
 The documents' links and shape: every relative link and every backticked path in
 README.md, BENCHMARKS.md, docs/*.md and dev/*.md names a file of the repository
 (so a moved log or script cannot leave a figure without its source), docs/ holds
-only the pages, and BENCHMARKS stays a page of current figures.
+only the pages, BENCHMARKS stays a page of current figures, and the number of
+instructions the pages say sft trains on is the one sft prints.
 
     python -m pytest -q test_docs.py
 """
@@ -10,6 +11,8 @@ only the pages, and BENCHMARKS stays a page of current figures.
 import glob
 import os
 import re
+import subprocess
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAGES = ["README.md", "BENCHMARKS.md"] + sorted(glob.glob("docs/*.md", root_dir=HERE)) + \
@@ -62,3 +65,21 @@ def test_docs_holds_only_pages_and_benchmarks_only_current_figures():
               if not name.endswith((".md", ".png", ".svg", ".jpg"))]
     assert others == [], f"docs/ should hold pages only; move {others} to dev/"
     assert len(read("BENCHMARKS.md").splitlines()) <= 300     # the dated chapters go to dev/LOG.md
+
+
+def test_the_pages_name_as_many_sft_instructions_as_sft_prints(tmp_path):
+    # the README's quick start and docs/chat.md say how many instructions the flow's sft trains on;
+    # sft prints it ('data | ...: N train + M val examples'), and it moves when sft's rule for leaving
+    # an example out does (2026-12-04: 1,853 became 1,852). A random model with the tokenizer that
+    # train makes from tinyshakespeare (vocabulary 512) has the flow's context, so sft keeps the same
+    import nanoeuler as ne
+    cfg = ne.PRESETS["small"]
+    text = ne.tokenizer_sample(ne.corpus_files(os.path.join(HERE, "data", "tinyshakespeare.txt")))
+    model = str(tmp_path / "m.safetensors")
+    ne.save_model(model, cfg, ne.init_params(cfg), ne.Tokenizer.train(text, cfg.V, progress=False))
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "sft", "--model", model, "--steps", "1",
+                        "--out", str(tmp_path / "sft")], capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert r.returncode == 0, r.stderr
+    n = re.search(r"^data +\| .*: ([\d,]+) train \+", r.stdout, re.M).group(1)
+    assert f"600 steps on {n} instructions" in read("README.md")
+    assert f"read Shakespeare and {n} short answers" in " ".join(read("docs/chat.md").split())   # across a line end
