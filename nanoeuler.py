@@ -2052,6 +2052,7 @@ MAX_T = 8192            # a T x T float32 score matrix per head is 256 MB at 819
 MAX_PARAMS = 2 ** 31    # 8 GB of float32 weights, 32 GB with AdamW's moments and a gradient; big has 0.1 billion
 MAX_VOCAB_BYTES = 64 << 20     # all tokens' bytes together; a real vocabulary holds a few MB at most
 MAX_HEADER = 100_000_000       # a safetensors header's bytes: the safetensors library's own bound
+MODEL_HINT = "give a model file that train or sft wrote (an earlier checkpoint, if this one is damaged)"
 
 
 def read_tokenizer(text):
@@ -2152,8 +2153,7 @@ def read_safetensors(path, check=None, header_only=False):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
     with open(path, "rb") as f:
         size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
-        with refused_if_malformed(lambda e: f"{path} is not a safetensors file this program reads ({e}); give a "
-                                  "model file that train or sft wrote (an earlier checkpoint, if this one is damaged)"):
+        with refused_if_malformed(lambda e: f"{path} is not a safetensors file this program reads ({e}); {MODEL_HINT}"):
             require(2 <= n <= min(size - 8, MAX_HEADER), f"its header cannot be read: its length says {n:,} bytes")
             header = json.loads(f.read(n))
             require(isinstance(header, dict), "its header is not a map")
@@ -2202,24 +2202,27 @@ def model_header(path, shapes, meta):
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, version "
                              f"{meta.get('version')!r}); " + ("it is a training state: give the model_ file of its "
                              "step" if state else "give a model file that train or sft wrote"))
-    with refused_if_malformed(lambda e: f"{path} has a broken config in its metadata ({e})"):
-        given = json.loads(meta["config"])
-        require(isinstance(given, dict), "the config is not a map")
-        missing = [k for k in SIZE_FIELDS if k not in given]
-        require(not missing, f"the config lacks {', '.join(missing)}")
-        known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in given.items() if k in known})
-    check_config(cfg, f"the config in {path}")          # before anything is made from its sizes
-    with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
-        tok = read_tokenizer(meta["tokenizer"])
-    with refused_if_malformed(lambda e: f"{path} holds tensors that do not match its config ({e} for {asdict(cfg)})"):
-        n_want = 2 + 7 * cfg.L + cfg.K                 # counted first: a crafted L = 10^18 must not list its shapes
-        require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")
-        for name, shape in param_shapes(cfg):          # by name: other writers may order them otherwise
-            require(name in shapes, f"it lacks {name}")
-            require(shapes[name] == shape, f"{name} has shape {shapes[name]}, SPEC expects {shape}")
-    if tok.vocab_size != cfg.V:
-        raise NanoEulerError(f"{path} has a tokenizer of {tok.vocab_size} tokens but V = {cfg.V}")
+    try:                                               # a part that does not read: what is wrong, then what to do
+        with refused_if_malformed(lambda e: f"{path} has a broken config in its metadata ({e})"):
+            given = json.loads(meta["config"])
+            require(isinstance(given, dict), "the config is not a map")
+            missing = [k for k in SIZE_FIELDS if k not in given]
+            require(not missing, f"the config lacks {', '.join(missing)}")
+            known = {f.name for f in fields(Config)}
+            cfg = Config(**{k: v for k, v in given.items() if k in known})
+        check_config(cfg, f"the config in {path}")      # before anything is made from its sizes
+        with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
+            tok = read_tokenizer(meta["tokenizer"])
+            require(tok.vocab_size == cfg.V, f"it has {tok.vocab_size} tokens where the config says V = {cfg.V}")
+        with refused_if_malformed(lambda e: f"{path} holds tensors that do not match its config ({e} for "
+                                  f"{asdict(cfg)})"):
+            n_want = 2 + 7 * cfg.L + cfg.K             # counted first: a crafted L = 10^18 must not list its shapes
+            require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")
+            for name, shape in param_shapes(cfg):      # by name: other writers may order them otherwise
+                require(name in shapes, f"it lacks {name}")
+                require(shapes[name] == shape, f"{name} has shape {shapes[name]}, SPEC expects {shape}")
+    except NanoEulerError as e:
+        raise NanoEulerError(f"{e}; {MODEL_HINT}") from None
     return cfg, tok
 
 
@@ -2546,8 +2549,7 @@ class RunFolder:
                 if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
                     break
             f.close()                                  # its holder removed it as we opened it: once more
-        f.seek(0)
-        f.truncate()
+        f.truncate(0)                                  # (append mode: the write goes to the new end)
         f.write(f"{os.getpid()}\n")
         f.flush()
         return f
@@ -2933,8 +2935,7 @@ def text_chunks(files):
             offset, data = 0, b""
             while block := f.read(CHUNK_BYTES):
                 data += block
-                cut = chunk_end(data)
-                if cut:
+                if cut := chunk_end(data):
                     yield path, offset, data[:cut], False
                     offset, data = offset + cut, data[cut:]
         if size:
@@ -3022,8 +3023,7 @@ def encoded_chunks(files, tok, workers):
                 while len(pending) > 2 * workers or (pending and pending[0][0].done()):
                     future, nbytes = pending.popleft()
                     yield future.result(), nbytes
-            while pending:
-                future, nbytes = pending.popleft()
+            for future, nbytes in pending:
                 yield future.result(), nbytes
     except BrokenProcessPool:
         raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "

@@ -8,6 +8,7 @@ and reading a file must never allocate more than the file and a sane config impl
 
 import nanoeuler as ne  # first: it sets the BLAS thread count before numpy loads
 
+import dataclasses
 import errno
 import importlib
 import json
@@ -327,6 +328,33 @@ def test_a_file_that_is_not_a_model_says_what_to_give_instead(tmp_path, content,
                                                                   "data_offsets": [0, size]}}, b"\0" * size)
     last = assert_one_sentence(run("nanoeuler.py", "sample", "--model", str(path)), str(path))
     assert last.startswith(f"error: {path} {what}; {ADVICE}"), last
+
+
+DAMAGED = "; give a model file that train or sft wrote (an earlier checkpoint, if this one is damaged)"
+
+
+def damaged(config=None, tokenizer=None, drop=False, cfg=CFG):
+    """model_parts of cfg, with this config or tokenizer text in the metadata, or its last tensor dropped"""
+    tensors, meta = model_parts(cfg)
+    meta.update({k: v for k, v in (("config", config), ("tokenizer", tokenizer)) if v is not None})
+    return tensors[:-1] if drop else tensors, meta
+
+
+@pytest.mark.parametrize("parts, what", [
+    (damaged(config="{not json"), "has a broken config in its metadata (Expecting "),
+    (damaged(config=json.dumps({**ne.asdict(CFG), "T": 1})), "is unusable: its context T = 1 is below 2"),
+    (damaged(tokenizer="[]"), "has a broken tokenizer in its metadata (its special tokens"),
+    (damaged(drop=True), "holds tensors that do not match its config (10 tensors, SPEC expects 11"),
+    (damaged(cfg=dataclasses.replace(CFG, V=300)), "has a broken tokenizer in its metadata (it has 260 "
+                                                   "tokens where the config says V = 300)"),    # ne.Tokenizer(): 260
+])
+def test_a_model_with_damaged_metadata_says_what_to_give_instead(tmp_path, parts, what):
+    """a broken or unusable config, a broken tokenizer, tensors unlike the config, a tokenizer of another V:
+    the sentence said what was wrong, and not what to do (as a file that is not a model did before 0156e52)"""
+    path = str(tmp_path / "m.safetensors")
+    ne.write_safetensors(path, *parts)
+    last = assert_one_sentence(run("nanoeuler.py", "sample", "--model", path), path)
+    assert what in last and last.endswith(DAMAGED) and last.count("; ") == 1, last
 
 
 # -----------------------------------------------------------------------------
