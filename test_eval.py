@@ -468,6 +468,7 @@ def test_a_damaged_checkpoint_under_run_is_named_with_what_to_do_and_nothing_is_
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"{bad} is not a safetensors file" in r.stderr
     assert "move model_000200.safetensors out of the folder or delete it, then run again" in r.stderr
+    assert "give a model file" not in r.stderr         # read_safetensors's advice, for --model: one advice here
     assert sorted(os.listdir(tmp_path)) == ["model_000100.safetensors", "model_000200.safetensors"]
 
 

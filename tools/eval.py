@@ -621,9 +621,9 @@ def run_checkpoints(args):
     names = sorted(n for n in os.listdir(args.run) if re.fullmatch(r"model_\d+\.safetensors", n))
     if not names:
         raise NanoEulerError(f"{args.run} holds no checkpoints (model_*.safetensors); give a run's --out folder")
-    def damaged(name, e):
-        return NanoEulerError(f"{e} (--run scores every model_*.safetensors in {args.run}: move {name} out of the "
-                              "folder or delete it, then run again)")
+    def damaged(name, e):                              # what is wrong (before its advice for --model), then ours
+        return NanoEulerError(f"{str(e).split('; ')[0]} (--run scores every model_*.safetensors in {args.run}: move "
+                              f"{name} out of the folder or delete it, then run again)")
     check_writable(os.path.join(args.run, "eval.csv"))
     for name in names:                                 # every header before minutes of scoring
         where = os.path.join(args.run, name)
