@@ -1885,7 +1885,7 @@ def cmd_plot(args):
     """log.svg (and log.png) of a run folder or a log.csv, drawn again"""
     csv_path = os.path.join(args.run, "log.csv") if os.path.isdir(args.run) else args.run
     if not os.path.isfile(csv_path):
-        raise NanoEulerError(f"{csv_path} is not there; give a run folder (like out/small) or its log.csv")
+        raise NanoEulerError(f"{csv_path or repr('')} is not there; give a run folder (like out/small) or its log.csv")
     with open(csv_path, encoding="utf-8", errors="replace") as f:
         if f.readline() != LOG_HEADER:                   # a run writes it first, atomically (RunFolder.begin)
             raise NanoEulerError(f"{csv_path} is not a run's log (its first line is not log.csv's header); "

@@ -66,6 +66,8 @@ def test_plot_takes_a_log_csv_and_refuses_what_is_not_one(tmp_path):
         err = r.stderr.decode()
         assert r.returncode == 2 and f"error: {tmp_path / named} {words}" in err, err
         assert "Traceback" not in err and err.count("\n") == 1, err
+    err = run_cli("plot", "").stderr.decode()           # an empty path: it read "error:  is not there"
+    assert err == "error: '' is not there; give a run folder (like out/small) or its log.csv\n", err
 
 
 def test_a_training_run_ends_with_its_picture(tmp_path):
