@@ -448,6 +448,28 @@ def check_parts_module():
     return parts
 
 
+def test_the_emulator_run_bare_runs_its_default_checks(monkeypatch, capsys):
+    # docs/gpu.md and its docstring give `python tools/emulate_cuda.py` bare: kernels, training and decoding.
+    # Python 3.11's argparse checked the list default against choices= as one value and exited 2 at once
+    # ("invalid choice: ['kernels', 'training', 'decoding']"); now it gets past its flags to the emulator
+    emulator = emulator_module()
+
+    class Started(Exception):
+        pass
+
+    def install(nc, reverse):
+        raise Started
+    monkeypatch.setattr(emulator, "install", install)
+    monkeypatch.setattr(sys, "argv", ["emulate_cuda.py"])
+    with pytest.raises(Started):
+        emulator.main()
+    assert emulator.parse_args([]).what == ["kernels", "training", "decoding"]
+    assert emulator.parse_args(["fast", "kernels"]).what == ["fast", "kernels"]
+    with pytest.raises(SystemExit) as stop:                 # a word it does not know is still refused
+        emulator.parse_args(["fats"])
+    assert stop.value.code == 2 and "'fats' is not a check this emulator runs" in capsys.readouterr().err
+
+
 @needs_gxx
 def test_the_emulators_fibers_run_where_g_plus_plus_fortifies_longjmp(tmp_path):
     # the fibers longjmp between stacks; glibc's fortified longjmp (Ubuntu's g++ fortifies by

@@ -678,16 +678,29 @@ def check_training(nc, rng, reporter):
         nc.check_sft(rng, reporter, precision)
 
 
-def main():
+WHAT = ["kernels", "training", "decoding", "fast", "check"]
+
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("what", nargs="*", default=["kernels", "training", "decoding"],
-                   choices=["kernels", "training", "decoding", "fast", "check"],
+    # the words are checked here, not by choices=: Python 3.11's argparse checks a list default against the
+    # choices as one value and refused the bare command ("invalid choice: ['kernels', 'training', 'decoding']")
+    p.add_argument("what", nargs="*", metavar="{" + ",".join(WHAT) + "}",
                    help="kernels: check_kernels and check_optimizer (both builds); training: those, attention, "
-                        "the model, SFT rows and steps; check: `nanoeuler_cuda.py check` itself, all of it; decoding: check_decoding; fast: "
-                        "check_decode_logits on rows of up to 3 chunks, fp32")
+                        "the model, SFT rows and steps; check: `nanoeuler_cuda.py check` itself, all of it; "
+                        "decoding: check_decoding; fast: check_decode_logits on rows of up to 3 chunks, fp32; "
+                        "none: kernels, training and decoding")
     p.add_argument("--reverse", action="store_true",
                    help="run blocks, and a block's threads between barriers, in reverse order (races show)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if bad := [w for w in args.what if w not in WHAT]:
+        p.error(f"{bad[0]!r} is not a check this emulator runs; give some of {', '.join(WHAT)}, or none")
+    args.what = args.what or ["kernels", "training", "decoding"]
+    return args
+
+
+def main():
+    args = parse_args()
     sys.path.insert(0, HERE)
     import nanoeuler as ne
     import nanoeuler_cuda as nc
