@@ -2411,10 +2411,8 @@ STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 min
 def process_exists(pid):
     try:
         os.kill(pid, 0)                                # signal 0: nothing is sent, the pid is checked
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:                            # another user's process
-        return True
+    except (ProcessLookupError, PermissionError, OverflowError) as e:
+        return isinstance(e, PermissionError)          # EPERM: another user's; else none (or a pid too large)
     return True
 
 
@@ -2603,22 +2601,26 @@ class RunFolder:
         found: resume_or_init's (step, load_checkpoint's tuple); None: the newest pair, from its headers alone"""
         if found:
             step, (cfg, _, tok, _, _, state) = found
-            made_by = state.get("args", {}).get("command")
         elif steps := self.steps():                    # before the corpus is tokenized (minutes); the tokenizer
             step, tok = steps[0], None                 # is compared once the pair is loaded
             try:
                 _, meta = read_safetensors(self.path(step, "state"), header_only=True)
-                made_by = json.loads(meta["state"]).get("args", {}).get("command")
+                state = check_state(json.loads(meta["state"]), step)
                 _, meta = read_safetensors(self.path(step), header_only=True)   # V aside: the tokenizer may lower it
                 cfg = Config(**{**json.loads(meta["config"]), "V": self.cfg.V})
             except (NanoEulerError, *MALFORMED):
                 return                                 # a broken pair: newest_readable sets it aside
         else:
             return                                     # no checkpoint: nothing to continue
-        command = getattr(args, "command", None)
+        saved, command = state.get("args", {}), getattr(args, "command", None)
+        made_by = saved.get("command")
         if made_by and command and made_by != command:
             raise NanoEulerError(f"{self.out} holds checkpoints of {made_by}, which {command} cannot continue; "
                                  f"give {command} its own --out")
+        # a --steps run's cosine is bound to its total; --minutes plans in the warmup, before the total binds the lr
+        if getattr(args, "minutes", 0) and not saved.get("minutes") and "planned_steps" not in state:
+            raise NanoEulerError(f"{self.out} holds a run of --steps {saved.get('steps', '?')}, at step {step}, whose "
+                                 "length --minutes cannot plan; resume with --steps, or give --minutes another --out")
         differs = "; ".join(f"{k} {v} there, {asdict(self.cfg)[k]} here" for k, v in asdict(cfg).items()
                             if v != asdict(self.cfg)[k])
         if differs or tok and tok.merges != self.tok.merges:
@@ -2983,11 +2985,9 @@ def _start_worker(merges, max_piece_bytes):
     Should the main process be killed outright (kill -9, out of memory), the
     worker exits too rather than wait for work forever."""
     import multiprocessing
-    import threading
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    main_process = multiprocessing.parent_process()
-    threading.Thread(target=lambda: (main_process.join(), os._exit(1)), daemon=True).start()
+    threading.Thread(target=lambda: (multiprocessing.parent_process().join(), os._exit(1)), daemon=True).start()
     _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
 
 

@@ -274,6 +274,36 @@ def test_pretraining_resumed_into_an_sft_folder_is_refused(finished_run, instruc
     assert "holds checkpoints of sft, which train cannot continue" in capsys.readouterr().err
 
 
+def test_minutes_cannot_resume_a_steps_run(finished_run, instructions, corpus, tmp_path, monkeypatch, capsys):
+    # a --steps run has no plan, and its cosine is bound to its total. --minutes on --resume used to
+    # plan 20 steps on from the resumed step under the --steps default's total (1000; 600 for sft):
+    # within 20 steps of it the run stopped there, its total shown as "?", with no plan; past it,
+    # "already complete: step 1500 of 1000". Now refused, before the corpus is tokenized
+    out = copy_of(finished_run, tmp_path)                # train --steps 8, at step 8
+    before = files_of(out)
+    err = one_sentence(run_cli(*train_args(out, corpus, "--minutes", "0.1", "--resume")))
+    assert err == (f"error: {out} holds a run of --steps 8, at step 8, whose length --minutes cannot plan; resume "
+                   "with --steps, or give --minutes another --out")
+    assert files_of(out) == before
+    sft = tmp_path / "sft"                               # sft: refused once the model and the pair are read
+    r = run_cli(*sft_args(finished_run / "run" / "best.safetensors", sft, instructions, "--steps", "2"))
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    err = one_sentence(run_cli(*sft_args(finished_run / "run" / "best.safetensors", sft, instructions, "--minutes",
+                                         "0.1", "--resume")))
+    assert err.startswith(f"error: {sft} holds a run of --steps 2, at step 2, whose length --minutes cannot plan")
+    # a --minutes run stopped before its plan resumes with --minutes (and plans from there), as before
+    mine = tmp_path / "minutes"
+    ne.main(train_args(mine, corpus, "--minutes", "5", "--stop-after", "3"))
+    ne.main(train_args(mine, corpus, "--minutes", "5", "--stop-after", "2", "--resume"))
+    assert ne.RunFolder(str(mine)).latest() == 5 and "step 5/? |" in capsys.readouterr().out
+    ne.main(train_args(out, corpus, "--steps", "12", "--resume"))      # what the refusal says to do
+    assert ne.RunFolder(str(out)).latest() == 12
+    monkeypatch.setattr(ne, "prepare_data", lambda *a, **k: pytest.fail("tokenized before refusing"))
+    with pytest.raises(SystemExit) as stop:
+        ne.main(train_args(out, corpus, "--minutes", "5", "--resume"))
+    assert stop.value.code == 2 and "whose length --minutes cannot plan" in capsys.readouterr().err
+
+
 def test_mtp_weight_reaches_the_saved_config_and_the_loss(finished_run, corpus, tmp_path):
     # SPEC: mtp_weight = 0.5 by default, shared by the K-1 = 3 extra heads
     cfg, _, _ = ne.load_model(str(finished_run / "run" / "model_000004.safetensors"))
