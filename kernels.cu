@@ -678,7 +678,7 @@ extern "C" __global__ void adamw_update_kernel(float* params, bfloat16* params16
 // for the kernels before it (decode_wait) before it reads their outputs or writes
 // anything. Launched without it, and before sm_90, both are no-ops.
 
-#define DECODE_MAX_ROWS 8       // R at most; nanoeuler_cuda.DECODE_MAX_ROWS
+#define DECODE_MAX_ROWS 4       // R at most; nanoeuler_cuda.DECODE_MAX_ROWS
 #define DECODE_OUTS 4           // outputs a warp of decode_matvec; nanoeuler_cuda.DECODE_OUTS
 #define DECODE_LOADS 2          // 16-byte loads in flight a weight row per lane (8 in all); nanoeuler_cuda.DECODE_LOADS
 #define DECODE_CHUNK 64         // keys per block of attention_decode_split; nanoeuler_cuda.DECODE_CHUNK
@@ -717,10 +717,12 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
 }
 
 // the E inputs of chunk c (elements c*E ..) of row r as MODE builds them: in itself, in * norm_w
-// (the norm's 1/rms multiplies the whole sum at the end) or silu(gate) * up. 16-byte loads:
-// In a multiple of 8, the rows and norm_w 16-byte aligned.
+// (the norm's 1/rms multiplies the whole sum at the end; ss gains the squares of the chunk's
+// elements of in, which it is made of) or silu(gate) * up. 16-byte loads: In a multiple of 8, the
+// rows and norm_w 16-byte aligned.
 template <int MODE, int E>
-__device__ __forceinline__ void matvec_input(float* v, const float* in, const float* norm_w, int In, int r, int c) {
+__device__ __forceinline__ void matvec_input(float* v, float& ss, const float* in, const float* norm_w, int In, int r,
+                                             int c) {
 #pragma unroll
     for (int e = 0; e < E; e += 4) {
         if (MODE == IN_SWIGLU) {
@@ -734,22 +736,12 @@ __device__ __forceinline__ void matvec_input(float* v, const float* in, const fl
             float4 x = load4(in + (long)r * In + c * E + e);
             v[e] = x.x, v[e + 1] = x.y, v[e + 2] = x.z, v[e + 3] = x.w;
             if (MODE == IN_RMSNORM) {
+                ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
                 float4 n = load4(norm_w + c * E + e);
                 v[e] *= n.x, v[e + 1] *= n.y, v[e + 2] *= n.z, v[e + 3] *= n.w;
             }
         }
     }
-}
-
-// 1 / rms of row r of in (R, In), summed by one warp in a fixed order
-__device__ __forceinline__ float matvec_rstd(const float* in, int In, int r, int lane) {
-    float ss = 0.0f;
-#pragma unroll 8
-    for (int i = 4 * lane; i < In; i += 128) {                    // the loads of 8 iterations in flight
-        float4 x = load4(in + (long)r * In + i);
-        ss += x.x * x.x + x.y * x.y + x.z * x.z + x.w * x.w;
-    }
-    return 1.0f / sqrtf(warp_sum(ss) / In + 1e-5f);
 }
 
 // one round of a lane's weight loads: chunks c, c+32, .. (DECODE_LOADS of them) below c1.
@@ -778,16 +770,18 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // chunks fit in one round, and more while there are fewer warps than 8 an SM and each lane
 // keeps a chunk. The parts' sums meet in shared memory and are added in part order: each
 // row's sum runs in an order fixed by In and splits, whatever R. The norm's 1/rms of row r
-// is summed by warp r of every block over the whole row while the weights are on their way
-// (the same order in every block; kept out of the main loop, whose registers it would
-// take). No kernel writes a weight, so with programmatic launch the first round's loads go
+// comes from the same loads of the inputs: each warp sums the squares of its part of the row,
+// and the parts meet beside the products' sums, in part order (the same bits in every group
+// and block). (Summed apart by warp r, it put a second trip to L2 on warp r's chain before its
+// products.) No kernel writes a weight, so with programmatic launch the first round's loads go
 // out before the wait for the kernel that wrote `in`.
-// block 256 (8 warps, R <= 8), grid = ceil(Out / (8 * DECODE_OUTS / splits)); splits 1, 2, 4 or 8;
-// launch bounds (256, 2): at most 128 registers (the bf16 norm and SwiGLU builds spill 12-16 bytes)
+// block 256 (8 warps, R <= DECODE_MAX_ROWS), grid = ceil(Out / (8 * DECODE_OUTS / splits)); splits 1, 2, 4
+// or 8; launch bounds (256, 2): at most 128 registers, which the bf16 norm and SwiGLU builds use, unspilled (at 8
+// rows they spilled 12-16 bytes: the accumulators are DECODE_OUTS x DECODE_MAX_ROWS registers whatever R)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
                               int ld_out, int accumulate, int splits) {
-    __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], rstd[DECODE_MAX_ROWS];
+    __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], part_ss[8][DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, groups = 8 / splits;   // groups of outputs a block
     int o0 = (blockIdx.x * groups + warp / splits) * DECODE_OUTS, part = warp % splits;
@@ -808,15 +802,13 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
     bool writes = k < groups * DECODE_OUTS && o < Out;
     float old = accumulate && writes ? out[(long)r * ld_out + o] : 0.0f;
-    if (MODE == IN_RMSNORM && warp < R) {
-        float rs = matvec_rstd(in, In, warp, lane);
-        if (lane == 0) rstd[warp] = rs;
+    float acc[DECODE_OUTS][DECODE_MAX_ROWS], ss[DECODE_MAX_ROWS];
+#pragma unroll
+    for (int r = 0; r < DECODE_MAX_ROWS; r++) {
+        ss[r] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < DECODE_OUTS; j++) acc[j][r] = 0.0f;
     }
-    float acc[DECODE_OUTS][DECODE_MAX_ROWS];
-#pragma unroll
-    for (int j = 0; j < DECODE_OUTS; j++)
-#pragma unroll
-        for (int r = 0; r < DECODE_MAX_ROWS; r++) acc[j][r] = 0.0f;
     for (int base = c0; base < c1; base += 32 * DECODE_LOADS) {
         if (base > c0)                                             // rows longer than one round
 #pragma unroll
@@ -829,7 +821,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
                 float v[8];
-                matvec_input<MODE, E>(v, in, norm_w, In, r, c);
+                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c);
 #pragma unroll
                 for (int j = 0; j < DECODE_OUTS; j++) {
                     float wf[8];
@@ -848,12 +840,20 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             float a = warp_sum(acc[j][r]);
             if (lane == 0) part_sum[warp][j][r] = a;
         }
+        if (MODE == IN_RMSNORM) {
+            float a = warp_sum(ss[r]);
+            if (lane == 0) part_ss[warp][r] = a;
+        }
     }
     __syncthreads();
     if (!writes) return;
     float s = 0.0f;
     for (int p = 0; p < splits; p++) s += part_sum[g * splits + p][j][r];
-    if (MODE == IN_RMSNORM) s *= rstd[r];
+    if (MODE == IN_RMSNORM) {                                     // the norm's 1/rms of row r
+        float sq = 0.0f;
+        for (int p = 0; p < splits; p++) sq += part_ss[g * splits + p][r];
+        s *= 1.0f / sqrtf(sq / In + 1e-5f);
+    }
     out[(long)r * ld_out + o] = old + s;
 }
 

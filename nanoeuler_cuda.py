@@ -1201,7 +1201,7 @@ def cmd_train(args):
 # (embedding, heads with the final norm, argmax with the acceptance rule).
 # kernels.cu's decoding section says why each kernel splits its work as it does.
 
-DECODE_MAX_ROWS = 8             # as in kernels.cu: R at most, so drafts <= 7
+DECODE_MAX_ROWS = 4             # as in kernels.cu: R at most, so drafts <= 3
 DECODE_OUTS = 4                 # as in kernels.cu: outputs (weight rows) a warp of decode_matvec
 DECODE_LOADS = 2                # as in kernels.cu: 16-byte loads in flight a weight row per lane of decode_matvec
 DECODE_CHUNK = 64               # as in kernels.cu: keys per block of the split attention

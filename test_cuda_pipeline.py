@@ -192,7 +192,7 @@ def test_drafts_that_never_match_cost_little_and_change_no_token():
 @pytest.mark.parametrize("K, speculative, drafts, heads", [
     (4, False, None, 1), (4, False, 2, 1),              # plain: one row and head 0 alone, whatever --drafts
     (4, True, None, 4), (4, True, 9, 4), (4, True, 2, 3), (4, True, 0, 1),
-    (12, True, None, nc.DECODE_MAX_ROWS),               # 11 draft heads, but a pass holds 8 rows
+    (12, True, None, nc.DECODE_MAX_ROWS),               # 11 draft heads, but a pass holds at most DECODE_MAX_ROWS rows
 ])
 def test_a_pass_computes_head_0_and_the_drafts_asked_for(K, speculative, drafts, heads):
     cfg = ne.Config(**{**ne.asdict(CFG), "K": K})
@@ -540,12 +540,12 @@ def test_decode_matvec_on_the_cpu_emulator_against_float64(emulated):
     # decode_matvec (nanoeuler_cuda's launcher, kernels.cu run on the CPU) against float64 numpy:
     # every mode, fp32 and bf16 weights, += into a wider output; 13 outputs (the 4 a warp takes
     # leave the last group partly empty) with rows of 64, 1024 and 2048 inputs (the launcher's
-    # splits), and 45 outputs over two blocks, 8 rows at 1 warp a group (all 256 threads in the
+    # splits), and 45 outputs over two blocks, the most rows at 1 warp a group (all 256 threads in the
     # last phase) and 2 rows at 2; each row of a launch has the bits of that row launched alone
     nc.init_gpu("fp32")
     rng = np.random.default_rng(5)
-    for R, Out, In, splits in ((3, 13, 64, None), (3, 13, 1024, None), (3, 13, 2048, None), (8, 45, 768, 1),
-                               (2, 45, 768, 2)):
+    for R, Out, In, splits in ((3, 13, 64, None), (3, 13, 1024, None), (3, 13, 2048, None),
+                               (nc.DECODE_MAX_ROWS, 45, 768, 1), (2, 45, 768, 2)):
         check_decode_matvec(rng, R, Out, In, splits)
 
 

@@ -188,7 +188,7 @@ def stage_us(fn, mode, blocks, cluster, buf, sync, failed):
     ms = nc.check(nc.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime")
     for e in (start, end):
         nc.cu.cuEventDestroy(e)
-    return None if failed.to_host()[0] else ms * 1e3 / LAUNCHES / STAGES
+    return None if failed.download()[0] else ms * 1e3 / LAUNCHES / STAGES
 
 
 def ll_persistent_us(fn, blocks, ll, failed):
@@ -214,7 +214,7 @@ def ll_persistent_us(fn, blocks, ll, failed):
         times.append(nc.check(nc.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime") * 1e3)
         for e in (start, end):
             nc.cu.cuEventDestroy(e)
-    if failed.to_host()[0]:
+    if failed.download()[0]:
         return "gave up"
     return f"{(times[0] - times[1]) / LAUNCHES / STAGES:6.2f} us (memsets {times[1] / LAUNCHES:.1f} us a launch, off)"
 
@@ -243,7 +243,7 @@ def ll_chain_us(blocks, ll, failed):
         nc.check(nc.cu.cuEventRecord(end, nc.gpu.stream), "cuEventRecord")
         nc.gpu.sync()
         us.append(nc.check(nc.cu.cuEventElapsedTime(start, end), "cuEventElapsedTime") * 1e3 / 100)
-    if failed.to_host()[0]:
+    if failed.download()[0]:
         return "gave up"
     return f"{(us[0] - us[1]) / CHAIN:6.2f} us a launch (memset {us[1]:.1f} us a replay, off)"
 
