@@ -100,6 +100,22 @@ def test_scorer_matches_float64_reference_per_token(tiny, data):
         np.testing.assert_allclose(-nll, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_a_word_is_greedy_only_when_every_token_is_the_argmax(tiny):
+    """LAMBADA's last-word accuracy: every token of the word the model's greedy choice, found here
+    by a float64 forward; a word whose second token is not counts as a miss"""
+    path, cfg, flat, tok = tiny
+    params = ne.carve(flat.astype(np.float64), cfg)
+    ctx = tok.encode("The cup did not fit in the bag because the")
+
+    def argmax(ids):
+        return int(ne.model_forward(params, cfg, np.array([ids]))[0][0, -1].argmax())
+    first = argmax(ctx)
+    second = argmax(ctx + [first])
+    rows = [ev.make_row(ctx, [first, second], cfg.T), ev.make_row(ctx, [first, (second + 1) % cfg.V], cfg.T),
+            ev.make_row(ctx, [(first + 1) % cfg.V, second], cfg.T)]
+    assert [hit for _, hit in ev.CPUScorer(cfg, flat, threads=1).score(rows, greedy=True)] == [True, False, False]
+
+
 def test_picks_match_float64_reference_on_fixture(tiny, data):
     path, cfg, flat, tok = tiny
     scorer = ev.CPUScorer(cfg, flat, threads=1)
@@ -177,6 +193,11 @@ def test_lambada_bits_per_byte_and_last_word_accuracy():
     res = ev.evaluate_task("lambada", items, CharTok(), FakeScorer({3: [0.1] * 3}, greedy=False), ne.Config(T=64),
                            progress=False)
     assert res["acc"] == 0.0
+    # bits per byte counts UTF-8 bytes, not characters: " né" is 3 tokens here (one a character) and 4 bytes
+    items = [{"pairs": [("the context", " n\u00e9")], "gold": ["n\u00e9"], "doc": {}}]
+    res = ev.evaluate_task("lambada", items, CharTok(), FakeScorer({3: [2 * math.log(2)] * 3}), ne.Config(T=64),
+                           progress=False)
+    assert res["bpb"] == pytest.approx(6 / 4)
 
 
 def test_core_lite_is_the_mean_of_centered_accuracies():
@@ -201,6 +222,7 @@ def test_chat_question_and_numbers():
     item = {"doc": {"query": "Question: What is 2+2?\nAnswer:", "choices": ["3", "4"]}}
     assert ev.chat_question(item) == "What is 2+2?\nA. 3\nB. 4\nAnswer with the letter of the right choice."
     assert ev.last_number("so 3 + 4 = 7. The answer is 1,234.") == "1234"
+    assert ev.last_number("it fell from 5 to -3.") == "-3" and not ev.same_number(ev.last_number("to -3"), "3")
     assert ev.same_number("24", "24") and ev.same_number("24.0", "24") and not ev.same_number(None, "24")
     items = [{"doc": {"question": "Tom has 3 apples.", "short_answer": "7"}, "pairs": [], "gold": "7"}]
     cfg = ne.Config(T=200)

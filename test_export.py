@@ -232,6 +232,7 @@ def test_hf_config_writes_our_values_not_the_librarys_defaults(exported, tok):
     with open(os.path.join(exported["hf"], "tokenizer_config.json"), encoding="utf-8") as f:
         tc = json.load(f)
     assert (tc["bos_token"], tc["eos_token"], tc["add_bos_token"]) == ("<|endoftext|>", "<|end|>", False)
+    assert tc["model_max_length"] == 16              # T: transformers cuts (truncation=True) and warns past it
     t = hf_tokenizer(exported["hf"], specials_as_text=False)
     assert [t.token_to_id(s) for s in ne.SPECIALS] == [256, 257, 258, 259]
 
@@ -271,6 +272,7 @@ def test_gguf_reads_back_every_key_and_tensor(exported, tok):
     want = {"general.architecture": "llama", "llama.vocab_size": cfg.V, "llama.context_length": 16,
             "llama.embedding_length": 32, "llama.block_count": 2, "llama.feed_forward_length": 64,
             "llama.attention.head_count": 4, "llama.attention.head_count_kv": 2, "llama.attention.key_length": 8,
+            "llama.attention.value_length": 8,                                # llama.cpp's n_embd_head_v: D = 32 / 4
             "llama.rope.dimension_count": 8, "llama.rope.freq_base": 10000.0,
             "llama.attention.layer_norm_rms_epsilon": pytest.approx(1e-5), "tokenizer.ggml.model": "gpt2",
             "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.bos_token_id": 256, "tokenizer.ggml.eos_token_id": 259,

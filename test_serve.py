@@ -392,6 +392,12 @@ def test_within_the_limits_is_answered(small):
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hel"},
                                                        {"type": "text", "text": "lo"}]}]}
     assert call(small, "POST", "/v1/chat/completions", parts)[0] == 200         # content as OpenAI's parts
+    # the parts are one text, put together with nothing added (docs/serve.md): "hello", not "hel lo"
+    assert serve.read_chat_request(parts, serve.Limits(), 300)["turns"] == [("user", "hello")]
+    # both lengths: max_completion_tokens, the one OpenAI's API reference says replaced the
+    # deprecated max_tokens, is the reply's (as vLLM's server reads them too)
+    both = {"messages": [user("a")], "max_completion_tokens": 7, "max_tokens": 50}
+    assert serve.read_chat_request(both, serve.Limits(), 300)["max_tokens"] == 7
     for empty in ({"stop": None, "tools": None}, {"stop": [], "tools": []}, {"stop": ""}):   # null or empty: accepted
         assert call(small, "POST", "/v1/chat/completions", {"messages": [user("a")], **empty})[0] == 200, empty
 
@@ -476,7 +482,8 @@ def test_a_page_of_another_site_cannot_post_a_form_or_rebind_a_name(small):
     rebound = post(small, b'{"messages": [{"role": "user", "content": "a"}]}').replace(
         b"Host: 127.0.0.1", b"Host: attacker.example")
     assert raw(small, rebound)[0] == 403
-    for host in (b"localhost", b"[::1]", b"127.0.0.1"):                       # this machine's own names
+    # this machine's own names; a host name is case-insensitive (RFC 3986 3.2.2): curl sends it as typed
+    for host in (b"localhost", b"LocalHost", b"[::1]", b"127.0.0.1"):
         ok = post(small, b'{"messages": [{"role": "user", "content": "a"}]}').replace(b"127.0.0.1", host, 1)
         status, _, head = raw(small, ok)
         assert status == 200 and b"access-control" not in head.lower()

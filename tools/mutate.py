@@ -1,12 +1,14 @@
 """
 Does the test suite catch real bugs? Puts one plausible one-line bug at a time
-into a copy of nanoeuler.py (or of kernels.cu or flash_attn.cu) and runs the
-tests against it; a mutant whose tests still pass "survived", and shows a hole
-in the tests.
+into a copy of nanoeuler.py (or of kernels.cu, flash_attn.cu, or a file a
+trained model leaves home through: tools/export.py, tools/eval.py, serve.py,
+the GPU's decoding policy in nanoeuler_cuda.py) and runs the tests against it;
+a mutant whose tests still pass "survived", and shows a hole in the tests.
 
     python tools/mutate.py                 # the model and optimizer bugs against test_spec.py
     python tools/mutate.py --set inputs    # the input checks taken out, against test_inputs.py
     python tools/mutate.py --set kernels   # bugs in kernels.cu and flash_attn.cu, on the CPU emulator
+    python tools/mutate.py --set tools     # export.py, eval.py, serve.py and the GPU's decoding policy
     python tools/mutate.py -k adamw        # the mutants whose name contains "adamw"
     python tools/mutate.py --tests test_spec.py test_nanoeuler.py
 
@@ -241,8 +243,86 @@ KERNEL_MUTATIONS = [
     ("accept: a draft checked against its own row's guess, not head 0's", "kernels.cu",
      "fed[1 + j] == chosen[j * n_heads]) j++;", "fed[1 + j] == chosen[j]) j++;", "argmax_accept"),
 ]
+# the files a trained model leaves home through (--set tools): the exporters, the standard evaluation, the
+# chat server and the GPU's host-side decoding policy; (name, file, its exact text, what it becomes, pytest -k),
+# the -k naming the test file by its module name so that each mutant runs its own file's tests
+EXPORT, EVAL, SERVE = "test_export.py", "test_eval.py", "test_serve.py"
+DECODE_HOST = ("test_gpu_host.py or (test_cuda_pipeline.py and not training_checks and not nvrtc and "
+               "not decode_kernels and not profile)")
+TOOL_MUTATIONS = [
+    ("export_byte_table_takes_the_soft_hyphen", "tools/export.py", "list(range(0xAE, 0x100))",
+     "list(range(0xAD, 0x100))", EXPORT),
+    ("export_rms_eps_the_librarys_default", "tools/export.py", '"rms_norm_eps": 1e-5,', '"rms_norm_eps": 1e-6,',
+     EXPORT),
+    ("export_permute_rope_inverted", "tools/export.py", "w.reshape(H, 2, HD // H // 2, C).swapaxes(1, 2)",
+     "w.reshape(H, HD // H // 2, 2, C).swapaxes(1, 2)", EXPORT),
+    ("export_k_permuted_with_the_query_heads", "tools/export.py", '"k": permute(k, Hkv)', '"k": permute(k, Hq)',
+     EXPORT),
+    ("export_q8_0_blocks_of_16", "tools/export.py", "t.shape[1] % 32", "t.shape[1] % 16", EXPORT),
+    ("export_last_special_not_control", "tools/export.py",
+     "gguf.TokenType.CONTROL if i in range(256, ne.FIRST_MERGE_ID)",
+     "gguf.TokenType.CONTROL if i in range(256, ne.FIRST_MERGE_ID - 1)", EXPORT),
+    ("export_template_reply_without_end", "tools/export.py", "message['content'] + '<|end|>' }}",
+     "message['content'] }}", EXPORT),
+    ("export_gguf_value_length_C", "tools/export.py", "w.add_value_length(cfg.D)", "w.add_value_length(cfg.C)",
+     EXPORT),
+    ("export_hf_model_max_length_doubled", "tools/export.py", '"model_max_length": cfg.T,',
+     '"model_max_length": 2 * cfg.T,', EXPORT),
+    ("eval_row_cut_one_token_short", "tools/eval.py", "full = (list(ctx_ids) + list(cont_ids))[-(T + 1):]",
+     "full = (list(ctx_ids) + list(cont_ids))[-T:]", EVAL),
+    ("eval_acc_norm_by_the_sum", "tools/eval.py", "return -nll.sum(), -nll.mean()", "return -nll.sum(), -nll.sum()",
+     EVAL),
+    ("eval_logits_one_place_early", "tools/eval.py", "z = logits[i, len(inp) - n:len(inp)]",
+     "z = logits[i, len(inp) - n - 1:len(inp) - 1]", EVAL),
+    ("eval_lambada_any_token_greedy", "tools/eval.py", "bool((z.argmax(-1) == t).all())",
+     "bool((z.argmax(-1) == t).any())", EVAL),
+    ("eval_centered_not_scaled", "tools/eval.py", "return None if a is None else (a - c) / (1 - c)",
+     "return None if a is None else a - c", EVAL),
+    ("eval_bpb_over_characters", "tools/eval.py", 'n_bytes += len(it["pairs"][0][1].encode("utf-8"))',
+     'n_bytes += len(it["pairs"][0][1])', EVAL),
+    ("eval_keeps_the_first_unconditioned_row", "tools/eval.py", 'if r["doc_id"] >= UNCONDITIONED:',
+     'if r["doc_id"] > UNCONDITIONED:', EVAL),
+    ("eval_choices_in_file_order", "tools/eval.py", 'for _, c, x in sorted(item.pop("rows"))',
+     'for _, c, x in item.pop("rows")', EVAL),
+    ("eval_last_number_loses_its_sign", "tools/eval.py", r'r"-?\d[\d,]*(?:\.\d+)?"', r'r"\d[\d,]*(?:\.\d+)?"',
+     EVAL),
+    ("serve_room_takes_the_last_place", "serve.py", "room = max(1, cfg.T - 1 - reply_room)",
+     "room = max(1, cfg.T - reply_room)", SERVE),
+    ("serve_assistant_turn_without_end", "serve.py", '            history += [tok.special("<|end|>")]',
+     "            pass", SERVE),
+    ("serve_localhost_case_sensitive", "serve.py", 'if name.lower() == "localhost":', 'if name == "localhost":',
+     SERVE),
+    ("serve_head_must_end_in_crlf", "serve.py", r'END_OF_HEAD = re.compile(rb"\r?\n\r?\n")',
+     r'END_OF_HEAD = re.compile(rb"\r\n\r\n")', SERVE),
+    ("serve_event_without_its_blank_line", "serve.py", r'f"data: {data}\n\n"', r'f"data: {data}\n"', SERVE),
+    ("serve_stops_at_end_only", "serve.py", "if t == end or 256 <= t < ne.FIRST_MERGE_ID:", "if t == end:", SERVE),
+    ("serve_text_parts_joined_by_spaces", "serve.py", '"".join(p["text"] for p in content)',
+     '" ".join(p["text"] for p in content)', SERVE),
+    ("serve_max_tokens_before_max_completion_tokens", "serve.py",
+     'body.get("max_completion_tokens", body.get("max_tokens"))',
+     'body.get("max_tokens", body.get("max_completion_tokens"))', SERVE),
+    ("serve_reply_ending_inside_a_character_dropped", "serve.py", 'last = decoder.decode(b"", final=True)',
+     'last = decoder.decode(b"")', SERVE),
+    ("splits_a_full_round_of_loads_splits", "nanoeuler_cuda.py", "ceil_div(chunks, splits) > 32 * DECODE_LOADS",
+     "ceil_div(chunks, splits) >= 32 * DECODE_LOADS", DECODE_HOST),
+    ("splits_count_warps_without_the_splits", "nanoeuler_cuda.py", "Out * splits < 8 * DECODE_OUTS * sms",
+     "Out < 8 * DECODE_OUTS * sms", DECODE_HOST),
+    ("policy_drafts_at_its_cost", "nanoeuler_cuda.py",
+     "self.drafting = sum(self.recent) > self.cost * len(self.recent)",
+     "self.drafting = sum(self.recent) >= self.cost * len(self.recent)", DECODE_HOST),
+    ("policy_wait_without_its_longest", "nanoeuler_cuda.py", "min(2 * self.wait, DRAFT_WAIT[1])", "2 * self.wait",
+     DECODE_HOST),
+    ("policy_wait_not_reset_when_drafting_pays", "nanoeuler_cuda.py",
+     "        if self.drafting:\n            self.wait = DRAFT_WAIT[0]", "        if self.drafting:\n            pass",
+     DECODE_HOST),
+    ("policy_feeds_rows_the_last_pass_did_not_make", "nanoeuler_cuda.py",
+     "rows, self.heads = min(self.heads, heads), heads", "rows, self.heads = heads, heads", DECODE_HOST),
+    ("queue_fills_one_past_the_window", "nanoeuler_cuda.py", "if reach + policy.heads <= T:",
+     "if reach + policy.heads <= T + 1:", DECODE_HOST),
+]
 SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"]),
-        "kernels": (KERNEL_MUTATIONS, ["test_cuda_pipeline.py"])}
+        "kernels": (KERNEL_MUTATIONS, ["test_cuda_pipeline.py"]),
+        "tools": (TOOL_MUTATIONS, [EXPORT, EVAL, SERVE, "test_gpu_host.py", "test_cuda_pipeline.py"])}
 MEMORY_LIMIT = 4 << 30    # a mutant that allocates without bound fails fast instead of filling the machine
 
 
@@ -262,14 +342,19 @@ def main():
     args.tests = args.tests or tests
     # every entry as (name, file, text, what it becomes, pytest -k); "" runs all the tests
     chosen = [m if len(m) == 5 else (m[0], "nanoeuler.py", m[1], m[2], "") for m in mutations if args.k in m[0]]
-    sources = {f: open(os.path.join(HERE, f)).read() for f in ("nanoeuler.py", "kernels.cu", "flash_attn.cu")}
+    files = {"nanoeuler.py", "kernels.cu", "flash_attn.cu"} | {m[1] for m in chosen}
+    sources = {f: open(os.path.join(HERE, f)).read() for f in files}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py", "README.md"]:
+        # test_serve imports test_reliability and serves serve.html; test_eval runs get_data.sh
+        for name in args.tests + ["pytest.ini", "nanoeuler_cuda.py", "README.md", "BENCHMARKS.md", "serve.py",
+                                  "serve.html", "test_reliability.py", "get_data.sh"]:
             shutil.copy(os.path.join(HERE, name), tmp)
-        # docs: test_inputs parses the commands on its pages; tools, dev: the emulator, check's parts
-        for folder in ("data", "docs", "tools", "dev"):
+        # docs: test_inputs parses the commands on its pages; dev: check's parts; tests: test_eval's data
+        for folder in ("data", "docs", "dev", "tests"):
             if os.path.isdir(os.path.join(HERE, folder)):
                 os.symlink(os.path.join(HERE, folder), os.path.join(tmp, folder))
+        # tools (the emulator, export.py, eval.py) copied, not linked: a mutant of tools/ is written there
+        shutil.copytree(os.path.join(HERE, "tools"), os.path.join(tmp, "tools"))
 
         def run_tests(file, code, k):
             for name, text in {**sources, file: code}.items():
