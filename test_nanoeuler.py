@@ -595,13 +595,19 @@ def fake_clock(monkeypatch, now, costs):
     monkeypatch.setattr(ne, "now", lambda: now[0])
 
 
+def plan_costs():
+    """the --minutes tests' clock costs: reading the corpus 1 s, a step 1/16 s, an evaluation 2 s,
+    a checkpoint's copy 0.25 s and its write 0.5 s (fake_clock's form)"""
+    return {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
+            ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}}
+
+
 def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, monkeypatch):
     # a fake clock that moves only when the program works (reading the corpus 1 s, a step
     # 1/16 s, an evaluation 2 s, a checkpoint's copy 0.25 s and its write 0.5 s), so the
     # plan does not depend on how fast this machine is today
     now = [0.0]
-    fake_clock(monkeypatch, now, {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
-                                  ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}})
+    fake_clock(monkeypatch, now, plan_costs())
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "25", "--stop-after", "30",
                        "--eval-every", "1000", "--save-every", "1000"))
@@ -630,8 +636,7 @@ def test_minutes_keeps_a_plan_made_at_the_sessions_last_step(tmp_path, capsys, m
     # run's: --resume continues to it (as after --stop-after 30), makes no other, and a
     # resume once it is done says so, as for a --steps run that made all its steps
     now = [0.0]
-    fake_clock(monkeypatch, now, {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
-                                  ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}})
+    fake_clock(monkeypatch, now, plan_costs())
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "25", "--stop-after", "20",
                        "--eval-every", "1000", "--save-every", "1000"))
@@ -654,8 +659,7 @@ def test_minutes_says_when_its_plan_ends_in_the_warmup(tmp_path, capsys, monkeyp
     # the same clock plans 88 steps; with a warmup of 100 the whole run is warmup, as a
     # --steps 88 run would be: the plan says so, and no line promises a cosine it never makes
     now = [0.0]
-    fake_clock(monkeypatch, now, {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
-                                  ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}})
+    fake_clock(monkeypatch, now, plan_costs())
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.2", "--warmup", "100", "--stop-after", "30",
                        "--eval-every", "1000", "--save-every", "1000"))

@@ -30,7 +30,7 @@ import numpy as np              # noqa: E402
 import nanoeuler_cuda as nc     # noqa: E402
 import pdl_floor_probe          # noqa: E402
 
-SOURCE = r"""
+SOURCE = pdl_floor_probe.SOURCE + r"""
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
     unsigned v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -66,19 +66,10 @@ __device__ __forceinline__ bool spin(const unsigned* p, unsigned target, unsigne
 // mode: 0 none, 1 counter, 2 flags, 3 cluster (launched with a cluster dimension)
 extern "C" __global__ void probe_barrier_kernel(float* buf, unsigned* sync, unsigned* failed, int n,
                                                 int stages, int mode, unsigned first) {
-    __shared__ float part[8];
     unsigned* counter = sync;
     unsigned* flags = sync + 32;                      // flag of block b at flags[32 b]: its own line
     for (int s = 0; s < stages; s++) {
-        const float* in = buf + (s & 1) * n;
-        float* out = buf + ((s + 1) & 1) * n;
-        float v = 0.0f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) v += in[i];
-        for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = v;
-        __syncthreads();
-        if (threadIdx.x < 8 && blockIdx.x * 8 + threadIdx.x < n)
-            out[blockIdx.x * 8 + threadIdx.x] = (part[threadIdx.x] + in[blockIdx.x]) * 1e-3f;
+        minimal_stage(buf + ((s + 1) & 1) * n, buf + (s & 1) * n, n);   // pdl_floor_probe.py's
         unsigned epoch = first + s + 1;
         if (mode == 1) {
             __syncthreads();
@@ -261,10 +252,8 @@ def main():
     print(f"{gpu.name}, {gpu.sms} SMs, {per_sm} probe blocks an SM at most; {LAUNCHES} launches of "
           f"{STAGES} stages; GPU microseconds a stage")
     # the same stage as a chain of launches with programmatic launch, same run (pdl_floor_probe.py)
-    reference = nc.check(nc.cu.cuModuleLoadData(nc.nvrtc_compile("probe.cu", pdl_floor_probe.SOURCE, gpu.arch)),
-                         "loading probe.cu")
     gpu.functions["probe_stage_kernel", False] = nc.check(
-        nc.cu.cuModuleGetFunction(reference, b"probe_stage_kernel"), "probe_stage_kernel")
+        nc.cu.cuModuleGetFunction(module, b"probe_stage_kernel"), "probe_stage_kernel")
     a, b = nc.DeviceArray((N,)).zero(), nc.DeviceArray((N,)).zero()
     for blocks in (gpu.sms, 2 * gpu.sms):
         us = pdl_floor_probe.chain_us("probe_stage_kernel", blocks, True, a, b)

@@ -27,9 +27,10 @@ extern "C" __global__ void probe_empty_kernel(float* out, const float* in, int n
     ready();
     if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = in[0] + 1.0f;
 }
-extern "C" __global__ void probe_stage_kernel(float* out, const float* in, int n) {
+// the minimal stage: every block sums the n floats of in (one L2 trip), and writes 8 of out
+// (grid_barrier_probe.py's stages are this too)
+__device__ __forceinline__ void minimal_stage(float* out, const float* in, int n) {
     __shared__ float part[8];
-    ready();
     float s = 0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) s += in[i];
     for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
@@ -37,6 +38,10 @@ extern "C" __global__ void probe_stage_kernel(float* out, const float* in, int n
     __syncthreads();
     if (threadIdx.x < 8 && blockIdx.x * 8 + threadIdx.x < n)
         out[blockIdx.x * 8 + threadIdx.x] = (part[threadIdx.x] + in[blockIdx.x]) * 1e-3f;
+}
+extern "C" __global__ void probe_stage_kernel(float* out, const float* in, int n) {
+    ready();
+    minimal_stage(out, in, n);
 }
 """
 N, REPLAYS = 768, 200
