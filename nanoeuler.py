@@ -2969,7 +2969,7 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
-# Tokenizing on every core (encoded_chunks, below) runs worker processes.
+# Tokenizing on every core (tokenize_files, below) runs worker processes.
 # Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
 # processes started here (the workers, multiprocessing's resource tracker) inherit
 # both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
@@ -2995,43 +2995,6 @@ def _encode_chunk(chunk):
     return encode_chunk(_worker_tokenizer, *chunk)
 
 
-def encoded_chunks(files, tok, workers):
-    """yield (token ids, bytes read) for every chunk of the files, in order, encoded
-    by `workers` processes (or by this one when workers is 1).
-
-    The workers are started with spawn, each a fresh interpreter: forking a
-    process that already runs threads (training's, CUDA's) can deadlock the
-    child. At most two chunks per worker are in flight, so the reader never
-    runs ahead of the encoders and memory stays bounded. A worker that died is
-    one sentence; at the end the pool stops (its running chunks finish: at most a second)."""
-    if workers <= 1:
-        for chunk in text_chunks(files):
-            yield encode_chunk(tok, *chunk), len(chunk[2])
-        return
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-    with signals_blocked():                            # the workers start with them blocked (above)
-        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
-                                   initargs=(tok.merges, tok.max_piece_bytes))
-    pending = deque()
-    try:
-        with signals_handled():                        # the policy, also where run_command has not
-            for chunk in text_chunks(files):
-                with signals_blocked():                # submit may start a worker
-                    pending.append((pool.submit(_encode_chunk, chunk), len(chunk[2])))
-                while len(pending) > 2 * workers or (pending and pending[0][0].done()):
-                    future, nbytes = pending.popleft()
-                    yield future.result(), nbytes
-            for future, nbytes in pending:
-                yield future.result(), nbytes
-    except BrokenProcessPool:
-        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
-                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
-    finally:
-        pool.shutdown(cancel_futures=True)
-
-
 def progress_text(done, total, seconds):
     """'tokenizing: 300/1,000 MB, 42.0 MB/s, 0m16s left'"""
     rate = done / max(seconds, 1e-9)
@@ -3040,43 +3003,66 @@ def progress_text(done, total, seconds):
 
 
 def tokenize_files(files, tok, write, workers=None, progress=True):
-    """encode the files and hand the ids to write(ids), chunk by chunk, in order;
-    -> the number of tokens. Every core works unless the corpus is small."""
+    """encode the files and hand the ids to write(ids), chunk by chunk, in order; -> the number of tokens.
+    `workers` processes encode them (every core unless the corpus is small), or one thread here when 1.
+
+    The processes are started with spawn, each a fresh interpreter: forking a process that already runs
+    threads (training's, CUDA's) can deadlock the child. At most two chunks per worker are in flight, so
+    the reader never runs ahead of the encoders and memory stays bounded. A worker that died is one
+    sentence; at the end, or on Ctrl-C, the pool stops (its running chunks finish: at most a second)."""
+    from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
     total = sum(os.path.getsize(f) for f in files)
-    if workers is None:
-        workers = CORES if total >= POOL_MIN_BYTES else 1
-    done, n_tokens, t0 = 0, 0, time.time()
-    with contextlib.closing(encoded_chunks(files, tok, workers)) as chunks:   # closed: the workers stop now,
-        for ids, nbytes in chunks:                                                # also on Ctrl-C
-            write(ids)
-            n_tokens += len(ids)
-            done += nbytes
-            if progress:
-                progress_line(progress_text(done, total, time.time() - t0))
+    workers = workers or (CORES if total >= POOL_MIN_BYTES else 1)
+    if workers > 1:
+        import multiprocessing
+        with signals_blocked():                        # the workers start with them blocked (above)
+            pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
+                                       initargs=(tok.merges, tok.max_piece_bytes))
+        encode = _encode_chunk
+    else:
+        pool, encode = ThreadPoolExecutor(1), lambda chunk: encode_chunk(tok, *chunk)
+    pending, done, n_tokens, t0 = deque(), 0, 0, time.time()
+
+    def take():                                        # the oldest chunk's ids: written, counted, shown
+        nonlocal done, n_tokens
+        future, nbytes = pending.popleft()
+        ids = future.result()
+        write(ids)
+        n_tokens, done = n_tokens + len(ids), done + nbytes
+        if progress:
+            progress_line(progress_text(done, total, time.time() - t0))
+    try:
+        with signals_handled():                        # the policy, also where run_command has not
+            for chunk in text_chunks(files):
+                with signals_blocked():                # submit may start a worker
+                    pending.append((pool.submit(encode, chunk), len(chunk[2])))
+                while len(pending) > 2 * workers or (pending and pending[0][0].done()):
+                    take()
+            while pending:
+                take()
+    except BrokenExecutor:
+        raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
+                             "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
+    finally:
+        pool.shutdown(cancel_futures=True)
     if progress:
         progress_line(f"tokenizing: done, {total / 1e6:,.1f} MB in {time.time() - t0:.1f} s, "
                       f"{n_tokens:,} tokens", done=True)
     return n_tokens
 
 
-def npy_header(dtype, n):
-    """the .npy header of a 1-D array of n items: 128 bytes for any n below 10^16"""
-    f = io.BytesIO()
-    np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(dtype),
-                                             "fortran_order": False, "shape": (n,)})
-    return f.getvalue()
-
-
 def write_tokens(path, files, tok, workers=None, progress=True):
-    """tokenize files into the .npy file path as the ids come. The header, which
-    holds their count, is written last into the room left for it. All goes to
-    path.<pid>.tmp, renamed when complete: an interrupted run leaves no token file,
-    and two runs that share the cache each write their own temp file."""
-    def write(f):
-        f.seek(len(npy_header(TOKEN_DTYPE, 0)))
-        n = tokenize_files(files, tok, lambda ids: f.write(ids.tobytes()), workers, progress)
+    """tokenize files into the .npy file path as the ids come. The header, which holds their count, is
+    written again at the end over the first one (numpy leaves room in it to grow: 128 bytes for any count
+    below 10^16). All goes to path.<pid>.tmp, renamed when complete: an interrupted run leaves no token
+    file, and two runs that share the cache each write their own temp file."""
+    def header(f, n):
         f.seek(0)
-        f.write(npy_header(TOKEN_DTYPE, n))
+        np.lib.format.write_array_header_1_0(f, {"descr": TOKEN_DTYPE.str, "fortran_order": False, "shape": (n,)})
+
+    def write(f):
+        header(f, 0)
+        header(f, tokenize_files(files, tok, f.write, workers, progress))
     atomic_write(path, write)
 
 
