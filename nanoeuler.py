@@ -2609,7 +2609,7 @@ class RunFolder:
                 _, meta = read_safetensors(self.path(step), header_only=True)   # V aside: the tokenizer may lower it
                 cfg = Config(**{**json.loads(meta["config"]), "V": self.cfg.V})
             except (NanoEulerError, *MALFORMED):
-                return                                 # a broken pair: newest_readable sets it aside
+                return                                 # a broken pair: resume_or_init sets it aside
         else:
             return                                     # no checkpoint: nothing to continue
         saved, command = state.get("args", {}), getattr(args, "command", None)
@@ -2630,55 +2630,46 @@ class RunFolder:
                                  "another --out")
 
     def resume_or_init(self, args, tok, init_flat):
-        """the newest complete checkpoint with --resume (another run's refused), else a fresh start
-        -> flat, m, v, state; tok: the run's tokenizer (the checkpoints it writes hold it)"""
+        """--resume: the newest complete checkpoint that reads (another run's refused), else a fresh start
+        -> flat, m, v, state; tok: the run's tokenizer (the checkpoints it writes hold it). What --resume finds
+        that is no checkpoint is set aside, said in a line, so that no later --resume, save or pruning takes it
+        for one: a model_<step> without its state (we write the state first and delete the model first: a copied
+        model, a state deleted by hand) as *.lone; the pairs newer than the one resumed that do not read (a
+        truncated file, a state that is not JSON) as *.broken."""
         self.tok = tok
-        found = self.newest_readable() if args.resume else None
-        if args.resume and found is None:
+        if args.resume:
+            for step in [s for s in self.steps(complete=False) if not os.path.exists(self.path(s, "state"))]:
+                kept = set_aside(self.path(step), ".lone")
+                print(f"--resume: {self.path(step)} has no {os.path.basename(self.path(step, 'state'))} beside it, "
+                      f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
+            skipped = []                               # (step, why) of the newer pairs that do not read
+            for step in self.steps():
+                try:
+                    loaded = load_checkpoint(self.out, step)
+                except NanoEulerError as e:
+                    # read_safetensors's advice ("re-run with --resume") is what brought us here: keep what is wrong
+                    skipped.append((step, str(e).split("; ")[0]))
+                    continue
+                for bad, why in skipped:
+                    for kind in ("model", "state"):
+                        set_aside(self.path(bad, kind), ".broken")
+                    print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
+                          f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
+                self.refuse_other_run(args, (step, loaded))
+                print(f"resuming from {self.path(step)} at step {step}")
+                _, flat, _, m, v, state = loaded
+                return flat, m, v, state
+            if skipped:
+                raise NanoEulerError(f"--resume: no checkpoint in {self.out} can be read (the newest: "
+                                     f"{skipped[0][1]}); train afresh with another --out")
             print(f"--resume: no checkpoint under {self.out} yet, starting from scratch")
             best = os.path.join(self.out, "best.safetensors")
             if os.path.exists(best):                   # an earlier start's best: this start would overwrite it
                 print(f"--resume: {best} is kept as {os.path.basename(set_aside(best, '.earlier'))}", file=sys.stderr)
-        if found is None:                              # the state a fresh run starts from (the settings: not
-            n = num_params(self.cfg)                   # this folder's object and the start time)
-            settings = {k: v for k, v in vars(args).items() if k not in ("run", "started")}
-            state = {"step": 0, "rng": np.random.default_rng(args.seed).bit_generator.state, "args": settings}
-            return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), state
-        step, (_, flat, _, m, v, state) = found
-        self.refuse_other_run(args, found)
-        print(f"resuming from {self.path(step)} at step {step}")
-        return flat, m, v, state
-
-    def newest_readable(self):
-        """--resume: (step, load_checkpoint's tuple) of the newest pair that reads, or None
-        when there is no pair. Newer pairs that do not read (a truncated file, a state
-        that is not JSON) are renamed to *.broken, so that neither a later --resume nor
-        the pruning takes them for checkpoints, each with one line saying why.
-        A model_<step> file without its state is none of ours (we write the state first
-        and delete the model first): a copied model, or a state deleted by hand. Renamed
-        to *.lone, so that no save at its step overwrites it and no pruning deletes it."""
-        for step in [s for s in self.steps(complete=False) if not os.path.exists(self.path(s, "state"))]:
-            kept = set_aside(self.path(step), ".lone")
-            print(f"--resume: {self.path(step)} has no {os.path.basename(self.path(step, 'state'))} beside it, "
-                  f"so it is no checkpoint; kept as {os.path.basename(kept)}", file=sys.stderr)
-        skipped = []                                   # (step, why) of the newer pairs that do not read
-        for step in self.steps():
-            try:
-                loaded = load_checkpoint(self.out, step)
-            except NanoEulerError as e:
-                # read_safetensors's advice ("re-run with --resume") is what brought us here: keep what is wrong
-                skipped.append((step, str(e).split("; ")[0]))
-                continue
-            for bad, why in skipped:
-                for kind in ("model", "state"):
-                    set_aside(self.path(bad, kind), ".broken")
-                print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
-                      f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
-            return step, loaded
-        if skipped:
-            raise NanoEulerError(f"--resume: no checkpoint in {self.out} can be read (the newest: {skipped[0][1]}); "
-                                 "train afresh with another --out")
-        return None
+        n = num_params(self.cfg)                       # a fresh start (the settings: not this folder's object
+        settings = {k: v for k, v in vars(args).items() if k not in ("run", "started")}   # and the start time)
+        state = {"step": 0, "rng": np.random.default_rng(args.seed).bit_generator.state, "args": settings}
+        return init_flat(), np.zeros(n, np.float32), np.zeros(n, np.float32), state
 
     def complete(self, start, total, engine):
         """--resume of a run that has made all its steps: said, the engine closed -> start (train_loop's)"""
