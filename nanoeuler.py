@@ -2444,15 +2444,12 @@ def set_aside(path, suffix):
 # -----------------------------------------------------------------------------
 # operations: the run folder
 #
-# One object, RunFolder, is everything a run does to its folder (--out): the lock
-# (one run per folder), the refusal of another run's files, resume-or-init, log.csv
-# (cut back to the checkpoint resumed), the checkpoint pairs (written in the background
-# while training goes on, pruned, damaged ones set aside), the stop of a run that diverged,
-# and the training loop's stop on a signal or lost output (saved first).
-# A second trainer on a folder that is training refuses at once (train.lock),
-# and a run into a folder that holds another run's files continues it (--resume)
-# or refuses: two runs' logs, best models and pruning never mix. run_command
-# holds the folder for train and sft from start to end (claim).
+# One object, RunFolder, is everything a run does to its folder (--out). run_command holds it for train
+# and sft from start to end (claim): one run per folder (train.lock: a second trainer refuses at once), and
+# a folder that holds another run's files is continued (--resume), set aside (--fresh) or refused: two runs'
+# logs, best models and pruning never mix. --resume takes the newest pair that reads (damaged files set
+# aside) and cuts log.csv back to it; the loop's pairs are written while training goes on, then pruned; the
+# loop stops, saved, on a signal or lost output, and at the last good pair on a NaN (stop_if_not_finite).
 
 LOCK_NAME = "train.lock"
 RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
@@ -2472,24 +2469,14 @@ def log_row(line):
 
 
 class RunFolder:
-    """A run's folder. out: its path; cfg, tok: the model's (for the checkpoints it writes);
-    clock: seconds (the loop's, for the save timings); run.stop: the loop is to stop.
-
-    The loop's checkpoints are written while training goes on: save() takes the engine's
-    copies of the weights and moments (host_weights: on the GPU into page-locked memory,
-    in well under a second) and of the state; a thread writes the pair as save_checkpoint
-    does (state first, model last, each through a temp name) and prunes the older pairs,
-    so a kill at any moment leaves the pair before. best.safetensors goes the same way
-    (save_best). One write at most is in flight: the next save waits for it (and says so
-    once, for a pair). finish() waits and says a pair is saved; stop_if_not_finite waits
-    too (wait()), so that it names the newest pair."""
+    """A run's folder (above). out: its path; cfg, tok: the model's (for the checkpoints it writes);
+    clock: seconds (the loop's, for the save timings); stop: the loop is to stop (below)."""
     thread = None                                    # the write in flight, one per process
 
     def __init__(self, out, cfg=None, tok=None, clock=None):
         self.out, self.cfg, self.tok, self.clock = out, cfg, tok, clock or now
         self.said, self.pair, self.result, self.last, self.paused, self.took = False, False, None, self.clock(), 0., 0.
-        self.stop, self.signum, self.lost = False, None, None      # the loop's stop (below)
-        self.held = None                                           # claim's lock, while claimed
+        self.stop, self.signum, self.lost, self.held = False, None, None, None   # held: claim's lock, while claimed
         self.plan_at, self.began, self.eval_time = None, None, None    # --minutes's plan; plan_at None: none to make
 
     def path(self, step, kind="model"):
@@ -2734,7 +2721,13 @@ class RunFolder:
         if self.lost:
             raise self.lost
 
-    # -- the loop's checkpoints, written while training goes on, and --minutes's plan of its length
+    # -- the loop's checkpoints, written while training goes on, and --minutes's plan of the run's length:
+    # save takes the engine's copies of the weights and moments (host_weights: on the GPU into page-locked
+    # memory, in well under a second) and of the state; a thread writes the pair (save_checkpoint: state
+    # first, model last, each through a temp name) and prunes the older ones, so a kill at any moment leaves
+    # the pair before; best.safetensors goes the same way (save_best). One write at most is in flight: the
+    # next waits for it (a pair says so once); finish waits and says a pair is saved, stop_if_not_finite
+    # waits (wait) to name the newest pair.
 
     @staticmethod
     def save_interval(args):
