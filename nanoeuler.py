@@ -3196,15 +3196,13 @@ class Interrupted(BaseException):
     signum = property(lambda self: self.args[0])
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
-
-
 @contextlib.contextmanager
 def signals_handled(run=None):
     """the policy above while inside, the previous handlers after; run: the training loop's
     folder, whose handle takes the signals while the loop runs"""
-    handler = run.handle if run else _raise_interrupt
+    def raise_it(signum, frame):
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+    handler = run.handle if run else raise_it
     previous = {sig: signal.signal(sig, handler) for sig in SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
@@ -3321,21 +3319,14 @@ def available_memory(meminfo="/proc/meminfo", folders=cgroups()):
     """bytes this process may still take: MemAvailable of meminfo, or less where a cgroup memory limit leaves less
     (a container's, a batch job's; inside a container MemAvailable is the whole machine's); None where none of them
     can be read (not Linux). folders: our memory cgroups, read once, at import (only their figures change)"""
-    have = []
-    with contextlib.suppress(ValueError, IndexError, StopIteration):
-        have.append(next(int(ln.split()[1]) * 1024 for ln in system_file(meminfo).splitlines()
-                         if ln.startswith("MemAvailable:")))
+    have = [int(kb) * 1024 for kb in re.findall(r"^MemAvailable:\s*(\d+)", system_file(meminfo), re.M)]
     # each cgroup's room below its limit, the droppable page cache counted as free; none where
-    # it sets no limit or its files cannot be read
+    # it sets no limit (v2 says "max", v1 gives a huge number) or its files cannot be read
     for version, folder in folders:
         limit_file, usage_file, cache_line = CGROUP_FILES[version]
-        limit, usage = system_file(folder, limit_file).strip(), system_file(folder, usage_file)
-        stats = dict(ln.partition(" ")[::2] for ln in system_file(folder, "memory.stat").splitlines())
-        with contextlib.suppress(ValueError):          # v2 says "max" for no limit (v1 gives a huge number)
-            limit, usage, cache = int(limit), int(usage), 0
-            with contextlib.suppress(ValueError):
-                cache = int(stats.get(cache_line, 0))
-            have.append(max(0, limit - usage + cache))
+        cache = sum(int(n) for n in re.findall(rf"^{cache_line} (\d+)", system_file(folder, "memory.stat"), re.M))
+        with contextlib.suppress(ValueError):
+            have.append(max(0, int(system_file(folder, limit_file)) - int(system_file(folder, usage_file)) + cache))
     return min(have) if have else None
 
 
@@ -3346,14 +3337,12 @@ def check_memory(cfg, batch, threads, available=available_memory):
     validation samples from and writes best.safetensors from; the batch's ids, and the
     activations of the micro-batches in flight, one per thread (an evaluation runs the same
     micro-batches)"""
-    have = available()
-    if have is None:
-        return
+    have = available()                                 # None: nothing to read it from (not Linux), no check
     threads, processes, parts = workers_for(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
     weights = 4 * (8 + processes + threads) * num_params(cfg)      # (processes: the weights' shared copy)
     need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
-    if need > have:
+    if have is not None and need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
                              f"of weights, moments, decay mask, their copies for saving and {threads} gradient "
                              f"buffers, {threads} x {rows:,} rows of activations), more than the {have / 1e9:,.1f} GB "
@@ -3366,12 +3355,11 @@ def check_memory(cfg, batch, threads, available=available_memory):
 def progress_line(text, done=False):
     """one progress line on stderr: redrawn in place on a terminal; in a log file,
     a new line at most every 2 seconds and at the end"""
-    now = time.time()
     if sys.stderr.isatty():
         print("\r" + text, end="\n" if done else "", file=sys.stderr, flush=True)
-    elif done or now - _last_progress[0] >= 2.0:
+    elif done or time.time() - _last_progress[0] >= 2.0:
         print(text, file=sys.stderr, flush=True)
-        _last_progress[0] = now
+        _last_progress[0] = time.time()
 
 
 def silence_lost_output(fds=()):
@@ -3418,21 +3406,19 @@ def os_error_sentence(e, out_flag=True):
     return f"{e.filename}: {what}" if e.filename else what
 
 
-PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file"}
+PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file",
+              "sft --data": "a JSONL or Alpaca JSON file of instructions"}     # what each names (sft's --data its own)
 NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
 _last_progress = [0.0]          # when progress_line last wrote a line to a log file
 
 
 def run_command(command, args, closed=()):
-    """run a subcommand: the one place where a refusal ends a command. A NanoEulerError
-    raised anywhere, an OSError or a MemoryError becomes one sentence on stderr and exit
-    code 2, a signal exit code 128 + N, a closed output pipe a quiet exit 1. closed: the
-    streams that were closed at start (ArgumentParser.run). train and sft get their --out
-    folder as args.run, the one RunFolder of the run, held while they run (claim); prepare only
-    writes the cache beside it, so it holds nothing.
-    What a command cannot start with is refused before it starts: stdin or stdout closed at
-    start (`>&-`: closed) where the command needs it; a path flag given empty (--out "" would put prepare's
-    cache in ../cache, and --model "" reads as "does not exist"), or an --out that is a file; a working
+    """run a subcommand, the one place where a command ends: a NanoEulerError raised anywhere, an OSError or a
+    MemoryError is one sentence on stderr and exit code 2; a signal, exit code 128 + N; a closed output pipe, a
+    quiet 1. train and sft get their --out folder as args.run, the run's one RunFolder, held while they run
+    (claim; prepare only writes the cache beside it). Refused before the command starts: a stream it needs,
+    closed at start (`>&-`: closed, from ArgumentParser.run); a path flag given empty (--out "" would put
+    prepare's cache in ../cache, --model "" reads as "does not exist"); an --out that is a file; a working
     folder deleted under us (all but check use paths)."""
     run, name = None, getattr(args, "command", None)
     if hasattr(args, "out") and hasattr(args, "resume"):
@@ -3443,11 +3429,8 @@ def run_command(command, args, closed=()):
         for stream in (n for n in NEEDS_STREAMS.get(name, []) if n in closed):
             raise NanoEulerError(f"{name} needs its {stream}, which is closed; run it without closing {stream} "
                                  f"({'<&-' if stream == 'stdin' else '>&-'})")
-        for flag, what in PATH_FLAGS.items():
-            if flag == "data" and name == "sft":
-                what = "a JSONL or Alpaca JSON file of instructions"
-            if getattr(args, flag, None) == "":
-                raise NanoEulerError(f"--{flag} is empty; give {what}")
+        for flag in (f for f in ("out", "data", "model") if getattr(args, f, None) == ""):
+            raise NanoEulerError(f"--{flag} is empty; give {PATH_FLAGS.get(f'{name} --{flag}', PATH_FLAGS[flag])}")
         if os.path.exists(out := getattr(args, "out", None) or "") and not os.path.isdir(out):
             raise NanoEulerError(f"--out {out} is a file, not a folder; give {PATH_FLAGS['out']}")
         if name != "check":
@@ -3487,13 +3470,10 @@ def run_command(command, args, closed=()):
 def number_type(convert, ok, what):
     """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
     def parse(text):
-        value = None
-        with contextlib.suppress(ValueError):
-            value = convert(text)
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    parse.__name__ = what                               # what argparse shows if it ever names the type
+        with contextlib.suppress(ValueError):           # (not a number at all)
+            if ok(value := convert(text)):
+                return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return parse
 
 
@@ -3534,9 +3514,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     there is none to say (an off switch, an optional value that is not given)"""
 
     def _get_help_string(self, action):
-        # "is", not "in": 0 == False, and --minutes' 0 has something to say
-        if "(default: " in (action.help or "") or action.default is None or action.default is False \
-                or action.default == "":
+        # False by "is", not "in": 0 == False, and --minutes' 0 has something to say
+        if "(default: " in (action.help or "") or action.default in (None, "") or action.default is False:
             return action.help
         return super()._get_help_string(action)
 
@@ -3555,17 +3534,16 @@ class ArgumentParser(argparse.ArgumentParser):
         too) fails on None and no file we open later takes their descriptor; a text that cannot
         be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
         args, closed = argparse.Namespace(started=now()), []   # --minutes counts the whole run from here
-        for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        for fd, name in enumerate(["stdin", "stdout", "stderr"]):
             # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
-            # script) may have left a read-only file there
-            is_open = False
+            # script) may have left a read-only file there (fcntl's OSError: fd is closed)
             with contextlib.suppress(OSError):
-                is_open = getattr(sys, name) is not None and (
-                    fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY)
-            if not is_open:
-                silence_lost_output([fd])
-                setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
-                closed.append(name)
+                if getattr(sys, name) is not None and (
+                        fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY):
+                    continue
+            silence_lost_output([fd])
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+            closed.append(name)
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "reconfigure"):
                 stream.reconfigure(errors="replace")
