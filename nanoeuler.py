@@ -2,7 +2,7 @@
 NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
-    python nanoeuler.py check     # prove every gradient (float64 central differences)
+    python nanoeuler.py check     # every gradient against float64 central differences (big tensors sampled)
     python nanoeuler.py train     # train the small model on the embedded corpus (5-8 min on 2 cores)
     python nanoeuler.py sample --model out/small/best.safetensors --prompt "ROMEO:"
 
@@ -138,7 +138,7 @@ def linear_forward(x, w):
     # flatten to 2-D first: numpy loops over the leading axes of an N-D matmul,
     # while one (B*T, IN) @ (IN, OUT) is a single large BLAS call, twice as fast
     x2 = x.reshape(-1, x.shape[-1])
-    out = x2 @ w.T                                                     # (N,IN) @ (IN,OUT)
+    out = x2 @ w.T                                                     # (N,IN) @ (IN,OUT), N = B*T rows
     return out.reshape(*x.shape[:-1], w.shape[0]), (x, w)
 
 
@@ -221,28 +221,28 @@ def attention_forward(q, k, v):
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     qg = q.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
-    kt = k.transpose(0, 2, 3, 1)                                      # (B,Hkv,D,Tk)
-    vt = v.transpose(0, 2, 1, 3)                                      # (B,Hkv,Tk,D)
+    kt = k.transpose(0, 2, 3, 1)                                      # (B,Hkv,D,Tk): k.T by kv head
+    vh = v.transpose(0, 2, 1, 3)                                      # (B,Hkv,Tk,D): v by kv head
     att = (qg * (1.0 / math.sqrt(D))) @ kt    # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
     att += causal_mask(Tq, Tk, G, q.dtype)
     att -= att.max(-1, keepdims=True)         # softmax in place (the largest array), shifted: exp cannot overflow
     np.exp(att, out=att)
     att /= att.sum(-1, keepdims=True)
-    y = att @ vt                              # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
+    y = att @ vh                              # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
     y = y.reshape(B, Hkv, G, Tq, D).transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
-    return y, (qg, kt, vt, att)
+    return y, (qg, kt, vh, att)
 
 
 def attention_backward(dy, cache):
     """dy (B,Tq,Hq,D) -> dq (B,Tq,Hq,D), dk dv (B,Tk,Hkv,D)"""
-    qg, kt, vt, att = cache
+    qg, kt, vh, att = cache
     B, Tq, Hq, D = dy.shape
     Hkv = kt.shape[1]
     G = Hq // Hkv
     dyg = dy.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(B, Hkv, G * Tq, D)
-    datt = dyg @ vt.transpose(0, 1, 3, 2)     # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
+    datt = dyg @ vh.transpose(0, 1, 3, 2)     # (B,Hkv,G*Tq,D) @ (B,Hkv,D,Tk) -> (B,Hkv,G*Tq,Tk)
     # the G query heads of a kv head sit in one matmul, so their dv and dk add up here
-    dvt = att.transpose(0, 1, 3, 2) @ dyg     # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D) -> (B,Hkv,Tk,D)
+    dvh = att.transpose(0, 1, 3, 2) @ dyg     # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D) -> (B,Hkv,Tk,D)
     # softmax backward: ds = att * (datt - sum(datt * att)); masked entries have att = 0
     ds = datt                                 # in place: datt is not needed after
     ds -= (datt * att).sum(-1, keepdims=True)
@@ -251,9 +251,9 @@ def attention_backward(dy, cache):
     # D-wide products below rather than the Tk-wide ds
     dqg = ds @ kt.transpose(0, 1, 3, 2)       # (B,Hkv,G*Tq,Tk) @ (B,Hkv,Tk,D) -> (B,Hkv,G*Tq,D)
     dqg *= 1.0 / math.sqrt(D)
-    dkt = ds.transpose(0, 1, 3, 2) @ (qg * (1.0 / math.sqrt(D)))   # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D)
+    dkh = ds.transpose(0, 1, 3, 2) @ (qg * (1.0 / math.sqrt(D)))   # (B,Hkv,Tk,G*Tq) @ (B,Hkv,G*Tq,D)
     dq = dqg.reshape(B, Hkv, G, Tq, D).transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D)
-    return dq, dkt.transpose(0, 2, 1, 3), dvt.transpose(0, 2, 1, 3)
+    return dq, dkh.transpose(0, 2, 1, 3), dvh.transpose(0, 2, 1, 3)
 
 
 def swiglu_forward(gu):
@@ -275,7 +275,7 @@ def swiglu_backward(dout, cache):
     up = gu[..., F:]
     dgu = np.empty_like(gu)                  # both halves are written into it: no concatenate
     np.multiply(dout, silu, out=dgu[..., F:])                         # forward was: out = silu * up
-    # d silu / d gate = sig + silu * (1 - sig)
+    # dgate = dout * up * (sig + silu * (1 - sig)), d silu / d gate being the bracket; in place:
     dgate = np.subtract(1.0, sig, out=dgu[..., :F])
     dgate *= silu
     dgate += sig
@@ -377,13 +377,13 @@ def num_params(cfg):
 
 
 def carve(flat, cfg):
-    """flat buffer -> dict of named views into it (no copies), in SPEC order.
-
+    """flat buffer -> dict of named views into it (no copies), in SPEC order. All parameters live
+    in one float32 array, so AdamW, clipping, summing gradients and checkpoints each see one array.
     Two more views cover neighbours in the buffer: `layers.{l}.w_gate_up` (2F,C)
     is w_gate with w_up after it, so that one matmul does the work of two, and
     `heads` (K,V,C) is all K heads, one gradient for the loss to fill and one
-    matrix for the drafts of heads 1..n. Gradients written through them land in
-    the SPEC tensors, whose memory they share."""
+    matrix for speculative decoding's guesses (generate). Gradients written through
+    them land in the SPEC tensors, whose memory they share."""
     views, start, offset = {}, {}, 0
     for name, shape in param_shapes(cfg):
         n = math.prod(shape)
@@ -468,8 +468,8 @@ def layer_params(params, l):
 
 
 def model_forward(params, cfg, idx, targets=None, counts=None, pos=0, kv=None):
-    """idx (B,T) -> with targets (B,T,K), -1 = ignore: loss, ce (K,), cache for the backward;
-    without targets (generation): head 0's logits (B,T,V) and the final hidden state
+    """idx (B,T) -> two modes. Training, targets (B,T,K), -1 = ignore: loss, ce (K,), cache for the
+    backward. Generation, no targets: head 0's logits (B,T,V) and the final hidden state
     xf (B,T,C), from which the other heads' logits follow.
 
     ce[0] is CE_0, what logs report; loss adds the extra heads (SPEC, Loss).
@@ -518,10 +518,7 @@ def split_rows(rows, T, K):
 # float64 central differences (five-point stencil, below) against the hand-written
 # backward. Error = |analytic - numeric| / max(1e-4, |analytic| + |numeric|);
 # a tensor passes below 1e-6. Correct layers land between 1e-13 and 3e-7 (200 seeds);
-# a wrong formula lands near 1. Both errors of the stencil are absolute: rounding in f
-# (about 1e-12 / h, which the 1e-4 floor keeps small beside a gradient near 0) and
-# truncation (h^4 times f's fifth derivative, which the whole model's norm weights make
-# large: at h = 1e-3 one --seed in 20 failed a correct layer on one or the other).
+# a wrong formula lands near 1 (why h is CHECK_H and the floor 1e-4: numeric_grad).
 # Each layer is checked alone with the scalar sum(out * dout) for a random dout, then
 # the whole model with its real loss.
 
@@ -533,9 +530,11 @@ CHECK_SAMPLES = 32
 def numeric_grad(f, x, entries, h=CHECK_H):
     """central difference of the scalar f() with respect to x.flat[entries], x changed in place.
 
-    The five-point stencil's error falls as h^4 instead of h^2, which lets h be
-    large enough that rounding in f stays small (plain (f(x+h)-f(x-h))/2h bottoms
-    out near 1e-7 here, too close to the tolerance)."""
+    Both its errors are absolute: rounding in f, about 1e-12 / h (the check's 1e-4 floor keeps it small
+    beside a gradient near 0), and truncation, h^4 times f's fifth derivative (the whole model's norm
+    weights make it large: at h = 1e-3 one --seed in 20 failed a correct layer). The five-point stencil's
+    h^4, where plain (f(x+h)-f(x-h))/2h has h^2, lets h be large enough that rounding stays small (the
+    plain one bottoms out near 1e-7 here, too close to the tolerance)."""
     grad = np.empty(len(entries))
     for j, i in enumerate(entries):
         old = x.flat[i]
@@ -579,7 +578,7 @@ def layer_cases(rng):
         ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),
         ("cross_entropy", lambda logits: cross_entropy_forward(logits, targets[:, 0]),
          lambda d, c: (cross_entropy_backward(d, c),), {"logits": r(B * T, 7)}),
-        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg_heads)[::2],
+        ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg_heads)[::2],   # (loss, cache)
          mtp_heads_backward, {"x": r(B * T, C), "heads": r(3, 7, C)}),
     ]
 
@@ -651,7 +650,7 @@ def gradient_check(seed=1337, out=print):
 # optimizer and schedule
 
 def decay_mask(cfg):
-    """(P,) 1.0 for matrices, 0.0 for norm weights: weight decay on matrices only"""
+    """(P,) for the P = num_params(cfg) parameters: 1.0 in matrices, 0.0 in norm weights (decayed: matrices only)"""
     return np.concatenate([np.full(math.prod(s), float(len(s) == 2), dtype=np.float32)
                            for _, s in param_shapes(cfg)])
 
@@ -670,7 +669,7 @@ def adamw_update(flat, grad, m, v, step, lr, decay, beta1=0.9, beta2=0.95, eps=1
     denom = np.sqrt(v)
     denom *= 1.0 / math.sqrt(1 - beta2 ** step)                    # bias corrections
     denom += eps
-    np.divide(m, denom, out=denom)
+    np.divide(m, denom, out=denom)                                 # from here denom holds the step (no new buffer)
     denom *= lr / (1 - beta1 ** step)
     flat -= denom
 
@@ -769,14 +768,14 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
             tokens.append(t)
             emitted += 1
             if stats is not None:                          # counted before the yield: the caller may stop here
-                stats["steps"] = stats.get("steps", 0) + (j == 0)
+                stats["steps"] = stats.get("steps", 0) + (j == 0)   # a pass: its first token
                 stats["tokens"] = stats.get("tokens", 0) + 1
             yield t
             if t == stop or emitted >= max_new_tokens:
                 return
             if j == len(guesses) or guesses[j] != t:
                 break
-        # the cache keeps the fed tokens up to feed[first + j]; the rest are overwritten later
+        # j: guesses accepted (the loop broke at the first wrong one); the cache keeps feed[:first + j + 1]
         pos += first + j + 1
         pending = [tokens[-1]]
         if speculative and n_drafts:                       # heads 1..drafts at the last accepted position
@@ -939,7 +938,7 @@ class Tokenizer:
                     heapq.heappush(heap, (-counts[p], p))
             if progress:
                 progress_line(f"tokenizer: {len(merges)}/{n_merges} merges, {time.time() - t0:.1f} s",
-                              done=len(merges) == n_merges)
+                              done=len(merges) == n_merges)         # (operations: one line, redrawn)
         return cls(merges, max_piece_bytes)
 
     def encode_piece(self, piece):
@@ -995,13 +994,14 @@ class Tokenizer:
 # -----------------------------------------------------------------------------
 # data
 #
-# A corpus (a text file, or a folder of .txt files: corpus_files) becomes one file of uint16 token ids, with the
-# <|endoftext|> token after each document: a web shard (get_data.sh web) ends each of its documents with an
-# <|endoftext|> line, a file without one (a book) is one document. The tokenizer is trained on a sample of at most
-# 16 MB (tokenizer_sample); encoding the rest in small memory on every core is in operations, tokenizing a corpus at
-# scale (write_tokens). prepare_data caches both. A batch is B rows of T+K consecutive tokens at random places in the
-# token file, read memory-mapped so that a corpus larger than memory trains (get_batch; split_rows turns them into
-# inputs and the K heads' targets); validation reads set rows of its last tenth.
+# A batch is B rows of T+K consecutive tokens at random places in a file of uint16 token ids, read memory-mapped so
+# that a corpus larger than memory trains (get_batch; split_rows makes a row the inputs and the K heads' targets);
+# validation reads set rows of the file's last tenth. How a corpus (a text file, or a folder of .txt files:
+# corpus_files) becomes that file: a tokenizer trained on a sample of at most 16 MB (tokenizer_sample) encodes it,
+# an <|endoftext|> token after each document (get_data.sh's web shards end each with an <|endoftext|> line; a book
+# is one document), in small memory on every core (write_tokens, operations: tokenizing a corpus at scale).
+# prepare_data caches both files (cached, in operations: a file is read if it is there and whole, else made by
+# make(path), which writes it or returns its bytes).
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1145,7 +1145,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
             while step < min(total, stop) and not run.stop:
                 step += 1
                 t0 = clock()                              # the step's time: the batch's making included
-                lr = lr_schedule(step - 1, total, args.lr, args.warmup)
+                lr = lr_schedule(step - 1, total, args.lr, args.warmup)   # steps count from 1, the schedule from 0
                 loss, ce, norm = engine.step(*next_batch(rng), lr, step)
                 run.stop_if_not_finite({"loss": loss, "gradient norm": norm}, step, made_by=step - 1)
                 dt = clock() - t0
@@ -1169,7 +1169,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                     saved, last_path = step, run.save(step, engine, state, rng, background=background)
                     if planning:
                         total = run.plan(args, state, step, np.mean(times))
-        if step > saved or planning and step == stop:   # stopped early; or planned after this step's save
+        if step > saved or (planning and step == stop):   # stopped early; or planned after this step's save
             last_path = run.save(step, engine, state, rng, background=False)
         run.finish()                                      # the save in flight, whatever stopped the loop
     csv.close()
@@ -1188,8 +1188,8 @@ def saved_rng(state):
 
 
 def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sample_prompt, elapsed):
-    """validation loss and bits per byte, a sample, and best.safetensors when it is the best yet
-    (the run folder's save_best); elapsed() -> the run's time so far, as text"""
+    """validation loss, bits per byte (nats / ln 2 per byte of text: comparable across tokenizers), a sample,
+    best.safetensors when the best yet (run.save_best); elapsed() -> the run's time so far, as text"""
     val_loss, val_bpb = engine.evaluate(val_batches, tok.token_bytes())
     run.stop_if_not_finite({"validation loss": val_loss}, step)
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
@@ -1212,7 +1212,7 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
 # CPUEngine runs that on every core: numpy works on one core at a time, so the batch is cut into parts that workers run
 # (threads or processes: workers_for, in operations, says which from the numbers below), each into a gradient buffer of
 # its own, summed (add_into); AdamW runs on slices of the flat buffer at once; BLAS runs one thread (set at import).
-MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # a thread's rows at least, threads at most; processes above
+MIN_ROWS, MAX_THREADS, PROCESSES_ABOVE = 2, 8, 4    # rows a worker at least; threads at most; more workers: processes
 
 
 def grads_of_parts(flat, cfg, counts, parts, grad):
@@ -1228,7 +1228,7 @@ def grads_of_parts(flat, cfg, counts, parts, grad):
 
 
 def add_into(total, *bufs):
-    """total += each of bufs in turn, in place: one slice of the gradient buffers (returns nothing to send back)"""
+    """total += each of bufs, in place: one slice of grad_bufs[0] += grad_bufs[1] + .. (it returns nothing to send)"""
     for buf in bufs:
         total += buf
 
@@ -1280,7 +1280,7 @@ class CPUEngine:
         self.decay = decay_mask(cfg)
         # pool (operations): .map may be processes (the step's parts); .threads is always threads (AdamW, evaluation)
         self.pool = Workers.for_batch(flat, args.batch, args.threads)
-        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # the workers' (shared memory for processes)
+        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # the pool's copy of flat is the model now
         self.n_threads, self.parts = len(self.grad_bufs), self.pool.parts  # a gradient buffer a worker; micro-batches
         self.line = self.pool.line                         # the engine's line in the settings table
 
@@ -1296,7 +1296,7 @@ class CPUEngine:
     def evaluate(self, batches, token_bytes):
         params = carve(self.flat, self.cfg)
         # in a step's micro-batches: a forward keeps its caches, and 32 rows at once would outgrow the step's memory
-        n = -(-self.batch // self.parts)
+        n = -(-self.batch // self.parts)                    # rows a part: the ceiling of batch / parts
         parts = [(idx[i:i + n], targets[i:i + n]) for idx, targets in batches for i in range(0, len(idx), n)]
         return evaluate(lambda idx, targets: model_forward(params, self.cfg, idx, targets)[1],
                         parts, token_bytes, self.pool.threads)
@@ -1362,7 +1362,7 @@ def sft_targets(rows, mask, T, K):
 
 def cmd_sft(args, make_engine=None, engine_line=None):
     """make_engine(cfg, flat, m, v), engine_line (its description): nanoeuler_cuda.py's GPU engine"""
-    cfg, flat0, tok = load_model(args.model)
+    cfg, flat0, tok = load_model(args.model)                  # load_model, load_instructions: operations, checked
     if make_engine is None:                            # CPUEngine's memory; a GPU engine refuses its own
         check_config(cfg, args.model, args.batch, args.threads)
     rows, mask = sft_rows(tok, load_instructions(args.data), cfg)
@@ -1488,7 +1488,7 @@ def cmd_chat(args, make_params=None, gen=None):
             import readline  # noqa: F401
     print(f"chatting with {args.model} ({num_params(cfg):,} parameters, context {cfg.T} tokens); "
           "/help lists the commands, /quit or Ctrl-D leaves")
-    history, stats = [], {} if args.speculative else None
+    history, stats = [], ({} if args.speculative else None)
     try:
         while True:
             text = read_turn(interactive, out)
@@ -1678,7 +1678,7 @@ def build_parser(command=None):
 def main(argv=None):
     """the program, `python nanoeuler.py train ...`: ArgumentParser.run (end of file) parses the flags; run_command
     sets args.run (the --out folder, default out/<size>: a RunFolder, locked), calls the command's function in
-    this table (cmd_train: read it next) and turns a NanoEulerError raised on the way into one sentence (exit 2)"""
+    this table (cmd_train, above) and turns a NanoEulerError raised on the way into one sentence (exit 2)"""
     commands = {"check": cmd_check, "prepare": cmd_prepare, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
                 "chat": cmd_chat, "serve": cmd_serve, "plot": cmd_plot, "bench": cmd_bench}
     argv = sys.argv[1:] if argv is None else argv
