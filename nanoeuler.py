@@ -575,7 +575,7 @@ def layer_cases(rng):
          {"q": r(B, T, Hq, D), "k": r(B, T, Hkv, D), "v": r(B, T, Hkv, D)}),
         ("attention/kv", attention_forward, attention_backward,   # 3 queries after 4 cached keys
          {"q": r(B, 3, Hq, D), "k": r(B, 7, Hkv, D), "v": r(B, 7, Hkv, D)}),
-        ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),
+        ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),  # the tails too
         ("cross_entropy", lambda logits: cross_entropy_forward(logits, targets[:, 0]),
          lambda d, c: (cross_entropy_backward(d, c),), {"logits": r(B * T, 7)}),
         ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg_heads)[::2],   # (loss, cache)
@@ -607,8 +607,7 @@ def check_model(cfg, rng, report, B=2):
         if len(shape) == 1:
             params[name] += 1.0
     rows = rng.integers(0, cfg.V, size=(B, cfg.T + cfg.K))
-    idx, targets = split_rows(rows, cfg.T, cfg.K)
-    targets = targets.copy()
+    idx, targets = split_rows(rows, cfg.T, cfg.K)                  # targets: a new array (np.stack), ours to mark
     targets[0, 2, 0] = targets[1, 5, 1] = targets[1, 0, cfg.K - 1] = -1
     grad_flat = np.zeros_like(flat)
     _, _, cache = model_forward(params, cfg, idx, targets)
@@ -747,7 +746,7 @@ def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_
     limits the guesses to heads 1..drafts: the later heads guess worse, and on
     these CPUs a pass over 2 tokens costs less than one over 4."""
     rng = np.random.default_rng(seed)
-    tokens = list(prompt)[-(cfg.T - 1):] if prompt else []
+    tokens = list(prompt)[-(cfg.T - 1):] if prompt else []    # T - 1: room for the first new token
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
     kv = new_kv_cache(cfg, 1, params["tok_emb"].dtype)
