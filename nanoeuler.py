@@ -1948,12 +1948,12 @@ def add_serve_flags(sp):
 # -----------------------------------------------------------------------------
 # operations: input checks
 #
-# Every reader of a file that a user or a crash may have damaged (a model, a
-# training state, a cached tokenizer or token file, instructions) checks what it
-# reads with one helper, require (a ValueError saying what is wrong), takes that
-# and what a parser raises on content it cannot read as one tuple, MALFORMED,
-# and turns it into one sentence naming the file (refused_if_malformed), or into
-# a cache file made again (cached).
+# Every file that a user or a crash may have damaged (a model, a training state,
+# a cached tokenizer or token file, instructions) is read one way: a path that is
+# no regular file is said so (not_a_file); each check of what it holds is a
+# require (a ValueError saying what is wrong); that, and what a parser raises on
+# content it cannot read (MALFORMED), becomes one sentence naming the file and
+# what to do (refused_if_malformed), or in the data cache a file made again (cached).
 
 # json's errors and bytes that are not UTF-8 (ValueError), nesting past the parser's
 # depth (RecursionError), a field that is missing or of the wrong type (KeyError,
@@ -1969,16 +1969,18 @@ def require(ok, problem):
 
 
 @contextlib.contextmanager
-def refused_if_malformed(sentence):
-    """content that cannot be read (MALFORMED), inside, is refused: NanoEulerError(sentence(e))"""
+def refused_if_malformed(path, what, advice):
+    """content inside that cannot be read (MALFORMED) is refused in one sentence,
+    NanoEulerError("{path} {what} ({the problem}); {advice}"); a missing field is said as such"""
     try:
         yield
     except MALFORMED as e:
-        raise NanoEulerError(sentence(e)) from None
+        problem = f"it lacks {e}" if isinstance(e, KeyError) else e
+        raise NanoEulerError(f"{path} {what} ({problem}); {advice}") from None
 
 
 def not_a_file(path, noun, advice):
-    """the error for a path that is not a regular file: what it is instead, then advice"""
+    """the error for a path that is not a regular file: what it is instead (noun: what it should be), then advice"""
     if os.path.isdir(path):
         what = f"is a folder, not {noun}"
     elif os.path.exists(path):
@@ -1990,18 +1992,19 @@ def not_a_file(path, noun, advice):
 
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
-    if os.path.isdir(path):
-        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
-        for f in [f for f in files if not os.path.isfile(f)]:
-            # a dangling symlink (or one to a folder): nothing to read, and the rest still is
-            print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
-            files.remove(f)
-        if not files:
-            raise NanoEulerError(f"{path} holds no .txt files; pass a UTF-8 text file or a folder of .txt files")
-        return files
-    if not os.path.isfile(path):
-        raise not_a_file(path, "a text file", "pass a UTF-8 text file or a folder of .txt files")
-    return [path]
+    advice = "pass a UTF-8 text file or a folder of .txt files"
+    if not os.path.isdir(path):
+        if not os.path.isfile(path):
+            raise not_a_file(path, "a text file", advice)
+        return [path]
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
+    for f in [f for f in files if not os.path.isfile(f)]:
+        # a dangling symlink (or one to a folder): nothing to read, and the rest still is
+        print(f"warning: skipping {f}: it is not a file (a broken link?)", file=sys.stderr)
+        files.remove(f)
+    if not files:
+        raise NanoEulerError(f"{path} holds no .txt files; {advice}")
+    return files
 
 
 def decode_text(data, path, offset):
@@ -2019,9 +2022,10 @@ def read_text(path):
         return decode_text(f.read(), path, 0)
 
 
-def check_config(cfg, source="the config", batch=None, threads=None):
+def check_config(cfg, source="the config", batch=None, threads=None, advice=""):
     """-> cfg, once it is a config that the code can run and that would not ask for absurd memory, with a batch
-    (train, sft) one whose step fits (check_memory): refused before anything is allocated. source names it"""
+    (train, sft) one whose step fits (check_memory): refused before anything is allocated. source names it;
+    advice, if any, ends the refusal"""
     try:
         for name in SIZE_FIELDS:
             value = getattr(cfg, name)                  # bool is an int subclass: refused too
@@ -2040,7 +2044,7 @@ def check_config(cfg, source="the config", batch=None, threads=None):
         n = num_params(cfg)                             # from the sizes: L = 10^18 builds no list
         require(n <= MAX_PARAMS, f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
     except ValueError as e:
-        raise NanoEulerError(f"{source} is unusable: {e}") from None
+        raise NanoEulerError(f"{source} is unusable: {e}" + (f"; {advice}" if advice else "")) from None
     if batch:
         check_memory(cfg, batch, threads)
     return cfg
@@ -2133,7 +2137,7 @@ def cached(path, make, max_v):
                   file=sys.stderr)
     if (made := make(path)) is not None:               # the tokenizer's JSON
         atomic_write(path, made)
-    with refused_if_malformed(lambda e: f"{path} cannot be read back ({e}); delete it and run again"):
+    with refused_if_malformed(path, "cannot be read back", "delete it and run again"):
         return read_cache(path, max_v)
 
 
@@ -2150,78 +2154,73 @@ def read_safetensors(path, check=None, header_only=False):
     header_only: -> (shapes, metadata), the data left unread."""
     if not os.path.isfile(path):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
-    with open(path, "rb") as f:
+    # a file that shrinks while it is read (no atomic_write does that) is malformed too
+    with open(path, "rb") as f, refused_if_malformed(path, "is not a safetensors file this program reads", MODEL_HINT):
         size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
-        with refused_if_malformed(lambda e: f"{path} is not a safetensors file this program reads ({e}); {MODEL_HINT}"):
-            require(2 <= n <= min(size - 8, MAX_HEADER), f"its header cannot be read: its length says {n:,} bytes")
-            header = json.loads(f.read(n))
-            require(isinstance(header, dict), "its header is not a map")
-            metadata = header.pop("__metadata__", {})
-            require(isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()),
-                    "its __metadata__ is not a map of strings")
-            entries = []                                   # (begin, end, name, shape) of each tensor
-            for name, h in header.items():
-                require(isinstance(h, dict), f"the entry of tensor {name!r} is not a map")
-                shape, offsets = h.get("shape"), h.get("data_offsets")
-                require(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape),
-                        f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
-                require(isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-                        and 0 <= offsets[0] <= offsets[1],
-                        f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-                require(h.get("dtype") == "F32" and offsets[1] - offsets[0] == 4 * math.prod(shape),
-                        f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
-                        f"{offsets[1] - offsets[0]:,} bytes)")
-                entries.append((offsets[0], offsets[1], name, tuple(shape)))
-            entries.sort()
-            end = 0                                        # they tile the data: each starts where the last ended
-            for begin, stop, name, _ in entries:
-                require(begin == end, f"tensor {name!r} starts at byte {begin:,} of the data, where "
-                        f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
-                end = stop
-            found = size - 8 - n
-            if found < end:
-                raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
-                                     "use an earlier checkpoint or re-run with --resume")
-            require(found == end, f"{found - end:,} bytes follow its last tensor")
+        require(2 <= n <= min(size - 8, MAX_HEADER), f"its header cannot be read: its length says {n:,} bytes")
+        header = json.loads(f.read(n))
+        require(isinstance(header, dict), "its header is not a map")
+        metadata = header.pop("__metadata__", {})
+        require(isinstance(metadata, dict) and all(isinstance(v, str) for v in metadata.values()),
+                "its __metadata__ is not a map of strings")
+        entries = []                                   # (begin, end, name, shape) of each tensor
+        for name, h in header.items():
+            require(isinstance(h, dict), f"the entry of tensor {name!r} is not a map")
+            shape, offsets = h.get("shape"), h.get("data_offsets")
+            require(isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape),
+                    f"tensor {name!r} has the shape {shape!r}, not a list of sizes >= 0")
+            require(isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                    and 0 <= offsets[0] <= offsets[1],
+                    f"tensor {name!r} has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+            require(h.get("dtype") == "F32" and offsets[1] - offsets[0] == 4 * math.prod(shape),
+                    f"tensor {name!r} is not float32 of shape {shape} ({h.get('dtype')!r}, "
+                    f"{offsets[1] - offsets[0]:,} bytes)")
+            entries.append((offsets[0], offsets[1], name, tuple(shape)))
+        entries.sort()
+        end = 0                                        # they tile the data: each starts where the last ended
+        for begin, stop, name, _ in entries:
+            require(begin == end, f"tensor {name!r} starts at byte {begin:,} of the data, where "
+                    f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
+            end = stop
+        found = size - 8 - n
+        if found < end:
+            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
+                                 "use an earlier checkpoint or re-run with --resume")
+        require(found == end, f"{found - end:,} bytes follow its last tensor")
         shapes = {name: shape for _, _, name, shape in entries}
         checked = check(path, shapes, metadata) if check else metadata
         if header_only:
             return shapes, checked
         data = f.read(end)
-    if len(data) != end:                               # the file shrank while we read it
-        raise NanoEulerError(f"{path} changed while it was read; try again")
-    return {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
-            for begin, stop, name, shape in entries}, checked
+        return {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
+                for begin, stop, name, shape in entries}, checked
 
 
 def model_header(path, shapes, meta):
-    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer (read_safetensors's check)"""
+    """a model file's metadata and tensor shapes against SPEC -> cfg, tokenizer (read_safetensors's check);
+    a part that does not read is said with what is wrong, then what to do"""
     if meta.get("format") != "nanoeuler" or meta.get("version") != "1":
         state = meta.get("format") == "nanoeuler-state"  # the state_<step> file beside a model_<step>
         raise NanoEulerError(f"{path} is not a NanoEuler version 1 model (format {meta.get('format')!r}, version "
                              f"{meta.get('version')!r}); " + ("it is a training state: give the model_ file of its "
                              "step" if state else "give a model file that train or sft wrote"))
-    try:                                               # a part that does not read: what is wrong, then what to do
-        with refused_if_malformed(lambda e: f"{path} has a broken config in its metadata ({e})"):
-            given = json.loads(meta["config"])
-            require(isinstance(given, dict), "the config is not a map")
-            missing = [k for k in SIZE_FIELDS if k not in given]
-            require(not missing, f"the config lacks {', '.join(missing)}")
-            known = {f.name for f in fields(Config)}
-            cfg = Config(**{k: v for k, v in given.items() if k in known})
-        check_config(cfg, f"the config in {path}")      # before anything is made from its sizes
-        with refused_if_malformed(lambda e: f"{path} has a broken tokenizer in its metadata ({e})"):
-            tok = read_tokenizer(meta["tokenizer"])
-            require(tok.vocab_size == cfg.V, f"it has {tok.vocab_size} tokens where the config says V = {cfg.V}")
-        with refused_if_malformed(lambda e: f"{path} holds tensors that do not match its config ({e} for "
-                                  f"{asdict(cfg)})"):
-            n_want = 2 + 7 * cfg.L + cfg.K             # counted first: a crafted L = 10^18 must not list its shapes
-            require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")
-            for name, shape in param_shapes(cfg):      # by name: other writers may order them otherwise
-                require(name in shapes, f"it lacks {name}")
-                require(shapes[name] == shape, f"{name} has shape {shapes[name]}, SPEC expects {shape}")
-    except NanoEulerError as e:
-        raise NanoEulerError(f"{e}; {MODEL_HINT}") from None
+    with refused_if_malformed(path, "has a broken config in its metadata", MODEL_HINT):
+        given = json.loads(meta["config"])
+        require(isinstance(given, dict), "the config is not a map")
+        missing = [k for k in SIZE_FIELDS if k not in given]
+        require(not missing, f"the config lacks {', '.join(missing)}")
+        known = {f.name for f in fields(Config)}
+        cfg = Config(**{k: v for k, v in given.items() if k in known})
+    check_config(cfg, f"the config in {path}", advice=MODEL_HINT)     # before anything is made from its sizes
+    with refused_if_malformed(path, "has a broken tokenizer in its metadata", MODEL_HINT):
+        tok = read_tokenizer(meta["tokenizer"])
+        require(tok.vocab_size == cfg.V, f"it has {tok.vocab_size} tokens where the config says V = {cfg.V}")
+    with refused_if_malformed(path, "holds tensors that do not match its config", MODEL_HINT):
+        n_want = 2 + 7 * cfg.L + cfg.K                 # counted first: a crafted L = 10^18 must not list its shapes
+        require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")
+        for name, shape in param_shapes(cfg):          # by name: other writers may order them otherwise
+            require(name in shapes, f"it lacks {name} for {cfg}")
+            require(shapes[name] == shape, f"{name} has shape {shapes[name]}, SPEC expects {shape}")
     return cfg, tok
 
 
@@ -2244,25 +2243,6 @@ def check_state(state, step):
     return state
 
 
-def jsonl_records(text):
-    """JSON Lines -> the value of every line that is not blank; a line that is not JSON is named,
-    and a JSON object written over many lines (pretty-printed) is said to be one"""
-    records = []
-    # lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
-    # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
-    for n, line in enumerate(text.split("\n"), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                one_object = False
-                with contextlib.suppress(ValueError, RecursionError):
-                    one_object = isinstance(json.loads(text), dict)
-                require(not one_object, "it is one JSON object, not a list of examples nor one example a line")
-                raise ValueError(f"line {n} is not JSON: {e.msg} (column {e.colno})") from None
-    return records
-
-
 INSTRUCTIONS = "JSONL or a JSON list of objects with instruction, input and response (or output)"
 
 
@@ -2272,10 +2252,22 @@ def load_instructions(path):
     if not os.path.isfile(path):
         raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
-    pairs = []
-    with refused_if_malformed(lambda e: f"{path} is not instruction data: {e}; expected {INSTRUCTIONS}"):
+    pairs, alpaca = [], text.lstrip().startswith("[")
+    # JSON Lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
+    # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
+    lines = text.split("\n")
+    with refused_if_malformed(path, "is not instruction data", f"give {INSTRUCTIONS}"):
         try:
-            records = json.loads(text) if text.lstrip().startswith("[") else jsonl_records(text)
+            records = json.loads(text) if alpaca else [json.loads(line) for line in lines if line.strip()]
+        except json.JSONDecodeError as e:
+            if alpaca:
+                raise
+            one_object = False                         # a JSON object written over many lines is said to be one
+            with contextlib.suppress(ValueError, RecursionError):
+                one_object = isinstance(json.loads(text), dict)
+            require(not one_object, "it is one JSON object, not a list of examples nor one example a line")
+            # e.doc: the line that failed, the first of its text
+            raise ValueError(f"line {lines.index(e.doc) + 1} is not JSON: {e.msg} (column {e.colno})") from None
         except ValueError as e:                    # Python's own words name a setting this program never sets
             require("integer string conversion" not in str(e), "it holds a number of more than 4,300 digits")
             raise
@@ -2362,14 +2354,13 @@ def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
 def load_checkpoint(out_dir, step):
     """-> cfg, flat, tok, m, v, state dict"""
     cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
+    path = checkpoint_path(out_dir, step, "state")
 
     def check(path, shapes, meta):                     # the state file's header -> its state dict
-        if meta.get("format") != "nanoeuler-state" or shapes != {"m": flat.shape, "v": flat.shape}:
-            raise NanoEulerError(f"{path} is not the training state of its model file")
-        with refused_if_malformed(lambda e: f"{path} holds a training state that cannot be read "
-                                  f"({type(e).__name__}: {e})"):
+        with refused_if_malformed(path, "is no training state --resume can continue", "use an earlier checkpoint"):
+            require(meta.get("format") == "nanoeuler-state" and shapes == {"m": flat.shape, "v": flat.shape},
+                    f"it is not the state of {checkpoint_path(out_dir, step)}")
             return check_state(json.loads(meta["state"]), step)
-    path = checkpoint_path(out_dir, step, "state")
     tensors, state = read_safetensors(path, check)
     m, v = tensors["m"], tensors["v"]
     # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
@@ -2407,26 +2398,22 @@ TMP_FILE = re.compile(r".+\.(\d+)\.tmp")     # name.<pid>.tmp: atomic_write's te
 STALE_TMP_SECONDS = 600     # a writer touches its temp file every chunk; 10 minutes of silence is no writer
 
 
-def process_exists(pid):
-    try:
-        os.kill(pid, 0)                                # signal 0: nothing is sent, the pid is checked
-    except (ProcessLookupError, PermissionError, OverflowError) as e:
-        return isinstance(e, PermissionError)          # EPERM: another user's; else none (or a pid too large)
-    return True
-
-
 def remove_stale_tmp(folder, idle=STALE_TMP_SECONDS):
     """delete the temp files (name.<pid>.tmp) that killed writers left in folder: those whose
     process is gone and that nobody wrote for `idle` seconds (in the shared cache, a writer in
     another container shares the folder but not our pids; a locked run folder needs no wait)"""
     now = time.time()
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
-        m = TMP_FILE.fullmatch(name)
-        path = os.path.join(folder, name)
-        if m and not process_exists(int(m.group(1))):
+        m, path = TMP_FILE.fullmatch(name), os.path.join(folder, name)
+        try:
+            if m:
+                os.kill(int(m.group(1)), 0)            # signal 0: nothing is sent, the pid is checked
+        except (ProcessLookupError, OverflowError):    # no such process (or a pid too large): its writer is gone
             with contextlib.suppress(OSError):         # another run may remove it first
                 if now - os.path.getmtime(path) >= idle:
                     os.remove(path)
+        except PermissionError:                        # EPERM: another user's process, alive
+            pass
 
 
 def set_aside(path, suffix):
