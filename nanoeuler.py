@@ -3198,23 +3198,21 @@ def signals_handled(run=None):
 
 
 def exit_stopped(signum, run=None, step=None, last_path=None):
-    """a signal stopped the command: say where it stands and exit as the signal's killing
-    would have (128 + its number: 130 for Ctrl-C, 143 for SIGTERM, 129 for SIGHUP). step:
-    where the training loop's saving stop ended the run, saved as last_path (None: before
-    the first step); else (while the data is prepared, or a second signal during a save)
-    train and sft name the last complete checkpoint in their run's folder (run)"""
-    if step is not None:                               # (the loop's handler silenced a hung-up terminal)
+    """say where a signal stopped the command, and exit as its killing would have: 128 + N (130 Ctrl-C,
+    143 SIGTERM, 129 SIGHUP). step: the training loop stopped after it, saved as last_path (None: before
+    the first step); else (while the data is prepared, or a second signal during a save) train and sft
+    name the last complete checkpoint in their run's folder (run)"""
+    if step is not None:
         lead, said = "", (f"stopped at step {step}, saved as {last_path}; continue with --resume" if last_path
                           else "stopped before the first step; nothing to save")
     else:                                              # on a line of its own: a step's line may be unfinished
         for sig in SIGNALS:                            # a further signal must not cut these last words
             signal.signal(sig, signal.SIG_IGN)
-        if signum == signal.SIGHUP:
-            silence_lost_output()                      # the terminal is most likely gone
         with contextlib.suppress(OSError):
             step = run.latest() if run else None
         lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {run.path(step)}, "
                                             "continue with --resume" if step is not None else "")
+    silence_lost_output()                              # SIGHUP's terminal is most likely gone, or a pipe closed
     with contextlib.suppress(OSError):
         print(f"{lead}{SIGNALS[signum]}: {said}", file=sys.stderr)
     sys.exit(128 + signum)
@@ -3422,9 +3420,8 @@ def run_command(command, args, closed=()):
         if name != "check":
             try:
                 os.getcwd()
-            except FileNotFoundError:
-                raise NanoEulerError("the current folder has been deleted; cd into one that exists and run "
-                                     "again") from None
+            except FileNotFoundError:                  # (said in one sentence: no traceback shows the context)
+                raise NanoEulerError("the current folder has been deleted; cd into one that exists and run again")
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
         claim = run.claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
         with signals_handled(), claim, warnings.catch_warnings():
