@@ -1121,7 +1121,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
 # --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
-# the loop on a signal, lost output or a non-finite loss, saving first. --minutes: at step PLAN_AFTER (run.planning)
+# the loop on a signal, lost output or a non-finite loss, saving first. --minutes: at step PLAN_AFTER (run.plan_at)
 # that step's evaluation and save are timed, then run.plan sets total.
 # A first reading follows only those five calls: lr_schedule, engine.step, log_step, run_validation and run.save.
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, sample_prompt=None):
@@ -1131,7 +1131,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     default: a document's start: sample_text_for_log). run.clock(): monotonic seconds (a test passes a fake)."""
     clock, out_dir = run.clock, run.out
     start = saved = step = state["step"]
-    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on (run.planning)
+    total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on (run.plan_at)
     if start >= total:                                   # --resume of a run that has made all its steps
         return run.complete(start, total, engine)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
@@ -1155,7 +1155,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 log_step(step, shown, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
                 # after a signal the save comes first: no evaluation, sample or plan before it
-                planning = run.planning(step)             # --minutes: the plan's step (above)
+                planning = step == run.plan_at and not run.stop   # --minutes: the plan's step (above)
                 if planning or (not run.stop and (step % args.eval_every == 0 or step == total)):
                     with run.evaluation():                # times it: the plan counts one every --eval-every steps
                         val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt,
@@ -2657,7 +2657,7 @@ class RunFolder:
         half-written or garbled line), a fresh run starts it anew, so the log always matches the run.
         Bytes that are not UTF-8 are read as U+FFFD: a damaged log never stops a resume. The folder is
         made again if it went. --save-minutes counts from now, --minutes from the program's start;
-        without a plan in the state, --minutes plans PLAN_AFTER steps from here (planning, plan)."""
+        without a plan in the state, --minutes plans PLAN_AFTER steps from here (plan_at, plan)."""
         step = state["step"]
         os.makedirs(self.out, exist_ok=True)
         rows = []
@@ -2724,10 +2724,6 @@ class RunFolder:
         """--save-every's multiples, or --save-minutes since the last save (save_interval)"""
         every, minutes = self.save_interval(args)
         return step % every == 0 if every else self.clock() - self.last >= minutes * 60
-
-    def planning(self, step):
-        """--minutes: step is the plan's and the loop goes on: its evaluation and its save are timed, then plan"""
-        return step == self.plan_at and not self.stop
 
     @contextlib.contextmanager
     def evaluation(self):
