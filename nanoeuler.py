@@ -2560,7 +2560,9 @@ class RunFolder:
             yield lock
         finally:
             if lock:
-                os.remove(lock.name)                   # while still locked: see lock's samestat
+                with contextlib.suppress(FileNotFoundError):   # the folder went under us (begin made it again):
+                    if os.path.samestat(os.fstat(lock.fileno()), os.stat(lock.name)):   # a later run's stays
+                        os.remove(lock.name)           # while still locked: see lock's samestat
                 lock.close()
             with contextlib.suppress(OSError):         # a run refused before it wrote anything leaves no folder
                 for d in created:                      # deepest first; one that holds something stays

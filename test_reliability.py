@@ -234,6 +234,24 @@ def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
     assert not (tmp_path / ne.LOCK_NAME).exists()
 
 
+def test_a_run_folder_deleted_while_held_is_let_go_without_an_error_or_taking_anothers_lock(tmp_path):
+    # rm -r of --out while a run holds it (during data preparation): the loop makes the folder again
+    # (RunFolder.begin), so the run's end finds no lock file of its own there, or a later run's
+    out = tmp_path / "run"
+    with ne.RunFolder(str(out)).claim(resume=False):
+        shutil.rmtree(out)
+        out.mkdir()
+    assert not out.exists()                            # the folder this run made, empty: gone with it
+    with ne.RunFolder(str(out)).claim(resume=False):
+        shutil.rmtree(out)
+        out.mkdir()
+        other = ne.RunFolder(str(out)).lock()          # another run took the folder made again
+    assert (out / ne.LOCK_NAME).read_text() == f"{os.getpid()}\n"
+    with pytest.raises(ne.NanoEulerError, match="in use by another training run"):
+        ne.RunFolder(str(out)).lock()                  # still held, by the other run
+    other.close()
+
+
 def sft_args(model, out, data, *extra):
     return ["sft", "--model", str(model), "--out", str(out), "--data", str(data), "--batch", "2",
             "--eval-every", "2", "--save-every", "2", "--warmup", "1", *extra]
