@@ -2125,16 +2125,15 @@ def cached(path, make, max_v):
     says why) by make(path), which writes it or returns its bytes (atomic_write writes them), then read back.
     The temp files that killed writers left in the folder are removed first."""
     remove_stale_tmp(os.path.dirname(path))
-    tokenizer = path.endswith(".json")
-    what = "the tokenizer" if tokenizer else "the corpus's tokens"
+    what, making = (("the tokenizer", "training the tokenizer") if path.endswith(".json") else
+                    ("the corpus's tokens", "tokenizing"))
     if os.path.exists(path) and not os.path.isfile(path):     # a named pipe would hang the read
         raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
     if os.path.exists(path):
         try:
             return read_cache(path, max_v)
         except MALFORMED as e:
-            print(f"{path} is damaged ({e}); {'training the tokenizer' if tokenizer else 'tokenizing'} again",
-                  file=sys.stderr)
+            print(f"{path} is damaged ({e}); {making} again", file=sys.stderr)
     if (made := make(path)) is not None:               # the tokenizer's JSON
         atomic_write(path, made)
     with refused_if_malformed(path, "cannot be read back", "delete it and run again"):
@@ -2296,8 +2295,7 @@ def load_instructions(path):
 # moments, step, random state) goes in a second safetensors file beside it.
 # Both are written to a .tmp file and renamed (atomic_write), the state first
 # and the model last, so a model file that exists always has its complete
-# state beside it. Both are read by read_safetensors, whose check reads the
-# header (model_header, the state's check) before any weight is read.
+# state beside it. Both are read by read_safetensors.
 
 def write_safetensors(path, tensors, metadata):
     """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
