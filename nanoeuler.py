@@ -1993,10 +1993,10 @@ def not_a_file(path, noun, advice):
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     advice = "pass a UTF-8 text file or a folder of .txt files"
-    if not os.path.isdir(path):
-        if not os.path.isfile(path):
-            raise not_a_file(path, "a text file", advice)
+    if os.path.isfile(path):
         return [path]
+    if not os.path.isdir(path):
+        raise not_a_file(path, "a text file", advice)
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
     for f in [f for f in files if not os.path.isfile(f)]:
         # a dangling symlink (or one to a folder): nothing to read, and the rest still is

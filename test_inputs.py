@@ -208,7 +208,7 @@ def test_config_missing_from_metadata_is_refused(tmp_path):
     del meta["config"]
     path = str(tmp_path / "noconfig.safetensors")
     ne.write_safetensors(path, tensors, meta)
-    refused(path, "config")
+    refused(path, "has a broken config in its metadata (it lacks 'config'); give a model file")   # not "('config')"
 
 
 def test_huge_context_is_refused_by_sample_and_sft_in_a_moment(tmp_path):
