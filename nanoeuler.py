@@ -2912,14 +2912,13 @@ def text_chunks(files):
 
 def encode_chunk(tok, path, offset, data, ends_document):
     """one chunk of a file -> its token ids (an array of the token file's dtype),
-    with <|endoftext|> after each document that ends in it"""
-    docs = DOC_SEPARATOR.split(decode_text(data, path, offset))
+    with <|endoftext|> after each document that ends in it; tok None: a worker process's own"""
+    tok = _worker_tokenizer if tok is None else tok
+    docs = DOC_SEPARATOR.split(decode_text(data, path, offset)) + [""] * ends_document
     ids, eot = [], tok.special("<|endoftext|>")
-    for i, doc in enumerate(docs):
-        ids += tok.encode(doc)
-        if i < len(docs) - 1 or ends_document:
-            ids.append(eot)
-    return np.array(ids, dtype=TOKEN_DTYPE)
+    for doc in docs[:-1]:                              # each ends in the chunk; the last runs on into the next
+        ids += tok.encode(doc) + [eot]
+    return np.array(ids + tok.encode(docs[-1]), dtype=TOKEN_DTYPE)
 
 
 def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
@@ -2935,30 +2934,18 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
     return "\n".join(texts)
 
 
-# Tokenizing on every core (tokenize_files, below) runs worker processes.
-# Ctrl-C reaches every process of the terminal, and so does a hangup (SIGHUP). The
-# processes started here (the workers, multiprocessing's resource tracker) inherit
-# both blocked: a worker cannot die of them, the tracker never sees SIGHUP (it
-# ignores only SIGINT and SIGTERM); the main process gets them at the unblock, and
-# stops the workers.
-
 _worker_tokenizer = None
 
 
 def _start_worker(merges, max_piece_bytes):
-    """in each worker process: build the tokenizer once, and leave Ctrl-C to the
-    main process, which stops the workers (they were started with it blocked).
-    Should the main process be killed outright (kill -9, out of memory), the
-    worker exits too rather than wait for work forever."""
+    """in each tokenizing worker process: build the tokenizer once (encode_chunk's when given None), and leave
+    Ctrl-C to the main process, which stops the workers (they start with it blocked); exit should the main
+    process be killed outright (kill -9, out of memory) rather than wait for work forever"""
     import multiprocessing
     global _worker_tokenizer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=lambda: (multiprocessing.parent_process().join(), os._exit(1)), daemon=True).start()
     _worker_tokenizer = Tokenizer(merges, max_piece_bytes)
-
-
-def _encode_chunk(chunk):
-    return encode_chunk(_worker_tokenizer, *chunk)
 
 
 def progress_text(done, total, seconds):
@@ -2971,22 +2958,23 @@ def progress_text(done, total, seconds):
 def tokenize_files(files, tok, write, workers=None, progress=True):
     """encode the files and hand the ids to write(ids), chunk by chunk, in order; -> the number of tokens.
     `workers` processes encode them (every core unless the corpus is small), or one thread here when 1.
-
-    The processes are started with spawn, each a fresh interpreter: forking a process that already runs
-    threads (training's, CUDA's) can deadlock the child. At most two chunks per worker are in flight, so
-    the reader never runs ahead of the encoders and memory stays bounded. A worker that died is one
-    sentence; at the end, or on Ctrl-C, the pool stops (its running chunks finish: at most a second)."""
+    The processes are spawned, fresh interpreters (a fork beside training's or CUDA's threads can deadlock
+    the child). At most two chunks per worker are in flight: the reader never runs ahead of the encoders,
+    and memory stays bounded. At the end, or on Ctrl-C, the pool stops (its running chunks finish: a second)."""
     from concurrent.futures import BrokenExecutor, ProcessPoolExecutor
     total = sum(os.path.getsize(f) for f in files)
     workers = workers or (CORES if total >= POOL_MIN_BYTES else 1)
     if workers > 1:
         import multiprocessing
-        with signals_blocked():                        # the workers start with them blocked (above)
+        # Ctrl-C and a hangup (SIGHUP) reach every process of the terminal: the processes started here (the
+        # workers, multiprocessing's resource tracker) start with both blocked, so the tracker never sees SIGHUP
+        # (it ignores only SIGINT and SIGTERM); the main process gets them at the unblock, and stops the workers
+        with signals_blocked():
             pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), initializer=_start_worker,
                                        initargs=(tok.merges, tok.max_piece_bytes))
-        encode = _encode_chunk
+        tok = None                                     # each worker's own (_start_worker)
     else:
-        pool, encode = ThreadPoolExecutor(1), lambda chunk: encode_chunk(tok, *chunk)
+        pool = ThreadPoolExecutor(1)
     pending, done, n_tokens, t0 = deque(), 0, 0, time.time()
 
     def take():                                        # the oldest chunk's ids: written, counted, shown
@@ -3001,7 +2989,7 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
         with signals_handled():                        # the policy, also where run_command has not
             for chunk in text_chunks(files):
                 with signals_blocked():                # submit may start a worker
-                    pending.append((pool.submit(encode, chunk), len(chunk[2])))
+                    pending.append((pool.submit(encode_chunk, tok, *chunk), len(chunk[2])))
                 while len(pending) > 2 * workers or (pending and pending[0][0].done()):
                     take()
             while pending:
