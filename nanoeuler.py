@@ -1278,7 +1278,7 @@ class CPUEngine:
         self.clip, self.weight_decay, self.batch = args.clip, args.weight_decay, args.batch
         self.decay = decay_mask(cfg)
         # pool (operations): .map may be processes (the step's parts); .threads is always threads (AdamW, evaluation)
-        self.pool = Workers.for_batch(flat, args.batch, args.threads)
+        self.pool = Workers(flat, args.batch, args.threads)
         self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # the pool's copy of flat is the model now
         self.n_threads, self.parts = len(self.grad_bufs), self.pool.parts  # a gradient buffer a worker; micro-batches
         self.line = self.pool.line                         # the engine's line in the settings table
@@ -1689,9 +1689,8 @@ def main(argv=None):
 
 def bench_train(cfg, B, threads, steps=20):
     """median ms of forward + backward + AdamW for one batch of B rows (first 2 steps are warm-up)"""
-    n, processes, parts = workers_for(B, threads)
-    pool = Workers(n, init_params(cfg), processes)
-    flat, bufs = pool.flat, pool.grad_bufs
+    pool = Workers(init_params(cfg), B, threads)
+    flat, bufs, n, parts = pool.flat, pool.grad_bufs, len(pool.grad_bufs), pool.parts
     m, v, decay = np.zeros_like(flat), np.zeros_like(flat), decay_mask(cfg)
     rng = np.random.default_rng(0)
     times = []
@@ -3028,7 +3027,8 @@ def write_tokens(path, files, tok, workers=None, progress=True):
 # one can deadlock the child): between numpy calls a thread needs the GIL; on 16 cores 8 threads took 2.4x the step of
 # 8 processes, 4 threads of 2 rows beat 4 (docs/cpu_threads.md). Weights and gradient buffers live in memory shared
 # with them, arrays in it travel as their place in it; a worker ignores the signals (this process stops it) and ends
-# when its pipe does, also when this process is killed; an error in one is raised here.
+# when its pipe does, also when this process is killed; an error in one is raised here. A pipe each, not a pool:
+# concurrent.futures' go-between threads made the step of 16 processes on 16 cores 10% slower (64 against 58 ms, B=32).
 
 def workers_for(B, threads):
     """-> (n, processes, parts): the workers a batch of B rows is split over, at most --threads and one a core;
@@ -3043,15 +3043,24 @@ def workers_for(B, threads):
 
 
 class Workers:
-    """n workers: map(fn, *iterables) like the builtin's on them; flat: the weights where they read
-    them (flat itself for threads), grad_bufs: n gradient buffers; threads: a pool of n threads here"""
+    """the workers of a batch of `batch` rows on --threads (how many, of which kind: workers_for): map(fn, *iterables)
+    like the builtin's on them; flat: the weights where they read them (flat itself for threads); grad_bufs: a
+    gradient buffer a worker; threads: as many threads here; parts: the batch's micro-batches; line: the run's header
+    line: the workers, what held them below --threads (the cores, MIN_ROWS or MAX_THREADS; a row a process), rows a
+    micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS)"""
 
-    def __init__(self, n, flat, processes=False):
+    def __init__(self, flat, batch, threads):
         import mmap
         from multiprocessing import Pipe
-        self.threads, self.conns, self.pids = ThreadPoolExecutor(n), [], []
-        self.processes = processes and n > 1
-        if not self.processes:
+        n, procs, self.parts = workers_for(batch, threads)
+        self.threads, self.processes, self.conns, self.pids = ThreadPoolExecutor(n), procs, [], []
+        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
+        why = (f" ({CORES} cores here)" if n == CORES < threads else
+               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < threads))
+        blas = os.environ.get("OPENBLAS_NUM_THREADS", "1")
+        self.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
+                     f"{-(-batch // self.parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
+        if not procs:
             self.flat, self.grad_bufs, self.map = flat, [np.zeros_like(flat) for _ in range(n)], self.threads.map
             return
         self.memory = mmap.mmap(-1, (n + 1) * flat.nbytes)
@@ -3109,21 +3118,6 @@ class Workers:
         for error in (r for r in results if isinstance(r, BaseException)):
             raise error
         return results
-
-    @classmethod
-    def for_batch(cls, flat, batch, threads):
-        """CPUEngine's workers for `batch` rows on --threads (how many, of which kind: workers_for), with .parts (its
-        micro-batches) and .line, the run's header line: the workers, what held them below --threads (the cores,
-        MIN_ROWS or MAX_THREADS; a row a process), rows a micro-batch, BLAS's threads (a user's OPENBLAS_NUM_THREADS)"""
-        n, processes, parts = workers_for(batch, threads)
-        pool, blas = cls(n, flat, processes), os.environ.get("OPENBLAS_NUM_THREADS", "1")
-        procs, pool.parts = pool.processes, parts
-        kind, least = ("process", "a row") if procs else ("thread", f"{MIN_ROWS} rows")
-        why = (f" ({CORES} cores here)" if n == CORES < threads else
-               f" ({least} a {kind} at least{'' if procs else f', {MAX_THREADS} at most'})" * (n < threads))
-        pool.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
-                     f"{-(-batch // parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
-        return pool
 
     def close(self):
         """stop the workers now (a step cut short by a signal is lost anyway)"""

@@ -200,11 +200,19 @@ def test_a_thread_count_gives_the_same_bits_every_run_and_others_the_same_sums()
         np.testing.assert_allclose(results[n][2], results[1][2], rtol=1e-4, atol=1e-7)
 
 
-def test_processes_give_the_bits_of_threads_step_after_step():
+def process_workers(monkeypatch, flat, n):
+    """Workers on n processes, as workers_for gives a batch of n rows on n cores with processes above one worker"""
+    monkeypatch.setattr(ne, "CORES", n)
+    monkeypatch.setattr(ne, "PROCESSES_ABOVE", 1)
+    monkeypatch.setattr(ne.threading, "active_count", lambda: 1)      # whatever threads pytest's other tests left
+    return ne.Workers(flat, n, n)
+
+
+def test_processes_give_the_bits_of_threads_step_after_step(monkeypatch):
     flat = ne.init_params(TINY)
     rng = np.random.default_rng(4)
     for n in (2, 3):
-        pool = ne.Workers(n, flat, processes=True)
+        pool = process_workers(monkeypatch, flat, n)
         assert pool.processes and pool.flat is not flat and np.array_equal(pool.flat, flat)
         try:
             for step in range(2):                       # the second: the buffers zeroed, new weights read
@@ -220,10 +228,10 @@ def test_processes_give_the_bits_of_threads_step_after_step():
             pool.close()
 
 
-def test_an_error_in_a_worker_process_is_raised_here_and_a_dead_one_is_one_sentence():
+def test_an_error_in_a_worker_process_is_raised_here_and_a_dead_one_is_one_sentence(monkeypatch):
     flat = ne.init_params(TINY)
     idx, targets = ne.split_rows(np.zeros((4, TINY.T + TINY.K), dtype=np.int64), TINY.T, TINY.K)
-    pool = ne.Workers(2, flat, processes=True)
+    pool = process_workers(monkeypatch, flat, 2)
     try:
         with pytest.raises(IndexError):                              # a token id past the vocabulary
             ne.loss_and_grads(pool.flat, TINY, idx + TINY.V, targets, pool.grad_bufs, pool, 2)
@@ -241,8 +249,8 @@ def test_an_error_in_a_worker_process_is_raised_here_and_a_dead_one_is_one_sente
 def test_worker_processes_end_when_the_main_process_is_killed():
     # the workers inherit the write end of a pipe: it reads its end once every process holding it is gone
     r, w = os.pipe()
-    code = ("import nanoeuler as ne, sys\n"
-            "pool = ne.Workers(3, ne.init_params(ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)), True)\n"
+    code = ("import nanoeuler as ne, sys\nne.CORES, ne.PROCESSES_ABOVE = 3, 1\n"    # 3 rows on 3 cores: processes
+            "pool = ne.Workers(ne.init_params(ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)), 3, 3)\n"
             "print(pool.processes, flush=True)\nsys.stdin.read()\n")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                          pass_fds=(w,))
