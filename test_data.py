@@ -534,8 +534,8 @@ if __name__ == "__main__":
 """
 
 
-def start_slow_prepare(tmp_path):
-    """`prepare` on 2 workers that take a second a chunk, in a process group of its
+def start_slow_prepare(tmp_path, workers=2):
+    """`prepare` on `workers` workers that take a second a chunk, in a process group of its
     own (a terminal's Ctrl-C reaches every process of the job); returns once a
     worker is encoding"""
     corpus = tmp_path / "c.txt"
@@ -544,7 +544,7 @@ def start_slow_prepare(tmp_path):
     driver = tmp_path / "driver.py"
     driver.write_text(SLOW_WORKERS.format(here=HERE, started=str(started)))
     p = subprocess.Popen([sys.executable, str(driver), "prepare", "--data", str(corpus), "--vocab-size", "270",
-                          "--out", str(tmp_path / "out" / "run"), "--workers", "2"],
+                          "--out", str(tmp_path / "out" / "run"), "--workers", str(workers)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                          preexec_fn=default_signals)
     deadline = time.time() + 120
@@ -595,6 +595,14 @@ def test_ctrl_c_while_tokenizing_stops_cleanly(tmp_path, how):
     cache = tmp_path / "out" / "cache"
     assert not [f for f in os.listdir(cache) if f.startswith("tokens_")]          # no partial token file
     assert_group_ends(p)
+
+
+def test_ctrl_c_while_tokenizing_on_one_worker_stops_cleanly(tmp_path):
+    p = start_slow_prepare(tmp_path, workers=1)             # a small corpus's way: a thread of the main process
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.decode().strip().splitlines()[-1] == "Ctrl-C: interrupted", err.decode()
+    assert not [f for f in os.listdir(tmp_path / "out" / "cache") if f.startswith("tokens_")]
 
 
 def test_workers_end_when_the_main_process_is_killed(tmp_path):
