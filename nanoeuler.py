@@ -1119,25 +1119,25 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
 
 
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
-# (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; every
-# --save-every steps run.save (written while the next steps run). Around it, `run` (a RunFolder, in operations) stops
-# the loop on a signal, lost output or a non-finite loss, saving first. --minutes: at step PLAN_AFTER (run.plan_at)
-# that step's evaluation and save are timed, then run.plan sets total.
-# A first reading follows only those five calls: lr_schedule, engine.step, log_step, run_validation and run.save.
+# (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; then
+# run.after_step saves a checkpoint every --save-every steps (written while the next steps run). Around it, `run` (a
+# RunFolder, in operations) stops the loop on a signal, lost output or a non-finite loss, saving first. --minutes: at
+# step PLAN_AFTER (run.plan_at) that step's evaluation and save are timed, then after_step sets total (run.plan).
+# A first reading follows only those five calls: lr_schedule, engine.step, log_step, run_validation, run.after_step.
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
     -> idx (B,T), targets (B,T,K); val_batches: a fixed list of those. run: args.run, resumed (its checkpoints and
     when to stop); state: step, rng state, the best validation. The log's samples continue sample_prompt (ids;
     default: a document's start: sample_text_for_log). run.clock(): monotonic seconds (a test passes a fake)."""
     clock, out_dir = run.clock, run.out
-    start = saved = step = state["step"]
+    start = step = state["step"]
     total = state.get("planned_steps", args.steps)       # --minutes plans it once, early on (run.plan_at)
     if start >= total:                                   # --resume of a run that has made all its steps
         return run.complete(start, total, engine)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
     csv, t_start = run.begin(args, state, csv_path)      # log.csv open; the clocks start (--save-minutes's too)
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
-    times, last_path, planning = [], run.path(start) if start else None, False
+    times = []
     elapsed = lambda: fmt_time(clock() - t_start)
     with signals_handled(run):  # Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step, saved
         with run.output_may_go():
@@ -1154,27 +1154,17 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 shown = total if run.plan_at is None else "?"   # --minutes: the log's total is "?" until run.plan
                 log_step(step, shown, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
-                # after a signal the save comes first: no evaluation, sample or plan before it
-                planning = step == run.plan_at and not run.stop   # --minutes: the plan's step (above)
-                if planning or (not run.stop and (step % args.eval_every == 0 or step == total)):
+                if run.evaluates(step, total, args):      # every --eval-every steps, the last, --minutes's plan's
                     with run.evaluation():                # times it: the plan counts one every --eval-every steps
                         val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt,
                                              elapsed)
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
-                run.finish(poll=True)                     # say a background save that has finished
-                if run.due(step, args) or step == total or planning:
-                    # written while the next steps run; the last, and the timed one, before going on
-                    background = not (planning or step == total)
-                    saved, last_path = step, run.save(step, engine, state, rng, background=background)
-                    if planning:
-                        total = run.plan(args, state, step, np.mean(times))
-        if step > saved or (planning and step == stop):   # stopped early; or planned after this step's save
-            last_path = run.save(step, engine, state, rng, background=False)
-        run.finish()                                      # the save in flight, whatever stopped the loop
+                total = run.after_step(step, total, args, engine, state, rng, times)   # checkpoints; --minutes's plan
+        run.end(step, stop, engine, state, rng)           # the last step saved, however the loop stopped
     csv.close()
     engine.close()
-    run.exit_if_stopped(step, last_path)                 # a signal: exit 128 + N; lost output: run_command's
-    print_summary(step - start, elapsed(), times, state, out_dir, last_path)
+    run.exit_if_stopped(step, run.last_path)             # a signal: exit 128 + N; lost output: run_command's
+    print_summary(step - start, elapsed(), times, state, out_dir, run.last_path)
     plot_log(csv_path)
     return step
 
@@ -2668,6 +2658,7 @@ class RunFolder:
         self.last = self.clock()
         self.began = getattr(args, "started", self.last)
         self.plan_at = step + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
+        self.planning, self.saved, self.last_path = False, step, self.path(step) if step else None   # the last save's
         return csv, self.last
 
     # -- the training loop's stop: on a signal (signals_handled(run) calls handle while the loop runs)
@@ -2719,10 +2710,32 @@ class RunFolder:
         """(steps, minutes) between saves: --save-every, else --save-minutes (the GPU's), else SAVE_EVERY steps"""
         return (args.save_every or (0 if args.save_minutes else SAVE_EVERY)), args.save_minutes or 0
 
-    def due(self, step, args):
-        """--save-every's multiples, or --save-minutes since the last save (save_interval)"""
+    def evaluates(self, step, total, args):
+        """whether the loop evaluates after step: every --eval-every steps, the last, and --minutes's plan's
+        step (timed); after a signal the save comes first: no evaluation, sample or plan before it"""
+        self.planning = step == self.plan_at and not self.stop
+        return self.planning or (not self.stop and (step % args.eval_every == 0 or step == total))
+
+    def after_step(self, step, total, args, engine, state, rng, times):
+        """the loop's checkpoint after step, when due (save_interval: --save-every's multiples, or --save-minutes
+        since the last save): written while the next steps run, except the last one and --minutes's timed one;
+        then, at --minutes's step, the plan -> total (planned, or as it was)"""
+        self.finish(poll=True)                         # say a background save that has finished
         every, minutes = self.save_interval(args)
-        return step % every == 0 if every else self.clock() - self.last >= minutes * 60
+        due = step % every == 0 if every else self.clock() - self.last >= minutes * 60
+        if due or step == total or self.planning:
+            background = not (self.planning or step == total)
+            self.saved, self.last_path = step, self.save(step, engine, state, rng, background=background)
+            if self.planning:
+                return self.plan(args, state, step, np.mean(times))
+        return total
+
+    def end(self, step, stop, engine, state, rng):
+        """after the loop: the last step saved if it stopped before its checkpoint (a signal, lost output), or planned
+        after the save of the session's last step (--stop-after); then the write in flight, whatever stopped it"""
+        if step > self.saved or (self.planning and step == stop):
+            self.last_path = self.save(step, engine, state, rng, background=False)
+        self.finish()
 
     @contextlib.contextmanager
     def evaluation(self):
