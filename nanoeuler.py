@@ -1139,7 +1139,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times = []
     elapsed = lambda: fmt_time(clock() - t_start)
-    with signals_handled(run):  # Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step, saved
+    with signals_handled(run):  # (operations) Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step
         with run.output_may_go():
             while step < min(total, stop) and not run.stop:
                 step += 1
@@ -1352,7 +1352,7 @@ def sft_targets(rows, mask, T, K):
 def cmd_sft(args, make_engine=None, engine_line=None):
     """make_engine(cfg, flat, m, v), engine_line (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)                  # load_model, load_instructions: operations, checked
-    if make_engine is None:                            # CPUEngine's memory; a GPU engine refuses its own
+    if make_engine is None:                    # CPUEngine's memory (check_config: operations); a GPU engine checks its own
         check_config(cfg, args.model, args.batch, args.threads)
     rows, mask = sft_rows(tok, load_instructions(args.data), cfg)
     # an example teaches only if a response token is one of head 0's targets, row[1:T+1]
@@ -1582,7 +1582,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, mtp_weight=False, thre
                    help="stop (and save) after N steps of this run; -1 = off")
     g.add_argument("--seed", type="nonnegative_int", default=1337, help="seed of the data order (and of train's init)")
     if threads:
-        g.add_argument("--threads", type="positive_int", default=CORES,
+        g.add_argument("--threads", type="positive_int", default=CORES,    # CORES: usable cores (operations)
                        help=f"threads the batch is split over, at most (one a core, {MIN_ROWS} rows a thread at least)")
     g = sp.add_argument_group("optimization")
     g.add_argument("--batch", type="positive_int", default=batch, help="rows of T+K tokens per step")
