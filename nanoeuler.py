@@ -1352,7 +1352,7 @@ def sft_targets(rows, mask, T, K):
 def cmd_sft(args, make_engine=None, engine_line=None):
     """make_engine(cfg, flat, m, v), engine_line (its description): nanoeuler_cuda.py's GPU engine"""
     cfg, flat0, tok = load_model(args.model)                  # load_model, load_instructions: operations, checked
-    if make_engine is None:                    # CPUEngine's memory (check_config: operations); a GPU engine checks its own
+    if make_engine is None:                    # CPUEngine's memory (check_config: operations); a GPU engine: its own
         check_config(cfg, args.model, args.batch, args.threads)
     rows, mask = sft_rows(tok, load_instructions(args.data), cfg)
     # an example teaches only if a response token is one of head 0's targets, row[1:T+1]
