@@ -323,7 +323,7 @@ def mtp_weights(cfg):
 
 
 def mtp_heads_forward(x, heads, targets, cfg, counts=None):
-    """x (N,C), heads (K,V,C), targets (N,K) -> loss, ce (K,), cache; counts: see cross_entropy"""
+    """x (N,C), heads (K,V,C), targets (N,K) -> loss, ce (K,), cache; counts[k]: cross_entropy_forward's n, head k"""
     ce, caches = [], []
     for k in range(cfg.K):
         logits = x @ heads[k].T                                       # (N,C) @ (C,V) -> (N,V)
@@ -995,18 +995,18 @@ class Tokenizer:
 #
 # A batch is B rows of T+K consecutive tokens at random places in a file of uint16 token ids, read memory-mapped so
 # that a corpus larger than memory trains (get_batch; split_rows makes a row the inputs and the K heads' targets);
-# validation reads set rows of the file's last tenth. How a corpus (a text file, or a folder of .txt files:
-# corpus_files) becomes that file: a tokenizer trained on a sample of at most 16 MB (tokenizer_sample) encodes it,
-# an <|endoftext|> token after each document (get_data.sh's web shards end each with an <|endoftext|> line; a book
-# is one document), in small memory on every core (write_tokens, operations: tokenizing a corpus at scale).
-# prepare_data caches both files (cached, in operations: a file is read if it is there and whole, else made by
-# make(path), which writes it or returns its bytes).
+# validation reads fixed, evenly spaced rows of the file's last tenth (fixed_rows). How a corpus (a text file, or a
+# folder of .txt files: corpus_files) becomes that file: a tokenizer trained on a sample of at most 16 MB
+# (tokenizer_sample) encodes it, an <|endoftext|> token after each document (get_data.sh's web shards end each with an
+# <|endoftext|> line; a book is one document), in small memory on every core (write_tokens, operations: tokenizing a
+# corpus at scale). prepare_data caches both files (cached, in operations: a file is read if it is there and whole,
+# else made by make(path), which writes it or returns its bytes).
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
 DEFAULT_SFT = os.path.join(DATA_DIR, "instructions.jsonl")
 TOKEN_DTYPE = np.dtype("<u2")  # the token cache's: every id below MAX_V fits (check_config refuses a larger V)
-CACHE = os.path.join("..", "cache")   # the tokenizer and tokens: a folder beside a run's --out, shared by its runs
+CACHE = os.path.join("..", "cache")   # the tokenizer and tokens beside a run's --out (out/small: out/cache)
 
 
 def split_train_val(tokens, rows_len, val_fraction=0.1):
@@ -1121,8 +1121,8 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
 # The loop in one glance, each step: lr = lr_schedule(step - 1, total, ..); engine.step(*next_batch(rng), lr, step)
 # (forward, backward, clip, AdamW); log_step and a row of log.csv; every --eval-every steps run_validation; then
 # run.after_step saves a checkpoint every --save-every steps (written while the next steps run). Around it, `run` (a
-# RunFolder, in operations) stops the loop on a signal, lost output or a non-finite loss, saving first. --minutes: at
-# step PLAN_AFTER (run.plan_at) that step's evaluation and save are timed, then after_step sets total (run.plan).
+# RunFolder, in operations) stops the loop on a signal or lost output, saved; a non-finite loss stops the run at its
+# last good checkpoint. --minutes: after_step sets total from step PLAN_AFTER's timed evaluation and save.
 # A first reading follows only those five calls: lr_schedule, engine.step, log_step, run_validation, run.after_step.
 def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, sample_prompt=None):
     """the loop that pretraining and SFT, on the CPU and on the GPU, share (above, in one glance). next_batch(rng)
@@ -1195,7 +1195,7 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
 # -----------------------------------------------------------------------------
 # a training step on every core
 #
-# The step train_loop asks of its engine is four calls on one thread (params, grads: flat, grad carved):
+# The step train_loop asks of its engine is four calls on one thread (params = carve(flat), grads = carve(grad)):
 #     loss, ce, cache = model_forward(params, cfg, idx, targets); model_backward(grads, cache)
 #     norm = clip_grad_norm(grad, args.clip); adamw_update(flat, grad, m, v, step, lr, decay_mask(cfg))
 # CPUEngine runs that on every core: numpy works on one core at a time, so the batch is cut into parts that workers run
@@ -1923,7 +1923,7 @@ def add_serve_flags(sp):
 #   do, exit code 2, never a traceback
 # - lost output streams: a closed pipe or a hung-up terminal ends the run
 #   quietly, saved; closed streams at start become /dev/null
-# - tokenizing a corpus: in small memory whatever its size, on every core, the same tokens as whole documents
+# - tokenizing a corpus: in small memory whatever its size, on every core, the tokens of whole documents (chunk_end)
 # - a training step's workers: they ignore signals, die with this process, and an error in one is raised here
 # Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
 # in one sentence by run_command, the one place a command ends (ArgumentParser.run, the
