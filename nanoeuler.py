@@ -2663,7 +2663,7 @@ class RunFolder:
 
     # -- the training loop's stop: on a signal (signals_handled(run) calls handle while the loop runs)
     # or when output is gone (a closed pipe, a hung-up terminal: output_may_go), the loop stops after
-    # the step in flight, saves, then ends in exit_if_stopped (train_loop)
+    # the step in flight, saves, then raises the stop for run_command in exit_if_stopped (train_loop)
 
     def handle(self, signum, frame):
         """the loop's first signal: stop after this step, saved; a second: raised at once"""
@@ -2690,10 +2690,10 @@ class RunFolder:
             silence_lost_output()
 
     def exit_if_stopped(self, step, last_path):
-        """after the save: a signal exits as it would have killed us (exit_stopped); lost
-        output is raised again, for run_command (quiet on a closed pipe, one line otherwise)"""
+        """after the save: a signal is raised again as Interrupted(signum, step, last_path), lost output as it came;
+        run_command ends the command (128 + N; quiet on a closed pipe, one line otherwise)"""
         if self.signum:
-            exit_stopped(self.signum, step=step, last_path=last_path)
+            raise Interrupted(self.signum, step, last_path)
         if self.lost:
             raise self.lost
 
@@ -3169,7 +3169,9 @@ def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
 class Interrupted(BaseException):
     """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's KeyboardInterrupt
     is (the policy above; a BaseException: no `except Exception` stops it). Not a KeyboardInterrupt: what
-    Ctrl-C alone ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: its number."""
+    Ctrl-C alone ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: its number;
+    Interrupted(signum, step, last_path): the training loop stopped after step, saved as last_path (None: before the
+    first step; RunFolder.exit_if_stopped)."""
     signum = property(lambda self: self.args[0])
 
 
@@ -3186,27 +3188,6 @@ def signals_handled(run=None):
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def exit_stopped(signum, run=None, step=None, last_path=None):
-    """say where a signal stopped the command, and exit as its killing would have: 128 + N (130 Ctrl-C,
-    143 SIGTERM, 129 SIGHUP). step: the training loop stopped after it, saved as last_path (None: before
-    the first step); else (while the data is prepared, or a second signal during a save) train and sft
-    name the last complete checkpoint in their run's folder (run)"""
-    if step is not None:
-        lead, said = "", (f"stopped at step {step}, saved as {last_path}; continue with --resume" if last_path
-                          else "stopped before the first step; nothing to save")
-    else:                                              # on a line of its own: a step's line may be unfinished
-        for sig in SIGNALS:                            # a further signal must not cut these last words
-            signal.signal(sig, signal.SIG_IGN)
-        with contextlib.suppress(OSError):
-            step = run.latest() if run else None
-        lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {run.path(step)}, "
-                                            "continue with --resume" if step is not None else "")
-    silence_lost_output()                              # SIGHUP's terminal is most likely gone, or a pipe closed
-    with contextlib.suppress(OSError):
-        print(f"{lead}{SIGNALS[signum]}: {said}", file=sys.stderr)
-    sys.exit(128 + signum)
 
 
 def exit_now_if_threads_work_on(code):
@@ -3420,8 +3401,23 @@ def run_command(command, args, closed=()):
             # show source lines; what they lead to is said in one sentence (LogitsNotFinite, stop_if_not_finite)
             warnings.simplefilter("ignore", RuntimeWarning)
             command(args)
-    except (KeyboardInterrupt, Interrupted) as e:
-        exit_stopped(getattr(e, "signum", signal.SIGINT), run)
+    except (KeyboardInterrupt, Interrupted) as e:      # say where, and exit as its killing would have: 128 + N
+        signum, *saved = e.args if isinstance(e, Interrupted) else [signal.SIGINT]   # (130 Ctrl-C, 143 SIGTERM, ..)
+        if saved:                                      # the training loop stopped, saved (Interrupted)
+            lead, said = "", (f"stopped at step {saved[0]}, saved as {saved[1]}; continue with --resume" if saved[1]
+                              else "stopped before the first step; nothing to save")
+        else:                                          # where it stood: train and sft name their last checkpoint
+            for sig in SIGNALS:                        # a further signal must not cut these last words
+                signal.signal(sig, signal.SIG_IGN)     # (on a line of its own: a step's line may be unfinished)
+            step = None
+            with contextlib.suppress(OSError):
+                step = run.latest() if run else None
+            lead, said = "\n", "interrupted" + (f"; the last complete checkpoint is {run.path(step)}, "
+                                                "continue with --resume" if step is not None else "")
+        silence_lost_output()                          # SIGHUP's terminal is most likely gone, or a pipe closed
+        with contextlib.suppress(OSError):
+            print(f"{lead}{SIGNALS[signum]}: {said}", file=sys.stderr)
+        sys.exit(128 + signum)
     except BrokenPipeError:
         # the reader of our output went away (sample | head): stop quietly; stdout now
         # goes nowhere, so Python's own flush at exit cannot fail again (Python's docs' recipe)
