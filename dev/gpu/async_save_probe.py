@@ -68,7 +68,7 @@ for attempt in ("first (page-locked buffers made)", "second"):
     steps(5)
     saves.save(step, engine, {"step": step}, rng)
     beside = []
-    while ne.RunFolder.writing():
+    while ne.RunFolder.thread and ne.RunFolder.thread.is_alive():    # the write in flight
         beside += steps(1)
     saves.finish()
     print(f"after, {attempt}: training held {saves.paused:.3f} s, the pair written in {saves.took:.2f} s beside "
