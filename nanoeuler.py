@@ -1102,7 +1102,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     # a new run: init_params(--seed), AdamW's m = v = 0, step 0, data order seeded by --seed; --resume: a checkpoint's
     flat, m, v, state = run.resume_or_init(args, tok, functools.partial(init_params, cfg, args.seed))
     engine = make_engine(cfg, flat, m, v)
-    print_settings((describe(engine) if describe else [("engine", engine.line)]) +
+    print_settings((describe(engine) if describe else [("engine", engine.line)]) +   # the run's log (after bench)
                    [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
                      " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
                     ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
@@ -1138,7 +1138,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     csv, t_start = run.begin(args, state, csv_path)      # log.csv open; the clocks start (--save-minutes's too)
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times = []
-    elapsed = lambda: fmt_time(clock() - t_start)
+    elapsed = lambda: fmt_time(clock() - t_start)       # fmt_time, log_step, log_csv, plot_log: the run's log
     with signals_handled(run):  # (operations) Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step
         with run.output_may_go():
             while step < min(total, stop) and not run.stop:
