@@ -1163,7 +1163,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
         run.end(step, stop, engine, state, rng)           # the last step saved, however the loop stopped
     csv.close()
     engine.close()
-    run.exit_if_stopped(step, run.last_path)             # a signal: exit 128 + N; lost output: run_command's
+    run.exit_if_stopped(step, run.last_path)             # a signal or lost output: raised, run_command ends it
     print_summary(step - start, elapsed(), times, state, out_dir, run.last_path)
     plot_log(csv_path)
     return step
