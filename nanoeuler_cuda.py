@@ -1334,11 +1334,6 @@ class HostRing:
             cu.cuMemFreeHost(self.host)
 
 
-def max_rows(cfg):
-    """rows a decoding step can feed"""
-    return DECODE_MAX_ROWS
-
-
 def decode_check_sizes(cfg):
     """the decode kernels read weight rows 16 bytes at a time and split attention's block by D;
     the prefill's norms hold a row in registers, as training's do (C at most kernels.cu's MAX_C)"""
@@ -1625,7 +1620,7 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
     if not tokens:
         raise NanoEulerError("the prompt is empty; give at least one token")
     n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
-    n_drafts = min(n_drafts, max_rows(cfg) - 1) if speculative else 0
+    n_drafts = min(n_drafts, DECODE_MAX_ROWS - 1) if speculative else 0
     policy = DraftPolicy(n_drafts, decoder.pass_cost(1 + n_drafts) if n_drafts else 1.0)
     greedy = temperature <= 0
     lookahead = LOOKAHEAD if greedy else 1
@@ -1662,9 +1657,20 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
             decoder.set_feed(feed, pos)
 
 
+def make_decoder(args):
+    """sample's, chat's and serve's make_params(cfg, flat) -> a GPUDecoder; with --speculative, a note where
+    --drafts (already at most K-1) asks for more drafts than a decoding step's DECODE_MAX_ROWS rows can feed"""
+    def make(cfg, flat):
+        if getattr(args, "speculative", False) and args.drafts > DECODE_MAX_ROWS - 1:
+            print(f"note: a GPU decoding step feeds {DECODE_MAX_ROWS} rows; drafting with {DECODE_MAX_ROWS - 1} "
+                  f"heads, not --drafts {args.drafts}", file=sys.stderr)
+        return GPUDecoder(cfg, flat, args.precision)
+    return make
+
+
 def cmd_sample(args):
     """nanoeuler.py's sample (the prompt, streaming, its notes), generating on the GPU"""
-    ne.cmd_sample(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+    ne.cmd_sample(args, make_params=make_decoder(args), gen=generate)
 
 
 # -----------------------------------------------------------------------------
@@ -1681,12 +1687,12 @@ def cmd_sft(args):
 
 def cmd_chat(args):
     """nanoeuler.py chat's REPL (/reset, /quit, Ctrl-D), generating on the GPU"""
-    ne.cmd_chat(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+    ne.cmd_chat(args, make_params=make_decoder(args), gen=generate)
 
 
 def cmd_serve(args):
     """nanoeuler.py serve (serve.py's page and API), generating on the GPU"""
-    ne.cmd_serve(args, make_params=lambda cfg, flat: GPUDecoder(cfg, flat, args.precision), gen=generate)
+    ne.cmd_serve(args, make_params=make_decoder(args), gen=generate)
 
 
 # -----------------------------------------------------------------------------
@@ -2574,7 +2580,7 @@ def profile_decoding(dec, prompt, replays=100):
     print_by_kernel(totals)
     # what a speculative pass costs beside a plain one: more rows, more heads (21 passes of R
     # rows, each moving *pos by 1 to R, must stay inside the window)
-    most = min(dec.cfg.K, max_rows(dec.cfg))
+    most = min(dec.cfg.K, DECODE_MAX_ROWS)
     rows = range(1, most + 1) if T >= len(prompt) + 21 * most else []
     for R, n_heads in sorted({(R, n) for R in rows for n in (1, R)}):
         dec.wait(dec.prefill(prompt, 1))
@@ -2660,7 +2666,7 @@ def bench_decoding(args):
         print(f"\ndecoding on {gpu.name}, batch 1, greedy, {precision} weights, {len(prompt)}-token prompt, "
               f"{n} new tokens (median of 3 after a warm-up), {what}; {dec.attention} attention"
               f"{', PDL launches' if dec.pdl else ''}")
-        plain, _ = print_speeds(dec, cfg, prompt, n, range(1, min(cfg.K, max_rows(cfg))))
+        plain, _ = print_speeds(dec, cfg, prompt, n, range(1, min(cfg.K, DECODE_MAX_ROWS)))
         if args.decode_variants:
             bench_variants(cfg, flat, precision, prompt, n, plain)
         if args.profile:

@@ -948,3 +948,13 @@ def test_only_rank_0_speaks_and_a_rank_launches_no_ranks(tmp_path, monkeypatch, 
     with pytest.raises(Started):
         nc.cmd_train(nc.build_parser().parse_args(["train", "small", "--gpus", "2", "--data",
                                                    str(tmp_path / "c.txt"), "--out", str(tmp_path / "o")]))
+
+
+@pytest.mark.parametrize("drafts, speculative, noted", [(5, True, True), (3, True, False), (5, False, False)])
+def test_the_gpu_decoder_says_when_drafts_exceed_what_a_step_feeds(monkeypatch, capsys, drafts, speculative, noted):
+    # a K = 6 model allows --drafts 5, a GPU decoding step feeds 4 rows (3 drafts): said once, on stderr
+    monkeypatch.setattr(nc, "GPUDecoder", lambda cfg, flat, precision: (cfg, precision))
+    args = argparse.Namespace(speculative=speculative, drafts=drafts, precision="bf16")
+    assert nc.make_decoder(args)("cfg", None) == ("cfg", "bf16")
+    err = capsys.readouterr().err
+    assert ("drafting with 3 heads, not --drafts 5" in err) == noted, err
