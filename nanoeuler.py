@@ -2142,7 +2142,6 @@ def read_safetensors(path, check=None, header_only=False):
     header_only: -> (shapes, metadata), the data left unread."""
     if not os.path.isfile(path):
         raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
-    # a file that shrinks while it is read (no atomic_write does that) is malformed too
     with open(path, "rb") as f, refused_if_malformed(path, "is not a safetensors file this program reads", MODEL_HINT):
         size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
         require(2 <= n <= min(size - 8, MAX_HEADER), f"its header cannot be read: its length says {n:,} bytes")
@@ -2180,6 +2179,7 @@ def read_safetensors(path, check=None, header_only=False):
         if header_only:
             return shapes, checked
         data = f.read(end)
+        require(len(data) == end, f"it changed while it was read ({len(data):,} of {end:,} data bytes); try again")
         return {name: np.frombuffer(data, dtype="<f4", count=(stop - begin) // 4, offset=begin).reshape(shape)
                 for begin, stop, name, shape in entries}, checked
 

@@ -13,6 +13,7 @@ import errno
 import importlib
 import json
 import math
+import io
 import os
 import re
 import subprocess
@@ -1154,3 +1155,20 @@ def test_every_command_in_the_readmes_code_blocks_parses():
             parser.parse_args(shlex.split(rest.replace("[", "").replace("]", "")))
         except SystemExit:
             pytest.fail(f"README's `python {program} {rest}` does not parse")
+
+
+def test_a_model_file_that_shrinks_while_it_is_read_is_said_to_have_changed(tmp_path, monkeypatch):
+    # fstat says the whole file, the data read back is cut short (another program truncating it meanwhile)
+    path = tmp_path / "m.safetensors"
+    ne.write_safetensors(str(path), [("a", np.arange(6, dtype=np.float32))], {})
+    whole = path.read_bytes()
+    short = tmp_path / "short.bin"
+    short.write_bytes(whole[:-8])                       # the last two floats gone
+
+    class Shrinking(io.BufferedReader):
+        def fileno(self):                               # fstat sees the file at its full size
+            return os.open(str(path), os.O_RDONLY)
+
+    monkeypatch.setattr(ne, "open", lambda p, mode="r", **kw: Shrinking(io.FileIO(str(short), "rb")), raising=False)
+    with pytest.raises(ne.NanoEulerError, match=r"changed while it was read \(16 of 24 data bytes\); try again"):
+        ne.read_safetensors(str(path))
