@@ -1135,12 +1135,12 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
     if start >= total:                                   # --resume of a run that has made all its steps
         return run.complete(start, total, engine)
     rng, tokens_per_step, csv_path = saved_rng(state), args.batch * cfg.T, os.path.join(out_dir, "log.csv")
-    csv, t_start = run.begin(args, state, csv_path)      # log.csv open; the clocks start (--save-minutes's too)
     stop = start + args.stop_after if args.stop_after > 0 else math.inf   # --stop-after ends this session sooner
     times = []
-    elapsed = lambda: fmt_time(clock() - t_start)       # fmt_time, log_step, log_csv, plot_log: the run's log
     with signals_handled(run):  # (operations) Ctrl-C, SIGTERM, SIGHUP set run.stop: the loop ends after this step
-        with run.output_may_go():
+        # log.csv open, the clocks started (--save-minutes's too); lost output (a closed pipe) stops the loop too
+        with run.begin(args, state, csv_path) as (csv, t_start):
+            elapsed = lambda: fmt_time(clock() - t_start)   # fmt_time, log_step, log_csv, plot_log: the run's log
             while step < min(total, stop) and not run.stop:
                 step += 1
                 t0 = clock()                              # the step's time: the batch's making included
@@ -1161,7 +1161,6 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 total = run.after_step(step, total, args, engine, state, rng, times)   # checkpoints; --minutes's plan
         run.end(step, stop, engine, state, rng)           # the last step saved, however the loop stopped
-    csv.close()
     engine.close()
     run.exit_if_stopped(step, run.last_path)             # a signal or lost output: raised, run_command ends it
     print_summary(step - start, elapsed(), times, state, out_dir, run.last_path)
@@ -2640,13 +2639,17 @@ class RunFolder:
               f"{self.path(start)}; nothing to do (--fresh starts it over, the old run kept aside)")
         return start
 
+    @contextlib.contextmanager
     def begin(self, args, state, csv_path):
-        """the loop's start -> log.csv open to append, and the clock now. log.csv: the header and the
+        """the loop's steps, inside -> log.csv open to append, and the clock now. log.csv: the header and the
         rows up to the state's step: a resumed run drops the rows past its checkpoint (and any
         half-written or garbled line), a fresh run starts it anew, so the log always matches the run.
         Bytes that are not UTF-8 are read as U+FFFD: a damaged log never stops a resume. The folder is
         made again if it went. --save-minutes counts from now, --minutes from the program's start;
-        without a plan in the state, --minutes plans PLAN_AFTER steps from here (plan_at, plan)."""
+        without a plan in the state, --minutes plans PLAN_AFTER steps from here (plan_at, plan).
+        When our output is gone inside (`train | head` has exited, the terminal closed), the steps end, not
+        the run: the loop saves, then ends quietly (self.lost holds the error). An error of writing our
+        output has no file name: atomic_write names its file in every error"""
         step = state["step"]
         os.makedirs(self.out, exist_ok=True)
         rows = []
@@ -2654,15 +2657,21 @@ class RunFolder:
             with open(csv_path, encoding="utf-8", errors="replace") as f:
                 rows = [ln for ln in f if ln.endswith("\n") and (row := log_row(ln)) and row[0] <= step]
         atomic_write(csv_path, (LOG_HEADER + "".join(rows)).encode())
-        csv = open(csv_path, "a", encoding="utf-8")
         self.last = self.clock()
         self.began = getattr(args, "started", self.last)
         self.plan_at = step + PLAN_AFTER if getattr(args, "minutes", 0) > 0 and "planned_steps" not in state else None
         self.planning, self.saved, self.last_path = False, step, self.path(step) if step else None   # the last save's
-        return csv, self.last
+        try:
+            with open(csv_path, "a", encoding="utf-8") as csv:
+                yield csv, self.last
+        except OSError as e:
+            if e.filename is not None or e.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            self.stop, self.lost = True, e
+            silence_lost_output()
 
     # -- the training loop's stop: on a signal (signals_handled(run) calls handle while the loop runs)
-    # or when output is gone (a closed pipe, a hung-up terminal: output_may_go), the loop stops after
+    # or when output is gone (a closed pipe, a hung-up terminal: begin's), the loop stops after
     # the step in flight, saves, then raises the stop for run_command in exit_if_stopped (train_loop)
 
     def handle(self, signum, frame):
@@ -2675,19 +2684,6 @@ class RunFolder:
         with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
             print(f"\n{SIGNALS[signum]}: finishing this step, then saving a checkpoint ({SIGNALS[signum]} again "
                   "to quit at once)", file=sys.stderr)
-
-    @contextlib.contextmanager
-    def output_may_go(self):
-        """end the steps, not the run, when our output is gone (`train | head` has exited,
-        the terminal closed): the loop saves, then ends quietly (self.lost holds the error).
-        An error of writing our output has no file name: atomic_write names its file in every error"""
-        try:
-            yield
-        except OSError as e:
-            if e.filename is not None or e.errno not in (errno.EPIPE, errno.EIO):
-                raise
-            self.stop, self.lost = True, e
-            silence_lost_output()
 
     def exit_if_stopped(self, step, last_path):
         """after the save: a signal is raised again as Interrupted(signum, step, last_path), lost output as it came;

@@ -1207,7 +1207,7 @@ def test_a_first_signal_after_lost_output_still_lets_the_save_finish():
     """lost output sets stop without a signal: the first SIGTERM after it is a first signal
     (it finishes the step and saves), only a second one quits at once"""
     flag = ne.RunFolder("run")
-    flag.stop = True                                   # what output_may_go does when stdout is gone
+    flag.stop = True                                   # what RunFolder.begin does when stdout is gone
     flag.handle(signal.SIGTERM, None)                  # must not raise
     assert flag.signum == signal.SIGTERM
     with pytest.raises(ne.Interrupted):
