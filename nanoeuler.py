@@ -2329,12 +2329,10 @@ def checkpoint_path(out_dir, step, kind="model"):
 
 
 def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
-    """state_<step>.safetensors then model_<step>.safetensors; returns the model path"""
+    """state_<step>.safetensors then model_<step>.safetensors"""
     meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
     write_safetensors(checkpoint_path(out_dir, step, "state"), [("m", m), ("v", v)], meta)
-    path = checkpoint_path(out_dir, step)
-    save_model(path, cfg, flat, tok)
-    return path
+    save_model(checkpoint_path(out_dir, step), cfg, flat, tok)
 
 
 def load_checkpoint(out_dir, step):
