@@ -698,10 +698,45 @@ __device__ __forceinline__ void decode_launch_next() {
 
 __device__ __forceinline__ float4 load4(const float* p) { return *(const float4*)p; }
 
+// elements d0 .. d0+N-1 of query head slot g of one row's attention, from the `chunks` records the
+// split attention wrote for the row and its block of heads (recs: the first; a record: acc (DECODE_HEADS
+// x D), m, l (DECODE_HEADS)): y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c in chunk order, M the
+// chunks' max. Loads 8 chunks at a time, all issued before the first is used (two trips to L2 for
+// T <= 512: the maxima, then the sums). The same function wherever a row is combined: its bits
+// depend on the records alone.
+template <int N>
+__device__ __forceinline__ void combine_chunks(float* out, const float* recs, int chunks, int D, int g, int d0) {
+    const int REC = DECODE_HEADS * (D + 2);
+    float M = -INFINITY, num[N], den = 0.0f;
+    for (int c0 = 0; c0 < chunks; c0 += 8) {
+        float m[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) m[i] = c0 + i < chunks ? __ldcg(recs + (c0 + i) * REC + DECODE_HEADS * D + g) : M;
+#pragma unroll
+        for (int i = 0; i < 8; i++) M = fmaxf(M, m[i]);
+    }
+#pragma unroll
+    for (int e = 0; e < N; e++) num[e] = 0.0f;
+    for (int c0 = 0; c0 < chunks; c0 += 8) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            if (c0 + i >= chunks) break;
+            const float* rc = recs + (c0 + i) * REC;
+            float f = expf(__ldcg(rc + DECODE_HEADS * D + g) - M);
+#pragma unroll
+            for (int e = 0; e < N; e++) num[e] = fmaf(f, __ldcg(rc + g * D + d0 + e), num[e]);
+            den = fmaf(f, __ldcg(rc + DECODE_HEADS * (D + 1) + g), den);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < N; e++) out[e] = num[e] / den;
+}
+
 // what decode_matvec builds from `in` (R rows) as it multiplies
 #define IN_PLAIN 0              // in (R, In) itself
 #define IN_RMSNORM 1            // rmsnorm(in) * norm_w, in (R, In): the norm fused into the next product
 #define IN_SWIGLU 2             // silu(gate) * up, in (R, 2 In) holding gate then up: swiglu fused too
+#define IN_ATTENTION 3          // attention's output, combined from the split attention's records in `in`
 
 __device__ __forceinline__ void unpack16(uint4 raw, float* w, const float*) {        // 4 fp32
     w[0] = __uint_as_float(raw.x); w[1] = __uint_as_float(raw.y);
@@ -720,9 +755,19 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
 // (the norm's 1/rms multiplies the whole sum at the end; ss gains the squares of the chunk's
 // elements of in, which it is made of) or silu(gate) * up. 16-byte loads: In a multiple of 8, the
 // rows and norm_w 16-byte aligned.
+struct Records { int p0, Hq, Hkv, gz; };   // IN_ATTENTION: *pos, the heads, the split attention's gridDim.z
+
 template <int MODE, int E>
 __device__ __forceinline__ void matvec_input(float* v, float& ss, const float* in, const float* norm_w, int In, int r,
-                                             int c) {
+                                             int c, Records at) {
+    if (MODE == IN_ATTENTION) {                                    // E elements of one head: D a multiple of E
+        int D = In / at.Hq, G = at.Hq / at.Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS;
+        int h = c * E / D, within = h % G, block = h / G * groups + within / DECODE_HEADS;
+        int chunks = (at.p0 + r + DECODE_CHUNK) / DECODE_CHUNK;   // of the p0 + r + 1 keys row r sees
+        const float* recs = in + ((long)r * at.Hkv * groups + block) * at.gz * DECODE_HEADS * (D + 2);
+        combine_chunks<E>(v, recs, chunks, D, within % DECODE_HEADS, c * E % D);
+        return;
+    }
 #pragma unroll
     for (int e = 0; e < E; e += 4) {
         if (MODE == IN_SWIGLU) {
@@ -780,7 +825,8 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // rows they spilled 12-16 bytes: the accumulators are DECODE_OUTS x DECODE_MAX_ROWS registers whatever R)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
-                              int ld_out, int accumulate, int splits) {
+                              int ld_out, int accumulate, int splits, const int* pos = nullptr, int Hq = 0,
+                              int Hkv = 0, int gz = 0) {
     __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], part_ss[8][DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, groups = 8 / splits;   // groups of outputs a block
@@ -795,6 +841,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
     decode_wait();
+    Records at = {MODE == IN_ATTENTION ? *pos : 0, Hq, Hkv, gz};
     // thread t: output k = t / R of the block (output j of group g), row r; the residual's old
     // value loaded now (its writer is done), not after the sums: one trip less on the chain
     // (a one-row pass 213.1 -> 211.0 us, a 4-row pass 356.2 -> 348.6 us on an H200)
@@ -821,7 +868,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
                 float v[8];
-                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c);
+                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c, at);
 #pragma unroll
                 for (int j = 0; j < DECODE_OUTS; j++) {
                     float wf[8];
@@ -857,7 +904,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     out[(long)r * ld_out + o] = old + s;
 }
 
-// the six entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
+// the entry points: {plain, rmsnorm, swiglu} input x {fp32, bf16} weights, written out
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
@@ -887,6 +934,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_bf16_k
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
     decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+}
+
+// and attention's output combined on the way in (the wo product of a step), written out too
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_attention_f32_kernel(
+    float* out, const float* in, const float* w, const int* pos, int R, int In, int Out, int ld_out, int accumulate,
+    int splits, int Hq, int Hkv, int gz) {
+    decode_matvec<float, IN_ATTENTION>(out, in, w, nullptr, R, In, Out, ld_out, accumulate, splits, pos, Hq, Hkv, gz);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_attention_bf16_kernel(
+    float* out, const float* in, const unsigned short* w, const int* pos, int R, int In, int Out, int ld_out,
+    int accumulate, int splits, int Hq, int Hkv, int gz) {
+    decode_matvec<unsigned short, IN_ATTENTION>(out, in, w, nullptr, R, In, Out, ld_out, accumulate, splits, pos, Hq,
+                                                Hkv, gz);
 }
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
@@ -1036,7 +1096,11 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
 // sees one chunk writes y directly. A row that sees several writes the chunk's (m, l, acc)
 // to `partial`; the last of its blocks to finish (counted in `count`, which it resets to 0
 // for the next launch) combines them in chunk order: y = sum_c e^(m_c - M) acc_c /
-// sum_c e^(m_c - M) l_c. Keys before *pos come from the cache, read before the wait for the
+// sum_c e^(m_c - M) l_c (combine_chunks). In a step (combine = 0) every row writes its records
+// and nothing more: the wo product combines them as it reads its input (decode_matvec's
+// IN_ATTENTION), which takes the count, the fences and the last block off the pass's chain
+// (each wo warp combines the few chunks its own part of the input needs, from L2).
+// Keys before *pos come from the cache, read before the wait for the
 // kernel that wrote qkv (programmatic launch; no kernel of the pass writes there); this
 // pass's own keys come from qkv, rotated as they are read, and the thread that reads key
 // *pos + r in row r's block writes it and its value into the cache (no block reads the
@@ -1051,7 +1115,7 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
 template <int D>
 __device__ void attention_decode_split(float* y, float* partial, int* count, float* k_cache, float* v_cache,
                                        const float* qkv, const float* cos, const float* sin, const int* pos, int row0,
-                                       int Hq, int Hkv, float scale) {
+                                       int Hq, int Hkv, float scale, int combine) {
     constexpr int S = D / 4, HALF = D / 2, KEYS = 256 / S, SWEEPS = (DECODE_CHUNK + KEYS - 1) / KEYS;
     constexpr int REC = DECODE_HEADS * (D + 2);                    // a record: acc (heads x D), m, l (heads)
     __shared__ float sh_m[8][DECODE_HEADS], sh_l[8][DECODE_HEADS];
@@ -1167,14 +1231,14 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
         float a = 0.0f, den = 0.0f, mg = sh_m[0][g];
         for (int w = 0; w < 8; w++) a += sh_acc[w][g][d], den += sh_l[w][g];
         for (int w = 1; w < 8; w++) mg = fmaxf(mg, sh_m[w][g]);
-        if (chunks == 1) {
+        if (chunks == 1 && combine) {
             y[((long)r * Hq + h0 + g) * D + d] = a / den;
         } else {
             rec[g * D + d] = a;
             if (d == 0) rec[DECODE_HEADS * D + g] = mg, rec[DECODE_HEADS * (D + 1) + g] = den;
         }
     }
-    if (chunks == 1) return;
+    if (chunks == 1 || !combine) return;
     __threadfence();                                               // the record, before the count
     __syncthreads();
     if (tid == 0) {
@@ -1185,45 +1249,35 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
     if (!sh_last) return;
     if (tid == 0) count[b * gridDim.x + blockIdx.x] = 0;
     const float* recs = partial + ((long)b * gridDim.x + blockIdx.x) * gridDim.z * REC;
-    for (int e = tid; e < nh * D; e += blockDim.x) {               // the chunks, in order (__ldcg: from L2)
-        int g = e / D, d = e % D;
-        float M = -INFINITY, num = 0.0f, den = 0.0f;
-        for (int ch = 0; ch < chunks; ch++) M = fmaxf(M, __ldcg(recs + ch * REC + DECODE_HEADS * D + g));
-        for (int ch = 0; ch < chunks; ch++) {
-            const float* rc = recs + ch * REC;
-            float f = expf(__ldcg(rc + DECODE_HEADS * D + g) - M);
-            num += f * __ldcg(rc + g * D + d);
-            den += f * __ldcg(rc + DECODE_HEADS * (D + 1) + g);
-        }
-        y[((long)r * Hq + h0 + g) * D + d] = num / den;
-    }
+    for (int e = tid; e < nh * D; e += blockDim.x)                 // the chunks, in order (__ldcg: from L2)
+        combine_chunks<1>(y + ((long)r * Hq + h0) * D + e, recs, chunks, D, e / D, e % D);
 }
 
 // the entry points, one per head dim, written out
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_8(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
+    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_16(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
+    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_32(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
+    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_64(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
+    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_128(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
-    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale) {
-    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale);
+    const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
+    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
 }
 
 // the argmax of every row of logits (R * n_heads, V) (the first index on ties, as np.argmax)

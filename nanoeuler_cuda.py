@@ -1194,10 +1194,11 @@ def cmd_train(args):
 # crosses to the host is each step's chosen ids, which the accept kernel
 # writes straight into page-locked host memory (a ring the host reads behind
 # the GPU, LOOKAHEAD steps ahead at most).
-# A step is 6 kernels a layer: the qkv product with the attention norm fused in,
-# attention with rope and the cache write fused in, the wo product adding into
-# the residual stream, the gate/up product with the MLP norm fused in, the down
-# product reading swiglu of gate/up and adding into the residual; and 3 more
+# A step is 5 kernels a layer: the qkv product with the attention norm fused in,
+# attention with rope and the cache write fused in, the wo product combining
+# attention's chunks of keys as it reads them and adding into the residual
+# stream, the gate/up product with the MLP norm fused in, the down product
+# reading swiglu of gate/up and adding into the residual; and 3 more
 # (embedding, heads with the final norm, argmax with the acceptance rule).
 # kernels.cu's decoding section says why each kernel splits its work as it does.
 
@@ -1212,6 +1213,8 @@ DECODE_MATVEC_KERNELS = {
     ("plain", "f32"): "decode_matvec_plain_f32_kernel", ("plain", "bf16"): "decode_matvec_plain_bf16_kernel",
     ("rmsnorm", "f32"): "decode_matvec_rmsnorm_f32_kernel", ("rmsnorm", "bf16"): "decode_matvec_rmsnorm_bf16_kernel",
     ("swiglu", "f32"): "decode_matvec_swiglu_f32_kernel", ("swiglu", "bf16"): "decode_matvec_swiglu_bf16_kernel",
+    ("attention", "f32"): "decode_matvec_attention_f32_kernel",
+    ("attention", "bf16"): "decode_matvec_attention_bf16_kernel",
 }
 DECODE_PREFILL_ROWS = 512       # a prefill's rows per launch of the split attention (its scratch grows with them)
 # decoding's attention: "split" over chunks of keys (attention_decode_split_kernel_<D>), or
@@ -1265,15 +1268,16 @@ def decode_launch(name, grid, block, pdl, *args, shared=0):
 
 
 def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False, ld_out=None, splits=None,
-                  pdl=False):
-    """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm)
-    or swiglu(x) (swiglu, x (R, 2 In)); w fp32 or bf16 (uint16); splits: matvec_splits
-    of (In, Out) unless given"""
+                  pdl=False, records=()):
+    """out (R, ld_out) [+]= in' @ w.T, in' = x (plain), rmsnorm(x) * norm_w (rmsnorm),
+    swiglu(x) (swiglu, x (R, 2 In)) or attention's output combined from the split
+    attention's records in x (attention: norm_w is *pos, records (Hq, Hkv, chunks of T));
+    w fp32 or bf16 (uint16); splits: matvec_splits of (In, Out) unless given"""
     kind = "bf16" if w.dtype == np.uint16 else "f32"
     splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
     decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 * DECODE_OUTS // splits), 256, pdl, ptr_arg(out),
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
-                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits))
+                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), *map(int_arg, records))
 
 
 def attention_kernel(D, attention=None):
@@ -1292,12 +1296,13 @@ def split_scratch(cfg):
 
 
 def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, keys, kernel="split", scratch=None,
-                     pdl=False, row0=0):
+                     pdl=False, row0=0, combine=True):
     """y = the R rows' causal attention over the cache and this pass's keys, with rope and the cache
     write of the R rows' keys and values fused in (see the kernels); keys: the
     most keys a row can see (T in a step, row0 + R in a prefill); scratch: (partial, count) for
     the split kernel (split_scratch; count zeroed once); row0: the launch's first row of the pass
-    (split only)"""
+    (split only); combine=False (split only): no y, every row's records left in scratch for
+    decode_matvec's "attention" input"""
     scale = float_arg(1 / math.sqrt(D))
     if kernel == "single":                     # launched plainly: it has no decode_wait
         warps = 8
@@ -1308,7 +1313,7 @@ def attention_decode(y, k_cache, v_cache, qkv, cos, sin, pos, R, Hq, Hkv, D, key
     grid = (Hkv * ceil_div(Hq // Hkv, DECODE_HEADS), R, ceil_div(keys, DECODE_CHUNK))
     decode_launch(f"attention_decode_split_kernel_{D}", grid, 256, pdl, ptr_arg(y), ptr_arg(scratch[0]),
                   ptr_arg(scratch[1]), ptr_arg(k_cache), ptr_arg(v_cache), ptr_arg(qkv), ptr_arg(cos), ptr_arg(sin),
-                  ptr_arg(pos), int_arg(row0), int_arg(Hq), int_arg(Hkv), scale)
+                  ptr_arg(pos), int_arg(row0), int_arg(Hq), int_arg(Hkv), scale, int_arg(int(combine)))
 
 
 def argmax_accept(ids, pos, counter, ring, amax, logits, V, R, n_heads, pdl=False):
@@ -1390,26 +1395,33 @@ class GPUDecoder:
         self.graphs = {}                                               # (R, n_heads) -> executable graph
         self.costs = {}                                                # pass_cost's, by R
 
-    def attend(self, l, y, qkv, R, prefill=False, pdl=False):
-        """attention of layer l over R rows of qkv at *pos (and their cache write) into y; a
-        prefill's rows DECODE_PREFILL_ROWS at a time (the split kernel's scratch)"""
+    def attend(self, l, y, qkv, R, prefill=False, pdl=False, combine=True):
+        """attention of layer l over R rows of qkv at *pos (and their cache write) into y (or,
+        combine=False, its records); a prefill's rows DECODE_PREFILL_ROWS at a time (the split
+        kernel's scratch)"""
         cfg = self.cfg
         step = DECODE_PREFILL_ROWS if prefill and self.attention == "split" else R
         for row0 in range(0, R, step):
             rows = min(step, R - row0)
             attention_decode(y, self.k_cache[l], self.v_cache[l], qkv, self.cos, self.sin, self.pos, rows, cfg.Hq,
-                             cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0)
+                             cfg.Hkv, cfg.D, row0 + rows if prefill else cfg.T, self.attention, self.split, pdl, row0,
+                             combine)
 
     def layers(self, x, R):
         """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
         cfg, w, pdl = self.cfg, self.weights, self.pdl
-        C, F, QKV = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
+        C, F, QKV, HD = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D
         for l in range(cfg.L):
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
             decode_matvec(self.qkv, x, lw("wqkv"), norm("attn_norm"), R, C, QKV, "rmsnorm", pdl=pdl)
-            self.attend(l, self.y, self.qkv, R, pdl=pdl)
-            decode_matvec(x, self.y, lw("wo"), None, R, cfg.Hq * cfg.D, C, accumulate=True, pdl=pdl)
+            if self.attention == "split":                              # the wo product combines the chunks
+                self.attend(l, self.y, self.qkv, R, pdl=pdl, combine=False)
+                decode_matvec(x, self.split[0], lw("wo"), self.pos, R, HD, C, "attention", accumulate=True, pdl=pdl,
+                              records=(cfg.Hq, cfg.Hkv, ceil_div(cfg.T, DECODE_CHUNK)))
+            else:
+                self.attend(l, self.y, self.qkv, R, pdl=pdl)
+                decode_matvec(x, self.y, lw("wo"), None, R, HD, C, accumulate=True, pdl=pdl)
             decode_matvec(self.gu, x, lw("w_gate_up"), norm("mlp_norm"), R, C, 2 * F, "rmsnorm", pdl=pdl)
             decode_matvec(x, self.gu, lw("w_down"), None, R, F, C, "swiglu", accumulate=True, pdl=pdl)
 

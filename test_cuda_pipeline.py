@@ -377,7 +377,7 @@ def test_nvrtc_compiles_the_decode_kernels(tmp_path):
     names = ["attention_decode_kernel", "argmax_accept_kernel"]
     names += [f"attention_decode_split_kernel_{D}" for D in nc.SPLIT_HEAD_DIMS]
     names += list(nc.DECODE_MATVEC_KERNELS.values())
-    assert len(set(names)) == 2 + len(nc.SPLIT_HEAD_DIMS) + 6
+    assert len(set(names)) == 2 + len(nc.SPLIT_HEAD_DIMS) + 8
     for name in names:
         assert name.encode() in cubin, name                         # extern "C": the name is in the CUBIN
 
