@@ -698,45 +698,75 @@ __device__ __forceinline__ void decode_launch_next() {
 
 __device__ __forceinline__ float4 load4(const float* p) { return *(const float4*)p; }
 
-// elements d0 .. d0+N-1 of query head slot g of one row's attention, from the `chunks` records the
-// split attention wrote for the row and its block of heads (recs: the first; a record: acc (DECODE_HEADS
-// x D), m, l (DECODE_HEADS)): y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c in chunk order, M the
-// chunks' max. Loads 8 chunks at a time, all issued before the first is used (two trips to L2 for
-// T <= 512: the maxima, then the sums). The same function wherever a row is combined: its bits
-// depend on the records alone.
+// elements d0 .. d0+N-1 (N = 1 or 4) of query head slot g of one row's attention, from the `chunks`
+// records the split attention wrote for the row and its block of heads (recs: the first; a record:
+// acc (DECODE_HEADS x D), m, l (DECODE_HEADS)): y = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,
+// added in chunk order, M the chunks' max. Up to 8 chunks (T <= 512) are one trip to L2: every load
+// is issued before the first is used (past 8, the maxima first). The same function wherever a row is
+// combined, so its bits depend on the records alone.
+template <int N>
+__device__ __forceinline__ void chunk_records(float& m, float& l, float* a, const float* rc, int D, int g, int d0) {
+    m = __ldcg(rc + DECODE_HEADS * D + g), l = __ldcg(rc + DECODE_HEADS * (D + 1) + g);
+    if (N == 4) {
+        float4 v = __ldcg((const float4*)(rc + g * D + d0));
+        a[0] = v.x, a[1] = v.y, a[2] = v.z, a[3] = v.w;
+    } else {
+        a[0] = __ldcg(rc + g * D + d0);
+    }
+}
+
 template <int N>
 __device__ __forceinline__ void combine_chunks(float* out, const float* recs, int chunks, int D, int g, int d0) {
     const int REC = DECODE_HEADS * (D + 2);
-    float M = -INFINITY, num[N], den = 0.0f;
-    for (int c0 = 0; c0 < chunks; c0 += 8) {
-        float m[8];
+    float m[8], l[8], a[8][N], M = -INFINITY, num[N], den = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) m[i] = c0 + i < chunks ? __ldcg(recs + (c0 + i) * REC + DECODE_HEADS * D + g) : M;
-#pragma unroll
-        for (int i = 0; i < 8; i++) M = fmaxf(M, m[i]);
+    for (int i = 0; i < 8; i++) {                                  // chunks 0..7, at once
+        m[i] = -INFINITY;
+        if (i < chunks) chunk_records<N>(m[i], l[i], a[i], recs + i * REC, D, g, d0);
     }
 #pragma unroll
+    for (int i = 0; i < 8; i++) M = fmaxf(M, m[i]);
+    for (int c = 8; c < chunks; c++) M = fmaxf(M, __ldcg(recs + c * REC + DECODE_HEADS * D + g));
+#pragma unroll
     for (int e = 0; e < N; e++) num[e] = 0.0f;
-    for (int c0 = 0; c0 < chunks; c0 += 8) {
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            if (c0 + i >= chunks) break;
-            const float* rc = recs + (c0 + i) * REC;
-            float f = expf(__ldcg(rc + DECODE_HEADS * D + g) - M);
+    for (int i = 0; i < 8; i++) {
+        if (i >= chunks) break;
+        float f = expf(m[i] - M);
 #pragma unroll
-            for (int e = 0; e < N; e++) num[e] = fmaf(f, __ldcg(rc + g * D + d0 + e), num[e]);
-            den = fmaf(f, __ldcg(rc + DECODE_HEADS * (D + 1) + g), den);
-        }
+        for (int e = 0; e < N; e++) num[e] = fmaf(f, a[i][e], num[e]);
+        den = fmaf(f, l[i], den);
+    }
+    for (int c = 8; c < chunks; c++) {
+        float mc, lc, ac[N];
+        chunk_records<N>(mc, lc, ac, recs + c * REC, D, g, d0);
+        float f = expf(mc - M);
+#pragma unroll
+        for (int e = 0; e < N; e++) num[e] = fmaf(f, ac[e], num[e]);
+        den = fmaf(f, lc, den);
     }
 #pragma unroll
     for (int e = 0; e < N; e++) out[e] = num[e] / den;
+}
+
+// the R rows of attention's output (R x In, In = Hq * D) into y (shared memory) from a step's
+// records (above): thread t combines 4 neighbouring elements of one head of a row at a time
+__device__ __forceinline__ void combine_rows(float* y, const float* partial, int R, int In, int p0, int Hq, int Hkv,
+                                             int gz) {
+    int D = In / Hq, G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS;
+    for (int i = threadIdx.x; i < R * In / 4; i += blockDim.x) {
+        int r = i / (In / 4), e = 4 * (i % (In / 4)), h = e / D, within = h % G;
+        int block = h / G * groups + within / DECODE_HEADS, chunks = (p0 + r + DECODE_CHUNK) / DECODE_CHUNK;
+        const float* recs = partial + ((long)r * Hkv * groups + block) * gz * DECODE_HEADS * (D + 2);
+        combine_chunks<4>(y + r * In + e, recs, chunks, D, within % DECODE_HEADS, e % D);
+    }
 }
 
 // what decode_matvec builds from `in` (R rows) as it multiplies
 #define IN_PLAIN 0              // in (R, In) itself
 #define IN_RMSNORM 1            // rmsnorm(in) * norm_w, in (R, In): the norm fused into the next product
 #define IN_SWIGLU 2             // silu(gate) * up, in (R, 2 In) holding gate then up: swiglu fused too
-#define IN_ATTENTION 3          // attention's output, combined from the split attention's records in `in`
+#define IN_ATTENTION 3          // attention's output, combined from a step's split attention records in `in`
 
 __device__ __forceinline__ void unpack16(uint4 raw, float* w, const float*) {        // 4 fp32
     w[0] = __uint_as_float(raw.x); w[1] = __uint_as_float(raw.y);
@@ -755,19 +785,9 @@ __device__ __forceinline__ void unpack16(uint4 raw, float* w, const unsigned sho
 // (the norm's 1/rms multiplies the whole sum at the end; ss gains the squares of the chunk's
 // elements of in, which it is made of) or silu(gate) * up. 16-byte loads: In a multiple of 8, the
 // rows and norm_w 16-byte aligned.
-struct Records { int p0, Hq, Hkv, gz; };   // IN_ATTENTION: *pos, the heads, the split attention's gridDim.z
-
 template <int MODE, int E>
 __device__ __forceinline__ void matvec_input(float* v, float& ss, const float* in, const float* norm_w, int In, int r,
-                                             int c, Records at) {
-    if (MODE == IN_ATTENTION) {                                    // E elements of one head: D a multiple of E
-        int D = In / at.Hq, G = at.Hq / at.Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS;
-        int h = c * E / D, within = h % G, block = h / G * groups + within / DECODE_HEADS;
-        int chunks = (at.p0 + r + DECODE_CHUNK) / DECODE_CHUNK;   // of the p0 + r + 1 keys row r sees
-        const float* recs = in + ((long)r * at.Hkv * groups + block) * at.gz * DECODE_HEADS * (D + 2);
-        combine_chunks<E>(v, recs, chunks, D, within % DECODE_HEADS, c * E % D);
-        return;
-    }
+                                             int c) {
 #pragma unroll
     for (int e = 0; e < E; e += 4) {
         if (MODE == IN_SWIGLU) {
@@ -840,8 +860,14 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     decode_launch_next();
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
+    int p0 = MODE == IN_ATTENTION ? *pos : 0;                      // no kernel of a pass writes *pos
     decode_wait();
-    Records at = {MODE == IN_ATTENTION ? *pos : 0, Hq, Hkv, gz};
+    if (MODE == IN_ATTENTION) {                                    // the input, combined once a block
+        extern __shared__ float attention_rows[];                  // R x In floats
+        combine_rows(attention_rows, in, R, In, p0, Hq, Hkv, gz);
+        __syncthreads();
+        in = attention_rows;
+    }
     // thread t: output k = t / R of the block (output j of group g), row r; the residual's old
     // value loaded now (its writer is done), not after the sums: one trip less on the chain
     // (a one-row pass 213.1 -> 211.0 us, a 4-row pass 356.2 -> 348.6 us on an H200)
@@ -868,7 +894,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
             for (int r = 0; r < DECODE_MAX_ROWS; r++) {
                 if (r >= R) break;
                 float v[8];
-                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c, at);
+                matvec_input<MODE, E>(v, ss[r], in, norm_w, In, r, c);
 #pragma unroll
                 for (int j = 0; j < DECODE_OUTS; j++) {
                     float wf[8];

@@ -1277,7 +1277,8 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
     splits = splits or matvec_splits(In, Out, 8 if kind == "bf16" else 4, gpu.sms)
     decode_launch(DECODE_MATVEC_KERNELS[mode, kind], ceil_div(Out, 8 * DECODE_OUTS // splits), 256, pdl, ptr_arg(out),
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
-                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), *map(int_arg, records))
+                  int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), *map(int_arg, records),
+                  shared=4 * R * In if mode == "attention" else 0)            # attention: its rows, combined
 
 
 def attention_kernel(D, attention=None):
