@@ -1925,8 +1925,8 @@ def add_serve_flags(sp):
 # - tokenizing a corpus: in small memory whatever its size, on every core, the tokens of whole documents (chunk_end)
 # - a training step's workers: they ignore signals, die with this process, and an error in one is raised here
 # Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
-# in one sentence by run_command, the one place a command ends (ArgumentParser.run, the
-# program's entry, reopens closed streams before it); a damaged file's content
+# in one sentence by run_command, the one place a command ends (streams closed at start are
+# /dev/null from the import of this file on: CLOSED_AT_START); a damaged file's content
 # is MALFORMED, refused by refused_if_malformed, or in the data cache (cached)
 # made again; everything a run does to its folder is a RunFolder (a NaN
 # anywhere in a run stops it in its stop_if_not_finite, lost output stops the
@@ -3356,18 +3356,38 @@ def os_error_sentence(e, out_flag=True):
     return f"{e.filename}: {what}" if e.filename else what
 
 
+# One policy for every program's streams (nanoeuler_cuda.py, tools/export.py and serve.py import this file first),
+# set once, at import: stdin, stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
+# too) fails on None and no file opened later takes their descriptor (run_command refuses a command that needs one);
+# a text that the streams' encoding lacks (PYTHONIOENCODING=ascii) is said with ? for what it lacks
+CLOSED_AT_START = []
+for fd, name in enumerate(["stdin", "stdout", "stderr"]):
+    # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
+    # script) may have left a read-only file there (fcntl's OSError: fd is closed)
+    with contextlib.suppress(OSError):
+        if getattr(sys, name) is not None and (
+                fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY):
+            continue
+    silence_lost_output([fd])
+    setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
+    CLOSED_AT_START.append(name)
+for stream in (sys.stdout, sys.stderr):
+    if hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")
+del fd, name, stream
+
 PATH_FLAGS = {"out": "a folder for the run", "data": "a text file or folder", "model": "a .safetensors file",
               "sft --data": "a JSONL or Alpaca JSON file of instructions"}     # what each names (sft's --data its own)
 NEEDS_STREAMS = {"sample": ["stdout"], "chat": ["stdin", "stdout"]}
 _last_progress = [0.0]          # when progress_line last wrote a line to a log file
 
 
-def run_command(command, args, closed=()):
+def run_command(command, args):
     """run a subcommand, the one place where a command ends: a NanoEulerError raised anywhere, an OSError or a
     MemoryError is one sentence on stderr and exit code 2; a signal, exit code 128 + N; a closed output pipe, a
     quiet 1. train and sft get their --out folder as args.run, the run's one RunFolder, held while they run
     (claim; prepare only writes the cache beside it). Refused before the command starts: a stream it needs,
-    closed at start (`>&-`: closed, from ArgumentParser.run); a path flag given empty (--out "" would put
+    closed at start (`>&-`: CLOSED_AT_START); a path flag given empty (--out "" would put
     prepare's cache in ../cache, --model "" reads as "does not exist"); an --out that is a file; a working
     folder deleted under us (all but check use paths)."""
     run, name = None, getattr(args, "command", None)
@@ -3376,7 +3396,7 @@ def run_command(command, args, closed=()):
             args.out = os.path.join("out", args.model_size)
         run = args.run = RunFolder(args.out)           # the run's folder, one object from here to the end
     try:
-        for stream in (n for n in NEEDS_STREAMS.get(name, []) if n in closed):
+        for stream in (n for n in NEEDS_STREAMS.get(name, []) if n in CLOSED_AT_START):
             raise NanoEulerError(f"{name} needs its {stream}, which is closed; run it without closing {stream} "
                                  f"({'<&-' if stream == 'stdin' else '>&-'})")
         for flag in (f for f in ("out", "data", "model") if getattr(args, f, None) == ""):
@@ -3493,27 +3513,9 @@ class ArgumentParser(argparse.ArgumentParser):
             self.register("type", name, globals()[name])
 
     def run(self, argv, commands):
-        """the program: its flags parsed, then run_command(commands[the command]). First stdin,
-        stdout or stderr closed at start (`>&-`) become /dev/null, so that no write (argparse's
-        too) fails on None and no file we open later takes their descriptor; a text that cannot
-        be said in the streams' encoding (PYTHONIOENCODING=ascii) is said with ? for what it lacks"""
-        args, closed = argparse.Namespace(started=now()), []   # --minutes counts the whole run from here
-        for fd, name in enumerate(["stdin", "stdout", "stderr"]):
-            # open for its direction: a launcher that ran with fd 1 or 2 closed (pyenv's shim
-            # script) may have left a read-only file there (fcntl's OSError: fd is closed)
-            with contextlib.suppress(OSError):
-                if getattr(sys, name) is not None and (
-                        fd == 0 or fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY):
-                    continue
-            silence_lost_output([fd])
-            setattr(sys, name, open(fd, "r" if fd == 0 else "w", encoding="utf-8", closefd=False))
-            closed.append(name)
-        for stream in (sys.stdout, sys.stderr):
-            if hasattr(stream, "reconfigure"):
-                stream.reconfigure(errors="replace")
-        self.parse_args(argv, args)
-        run_command(commands[args.command], args, closed)
-
+        """the program: its flags parsed, then run_command(commands[the command])"""
+        args = self.parse_args(argv, argparse.Namespace(started=now()))   # --minutes counts the whole run from here
+        run_command(commands[args.command], args)
 
 if __name__ == "__main__":
     try:

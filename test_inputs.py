@@ -985,11 +985,13 @@ def test_text_the_output_encoding_lacks_is_said_with_question_marks(model):
     assert r.stdout.startswith(b"h?llo")
 
 
-@pytest.mark.parametrize("command, closes, name", [("sample", ">&-", "stdout"), ("chat", ">&-", "stdout"),
-                                                   ("chat", "<&-", "stdin")])
-def test_a_closed_stream_that_the_command_needs_is_one_sentence(model, command, closes, name):
-    # sh closes the descriptor before Python starts, which then finds sys.stdout (or stdin) None
-    r = subprocess.run(["sh", "-c", f'"$0" "$@" {closes}', sys.executable, os.path.join(HERE, "nanoeuler.py"),
+@pytest.mark.parametrize("script, command, closes, name", [
+    ("nanoeuler.py", "sample", ">&-", "stdout"), ("nanoeuler.py", "chat", ">&-", "stdout"),
+    ("nanoeuler.py", "chat", "<&-", "stdin"), ("nanoeuler_cuda.py", "sample", ">&-", "stdout")])
+def test_a_closed_stream_that_the_command_needs_is_one_sentence(model, script, command, closes, name):
+    # sh closes the descriptor before Python starts, which then finds sys.stdout (or stdin) None; nanoeuler_cuda.py
+    # refuses it as nanoeuler.py does (one policy, set when nanoeuler.py is imported), before it looks for a GPU
+    r = subprocess.run(["sh", "-c", f'"$0" "$@" {closes}', sys.executable, os.path.join(HERE, script),
                         command, "--model", model, "--max-new-tokens", "3"], capture_output=True, timeout=120)
     assert_one_sentence(r, f"{command} needs its {name}, which is closed")
 
