@@ -2862,7 +2862,7 @@ class RunFolder:
 
 
 # -----------------------------------------------------------------------------
-# operations: tokenizing a corpus at scale (tokenizer_sample and write_tokens: the data section's calls)
+# operations: every core: tokenizing a corpus at scale (the data section's calls), a training step's workers
 
 DOC_MARKER = b"<|endoftext|>"
 DOC_SEPARATOR = re.compile(r"\n?<\|endoftext\|>\n?")   # "\n<|endoftext|>\n"; a file may start or end with less
@@ -3026,9 +3026,6 @@ def write_tokens(path, files, tok, workers=None, progress=True):
     atomic_write(path, write)
 
 
-# -----------------------------------------------------------------------------
-# operations: worker threads and processes (Workers)
-#
 # The training step's workers (the story's "a training step on every core"): threads while a few do (numpy lets go of
 # the GIL in its loops and BLAS calls), else processes forked once, if this process has no other thread (a fork beside
 # one can deadlock the child): between numpy calls a thread needs the GIL; on 16 cores 8 threads took 2.4x the step of
@@ -3137,65 +3134,6 @@ class Workers:
 
 
 # -----------------------------------------------------------------------------
-# operations: signals
-#
-# One policy, which every command runs under (run_command's `with signals_handled()`): Ctrl-C
-# (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) and SIGHUP (the terminal closed)
-# stop the command where it stands, raised (KeyboardInterrupt, Interrupted) so that every
-# cleanup on the way out runs; run_command then exits 128 + N. While a training loop runs
-# (signals_handled(run)), the first of them stops the loop after the step in flight, saved
-# (RunFolder.handle), and a second is raised at once. A signal that was ignored when we
-# started (nohup, a background job) stays ignored.
-
-SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
-
-
-@contextlib.contextmanager
-def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
-    """hold these signals back while inside; one that came meanwhile is delivered on leaving"""
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-class Interrupted(BaseException):
-    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's KeyboardInterrupt
-    is (the policy above; a BaseException: no `except Exception` stops it). Not a KeyboardInterrupt: what
-    Ctrl-C alone ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: its number;
-    Interrupted(signum, step, last_path): the training loop stopped after step, saved as last_path (None: before the
-    first step; RunFolder.exit_if_stopped)."""
-    signum = property(lambda self: self.args[0])
-
-
-@contextlib.contextmanager
-def signals_handled(run=None):
-    """the policy above while inside, the previous handlers after; run: the training loop's
-    folder, whose handle takes the signals while the loop runs"""
-    def raise_it(signum, frame):
-        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
-    handler = run.handle if run else raise_it
-    previous = {sig: signal.signal(sig, handler) for sig in SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def exit_now_if_threads_work_on(code):
-    """after a signal's exit (128 + N): Python joins the threads at exit, and a training step's
-    threads would hold a second Ctrl-C's "at once" until the step ends (minutes for a large
-    --batch); their work is lost anyway, so leave without them, output flushed"""
-    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
-
-
-# -----------------------------------------------------------------------------
 # operations: memory
 
 # Freed memory is kept: numpy makes a fresh array for every result. Above 128 KB glibc maps new pages from the
@@ -3300,7 +3238,63 @@ def check_memory(cfg, batch, threads, available=available_memory):
 
 
 # -----------------------------------------------------------------------------
-# operations: lost output streams, every command's last words, and the program's flags
+# operations: how a command ends: signals, lost output streams, every command's last words; the program's flags
+
+# One policy, which every command runs under (run_command's `with signals_handled()`): Ctrl-C
+# (SIGINT), SIGTERM (what a scheduler or `docker stop` sends) and SIGHUP (the terminal closed)
+# stop the command where it stands, raised (KeyboardInterrupt, Interrupted) so that every
+# cleanup on the way out runs; run_command then exits 128 + N. While a training loop runs
+# (signals_handled(run)), the first of them stops the loop after the step in flight, saved
+# (RunFolder.handle), and a second is raised at once. A signal that was ignored when we
+# started (nohup, a background job) stays ignored.
+
+SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}   # their names
+
+
+@contextlib.contextmanager
+def signals_blocked(signals=(signal.SIGINT, signal.SIGHUP)):
+    """hold these signals back while inside; one that came meanwhile is delivered on leaving"""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP (or a second signal while training saves), raised as Ctrl-C's KeyboardInterrupt
+    is (the policy above; a BaseException: no `except Exception` stops it). Not a KeyboardInterrupt: what
+    Ctrl-C alone ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: its number;
+    Interrupted(signum, step, last_path): the training loop stopped after step, saved as last_path (None: before the
+    first step; RunFolder.exit_if_stopped)."""
+    signum = property(lambda self: self.args[0])
+
+
+@contextlib.contextmanager
+def signals_handled(run=None):
+    """the policy above while inside, the previous handlers after; run: the training loop's
+    folder, whose handle takes the signals while the loop runs"""
+    def raise_it(signum, frame):
+        raise KeyboardInterrupt if signum == signal.SIGINT else Interrupted(signum)
+    handler = run.handle if run else raise_it
+    previous = {sig: signal.signal(sig, handler) for sig in SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def exit_now_if_threads_work_on(code):
+    """after a signal's exit (128 + N): Python joins the threads at exit, and a training step's
+    threads would hold a second Ctrl-C's "at once" until the step ends (minutes for a large
+    --batch); their work is lost anyway, so leave without them, output flushed"""
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code)
+
 
 def progress_line(text, done=False):
     """one progress line on stderr: redrawn in place on a terminal; in a log file,
