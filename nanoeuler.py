@@ -1155,9 +1155,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 log_step(step, shown, ce, lr, norm, dt, times, tokens_per_step, mfu)
                 val = ()
                 if run.evaluates(step, total, args):      # every --eval-every steps, the last, --minutes's plan's
-                    with run.evaluation():                # times it: the plan counts one every --eval-every steps
-                        val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt,
-                                             elapsed)
+                    val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt, elapsed)
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 total = run.after_step(step, total, args, engine, state, rng, times)   # checkpoints; --minutes's plan
         run.end(step, stop, engine, state, rng)           # the last step saved, however the loop stopped
@@ -2706,14 +2704,16 @@ class RunFolder:
 
     def evaluates(self, step, total, args):
         """whether the loop evaluates after step: every --eval-every steps, the last, and --minutes's plan's
-        step (timed); after a signal the save comes first: no evaluation, sample or plan before it"""
-        self.planning = step == self.plan_at and not self.stop
+        step (timed, to after_step: plan counts one every --eval-every steps); after a signal the save comes
+        first: no evaluation, sample or plan before it"""
+        self.planning, self.eval_start = step == self.plan_at and not self.stop, self.clock()
         return self.planning or (not self.stop and (step % args.eval_every == 0 or step == total))
 
     def after_step(self, step, total, args, engine, state, rng, times):
         """the loop's checkpoint after step, when due (save_interval: --save-every's multiples, or --save-minutes
         since the last save): written while the next steps run, except the last one and --minutes's timed one;
         then, at --minutes's step, the plan -> total (planned, or as it was)"""
+        self.eval_time = self.clock() - self.eval_start   # the step's evaluation, if it made one (evaluates)
         self.finish(poll=True)                         # say a background save that has finished
         every, minutes = self.save_interval(args)
         due = step % every == 0 if every else self.clock() - self.last >= minutes * 60
@@ -2730,13 +2730,6 @@ class RunFolder:
         if step > self.saved or (self.planning and step == stop):
             self.last_path = self.save(step, engine, state, rng, background=False)
         self.finish()
-
-    @contextlib.contextmanager
-    def evaluation(self):
-        """times the evaluation inside (eval_time: plan counts one every --eval-every steps)"""
-        t0 = self.clock()
-        yield
-        self.eval_time = self.clock() - t0
 
     def plan(self, args, state, step, step_time):
         """--minutes: the most steps that end the whole run on time: the minutes less those since the program began,
