@@ -1158,9 +1158,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                     val = run_validation(engine, val_batches, cfg, tok, run, state, step, shown, sample_prompt, elapsed)
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 total = run.after_step(step, total, args, engine, state, rng, times)   # checkpoints; --minutes's plan
-        run.end(step, stop, engine, state, rng)           # the last step saved, however the loop stopped
-    engine.close()
-    run.exit_if_stopped(step, run.last_path)             # a signal or lost output: raised, run_command ends it
+        run.end(step, stop, engine, state, rng)   # the last step saved, the engine closed; a stop raised (run_command)
     print_summary(step - start, elapsed(), times, state, out_dir, run.last_path)
     plot_log(csv_path)
     return step
@@ -2668,7 +2666,7 @@ class RunFolder:
 
     # -- the training loop's stop: on a signal (signals_handled(run) calls handle while the loop runs)
     # or when output is gone (a closed pipe, a hung-up terminal: begin's), the loop stops after
-    # the step in flight, saves, then raises the stop for run_command in exit_if_stopped (train_loop)
+    # the step in flight, saves, then raises the stop for run_command (end)
 
     def handle(self, signum, frame):
         """the loop's first signal: stop after this step, saved; a second: raised at once"""
@@ -2680,14 +2678,6 @@ class RunFolder:
         with contextlib.suppress(OSError):             # a word we cannot say must not stop the save
             print(f"\n{SIGNALS[signum]}: finishing this step, then saving a checkpoint ({SIGNALS[signum]} again "
                   "to quit at once)", file=sys.stderr)
-
-    def exit_if_stopped(self, step, last_path):
-        """after the save: a signal is raised again as Interrupted(signum, step, last_path), lost output as it came;
-        run_command ends the command (128 + N; quiet on a closed pipe, one line otherwise)"""
-        if self.signum:
-            raise Interrupted(self.signum, step, last_path)
-        if self.lost:
-            raise self.lost
 
     # -- the loop's checkpoints, written while training goes on, and --minutes's plan of the run's length:
     # save takes the engine's copies of the weights and moments (host_weights: on the GPU into page-locked
@@ -2726,10 +2716,17 @@ class RunFolder:
 
     def end(self, step, stop, engine, state, rng):
         """after the loop: the last step saved if it stopped before its checkpoint (a signal, lost output), or planned
-        after the save of the session's last step (--stop-after); then the write in flight, whatever stopped it"""
+        after the save of the session's last step (--stop-after); the write in flight waited for, the engine closed;
+        then a stop is raised for run_command: a signal again as Interrupted(signum, step, last_path), lost output as
+        it came (run_command ends the command: 128 + N; quiet on a closed pipe, one line otherwise)"""
         if step > self.saved or (self.planning and step == stop):
             self.last_path = self.save(step, engine, state, rng, background=False)
         self.finish()
+        engine.close()
+        if self.signum:
+            raise Interrupted(self.signum, step, self.last_path)
+        if self.lost:
+            raise self.lost
 
     def plan(self, args, state, step, step_time):
         """--minutes: the most steps that end the whole run on time: the minutes less those since the program began,
@@ -3259,7 +3256,7 @@ class Interrupted(BaseException):
     is (the policy above; a BaseException: no `except Exception` stops it). Not a KeyboardInterrupt: what
     Ctrl-C alone ends (a chat reply, the chat) never takes it for one. Interrupted(signum).signum: its number;
     Interrupted(signum, step, last_path): the training loop stopped after step, saved as last_path (None: before the
-    first step; RunFolder.exit_if_stopped)."""
+    first step; RunFolder.end)."""
     signum = property(lambda self: self.args[0])
 
 
