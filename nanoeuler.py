@@ -1955,11 +1955,13 @@ def require(ok, problem):
 @contextlib.contextmanager
 def refused_if_malformed(path, what, advice):
     """content inside that cannot be read (MALFORMED) is refused in one sentence,
-    NanoEulerError("{path} {what} ({the problem}); {advice}"); a missing field is said as such"""
+    NanoEulerError("{path} {what} ({the problem}); {advice}"); a missing field is said as such, and a
+    number too long for int() too (Python's own words name a setting this program never sets)"""
     try:
         yield
     except MALFORMED as e:
-        problem = f"it lacks {e}" if isinstance(e, KeyError) else e
+        problem = ("it holds a number of more than 4,300 digits" if "integer string conversion" in str(e) else
+                   f"it lacks {e}" if isinstance(e, KeyError) else e)
         raise NanoEulerError(f"{path} {what} ({problem}); {advice}") from None
 
 
@@ -2251,9 +2253,6 @@ def load_instructions(path):
             require(not one_object, "it is one JSON object, not a list of examples nor one example a line")
             # e.doc: the line that failed, the first of its text
             raise ValueError(f"line {lines.index(e.doc) + 1} is not JSON: {e.msg} (column {e.colno})") from None
-        except ValueError as e:                    # Python's own words name a setting this program never sets
-            require("integer string conversion" not in str(e), "it holds a number of more than 4,300 digits")
-            raise
         for i, r in enumerate(records, 1):
             require(isinstance(r, dict), f"example {i} is not an object")
             require("instruction" in r, f"example {i} has no instruction")

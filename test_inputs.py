@@ -316,6 +316,8 @@ ADVICE = "give a model file that train or sft wrote"
     ("another program's, bf16", "is not a safetensors file this program reads (tensor 'w' is not float32 of shape "
                                 "[2] ('BF16', 4 bytes))"),
     ("another program's, float32", "is not a NanoEuler version 1 model (format 'pt', version None)"),
+    ("a shape of 5,000 digits", "is not a safetensors file this program reads (it holds a number of more than 4,300 "
+                                "digits)"),
 ])
 def test_a_file_that_is_not_a_model_says_what_to_give_instead(tmp_path, content, what):
     """an empty or text file, or another program's safetensors (Hugging Face's, export's own --hf): the
@@ -323,6 +325,9 @@ def test_a_file_that_is_not_a_model_says_what_to_give_instead(tmp_path, content,
     path = tmp_path / "m.safetensors"
     if isinstance(content, bytes):
         path.write_bytes(content)
+    elif "digits" in content:                          # more than int() reads: Python's words name its setting
+        head = b'{"w": {"shape": [' + b"9" * 5000 + b"]}}"
+        path.write_bytes(len(head).to_bytes(8, "little") + head)
     else:                                              # one tensor w of 2 numbers, bf16 or float32, as torch writes
         dtype, size = ("BF16", 4) if "bf16" in content else ("F32", 8)
         write_raw(path, {"__metadata__": {"format": "pt"}, "w": {"dtype": dtype, "shape": [2],
