@@ -1788,6 +1788,17 @@ def log_csv(csv, step, ce, lr, norm, dt, tokens, mfu, val_loss="", val_bpb=""):
     csv.flush()
 
 
+def log_row(line):
+    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for a line that is
+    half-written or garbled (its step must be ASCII digits: "²".isdigit()); plot_log's, and RunFolder.begin's"""
+    cells = line.rstrip("\n").split(",")
+    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
+        return None
+    with contextlib.suppress(ValueError):
+        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
+    return None
+
+
 def sample_text_for_log(flat, cfg, tok, prompt, seed, n=48):
     """a short sample, so the log shows what the model has learned so far; prompt: ids
     (default: a document's start)"""
@@ -2418,19 +2429,8 @@ def set_aside(path, suffix):
 
 LOCK_NAME = "train.lock"
 RUN_FILE = re.compile(r"(model|state)_\d+\.safetensors|best\.safetensors|log\.csv")
-LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"
+LOG_HEADER = "step,loss,lr,norm,ms,tok_per_s,mfu,val_loss,val_bpb\n"     # log.csv's first line; log_csv writes the rows
 now = time.perf_counter   # seconds, monotonic: run.clock, for the timings and --minutes (a test passes a fake one)
-
-
-def log_row(line):
-    """a line of log.csv -> (step, loss, val_loss or None), or None for the header and for
-    a line that is half-written or garbled (its step must be ASCII digits: "²".isdigit())"""
-    cells = line.rstrip("\n").split(",")
-    if len(cells) != LOG_HEADER.count(",") + 1 or not re.fullmatch(r"[0-9]+", cells[0]):
-        return None
-    with contextlib.suppress(ValueError):
-        return int(cells[0]), float(cells[1]), float(cells[7]) if cells[7] else None
-    return None
 
 
 class RunFolder:
