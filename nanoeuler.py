@@ -2970,25 +2970,21 @@ def tokenize_files(files, tok, write, workers=None, progress=True):
         tok = None                                     # each worker's own (_start_worker)
     else:
         pool = ThreadPoolExecutor(1)
-    pending, done, n_tokens, t0 = deque(), 0, 0, time.time()
-
-    def take():                                        # the oldest chunk's ids: written, counted, shown
-        nonlocal done, n_tokens
-        future, nbytes = pending.popleft()
-        ids = future.result()
-        write(ids)
-        n_tokens, done = n_tokens + len(ids), done + nbytes
-        if progress:
-            progress_line(progress_text(done, total, time.time() - t0))
+    chunks, pending, done, n_tokens, t0 = text_chunks(files), deque(), 0, 0, time.time()
     try:
         with signals_handled():                        # the policy, also where run_command has not
-            for chunk in text_chunks(files):
-                with signals_blocked():                # submit may start a worker
-                    pending.append((pool.submit(encode_chunk, tok, *chunk), len(chunk[2])))
-                while len(pending) > 2 * workers or (pending and pending[0][0].done()):
-                    take()
-            while pending:
-                take()
+            while (chunk := next(chunks, None)) or pending:     # after the last chunk (None): the rest in flight
+                if chunk:
+                    with signals_blocked():            # submit may start a worker
+                        pending.append((pool.submit(encode_chunk, tok, *chunk), len(chunk[2])))
+                # the oldest chunk's ids, written, counted, shown: once done, or too many in flight, or all read
+                while pending and (not chunk or len(pending) > 2 * workers or pending[0][0].done()):
+                    future, nbytes = pending.popleft()
+                    ids = future.result()
+                    write(ids)
+                    n_tokens, done = n_tokens + len(ids), done + nbytes
+                    if progress:
+                        progress_line(progress_text(done, total, time.time() - t0))
     except BrokenExecutor:
         raise NanoEulerError("a tokenizing worker process died (out of memory?); free some memory, or "
                              "prepare the data with fewer: python nanoeuler.py prepare --workers N") from None
