@@ -2282,7 +2282,7 @@ def load_instructions(path):
 
 
 # -----------------------------------------------------------------------------
-# operations: checkpoint files
+# operations: checkpoint files, and atomic writes (atomic_write, which the cache and log.csv's header use too)
 #
 # Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
 # header, then the float32 tensors in SPEC order. The training state (AdamW
@@ -2358,9 +2358,6 @@ def load_checkpoint(out_dir, step):
         raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
     return cfg, flat, tok, m.copy(), v.copy(), state
 
-
-# -----------------------------------------------------------------------------
-# operations: atomic files
 
 def atomic_write(path, write):
     """write(f) (or the bytes `write`) into path.<pid>.tmp, flush to disk, then rename
