@@ -2239,12 +2239,10 @@ def check_state(state, step):
     return state
 
 
-INSTRUCTIONS = "JSONL or a JSON list of objects with instruction, input and response (or output)"
-
-
 def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
+    give = "give JSONL or a JSON list of objects with instruction, input and response (or output)"
     if not os.path.isfile(path):
         raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
@@ -2252,7 +2250,7 @@ def load_instructions(path):
     # JSON Lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
     # JSON strings may hold as they are (json.dumps(..., ensure_ascii=False) writes them)
     lines = text.split("\n")
-    with refused_if_malformed(path, "is not instruction data", f"give {INSTRUCTIONS}"):
+    with refused_if_malformed(path, "is not instruction data", give):
         try:
             records = json.loads(text) if alpaca else [json.loads(line) for line in lines if line.strip()]
         except json.JSONDecodeError as e:
@@ -2277,7 +2275,7 @@ def load_instructions(path):
                         "surrogate pair, which is not text")
             pairs.append((r["instruction"] + (f"\n\n{r['input']}" if r.get("input") else ""), response))
     if not pairs:
-        raise NanoEulerError(f"{path} holds no examples; give {INSTRUCTIONS}")
+        raise NanoEulerError(f"{path} holds no examples; {give}")
     return pairs
 
 
