@@ -3316,6 +3316,8 @@ def os_error_sentence(e, out_flag=True):
               errno.EEXIST: "a file is there where a folder should be; move it away, or give another path",
               errno.EISDIR: "a folder is there where a file should be; move it away, or give another path"}
     reason = str(e.strerror or e).lower()
+    if e.errno == errno.ENOENT and e.filename is None:     # os.getcwd()'s, at the start or later (os.path.abspath)
+        return "the current folder has been deleted; cd into one that exists and run again"
     for fd, stream in ((1, "stdout"), (2, "stderr")) if e.filename is None else ():
         try:                                         # the stream that refuses even an empty write (stdout > /dev/full)
             os.write(fd, b"")
@@ -3378,10 +3380,7 @@ def run_command(command, args):
         if os.path.exists(out := getattr(args, "out", None) or "") and not os.path.isdir(out):
             raise NanoEulerError(f"--out {out} is a file, not a folder; give {PATH_FLAGS['out']}")
         if name != "check":
-            try:
-                os.getcwd()
-            except FileNotFoundError:                  # (said in one sentence: no traceback shows the context)
-                raise NanoEulerError("the current folder has been deleted; cd into one that exists and run again")
+            os.getcwd()                                # a deleted working folder: os_error_sentence names it
         holds = run and (not hasattr(command, "holds_out") or command.holds_out(args))   # nanoeuler_cuda.py: rank 0
         claim = run.claim(args.resume, args.fresh) if holds else contextlib.nullcontext()
         with signals_handled(), claim, warnings.catch_warnings():

@@ -1109,6 +1109,18 @@ def test_check_needs_no_working_folder(tmp_path):
     assert r.returncode == 0 and r.stdout.decode().endswith("overall okay: 1\n"), r.stderr.decode()
 
 
+def test_a_working_folder_deleted_during_a_command_is_named_too(tmp_path, monkeypatch):
+    # later than run_command's first look: os.getcwd() (os.path.abspath of a relative path) fails with ENOENT and
+    # no file name wherever it runs; it said "no such file or folder; check its path, or give another --out"
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with pytest.raises(FileNotFoundError) as e:
+        os.path.abspath("model.safetensors")
+    assert ne.os_error_sentence(e.value) == "the current folder has been deleted; cd into one that exists and run again"
+
+
 def test_chat_with_a_context_of_two_keeps_the_last_token_of_the_question(tmp_path, monkeypatch, capsys):
     import io
     cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=2, F=16, K=2)
