@@ -414,7 +414,7 @@ def init_params(cfg, seed=1337):
 def block_forward(x, p, cfg, pos=0, kv=None):
     """x (B,T,C) -> x (B,T,C), cache; p maps short names to this layer's tensors.
 
-    With kv = (k_cache, v_cache) of shape (B,Tmax,Hkv,D), the new keys and values
+    With kv = (k_cache, v_cache) of shape (B,cfg.T,Hkv,D) (new_kv_cache), the new keys and values
     are written at pos.. and attention reads the whole prefix (generation)."""
     B, T, C = x.shape
     Hq, Hkv, D = cfg.Hq, cfg.Hkv, cfg.D
@@ -453,8 +453,8 @@ def block_backward(dx, cache, g):
     g["wo"] += dwo
     D = c_att[0].shape[-1]                            # head dim, from the cached q
     dq, dk, dv = attention_backward(dy.reshape(B, T, -1, D), c_att)
-    dqk = rope_backward(np.concatenate([dq, dk], axis=2), c_rope)     # (B,T,Hq+Hkv,D)
-    dqkv = np.concatenate([dqk.reshape(B, T, -1), dv.reshape(B, T, -1)], -1)
+    dqk = rope_backward(np.concatenate([dq, dk], axis=2), c_rope)     # (B,T,Hq+Hkv,D): q and k rotated as one
+    dqkv = np.concatenate([dqk.reshape(B, T, -1), dv.reshape(B, T, -1)], -1)   # q, k, v: wqkv's rows
     dh, dwqkv = linear_backward(dqkv, c_wqkv)
     g["wqkv"] += dwqkv
     dxa, dattn_norm = rmsnorm_backward(dh, c_attn_norm)
@@ -518,7 +518,7 @@ def split_rows(rows, T, K):
 # float64 central differences (five-point stencil, below) against the hand-written
 # backward. Error = |analytic - numeric| / max(1e-4, |analytic| + |numeric|);
 # a tensor passes below 1e-6. Correct layers land between 1e-13 and 3e-7 (200 seeds);
-# a wrong formula lands near 1 (why h is CHECK_H and the floor 1e-4: numeric_grad).
+# a wrong formula lands near 1 (numeric_grad says why h is CHECK_H and the floor 1e-4).
 # Each layer is checked alone with the scalar sum(out * dout) for a random dout, then
 # the whole model with its real loss.
 
@@ -528,7 +528,7 @@ CHECK_SAMPLES = 32
 
 
 def numeric_grad(f, x, entries, h=CHECK_H):
-    """central difference of the scalar f() with respect to x.flat[entries], x changed in place.
+    """central difference of the scalar f() with respect to x.flat[entries]; x is moved in place, then put back.
 
     Both its errors are absolute: rounding in f, about 1e-12 / h (the check's 1e-4 floor keeps it small
     beside a gradient near 0), and truncation, h^4 times f's fifth derivative (the whole model's norm
@@ -575,7 +575,7 @@ def layer_cases(rng):
          {"q": r(B, T, Hq, D), "k": r(B, T, Hkv, D), "v": r(B, T, Hkv, D)}),
         ("attention/kv", attention_forward, attention_backward,   # 3 queries after 4 cached keys
          {"q": r(B, 3, Hq, D), "k": r(B, 7, Hkv, D), "v": r(B, 7, Hkv, D)}),
-        ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),  # the tails too
+        ("swiglu", swiglu_forward, lambda d, c: (swiglu_backward(d, c),), {"gu": r(B, T, 2 * C) * 3}),  # sigmoid tails
         ("cross_entropy", lambda logits: cross_entropy_forward(logits, targets[:, 0]),
          lambda d, c: (cross_entropy_backward(d, c),), {"logits": r(B * T, 7)}),
         ("mtp_heads", lambda x, heads: mtp_heads_forward(x, heads, targets, cfg_heads)[::2],   # (loss, cache)
@@ -731,7 +731,7 @@ def sample_token(logits, rng, temperature=1.0, top_k=0, top_p=1.0):
 
 def generate(params, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top_p=1.0, seed=None,
              speculative=False, stop=None, stats=None, drafts=None):
-    """yields new token ids one by one (for streaming), after the prompt ids. stats: a
+    """yields the ids that follow prompt (ids), one by one (for streaming). stats: a
     dict counting passes ("steps") and tokens, for --speculative's report.
 
     The context holds T tokens. A longer prompt keeps its last T-1 tokens. When
@@ -841,7 +841,7 @@ def merge(ids, pair, new_id):
 
 
 def cut_piece(piece, max_bytes):
-    """a piece's UTF-8 bytes in parts of at most max_bytes (>= 4), each part whole characters"""
+    """a piece's UTF-8 bytes in parts of at most max_bytes (>= 4: a character's most), each part whole characters"""
     data = piece.encode("utf-8")
     parts, start = [], 0
     while start < len(data):
@@ -902,12 +902,12 @@ class Tokenizer:
         seqs = [list(p) for p in pieces]
         freqs = list(pieces.values())
         counts = defaultdict(int)                                    # pair -> weighted count
-        where = defaultdict(set)                                     # pair -> pieces holding it
+        where = defaultdict(set)                                     # pair -> pieces holding it (or that once did)
         for i, seq in enumerate(seqs):
             for pair in zip(seq, seq[1:]):
                 counts[pair] += freqs[i]
                 where[pair].add(i)
-        heap = [(-c, pair) for pair, c in counts.items()]
+        heap = [(-c, pair) for pair, c in counts.items()]            # negated: heapq pops the smallest first
         heapq.heapify(heap)
         merges, t0 = [], time.time()
         while len(merges) < n_merges and heap:
@@ -916,12 +916,12 @@ class Tokenizer:
                 continue                                             # stale entry
             new_id = FIRST_MERGE_ID + len(merges)
             merges.append(pair)
-            touched = set()
+            touched = set()                                          # pairs whose count changed: pushed again
             for i in where.pop(pair):
                 seq, f = seqs[i], freqs[i]
                 new = merge(seq, pair, new_id)
                 if len(new) == len(seq):
-                    continue                                         # merged away earlier
+                    continue                                         # no longer holds it: an earlier merge took it
                 for p in zip(seq, seq[1:]):
                     counts[p] -= f
                     touched.add(p)
@@ -1000,7 +1000,7 @@ class Tokenizer:
 # (tokenizer_sample) encodes it, an <|endoftext|> token after each document (get_data.sh's web shards end each with an
 # <|endoftext|> line; a book is one document), in small memory on every core (write_tokens, operations: tokenizing a
 # corpus at scale). prepare_data caches both files (cached, in operations: a file is read if it is there and whole,
-# else made by make(path), which writes it or returns its bytes).
+# else made by make(path), which writes it or returns its bytes; max_v: every id it holds is below it).
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
@@ -1033,7 +1033,7 @@ def fixed_rows(tokens, B, rows_len, max_batches):
 
 
 def data_cache(out_dir):
-    """the folder CACHE beside a run's out_dir, shared by the runs there (normalized: making it makes no out_dir)"""
+    """CACHE beside a run's out_dir, shared by the runs there (normalized: making it does not make out_dir)"""
     cache_dir = os.path.normpath(os.path.join(out_dir, CACHE))
     if cache_dir == os.path.normpath(out_dir):
         raise NanoEulerError(f"--out {out_dir} is where runs beside it cache their tokens; give the run a folder "
@@ -1049,7 +1049,7 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
     files = corpus_files(path)
     h = hashlib.sha256()                               # the cache key: the corpus files' names and contents
     for name in files:
-        h.update(os.fsencode(os.path.basename(name)))  # a name that is not UTF-8 is bytes we kept
+        h.update(os.fsencode(os.path.basename(name)))  # a name that is not UTF-8 hashes as its own bytes
         with open(name, "rb") as f:
             while block := f.read(1 << 24):
                 h.update(block)
@@ -1104,7 +1104,7 @@ def pretrain(args, cfg, make_engine, describe=None, loop=None):
     engine = make_engine(cfg, flat, m, v)
     print_settings((describe(engine) if describe else [("engine", engine.line)]) +   # the run's log (after bench)
                    [("model", f"{args.model_size}: {num_params(cfg):,} parameters, " +
-                     " ".join(f"{k}={v}" for k, v in asdict(cfg).items())),
+                     " ".join(f"{name}={value}" for name, value in asdict(cfg).items())),
                     ("data", f"{args.data}: {len(train_tokens):,} train + {len(val_tokens):,} val tokens, "
                              f"vocab {tok.vocab_size}"),
                     ("batch", f"{args.batch} rows x {cfg.T} tokens = {args.batch * cfg.T:,} tokens per step")],
@@ -1178,7 +1178,7 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
     run.stop_if_not_finite({"validation loss": val_loss}, step)
     print(f"val  {step:{len(str(total))}d}/{total} | loss {val_loss:.4f} | bpb {val_bpb:.3f} | "
           f"{len(val_batches)} batches | {elapsed()} elapsed")
-    flat = engine.host_params()                    # one copy for both, and no moments
+    flat = engine.host_params()                    # one copy for save_best and the sample; no moments
     run.stop_if_not_finite({"weights": flat}, step)
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
@@ -1212,7 +1212,7 @@ def grads_of_parts(flat, cfg, counts, parts, grad):
 
 
 def add_into(total, *bufs):
-    """total += each of bufs, in place: one slice of grad_bufs[0] += grad_bufs[1] + .. (it returns nothing to send)"""
+    """total += each of bufs in place (a slice of grad_bufs[0] += grad_bufs[1] + ..); None: a process sends nothing"""
     for buf in bufs:
         total += buf
 
@@ -1247,7 +1247,7 @@ def evaluate(ce_of, batches, token_bytes, pool=None):
         ce = ce_of(idx, targets)
         t0 = targets[..., 0]
         kept = t0 >= 0
-        return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()
+        return ce[0] * kept.sum(), token_bytes[t0[kept]].sum(), kept.sum()   # a mean over kept, times their count
 
     results = list(pool.map(sums, batches)) if pool else [sums(b) for b in batches]
     nats, nbytes, ntok = (sum(r[i] for r in results) for i in range(3))
@@ -1264,7 +1264,7 @@ class CPUEngine:
         self.decay = decay_mask(cfg)
         # pool (operations): .map may be processes (the step's parts); .threads is always threads (AdamW, evaluation)
         self.pool = Workers(flat, args.batch, args.threads)
-        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # the pool's copy of flat is the model now
+        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # for processes a shared copy: the model now
         self.n_threads, self.parts = len(self.grad_bufs), self.pool.parts  # a gradient buffer a worker; micro-batches
         self.line = self.pool.line                         # the engine's line in the settings table
 
@@ -1319,7 +1319,7 @@ def render_turn(tok, instruction, response=None):
 
 
 def sft_rows(tok, pairs, cfg):
-    """each example -> a row of T+K tokens padded with <|endoftext|>, and its mask.
+    """each example -> a row of T+K tokens padded with <|endoftext|>, and its mask (True: a response token).
 
     Targets are -1 (ignored) on the prompt and the padding, so the loss is
     the response only; examples longer than a row are cut at T+K tokens."""
@@ -1360,21 +1360,21 @@ def cmd_sft(args, make_engine=None, engine_line=None):
                              f"context of {cfg.T} tokens ({n - kept:,} cut off by their prompt); SFT needs at least 2 "
                              f"and 1% of them (one is held out for validation); {fix}")
     rows, mask = rows[keep], mask[keep]
-    n_val = max(1, len(rows) // 20)
+    n_val = max(1, len(rows) // 20)                      # 5% held out for validation, one at least
     val_rows, val_mask = rows[-n_val:], mask[-n_val:]
     rows, mask = rows[:-n_val], mask[:-n_val]
     n_eval = min(n_val, args.eval_batches * args.batch)  # --eval-batches of --batch examples
     run = args.run                                       # the run's folder, as in pretrain
     run.cfg = cfg
     flat, m, v, state = run.resume_or_init(args, tok, lambda: flat0)
-    made = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
+    engine = (make_engine or functools.partial(CPUEngine, args=args))(cfg, flat, m, v)
     left_out = f" ({n - kept:,} left out: their prompt fills the context of {cfg.T} tokens)" if kept < n else ""
     evaluated = f" (the first {n_eval} evaluated)" if n_eval < n_val else ""
     print_settings([("model", f"{args.model}: {num_params(cfg):,} parameters"),
                     ("examples", f"{kept:,} of {n:,} kept{left_out}"),
                     ("data", f"{args.data}: {len(rows):,} train + {n_val} val examples{evaluated}, "
                              "loss on responses only"),
-                    ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine_line or made.line}")], args, state)
+                    ("batch", f"{args.batch} examples x {cfg.T} tokens, {engine_line or engine.line}")], args, state)
 
     def next_batch(rng):
         pick = rng.integers(0, len(rows), size=args.batch)
@@ -1383,7 +1383,7 @@ def cmd_sft(args, make_engine=None, engine_line=None):
     val = [sft_targets(val_rows[i:i + args.batch], val_mask[i:i + args.batch], cfg.T, cfg.K)
            for i in range(0, n_eval, args.batch)]
     prompt, _ = render_turn(tok, "What is the best way to learn a new language?")
-    train_loop(args, cfg, tok, made, next_batch, val, run, state, prompt)
+    train_loop(args, cfg, tok, engine, next_batch, val, run, state, prompt)
 
 
 def load_for_decoding(args, make_params=None):
@@ -1493,7 +1493,7 @@ def cmd_chat(args, make_params=None, gen=None):
             # naive: keeps the whole conversation and re-feeds it each turn; the
             # oldest tokens are dropped once it outgrows the context
             reply_room = min(args.max_new_tokens, cfg.T // 2)
-            room = max(1, cfg.T - 1 - reply_room)          # what the question may take: at T = 2, its last token
+            room = max(1, cfg.T - 1 - reply_room)          # what history + question may take (T = 2: the last token)
             if len(ids) > room:
                 print(f"note: the question is {len(ids)} tokens, more than fit in the context of {cfg.T} with room "
                       f"for a reply of {reply_room}; keeping its last {room} tokens", file=sys.stderr)
@@ -1652,7 +1652,7 @@ def build_parser(command=None):
                                          warmup=DEFAULT_WARMUP, out=None, mtp_weight=True),  # out=None: out/<size>
               "sft": functools.partial(add_training_flags, steps=600, batch=16, lr=1e-3, warmup=30,
                                        out=os.path.join("out", "sft")),
-              "sample": add_generation_flags, "chat": add_generation_flags, "serve": add_serve_flags}
+              "sample": add_generation_flags, "chat": add_generation_flags, "serve": add_serve_flags}  # after bench
     for name, add in shared.items():
         if command in (None, name):
             add(sub.choices[name])
@@ -1664,7 +1664,7 @@ def main(argv=None):
     sets args.run (the --out folder, default out/<size>: a RunFolder, locked), calls the command's function in
     this table (cmd_train, above) and turns a NanoEulerError raised on the way into one sentence (exit 2)"""
     commands = {"check": cmd_check, "prepare": cmd_prepare, "train": cmd_train, "sft": cmd_sft, "sample": cmd_sample,
-                "chat": cmd_chat, "serve": cmd_serve, "plot": cmd_plot, "bench": cmd_bench}
+                "chat": cmd_chat, "serve": cmd_serve, "plot": cmd_plot, "bench": cmd_bench}  # serve, plot, bench: below
     argv = sys.argv[1:] if argv is None else argv
     build_parser(next((a for a in argv if not a.startswith("-")), None)).run(argv, commands)   # its command's flags
 
