@@ -1945,7 +1945,7 @@ def add_serve_flags(sp):
 #
 # Every file that a user or a crash may have damaged (a model, a training state,
 # a cached tokenizer or token file, instructions) is read one way: a path that is
-# no regular file is said so (not_a_file); each check of what it holds is a
+# no regular file is said so (need_file); each check of what it holds is a
 # require (a ValueError saying what is wrong); that, and what a parser raises on
 # content it cannot read (MALFORMED), becomes one sentence naming the file and
 # what to do (refused_if_malformed), or in the data cache a file made again (cached).
@@ -1976,24 +1976,26 @@ def refused_if_malformed(path, what, advice):
         raise NanoEulerError(f"{path} {what} ({problem}); {advice}") from None
 
 
-def not_a_file(path, noun, advice):
-    """the error for a path that is not a regular file: what it is instead (noun: what it should be), then advice"""
-    if os.path.isdir(path):
-        what = f"is a folder, not {noun}"
-    elif os.path.exists(path):
-        what = f"is not {noun} (it is a device, a pipe or a socket)"
-    else:
-        what = "does not exist"
-    return NanoEulerError(f"{path} {what}; {advice}")
+def need_file(path, noun, advice, absent=False, links=True):
+    """-> path, if it is a regular file (absent: or nothing is there); else one sentence: what is there instead
+    (noun: what it should be), then advice. The one check before a file is opened: a pipe would hang the read,
+    a folder fail the write. links=False: a link is refused too (train.lock, which we truncate, never follows one)"""
+    try:
+        mode = (os.stat if links else os.lstat)(path).st_mode
+    except (OSError, ValueError):                      # nothing there (a dangling link: nothing to read)
+        mode = None
+    if stat.S_ISREG(mode or 0) or (mode is None and absent):
+        return path
+    what = ("does not exist" if mode is None else f"is a folder, not {noun}" if stat.S_ISDIR(mode) else
+            f"is a link, not {noun}" if stat.S_ISLNK(mode) else f"is not {noun} (it is a device, a pipe or a socket)")
+    raise NanoEulerError(f"{path} {what}; {advice}")
 
 
 def corpus_files(path):
     """a text file, or every .txt file under a folder, in sorted order"""
     advice = "pass a UTF-8 text file or a folder of .txt files"
-    if os.path.isfile(path):
-        return [path]
     if not os.path.isdir(path):
-        raise not_a_file(path, "a text file", advice)
+        return [need_file(path, "a text file", advice)]
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".txt"))
     for f in [f for f in files if not os.path.isfile(f)]:
         # a dangling symlink (or one to a folder): nothing to read, and the rest still is
@@ -2124,9 +2126,7 @@ def cached(path, make, max_v):
     remove_stale_tmp(os.path.dirname(path))
     what, making = (("the tokenizer", "training the tokenizer") if path.endswith(".json") else
                     ("the corpus's tokens", "tokenizing"))
-    if os.path.exists(path) and not os.path.isfile(path):     # a named pipe would hang the read
-        raise NanoEulerError(f"{path} is not a file; move it away ({what} is cached there)")
-    if os.path.exists(path):
+    if os.path.exists(need_file(path, "a file", f"move it away ({what} is cached there)", absent=True)):
         try:
             return read_cache(path, max_v)
         except MALFORMED as e:
@@ -2148,8 +2148,7 @@ def read_safetensors(path, check=None, header_only=False):
     the header (raising NanoEulerError), also before the data is read; what it
     returns is returned in the metadata's place (model_header: cfg, tokenizer).
     header_only: -> (shapes, metadata), the data left unread."""
-    if not os.path.isfile(path):
-        raise not_a_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
+    need_file(path, "a model file", "pass a .safetensors file, or train one with: python nanoeuler.py train")
     with open(path, "rb") as f, refused_if_malformed(path, "is not a safetensors file this program reads", MODEL_HINT):
         size, n = os.fstat(f.fileno()).st_size, int.from_bytes(f.read(8), "little")
         require(2 <= n <= min(size - 8, MAX_HEADER), f"its header cannot be read: its length says {n:,} bytes")
@@ -2243,8 +2242,7 @@ def load_instructions(path):
     """JSONL (instruction, input, response) or Alpaca's JSON list (instruction, input, output)
     -> list of (prompt, response)"""
     give = "give JSONL or a JSON list of objects with instruction, input and response (or output)"
-    if not os.path.isfile(path):
-        raise not_a_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
+    need_file(path, "a file of instructions", "pass --data a JSONL or Alpaca JSON file of instructions")
     text = read_text(path).removeprefix("\ufeff")             # a byte-order mark some editors write
     pairs, alpaca = [], text.lstrip().startswith("[")
     # JSON Lines end at \n only: str.splitlines also cuts at U+2028, U+0085 and others, which
@@ -2467,76 +2465,64 @@ class RunFolder:
 
     # -- the folder held by one run
 
-    def lock(self):
-        """-> the open, locked train.lock, or None where our --gpus launcher (our parent) holds
-        it for us. flock: the kernel lets go of it when its process ends, however it ends,
-        so a lock file left by a killed run (a dead pid) is simply taken over; the pid in
-        the file is there to name the holder."""
-        path = os.path.join(self.out, LOCK_NAME)
-        mode = os.lstat(path).st_mode if os.path.lexists(path) else stat.S_IFREG
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # (a folder there is named as any other path)
-            kind = "a link" if stat.S_ISLNK(mode) else "a pipe, a device or a socket"
-            raise NanoEulerError(f"{path} is {kind}, not a file; move it away (it is where a run keeps its "
-                                 "lock) and run again")
-        while True:
-            f = open(path, "a+")
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "?"
-                f.close()
-                if holder == str(os.getppid()) and "NANOEULER_RANK" in os.environ:
-                    return None                        # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
-                raise NanoEulerError(f"{self.out} is in use by another training run (pid {holder}); wait for it "
-                                     "to end, or train into another --out") from None
-            with contextlib.suppress(FileNotFoundError):
-                if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
-                    break
-            f.close()                                  # its holder removed it as we opened it: once more
-        f.truncate(0)                                  # (append mode: the write goes to the new end)
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        return f
-
     @contextlib.contextmanager
     def claim(self, resume, fresh=False):
-        """hold the folder for one run: the lock, then refuse another run's folder without --resume,
-        or with --fresh set it aside whole (renamed while still locked, so no run can slip in);
-        -> the lock's open file, also self.held while inside (None in a rank of --gpus, whose launcher
-        holds it; nanoeuler_cuda.py --gpus hands self.held to its ranks)"""
+        """hold the folder for one run: train.lock, then refuse another run's folder without --resume, or with
+        --fresh set it aside whole (renamed while still locked, so no run can slip in; the locked file then moves
+        back into the new folder) -> the open, locked train.lock, also self.held while inside (None in a rank of
+        --gpus, whose launcher holds it; nanoeuler_cuda.py --gpus hands self.held to its ranks).
+        flock: the kernel lets go of it when its process ends, however it ends, so a lock file left by a
+        killed run (a dead pid) is simply taken over; the pid in the file is there to name the holder."""
         out = self.out                                 # (an --out that is a file: run_command refused it)
         created, d = [], os.path.abspath(out)          # the folders makedirs makes (out/ of out/small too)
         while not os.path.exists(d):
             created.append(d)
             d = os.path.dirname(d)
         os.makedirs(out, exist_ok=True)
-        lock = self.lock()
+        path = need_file(os.path.join(out, LOCK_NAME), "a file", "move it away (it is where a run keeps its "
+                         "lock) and run again", absent=True, links=False)
+        while True:
+            lock = open(path, "a+")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.seek(0)
+                holder = lock.read().strip() or "?"
+                lock.close()
+                if holder != str(os.getppid()) or "NANOEULER_RANK" not in os.environ:
+                    raise NanoEulerError(f"{out} is in use by another training run (pid {holder}); wait for it "
+                                         "to end, or train into another --out") from None
+                lock = None                            # a rank of nanoeuler_cuda.py --gpus: its launcher's lock
+                break
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(lock.fileno()), os.stat(path)):
+                    break
+            lock.close()                               # its holder removed it as we opened it: once more
         try:
-            if lock:                                   # temp files of killed writers (whose pid is gone)
+            if lock:                                   # ours: the pid, then the temp files of killed writers
+                lock.truncate(0)                       # (append mode: the write goes to the new end)
+                lock.write(f"{os.getpid()}\n")
+                lock.flush()
                 remove_stale_tmp(out, idle=0)
             held = any(RUN_FILE.fullmatch(f) for f in os.listdir(out))
             if fresh and held and lock:
                 old = set_aside(out, ".old")
                 os.makedirs(out)
-                lock, old_lock = self.lock(), lock
+                os.link(os.path.join(old, LOCK_NAME), path)   # EEXIST: another run came first, and holds it
                 os.remove(os.path.join(old, LOCK_NAME))
-                old_lock.close()
                 print(f"--fresh: the run that was in {out} is kept in {old}", file=sys.stderr)
             elif not resume and held:
                 raise NanoEulerError(f"{out} holds another run; continue it with --resume, start over with --fresh "
                                      "(the old run is kept aside), or train into another --out")
-            for f in ("log.csv", "best.safetensors"):  # a folder or a pipe there would fail a save, or hang
-                path = os.path.join(out, f)
-                if os.path.lexists(path) and not os.path.isfile(path):
-                    raise NanoEulerError(f"{path} is not a file; move it away (the run writes its {f} there)")
+            for f in ("log.csv", "best.safetensors"):
+                need_file(os.path.join(out, f), "a file", f"move it away (the run writes its {f} there)", absent=True)
             self.held = lock
             yield lock
         finally:
             if lock:
                 with contextlib.suppress(FileNotFoundError):   # the folder went under us (begin made it again):
                     if os.path.samestat(os.fstat(lock.fileno()), os.stat(lock.name)):   # a later run's stays
-                        os.remove(lock.name)           # while still locked: see lock's samestat
+                        os.remove(lock.name)           # while still locked: see the samestat above
                 lock.close()
             with contextlib.suppress(OSError):         # a run refused before it wrote anything leaves no folder
                 for d in created:                      # deepest first; one that holds something stays

@@ -187,3 +187,17 @@ def test_fresh_is_refused_while_another_run_holds_the_folder(tmp_path):
     err = r.stderr.decode()
     assert r.returncode == 2 and "in use by another training run" in err, err
     assert (out / "log.csv").exists() and not (tmp_path / "busy.old").exists()
+
+
+def test_fresh_holds_the_new_folder_as_it_held_the_old(tmp_path):
+    # --fresh renames the locked folder aside, then its locked train.lock moves into the new one: no run slips in
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.csv").write_text(ne.LOG_HEADER)
+    with ne.RunFolder(str(out)).claim(resume=False, fresh=True):
+        assert (out / ne.LOCK_NAME).read_text() == f"{os.getpid()}\n"
+        assert not (tmp_path / "run.old" / ne.LOCK_NAME).exists()
+        with pytest.raises(ne.NanoEulerError, match="in use by another training run"):
+            with ne.RunFolder(str(out)).claim(resume=True):
+                pass
+    assert not (out / ne.LOCK_NAME).exists() and (tmp_path / "run.old" / "log.csv").exists()

@@ -1212,7 +1212,8 @@ def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_
         assert (tmp_path / "signal").read_text() == str(int(signal.SIGTERM))
         rank0 = int((tmp_path / "ready0").read_text())
         with pytest.raises(ne.NanoEulerError, match=fr"is in use by another training run \(pid {rank0}\)"):
-            ne.RunFolder(str(out)).lock()                            # while rank 0 saves, the folder is still held, by it
+            with ne.RunFolder(str(out)).claim(resume=True):  # while rank 0 saves, the folder is still held, by it
+                pass
     finally:
         (tmp_path / "go").write_text("")
     deadline = time.time() + 120
@@ -1220,7 +1221,8 @@ def test_a_killed_launcher_leaves_rank_0_to_save_and_the_folder_locked_until_it_
             "Z" not in open(f"/proc/{rank0}/stat").read().split()[2]:
         time.sleep(0.05)
     assert (tmp_path / "signal").read_text() == str(int(signal.SIGTERM))   # once, up to rank 0's end
-    ne.RunFolder(str(out)).lock().close()                            # rank 0 gone: a new run may take the folder
+    with ne.RunFolder(str(out)).claim(resume=True):                  # rank 0 gone: a new run may take the folder
+        pass
 
 
 def test_the_gpus_launcher_hands_its_ranks_the_lock_run_command_holds(tmp_path, monkeypatch):

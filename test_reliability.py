@@ -160,10 +160,14 @@ def test_a_pipe_or_a_folder_in_place_of_a_run_file_is_refused_before_the_first_s
     files = lambda: {p.name: p.read_bytes() if p.is_file() else None for p in sorted(out.iterdir())}
     before = files()
     err = one_sentence(run_cli(*train_args(out, corpus, "--steps", "12", "--resume")))
-    says = {"log.csv": "is not a file", "best.safetensors": "is not a file"}.get(name) or \
-        ("is a pipe, a device or a socket, not a file" if stat.S_ISFIFO(os.lstat(out / name).st_mode)
-         else "is a link, not a file")
-    assert f"{out / name} {says}; move it away" in err
+    # need_file says what is there instead: train.lock's link is refused as one (the lock never follows a link),
+    # log.csv's link to /dev/zero is followed to the device
+    mode = (os.lstat if name == "train.lock" else os.stat)(out / name).st_mode
+    says = ("is a folder, not a file" if stat.S_ISDIR(mode) else "is a link, not a file" if stat.S_ISLNK(mode)
+            else "is not a file (it is a device, a pipe or a socket)")
+    why = ("it is where a run keeps its lock) and run again" if name == "train.lock" else
+           f"the run writes its {name} there)")
+    assert f"{out / name} {says}; move it away ({why}" in err
     assert files() == before
 
 
@@ -179,7 +183,8 @@ def test_a_pipe_or_a_folder_in_place_of_a_cache_file_is_refused(finished_run, co
     r = subprocess.run([sys.executable, PROGRAM, *train_args(out.parent / "new", corpus, "--steps", "4")],
                        capture_output=True, timeout=60, cwd=HERE)
     what = "the tokenizer" if cached.startswith("tokenizer") else "the corpus's tokens"
-    assert one_sentence(r) == f"error: {path} is not a file; move it away ({what} is cached there)"
+    says = "is a folder, not a file" if make is os.mkdir else "is not a file (it is a device, a pipe or a socket)"
+    assert one_sentence(r) == f"error: {path} {says}; move it away ({what} is cached there)"
     assert not (out.parent / "new").exists()
 
 
@@ -219,8 +224,8 @@ def test_a_second_trainer_refuses_at_once_and_a_stale_lock_is_taken_over(corpus,
 def test_the_ranks_of_a_gpus_launcher_share_its_lock(tmp_path, monkeypatch):
     # nanoeuler_cuda.py --gpus N: the launcher holds --out (run_command), then starts one
     # process per GPU, which run_command again; those, and only those, share its lock
-    code = "import sys, nanoeuler as ne\ntry:\n    print(ne.RunFolder(sys.argv[1]).lock())\nexcept ne.NanoEulerError as e:\n" \
-           "    print(e)"
+    code = "import sys, nanoeuler as ne\ntry:\n    with ne.RunFolder(sys.argv[1]).claim(resume=True) as lock:\n" \
+           "        print(lock)\nexcept ne.NanoEulerError as e:\n    print(e)"
 
     def child(**env):
         r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, cwd=HERE,
@@ -242,14 +247,15 @@ def test_a_run_folder_deleted_while_held_is_let_go_without_an_error_or_taking_an
         shutil.rmtree(out)
         out.mkdir()
     assert not out.exists()                            # the folder this run made, empty: gone with it
-    with ne.RunFolder(str(out)).claim(resume=False):
-        shutil.rmtree(out)
-        out.mkdir()
-        other = ne.RunFolder(str(out)).lock()          # another run took the folder made again
-    assert (out / ne.LOCK_NAME).read_text() == f"{os.getpid()}\n"
-    with pytest.raises(ne.NanoEulerError, match="in use by another training run"):
-        ne.RunFolder(str(out)).lock()                  # still held, by the other run
-    other.close()
+    with contextlib.ExitStack() as other:
+        with ne.RunFolder(str(out)).claim(resume=False):
+            shutil.rmtree(out)
+            out.mkdir()
+            other.enter_context(ne.RunFolder(str(out)).claim(resume=False))   # another run took the folder made again
+        assert (out / ne.LOCK_NAME).read_text() == f"{os.getpid()}\n"
+        with pytest.raises(ne.NanoEulerError, match="in use by another training run"):
+            with ne.RunFolder(str(out)).claim(resume=True):                  # still held, by the other run
+                pass
 
 
 def sft_args(model, out, data, *extra):
@@ -1149,7 +1155,7 @@ def test_a_read_only_disk_gives_one_sentence(corpus, tmpfs):
     (lambda t: (t / "afile").write_text("x"), "afile/run", "not a folder; give a path through folders"),
     (lambda t: (t / "cache").write_text("x"), "run", "cache: a file is there where a folder should be; move it away"),
     (lambda t: (t / "run" / "train.lock").mkdir(parents=True), "run",
-     "train.lock: a folder is there where a file should be; move it away"),
+     "train.lock is a folder, not a file; move it away (it is where a run keeps its lock) and run again"),
 ])
 def test_a_path_of_the_wrong_kind_says_what_to_do(corpus, tmp_path, make, path, says):
     make(tmp_path)
