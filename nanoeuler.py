@@ -62,7 +62,6 @@ import stat
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
 
 # one BLAS thread: training runs threads of its own ("a training step on every core"), and two layers
 # of threads on two cores made every step twice as slow; BLAS reads this as numpy loads, so it comes first
@@ -2202,10 +2201,8 @@ def model_header(path, shapes, meta):
     with refused_if_malformed(path, "has a broken config in its metadata", MODEL_HINT):
         given = json.loads(meta["config"])
         require(isinstance(given, dict), "the config is not a map")
-        missing = [k for k in SIZE_FIELDS if k not in given]
-        require(not missing, f"the config lacks {', '.join(missing)}")
-        known = {f.name for f in fields(Config)}
-        cfg = Config(**{k: v for k, v in given.items() if k in known})
+        cfg = Config(**{k: given[k] for k in SIZE_FIELDS},       # one missing: a KeyError, "it lacks 'T'"
+                     mtp_weight=given.get("mtp_weight", Config.mtp_weight))
     check_config(cfg, f"the config in {path}", advice=MODEL_HINT)     # before anything is made from its sizes
     with refused_if_malformed(path, "has a broken tokenizer in its metadata", MODEL_HINT):
         tok = read_tokenizer(meta["tokenizer"])

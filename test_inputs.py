@@ -128,7 +128,8 @@ def test_every_config_of_spec_shape_is_accepted_trains_and_generates(Hkv, G, hal
 @pytest.mark.parametrize("config, words", [
     ("[1, 2, 3]", ["not a map"]),
     ("{not json", ["broken config"]),
-    (json.dumps({k: v for k, v in ne.asdict(CFG).items() if k != "T"}), ["lacks T"]),
+    (json.dumps({k: v for k, v in ne.asdict(CFG).items() if k != "T"}),
+     ["has a broken config in its metadata (it lacks 'T'); give a model file"]),
     ("[" * 100_000 + "]" * 100_000, ["broken config"]),       # deep nesting: RecursionError inside json
 ])
 def test_config_that_is_not_a_config_map_is_refused(tmp_path, config, words):
