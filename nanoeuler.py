@@ -2811,21 +2811,18 @@ class RunFolder:
             return
         value = value if np.ndim(value) == 0 else "NaN or infinite"
         RunFolder.wait()
-        if made_by == 0:                                  # no update yet: neither --lr nor --weight-decay did it
-            raise NanoEulerError(f"the {what} became {value} at step 1, from the weights the run started with, "
-                                 "before any update, so training stopped; with sft, the --model file gives it: use "
-                                 "another model")
         removed = ""
-        if made_by is not None and os.path.exists(self.path(made_by)):
+        if made_by and os.path.exists(self.path(made_by)):
             self.remove(made_by)
             removed = f" (the one of step {made_by}, whose weights gave it, was removed)"
         good = self.latest()
-        if good is None:
-            raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped before any good "
-                                 f"checkpoint{removed}; lower --lr (or --weight-decay) and start again with --resume")
-        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped; the last good "
-                             f"checkpoint is {self.path(good)}{removed}; lower --lr (or --weight-decay) and continue "
-                             "from it with --resume")
+        stopped = f"; the last good checkpoint is {self.path(good)}" if good else " before any good checkpoint"
+        advice = f"lower --lr (or --weight-decay) and {'continue from it' if good else 'start again'} with --resume"
+        if made_by == 0:                                  # no update yet: neither --lr nor --weight-decay did it
+            step = "1, from the weights the run started with, before any update"
+            advice = "with sft, the --model file gives it: use another model"
+        raise NanoEulerError(f"the {what} became {value} at step {step}, so training stopped{stopped}{removed}; "
+                             + advice)
 
 
 # -----------------------------------------------------------------------------
