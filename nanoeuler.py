@@ -2527,23 +2527,21 @@ class RunFolder:
 
     # -- --resume, or a fresh start
 
-    def refuse_other_run(self, args, found=None):
+    def refuse_other_run(self, args, step=None):
         """--resume: what this run cannot continue is refused: checkpoints of another command (a train run and
         an sft run in one folder would mix their logs, best models and steps), of another config or tokenizer.
-        found: resume_or_init's (step, load_checkpoint's tuple); None: the newest pair, from its headers alone"""
-        if found:
-            step, (cfg, _, tok, _, _, state) = found
-        elif steps := self.steps():                    # before the corpus is tokenized (minutes); the tokenizer
-            step, tok = steps[0], None                 # is compared once the pair is loaded
-            try:
-                _, meta = read_safetensors(self.path(step, "state"), header_only=True)
-                state = check_state(json.loads(meta["state"]), step)
-                _, meta = read_safetensors(self.path(step), header_only=True)   # V aside: the tokenizer may lower it
-                cfg = Config(**{**json.loads(meta["config"]), "V": self.cfg.V})
-            except (NanoEulerError, *MALFORMED):
-                return                                 # a broken pair: resume_or_init sets it aside
-        else:
+        Read from the pair's headers. step: resume_or_init's, the pair it loaded; None: the newest pair, before the
+        corpus is tokenized (minutes), when the tokenizer is not made yet: it and V (which it may lower) wait"""
+        if (step := step or self.latest()) is None:
             return                                     # no checkpoint: nothing to continue
+        try:
+            _, meta = read_safetensors(self.path(step, "state"), header_only=True)
+            state = check_state(json.loads(meta["state"]), step)
+            _, (cfg, tok) = read_safetensors(self.path(step), model_header, header_only=True)
+        except (NanoEulerError, *MALFORMED):
+            return                                     # a broken pair: resume_or_init sets it aside
+        if self.tok is None:                           # called before the tokenizer is made: it and V wait
+            cfg.V, tok = self.cfg.V, None
         saved, command = state.get("args", {}), getattr(args, "command", None)
         made_by = saved.get("command")
         if made_by and command and made_by != command:
@@ -2587,7 +2585,7 @@ class RunFolder:
                         set_aside(self.path(bad, kind), ".broken")
                     print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
                           f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
-                self.refuse_other_run(args, (step, loaded))
+                self.refuse_other_run(args, step)
                 print(f"resuming from {self.path(step)} at step {step}")
                 _, flat, _, m, v, state = loaded
                 return flat, m, v, state

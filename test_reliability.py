@@ -398,11 +398,15 @@ def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(fi
     assert f"the checkpoint at step 8 in {out} was trained with another config" in err
     assert err.strip().endswith("pass the same --data and settings, or another --out")
     # sft's config and tokenizer come from its --model: that is what to give again
-    sft = ne.build_parser().parse_args(["sft", "--model", "m", "--out", str(out)])
-    cfg, other_tok = ne.PRESETS["small"], ne.Tokenizer()        # the same config, another tokenizer's merges
+    sft = ne.build_parser().parse_args(["sft", "--model", "m", "--out", str(tmp_path / "sft")])
+    cfg, flat, tok = ne.load_model(str(out / "model_000008.safetensors"))
+    state = {"step": 8, "rng": np.random.default_rng(0).bit_generator.state, "args": {"command": "sft"}}
+    os.makedirs(tmp_path / "sft")                              # an sft run's checkpoint, then another tokenizer
+    ne.save_checkpoint(str(tmp_path / "sft"), 8, cfg, flat, np.zeros_like(flat), np.zeros_like(flat), tok, state)
+    other_tok = ne.Tokenizer()                                 # the same config, another tokenizer's merges
     other_tok.merges = [(1, 2)]
     with pytest.raises(ne.NanoEulerError, match=r"tokenizer; pass the same --model, or another --out$"):
-        ne.RunFolder(str(out), cfg, ne.Tokenizer()).refuse_other_run(sft, (8, (cfg, None, other_tok, None, None, {})))
+        ne.RunFolder(str(tmp_path / "sft"), cfg, other_tok).refuse_other_run(sft, 8)
     # V alone may differ before tokenizing (a small corpus can end with fewer merges): no refusal yet
     args = train_args(out, corpus, "--steps", "12", "--resume")
     with pytest.raises(Tokenizing):
