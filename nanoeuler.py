@@ -2176,9 +2176,7 @@ def read_safetensors(path, check=None, header_only=False):
                     f"{'the previous tensor still runs' if begin < end else 'a gap is left'} (byte {end:,})")
             end = stop
         found = size - 8 - n
-        if found < end:
-            raise NanoEulerError(f"{path} is truncated (expected {end:,} data bytes, found {found:,}); "
-                                 "use an earlier checkpoint or re-run with --resume")
+        require(found >= end, f"it is truncated: {end:,} data bytes expected, {found:,} found")
         require(found == end, f"{found - end:,} bytes follow its last tensor")
         shapes = {name: shape for _, _, name, shape in entries}
         checked = check(path, shapes, metadata) if check else metadata
@@ -2577,7 +2575,7 @@ class RunFolder:
                 try:
                     loaded = load_checkpoint(self.out, step)
                 except NanoEulerError as e:
-                    # read_safetensors's advice ("re-run with --resume") is what brought us here: keep what is wrong
+                    # the refusal's advice (an earlier checkpoint) is what --resume does here: keep what is wrong
                     skipped.append((step, str(e).split("; ")[0]))
                     continue
                 for bad, why in skipped:

@@ -296,6 +296,17 @@ def test_crafted_header_is_refused(tmp_path, edit, words):
     refused(crafted(tmp_path, edit), *words)
 
 
+def test_a_truncated_file_is_refused_from_its_header_before_its_data_is_read(tmp_path):
+    # the data's size is checked against the header's offsets first: a header that asks for more than the
+    # file holds is refused without reading (a crafted one would otherwise ask for its bytes in memory)
+    _, data = header_of()
+    path = crafted(tmp_path, lambda h, d: d[:-100])
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.read_safetensors(path, header_only=True)
+    assert str(e.value) == (f"{path} is not a safetensors file this program reads (it is truncated: {len(data):,} "
+                            f"data bytes expected, {len(data) - 100:,} found); {ne.MODEL_HINT}")
+
+
 def test_header_that_is_not_a_map_is_refused(tmp_path):
     for value in ([1, 2], "text", 3, None):
         refused(write_raw(tmp_path / "h.safetensors", value, b""), "header")
