@@ -2099,12 +2099,9 @@ def read_cache(path, max_v, chunk=1 << 24):
         require(tok.vocab_size <= max_v, f"{tok.vocab_size} tokens, more than the {max_v} asked for")
         return tok
     fmt = np.lib.format
-    with open(path, "rb") as f:
-        try:
-            require(fmt.read_magic(f) == (1, 0), "not a version 1.0 .npy file")
-            shape, _, dtype = fmt.read_array_header_1_0(f)
-        except MALFORMED as e:                         # not a .npy file, a broken header
-            raise ValueError(f"not a .npy file: {e}") from None
+    with open(path, "rb") as f:                        # numpy says what is wrong with a header (MALFORMED)
+        require(fmt.read_magic(f) == (1, 0), "not a version 1.0 .npy file")
+        shape, _, dtype = fmt.read_array_header_1_0(f)
         offset = f.tell()
     require(dtype == TOKEN_DTYPE and len(shape) == 1, f"it holds {dtype} of shape {shape}, not {TOKEN_DTYPE} ids")
     size = os.path.getsize(path)

@@ -480,7 +480,8 @@ def damage_token_file(path, how):
 @pytest.mark.parametrize("how, words", [
     ("truncated", ["header says", "its data is"]), ("longer than its header", ["header says"]),
     ("an id beyond the vocabulary", ["the id 300", "270 ids"]), ("int64 ids", ["int64"]),
-    ("not a .npy file", ["not a .npy file"]), ("a column of ids", ["uint16 of shape (", ", 1)"]),
+    ("not a .npy file", ["the magic string is not correct; expected b'\\x93NUMPY', got b'garbag'"]),
+    ("a column of ids", ["uint16 of shape (", ", 1)"]),
     ("a version 2.0 file", ["not a version 1.0 .npy file"]),
 ])
 def test_a_damaged_token_cache_is_said_and_made_again(tmp_path, capsys, how, words):
