@@ -2205,8 +2205,7 @@ def model_header(path, shapes, meta):
     with refused_if_malformed(path, "holds tensors that do not match its config", MODEL_HINT):
         n_want = 2 + 7 * cfg.L + cfg.K                 # counted first: a crafted L = 10^18 must not list its shapes
         require(len(shapes) == n_want, f"{len(shapes)} tensors, SPEC expects {n_want}")
-        for name, shape in param_shapes(cfg):          # by name: other writers may order them otherwise
-            require(name in shapes, f"it lacks {name} for {cfg}")
+        for name, shape in param_shapes(cfg):          # by name (other writers order them otherwise); none: KeyError
             require(shapes[name] == shape, f"{name} has shape {shapes[name]}, SPEC expects {shape}")
     return cfg, tok
 

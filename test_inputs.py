@@ -290,7 +290,8 @@ def overlap(h, d):
     (overlap, ["'final_norm'", "previous tensor"]),
     (lambda h, d: d + b"\0" * 12, ["12 bytes follow"]),
     (lambda h, d: h["tok_emb"].update(shape=[8, 260]), ["tok_emb has shape (8, 260), SPEC expects (260, 8)"]),
-    (lambda h, d: h.update({"heads.9": h.pop("heads.1")}), ["it lacks heads.1 for"]),
+    (lambda h, d: h.update({"heads.9": h.pop("heads.1")}),
+     ["holds tensors that do not match its config (it lacks 'heads.1'); give a model file"]),
 ])
 def test_crafted_header_is_refused(tmp_path, edit, words):
     refused(crafted(tmp_path, edit), *words)
