@@ -2342,7 +2342,8 @@ def load_checkpoint(out_dir, step):
     m, v = tensors["m"], tensors["v"]
     # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
     if not (np.isfinite(m).all() and np.isfinite(v).all() and (v >= 0).all()):
-        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative")
+        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative; use an earlier "
+                             "checkpoint")
     return cfg, flat, tok, m.copy(), v.copy(), state
 
 

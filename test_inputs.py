@@ -308,6 +308,20 @@ def test_a_truncated_file_is_refused_from_its_header_before_its_data_is_read(tmp
                             f"data bytes expected, {len(data) - 100:,} found); {ne.MODEL_HINT}")
 
 
+@pytest.mark.parametrize("where, value", [("m", np.nan), ("v", np.inf), ("v", -1.0)])
+def test_a_state_whose_moments_are_not_finite_or_negative_is_refused(tmp_path, where, value):
+    # a NaN moment (or the square root of a negative v) would make NaN weights at the first step
+    flat = ne.init_params(CFG, 0)
+    moments = {"m": np.zeros_like(flat), "v": np.zeros_like(flat)}
+    moments[where][3] = value
+    state = {"step": 2, "rng": np.random.default_rng(0).bit_generator.state}
+    ne.save_checkpoint(str(tmp_path), 2, CFG, flat, moments["m"], moments["v"], ne.Tokenizer(), state)
+    with pytest.raises(ne.NanoEulerError) as e:
+        ne.load_checkpoint(str(tmp_path), 2)
+    assert str(e.value) == (f"{tmp_path / 'state_000002.safetensors'} holds AdamW moments that are NaN, infinite "
+                            "or negative; use an earlier checkpoint")
+
+
 def test_header_that_is_not_a_map_is_refused(tmp_path):
     for value in ([1, 2], "text", 3, None):
         refused(write_raw(tmp_path / "h.safetensors", value, b""), "header")
