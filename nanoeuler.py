@@ -2500,8 +2500,14 @@ class RunFolder:
             if fresh and held and lock:
                 old = set_aside(out, ".old")
                 os.makedirs(out)
-                os.link(os.path.join(old, LOCK_NAME), path)   # EEXIST: another run came first, and holds it
-                os.remove(os.path.join(old, LOCK_NAME))
+                moved = os.path.join(old, LOCK_NAME)
+                try:
+                    os.link(moved, path)               # EEXIST: another run came first, and holds it
+                    os.remove(moved)
+                except OSError as e:                   # no hard links (vfat, some network file systems): renamed,
+                    if e.errno == errno.EEXIST:        # where only a run slipping into the gap would go unseen
+                        raise
+                    os.rename(moved, path)
                 print(f"--fresh: the run that was in {out} is kept in {old}", file=sys.stderr)
             elif not resume and held:
                 raise NanoEulerError(f"{out} holds another run; continue it with --resume, start over with --fresh "

@@ -4,6 +4,7 @@ chat REPL (line editing, /help, Ctrl-D, a cut reply), --speculative's report,
 and starting over in a folder that holds a run (--fresh).
 """
 
+import errno
 import os
 import pty
 import re
@@ -189,8 +190,14 @@ def test_fresh_is_refused_while_another_run_holds_the_folder(tmp_path):
     assert (out / "log.csv").exists() and not (tmp_path / "busy.old").exists()
 
 
-def test_fresh_holds_the_new_folder_as_it_held_the_old(tmp_path):
-    # --fresh renames the locked folder aside, then its locked train.lock moves into the new one: no run slips in
+@pytest.mark.parametrize("no_links", [False, True])
+def test_fresh_holds_the_new_folder_as_it_held_the_old(tmp_path, monkeypatch, no_links):
+    # --fresh renames the locked folder aside, then its locked train.lock moves into the new one: no run slips in;
+    # on a file system without hard links (vfat: EPERM) the lock file is renamed into it instead
+    if no_links:
+        def link(src, dst):
+            raise PermissionError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", link)
     out = tmp_path / "run"
     out.mkdir()
     (out / "log.csv").write_text(ne.LOG_HEADER)
