@@ -2581,11 +2581,10 @@ class RunFolder:
                     # the refusal's advice (an earlier checkpoint) is what --resume does here: keep what is wrong
                     skipped.append((step, str(e).split("; ")[0]))
                     continue
-                for bad, why in skipped:
-                    for kind in ("model", "state"):
-                        set_aside(self.path(bad, kind), ".broken")
+                for bad, why in skipped:                  # named as kept: .broken.1 where a .broken was there
+                    kept = [os.path.basename(set_aside(self.path(bad, kind), ".broken")) for kind in ("model", "state")]
                     print(f"--resume: skipped the checkpoint at step {bad} ({why}); its files are kept as "
-                          f"*_{bad:06d}.safetensors.broken", file=sys.stderr)
+                          f"{kept[0]} and {kept[1]}", file=sys.stderr)
                 self.refuse_other_run(args, step)
                 print(f"resuming from {self.path(step)} at step {step}")
                 _, flat, _, m, v, state = loaded

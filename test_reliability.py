@@ -662,6 +662,18 @@ def test_resume_falls_back_to_the_newest_pair_that_reads(finished_run, corpus, t
     assert (out / f"{kind}_000008.safetensors.broken").exists()   # set aside, not deleted
 
 
+def test_resume_names_the_files_it_set_aside_as_they_are_named(finished_run, corpus, tmp_path):
+    # a .broken from an earlier --resume is kept too: this pair becomes .broken.1, and the line says so
+    out = copy_of(finished_run, tmp_path)
+    (out / "model_000008.safetensors.broken").write_bytes(b"an earlier one")
+    (out / "state_000008.safetensors").write_bytes(b"not a state")
+    r = run_cli(*train_args(out, corpus, "--steps", "12", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert ("its files are kept as model_000008.safetensors.broken.1 and state_000008.safetensors.broken"
+            in r.stderr.decode())
+    assert (out / "model_000008.safetensors.broken").read_bytes() == b"an earlier one"
+
+
 def test_resume_refuses_a_checkpoint_of_another_tokenizer_of_the_same_size(finished_run, corpus, tmp_path):
     # the same V, other merges (the corpus was changed, its tokenizer trained again): the
     # checkpoint's ids mean other text, so it cannot go on
