@@ -2499,16 +2499,16 @@ class RunFolder:
             held = any(RUN_FILE.fullmatch(f) for f in os.listdir(out))
             if fresh and held and lock:
                 old = set_aside(out, ".old")
+                print(f"--fresh: the run that was in {out} is kept in {old}", file=sys.stderr)
                 os.makedirs(out)
                 moved = os.path.join(old, LOCK_NAME)
                 try:
-                    os.link(moved, path)               # EEXIST: another run came first, and holds it
+                    os.link(moved, path)
                     os.remove(moved)
-                except OSError as e:                   # no hard links (vfat, some network file systems): renamed,
-                    if e.errno == errno.EEXIST:        # where only a run slipping into the gap would go unseen
-                        raise
-                    os.rename(moved, path)
-                print(f"--fresh: the run that was in {out} is kept in {old}", file=sys.stderr)
+                except FileExistsError:                # a run began in the new folder meanwhile, and holds it
+                    raise NanoEulerError(f"{out} is in use by another training run; train into another --out") from None
+                except OSError:                        # no hard links (vfat, some network file systems): renamed
+                    os.rename(moved, path)             # (only a run slipping into the gap would go unseen)
             elif not resume and held:
                 raise NanoEulerError(f"{out} holds another run; continue it with --resume, start over with --fresh "
                                      "(the old run is kept aside), or train into another --out")

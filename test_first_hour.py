@@ -190,6 +190,22 @@ def test_fresh_is_refused_while_another_run_holds_the_folder(tmp_path):
     assert (out / "log.csv").exists() and not (tmp_path / "busy.old").exists()
 
 
+def test_fresh_refuses_when_another_run_takes_the_new_folder_first(tmp_path, monkeypatch, capsys):
+    # a run that starts in the new folder between --fresh's rename and its lock's move: refused in one sentence
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "log.csv").write_text(ne.LOG_HEADER)
+
+    def link(src, dst):
+        raise FileExistsError(errno.EEXIST, "File exists", dst)
+    monkeypatch.setattr(os, "link", link)
+    with pytest.raises(ne.NanoEulerError, match=f"^{out} is in use by another training run; train into another --out$"):
+        with ne.RunFolder(str(out)).claim(resume=False, fresh=True):
+            pass
+    assert (tmp_path / "run.old" / "log.csv").exists()                 # the old run kept, and said where
+    assert f"the run that was in {out} is kept in {out}.old" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("no_links", [False, True])
 def test_fresh_holds_the_new_folder_as_it_held_the_old(tmp_path, monkeypatch, no_links):
     # --fresh renames the locked folder aside, then its locked train.lock moves into the new one: no run slips in;
