@@ -22,6 +22,18 @@ rows_probe() {   # rows_probe TREE...: dev/variants/decode_rows_probe.py in each
     (cd "$tree" && python dev/variants/decode_rows_probe.py 2>&1 | tail -6) | tee -a "$S"
   done
 }
+decode_round() {   # decode_round ROUND TREE...: bench --decode-only (round 1 with --profile) in each tree (main:
+  # the repository, else .carry/TREE), the whole output into $R/bench_ROUND.log, its figures into the summary
+  local round=$1 tree dir opts; shift
+  local keep="tok/s|a pass over [1-4] rows? and 1 head|one step at|prefill|rror|attention_decode|decode_matvec"
+  for tree in "$@"; do
+    [ "$tree" = main ] && dir=$PWD || dir=$PWD/.carry/$tree
+    opts=$([ "$round" = 1 ] && echo --profile)
+    echo "== round $round, $tree $opts" | tee -a "$S" >> "$R/bench_$round.log"
+    (cd "$dir" && timeout 100 python nanoeuler_cuda.py bench --decode-only $opts > /tmp/b.log 2>&1)
+    cat /tmp/b.log >> "$R/bench_$round.log"; grep -E "$keep" /tmp/b.log | tee -a "$S" > /dev/null
+  done
+}
 readme_flow() {   # the README's flow into $L (made by the caller): train big, sft, chat greedy and
   # --speculative (their transcripts in $R), decoding speed on that SFT model; $M: its model
   t train.log python nanoeuler_cuda.py train big --mtp-weight 1.5 --out out/big

@@ -7,16 +7,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader |
 (cd .carry/ar && timeout 200 python nanoeuler_cuda.py check > "$R/check_ar.log" 2>&1)
 echo "check (ar): rc $?, $(grep -c ' OK$' "$R/check_ar.log") OK, $(grep -c 'NOT OK' "$R/check_ar.log") NOT OK" | tee -a "$S"
 grep "NOT OK" "$R/check_ar.log" | head | tee -a "$S"
-keep="tok/s|a pass over [1-4] rows? and 1 head|one step at|prefill|rror|attention_decode|decode_matvec"
-for round in 1 2; do
-  for tree in main ar ar128; do
-    [ $tree = main ] && dir=$here || dir=$here/.carry/$tree
-    opts=$([ $round = 1 ] && echo --profile)
-    echo "== round $round, $tree $opts" | tee -a "$S" >> "$R/bench_$round.log"
-    (cd "$dir" && timeout 100 python nanoeuler_cuda.py bench --decode-only $opts > /tmp/b.log 2>&1)
-    cat /tmp/b.log >> "$R/bench_$round.log"; grep -E "$keep" /tmp/b.log | tee -a "$S" > /dev/null
-  done
-done
+for round in 1 2; do decode_round $round main ar ar128; done
 # the README flow's model (train big --mtp-weight 1.5, sft), decoded by main and ar, twice
 t train.log python nanoeuler_cuda.py train big --mtp-weight 1.5 --out out/big
 grep -vE "^step |^sample" "$R/train.log" | tail -2 | tee -a "$S"

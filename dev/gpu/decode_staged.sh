@@ -3,22 +3,10 @@
 # against main, random weights of big, bf16 (bench --decode-only: rows 1-4 a pass, by kernel); check in the
 # staged tree; then main's GPU tests (the day's host changes on the GPU). bash dev/gpu/decode_staged.sh OUTDIR
 source dev/gpu/common.sh
-here=$PWD
-keep="tok/s|a pass over [1-4] rows? and 1 head|one step at|prefill|rror|attention_decode|decode_matvec"
-bench_round() {
-  round=$1
-  for tree in main stage; do
-    [ $tree = main ] && dir=$here || dir=$here/.carry/$tree
-    opts=$([ $round = 1 ] && echo --profile)
-    echo "== round $round, $tree $opts" | tee -a "$S" >> "$R/bench_$round.log"
-    (cd "$dir" && timeout 100 python nanoeuler_cuda.py bench --decode-only $opts > /tmp/b.log 2>&1)
-    cat /tmp/b.log >> "$R/bench_$round.log"; grep -E "$keep" /tmp/b.log | tee -a "$S" > /dev/null
-  done
-}
-bench_round 1
+decode_round 1 main stage
 (cd .carry/stage && timeout 150 python nanoeuler_cuda.py check > "$R/check_stage.log" 2>&1)
 echo "check (stage): rc $?, $(grep -c ' OK$' "$R/check_stage.log") OK, $(grep -c 'NOT OK' "$R/check_stage.log") NOT OK" | tee -a "$S"
 grep "NOT OK" "$R/check_stage.log" | head | tee -a "$S"
-bench_round 2
+decode_round 2 main stage
 t pytest_gpu.log timeout 90 python -m pytest -q -p no:cacheprovider test_cuda_pipeline.py test_async_save.py -k "not emulator"
 tail -3 "$R/pytest_gpu.log" | tee -a "$S"
