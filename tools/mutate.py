@@ -242,6 +242,8 @@ KERNEL_MUTATIONS = [
      "sqrtf(sq / In + 1e-6f)", DECODING),
     ("decode matvec: parts added in an order that depends on the row", "kernels.cu",
      "s += part_sum[g * splits + p][j][r];", "s += part_sum[g * splits + (p + r) % splits][j][r];", DECODING),
+    ("decode matvec: a lane's reduce-scatter index counts the half it sent, not the one it kept", "kernels.cu",
+     "index += upper ? n / 2 : 0;", "index += upper ? 0 : n / 2;", DECODING),
     ("decode matvec: output rows Out apart, not ld_out", "kernels.cu", "out[(long)r * ld_out + o] = old + s;",
      "out[(long)r * Out + o] = old + s;", DECODING),
     ("argmax: the last index on a tie within a warp", "kernels.cu",
