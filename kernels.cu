@@ -825,7 +825,7 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
 // at each of the first levels (half of them sent to the partner lane, the other half kept
 // and added to), so N values take N - 1 + 5 - log2(N) shuffles. Each value meets its
 // partners at offsets 16, 8, .., 1 as in warp_sum, own + partner's: warp_sum's bits.
-// Shuffles are issued one warp a clock an SM, so this is what a pass's extra rows cost:
+// Shuffles are issued one warp a clock an SM, and they were part of what a pass's extra rows cost:
 // a pass over 2 / 4 rows 255.0 -> 249.8 / 350.2 -> 323.5 us on an H100, one row unchanged.
 // one level of warp_sums' reduce-scatter: n values, partner lane ^ (16 n / N): keep a half, send the other
 template <int N, int n>
