@@ -1227,7 +1227,8 @@ DECODE_ATTENTION = "split"
 DECODE_PDL = True
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
-DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the fastest on an H200 too (BENCHMARKS.md)
+DEFAULT_DRAFTS = 1              # --drafts: head 1 alone (fastest on an H200, 2026-12-04; on an H100 since the
+                                # warp sums' reduce-scatter, 2 drafts 1.38x against 1.35x: BENCHMARKS.md)
 DRAFT_WINDOW = 8                # DraftPolicy: the drafting passes whose tokens it averages
 DRAFT_PROBE = 2                 # DraftPolicy: passes that feed drafts in a probe
 DRAFT_WAIT = (16, 256)          # DraftPolicy: plain passes before a probe, the first wait and the longest
