@@ -819,14 +819,6 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
         if (c + 32 * u < c1) raw[u] = __ldcs(row + c + 32 * u);
 }
 
-// the warp's sums of its DECODE_OUTS x R products (and, NORM, R sums of squares) into
-// part_sum[j][r] (part_ss[r]), each value the sum over the 32 lanes. One warp_sum a value
-// would take 5 shuffles each, 20-25 a row; a reduce-scatter halves the values a lane holds
-// at each of the first levels (half of them sent to the partner lane, the other half kept
-// and added to), so N values take N - 1 + 5 - log2(N) shuffles. Each value meets its
-// partners at offsets 16, 8, .., 1 as in warp_sum, own + partner's: warp_sum's bits.
-// Shuffles are issued one warp a clock an SM, and they were part of what a pass's extra rows cost:
-// a pass over 2 / 4 rows 255.0 -> 249.8 / 350.2 -> 323.5 us on an H100, one row unchanged.
 // one level of warp_sums' reduce-scatter: n values, partner lane ^ (16 n / N): keep a half, send the other
 template <int N, int n>
 __device__ __forceinline__ void scatter_level(float* v, int lane, int& index) {
@@ -842,6 +834,14 @@ __device__ __forceinline__ void scatter_level(float* v, int lane, int& index) {
     }
 }
 
+// the warp's sums of its DECODE_OUTS x R products (and, NORM, R sums of squares) into
+// part_sum[j][r] (part_ss[r]), each value the sum over the 32 lanes. One warp_sum a value
+// would take 5 shuffles each, 20-25 a row; a reduce-scatter halves the values a lane holds
+// at each of the first levels (half of them sent to the partner lane, the other half kept
+// and added to), so N values take N - 1 + 5 - log2(N) shuffles. Each value meets its
+// partners at offsets 16, 8, .., 1 as in warp_sum, own + partner's: warp_sum's bits.
+// Shuffles are issued one warp a clock an SM, and they were part of what a pass's extra rows cost:
+// a pass over 2 / 4 rows 255.0 -> 249.8 / 350.2 -> 323.5 us on an H100, one row unchanged.
 template <int RR, bool NORM>
 __device__ __forceinline__ void warp_sums(float (*part_sum)[DECODE_MAX_ROWS], float* part_ss,
                                           const float (&acc)[DECODE_OUTS][DECODE_MAX_ROWS],
