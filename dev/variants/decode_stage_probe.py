@@ -31,12 +31,17 @@ def per_launch_us(launch, replays=REPLAYS):
     return us
 
 
-def main():
+def layer0():
+    """-> cfg, a bf16 decoder of the big model (random weights) after a 16-token prefill, its weights and params,
+    and (C, F, HD, QKV): what each probe's stages of layer 0 are built from (decode_stage_rows_probe.py too)"""
     cfg = ne.PRESETS["big"]
     dec = nc.GPUDecoder(cfg, ne.init_params(cfg), "bf16")
     dec.wait(dec.prefill(list(range(16)), 1))
-    w, p = dec.weights, dec.params
-    C, F, HD, QKV = cfg.C, cfg.F, cfg.Hq * cfg.D, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
+    return cfg, dec, dec.weights, dec.params, (cfg.C, cfg.F, cfg.Hq * cfg.D, (cfg.Hq + 2 * cfg.Hkv) * cfg.D)
+
+
+def main():
+    cfg, dec, w, p, (C, F, HD, QKV) = layer0()
     mv = nc.decode_matvec
     stages = {
         "qkv (rmsnorm)": lambda: mv(dec.qkv, dec.x, w["layers.0.wqkv"], p["layers.0.attn_norm"], 1, C, QKV,

@@ -8,17 +8,12 @@ import sys
 
 sys.path.insert(0, os.getcwd())
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import nanoeuler as ne          # noqa: E402
 import nanoeuler_cuda as nc     # noqa: E402
-from decode_stage_probe import per_launch_us   # noqa: E402
+from decode_stage_probe import LAUNCHES, layer0, per_launch_us   # noqa: E402
 
 
 def main():
-    cfg = ne.PRESETS["big"]
-    dec = nc.GPUDecoder(cfg, ne.init_params(cfg), "bf16")
-    dec.wait(dec.prefill(list(range(16)), 1))
-    w, p = dec.weights, dec.params
-    C, F, HD, QKV = cfg.C, cfg.F, cfg.Hq * cfg.D, (cfg.Hq + 2 * cfg.Hkv) * cfg.D
+    cfg, dec, w, p, (C, F, HD, QKV) = layer0()
     mv, records = nc.decode_matvec, (cfg.Hq, cfg.Hkv, nc.ceil_div(cfg.T, nc.DECODE_CHUNK))
     stages = {
         "qkv (rmsnorm)": lambda R: mv(dec.qkv, dec.x, w["layers.0.wqkv"], p["layers.0.attn_norm"], R, C, QKV,
@@ -36,7 +31,7 @@ def main():
                                            splits=dec.head_splits, pdl=True),
     }
     rows = (1, 2, 4)
-    print(f"{nc.gpu.name}: {nc_launches()} copies of one launch in a graph (PDL); GPU time a launch, R = 1 / 2 / 4")
+    print(f"{nc.gpu.name}: {LAUNCHES} copies of one launch in a graph (PDL); GPU time a launch, R = 1 / 2 / 4")
     for name, launch in stages.items():
         us = [per_launch_us(lambda: launch(R)) for R in rows]
         print(f"  {name:<22} " + " / ".join(f"{u:5.2f}" for u in us) + f" us   (+{us[1] - us[0]:.2f}, +{us[2] - us[0]:.2f})")
@@ -45,12 +40,7 @@ def main():
         a = nc.replay_time(dec, 40, R, 1)
         dec.set_feed([0] * R, 16)
         b = nc.replay_time(dec, 40, R, R)
-        print(f"  the pass over {R} rows: 1 head {a:.1f} us, {R} heads {b:.1f} us")
-
-
-def nc_launches():
-    import decode_stage_probe
-    return decode_stage_probe.LAUNCHES
+        print(f"  the pass over {R} row{'s' * (R > 1)}: 1 head {a:.1f} us, {R} head{'s' * (R > 1)} {b:.1f} us")
 
 
 if __name__ == "__main__":
