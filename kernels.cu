@@ -819,18 +819,20 @@ __device__ __forceinline__ void matvec_load(uint4* raw, const uint4* row, int c,
         if (c + 32 * u < c1) raw[u] = __ldcs(row + c + 32 * u);
 }
 
-// one level of warp_sums' reduce-scatter: n values, partner lane ^ (16 n / N): keep a half, send the other
-template <int N, int n>
+// one level of a reduce-scatter over groups of LANES lanes (warp_sums': 32): n values of N left, partner
+// lane ^ (LANES / 2 * n / N): keep a half, send the other
+template <int N, int n, int LANES = 32>
 __device__ __forceinline__ void scatter_level(float* v, int lane, int& index) {
     if constexpr (n > 1) {
-        bool upper = lane & (16 * n / N);
+        constexpr int OFFSET = LANES / 2 * n / N;
+        bool upper = lane & OFFSET;
 #pragma unroll
         for (int i = 0; i < n / 2; i++) {
             float keep = upper ? v[n / 2 + i] : v[i], send = upper ? v[i] : v[n / 2 + i];
-            v[i] = keep + __shfl_xor_sync(0xffffffff, send, 16 * n / N);
+            v[i] = keep + __shfl_xor_sync(0xffffffff, send, OFFSET);
         }
         index += upper ? n / 2 : 0;
-        scatter_level<N, n / 2>(v, lane, index);
+        scatter_level<N, n / 2, LANES>(v, lane, index);
     }
 }
 
@@ -1235,44 +1237,79 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
             q[g] = make_float4(a.x * scale, a.y * scale, a.z * scale, a.w * scale);
         }
     }
-    float sc[SWEEPS][DECODE_HEADS], m[DECODE_HEADS];               // scores; the chunk's max
+    // p = e^(score - the chunk's max) for each key and (sweep i, head g): a lane holds its 4
+    // elements' part of all SWEEPS x DECODE_HEADS dot products of its key, and the key's S lanes
+    // sum them. With S >= DECODE_HEADS there are S of them: a reduce-scatter over the S lanes
+    // (warp_sums' scatter_level: S - 1 shuffles, a shuffle tree's bits) leaves lane s with pair
+    // s alone, whose max and exp it takes; the key's lanes then read every p from its owner (S
+    // shuffles). A shuffle tree a pair, a max tree a head and an exp a pair in every lane took
+    // 5 S shuffles and S exps a lane. (D = 8 has 2 lanes a key for 4 pairs: the trees.)
+    float p[SWEEPS][DECODE_HEADS], l[DECODE_HEADS], acc[DECODE_HEADS][4];
+    if constexpr (S >= DECODE_HEADS) {
+        float d[S];
+        int own = 0;                                               // the pair this lane ends with: s
 #pragma unroll
-    for (int g = 0; g < DECODE_HEADS; g++) m[g] = -INFINITY;
+        for (int i = 0; i < SWEEPS; i++)
 #pragma unroll
-    for (int i = 0; i < SWEEPS; i++) {
-        bool seen = jj + KEYS * i < DECODE_CHUNK && first + jj + KEYS * i < n;
+            for (int g = 0; g < DECODE_HEADS; g++)
+                d[i * DECODE_HEADS + g] = q[g].x * k[i].x + q[g].y * k[i].y + q[g].z * k[i].z + q[g].w * k[i].w;
+        scatter_level<S, S, S>(d, lane, own);
+        int i0 = own / DECODE_HEADS, g0 = own % DECODE_HEADS;
+        float sc = jj + KEYS * i0 < DECODE_CHUNK && first + jj + KEYS * i0 < n ? d[0] : -INFINITY;
+        float wm = sc;                                             // over the warp's lanes of head g0
+#pragma unroll
+        for (int off = DECODE_HEADS; off < 32; off *= 2) wm = fmaxf(wm, __shfl_xor_sync(0xffffffff, wm, off));
+        if (lane < DECODE_HEADS) sh_m[warp][lane] = wm;
+        __syncthreads();
+        float mg = sh_m[0][g0];                                    // finite: key `first` is seen
+        for (int w = 1; w < 8; w++) mg = fmaxf(mg, sh_m[w][g0]);
+        float pown = expf(sc - mg);                                // 0 for keys the row does not see
+#pragma unroll
+        for (int i = 0; i < SWEEPS; i++)
+#pragma unroll
+            for (int g = 0; g < DECODE_HEADS; g++)
+                p[i][g] = __shfl_sync(0xffffffff, pown, lane - s + i * DECODE_HEADS + g);
+    } else {
+        float sc[SWEEPS][DECODE_HEADS], m[DECODE_HEADS];
+#pragma unroll
+        for (int g = 0; g < DECODE_HEADS; g++) m[g] = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < SWEEPS; i++) {
+            bool seen = jj + KEYS * i < DECODE_CHUNK && first + jj + KEYS * i < n;
+#pragma unroll
+            for (int g = 0; g < DECODE_HEADS; g++) {
+                float d = q[g].x * k[i].x + q[g].y * k[i].y + q[g].z * k[i].z + q[g].w * k[i].w;
+#pragma unroll
+                for (int off = S / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffff, d, off);
+                sc[i][g] = seen ? d : -INFINITY;
+                m[g] = fmaxf(m[g], sc[i][g]);
+            }
+        }
 #pragma unroll
         for (int g = 0; g < DECODE_HEADS; g++) {
-            float d = q[g].x * k[i].x + q[g].y * k[i].y + q[g].z * k[i].z + q[g].w * k[i].w;
+            float wm = warp_max(m[g]);
+            if (lane == 0) sh_m[warp][g] = wm;
+        }
+        __syncthreads();
 #pragma unroll
-            for (int off = S / 2; off > 0; off >>= 1) d += __shfl_xor_sync(0xffffffff, d, off);
-            sc[i][g] = seen ? d : -INFINITY;
-            m[g] = fmaxf(m[g], sc[i][g]);
+        for (int g = 0; g < DECODE_HEADS; g++) {
+            m[g] = sh_m[0][g];
+            for (int w = 1; w < 8; w++) m[g] = fmaxf(m[g], sh_m[w][g]);
+#pragma unroll
+            for (int i = 0; i < SWEEPS; i++) p[i][g] = expf(sc[i][g] - m[g]);
         }
     }
 #pragma unroll
-    for (int g = 0; g < DECODE_HEADS; g++) {
-        float wm = warp_max(m[g]);
-        if (lane == 0) sh_m[warp][g] = wm;
-    }
-    __syncthreads();
-    float l[DECODE_HEADS], acc[DECODE_HEADS][4];
-#pragma unroll
-    for (int g = 0; g < DECODE_HEADS; g++) {
-        m[g] = sh_m[0][g];                                         // finite: key `first` is seen
-        for (int w = 1; w < 8; w++) m[g] = fmaxf(m[g], sh_m[w][g]);
-        l[g] = acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.0f;
-    }
+    for (int g = 0; g < DECODE_HEADS; g++) l[g] = acc[g][0] = acc[g][1] = acc[g][2] = acc[g][3] = 0.0f;
 #pragma unroll
     for (int i = 0; i < SWEEPS; i++)
 #pragma unroll
         for (int g = 0; g < DECODE_HEADS; g++) {
-            float p = expf(sc[i][g] - m[g]);                       // 0 for keys the row does not see
-            l[g] += p;
-            acc[g][0] += p * v[i].x;
-            acc[g][1] += p * v[i].y;
-            acc[g][2] += p * v[i].z;
-            acc[g][3] += p * v[i].w;
+            l[g] += p[i][g];
+            acc[g][0] += p[i][g] * v[i].x;
+            acc[g][1] += p[i][g] * v[i].y;
+            acc[g][2] += p[i][g] * v[i].z;
+            acc[g][3] += p[i][g] * v[i].w;
         }
 #pragma unroll
     for (int g = 0; g < DECODE_HEADS; g++) {                       // over the warp's keys: lanes with the same s

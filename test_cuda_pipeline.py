@@ -616,7 +616,8 @@ def test_argmax_accept_on_the_cpu_emulator(emulated):
 @needs_nvrtc
 @needs_gxx
 @pytest.mark.parametrize("kernel, T, p0, D", [("split", 80, 70, 64), ("single", 300, 290, 64), ("split", 600, 590, 64),
-                                              ("split", 80, 70, 16), ("split", 80, 70, 128), ("single", 80, 70, 128)])
+                                              ("split", 80, 70, 16), ("split", 80, 70, 128), ("single", 80, 70, 128),
+                                              ("split", 80, 70, 8)])
 def test_decode_attention_with_two_groups_of_heads_against_float64(emulated, kernel, T, p0, D):
     # G = 6 query heads a kv head: two blocks of DECODE_HEADS = 4 and 2 heads; 2 rows at *pos = p0
     # over the cache and their own keys, y exactly R rows (a block writing past its heads would
@@ -624,7 +625,8 @@ def test_decode_attention_with_two_groups_of_heads_against_float64(emulated, ker
     # rows' rotated keys and values in the cache. At 590 the split kernel combines 10 chunks (past
     # the 8 that combine_chunks loads at once); at 290 the single kernel's warps take 32 keys a
     # round 8 at a time: a warp's second round rescales what its first summed (a kernel that did
-    # not would pass at 80). D = 16 and 128: the builds of the split kernel that no other test runs
+    # not would pass at 80). D = 8, 16 and 128: the builds of the split kernel that no other test runs
+    # (at D = 8 a key has 2 lanes for 4 heads: its scores take the shuffle trees, not the reduce-scatter)
     nc.init_gpu("fp32")
     Hq, Hkv, R = 6, 1, 2
     rng = np.random.default_rng(0)
