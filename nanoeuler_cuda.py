@@ -1535,20 +1535,25 @@ def replay_time(dec, replays, R=1, n_heads=1):
 
 
 class DraftPolicy:
-    """when speculative decoding drafts. A pass that drafts (1 + drafts heads) lets the next
-    one feed the drafts after the last token (1 + drafts rows); a pass over those rows
-    costs `cost` times a plain one (GPUDecoder.pass_cost). So drafting goes on while the
-    last DRAFT_WINDOW passes that fed drafts gave more than `cost` tokens each, and stops
-    when they did not (drafts that always fail, as on random weights, then cost nearly
-    nothing); after DRAFT_WAIT[0] plain passes a probe drafts again for DRAFT_PROBE
-    passes, judged on their own, the wait doubling after each probe up to DRAFT_WAIT[1]
-    and back to the first once drafting pays. Counts alone decide, never a clock, and
-    the output does not depend on them: every emitted token is head 0's choice."""
+    """when speculative decoding drafts, and how many drafts it feeds. A pass that drafts d
+    (1 + d heads) lets the next one feed them after the last token (1 + d rows); such a pass
+    costs costs[d] times a plain one (GPUDecoder.pass_cost). A pass fed f drafts that gave t
+    tokens tells what any d <= f drafts would have given: min(t, d + 1), acceptance stopping at
+    the first wrong draft. So after each pass fed drafts the policy feeds the d whose last
+    DRAFT_WINDOW passes fed d or more gave the most tokens per cost, and stops drafting when
+    none gave more than its cost (drafts that always fail, as on random weights, then cost
+    nearly nothing). A deeper d than any recent pass was fed is tried when it could pay: it
+    gives at most the tokens of the deepest known plus the share of its passes that took
+    every draft. After DRAFT_WAIT[0] plain passes a probe drafts the most again for DRAFT_PROBE
+    passes, judged on their own, the wait doubling after each probe up to DRAFT_WAIT[1] and
+    back to the first once drafting pays. Counts alone decide, never a clock, and the output
+    does not depend on them: every emitted token is head 0's choice."""
 
-    def __init__(self, drafts, cost=1.0):
-        self.drafts, self.cost = drafts, cost
-        self.recent = collections.deque(maxlen=DRAFT_WINDOW)          # tokens of the last passes fed drafts
-        self.drafting = drafts > 0                                     # until passes say otherwise
+    def __init__(self, drafts, cost=1.0, costs=None):
+        self.drafts = drafts
+        self.costs = costs or {drafts: cost}                           # drafts fed -> a pass's cost
+        self.recent = collections.deque(maxlen=4 * DRAFT_WINDOW)      # (drafts fed, tokens) of passes fed drafts
+        self.drafting, self.depth = drafts > 0, drafts                # depth: drafts fed while drafting
         self.probe, self.plain, self.wait = 0, 0, DRAFT_WAIT[0]        # probe: its passes still to queue
         self.heads = 1                                                 # the last pass's: rows the next can feed
 
@@ -1558,20 +1563,32 @@ class DraftPolicy:
             self.plain += 1
             if self.plain > self.wait:                                 # a pass drafts, DRAFT_PROBE feed drafts
                 self.plain, self.probe, self.wait = 0, 1 + DRAFT_PROBE, min(2 * self.wait, DRAFT_WAIT[1])
+                self.depth = self.drafts
                 self.recent.clear()
-        heads = 1 + self.drafts if self.drafting or self.probe else 1
+        heads = 1 + self.depth if self.drafting or self.probe else 1
         self.probe = max(self.probe - 1, 0)
         rows, self.heads = min(self.heads, heads), heads
         return rows, heads
 
     def observe(self, rows, tokens):
-        """a pass over rows rows gave tokens tokens (only passes fed all the drafts count)"""
-        if not self.drafts or rows != 1 + self.drafts:
+        """a pass over rows rows gave tokens tokens (passes fed drafts count, with the costs known for them)"""
+        if rows - 1 not in self.costs:
             return
-        self.recent.append(tokens)
-        self.drafting = sum(self.recent) > self.cost * len(self.recent)
+        self.recent.append((rows - 1, tokens))
+        value, best, known = 1.0, 0, None                              # a plain pass: 1 token at cost 1
+        for d in sorted(self.costs):
+            seen = [t for f, t in self.recent if f >= d][-DRAFT_WINDOW:]
+            if not seen:                                               # no recent pass was fed d drafts
+                deeper = known and (known[0] + known[1]) / self.costs[d] > value      # one draft more
+                best = d if deeper else best
+                break
+            tokens_d = sum(min(t, d + 1) for t in seen) / len(seen)
+            known = tokens_d, sum(t > d for t in seen) / len(seen)        # its tokens, the share taking all
+            if tokens_d / self.costs[d] > value:
+                value, best = tokens_d / self.costs[d], d
+        self.drafting = best > 0
         if self.drafting:
-            self.wait = DRAFT_WAIT[0]
+            self.depth, self.wait = best, DRAFT_WAIT[0]
 
 
 def queue_passes(decoder, queue, lookahead, tokens, feed, pos, policy, T):
@@ -1635,7 +1652,7 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
         raise NanoEulerError("the prompt is empty; give at least one token")
     n_drafts = cfg.K - 1 if drafts is None else max(0, min(drafts, cfg.K - 1))
     n_drafts = min(n_drafts, DECODE_MAX_ROWS - 1) if speculative else 0
-    policy = DraftPolicy(n_drafts, decoder.pass_cost(1 + n_drafts) if n_drafts else 1.0)
+    policy = DraftPolicy(n_drafts, costs={d: decoder.pass_cost(1 + d) for d in range(1, n_drafts + 1)})
     greedy = temperature <= 0
     lookahead = LOOKAHEAD if greedy else 1
     queue = []                                  # passes in flight: (ring entry, rows fed (0 = a prefill), heads)
