@@ -1227,8 +1227,9 @@ DECODE_ATTENTION = "split"
 DECODE_PDL = True
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
-DEFAULT_DRAFTS = 1              # --drafts: head 1 alone (fastest on an H200, 2026-12-04; on an H100 since the
-                                # warp sums' reduce-scatter, 2 drafts 1.38x against 1.35x: BENCHMARKS.md)
+DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the best at SPEC's weight (1.00x, 2 drafts 0.98x: H100,
+                                # 2026-12-06); the flow's --mtp-weight 1.5 model gains from 2 (H200 2026-12-04 1.52x
+                                # against 1.40x, H100 2026-12-06 1.38x against 1.35x: BENCHMARKS.md)
 DRAFT_WINDOW = 8                # DraftPolicy: the drafting passes whose tokens it averages
 DRAFT_PROBE = 2                 # DraftPolicy: passes that feed drafts in a probe
 DRAFT_WAIT = (16, 256)          # DraftPolicy: plain passes before a probe, the first wait and the longest
