@@ -1676,6 +1676,7 @@ def generate(decoder, cfg, prompt, max_new_tokens, temperature=1.0, top_k=0, top
         if stats is not None:
             stats["steps"] = stats.get("steps", 0) + 1
             stats["drafted"] = stats.get("drafted", 0) + (rows > 1)
+            stats["fed"] = stats.get("fed", 0) + max(rows - 1, 0)           # drafts fed
         for t in chosen:
             tokens.append(t)
             emitted += 1
@@ -2657,7 +2658,8 @@ def print_speeds(dec, cfg, prompt, n, drafts_list, what=""):
         name = f"speculative, {drafts} draft" + "s" * (drafts > 1) + default + what
         print(f"  {name:<32} {len(spec) / dt_s:8,.0f} tok/s  {stats['tokens'] / stats['steps']:.2f} tokens per pass, "
               f"{dt / dt_s:.2f}x plain, same as plain for {same} of {len(plain)} tokens; {stats['drafted']} of "
-              f"{stats['steps']} passes fed drafts (a pass over {1 + drafts}: {dec.pass_cost(1 + drafts):.2f}x one)")
+              f"{stats['steps']} passes fed drafts, {stats['fed'] / max(stats['drafted'], 1):.2f} each (a pass over "
+              f"{1 + drafts}: {dec.pass_cost(1 + drafts):.2f}x one)")
     return plain, dt
 
 
