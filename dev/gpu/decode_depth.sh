@@ -1,10 +1,10 @@
 #!/bin/bash
-# issue 35: DraftPolicy choosing how many drafts to feed (the tree in .carry/depth) against main's, which feeds
-# --drafts always while drafting pays. Models: the README flow's SFT model (train big --mtp-weight 1.5, sft),
+# issue 35: DraftPolicy choosing how many drafts to feed (main) against the policy before it (.carry/old), which
+# feeds --drafts always while drafting pays. Models: the README flow's SFT model (train big --mtp-weight 1.5, sft),
 # a model pre-trained at SPEC's weight 0.5 (train big), random weights; bench --decode-only in both trees,
-# the flow's model in two rounds in turn; check's decoding lines in depth; depth's GPU tests. About 6 minutes
+# the flow's model in two rounds in turn; main's GPU tests. About 6 minutes
 # on one H100 or H200. bash dev/gpu/decode_depth.sh OUTDIR
-# (.carry/depth: a copy of the branch's tree)
+# (.carry/old: git archive 7fab4e3 | tar -x -C .carry/old, the last commit before the policy)
 source dev/gpu/common.sh
 t train15.log python nanoeuler_cuda.py train big --mtp-weight 1.5 --out out/big15
 grep -vE "^step |^sample" "$R/train15.log" | tail -2 | tee -a "$S"
@@ -19,13 +19,13 @@ bench_model() {   # bench_model LABEL TREE [--model FILE]: bench --decode-only i
   (cd "$dir" && timeout 150 python nanoeuler_cuda.py bench --decode-only "$@" > "$R/bench_${label}_$tree.log" 2>&1)
   grep -E "tok/s|prefill|rror" "$R/bench_${label}_$tree.log" | tee -a "$S"
 }
+bench_model flow1 old --model "$PWD/out/sft15/best.safetensors"
 bench_model flow1 main --model "$PWD/out/sft15/best.safetensors"
-bench_model flow1 depth --model "$PWD/out/sft15/best.safetensors"
-bench_model flow2 depth --model "$PWD/out/sft15/best.safetensors"
 bench_model flow2 main --model "$PWD/out/sft15/best.safetensors"
+bench_model flow2 old --model "$PWD/out/sft15/best.safetensors"
+bench_model spec05 old --model "$PWD/out/big05/best.safetensors"
 bench_model spec05 main --model "$PWD/out/big05/best.safetensors"
-bench_model spec05 depth --model "$PWD/out/big05/best.safetensors"
-bench_model random depth
 bench_model random main
-(cd .carry/depth && timeout 120 python -m pytest -q -p no:cacheprovider test_cuda_pipeline.py -k "not emulator" > "$R/pytest_depth.log" 2>&1)
-tail -1 "$R/pytest_depth.log" | tee -a "$S"
+bench_model random old
+(timeout 120 python -m pytest -q -p no:cacheprovider test_cuda_pipeline.py -k "not emulator" > "$R/pytest_main.log" 2>&1)
+tail -1 "$R/pytest_main.log" | tee -a "$S"
