@@ -1154,7 +1154,8 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
 // of the block holds elements 4s .. 4s+3 (a 16-byte load; the D/4 threads of a key read
 // its D floats in one stretch) of keys j, j + 256/(D/4), .. of the chunk, and the same of
 // their values: every load of the block is issued before any is used, one trip to memory.
-// The scores' D-long sums meet in shuffles over the key's D/4 lanes, the chunk's max and
+// The scores' D-long sums meet in shuffles over the key's D/4 lanes (a reduce-scatter that
+// leaves each lane one (sweep, head) score and its exp, below), the chunk's max and
 // sum of exp and its p-weighted values in shared memory, added in warp order. A row that
 // sees one chunk writes y directly. A row that sees several writes the chunk's (m, l, acc)
 // to `partial`; the last of its blocks to finish (counted in `count`, which it resets to 0
