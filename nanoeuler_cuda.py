@@ -1573,7 +1573,7 @@ class DraftPolicy:
 
     def observe(self, rows, tokens):
         """a pass over rows rows gave tokens tokens (passes fed drafts count, with the costs known for them)"""
-        if rows - 1 not in self.costs:
+        if not self.drafts or rows - 1 not in self.costs:
             return
         self.recent.append((rows - 1, tokens))
         value, best, known = 1.0, 0, None                              # a plain pass: 1 token at cost 1
