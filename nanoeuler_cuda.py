@@ -1550,9 +1550,9 @@ class DraftPolicy:
     back to the first once drafting pays. Counts alone decide, never a clock, and the output
     does not depend on them: every emitted token is head 0's choice."""
 
-    def __init__(self, drafts, cost=1.0, costs=None):
+    def __init__(self, drafts, costs=None):
         self.drafts = drafts
-        self.costs = costs or {drafts: cost}                           # drafts fed -> a pass's cost
+        self.costs = costs or {drafts: 1.0}                            # drafts fed -> a pass's cost
         self.recent = collections.deque(maxlen=4 * DRAFT_WINDOW)      # (drafts fed, tokens) of passes fed drafts
         self.drafting, self.depth = drafts > 0, drafts                # depth: drafts fed while drafting
         self.probe, self.plain, self.wait = 0, 0, DRAFT_WAIT[0]        # probe: its passes still to queue
@@ -1576,15 +1576,14 @@ class DraftPolicy:
         if not self.drafts or rows - 1 not in self.costs:
             return
         self.recent.append((rows - 1, tokens))
-        value, best, known = 1.0, 0, None                              # a plain pass: 1 token at cost 1
+        value, best, bound = 1.0, 0, 0.0                               # a plain pass: 1 token at cost 1
         for d in sorted(self.costs):
             seen = [t for f, t in self.recent if f >= d][-DRAFT_WINDOW:]
-            if not seen:                                               # no recent pass was fed d drafts
-                deeper = known and (known[0] + known[1]) / self.costs[d] > value      # one draft more
-                best = d if deeper else best
+            if not seen:                                               # no recent pass was fed d drafts:
+                best = d if bound / self.costs[d] > value else best    # one draft more, if it could pay
                 break
             tokens_d = sum(min(t, d + 1) for t in seen) / len(seen)
-            known = tokens_d, sum(t > d for t in seen) / len(seen)        # its tokens, the share taking all
+            bound = tokens_d + sum(t > d for t in seen) / len(seen)    # d + 1 drafts: the passes taking all, +1
             if tokens_d / self.costs[d] > value:
                 value, best = tokens_d / self.costs[d], d
         self.drafting = best > 0

@@ -143,7 +143,7 @@ def runs(*parts):
 def test_drafts_that_always_fail_stop_and_are_probed_less_and_less_often():
     # the first pass drafts, the second feeds its draft: 1 token at a cost of 1.2 -> stop;
     # after 16 plain passes a probe (a pass that drafts, 2 that feed drafts), the wait doubles
-    got = policy_passes(nc.DraftPolicy(1, cost=1.2), 1200, lambda i, rows: 1)
+    got = policy_passes(nc.DraftPolicy(1, costs={1: 1.2}), 1200, lambda i, rows: 1)
     probe = [(1, (1, 2)), (2, (2, 2))]
     assert got[:121] == runs(*probe[:1], (1, (2, 2)), (16, (1, 1)), *probe, (32, (1, 1)), *probe, (64, (1, 1)),
                              probe[0])
@@ -157,7 +157,7 @@ def test_a_probe_whose_drafts_are_right_starts_drafting_again():
     # probe (passes 54-56) finds them right, judged alone (with the 3 failures before it, 7/5
     # tokens a pass would not beat 1.45); drafting stops after 5 failures (2 - 5/8 <= 1.45),
     # and the wait before the next probe is the first again
-    got = policy_passes(nc.DraftPolicy(1, cost=1.45), 130, lambda i, rows: rows if 30 < i <= 70 else 1)
+    got = policy_passes(nc.DraftPolicy(1, costs={1: 1.45}), 130, lambda i, rows: rows if 30 < i <= 70 else 1)
     assert got[18:21] == [(1, 2), (2, 2), (2, 2)] and got[21:53] == runs((32, (1, 1)))
     probe = [(1, (1, 2)), (2, (2, 2))]
     assert got[53:] == runs(probe[0], (21, (2, 2)), (16, (1, 1)), *probe, (32, (1, 1)), *probe, (1, (1, 1)))
@@ -166,10 +166,10 @@ def test_a_probe_whose_drafts_are_right_starts_drafting_again():
 def test_drafting_stops_when_the_last_8_drafting_passes_give_no_more_than_their_cost():
     # 10 passes of 2 tokens fill the window, then 1 token each: the mean over the last 8 is
     # 2 - k/8 after k of them, not above 1.5 at k = 4 -> passes 2..15 fed drafts, then plain
-    got = policy_passes(nc.DraftPolicy(1, cost=1.5), 20, lambda i, rows: 2 if i <= 11 else 1)
+    got = policy_passes(nc.DraftPolicy(1, costs={1: 1.5}), 20, lambda i, rows: 2 if i <= 11 else 1)
     assert got == [(1, 2)] + runs((14, (2, 2)), (5, (1, 1)))
     # three drafts: rows 4 and heads 4 while 2.5 tokens a pass beat the cost of 2.4
-    got = policy_passes(nc.DraftPolicy(3, cost=2.4), 10, lambda i, rows: 2.5 if i <= 5 else 1)
+    got = policy_passes(nc.DraftPolicy(3, costs={3: 2.4}), 10, lambda i, rows: 2.5 if i <= 5 else 1)
     assert got == [(1, 4)] + runs((5, (4, 4)), (4, (1, 1)))
 
 
