@@ -211,6 +211,7 @@ def test_drafts_that_never_match_cost_little_and_change_no_token():
     # the passes queued before the first verdict came back (LOOKAHEAD), then two probes of 2
     # passes (after 16 and 32 plain passes) in the 80 passes
     assert stats["tokens"] == stats["steps"] == 80 and stats["drafted"] == nc.LOOKAHEAD + 2 * 2
+    assert stats["fed"] == stats["drafted"]                        # one draft each (bench's "drafts fed a pass")
 
 
 @pytest.mark.parametrize("K, speculative, drafts, heads", [
