@@ -3104,17 +3104,6 @@ with contextlib.suppress(OSError, AttributeError):    # not glibc: nothing to tu
     ctypes.CDLL("libc.so.6").mallopt(-1, 1 << 30)      # M_TRIM_THRESHOLD
 
 
-def activation_bytes(cfg, rows):
-    """what one thread's forward and backward over `rows` rows hold at their peak, estimated:
-    the forward's caches per token (per layer the block's inputs, q k v, the roped q k, the
-    attention matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's
-    largest temporaries (one layer's attention gradient), and its gradient temporaries of
-    the heads, the embedding and a layer's largest matrix (at most 10% above tracemalloc's peak)"""
-    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
-    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
-    return 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)
-
-
 def system_file(*path):
     """the text of a file the system keeps (/proc, /sys/fs/cgroup), or "" where it cannot be read
     (not Linux, no such cgroup, not UTF-8): the readers below then find no number in it"""
@@ -3177,22 +3166,30 @@ def available_memory(meminfo="/proc/meminfo", folders=cgroups()):
 
 
 def check_memory(cfg, batch, threads, available=available_memory):
-    """refuse, before anything is allocated, a --batch whose step would not fit in memory:
+    """refuse, before anything is allocated, a --batch whose step would not fit in memory -> the bytes it needs:
     the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the copies
     of the weights, m and v that a checkpoint is written from, and the weights' copy that a
     validation samples from and writes best.safetensors from; the batch's ids, and the
     activations of the micro-batches in flight, one per thread (an evaluation runs the same
-    micro-batches)"""
+    micro-batches). A thread's activations, estimated (at most 10% above tracemalloc's peak): the
+    forward's caches per token (per layer the block's inputs, q k v, the roped q k, the attention
+    matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's largest temporaries
+    (one layer's attention gradient), and its gradient temporaries of the heads, the embedding and a
+    layer's largest matrix"""
     have = available()                                 # None: nothing to read it from (not Linux), no check
     threads, processes, parts = workers_for(batch, threads)
     rows = -(-batch // parts)                          # a micro-batch's rows, at most
+    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
+    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
+    activations = 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)      # a thread's
     weights = 4 * (8 + processes + threads) * num_params(cfg)      # (processes: the weights' shared copy)
-    need = weights + threads * activation_bytes(cfg, rows) + batch * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    need = weights + threads * activations + batch * (T + K) * 8 * (K + 2)
     if have is not None and need > have:
         raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
                              f"of weights, moments, decay mask, their copies for saving and {threads} gradient "
                              f"buffers, {threads} x {rows:,} rows of activations), more than the {have / 1e9:,.1f} GB "
                              f"available; lower --batch{' or --threads' if threads > 1 else ''}")
+    return need
 
 
 # -----------------------------------------------------------------------------

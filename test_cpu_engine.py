@@ -149,16 +149,24 @@ def test_the_header_line_says_threads_or_processes_their_rows_and_the_blas_threa
     assert engine_for(64, 2).line.endswith("2 threads, 8-row micro-batches, 4 BLAS threads each")
 
 
+def activation_bytes(cfg, rows):
+    """check_memory's estimate of one thread's activations for `rows` rows: what a step of `rows` rows on one
+    thread needs, less the weights, m, v, the decay mask, the checkpoint's three copies, a validation's copy and
+    the gradient buffer (P float32 each) and the batch's ids"""
+    return (ne.check_memory(cfg, rows, 1, available=lambda: None) - 4 * 9 * ne.num_params(cfg)
+            - rows * (cfg.T + cfg.K) * 8 * (cfg.K + 2))
+
+
 def test_the_engine_holds_a_gradient_buffer_a_worker_and_check_memory_counts_them(monkeypatch):
     monkeypatch.setattr(ne, "CORES", 16)
     cfg, P = ne.PRESETS["small"], ne.num_params(ne.PRESETS["small"])
     # --batch 1024 on 4 threads: 128 micro-batches of 8 rows, 4 gradient buffers (not 128)
-    need = 4 * (8 + 4) * P + 4 * ne.activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    need = 4 * (8 + 4) * P + 4 * activation_bytes(cfg, 8) + 1024 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 1024, 4, available=lambda: need)
     with pytest.raises(ne.NanoEulerError, match="4 gradient buffers, 4 x 8 rows"):
         ne.check_memory(cfg, 1024, 4, available=lambda: need - 1)
     # 32 rows on 16 cores: 16 processes of 2 rows, 16 buffers and the weights' copy they read
-    need = 4 * (8 + 1 + 16) * P + 16 * ne.activation_bytes(cfg, 2) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
+    need = 4 * (8 + 1 + 16) * P + 16 * activation_bytes(cfg, 2) + 32 * (cfg.T + cfg.K) * 8 * (cfg.K + 2)
     ne.check_memory(cfg, 32, 16, available=lambda: need)
     with pytest.raises(ne.NanoEulerError, match="16 gradient buffers, 16 x 2 rows"):
         ne.check_memory(cfg, 32, 16, available=lambda: need - 1)
