@@ -2086,51 +2086,48 @@ def read_tokenizer(text):
     return Tokenizer(merges, d.get("max_piece_bytes", MAX_PIECE_BYTES))
 
 
-def read_cache(path, max_v, chunk=1 << 24):
-    """a file of the data cache, if it holds what was written there; else ValueError (or what the
-    parser raises: MALFORMED) saying what is wrong. tokenizer_*.json: the tokenizer, which may hold
-    fewer than max_v tokens (a small corpus runs out of pairs), never more. tokens_*.npy: the
-    tokens, memory-mapped, if they are what write_tokens writes: a 1-D array of the tokenizer's dtype,
-    exactly as long as its header says, every id below max_v (checked chunk by chunk: no copy
-    in memory)."""
-    if path.endswith(".json"):
-        with open(path) as f:
-            tok = read_tokenizer(f.read())
-        require(tok.vocab_size <= max_v, f"{tok.vocab_size} tokens, more than the {max_v} asked for")
-        return tok
-    fmt = np.lib.format
-    with open(path, "rb") as f:                        # numpy says what is wrong with a header (MALFORMED)
-        require(fmt.read_magic(f) == (1, 0), "not a version 1.0 .npy file")
-        shape, _, dtype = fmt.read_array_header_1_0(f)
-        offset = f.tell()
-    require(dtype == TOKEN_DTYPE and len(shape) == 1, f"it holds {dtype} of shape {shape}, not {TOKEN_DTYPE} ids")
-    size = os.path.getsize(path)
-    require(size == offset + shape[0] * dtype.itemsize, f"its header says {shape[0]:,} ids "
-            f"({shape[0] * dtype.itemsize:,} bytes), its data is {size - offset:,} bytes")
-    tokens = np.load(path, mmap_mode="r")
-    for i in range(0, len(tokens), chunk):
-        require((top := int(tokens[i:i + chunk].max())) < max_v,
-                f"it holds the id {top}, beyond the tokenizer's {max_v} ids")
-    return tokens
-
-
-def cached(path, make, max_v):
-    """the data cache's one reader: the tokenizer (tokenizer_*.json) or the tokens (tokens_*.npy)
-    cached at path, read by read_cache; made where there is none or it does not read (MALFORMED: one line
-    says why) by make(path), which writes it or returns its bytes (atomic_write writes them), then read back.
-    The temp files that killed writers left in the folder are removed first."""
+def cached(path, make, max_v, chunk=1 << 24):
+    """the data cache's one reader: the file cached at path, if it holds what was written there. tokenizer_*.json:
+    the tokenizer, which may hold fewer than max_v tokens (a small corpus runs out of pairs), never more.
+    tokens_*.npy: the tokens, memory-mapped, if they are what write_tokens writes: a 1-D array of the tokenizer's
+    dtype, exactly as long as its header says, every id below max_v (checked chunk by chunk: no copy in memory).
+    Made where there is none or it does not read (what is wrong, a require's ValueError or what a parser raises:
+    MALFORMED, said in one line) by make(path), which writes it or returns its bytes (atomic_write writes them),
+    then read back: what does not read then is refused. The temp files that killed writers left in the folder
+    are removed first."""
     remove_stale_tmp(os.path.dirname(path))
     what, making = (("the tokenizer", "training the tokenizer") if path.endswith(".json") else
                     ("the corpus's tokens", "tokenizing"))
-    if os.path.exists(need_file(path, "a file", f"move it away ({what} is cached there)", absent=True)):
+    made = not os.path.exists(need_file(path, "a file", f"move it away ({what} is cached there)", absent=True))
+    while True:
+        if made and (data := make(path)) is not None:  # the tokenizer's JSON
+            atomic_write(path, data)
         try:
-            return read_cache(path, max_v)
-        except MALFORMED as e:
+            with (refused_if_malformed(path, "cannot be read back", "delete it and run again") if made else
+                  contextlib.nullcontext()):
+                if path.endswith(".json"):
+                    with open(path) as f:
+                        tok = read_tokenizer(f.read())
+                    require(tok.vocab_size <= max_v, f"{tok.vocab_size} tokens, more than the {max_v} asked for")
+                    return tok
+                fmt = np.lib.format
+                with open(path, "rb") as f:            # numpy says what is wrong with a header (MALFORMED)
+                    require(fmt.read_magic(f) == (1, 0), "not a version 1.0 .npy file")
+                    shape, _, dtype = fmt.read_array_header_1_0(f)
+                    offset = f.tell()
+                require(dtype == TOKEN_DTYPE and len(shape) == 1,
+                        f"it holds {dtype} of shape {shape}, not {TOKEN_DTYPE} ids")
+                size = os.path.getsize(path)
+                require(size == offset + shape[0] * dtype.itemsize, f"its header says {shape[0]:,} ids "
+                        f"({shape[0] * dtype.itemsize:,} bytes), its data is {size - offset:,} bytes")
+                tokens = np.load(path, mmap_mode="r")
+                for i in range(0, len(tokens), chunk):
+                    require((top := int(tokens[i:i + chunk].max())) < max_v,
+                            f"it holds the id {top}, beyond the tokenizer's {max_v} ids")
+                return tokens
+        except MALFORMED as e:                         # (made: refused_if_malformed said it, as NanoEulerError)
             print(f"{path} is damaged ({e}); {making} again", file=sys.stderr)
-    if (made := make(path)) is not None:               # the tokenizer's JSON
-        atomic_write(path, made)
-    with refused_if_malformed(path, "cannot be read back", "delete it and run again"):
-        return read_cache(path, max_v)
+            made = True
 
 
 def read_safetensors(path, check=None, header_only=False):

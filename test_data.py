@@ -423,12 +423,15 @@ def test_a_run_folder_takes_away_the_temp_files_of_dead_writers_only(tmp_path, m
         ne.prepare_data("unused.txt", 300, "out/cache")
 
 
-def test_every_chunk_of_the_token_file_is_checked_to_its_last_id(tmp_path):
+def test_every_chunk_of_the_token_file_is_checked_to_its_last_id(tmp_path, capsys):
     path = str(tmp_path / "t.npy")
     np.save(path, np.array([1, 2, 3, 300], np.uint16))
-    with pytest.raises(ValueError, match="^it holds the id 300, beyond the tokenizer's 300 ids$"):
-        ne.read_cache(path, 300, chunk=2)
-    assert ne.read_cache(path, 301, chunk=2).tolist() == [1, 2, 3, 300]
+    assert ne.cached(path, None, 301, chunk=2).tolist() == [1, 2, 3, 300]
+    # (read_cache, merged into cached: its ValueError is the line that says the file is made again)
+    remade = ne.cached(path, lambda p: np.save(p, np.array([1, 2], np.uint16)), 300, chunk=2)
+    assert remade.tolist() == [1, 2]
+    assert capsys.readouterr().err == f"{path} is damaged (it holds the id 300, beyond the tokenizer's 300 ids); " \
+                                      "tokenizing again\n"
 
 
 def test_the_cached_tokenizer_is_one_per_vocabulary_size(tmp_path):
@@ -634,7 +637,8 @@ def test_a_cached_token_file_with_an_id_at_the_vocabulary_size_is_refused(tmp_pa
     for top, ok in ((511, True), (512, False)):
         np.save(path, np.array([0, 5, top, 7], dtype=ne.TOKEN_DTYPE))
         if ok:
-            assert ne.read_cache(path, 512, chunk=2).tolist() == [0, 5, top, 7]
-        else:
-            with pytest.raises(ValueError, match="^it holds the id 512, beyond the tokenizer's 512 ids$"):
-                ne.read_cache(path, 512, chunk=2)
+            assert ne.cached(path, None, 512, chunk=2).tolist() == [0, 5, top, 7]
+        else:                                            # made again, and read back: still the id 512, refused
+            with pytest.raises(ne.NanoEulerError, match="cannot be read back \\(it holds the id 512, beyond the "
+                                                         "tokenizer's 512 ids\\); delete it and run again$"):
+                ne.cached(path, lambda p: None, 512, chunk=2)
