@@ -1693,7 +1693,7 @@ def cmd_bench(args):
     model = load_model(args.model) if args.model else None      # a bad file is refused before 30 s of timing
     print(f"numpy {np.__version__}, {CORES} cores, --threads {args.threads}\n")
     cfg = PRESETS["small"]
-    check_memory(cfg, 32, args.threads)
+    check_config(cfg, batch=32, threads=args.threads)
     print(f"training step of the small model (forward + backward + AdamW, float32, T={cfg.T})")
     for B in (8, 32):
         dt, (n, processes, _) = bench_train(cfg, B, args.threads), workers_for(B, args.threads)
@@ -2020,10 +2020,18 @@ def read_text(path):
         return decode_text(f.read(), path, 0)
 
 
-def check_config(cfg, source="the config", batch=None, threads=None, advice=""):
+def check_config(cfg, source="the config", batch=None, threads=None, advice="", available=None):
     """-> cfg, once it is a config that the code can run and that would not ask for absurd memory, with a batch
-    (train, sft) one whose step fits (check_memory): refused before anything is allocated. source names it;
-    advice, if any, ends the refusal"""
+    (train, sft, bench) one whose step on `threads` fits: refused before anything is allocated. source names it;
+    advice, if any, ends the refusal. A step holds the weights, m, v, the decay mask and a gradient buffer per
+    thread (CPUEngine), the copies of the weights, m and v that a checkpoint is written from, and the weights'
+    copy that a validation samples from and writes best.safetensors from; the batch's ids, and the activations
+    of the micro-batches in flight, one per thread (an evaluation runs the same micro-batches). A thread's
+    activations, estimated (at most 10% above tracemalloc's peak): the forward's caches per token (per layer the
+    block's inputs, q k v, the roped q k, the attention matrix, SwiGLU's five F-wide arrays; the K heads'
+    softmaxes), the backward's largest temporaries (one layer's attention gradient), and its gradient
+    temporaries of the heads, the embedding and a layer's largest matrix. available: the bytes free (default:
+    available_memory's; None: nothing to read it from, not Linux: no check)"""
     try:
         for name in SIZE_FIELDS:
             value = getattr(cfg, name)                  # bool is an int subclass: refused too
@@ -2043,8 +2051,21 @@ def check_config(cfg, source="the config", batch=None, threads=None, advice=""):
         require(n <= MAX_PARAMS, f"its sizes make {n:,} parameters, above {MAX_PARAMS:,}, the most this program allows")
     except ValueError as e:
         raise NanoEulerError(f"{source} is unusable: {e}" + (f"; {advice}" if advice else "")) from None
-    if batch:
-        check_memory(cfg, batch, threads)
+    if not batch:
+        return cfg
+    have = (available or available_memory)()
+    threads, processes, parts = workers_for(batch, threads)
+    rows = -(-batch // parts)                          # a micro-batch's rows, at most
+    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
+    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
+    activations = 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)      # a thread's
+    weights = 4 * (8 + processes + threads) * n        # (processes: the weights' shared copy)
+    need = weights + threads * activations + batch * (T + K) * 8 * (K + 2)
+    if have is not None and need > have:
+        raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
+                             f"of weights, moments, decay mask, their copies for saving and {threads} gradient "
+                             f"buffers, {threads} x {rows:,} rows of activations), more than the {have / 1e9:,.1f} GB "
+                             f"available; lower --batch{' or --threads' if threads > 1 else ''}")
     return cfg
 
 
@@ -3160,33 +3181,6 @@ def available_memory(meminfo="/proc/meminfo", folders=cgroups()):
         with contextlib.suppress(ValueError):
             have.append(max(0, int(system_file(folder, limit_file)) - int(system_file(folder, usage_file)) + cache))
     return min(have) if have else None
-
-
-def check_memory(cfg, batch, threads, available=available_memory):
-    """refuse, before anything is allocated, a --batch whose step would not fit in memory -> the bytes it needs:
-    the weights, m, v, the decay mask and a gradient buffer per thread (CPUEngine), the copies
-    of the weights, m and v that a checkpoint is written from, and the weights' copy that a
-    validation samples from and writes best.safetensors from; the batch's ids, and the
-    activations of the micro-batches in flight, one per thread (an evaluation runs the same
-    micro-batches). A thread's activations, estimated (at most 10% above tracemalloc's peak): the
-    forward's caches per token (per layer the block's inputs, q k v, the roped q k, the attention
-    matrix, SwiGLU's five F-wide arrays; the K heads' softmaxes), the backward's largest temporaries
-    (one layer's attention gradient), and its gradient temporaries of the heads, the embedding and a
-    layer's largest matrix"""
-    have = available()                                 # None: nothing to read it from (not Linux), no check
-    threads, processes, parts = workers_for(batch, threads)
-    rows = -(-batch // parts)                          # a micro-batch's rows, at most
-    C, D, Hq, Hkv, T, F, V, K, L = cfg.C, cfg.D, cfg.Hq, cfg.Hkv, cfg.T, cfg.F, cfg.V, cfg.K, cfg.L
-    per_token = L * (5 * C + (4 * Hq + 3 * Hkv) * D + Hq * T + 5 * F) + 2 * Hq * T + (K + 1) * V + 4 * F + 8 * C
-    activations = 4 * (rows * T * per_token + (K + 1) * V * C + 2 * F * C)      # a thread's
-    weights = 4 * (8 + processes + threads) * num_params(cfg)      # (processes: the weights' shared copy)
-    need = weights + threads * activations + batch * (T + K) * 8 * (K + 2)
-    if have is not None and need > have:
-        raise NanoEulerError(f"--batch {batch} needs about {need / 1e9:,.1f} GB of memory ({weights / 1e9:,.1f} GB "
-                             f"of weights, moments, decay mask, their copies for saving and {threads} gradient "
-                             f"buffers, {threads} x {rows:,} rows of activations), more than the {have / 1e9:,.1f} GB "
-                             f"available; lower --batch{' or --threads' if threads > 1 else ''}")
-    return need
 
 
 # -----------------------------------------------------------------------------

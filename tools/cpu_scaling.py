@@ -61,7 +61,7 @@ def nanoeuler_ms(B, threads, steps, timeout, min_rows=None, blas=None, variant="
     code = ("import nanoeuler as ne\n"
             + (f"ne.MIN_ROWS = {min_rows}\n" if min_rows else "")
             + "".join(f"ne.{name} = {value}\n" for name, value in settings.items())
-            + f"ne.check_memory(ne.PRESETS['small'], {B}, {threads})\n"
+            + f"ne.check_config(ne.PRESETS['small'], batch={B}, threads={threads})\n"
             + f"args = ne.build_parser().parse_args(['train', '--batch', '{B}', '--threads', '{threads}'])\n"
             + "flat = ne.init_params(ne.PRESETS['small'])\n"
             + "engine = ne.CPUEngine(ne.PRESETS['small'], flat, flat * 0, flat * 0, args)\n"
