@@ -3390,11 +3390,13 @@ def run_command(command, args):
 
 # Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError into "argument --batch: 0 is
 # not ...", one line with the usage, exit code 2. The story names them (type="positive_int": FLAG_TYPES, registered).
-def number_type(convert, ok, what):
-    """a flag type: convert the text, keep it if ok(value), else say it is not `what`"""
+TINY, HUGE = math.ulp(0.0), sys.float_info.max       # the least float above 0, the largest finite one
+def number_type(convert, low, high, what, off=None):
+    """a flag type: convert the text, keep a number from low to high (or the off value), else say it is not
+    `what`. For floats "above 0" is from TINY and "finite" up to HUGE; nan is in no range"""
     def parse(text):
         with contextlib.suppress(ValueError):           # (not a number at all)
-            if ok(value := convert(text)):
+            if low <= (value := convert(text)) <= high or value == off:
                 return value
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return parse
@@ -3410,24 +3412,22 @@ def argv_text(text):
     return raw.decode("utf-8", "replace")
 
 
-positive_int = number_type(int, lambda n: n >= 1, "a positive integer")
-nonnegative_int = number_type(int, lambda n: n >= 0, "an integer >= 0")
-positive_float = number_type(float, lambda x: 0 < x < math.inf, "a positive number")
-nonnegative_float = number_type(float, lambda x: 0 <= x < math.inf, "a number >= 0")    # refuses nan too
-probability = number_type(float, lambda p: 0 < p <= 1, "a probability in (0, 1]")
-positive_int_or_off = number_type(int, lambda n: n >= 1 or n == -1, "a positive integer, or -1 for off")
+positive_int = number_type(int, 1, math.inf, "a positive integer")
+nonnegative_int = number_type(int, 0, math.inf, "an integer >= 0")
+positive_float = number_type(float, TINY, HUGE, "a positive number")
+nonnegative_float = number_type(float, 0, HUGE, "a number >= 0")    # refuses nan and inf too
+probability = number_type(float, TINY, 1, "a probability in (0, 1]")
+positive_int_or_off = number_type(int, 1, math.inf, "a positive integer, or -1 for off", off=-1)
 MAX_MINUTES = 14_400    # 10 days: a longer --minutes is a typo, and 1e307 minutes overflowed the plan
-minutes_type = number_type(float, lambda x: 0 <= x <= MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} "
-                           "(10 days)")
+minutes_type = number_type(float, 0, MAX_MINUTES, f"a number of minutes from 0 to {MAX_MINUTES:,} (10 days)")
 # --steps, --max-new-tokens: more than a billion is a typo, and 10^30 steps showed an eta of 10^25 hours
 MAX_PLANNED_STEPS = 10 ** 9
-count_type = number_type(int, lambda n: 1 <= n <= MAX_PLANNED_STEPS, f"a positive integer up to {MAX_PLANNED_STEPS:,}")
-positive_float_or_off = number_type(float, lambda x: 0 < x < math.inf or x == -1, "a positive number, or -1 for off")
-vocab_size = number_type(int, lambda n: FIRST_MERGE_ID <= n <= MAX_V,
+count_type = number_type(int, 1, MAX_PLANNED_STEPS, f"a positive integer up to {MAX_PLANNED_STEPS:,}")
+positive_float_or_off = number_type(float, TINY, HUGE, "a positive number, or -1 for off", off=-1)
+vocab_size = number_type(int, FIRST_MERGE_ID, MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
-port_type = number_type(int, lambda n: 0 <= n <= 65535, "a TCP port from 0 to 65535")
-workers_count = number_type(int, lambda n: 1 <= n <= 4 * CORES,   # more processes would only share the cores
-                            "a number of processes from 1 to 4 per core")
+port_type = number_type(int, 0, 65535, "a TCP port from 0 to 65535")
+workers_count = number_type(int, 1, 4 * CORES, "a number of processes from 1 to 4 per core")   # more: shared cores
 FLAG_TYPES = ("positive_int positive_int_or_off nonnegative_int nonnegative_float positive_float positive_float_or_off "
               "probability minutes_type count_type vocab_size port_type workers_count argv_text").split()
 

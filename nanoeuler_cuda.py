@@ -1730,8 +1730,8 @@ def cmd_serve(args):
 # -----------------------------------------------------------------------------
 # command line
 
-vocab_size_or_preset = ne.number_type(int, lambda n: n == 0 or ne.FIRST_MERGE_ID <= n <= ne.MAX_V,
-                                      f"0 (the preset's) or a vocabulary size from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}")
+vocab_size_or_preset = ne.number_type(int, ne.FIRST_MERGE_ID, ne.MAX_V, f"0 (the preset's) or a vocabulary size "
+                                      f"from {ne.FIRST_MERGE_ID} to {ne.MAX_V:,}", off=0)
 
 
 def add_precision_flag(sp):
@@ -3586,7 +3586,7 @@ def add_nodes_flags(sp):
     g.add_argument("--master-addr", default=None,
                    help="rank 0's host, where the others ask for NCCL's id (default: MASTER_ADDR, under srun "
                         "the first host of the job)")
-    g.add_argument("--master-port", type=ne.number_type(int, lambda n: 0 < n < 65536, "a port, 1 to 65535"),
+    g.add_argument("--master-port", type=ne.number_type(int, 1, 65535, "a port, 1 to 65535"),
                    default=None, help=f"the port rank 0 listens on (default: MASTER_PORT, under torchrun "
                                       f"MASTER_PORT + 1, else {DEFAULT_PORT})")
     g.add_argument("--rendezvous", default="tcp",

@@ -153,11 +153,10 @@ INPUT_MUTATIONS = [
     ("sft: a number passes as a response", "require(isinstance(value, str),", "require(True,"),
     ("sample: argv bytes passed on raw", '"--prompt", type="argv_text",', '"--prompt",'),
     ("data: dangling links kept", "for f in [f for f in files if not os.path.isfile(f)]:", "for f in []:"),
-    ("flags: positive_int takes 0", "positive_int = number_type(int, lambda n: n >= 1,",
-     "positive_int = number_type(int, lambda n: n >= 0,"),
-    ("flags: nan passes as a number >= 0", "lambda x: 0 <= x < math.inf, \"a number >= 0\")",
-     "lambda x: not x < 0, \"a number >= 0\")"),
-    ("flags: top-p above 1", "lambda p: 0 < p <= 1,", "lambda p: 0 < p,"),
+    ("flags: positive_int takes 0", "positive_int = number_type(int, 1,", "positive_int = number_type(int, 0,"),
+    ("flags: nan passes as a number >= 0", "if low <= (value := convert(text)) <= high or value == off:",
+     "if not (value := convert(text)) < low and not value > high or value == off:"),
+    ("flags: top-p above 1", "probability = number_type(float, TINY, 1,", "probability = number_type(float, TINY, HUGE,"),
 ]
 
 # bugs in the kernels, which test_cuda_pipeline.py runs on tools/emulate_cuda.py's CPU emulator:
