@@ -1922,8 +1922,8 @@ def add_serve_flags(sp):
 # - signals: Ctrl-C, SIGTERM and SIGHUP stop a run after its step, saved; a
 #   second one stops at once; the exit code is 128 + the signal's number
 # - memory: a --batch that would not fit (cgroup limits counted) is refused
-#   before anything is allocated; freed memory is kept (the allocator
-#   setting, run once at import)
+#   before anything is allocated (check_config's estimate); freed memory is
+#   kept (the allocator setting, run once at import)
 # - input checks: a bad file or flag is one sentence naming it and what to
 #   do, exit code 2, never a traceback
 # - lost output streams: a closed pipe or a hung-up terminal ends the run
@@ -3110,7 +3110,7 @@ class Workers:
 
 
 # -----------------------------------------------------------------------------
-# operations: memory
+# operations: memory (what check_config's estimate of a step is held against), and the cores
 
 # Freed memory is kept: numpy makes a fresh array for every result. Above 128 KB glibc maps new pages from the
 # OS for each one and unmaps them on free, and those page faults cost a quarter of a training step (measured, B=8:
