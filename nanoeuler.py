@@ -3,19 +3,19 @@ NanoEuler: a GPT-2-scale language model in numpy, with every backward pass
 written by hand and proven by a float64 gradient check.
 
     python nanoeuler.py check     # every gradient against float64 central differences (big tensors sampled)
-    python nanoeuler.py train     # train the small model on the embedded corpus (5-8 min on 2 cores)
+    python nanoeuler.py train     # train the small model on the embedded corpus (4-9 min on 2 cores)
     python nanoeuler.py sample --model out/small/best.safetensors --prompt "ROMEO:"
 
 and sft (fine-tune on instructions, loss on the responses only), chat (talk to the fine-tuned model),
 prepare (tokenize a corpus ahead of train), bench (time training steps, the tokenizer and generation).
 
 The model (docs/SPEC.md is the contract; checkpoints are safetensors):
-- byte-level BPE tokenizer with GPT-2 style pre-tokenization and chat specials
-- token embedding, no learned positions; RoPE (rotate-half) on q and k
+- byte-level BPE (byte-pair encoding) tokenizer with GPT-2 style pre-tokenization and chat specials
+- token embedding, no learned positions; RoPE (rotary position embedding, rotate-half form) on q and k
 - pre-norm blocks: RMSNorm -> grouped-query causal attention (Hq query heads
   share Hkv key/value heads) -> RMSNorm -> SwiGLU MLP, both on a residual stream
 - no biases anywhere; K untied output heads, head k predicts token t+1+k
-  (multi-token prediction), loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1)
+  (multi-token prediction), loss = CE_0 + mtp_weight * mean(CE_1..CE_K-1), CE_k: head k's cross-entropy
 - AdamW, warmup + cosine schedule, grad-norm clipping; generation with a KV cache through the training
   forward, and self-speculative decoding with the MTP heads as drafts
 
@@ -45,7 +45,6 @@ import math
 import os
 import re
 import sys
-import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -59,6 +58,7 @@ import pickle
 import select
 import signal
 import stat
+import threading
 import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -95,9 +95,9 @@ class Config:
     Hkv: int = 2              # key/value heads, shared by Hq/Hkv query heads each (small 2, big 4)
     L: int = 4                # transformer blocks (small 4, big 16)
     T: int = 128              # context length (small 128, big 512)
-    F: int = 344              # SwiGLU hidden width = 8C/3 rounded up to a multiple of 8
+    F: int = 344              # SwiGLU hidden width = 8C/3 rounded up to a multiple of 8 (small 344, big 2048)
     K: int = 4                # output heads; head k predicts token t+1+k (small 4, big 4)
-    mtp_weight: float = 0.5   # weight of the mean extra-head loss
+    mtp_weight: float = 0.5   # weight of the extra heads' mean loss, CE_1..CE_K-1 (small and big 0.5, SPEC's)
 
     @property
     def D(self):
@@ -203,7 +203,7 @@ def rope_backward(dout, cache):
 
 @functools.lru_cache(maxsize=2048)                      # decoding meets every (Tq, Tk) up to T
 def causal_mask(Tq, Tk, G, dtype):
-    """additive mask (G*Tq, Tk): 0 where query i (at position Tk-Tq+i) may see key j, else -inf"""
+    """additive mask (G*Tq, Tk), G = Hq/Hkv copies: 0 where query i (at position Tk-Tq+i) may see key j, else -inf"""
     i = np.arange(Tq)[:, None] + (Tk - Tq)
     mask = np.where(np.arange(Tk)[None, :] <= i, 0.0, -np.inf).astype(dtype)
     return np.tile(mask, (G, 1))
