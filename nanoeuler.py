@@ -1071,12 +1071,12 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
 # -----------------------------------------------------------------------------
 # the training loop
 
-# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md): 32 rows of 128 tokens keep
-# both cores busy; lr 3e-3 beat 6e-3 after the first minute; a short warmup (30 steps) gets going sooner. 1000 steps
-# (about 5.5 minutes) reach 2.14 bits per byte; past that the small model overfits tinyshakespeare (its 520k
-# training tokens are seen 8 times by step 1000). 4000 steps of 8 rows at lr 2e-3 end the same (2.146) in more time;
-# but when time is short, more and smaller steps win: in 2 minutes (--minutes 2) 8 rows at lr 2e-3 reach 2.25, 32
-# rows at 3e-3 only 2.31.
+# Defaults of `train`, chosen by measurement on these 2-core machines (BENCHMARKS.md, dev/LOG.md): 32 rows of 128
+# tokens keep both cores busy; lr 3e-3 beat 6e-3 after the first minute; a short warmup (30 steps) gets going sooner.
+# 1000 steps (4-5 minutes on idle cores) reach 2.133 bits per byte; past that the small model overfits tinyshakespeare
+# (its 520k training tokens are seen 8 times by step 1000). 4000 steps of 8 rows at lr 2e-3 ended no better (2.146,
+# the defaults then 2.142) in more time; but when time is short, more and smaller steps win: in 2 minutes (--minutes 2)
+# 8 rows at lr 2e-3 reach 2.25, 32 rows at 3e-3 only 2.31.
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
 DEFAULT_STEPS = 1000
@@ -1205,13 +1205,13 @@ def grads_of_parts(flat, cfg, counts, parts, grad):
     for idx, targets in parts:
         part_loss, part_ce, cache = model_forward(carve(flat, cfg), cfg, idx, targets, counts)
         model_backward(carve(grad, cfg), cache)
-        del cache                                                  # before the next part's forward
+        del cache                                                  # its activations freed before the next forward
         loss, ce = loss + part_loss, ce + part_ce
     return loss, ce
 
 
 def add_into(total, *bufs):
-    """total += each of bufs in place (a slice of grad_bufs[0] += grad_bufs[1] + ..); None: a process sends nothing"""
+    """total += each of bufs, in place (slices of grad_bufs[0] += grad_bufs[1] + ..); returns None: nothing sent back"""
     for buf in bufs:
         total += buf
 
@@ -1263,7 +1263,7 @@ class CPUEngine:
         self.decay = decay_mask(cfg)
         # pool (operations): .map may be processes (the step's parts); .threads is always threads (AdamW, evaluation)
         self.pool = Workers(flat, args.batch, args.threads)
-        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # for processes a shared copy: the model now
+        self.flat, self.grad_bufs = self.pool.flat, self.pool.grad_bufs    # processes: shared memory, flat a copy
         self.n_threads, self.parts = len(self.grad_bufs), self.pool.parts  # a gradient buffer a worker; micro-batches
         self.line = self.pool.line                         # the engine's line in the settings table
 
