@@ -348,10 +348,6 @@ def mtp_heads_backward(dloss, cache):
 # -----------------------------------------------------------------------------
 # the model
 
-# a block's tensors (layer_params); w_gate_up is not in SPEC: w_gate and w_up as one (2F,C) view, one matmul (carve)
-LAYER_TENSORS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "w_gate_up")
-
-
 def param_shapes(cfg):
     """(name, shape) of every tensor, in SPEC order: the checkpoint's layout too"""
     C, D, F, V = cfg.C, cfg.D, cfg.F, cfg.V
@@ -459,6 +455,10 @@ def block_backward(dx, cache, g):
     dxa, dattn_norm = rmsnorm_backward(dh, c_attn_norm)
     g["attn_norm"] += dattn_norm
     return dx + dxa                                   # residual: both paths
+
+
+# a block's tensors (layer_params); w_gate_up is not in SPEC: w_gate and w_up as one (2F,C) view, one matmul (carve)
+LAYER_TENSORS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "w_gate_up")
 
 
 def layer_params(params, l):
