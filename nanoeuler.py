@@ -25,8 +25,8 @@ every core, supervised fine-tuning, chat and sample, command line; then the benc
 (its printed lines, log.csv and the loss plot, log.svg) and serve's entry. Last comes the operations part:
 what keeps a long run from losing work or failing without a word (checked inputs, checkpoint files written
 atomically and resumed from, the run folder's lock, signals, memory, lost output streams); a first reading
-may skip it. A name the story uses above its definition is defined a little below, in the run's log after
-the story, or in operations; `python tools/layout.py --verbose` lists each with its line.
+may skip it. A name the story uses above its definition is defined a little below, after the story (bench, the
+run's log, serve's entry) or in operations; `python tools/layout.py --verbose` lists each with its line.
 
 What it deliberately leaves out: dropout, mixed precision (float32 throughout, float64 in the check), a
 gradient-accumulation flag (micro-batches only spread one batch over threads), training on more than one
@@ -152,7 +152,7 @@ def linear_backward(dout, cache):
 
 def rmsnorm_forward(x, w, eps=1e-5):
     """x (..., C), w (C,) -> out (..., C) = x / sqrt(mean(x^2) + eps) * w"""
-    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)       # (...,1)
+    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + eps)       # (...,1), 1 / a row's root mean square
     return x * rstd * w, (x, w, rstd)
 
 
@@ -413,7 +413,7 @@ def block_forward(x, p, cfg, pos=0, kv=None):
     are written at pos.. and attention reads the whole prefix (generation)."""
     B, T, C = x.shape
     Hq, Hkv, D = cfg.Hq, cfg.Hkv, cfg.D
-    h, c_attn_norm = rmsnorm_forward(x, p["attn_norm"])                # (B,T,C)
+    h, c_attn_norm = rmsnorm_forward(x, p["attn_norm"])                # (B,T,C); c_*: caches for block_backward
     qkv, c_wqkv = linear_forward(h, p["wqkv"])                         # (B,T,(Hq+2Hkv)*D)
     # q and k heads rotate together: one rope call for both
     qk, c_rope = rope_forward(qkv[..., :(Hq + Hkv) * D].reshape(B, T, Hq + Hkv, D), pos)
@@ -967,7 +967,7 @@ class Tokenizer:
             piece_ids = cache.get(piece)
             if piece_ids is None:
                 piece_ids = self.encode_piece(piece)
-                if len(piece) <= self.max_piece_bytes:             # characters: a cheap bound
+                if len(piece) <= self.max_piece_bytes:             # in characters: no encoding to count bytes
                     cache[piece] = piece_ids
             ids += piece_ids
         return ids
@@ -998,8 +998,8 @@ class Tokenizer:
 # folder of .txt files: corpus_files) becomes that file: a tokenizer trained on a sample of at most 16 MB
 # (tokenizer_sample) encodes it, an <|endoftext|> token after each document (get_data.sh's web shards end each with an
 # <|endoftext|> line; a book is one document), in small memory on every core (write_tokens, operations: tokenizing a
-# corpus at scale). prepare_data caches both files (cached, in operations: a file is read if it is there and whole,
-# else made by make(path), which writes it or returns its bytes; max_v: every id it holds is below it).
+# corpus at scale). prepare_data caches both files (cached, in operations: a file there is read if it is whole and
+# its ids are below max_v; else make(path) writes it, or returns the bytes that cached writes).
 
 DATA_DIR = os.path.join(HERE, "data")
 DEFAULT_CORPUS = os.path.join(DATA_DIR, "tinyshakespeare.txt")
