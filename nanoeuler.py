@@ -784,7 +784,7 @@ def decode_params(params):
     """speed only, a first reading may skip it: params as generate reads them, the matrices that block_forward
     and head 0 multiply stored column-major (same values, so the same logits). x @ w.T is then a product with a
     row-major (IN, OUT) matrix, which OpenBLAS does 5-9x faster for the 2 to 8 rows of a speculative pass (its
-    small-matrix path): speculative decoding runs 1.5x faster for it (BENCHMARKS.md)."""
+    small-matrix path): speculative decoding runs 1.5x faster for it (dev/LOG.md, 2026-12-01)."""
     multiplied = ("wqkv", "wo", "w_gate_up", "w_down", "heads.0")
     return {name: np.asfortranarray(t) if name.endswith(multiplied) else t for name, t in params.items()}
 
@@ -1605,8 +1605,8 @@ def add_generation_flags(sp, drafts=1):
     sp.add_argument("--seed", type="nonnegative_int", default=None,
                     help="seed of the sampler (default: a fresh one each run)")
     sp.add_argument("--speculative", action="store_true", help="draft with the MTP heads, verify with head 0")
-    # head 1 alone was the fastest on both trained small models (BENCHMARKS.md): heads
-    # 2 and 3 are seldom right, and their tokens make every verifying pass dearer
+    # head 1 alone was the fastest on each of the four trained small models measured (BENCHMARKS.md, dev/LOG.md):
+    # heads 2 and 3 are seldom right, and their tokens make every verifying pass dearer
     sp.add_argument("--drafts", type="nonnegative_int", default=drafts, help="with --speculative: draft with heads "
                     "1..N (at most K-1)")
 
