@@ -6,8 +6,8 @@ written by hand and proven by a float64 gradient check.
     python nanoeuler.py train     # train the small model on the embedded corpus (4-9 min on 2 cores)
     python nanoeuler.py sample --model out/small/best.safetensors --prompt "ROMEO:"
 
-and sft (fine-tune on instructions, loss on the responses only), chat (talk to the fine-tuned model),
-prepare (tokenize a corpus ahead of train), bench (time training steps, the tokenizer and generation).
+and sft (fine-tune on instructions, loss on the responses only), chat (talk to the fine-tuned model), serve (chat
+in a browser), prepare (tokenize a corpus before train), bench (time steps, tokenizer, generation), plot (log.svg).
 
 The model (docs/SPEC.md is the contract; checkpoints are safetensors):
 - byte-level BPE (byte-pair encoding) tokenizer with GPT-2 style pre-tokenization and chat specials
