@@ -1158,7 +1158,7 @@ def train_loop(args, cfg, tok, engine, next_batch, val_batches, run, state, samp
                 log_csv(csv, step, ce, lr, norm, dt, tokens_per_step, mfu, *val)
                 total = run.after_step(step, total, args, engine, state, rng, times)   # checkpoints; --minutes's plan
         run.end(step, stop, engine, state, rng)   # the last step saved, the engine closed; a stop raised (run_command)
-    print_summary(step - start, elapsed(), times, state, out_dir, run.last_path)
+    print_summary(step - start, elapsed(), times, state, out_dir, run.last_path)   # the run's log, after bench
     plot_log(csv_path)
     return step
 
@@ -1182,7 +1182,7 @@ def run_validation(engine, val_batches, cfg, tok, run, state, step, total, sampl
     if val_loss < state.get("best_val", math.inf):
         state.update(best_val=val_loss, best_bpb=val_bpb, best_step=step)
         run.save_best(flat)
-    print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))
+    print("sample:", repr(sample_text_for_log(flat, cfg, tok, sample_prompt, seed=step)))   # (the run's log)
     return val_loss, val_bpb
 
 
