@@ -1387,18 +1387,9 @@ def cmd_sft(args, make_engine=None, engine_line=None):
 
 def load_for_decoding(args, make_params=None):
     """sample's and chat's --model -> cfg, params, tok; params carved from the weights, or made by
-    make_params(cfg, flat) (nanoeuler_cuda.py's decoder). --speculative --drafts N: a model has
-    K-1 draft heads; say so when N asks for more, or none"""
-    cfg, flat, tok = load_model(args.model)
-    if args.speculative and (args.drafts == 0 or cfg.K == 1):
-        why = "with --drafts 0" if args.drafts == 0 else f"on a model with one head ({args.model})"
-        print(f"note: --speculative {why} has nothing to draft with; decoding plainly", file=sys.stderr)
-        args.speculative, args.drafts = False, 0
-    elif args.speculative and args.drafts > cfg.K - 1:
-        heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
-        print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
-              f"{cfg.K - 1}", file=sys.stderr)
-        args.drafts = cfg.K - 1
+    make_params(cfg, flat) (nanoeuler_cuda.py's decoder). A model has K-1 draft heads: given args,
+    load_model (operations) fits --speculative --drafts N to them, with a note when N asks for more, or none"""
+    cfg, flat, tok = load_model(args.model, args)
     return cfg, carve(flat, cfg) if make_params is None else make_params(cfg, flat), tok
 
 
@@ -2320,9 +2311,10 @@ def save_model(path, cfg, flat, tok):
     write_safetensors(path, [(name, params[name]) for name, _ in param_shapes(cfg)], meta)
 
 
-def load_model(path):
+def load_model(path, args=None):
     """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence,
-    all but non-finite weights before the weights are read"""
+    all but non-finite weights before the weights are read. args: sample's and chat's flags, whose
+    --speculative --drafts are fitted to the model's heads (fit_drafts)"""
     tensors, (cfg, tok) = read_safetensors(path, model_header)
     names = [name for name, _ in param_shapes(cfg)]
     bad = [name for name in names if not np.isfinite(tensors[name]).all()]
@@ -2331,7 +2323,23 @@ def load_model(path):
                              f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
                              "use an earlier checkpoint")
     flat = np.concatenate([tensors[name].reshape(-1) for name in names]).astype(np.float32)
+    if args is not None:
+        fit_drafts(args, cfg)
     return cfg, flat, tok
+
+
+def fit_drafts(args, cfg):
+    """--speculative --drafts N on a model with K-1 draft heads: say so when N asks for more
+    (drafting with K-1), or none (decoding plainly), and set args to what decoding will do"""
+    if args.speculative and (args.drafts == 0 or cfg.K == 1):
+        why = "with --drafts 0" if args.drafts == 0 else f"on a model with one head ({args.model})"
+        print(f"note: --speculative {why} has nothing to draft with; decoding plainly", file=sys.stderr)
+        args.speculative, args.drafts = False, 0
+    elif args.speculative and args.drafts > cfg.K - 1:
+        heads = f"{cfg.K - 1} draft head{'s' * (cfg.K != 2)}"
+        print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
+              f"{cfg.K - 1}", file=sys.stderr)
+        args.drafts = cfg.K - 1
 
 
 def checkpoint_path(out_dir, step, kind="model"):
