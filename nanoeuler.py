@@ -1528,15 +1528,9 @@ def cmd_prepare(args):
     print(f"{args.data}: {len(tokens):,} tokens, vocab {tok.vocab_size}, in {os.path.normpath(tokens.filename)}")
 
 
-MAX_MTP_WEIGHT = 1000      # past it head 0 hardly counts, and near 1e308 the loss is inf at step 1
-
-
 def preset_with(preset, args):
-    """the preset's Config with train's --vocab-size and --mtp-weight where given"""
+    """the preset's Config with train's --vocab-size and --mtp-weight (at most 1,000: its flag type) where given"""
     mtp_weight = preset.mtp_weight if args.mtp_weight is None else args.mtp_weight
-    if mtp_weight > MAX_MTP_WEIGHT:
-        raise NanoEulerError(f"--mtp-weight {mtp_weight:g} is more than {MAX_MTP_WEIGHT:,}; give a smaller "
-                             "weight (SPEC's default is 0.5)")
     return Config(**{**asdict(preset), "V": args.vocab_size or preset.V, "mtp_weight": mtp_weight})
 
 
@@ -1549,7 +1543,7 @@ def add_training_flags(sp, steps, batch, lr, warmup, out, mtp_weight=False, thre
     """the flags train and sft share, and train's --mtp-weight (and nanoeuler_cuda.py's, without --threads,
     saving every 10 minutes)"""
     if mtp_weight:
-        sp.add_argument("--mtp-weight", type="nonnegative_float", default=None,
+        sp.add_argument("--mtp-weight", type="mtp_weight_type", default=None,
                         help="weight of the extra heads' mean loss, 0 to 1,000 (default: the preset's, SPEC's 0.5); "
                              "more makes them better drafters for --speculative, at some cost to head 0")
     g = sp.add_argument_group("run")
@@ -3436,8 +3430,18 @@ vocab_size = number_type(int, FIRST_MERGE_ID, MAX_V,
                          f"a vocabulary size from {FIRST_MERGE_ID} (bytes and special tokens) to {MAX_V:,}")
 port_type = number_type(int, 0, 65535, "a TCP port from 0 to 65535")
 workers_count = number_type(int, 1, 4 * CORES, "a number of processes from 1 to 4 per core")   # more: shared cores
+MAX_MTP_WEIGHT = 1000      # past it head 0 hardly counts, and near 1e308 the loss is inf at step 1
 FLAG_TYPES = ("positive_int positive_int_or_off nonnegative_int nonnegative_float positive_float positive_float_or_off "
-              "probability minutes_type count_type vocab_size port_type workers_count argv_text").split()
+              "probability minutes_type count_type vocab_size port_type workers_count argv_text "
+              "mtp_weight_type").split()
+
+
+def mtp_weight_type(text):
+    """a flag type: train's --mtp-weight, a number >= 0 (nonnegative_float's words) up to MAX_MTP_WEIGHT"""
+    if (weight := nonnegative_float(text)) > MAX_MTP_WEIGHT:
+        raise argparse.ArgumentTypeError(f"{weight:g} is more than {MAX_MTP_WEIGHT:,}; give a smaller weight "
+                                         "(SPEC's default is 0.5)")
+    return weight
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
