@@ -1055,10 +1055,7 @@ def prepare_data(path, vocab_size, out_dir, progress=True, workers=None):
     corpus = h.hexdigest()[:16]                        # in the cache files' names
 
     def train_tokenizer(tok_path):                     # -> its JSON's bytes, which cached writes
-        text = tokenizer_sample(files)
-        if not text.strip():
-            raise NanoEulerError(f"{path} holds no text; give it a UTF-8 text file with something in it")
-        tok = Tokenizer.train(text, vocab_size, progress)
+        tok = Tokenizer.train(tokenizer_sample(files, path), vocab_size, progress)   # (a sample of no text: refused)
         os.makedirs(cache_dir, exist_ok=True)          # made only now: a refused run leaves no empty cache
         return tok.to_json().encode()
     tok = cached(os.path.join(cache_dir, f"tokenizer_{vocab_size}_{corpus}.json"), train_tokenizer, max_v=vocab_size)
@@ -2909,9 +2906,10 @@ def encode_chunk(tok, path, offset, data, ends_document):
     return np.array(ids + tok.encode(docs[-1]), dtype=TOKEN_DTYPE)
 
 
-def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
+def tokenizer_sample(files, corpus=None, max_bytes=SAMPLE_BYTES):
     """what the tokenizer is trained on: at most max_bytes, an equal share from the
-    start of every file, cut as chunks are, its documents joined by newlines"""
+    start of every file, cut as chunks are, its documents joined by newlines; a sample
+    of nothing but whitespace is refused, naming corpus (the --data the files are)"""
     share, texts = max(max_bytes // len(files), 1), []
     for path in files:
         with open(path, "rb") as f:
@@ -2919,6 +2917,8 @@ def tokenizer_sample(files, max_bytes=SAMPLE_BYTES):
         if len(data) > share:
             data = data[:chunk_end(data[:share])]
         texts += DOC_SEPARATOR.split(decode_text(data, path, 0))
+    if corpus is not None and not "".join(texts).strip():
+        raise NanoEulerError(f"{corpus} holds no text; give it a UTF-8 text file with something in it")
     return "\n".join(texts)
 
 
