@@ -1384,8 +1384,8 @@ def cmd_sft(args, make_engine=None, engine_line=None):
 
 def load_for_decoding(args, make_params=None):
     """sample's and chat's --model -> cfg, params, tok; params carved from the weights, or made by
-    make_params(cfg, flat) (nanoeuler_cuda.py's decoder). A model has K-1 draft heads: given args,
-    load_model (operations) fits --speculative --drafts N to them, with a note when N asks for more, or none"""
+    make_params(cfg, flat) (nanoeuler_cuda.py's decoder). A model has K-1 draft heads and a context of T: given
+    args, load_model (operations) fits --speculative --drafts N and sample's --prompt to them, with a note"""
     cfg, flat, tok = load_model(args.model, args)
     return cfg, carve(flat, cfg) if make_params is None else make_params(cfg, flat), tok
 
@@ -1502,10 +1502,7 @@ def cmd_sample(args, make_params=None, gen=None):
     """continue --prompt, streaming; make_params(cfg, flat) and gen: nanoeuler_cuda.py's decoder
     and generate (the model file is read, and refused, before either)"""
     cfg, params, tok = load_for_decoding(args, make_params)
-    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]
-    if len(prompt) > cfg.T - 1:
-        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
-              f"keeping its last {cfg.T - 1}", file=sys.stderr)
+    prompt = tok.encode(args.prompt) if args.prompt else [tok.special("<|endoftext|>")]  # (too long: a note)
     sys.stdout.write(args.prompt)
     stats = {} if args.speculative else None
     chat_reply(params, cfg, tok, prompt, args, sys.stdout, [], gen, stats, chat=False)
@@ -2305,7 +2302,7 @@ def save_model(path, cfg, flat, tok):
 def load_model(path, args=None):
     """-> cfg, flat float32 params, tokenizer; refuses files that break SPEC with one sentence,
     all but non-finite weights before the weights are read. args: sample's and chat's flags, whose
-    --speculative --drafts are fitted to the model's heads (fit_drafts)"""
+    --speculative --drafts and --prompt are fitted to the model's heads and context (fit_flags)"""
     tensors, (cfg, tok) = read_safetensors(path, model_header)
     names = [name for name, _ in param_shapes(cfg)]
     bad = [name for name in names if not np.isfinite(tensors[name]).all()]
@@ -2315,13 +2312,14 @@ def load_model(path, args=None):
                              "use an earlier checkpoint")
     flat = np.concatenate([tensors[name].reshape(-1) for name in names]).astype(np.float32)
     if args is not None:
-        fit_drafts(args, cfg)
+        fit_flags(args, cfg, tok)
     return cfg, flat, tok
 
 
-def fit_drafts(args, cfg):
+def fit_flags(args, cfg, tok):
     """--speculative --drafts N on a model with K-1 draft heads: say so when N asks for more
-    (drafting with K-1), or none (decoding plainly), and set args to what decoding will do"""
+    (drafting with K-1), or none (decoding plainly), and set args to what decoding will do.
+    sample's --prompt longer than the context: say that generate keeps its last T-1 tokens"""
     if args.speculative and (args.drafts == 0 or cfg.K == 1):
         why = "with --drafts 0" if args.drafts == 0 else f"on a model with one head ({args.model})"
         print(f"note: --speculative {why} has nothing to draft with; decoding plainly", file=sys.stderr)
@@ -2331,6 +2329,9 @@ def fit_drafts(args, cfg):
         print(f"note: {args.model} has {heads} (K = {cfg.K}), fewer than --drafts {args.drafts}; drafting with "
               f"{cfg.K - 1}", file=sys.stderr)
         args.drafts = cfg.K - 1
+    if getattr(args, "prompt", None) and len(prompt := tok.encode(args.prompt)) > cfg.T - 1:   # (chat has none)
+        print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
+              f"keeping its last {cfg.T - 1}", file=sys.stderr)
 
 
 def checkpoint_path(out_dir, step, kind="model"):
