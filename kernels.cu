@@ -749,16 +749,28 @@ __device__ __forceinline__ void combine_chunks(float* out, const float* recs, in
     for (int e = 0; e < N; e++) out[e] = num[e] / den;
 }
 
-// the R rows of attention's output (R x In, In = Hq * D) into y (shared memory) from a step's
-// records (above): thread t combines 4 neighbouring elements of one head of a row at a time
-__device__ __forceinline__ void combine_rows(float* y, const float* partial, int R, int In, int p0, int Hq, int Hkv,
-                                             int gz) {
+// where item i of combine_rows is: row r, elements e..e+3 of it (query head h), so its records (recs: the
+// row's first of its block of heads), its head slot g and elements d0.. in a record, the row's chunks and
+// its place in y; and the head dim D. Five integer divisions by runtime values, about 200 instructions
+struct CombineItem { const float* recs; int D, y, chunks, g, d0; };
+
+__device__ __forceinline__ CombineItem combine_item(int i, const float* partial, int In, int p0, int Hq, int Hkv,
+                                                    int gz) {
     int D = In / Hq, G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS;
+    int r = i / (In / 4), e = 4 * (i % (In / 4)), h = e / D, within = h % G;
+    int block = h / G * groups + within / DECODE_HEADS, chunks = (p0 + r + DECODE_CHUNK) / DECODE_CHUNK;
+    const float* recs = partial + ((long)r * Hkv * groups + block) * gz * DECODE_HEADS * (D + 2);
+    return {recs, D, r * In + e, chunks, within % DECODE_HEADS, e % D};
+}
+
+// the R rows of attention's output (R x In, In = Hq * D) into y (shared memory) from a step's
+// records (above): thread t combines 4 neighbouring elements of one head of a row at a time, items
+// t, t + blockDim.x, ..; item t's place comes worked out (`first`, see decode_matvec)
+__device__ __forceinline__ void combine_rows(float* y, const CombineItem& first, const float* partial, int R, int In,
+                                             int p0, int Hq, int Hkv, int gz) {
     for (int i = threadIdx.x; i < R * In / 4; i += blockDim.x) {
-        int r = i / (In / 4), e = 4 * (i % (In / 4)), h = e / D, within = h % G;
-        int block = h / G * groups + within / DECODE_HEADS, chunks = (p0 + r + DECODE_CHUNK) / DECODE_CHUNK;
-        const float* recs = partial + ((long)r * Hkv * groups + block) * gz * DECODE_HEADS * (D + 2);
-        combine_chunks<4>(y + r * In + e, recs, chunks, D, within % DECODE_HEADS, e % D);
+        CombineItem item = i == threadIdx.x ? first : combine_item(i, partial, In, p0, Hq, Hkv, gz);
+        combine_chunks<4>(y + item.y, item.recs, item.chunks, item.D, item.g, item.d0);
     }
 }
 
@@ -908,20 +920,26 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
     int p0 = MODE == IN_ATTENTION ? *pos : 0;                      // no kernel of a pass writes *pos
-    decode_wait();
-    if (MODE == IN_ATTENTION) {                                    // the input, combined once a block
-        extern __shared__ float attention_rows[];                  // R x In floats
-        combine_rows(attention_rows, in, R, In, p0, Hq, Hkv, gz);
-        __syncthreads();
-        in = attention_rows;
-    }
     // thread t: output k = t / R of the block (output j of group g), row r; the residual's old
-    // value loaded now (its writer is done), not after the sums: one trip less on the chain
-    // (a one-row pass 213.1 -> 211.0 us, a 4-row pass 356.2 -> 348.6 us on an H200)
+    // value loaded as soon as its writer is done, not after the sums: one trip less on the chain
+    // (a one-row pass 213.1 -> 211.0 us, a 4-row pass 356.2 -> 348.6 us on an H200); both before the
+    // combine (after it, the division t % R and this load waited for the combine and its barrier)
     int t = threadIdx.x, r = t % R, k = t / R, g = k / DECODE_OUTS, j = k % DECODE_OUTS;
     int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
     bool writes = k < groups * DECODE_OUTS && o < Out;
+    // combine_rows' first item a thread (at one row its only one, In <= 1024): its place worked out now, from
+    // the launch's arguments and *pos, and kept in shared memory: ptxas moves arithmetic past the wait as it
+    // likes (it put these 200 instructions between the wait and the records' loads), but not a store
+    __shared__ CombineItem first[256];                             // block 256
+    if (MODE == IN_ATTENTION && t < R * In / 4) first[t] = combine_item(t, in, In, p0, Hq, Hkv, gz);
+    decode_wait();
     float old = accumulate && writes ? out[(long)r * ld_out + o] : 0.0f;
+    if (MODE == IN_ATTENTION) {                                    // the input, combined once a block
+        extern __shared__ float attention_rows[];                  // R x In floats
+        combine_rows(attention_rows, first[t], in, R, In, p0, Hq, Hkv, gz);
+        __syncthreads();
+        in = attention_rows;
+    }
     float acc[DECODE_OUTS][DECODE_MAX_ROWS], ss[DECODE_MAX_ROWS];
 #pragma unroll
     for (int r = 0; r < DECODE_MAX_ROWS; r++) {
