@@ -3,10 +3,9 @@
 # main, random weights of big, bf16: bench --decode-only in both, three rounds in turn (round 1 by kernel);
 # check in TREE; each stage's cost at 1, 2 and 4 rows in a graph (dev/variants/decode_stage_rows_probe.py) in
 # both; TREE's GPU tests. About 2 minutes on one H100 once the machine is up.
-# bash dev/gpu/decode_variant.sh OUTDIR TREE, e.g. for the wo product's cheaper combine:
-#   mkdir -p .carry/comb && git archive HEAD | tar -x -C .carry/comb &&
-#   (cd .carry/comb && patch -p1 < ../../dev/variants/decode_combine_cheaper.diff)
-#   bash dev/gpu/decode_variant.sh OUTDIR comb
+# bash dev/gpu/decode_variant.sh OUTDIR TREE, e.g. for a diff in dev/variants:
+#   mkdir -p .carry/v && git archive HEAD | tar -x -C .carry/v && (cd .carry/v && patch -p1 < ../../dev/variants/X.diff)
+#   bash dev/gpu/decode_variant.sh OUTDIR v
 source dev/gpu/common.sh
 V=${1:?usage: bash $0 OUTDIR TREE (TREE: the variant, in .carry/TREE)}
 decode_round 1 main "$V"
