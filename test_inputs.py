@@ -1218,3 +1218,16 @@ def test_a_model_file_that_shrinks_while_it_is_read_is_said_to_have_changed(tmp_
     monkeypatch.setattr(ne, "open", lambda p, mode="r", **kw: Shrinking(io.FileIO(str(short), "rb")), raising=False)
     with pytest.raises(ne.NanoEulerError, match=r"changed while it was read \(16 of 24 data bytes\); try again"):
         ne.read_safetensors(str(path))
+
+
+def test_sample_notes_a_prompt_from_T_tokens_on_and_keeps_one_of_T_minus_1_whole(tmp_path, capsys):
+    """generate keeps a prompt's last T-1 tokens (the next token needs a place in the context): sample says so
+    for a prompt of T tokens, and says nothing for one of T-1 (4 bytes = 4 tokens with no merges)"""
+    cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=4, F=16, K=2)
+    path = str(tmp_path / "t4.safetensors")
+    ne.save_model(path, cfg, ne.init_params(cfg), ne.Tokenizer())
+    for prompt, noted in (("aaa", False), ("aaaa", True)):
+        ne.cmd_sample(ne.build_parser().parse_args(["sample", "--model", path, "--prompt", prompt,
+                                                    "--max-new-tokens", "1"]))
+        err = capsys.readouterr().err
+        assert ("the prompt is 4 tokens, longer than the context of 4; keeping its last 3" in err) == noted, err
