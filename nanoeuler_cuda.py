@@ -1228,8 +1228,8 @@ DECODE_PDL = True
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the best at SPEC's weight (1.00x, 2 drafts 0.98x: H100,
-                                # 2026-12-06); the flow's --mtp-weight 1.5 model gains from 2 (H200 2026-12-04 1.52x
-                                # against 1.40x, H100 2026-12-06 1.38x against 1.35x: BENCHMARKS.md)
+                                # 2026-12-06); on the flow's --mtp-weight 1.5 model, with DraftPolicy picking the
+                                # depth, 1 / 2 / 3 drafts are within 2% (1.35 / 1.36 / 1.34x, H100 2026-12-07)
 DRAFT_WINDOW = 8                # DraftPolicy: the drafting passes whose tokens it averages
 DRAFT_PROBE = 2                 # DraftPolicy: passes that feed drafts in a probe
 DRAFT_WAIT = (16, 256)          # DraftPolicy: plain passes before a probe, the first wait and the longest
