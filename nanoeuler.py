@@ -2451,11 +2451,11 @@ class RunFolder:
         return checkpoint_path(self.out, step, kind)
 
     def steps(self, complete=True):
-        """the steps of the model_<step>.safetensors files, newest first; complete: only those
-        whose state file exists too (the model is written last, so the pair is complete)"""
+        """the steps of the model_<step>.safetensors files that checkpoint_path names (not model_8), newest first;
+        complete: only those whose state file exists too (the model is written last, so the pair is complete)"""
         names = os.listdir(self.out) if os.path.isdir(self.out) else []
-        steps = sorted((int(m.group(1)) for f in names if (m := re.fullmatch(r"model_(\d+)\.safetensors", f))),
-                       reverse=True)
+        steps = sorted((int(m.group(1)) for f in names
+                        if (m := re.fullmatch(r"model_([0-9]{6}|[1-9][0-9]{6,})\.safetensors", f))), reverse=True)
         return [s for s in steps if not complete or os.path.exists(self.path(s, "state"))]
 
     def latest(self):

@@ -712,6 +712,22 @@ def test_resume_sets_a_model_without_its_state_aside_and_prunes_only_pairs(finis
     assert ne.RunFolder(str(out)).steps() == [16, 12]             # 4 and 8 pruned as pairs
 
 
+def test_resume_passes_over_files_named_like_checkpoints_that_it_never_writes(finished_run, corpus, tmp_path):
+    # step 8's pair renamed by hand (model_8, 7 digits, full-width digits): no name checkpoint_path makes, so
+    # --resume neither takes them for step 8's files (it stopped on "model_000008.safetensors: no such file")
+    # nor touches them
+    out = copy_of(finished_run, tmp_path)
+    names = ["model_8.safetensors", "state_8.safetensors", "model_0000008.safetensors", "model_\uff18.safetensors"]
+    for name in names:
+        shutil.copy(out / f"{name[:5]}_000008.safetensors", out / name)
+    for kind in ("model", "state"):
+        (out / f"{kind}_000008.safetensors").unlink()
+    r = run_cli(*train_args(out, corpus, "--steps", "10", "--resume"))
+    assert r.returncode == 0, r.stderr.decode()
+    assert f"resuming from {out / 'model_000004.safetensors'} at step 4".encode() in r.stdout
+    assert all((out / name).exists() for name in names) and not list(out.glob("*.lone"))
+
+
 def test_pruning_deletes_only_complete_pairs(tmp_path):
     for step in (1, 2, 3, 4):
         for kind in ("model", "state"):
