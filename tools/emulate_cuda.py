@@ -18,7 +18,10 @@ run one after another, __syncthreads and each warp shuffle or ballot are
 barriers the fibers meet at, __shared__ becomes static, and inline PTX becomes
 C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
 helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
-as the PTX ISA lays them out; ldmatrix; cp.async, done at once). install() then
+as the PTX ISA lays them out; ldmatrix; cp.async, done at once), and Hopper's
+warpgroup MMA for kernels to come (WGMMA_HELPERS: wgmma.mma_async reading
+shared memory through matrix descriptors, every layout and swizzle, done at
+wgmma.wait_group; dev/variants/wgmma_probe.cu, test_wgmma.py). install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
 NaN bits when allocated, after a guard of NaN bytes that is read after every
 kernel and right before a page no one may touch, so a write before the start is
@@ -124,7 +127,11 @@ static unsigned bar_gen, warp_gen[32];
 static unsigned long long warp_buf[32][32];
 static void (*body)(void*);
 static void* body_arg;
-static char emu_dynamic_shared[64 * 1024];
+static char emu_dynamic_shared[227 * 1024];            // a block's, as much as an H100 gives one
+static int wg_arrived[8];                                // warpgroups (4 warps) met at a wgmma.wait_group
+static unsigned wg_gen[8];
+static void emu_wgmma_block();                           // the wgmma state a block starts with
+static void emu_wgmma_exit();                            // a thread leaves none in flight
 
 static void yield_fiber() {
     if (!_setjmp(fibers[cur].jb)) _longjmp(scheduler, 1);
@@ -177,6 +184,7 @@ static void __syncwarp(unsigned = 0xffffffff) { warp_barrier(); }
 
 static void fiber_main() {
     body(body_arg);
+    emu_wgmma_exit();
     Fiber& f = fibers[cur];
     f.done = true;
     live--;
@@ -202,6 +210,7 @@ static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
         blockIdx = dim3e{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
         live = block, bar_arrived = 0;
         for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
+        emu_wgmma_block();
         for (int t = 0; t < block; t++) {
             Fiber& f = fibers[t];
             f.started = f.done = false, f.tid = t;
@@ -297,6 +306,143 @@ static void cp_async16(unsigned short* dst, const unsigned short* src, bool vali
 static void cp_async4(float* dst, const float* src, bool valid) { *dst = valid ? *src : 0.0f; }
 static void cp_async_commit() {}
 template <int N> static void cp_async_wait() {}
+
+// ---- Hopper's warpgroup MMA (WGMMA_HELPERS: wgmma.mma_async from shared memory, sm_90a), as the PTX ISA defines it
+// A warpgroup is 4 warps, threads 128 g .. 128 g + 127. wgmma_bf16<N> computes d (64 x N, fp32, spread over the
+// warpgroup's registers) = a (64 x 16) b (16 x N) (+ d), bf16 a and b read from shared memory through matrix
+// descriptors. It is asynchronous: here each thread queues it, and it is done when wgmma.wait_group lets it be (the
+// latest a GPU may finish it), by the last thread of the warpgroup to arrive there, for all 128: an operand
+// overwritten, or an accumulator read, before the wait gives a wrong result. What a GPU leaves undefined fails,
+// named: a wgmma with no wgmma.fence since the thread last waited, shapes or descriptors that differ between the
+// warpgroup's threads, an operand outside dynamic shared memory, a thread that exits with a wgmma in flight.
+static void emu_fail(const char* what) {
+    fprintf(stderr, "emulator: %s (thread %u of block %u)\n", what, threadIdx.x, blockIdx.x);
+    abort();
+}
+// shared addresses: dynamic shared memory alone has them, from EMU_SHARED_START (16-byte aligned, not more: a
+// kernel aligns its swizzled tiles itself, as on a GPU)
+static const unsigned EMU_SHARED_START = 16;
+static unsigned shared_address(const void* p) {
+    const char* c = (const char*)p;
+    if (c < emu_dynamic_shared || c >= emu_dynamic_shared + sizeof emu_dynamic_shared)
+        emu_fail("the shared address of memory outside dynamic shared memory (only extern __shared__ has one here)");
+    return (unsigned)(c - emu_dynamic_shared) + EMU_SHARED_START;
+}
+static float emu_shared_bf16(unsigned address) {
+    if (address < EMU_SHARED_START || address + 2 > EMU_SHARED_START + sizeof emu_dynamic_shared)
+        emu_fail("a wgmma operand outside dynamic shared memory");
+    unsigned short bits;
+    memcpy(&bits, emu_dynamic_shared + (address - EMU_SHARED_START), 2);
+    return __uint_as_float((unsigned)bits << 16);
+}
+// element (mn, k) of a bf16 wgmma operand (mn: a row of a, a column of b) -> its shared address. The descriptor:
+// bits 0-13 start address >> 4, 16-29 leading byte offset (LBO) >> 4, 32-45 stride byte offset (SBO) >> 4, 49-51
+// base offset, 62-63 swizzle (0 none, 1 128-byte, 2 64-byte, 3 32-byte). The canonical layouts (PTX ISA, "shared
+// memory matrix layout"; CUTLASS's make_gmma_desc), K-major (trans 0) or MN-major (trans 1):
+// - no swizzle ("interleave"): 8 x 8 core matrices of 8 rows of 16 contiguous bytes (128 bytes together); K-major,
+//   a row is 8 k of one mn, core matrices LBO apart along k and SBO along mn; MN-major, a row is 8 mn of one k,
+//   core matrices SBO apart along mn and LBO along k.
+// - swizzled, rows of S = 32, 64 or 128 bytes: K-major, a row holds S/2 k of one mn, groups of 8 rows SBO apart
+//   (LBO unused); MN-major, a row holds S/2 mn of one k, groups of 8 k SBO apart, groups of S/2 mn LBO apart.
+//   Then the address's 16-byte chunk (bits 4..) is XORed with its row in the 8 of a pattern (bits 7..):
+//   Swizzle<log2(S/16), 4, 3> on the address itself, so a tile starts at a multiple of 8 S (its rows 0..7).
+static unsigned emu_wgmma_address(unsigned long long desc, int mn, int k, bool mn_major) {
+    unsigned start = (desc & 0x3FFF) << 4, lbo = (desc >> 16 & 0x3FFF) << 4, sbo = (desc >> 32 & 0x3FFF) << 4;
+    int mode = desc >> 62, chunks = mode ? 16 >> mode : 1;          // 16-byte chunks a swizzled row: 8, 4, 2
+    if (desc >> 49 & 7) emu_fail("a wgmma descriptor with a base offset (not emulated: start tiles at row 0 of 8)");
+    if (start >> 7 & (chunks - 1))
+        emu_fail("a swizzled wgmma operand starting inside its 8-row pattern (bits 7.. of the start address)");
+    unsigned a;
+    if (mode == 0)
+        a = mn_major ? start + mn / 8 * sbo + k / 8 * lbo + k % 8 * 16 + mn % 8 * 2
+                     : start + mn / 8 * sbo + k / 8 * lbo + mn % 8 * 16 + k % 8 * 2;
+    else
+        a = mn_major ? start + mn / (8 * chunks) * lbo + k / 8 * sbo + k % 8 * 16 * chunks + mn % (8 * chunks) * 2
+                     : start + mn / 8 * sbo + mn % 8 * 16 * chunks + k * 2;
+    return a ^ (a >> 7 & (chunks - 1)) << 4;
+}
+struct EmuWgmma { float* d; unsigned long long a, b; int n, scale_d, trans_a, trans_b; };
+static const int EMU_WGMMA_QUEUE = 64;
+static EmuWgmma emu_wgmma_ops[1024][EMU_WGMMA_QUEUE];    // by thread: issued, not yet done, in order
+static int emu_wgmma_issued[1024], emu_wgmma_groups[1024], emu_wgmma_keep[1024];
+static int emu_wgmma_group_end[1024][EMU_WGMMA_QUEUE];  // committed groups, each the end of its ops in the queue
+static bool emu_wgmma_fenced[1024];
+static void emu_wgmma_block() {
+    memset(wg_arrived, 0, sizeof wg_arrived);
+    memset(emu_wgmma_issued, 0, sizeof emu_wgmma_issued), memset(emu_wgmma_groups, 0, sizeof emu_wgmma_groups);
+    memset(emu_wgmma_fenced, 0, sizeof emu_wgmma_fenced);
+}
+static void emu_wgmma_exit() {
+    unsigned t = threadIdx.x;
+    if (emu_wgmma_issued[t] || emu_wgmma_groups[t]) emu_fail("a thread exits with a wgmma not waited for");
+    if (wg_arrived[t / 128]) emu_fail("a thread exits while its warpgroup waits at wgmma.wait_group");
+}
+// m64nNk16 accumulators: register i of thread t holds row 16 (warp in group) + t % 32 / 4 (+ 8 for i % 4 >= 2),
+// column 8 (i / 4) + 2 (t % 4) + i % 2 (mma.sync's m16n8 fragment, one per 8 columns, a warp per 16 rows)
+static void emu_wgmma_run(const EmuWgmma& op, unsigned t) {
+    int w = t % 128 / 32, g = t % 32 / 4, q = t % 4;
+    for (int i = 0; i < op.n / 2; i++) {
+        int row = 16 * w + g + 8 * (i / 2 % 2), col = 8 * (i / 4) + 2 * q + i % 2;
+        float s = op.scale_d ? op.d[i] : 0.0f;
+        for (int k = 0; k < 16; k++)
+            s += emu_shared_bf16(emu_wgmma_address(op.a, row, k, op.trans_a)) *
+                 emu_shared_bf16(emu_wgmma_address(op.b, col, k, op.trans_b));
+        op.d[i] = s;
+    }
+}
+// warpgroup g's groups older than the newest `keep`, done for its 128 threads, which must agree on them
+static void emu_wgmma_done(int g) {
+    unsigned t0 = 128 * g;
+    int keep = emu_wgmma_keep[t0], groups = emu_wgmma_groups[t0], issued = emu_wgmma_issued[t0];
+    int finished = max(groups - keep, 0), ops = finished ? emu_wgmma_group_end[t0][finished - 1] : 0;
+    for (unsigned t = t0; t < t0 + 128; t++) {
+        bool same = emu_wgmma_keep[t] == keep && emu_wgmma_groups[t] == groups && emu_wgmma_issued[t] == issued;
+        for (int j = 0; same && j < groups; j++) same = emu_wgmma_group_end[t][j] == emu_wgmma_group_end[t0][j];
+        for (int j = 0; same && j < issued; j++) {
+            const EmuWgmma &x = emu_wgmma_ops[t][j], &y = emu_wgmma_ops[t0][j];
+            same = x.a == y.a && x.b == y.b && x.n == y.n && x.scale_d == y.scale_d && x.trans_a == y.trans_a &&
+                   x.trans_b == y.trans_b;
+        }
+        if (!same) emu_fail("the threads of a warpgroup differ in their wgmma (descriptors, shapes, groups or waits)");
+    }
+    for (unsigned t = t0; t < t0 + 128; t++) {
+        for (int j = 0; j < ops; j++) emu_wgmma_run(emu_wgmma_ops[t][j], t);
+        for (int j = ops; j < issued; j++) emu_wgmma_ops[t][j - ops] = emu_wgmma_ops[t][j];
+        for (int j = finished; j < groups; j++) emu_wgmma_group_end[t][j - finished] = emu_wgmma_group_end[t][j] - ops;
+        emu_wgmma_issued[t] -= ops, emu_wgmma_groups[t] -= finished;
+    }
+}
+static void emu_wgmma_check_group() {
+    if (blockDim.x < threadIdx.x / 128 * 128 + 128)
+        emu_fail("a wgmma instruction in a warpgroup of fewer than 128 threads");
+}
+static void fence_proxy_async() {}                       // memory order is not emulated
+static void wgmma_fence() { emu_wgmma_fenced[threadIdx.x] = true; }
+template <int N, int TRANS_A, int TRANS_B>
+static void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+    unsigned t = threadIdx.x;
+    emu_wgmma_check_group();
+    if (!emu_wgmma_fenced[t]) emu_fail("a wgmma.mma_async with no wgmma.fence since the thread last waited");
+    if (emu_wgmma_issued[t] == EMU_WGMMA_QUEUE) emu_fail("more wgmma in flight than the emulator keeps (64)");
+    emu_wgmma_ops[t][emu_wgmma_issued[t]++] = EmuWgmma{d, a, b, N, scale_d, TRANS_A, TRANS_B};
+}
+static void wgmma_commit() {
+    unsigned t = threadIdx.x;
+    if (emu_wgmma_groups[t] == EMU_WGMMA_QUEUE) emu_fail("more wgmma groups in flight than the emulator keeps (64)");
+    emu_wgmma_group_end[t][emu_wgmma_groups[t]++] = emu_wgmma_issued[t];
+}
+// wgmma.wait_group N: a barrier of the warpgroup; the last to arrive does the groups older than the newest N
+template <int N> static void wgmma_wait() {
+    unsigned t = threadIdx.x, g = t / 128;
+    emu_wgmma_check_group();
+    for (int w = 4 * g; w < 4 * g + 4; w++)
+        if (warp_live[w] != 32) emu_fail("a wgmma.wait_group in a warpgroup one of whose threads has exited");
+    emu_wgmma_keep[t] = N;
+    unsigned gen = wg_gen[g];
+    if (++wg_arrived[g] == 128) emu_wgmma_done(g), wg_arrived[g] = 0, wg_gen[g]++;
+    while (wg_gen[g] == gen) yield_fiber();
+    emu_wgmma_fenced[t] = false;
+}
 #undef INFINITY
 """
 
@@ -368,7 +514,8 @@ PTX = [(r'asm\("cvt\.rn\.bf16\.f32 %0, %1;" : "=h"\((\w+)\) : "f"\(([^()]+)\)\);
 def emulator_source(kernels, defines=()):
     """a .cu file's text -> C++ for g++: the emulator, the defines (-DNAME=VALUE), the
     kernels, a table of entry points"""
-    src = re.sub(r"extern __shared__ float (\w+)\[\];", r"float* \1 = (float*)emu_dynamic_shared;", kernels)
+    src = re.sub(r"extern __shared__ (?:__align__\(\d+\) )?(\w[\w ]*?) (\w+)\[\];",
+                 r"\1* \2 = (\1*)emu_dynamic_shared;", kernels)
     src = src.replace("__shared__", "static")
     for pattern, replacement in PTX:
         src = re.sub(pattern, replacement, src)
@@ -405,6 +552,11 @@ def without_helpers(text, names=TENSOR_CORE_HELPERS):
             continue
         out.append(line)
     return "\n".join(out)
+
+
+# the helpers of a kernel file that uses Hopper's warpgroup MMA (dev/variants/wgmma_probe.cu) whose inline PTX
+# (wgmma, its fence, commit and wait, fence.proxy.async) the emulator's header defines in C++ instead
+WGMMA_HELPERS = ("shared_address", "fence_proxy_async", "wgmma_fence", "wgmma_bf16", "wgmma_commit", "wgmma_wait")
 
 
 # the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it

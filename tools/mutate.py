@@ -9,6 +9,7 @@ a mutant whose tests still pass "survived", and shows a hole in the tests.
     python tools/mutate.py --set inputs    # the input checks taken out, against test_inputs.py
     python tools/mutate.py --set kernels   # bugs in kernels.cu and flash_attn.cu, on the CPU emulator
     python tools/mutate.py --set tools     # export.py, eval.py, serve.py and the GPU's decoding policy
+    python tools/mutate.py --set wgmma     # the emulator's warpgroup MMA, against test_wgmma.py
     python tools/mutate.py -k adamw        # the mutants whose name contains "adamw"
     python tools/mutate.py --tests test_spec.py test_nanoeuler.py
 
@@ -337,8 +338,38 @@ TOOL_MUTATIONS = [
     ("queue_fills_one_past_the_window", "nanoeuler_cuda.py", "if reach + policy.heads <= T:",
      "if reach + policy.heads <= T + 1:", DECODE_HOST),
 ]
+# bugs in the CPU emulator's warpgroup MMA (tools/emulate_cuda.py), which test_wgmma.py runs
+# dev/variants/wgmma_probe.cu on: (name, file, its exact text, what it becomes, pytest -k: "" for all)
+EMULATOR = "tools/emulate_cuda.py"
+WGMMA_MUTATIONS = [
+    ("wgmma: accumulator rows g and g + 8 swapped", EMULATOR, "int row = 16 * w + g + 8 * (i / 2 % 2), col",
+     "int row = 16 * w + g + 8 * (1 - i / 2 % 2), col", ""),
+    ("wgmma: the two columns of a register pair swapped", EMULATOR, "col = 8 * (i / 4) + 2 * q + i % 2;",
+     "col = 8 * (i / 4) + 2 * q + 1 - i % 2;", ""),
+    ("wgmma: the warps' 16-row slabs in reverse", EMULATOR, "int w = t % 128 / 32, g = t % 32 / 4, q = t % 4;",
+     "int w = 3 - t % 128 / 32, g = t % 32 / 4, q = t % 4;", ""),
+    ("wgmma: interleave K-major, LBO and SBO swapped", EMULATOR,
+     ": start + mn / 8 * sbo + k / 8 * lbo + mn % 8 * 16 + k % 8 * 2;",
+     ": start + mn / 8 * lbo + k / 8 * sbo + mn % 8 * 16 + k % 8 * 2;", ""),
+    ("wgmma: interleave MN-major, LBO and SBO swapped", EMULATOR,
+     "a = mn_major ? start + mn / 8 * sbo + k / 8 * lbo + k % 8 * 16 + mn % 8 * 2",
+     "a = mn_major ? start + mn / 8 * lbo + k / 8 * sbo + k % 8 * 16 + mn % 8 * 2", ""),
+    ("wgmma: swizzled MN-major, LBO and SBO swapped", EMULATOR,
+     "start + mn / (8 * chunks) * lbo + k / 8 * sbo", "start + mn / (8 * chunks) * sbo + k / 8 * lbo", ""),
+    ("wgmma: swizzled K-major rows 16 bytes short", EMULATOR, "start + mn / 8 * sbo + mn % 8 * 16 * chunks + k * 2",
+     "start + mn / 8 * sbo + mn % 8 * 16 * (chunks - 1) + k * 2", ""),
+    ("wgmma: SBO read 2 bits low", EMULATOR, "sbo = (desc >> 32 & 0x3FFF) << 4;", "sbo = (desc >> 30 & 0x3FFF) << 4;",
+     ""),
+    ("wgmma: no swizzle XOR", EMULATOR, "return a ^ (a >> 7 & (chunks - 1)) << 4;", "return a;", ""),
+    ("wgmma: swizzle modes 1 and 3 read as 64 and 16 bytes", EMULATOR, "chunks = mode ? 16 >> mode : 1;",
+     "chunks = mode ? 8 >> mode : 1;", ""),
+    ("wgmma: scale-d ignored", EMULATOR, "float s = op.scale_d ? op.d[i] : 0.0f;", "float s = op.d[i];", ""),
+    ("wgmma: wait_group N leaves N + 1 groups", EMULATOR, "finished = max(groups - keep, 0)",
+     "finished = max(groups - keep - 1, 0)", ""),
+]
 SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"]),
         "kernels": (KERNEL_MUTATIONS, ["test_cuda_pipeline.py"]),
+        "wgmma": (WGMMA_MUTATIONS, ["test_wgmma.py"]),
         "tools": (TOOL_MUTATIONS, [EXPORT, EVAL, SERVE, "test_gpu_host.py", "test_cuda_pipeline.py"])}
 MEMORY_LIMIT = 4 << 30    # a mutant that allocates without bound fails fast instead of filling the machine
 

@@ -1,0 +1,250 @@
+/*
+A probe of Hopper's warpgroup MMA for NanoEuler (issue 36's first step; not part of the
+product: nanoeuler_cuda.MODULES does not list it). One warpgroup (4 warps, 128 threads) computes
+
+    c (64, N) fp32 = a (64, K) @ b (K, N),   a and b bf16, summed in fp32
+
+with K / 16 wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, both operands read from shared
+memory through matrix descriptors, N = 64 or 128. wgmma exists on sm_90a alone (the 'a' target:
+Hopper's own instructions), so dev/variants/wgmma_probe.py compiles this file with NVRTC for
+"90a" itself; the CPU emulator (tools/emulate_cuda.py, WGMMA_HELPERS) runs it too, and
+test_wgmma.py compares the emulator with numpy.
+
+How the work is split: the 128 threads copy a and b into shared memory, 16 bytes at a time, in
+one of wgmma's layouts (tile_offset below); then each wgmma is the warpgroup's: every thread
+issues it with the same descriptors, and thread t receives N / 2 accumulators of c: rows
+16 (t / 32) + t % 32 / 4 and 8 below it, columns 8 j + 2 (t % 4) and the next, j = 0 .. N / 8 - 1
+(register i: row + 8 for i % 4 >= 2, column 8 (i / 4) + 2 (t % 4) + i % 2; mma.sync's m16n8
+fragment, one per 8 columns, a warp per 16 rows).
+
+The global arrays are row-major:
+  a: (64, K), "K-major" (A_MN = 0), or (K, 64), "M-major" (A_MN = 1; then c = a.T @ b)
+  b: (N, K), "K-major" (B_MN = 0; then c = a @ b.T), or (K, N), "N-major" (B_MN = 1)
+In attention, s = q k.T has both operands K-major and o = p v has v N-major.
+
+The async rules (PTX ISA, wgmma): plain stores to shared memory are made visible to wgmma's
+(async proxy) reads by fence.proxy.async and a barrier; wgmma.fence comes before the first wgmma
+and after any other access to its registers; commit_group closes a group of wgmma, wait_group N
+waits until N groups at most are in flight. The accumulators are not to be touched in between.
+*/
+
+// -----------------------------------------------------------------------------
+// helpers (inline PTX; the emulator defines each in C++)
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// make this thread's plain (generic proxy) writes to shared memory visible to wgmma's reads (async proxy)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// order the registers' accesses before it against the wgmma after it (the warpgroup runs it together)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+// d (64 x N fp32, N / 2 registers a thread) = a (64 x 16) b (16 x N) + (scale_d ? d : 0), a and b bf16 in
+// shared memory by their descriptors; A_MN, B_MN: a is M-major, b N-major (else both K-major)
+template <int N, int A_MN, int B_MN>
+__device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    if constexpr (N == 64)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, %35, %36;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24)
+                     : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+    else if constexpr (N == 128)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "%64, %65, p, 1, 1, %67, %68;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+                     : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+    else
+        static_assert(N == 64 || N == 128, "wgmma_bf16: N is 64 or 128 here");
+#undef D8
+}
+
+// close the group of the wgmma this thread issued since the last commit
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>   // wait until at most N groups of wgmma are still in flight
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// -----------------------------------------------------------------------------
+// layouts and descriptors (plain C++: the emulator runs them as they are)
+
+// keep the compiler from moving accesses to the n accumulators across the wgmma fence or wait
+// around it (CUTLASS's warpgroup_fence_operand): each register passes through an empty asm
+template <int n>
+__device__ __forceinline__ void fence_registers(float* d) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+// where element (mn, k) of a bf16 operand tile of `rows` (mn) x K sits, in bytes from the tile's
+// start (a multiple of 1024), before the swizzle; the canonical layouts of the PTX ISA:
+// - SWIZZLE 0, "interleave": 8 x 8 core matrices, each 8 rows of 16 bytes one after the other.
+//   K-major: a core row is 8 k of one mn; core matrix (mn / 8, k / 8) at (mn / 8 * K / 8 + k / 8) 128:
+//   the next along k 128 bytes on (LBO), the next along mn 16 K (SBO).
+//   MN-major: a core row is 8 mn of one k; core matrix at (k / 8 * rows / 8 + mn / 8) 128: the next
+//   along mn 128 bytes on (SBO), the next along k 16 rows (LBO).
+// - SWIZZLE 32, 64 or 128: rows of SWIZZLE bytes (E = SWIZZLE / 2 bf16), 8 rows a pattern.
+//   K-major: a row is E k of one mn; column of rows k / E after column, each `rows` rows: 8 rows
+//   8 SWIZZLE bytes on (SBO; LBO unused). MN-major: a row is E mn of one k; the next 8 k 8 SWIZZLE bytes
+//   on (SBO), the next E mn K SWIZZLE bytes on (LBO).
+template <int SWIZZLE, int MN_MAJOR>
+__device__ __forceinline__ unsigned tile_offset(int mn, int k, int rows, int K) {
+    constexpr int E = SWIZZLE / 2;
+    if constexpr (SWIZZLE == 0)
+        return MN_MAJOR ? (k / 8 * (rows / 8) + mn / 8) * 128 + k % 8 * 16 + mn % 8 * 2
+                        : (mn / 8 * (K / 8) + k / 8) * 128 + mn % 8 * 16 + k % 8 * 2;
+    else
+        return MN_MAJOR ? mn / E * K * SWIZZLE + k * SWIZZLE + mn % E * 2
+                        : k / E * rows * SWIZZLE + mn * SWIZZLE + k % E * 2;
+}
+
+// the swizzle: the 16-byte chunk of a row (bits 4..) XOR the row in the pattern of 8 (bits 7..), as
+// CUTLASS's Swizzle<log2(SWIZZLE / 16), 4, 3>; tiles start at multiples of 1024, so offsets swizzle
+// as the shared addresses that wgmma swizzles
+template <int SWIZZLE>
+__device__ __forceinline__ unsigned swizzled(unsigned offset) {
+    return SWIZZLE ? offset ^ (offset >> 7 & (SWIZZLE / 16 - 1)) << 4 : offset;
+}
+
+// a shared-memory matrix descriptor: bits 0-13 start address >> 4, 16-29 leading byte offset >> 4,
+// 32-45 stride byte offset >> 4, 62-63 the swizzle (0 none, 1 128-byte, 2 64-byte, 3 32-byte); base offset 0
+__device__ __forceinline__ unsigned long long matrix_descriptor(unsigned address, unsigned lbo, unsigned sbo,
+                                                                int swizzle) {
+    unsigned long long mode = swizzle == 128 ? 1 : swizzle == 64 ? 2 : swizzle == 32 ? 3 : 0;
+    return (address & 0x3FFFF) >> 4 | (unsigned long long)(lbo >> 4 & 0x3FFF) << 16 |
+           (unsigned long long)(sbo >> 4 & 0x3FFF) << 32 | mode << 62;
+}
+
+// the descriptor of the 16 k from k0 of a tile laid out by tile_offset
+template <int SWIZZLE, int MN_MAJOR>
+__device__ __forceinline__ unsigned long long operand_descriptor(const unsigned short* tile, int rows, int K,
+                                                                 int k0) {
+    unsigned start = shared_address(tile) + tile_offset<SWIZZLE, MN_MAJOR>(0, k0, rows, K);
+    if (SWIZZLE == 0)
+        return MN_MAJOR ? matrix_descriptor(start, 16 * rows, 128, 0) : matrix_descriptor(start, 128, 16 * K, 0);
+    return MN_MAJOR ? matrix_descriptor(start, K * SWIZZLE, 8 * SWIZZLE, SWIZZLE)
+                    : matrix_descriptor(start, 16, 8 * SWIZZLE, SWIZZLE);
+}
+
+// copy a row-major bf16 matrix g into a tile of `rows` x K in the layout, 16 bytes (8 neighbours
+// along g's rows, which stay neighbours in the tile) a thread at a time: g is (rows, K) K-major,
+// (K, rows) MN-major
+template <int SWIZZLE, int MN_MAJOR>
+__device__ void stage(unsigned short* tile, const unsigned short* g, int rows, int K) {
+    for (int c = threadIdx.x; c < rows * K / 8; c += blockDim.x) {
+        int mn = MN_MAJOR ? c % (rows / 8) * 8 : c / (K / 8), k = MN_MAJOR ? c / (rows / 8) : c % (K / 8) * 8;
+        unsigned offset = swizzled<SWIZZLE>(tile_offset<SWIZZLE, MN_MAJOR>(mn, k, rows, K));
+        *(uint4*)((char*)tile + offset) = *(const uint4*)(g + (MN_MAJOR ? k * rows + mn : mn * K + k));
+    }
+}
+
+// -----------------------------------------------------------------------------
+// the probe
+
+// the accumulators of thread threadIdx.x (layout in the header) into c (64, N), or added to it
+template <int N>
+__device__ void store_accumulators(float* c, const float* d, bool add) {
+    int w = threadIdx.x / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    for (int i = 0; i < N / 2; i++) {
+        float* to = c + (16 * w + g + 8 * (i / 2 % 2)) * N + 8 * (i / 4) + 2 * q + i % 2;
+        *to = add ? *to + d[i] : d[i];
+    }
+}
+
+// c (64, N) = a @ b as the header says; one block of 128 threads; K a multiple of 16 (of SWIZZLE / 2 when
+// an operand is K-major and swizzled); dynamic shared memory (64 + N) 2 K bytes + 1024 (to align the tiles).
+// GROUPS 2: the first half of K into d and the second into e, a group of wgmma each, d read once
+// wait_group 1 has let the first group finish, e after wait_group 0 (as a pipelined loop waits)
+template <int N, int SWIZZLE, int A_MN, int B_MN, int GROUPS>
+__device__ void wgmma_probe(float* c, const unsigned short* a, const unsigned short* b, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* tiles = smem + (1024 - shared_address(smem) % 1024) % 1024;
+    unsigned short* as = (unsigned short*)tiles;                  // 64 x K
+    unsigned short* bs = (unsigned short*)(tiles + 128 * K);      // N x K, a multiple of 1024 bytes on
+    stage<SWIZZLE, A_MN>(as, a, 64, K);
+    stage<SWIZZLE, B_MN>(bs, b, N, K);
+    fence_proxy_async();
+    __syncthreads();
+
+    float d[N / 2], e[N / 2];
+    for (int i = 0; i < N / 2; i++)                               // NaN: the first wgmma must not add it
+        d[i] = e[i] = __int_as_float(0x7fc00000);
+    fence_registers<N / 2>(d);
+    if constexpr (GROUPS == 2) fence_registers<N / 2>(e);
+    wgmma_fence();
+    int half = GROUPS == 2 ? K / 2 : K;
+    for (int k0 = 0; k0 < half; k0 += 16)
+        wgmma_bf16<N, A_MN, B_MN>(d, operand_descriptor<SWIZZLE, A_MN>(as, 64, K, k0),
+                                  operand_descriptor<SWIZZLE, B_MN>(bs, N, K, k0), k0 > 0);
+    wgmma_commit();
+    if constexpr (GROUPS == 2) {
+        for (int k0 = half; k0 < K; k0 += 16)
+            wgmma_bf16<N, A_MN, B_MN>(e, operand_descriptor<SWIZZLE, A_MN>(as, 64, K, k0),
+                                      operand_descriptor<SWIZZLE, B_MN>(bs, N, K, k0), k0 > half);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_registers<N / 2>(d);
+        store_accumulators<N>(c, d, false);
+    }
+    wgmma_wait<0>();
+    fence_registers<N / 2>(d);
+    if constexpr (GROUPS == 2) fence_registers<N / 2>(e);
+    store_accumulators<N>(c, GROUPS == 2 ? e : d, GROUPS == 2);
+}
+
+// the variants test_wgmma.py and wgmma_probe.py run, by name: N, the swizzle (interleave: none), a and b
+// K-major (ak, bk) or MN-major (am, bn); written out, as the emulator finds its entry points in the text
+extern "C" __global__ void __launch_bounds__(128) wgmma_n64_interleave_ak_bk(float* c, const unsigned short* a,
+                                                                             const unsigned short* b, int K) {
+    wgmma_probe<64, 0, 0, 0, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n64_interleave_ak_bn(float* c, const unsigned short* a,
+                                                                             const unsigned short* b, int K) {
+    wgmma_probe<64, 0, 0, 1, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n128_interleave_am_bn(float* c, const unsigned short* a,
+                                                                              const unsigned short* b, int K) {
+    wgmma_probe<128, 0, 1, 1, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n128_sw128_ak_bk(float* c, const unsigned short* a,
+                                                                         const unsigned short* b, int K) {
+    wgmma_probe<128, 128, 0, 0, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n128_sw128_ak_bn(float* c, const unsigned short* a,
+                                                                         const unsigned short* b, int K) {
+    wgmma_probe<128, 128, 0, 1, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n64_sw64_am_bk(float* c, const unsigned short* a,
+                                                                       const unsigned short* b, int K) {
+    wgmma_probe<64, 64, 1, 0, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n128_sw32_am_bn(float* c, const unsigned short* a,
+                                                                        const unsigned short* b, int K) {
+    wgmma_probe<128, 32, 1, 1, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n64_interleave_ak_bk_two_groups(float* c,
+                                                                                       const unsigned short* a,
+                                                                                       const unsigned short* b,
+                                                                                       int K) {
+    wgmma_probe<64, 0, 0, 0, 2>(c, a, b, K);
+}

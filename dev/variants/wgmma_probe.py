@@ -1,0 +1,120 @@
+"""
+Runs dev/variants/wgmma_probe.cu on an H100 or H200 (sm_90a): each variant's c (64, N) = a @ b,
+one warpgroup of wgmma.mma_async reading bf16 a and b from shared memory through matrix
+descriptors, against numpy in float64. Not part of NanoEuler.
+
+    python dev/variants/wgmma_probe.py
+
+One line a variant: the largest error, that error over the bound of summing the K products in fp32
+(K 2^-24 |a| @ |b|), OK or NOT OK; then "all OK" or how many were not. test_wgmma.py runs the
+same variants on the CPU emulator (tools/emulate_cuda.py) with the same operands: both OK means
+the emulator lays out wgmma's accumulators and reads its descriptors and swizzles as this GPU does.
+A wrong layout is off by about the size of the products (a ratio of 10^5 or more), so OK allows the
+tensor core some room over the sequential fp32 sum's bound (16 x): its order and rounding are its own.
+"""
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+import nanoeuler_cuda as nc                                    # noqa: E402
+
+ROOM = 16          # OK: every element within 16 times the fp32 bound
+
+
+def bf16_bits(x):
+    """float32 -> bf16 bits, rounded to nearest even (x has no NaN)"""
+    u = np.asarray(x, np.float32).view(np.uint32)
+    return ((u + 0x7FFF + (u >> 16 & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# name: (N, K, a M-major, b N-major); as the probe's entry points are named
+VARIANTS = {"wgmma_n64_interleave_ak_bk": (64, 64, False, False),
+            "wgmma_n64_interleave_ak_bn": (64, 64, False, True),
+            "wgmma_n128_interleave_am_bn": (128, 48, True, True),
+            "wgmma_n128_sw128_ak_bk": (128, 128, False, False),
+            "wgmma_n128_sw128_ak_bn": (128, 64, False, True),
+            "wgmma_n64_sw64_am_bk": (64, 64, True, False),
+            "wgmma_n128_sw32_am_bn": (128, 32, True, True),
+            "wgmma_n64_interleave_ak_bk_two_groups": (64, 64, False, False)}
+
+
+def operands(N, K, a_mn, b_mn, seed):
+    """random bf16 a and b as the probe reads them (row-major; a (K, 64) when a_mn, b (K, N) when b_mn),
+    and a (64, K), b (K, N) as float64 for numpy"""
+    rng = np.random.default_rng(seed)
+    a = bf16_bits(rng.normal(size=(K, 64) if a_mn else (64, K)))
+    b = bf16_bits(rng.normal(size=(K, N) if b_mn else (N, K)))
+    A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64)
+    return a, b, A.T if a_mn else A, B if b_mn else B.T
+
+
+def fp32_bound(A, B):
+    """what summing the K exact products in fp32 may be off by, elementwise: K 2^-24 (|A| @ |B|)"""
+    return A.shape[1] * 2.0 ** -24 * (np.abs(A) @ np.abs(B))
+
+
+def start_gpu():
+    """a context and stream on GPU 0, as nanoeuler_cuda.GPU makes them, without compiling its kernels"""
+    nc.count_gpus()
+    cu, check = nc.cu, nc.check
+    gpu = object.__new__(nc.GPU)
+    gpu.dev = check(cu.cuDeviceGet(0), "cuDeviceGet")
+    gpu.ctx = check(cu.cuDevicePrimaryCtxRetain(gpu.dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(gpu.ctx), "cuCtxSetCurrent")
+    gpu.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+    attr = cu.CUdevice_attribute
+    major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, gpu.dev), "attr")
+    minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, gpu.dev), "attr")
+    gpu.arch = f"{major}{minor}"
+    gpu.name = check(cu.cuDeviceGetName(256, gpu.dev), "cuDeviceGetName").split(b"\0")[0].decode()
+    gpu.last_kernel, gpu.profile = None, None
+    nc.gpu = gpu
+    return gpu
+
+
+def main():
+    gpu = start_gpu()
+    cu, check = nc.cu, nc.check
+    if gpu.arch != "90":
+        sys.exit(f"wgmma needs sm_90a (an H100 or H200); this is {gpu.name}, sm_{gpu.arch}")
+    _, nvrtc = nc.import_cuda()
+    print(f"{gpu.name}, NVRTC {'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))}, sm_90a")
+    with open(os.path.join(HERE, "wgmma_probe.cu")) as f:
+        module = check(cu.cuModuleLoadData(nc.nvrtc_compile("wgmma_probe.cu", f.read(), "90a")), "loading the probe")
+    bad = 0
+    for name, (N, K, a_mn, b_mn) in VARIANTS.items():
+        a, b, A, B = operands(N, K, a_mn, b_mn, seed=len(name))
+        c = nc.DeviceArray((64, N))
+        c.fill_bits(0x7FC00000)                              # NaN: what the kernel does not write shows
+        da, db = nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
+        shared = (64 + N) * 2 * K + 1024
+        f = check(cu.cuModuleGetFunction(module, name.encode()), name)
+        check(cu.cuFuncSetAttribute(f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                    shared), "cuFuncSetAttribute")
+        args = [nc.ptr_arg(c), nc.ptr_arg(da), nc.ptr_arg(db), nc.int_arg(K)]
+        params = (ctypes.c_void_p * 4)(*[ctypes.addressof(x) for x in args])
+        gpu.last_kernel = name
+        check(cu.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, shared, gpu.stream, ctypes.addressof(params), 0), name)
+        gpu.sync()
+        err = np.abs(c.download() - A @ B)
+        ratio = np.nanmax(err / fp32_bound(A, B)) if np.isfinite(err).all() else np.inf
+        ok = ratio <= ROOM
+        bad += not ok
+        print(f"{name:<40} N {N:3} K {K:3}  max error {np.max(err):9.2e}  / fp32 bound {ratio:8.2f}  "
+              f"{'OK' if ok else 'NOT OK'}", flush=True)
+    print("all OK" if not bad else f"{bad} of {len(VARIANTS)} NOT OK")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""
+Hopper's warpgroup MMA (wgmma.mma_async, sm_90a) on tools/emulate_cuda.py's CPU emulator:
+dev/variants/wgmma_probe.cu's one-warpgroup products c (64, N) = a @ b, bf16 operands read from
+shared memory through matrix descriptors (no swizzle, 32-, 64- and 128-byte swizzles; K-major and
+MN-major operands; N = 64 and 128), against numpy in float64, within the error of summing in fp32.
+A wrong accumulator layout, descriptor field, stride or swizzle in the emulator gives errors of the
+size of the products themselves (`python tools/mutate.py --set wgmma` puts such bugs in). The same
+probe runs on a GPU with `python dev/variants/wgmma_probe.py`.
+"""
+
+import ctypes
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROBE = os.path.join(HERE, "dev", "variants", "wgmma_probe.cu")
+_spec = importlib.util.spec_from_file_location("wgmma_probe", os.path.join(HERE, "dev", "variants", "wgmma_probe.py"))
+probe_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(probe_script)
+# the variants and their operands, as the GPU script runs them
+VARIANTS, bf16_bits, operands, fp32_bound = (probe_script.VARIANTS, probe_script.bf16_bits, probe_script.operands,
+                                             probe_script.fp32_bound)
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
+
+
+def emulator_module():
+    spec = importlib.util.spec_from_file_location("emulate_cuda", os.path.join(HERE, "tools", "emulate_cuda.py"))
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    return emulator
+
+
+def run(lib, name, a, b, N, K):
+    """the probe `name` on the emulator, one block of 128 threads -> c (64, N)"""
+    c = np.full((64, N), np.nan, np.float32)
+    args = [ctypes.c_void_p(c.ctypes.data), ctypes.c_void_p(a.ctypes.data), ctypes.c_void_p(b.ctypes.data),
+            ctypes.c_int(K)]
+    params = (ctypes.c_void_p * 4)(*[ctypes.addressof(x) for x in args])
+    launch = lib.emu_launch(lib.emu_kernel(name.encode()), 1, 1, 1, 128, params)
+    fault = lib.emu_run(launch)
+    lib.emu_free(launch)
+    assert not fault, f"{name} read or wrote outside its arrays"
+    return c
+
+
+@pytest.fixture(scope="module")
+def probe():
+    emulator = emulator_module()
+    return emulator.load(PROBE, select=lambda text: emulator.without_helpers(text, emulator.WGMMA_HELPERS))
+
+
+@needs_gxx
+@pytest.mark.parametrize("name", VARIANTS)
+def test_wgmma_probe_on_the_emulator_against_float64(probe, name):
+    N, K, a_mn, b_mn = VARIANTS[name]
+    a, b, A, B = operands(N, K, a_mn, b_mn, seed=len(name))
+    c = run(probe, name, a, b, N, K)
+    ref = A @ B
+    assert np.all(np.abs(c - ref) <= fp32_bound(A, B)), (name, np.nanmax(np.abs(c - ref)))
+
+
+@needs_gxx
+def test_each_accumulator_lands_on_its_own_row_and_column(probe):
+    # c[i, j] = 64 i + j exactly (a's rows (i, 1, 0, ...), b's rows (64, j, 0, ...)): a register the
+    # emulator puts in the wrong place is named by where it went
+    N, K = 64, 64
+    a, b = np.zeros((64, K), np.float32), np.zeros((N, K), np.float32)
+    a[:, 0], a[:, 1] = np.arange(64), 1
+    b[:, 0], b[:, 1] = 64, np.arange(N)
+    c = run(probe, "wgmma_n64_interleave_ak_bk", bf16_bits(a), bf16_bits(b), N, K)
+    want = 64 * np.arange(64)[:, None] + np.arange(N)[None, :]
+    wrong = [(i, j, c[i, j]) for i, j in zip(*np.nonzero(c != want))]
+    assert not wrong, f"{len(wrong)} elements wrong, the first (row, column, value): {wrong[:4]}"
+
+
+@needs_gxx
+def test_a_thread_that_waits_for_no_wgmma_is_refused_by_name(tmp_path):
+    # a warpgroup that exits with its wgmma in flight fails the launch, named (in a process of its own:
+    # the emulator aborts)
+    text = open(PROBE).read().replace("    wgmma_wait<0>();\n    fence_registers", "    fence_registers")
+    (tmp_path / "unwaited.cu").write_text(text)
+    code = f"""
+import sys
+sys.path.insert(0, {HERE!r})
+import test_wgmma as t
+emulator = t.emulator_module()
+lib = emulator.load({str(tmp_path / "unwaited.cu")!r}, cache_dir={str(tmp_path)!r},
+                    select=lambda text: emulator.without_helpers(text, emulator.WGMMA_HELPERS))
+a, b, _, _ = t.operands(64, 64, False, False, 0)
+t.run(lib, "wgmma_n64_interleave_ak_bk", a, b, 64, 64)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)
+    assert r.returncode != 0 and b"a thread exits with a wgmma not waited for" in r.stderr, r.stderr[-2000:]
+
+
+def test_the_probe_compiles_for_sm_90a_with_nvrtc():
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    cubin = nc.nvrtc_compile("wgmma_probe.cu", open(PROBE).read(), "90a")
+    for name in VARIANTS:
+        assert name.encode() in cubin, name                 # extern "C": the name is in the CUBIN
