@@ -680,7 +680,7 @@ def test_every_mutant_of_tools_mutate_still_applies():
     # the emulator's warpgroup MMA (--set wgmma, against test_wgmma.py): each text once in tools/emulate_cuda.py
     wgmma = mutate.WGMMA_MUTATIONS
     emulator = open(os.path.join(here, "tools", "emulate_cuda.py")).read()
-    assert len(wgmma) == 12
+    assert len(wgmma) == 13
     assert {name: emulator.count(old) for name, f, old, _, _ in wgmma if f != mutate.EMULATOR or
             emulator.count(old) != 1} == {}
     assert all(old != new for _, _, old, new, _ in wgmma)

@@ -2,7 +2,8 @@
 Hopper's warpgroup MMA (wgmma.mma_async, sm_90a) on tools/emulate_cuda.py's CPU emulator:
 dev/variants/wgmma_probe.cu's one-warpgroup products c (64, N) = a @ b, bf16 operands read from
 shared memory through matrix descriptors (no swizzle, 32-, 64- and 128-byte swizzles; K-major and
-MN-major operands; N = 64 and 128), against numpy in float64, within the error of summing in fp32.
+MN-major operands, or a from registers; N = 64 and 128; two groups waited for one at a time), against
+numpy in float64, within the error of summing in fp32.
 A wrong accumulator layout, descriptor field, stride or swizzle in the emulator gives errors of the
 size of the products themselves (`python tools/mutate.py --set wgmma` puts such bugs in). The same
 probe runs on a GPU with `python dev/variants/wgmma_probe.py`.
@@ -81,23 +82,27 @@ def test_each_accumulator_lands_on_its_own_row_and_column(probe):
 
 
 @needs_gxx
-def test_a_thread_that_waits_for_no_wgmma_is_refused_by_name(tmp_path):
-    # a warpgroup that exits with its wgmma in flight fails the launch, named (in a process of its own:
-    # the emulator aborts)
-    text = open(PROBE).read().replace("    wgmma_wait<0>();\n    fence_registers", "    fence_registers")
-    (tmp_path / "unwaited.cu").write_text(text)
+@pytest.mark.parametrize("old, new, refusal", [
+    ("    wgmma_wait<0>();\n    fence_registers", "    fence_registers", "a thread exits with a wgmma not waited for"),
+    ("    wgmma_fence();\n", "", "a wgmma.mma_async with no wgmma.fence since the thread last waited")])
+def test_what_a_gpu_leaves_undefined_is_refused_by_name(tmp_path, old, new, refusal):
+    # the probe without its wait, or without its fence: the launch fails, named (in a process of its own: the
+    # emulator aborts)
+    text = open(PROBE).read()
+    assert text.count(old) == 1
+    (tmp_path / "broken.cu").write_text(text.replace(old, new))
     code = f"""
 import sys
 sys.path.insert(0, {HERE!r})
 import test_wgmma as t
 emulator = t.emulator_module()
-lib = emulator.load({str(tmp_path / "unwaited.cu")!r}, cache_dir={str(tmp_path)!r},
+lib = emulator.load({str(tmp_path / "broken.cu")!r}, cache_dir={str(tmp_path)!r},
                     select=lambda text: emulator.without_helpers(text, emulator.WGMMA_HELPERS))
 a, b, _, _ = t.operands(64, 64, False, False, 0)
 t.run(lib, "wgmma_n64_interleave_ak_bk", a, b, 64, 64)
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)
-    assert r.returncode != 0 and b"a thread exits with a wgmma not waited for" in r.stderr, r.stderr[-2000:]
+    assert r.returncode != 0 and refusal.encode() in r.stderr, r.stderr[-2000:]
 
 
 def test_the_probe_compiles_for_sm_90a_with_nvrtc():

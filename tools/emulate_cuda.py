@@ -310,11 +310,12 @@ template <int N> static void cp_async_wait() {}
 // ---- Hopper's warpgroup MMA (WGMMA_HELPERS: wgmma.mma_async from shared memory, sm_90a), as the PTX ISA defines it
 // A warpgroup is 4 warps, threads 128 g .. 128 g + 127. wgmma_bf16<N> computes d (64 x N, fp32, spread over the
 // warpgroup's registers) = a (64 x 16) b (16 x N) (+ d), bf16 a and b read from shared memory through matrix
-// descriptors. It is asynchronous: here each thread queues it, and it is done when wgmma.wait_group lets it be (the
-// latest a GPU may finish it), by the last thread of the warpgroup to arrive there, for all 128: an operand
-// overwritten, or an accumulator read, before the wait gives a wrong result. What a GPU leaves undefined fails,
-// named: a wgmma with no wgmma.fence since the thread last waited, shapes or descriptors that differ between the
-// warpgroup's threads, an operand outside dynamic shared memory, a thread that exits with a wgmma in flight.
+// descriptors (wgmma_bf16_rs: a from registers). It is asynchronous: here each thread queues it, and it is done
+// when wgmma.wait_group lets it be (the latest a GPU may finish it), by the last thread of the warpgroup to arrive
+// there, for all 128: an operand overwritten, or an accumulator read, before the wait gives a wrong result. What
+// a GPU leaves undefined fails, named: a wgmma with no wgmma.fence since the thread last waited, shapes or
+// descriptors that differ between the warpgroup's threads, an operand outside dynamic shared memory, a thread
+// that exits with a wgmma in flight.
 static void emu_fail(const char* what) {
     fprintf(stderr, "emulator: %s (thread %u of block %u)\n", what, threadIdx.x, blockIdx.x);
     abort();
@@ -361,7 +362,7 @@ static unsigned emu_wgmma_address(unsigned long long desc, int mn, int k, bool m
                      : start + mn / 8 * sbo + mn % 8 * 16 * chunks + k * 2;
     return a ^ (a >> 7 & (chunks - 1)) << 4;
 }
-struct EmuWgmma { float* d; unsigned long long a, b; int n, scale_d, trans_a, trans_b; };
+struct EmuWgmma { float* d; unsigned long long a, b; int n, scale_d, trans_a, trans_b; unsigned ra[4]; };
 static const int EMU_WGMMA_QUEUE = 64;
 static EmuWgmma emu_wgmma_ops[1024][EMU_WGMMA_QUEUE];    // by thread: issued, not yet done, in order
 static int emu_wgmma_issued[1024], emu_wgmma_groups[1024], emu_wgmma_keep[1024];
@@ -377,16 +378,25 @@ static void emu_wgmma_exit() {
     if (emu_wgmma_issued[t] || emu_wgmma_groups[t]) emu_fail("a thread exits with a wgmma not waited for");
     if (wg_arrived[t / 128]) emu_fail("a thread exits while its warpgroup waits at wgmma.wait_group");
 }
-// m64nNk16 accumulators: register i of thread t holds row 16 (warp in group) + t % 32 / 4 (+ 8 for i % 4 >= 2),
-// column 8 (i / 4) + 2 (t % 4) + i % 2 (mma.sync's m16n8 fragment, one per 8 columns, a warp per 16 rows)
-static void emu_wgmma_run(const EmuWgmma& op, unsigned t) {
+// element (row, k) of a: from shared memory, or (trans_a 2) from the registers of the warp's lanes, as mma.sync's
+// m16n8k16 a fragment: register j of lane l holds row l / 4 (+ 8 for odd j), k 2 (l % 4), +1 (+ 8 for j >= 2)
+static float emu_wgmma_a(int j, unsigned t, int row, int k) {
+    const EmuWgmma& op = emu_wgmma_ops[t][j];
+    if (op.trans_a != 2) return emu_shared_bf16(emu_wgmma_address(op.a, row, k, op.trans_a));
+    unsigned r = emu_wgmma_ops[t - t % 32 + row % 8 * 4 + k % 8 / 2][j].ra[row % 16 / 8 + 2 * (k / 8)];
+    return k % 2 ? emu_hi(r) : emu_lo(r);
+}
+// wgmma j of thread t. m64nNk16 accumulators: register i of thread t holds row 16 (warp in group) + t % 32 / 4
+// (+ 8 for i % 4 >= 2), column 8 (i / 4) + 2 (t % 4) + i % 2 (mma.sync's m16n8 fragment, one per 8 columns, a
+// warp per 16 rows)
+static void emu_wgmma_run(int j, unsigned t) {
+    const EmuWgmma& op = emu_wgmma_ops[t][j];
     int w = t % 128 / 32, g = t % 32 / 4, q = t % 4;
     for (int i = 0; i < op.n / 2; i++) {
         int row = 16 * w + g + 8 * (i / 2 % 2), col = 8 * (i / 4) + 2 * q + i % 2;
         float s = op.scale_d ? op.d[i] : 0.0f;
         for (int k = 0; k < 16; k++)
-            s += emu_shared_bf16(emu_wgmma_address(op.a, row, k, op.trans_a)) *
-                 emu_shared_bf16(emu_wgmma_address(op.b, col, k, op.trans_b));
+            s += emu_wgmma_a(j, t, row, k) * emu_shared_bf16(emu_wgmma_address(op.b, col, k, op.trans_b));
         op.d[i] = s;
     }
 }
@@ -406,7 +416,7 @@ static void emu_wgmma_done(int g) {
         if (!same) emu_fail("the threads of a warpgroup differ in their wgmma (descriptors, shapes, groups or waits)");
     }
     for (unsigned t = t0; t < t0 + 128; t++) {
-        for (int j = 0; j < ops; j++) emu_wgmma_run(emu_wgmma_ops[t][j], t);
+        for (int j = 0; j < ops; j++) emu_wgmma_run(j, t);
         for (int j = ops; j < issued; j++) emu_wgmma_ops[t][j - ops] = emu_wgmma_ops[t][j];
         for (int j = finished; j < groups; j++) emu_wgmma_group_end[t][j - finished] = emu_wgmma_group_end[t][j] - ops;
         emu_wgmma_issued[t] -= ops, emu_wgmma_groups[t] -= finished;
@@ -418,13 +428,21 @@ static void emu_wgmma_check_group() {
 }
 static void fence_proxy_async() {}                       // memory order is not emulated
 static void wgmma_fence() { emu_wgmma_fenced[threadIdx.x] = true; }
-template <int N, int TRANS_A, int TRANS_B>
-static void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+static void emu_wgmma_issue(const EmuWgmma& op) {
     unsigned t = threadIdx.x;
     emu_wgmma_check_group();
     if (!emu_wgmma_fenced[t]) emu_fail("a wgmma.mma_async with no wgmma.fence since the thread last waited");
     if (emu_wgmma_issued[t] == EMU_WGMMA_QUEUE) emu_fail("more wgmma in flight than the emulator keeps (64)");
-    emu_wgmma_ops[t][emu_wgmma_issued[t]++] = EmuWgmma{d, a, b, N, scale_d, TRANS_A, TRANS_B};
+    emu_wgmma_ops[t][emu_wgmma_issued[t]++] = op;
+}
+template <int N, int TRANS_A, int TRANS_B>
+static void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+    emu_wgmma_issue(EmuWgmma{d, a, b, N, scale_d, TRANS_A, TRANS_B, {}});
+}
+// a from the 4 registers of mma.sync's a fragment (their values taken at issue: the GPU's may be read later)
+template <int N, int TRANS_B>
+static void wgmma_bf16_rs(float* d, const unsigned* a, unsigned long long b, int scale_d) {
+    emu_wgmma_issue(EmuWgmma{d, 0, b, N, scale_d, 2, TRANS_B, {a[0], a[1], a[2], a[3]}});
 }
 static void wgmma_commit() {
     unsigned t = threadIdx.x;
@@ -556,7 +574,8 @@ def without_helpers(text, names=TENSOR_CORE_HELPERS):
 
 # the helpers of a kernel file that uses Hopper's warpgroup MMA (dev/variants/wgmma_probe.cu) whose inline PTX
 # (wgmma, its fence, commit and wait, fence.proxy.async) the emulator's header defines in C++ instead
-WGMMA_HELPERS = ("shared_address", "fence_proxy_async", "wgmma_fence", "wgmma_bf16", "wgmma_commit", "wgmma_wait")
+WGMMA_HELPERS = ("shared_address", "fence_proxy_async", "wgmma_fence", "wgmma_bf16", "wgmma_bf16_rs", "wgmma_commit",
+                 "wgmma_wait")
 
 
 # the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it
@@ -748,7 +767,7 @@ class Driver:
         return (0,)
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        assert by == bz == 1 and shared <= 64 * 1024
+        assert by == bz == 1 and shared <= 227 * 1024            # emu_dynamic_shared
         return self.launch(f, (gx, gy, gz), bx, params)
 
     def cuLaunchKernelEx(self, config, f, params, extra):

@@ -366,6 +366,8 @@ WGMMA_MUTATIONS = [
     ("wgmma: scale-d ignored", EMULATOR, "float s = op.scale_d ? op.d[i] : 0.0f;", "float s = op.d[i];", ""),
     ("wgmma: wait_group N leaves N + 1 groups", EMULATOR, "finished = max(groups - keep, 0)",
      "finished = max(groups - keep - 1, 0)", ""),
+    ("wgmma: register a's rows and k halves swapped", EMULATOR, ".ra[row % 16 / 8 + 2 * (k / 8)];",
+     ".ra[row % 16 / 8 * 2 + k / 8];", ""),
 ]
 SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"]),
         "kernels": (KERNEL_MUTATIONS, ["test_cuda_pipeline.py"]),

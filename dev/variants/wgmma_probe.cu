@@ -5,9 +5,9 @@ product: nanoeuler_cuda.MODULES does not list it). One warpgroup (4 warps, 128 t
     c (64, N) fp32 = a (64, K) @ b (K, N),   a and b bf16, summed in fp32
 
 with K / 16 wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16, both operands read from shared
-memory through matrix descriptors, N = 64 or 128. wgmma exists on sm_90a alone (the 'a' target:
-Hopper's own instructions), so dev/variants/wgmma_probe.py compiles this file with NVRTC for
-"90a" itself; the CPU emulator (tools/emulate_cuda.py, WGMMA_HELPERS) runs it too, and
+memory through matrix descriptors (or a from registers), N = 64 or 128. wgmma exists on sm_90a
+alone (the 'a' target: Hopper's own instructions), so dev/variants/wgmma_probe.py compiles this
+file with NVRTC for "90a" itself; the CPU emulator (tools/emulate_cuda.py, WGMMA_HELPERS) runs it too, and
 test_wgmma.py compares the emulator with numpy.
 
 How the work is split: the 128 threads copy a and b into shared memory, 16 bytes at a time, in
@@ -18,7 +18,9 @@ issues it with the same descriptors, and thread t receives N / 2 accumulators of
 fragment, one per 8 columns, a warp per 16 rows).
 
 The global arrays are row-major:
-  a: (64, K), "K-major" (A_MN = 0), or (K, 64), "M-major" (A_MN = 1; then c = a.T @ b)
+  a: (64, K), "K-major" (A_MN = 0), or (K, 64), "M-major" (A_MN = 1; then c = a.T @ b), or
+     (64, K) read into registers as mma.sync's a fragments (A_MN = 2; wgmma's other form, a from
+     registers: what FlashAttention-3 does for p v, p being in registers already)
   b: (N, K), "K-major" (B_MN = 0; then c = a @ b.T), or (K, N), "N-major" (B_MN = 1)
 In attention, s = q k.T has both operands K-major and o = p v has v N-major.
 
@@ -67,6 +69,36 @@ __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsig
                      : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
     else
         static_assert(N == 64 || N == 128, "wgmma_bf16: N is 64 or 128 here");
+#undef D8
+}
+
+// the same with a from registers: a[0..3] this thread's part of a (64 x 16) as mma.sync's m16n8k16 a fragment
+// (in each warp's 16 rows: register j holds row t % 32 / 4 (+ 8 for odd j), k 2 (t % 4) and the next (+ 8 for
+// j >= 2), the lower k in the lower half); not to be written until the wgmma is waited for
+template <int N, int B_MN>
+__device__ __forceinline__ void wgmma_bf16_rs(float* d, const unsigned* a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    if constexpr (N == 64)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(B_MN));
+    else if constexpr (N == 128)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(B_MN));
+    else
+        static_assert(N == 64 || N == 128, "wgmma_bf16_rs: N is 64 or 128 here");
 #undef D8
 }
 
@@ -164,21 +196,41 @@ __device__ void store_accumulators(float* c, const float* d, bool add) {
     }
 }
 
+// the wgmma of the 16 k from k0: a from its tile, or (A_MN 2) from this thread's registers ra[k0 / 16]
+template <int N, int SWIZZLE, int A_MN, int B_MN>
+__device__ __forceinline__ void issue(float* d, const unsigned short* as, const unsigned (*ra)[4],
+                                      const unsigned short* bs, int K, int k0, int scale_d) {
+    unsigned long long b = operand_descriptor<SWIZZLE, B_MN>(bs, N, K, k0);
+    if constexpr (A_MN == 2)
+        wgmma_bf16_rs<N, B_MN>(d, ra[k0 / 16], b, scale_d);
+    else
+        wgmma_bf16<N, A_MN, B_MN>(d, operand_descriptor<SWIZZLE, A_MN>(as, 64, K, k0), b, scale_d);
+}
+
 // c (64, N) = a @ b as the header says; one block of 128 threads; K a multiple of 16 (of SWIZZLE / 2 when
 // an operand is K-major and swizzled); dynamic shared memory (64 + N) 2 K bytes + 1024 (to align the tiles).
 // GROUPS 2: the first half of K into d and the second into e, a group of wgmma each, d read once
-// wait_group 1 has let the first group finish, e after wait_group 0 (as a pipelined loop waits)
+// wait_group 1 has let the first group finish, e after wait_group 0 (as a pipelined loop waits).
+// A_MN 2: a (64, K) K-major, K <= 64, read from global memory into registers, not staged
 template <int N, int SWIZZLE, int A_MN, int B_MN, int GROUPS>
 __device__ void wgmma_probe(float* c, const unsigned short* a, const unsigned short* b, int K) {
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char* tiles = smem + (1024 - shared_address(smem) % 1024) % 1024;
     unsigned short* as = (unsigned short*)tiles;                  // 64 x K
     unsigned short* bs = (unsigned short*)(tiles + 128 * K);      // N x K, a multiple of 1024 bytes on
-    stage<SWIZZLE, A_MN>(as, a, 64, K);
+    if constexpr (A_MN != 2) stage<SWIZZLE, A_MN>(as, a, 64, K);
     stage<SWIZZLE, B_MN>(bs, b, N, K);
     fence_proxy_async();
     __syncthreads();
 
+    unsigned ra[4][4];                                            // A_MN 2: a's fragments, 16 k each
+    if constexpr (A_MN == 2)
+        for (int k0 = 0; k0 < K; k0 += 16)
+            for (int j = 0; j < 4; j++) {
+                int row = 16 * (threadIdx.x / 32) + threadIdx.x % 32 / 4 + 8 * (j % 2);
+                int k = k0 + 2 * (threadIdx.x % 4) + 8 * (j / 2);
+                ra[k0 / 16][j] = a[row * K + k] | (unsigned)a[row * K + k + 1] << 16;
+            }
     float d[N / 2], e[N / 2];
     for (int i = 0; i < N / 2; i++)                               // NaN: the first wgmma must not add it
         d[i] = e[i] = __int_as_float(0x7fc00000);
@@ -186,14 +238,10 @@ __device__ void wgmma_probe(float* c, const unsigned short* a, const unsigned sh
     if constexpr (GROUPS == 2) fence_registers<N / 2>(e);
     wgmma_fence();
     int half = GROUPS == 2 ? K / 2 : K;
-    for (int k0 = 0; k0 < half; k0 += 16)
-        wgmma_bf16<N, A_MN, B_MN>(d, operand_descriptor<SWIZZLE, A_MN>(as, 64, K, k0),
-                                  operand_descriptor<SWIZZLE, B_MN>(bs, N, K, k0), k0 > 0);
+    for (int k0 = 0; k0 < half; k0 += 16) issue<N, SWIZZLE, A_MN, B_MN>(d, as, ra, bs, K, k0, k0 > 0);
     wgmma_commit();
     if constexpr (GROUPS == 2) {
-        for (int k0 = half; k0 < K; k0 += 16)
-            wgmma_bf16<N, A_MN, B_MN>(e, operand_descriptor<SWIZZLE, A_MN>(as, 64, K, k0),
-                                      operand_descriptor<SWIZZLE, B_MN>(bs, N, K, k0), k0 > half);
+        for (int k0 = half; k0 < K; k0 += 16) issue<N, SWIZZLE, A_MN, B_MN>(e, as, ra, bs, K, k0, k0 > half);
         wgmma_commit();
         wgmma_wait<1>();
         fence_registers<N / 2>(d);
@@ -206,7 +254,8 @@ __device__ void wgmma_probe(float* c, const unsigned short* a, const unsigned sh
 }
 
 // the variants test_wgmma.py and wgmma_probe.py run, by name: N, the swizzle (interleave: none), a and b
-// K-major (ak, bk) or MN-major (am, bn); written out, as the emulator finds its entry points in the text
+// K-major (ak, bk) or MN-major (am, bn), a from registers (ar); written out, as the emulator finds its entry
+// points in the text
 extern "C" __global__ void __launch_bounds__(128) wgmma_n64_interleave_ak_bk(float* c, const unsigned short* a,
                                                                              const unsigned short* b, int K) {
     wgmma_probe<64, 0, 0, 0, 1>(c, a, b, K);
@@ -247,4 +296,14 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_n64_interleave_ak_bk_two
                                                                                        const unsigned short* b,
                                                                                        int K) {
     wgmma_probe<64, 0, 0, 0, 2>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n64_sw128_ar_bn(float* c, const unsigned short* a,
+                                                                        const unsigned short* b, int K) {
+    wgmma_probe<64, 128, 2, 1, 1>(c, a, b, K);
+}
+
+extern "C" __global__ void __launch_bounds__(128) wgmma_n128_interleave_ar_bk(float* c, const unsigned short* a,
+                                                                              const unsigned short* b, int K) {
+    wgmma_probe<128, 0, 2, 0, 1>(c, a, b, K);
 }

@@ -37,7 +37,7 @@ def from_bf16(bits):
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-# name: (N, K, a M-major, b N-major); as the probe's entry points are named
+# name: (N, K, a M-major, b N-major); as the probe's entry points are named (ar: a K-major, into registers)
 VARIANTS = {"wgmma_n64_interleave_ak_bk": (64, 64, False, False),
             "wgmma_n64_interleave_ak_bn": (64, 64, False, True),
             "wgmma_n128_interleave_am_bn": (128, 48, True, True),
@@ -45,7 +45,9 @@ VARIANTS = {"wgmma_n64_interleave_ak_bk": (64, 64, False, False),
             "wgmma_n128_sw128_ak_bn": (128, 64, False, True),
             "wgmma_n64_sw64_am_bk": (64, 64, True, False),
             "wgmma_n128_sw32_am_bn": (128, 32, True, True),
-            "wgmma_n64_interleave_ak_bk_two_groups": (64, 64, False, False)}
+            "wgmma_n64_interleave_ak_bk_two_groups": (64, 64, False, False),
+            "wgmma_n64_sw128_ar_bn": (64, 64, False, True),
+            "wgmma_n128_interleave_ar_bk": (128, 48, False, False)}
 
 
 def operands(N, K, a_mn, b_mn, seed):
