@@ -1856,12 +1856,12 @@ def plot_log(csv_path, out=print):
 def cmd_plot(args):
     """log.svg (and log.png) of a run folder or a log.csv, drawn again"""
     csv_path = os.path.join(args.run, "log.csv") if os.path.isdir(args.run) else args.run
-    if not os.path.isfile(csv_path):
-        raise NanoEulerError(f"{csv_path or repr('')} is not there; give a run folder (like out/small) or its log.csv")
+    advice = "give a run folder (like out/small) or its log.csv"
+    if not os.path.exists(need_file(csv_path, "a run's log.csv", advice, absent=True)):   # a pipe, a device: said
+        raise NanoEulerError(f"{csv_path or repr('')} is not there; {advice}")
     with open(csv_path, encoding="utf-8", errors="replace") as f:
         if f.readline() != LOG_HEADER:                   # a run writes it first, atomically (RunFolder.begin)
-            raise NanoEulerError(f"{csv_path} is not a run's log (its first line is not log.csv's header); "
-                                 "give a run folder (like out/small) or its log.csv")
+            raise NanoEulerError(f"{csv_path} is not a run's log (its first line is not log.csv's header); {advice}")
         if not any(log_row(line) for line in f):
             raise NanoEulerError(f"{csv_path} holds no step yet; plot it once the run has logged one")
     plot_log(csv_path)

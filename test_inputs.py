@@ -707,6 +707,18 @@ def test_a_corpus_that_is_a_pipe_or_a_device_is_named_so(tmp_path, fifo):
         assert f"{path} is not a text file (it is a device, a pipe or a socket)" in last
 
 
+def test_plot_of_a_pipe_a_device_or_a_folder_says_what_it_is(tmp_path, fifo):
+    # it said "/dev/null is not there", which is false; a path with nothing there still is
+    (tmp_path / "run" / "log.csv").mkdir(parents=True)
+    for path, says in ((fifo, "is not a run's log.csv (it is a device, a pipe or a socket)"),
+                       (os.devnull, "is not a run's log.csv (it is a device, a pipe or a socket)"),
+                       (str(tmp_path / "run"), "is a folder, not a run's log.csv"),
+                       (str(tmp_path / "none"), "is not there")):
+        named = os.path.join(path, "log.csv") if path.endswith("run") else path
+        last = assert_one_sentence(run("nanoeuler.py", "plot", path))
+        assert last == f"error: {named} {says}; give a run folder (like out/small) or its log.csv", last
+
+
 def test_sft_data_that_is_a_folder_is_named_so(model, tmp_path, capsys):
     msg = sft_error(model, str(tmp_path), tmp_path, capsys)
     assert f"{tmp_path} is a folder, not a file of instructions" in msg
