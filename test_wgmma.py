@@ -28,14 +28,18 @@ _spec.loader.exec_module(probe_script)
 VARIANTS, bf16_bits, operands, fp32_bound = (probe_script.VARIANTS, probe_script.bf16_bits, probe_script.operands,
                                              probe_script.fp32_bound)
 
-needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
-
 
 def emulator_module():
     spec = importlib.util.spec_from_file_location("emulate_cuda", os.path.join(HERE, "tools", "emulate_cuda.py"))
     emulator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(emulator)
     return emulator
+
+
+# the probe's helpers whose inline PTX the emulator's header defines: wgmma's, and cp.async's for the product
+HELPERS = emulator_module().WGMMA_HELPERS + ("cp_async16", "cp_async_commit", "cp_async_wait")
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
 
 
 def run(lib, name, a, b, N, K):
@@ -54,7 +58,7 @@ def run(lib, name, a, b, N, K):
 @pytest.fixture(scope="module")
 def probe():
     emulator = emulator_module()
-    return emulator.load(PROBE, select=lambda text: emulator.without_helpers(text, emulator.WGMMA_HELPERS))
+    return emulator.load(PROBE, select=lambda text: emulator.without_helpers(text, HELPERS))
 
 
 @needs_gxx
@@ -83,8 +87,10 @@ def test_each_accumulator_lands_on_its_own_row_and_column(probe):
 
 @needs_gxx
 @pytest.mark.parametrize("old, new, refusal", [
-    ("    wgmma_wait<0>();\n    fence_registers", "    fence_registers", "a thread exits with a wgmma not waited for"),
-    ("    wgmma_fence();\n", "", "a wgmma.mma_async with no wgmma.fence since the thread last waited")])
+    ("    wgmma_wait<0>();\n    fence_registers<N / 2>(d);", "    fence_registers<N / 2>(d);",
+     "a thread exits with a wgmma not waited for"),
+    ("    wgmma_fence();\n    int half", "    int half",
+     "a wgmma.mma_async with no wgmma.fence since the thread last waited")])
 def test_what_a_gpu_leaves_undefined_is_refused_by_name(tmp_path, old, new, refusal):
     # the probe without its wait, or without its fence: the launch fails, named (in a process of its own: the
     # emulator aborts)
@@ -97,7 +103,7 @@ sys.path.insert(0, {HERE!r})
 import test_wgmma as t
 emulator = t.emulator_module()
 lib = emulator.load({str(tmp_path / "broken.cu")!r}, cache_dir={str(tmp_path)!r},
-                    select=lambda text: emulator.without_helpers(text, emulator.WGMMA_HELPERS))
+                    select=lambda text: emulator.without_helpers(text, t.HELPERS))
 a, b, _, _ = t.operands(64, 64, False, False, 0)
 t.run(lib, "wgmma_n64_interleave_ak_bk", a, b, 64, 64)
 """
@@ -105,10 +111,30 @@ t.run(lib, "wgmma_n64_interleave_ak_bk", a, b, 64, 64)
     assert r.returncode != 0 and refusal.encode() in r.stderr, r.stderr[-2000:]
 
 
+@needs_gxx
+@pytest.mark.parametrize("BN", [128, 256])
+def test_the_multi_tile_product_on_the_emulator_against_float64(probe, BN):
+    # 4 steps of 64 k through the 4 stages (each reused from step 2 on), 2 x 2 or 1 x 2 blocks; c rounded to bf16
+    M, N, K = 256, 256, 256
+    rng = np.random.default_rng(BN)
+    a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(N, K)))
+    A, B = probe_script.from_bf16(a).astype(np.float64), probe_script.from_bf16(b).astype(np.float64).T
+    c = np.full((M, N), 0xFFFF, np.uint16)                            # NaN: what the kernel does not write shows
+    args = [ctypes.c_void_p(c.ctypes.data), ctypes.c_void_p(a.ctypes.data), ctypes.c_void_p(b.ctypes.data),
+            ctypes.c_int(N), ctypes.c_int(K)]
+    params = (ctypes.c_void_p * 5)(*[ctypes.addressof(x) for x in args])
+    launch = probe.emu_launch(probe.emu_kernel(f"wgmma_gemm_bn{BN}".encode()), N // BN, M // 128, 1, 256, params)
+    assert not probe.emu_run(launch)
+    probe.emu_free(launch)
+    ref = A @ B
+    err = np.abs(probe_script.from_bf16(c) - ref)
+    assert np.all(err <= fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref)), np.nanmax(err)
+
+
 def test_the_probe_compiles_for_sm_90a_with_nvrtc():
     pytest.importorskip("cuda.bindings")
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     cubin = nc.nvrtc_compile("wgmma_probe.cu", open(PROBE).read(), "90a")
-    for name in VARIANTS:
+    for name in [*VARIANTS, "wgmma_gemm_bn128", "wgmma_gemm_bn256"]:
         assert name.encode() in cubin, name                 # extern "C": the name is in the CUBIN

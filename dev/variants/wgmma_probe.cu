@@ -67,8 +67,25 @@ __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsig
                      "%64, %65, p, 1, 1, %67, %68;\n}\n"
                      : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
                      : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+    else if constexpr (N == 256)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                     "{"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "
+                     "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
+                     "%124, %125, %126, %127}, "
+                     "%128, %129, p, 1, 1, %131, %132;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56),
+                       D8(64), D8(72), D8(80), D8(88), D8(96), D8(104), D8(112), D8(120)
+                     : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
     else
-        static_assert(N == 64 || N == 128, "wgmma_bf16: N is 64 or 128 here");
+        static_assert(N == 64 || N == 128 || N == 256, "wgmma_bf16: N is 64, 128 or 256 here");
 #undef D8
 }
 
@@ -306,4 +323,95 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_n64_sw128_ar_bn(float* c
 extern "C" __global__ void __launch_bounds__(128) wgmma_n128_interleave_ar_bk(float* c, const unsigned short* a,
                                                                               const unsigned short* b, int K) {
     wgmma_probe<128, 0, 2, 0, 1>(c, a, b, K);
+}
+
+// -----------------------------------------------------------------------------
+// a product of many tiles, for a first timing against cuBLAS (not a tuned kernel)
+//
+// c (M, N) bf16 = a (M, K) @ b.T, a (M, K) and b (N, K) bf16 row-major (x @ w.T, as the model's forward
+// products), M a multiple of 128, N of BN (128 or 256), K of 64. A block of 2 warpgroups (256 threads) owns a
+// 128 x BN tile of c, warpgroup w its rows 64 w .. 64 w + 63, one m64nBNk16 accumulator (BN / 2 registers a
+// thread). K is walked 64 at a time through GEMM_STAGES shared-memory stages of a (128 x 64) and b (BN x 64),
+// K-major with the 128-byte swizzle, which all 256 threads fill by cp.async two steps ahead; a step's 4 wgmma
+// are a group, and wait_group 1 keeps it in flight while the next step starts. Without TMA, a producer
+// warpgroup, setmaxnreg or persistent blocks: what a kernel at cuBLAS's rate adds.
+
+#define GEMM_STAGES 4
+#define GEMM_BK 64
+
+// 16 bytes global -> shared without passing through registers (the emulator: copied at once)
+__device__ __forceinline__ void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>   // wait until at most N groups of copies are still in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// start copying k0 .. k0 + 63 of a's rows m0 .. m0 + 127 and b's rows n0 .. n0 + BN - 1 into a stage: row r of
+// a tile is 128 bytes, its 16-byte chunk ch at (ch ^ r % 8) (tile_offset and swizzled for K-major, 128 bytes)
+template <int BN>
+__device__ void gemm_load_stage(unsigned short* stage, const unsigned short* a, const unsigned short* b, int K,
+                                int m0, int n0, int k0) {
+    for (int i = threadIdx.x; i < (128 + BN) * 8; i += 256) {
+        int r = i / 8, ch = i % 8;
+        const unsigned short* src = r < 128 ? a + (long)(m0 + r) * K : b + (long)(n0 + r - 128) * K;
+        cp_async16(stage + r * 64 + (ch ^ r % 8) * 8, src + k0 + 8 * ch, true);
+    }
+}
+
+template <int BN>
+__device__ void wgmma_gemm(unsigned short* c, const unsigned short* a, const unsigned short* b, int N, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned short* stages = (unsigned short*)(smem + (1024 - shared_address(smem) % 1024) % 1024);
+    constexpr int STAGE = (128 + BN) * GEMM_BK;                   // bf16 a stage: a's 128 rows, then b's BN
+    int m0 = blockIdx.y * 128, n0 = blockIdx.x * BN, wg = threadIdx.x / 128, steps = K / GEMM_BK;
+    for (int s = 0; s < GEMM_STAGES - 2; s++) {
+        if (s < steps) gemm_load_stage<BN>(stages + s * STAGE, a, b, K, m0, n0, s * GEMM_BK);
+        cp_async_commit();
+    }
+    float d[BN / 2];
+    for (int kt = 0; kt < steps; kt++) {
+        cp_async_wait<GEMM_STAGES - 3>();                         // this thread's copies of step kt are in
+        fence_proxy_async();
+        __syncthreads();          // everyone's are; and both warpgroups' wgmma of step kt - 2 are done
+        int next = kt + GEMM_STAGES - 2;                          // into the stage step kt - 2 read
+        if (next < steps) gemm_load_stage<BN>(stages + next % GEMM_STAGES * STAGE, a, b, K, m0, n0, next * GEMM_BK);
+        cp_async_commit();
+        const unsigned short* as = stages + kt % GEMM_STAGES * STAGE + wg * 64 * GEMM_BK;
+        const unsigned short* bs = stages + kt % GEMM_STAGES * STAGE + 128 * GEMM_BK;
+        wgmma_fence();
+        for (int kk = 0; kk < GEMM_BK; kk += 16)
+            wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
+                                 operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>();
+    }
+    wgmma_wait<0>();
+    fence_registers<BN / 2>(d);
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    for (int i = 0; i < BN / 2; i += 2) {
+        long row = m0 + 64 * wg + 16 * w + g + 8 * (i / 2 % 2), col = n0 + 8 * (i / 4) + 2 * q;
+        *(unsigned*)(c + row * N + col) = pack_bf16(d[i], d[i + 1]);
+    }
+}
+
+// grid (N / BN, M / 128), 256 threads, dynamic shared memory GEMM_STAGES (128 + BN) 128 bytes + 1024
+extern "C" __global__ void __launch_bounds__(256) wgmma_gemm_bn128(unsigned short* c, const unsigned short* a,
+                                                                   const unsigned short* b, int N, int K) {
+    wgmma_gemm<128>(c, a, b, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(256) wgmma_gemm_bn256(unsigned short* c, const unsigned short* a,
+                                                                   const unsigned short* b, int N, int K) {
+    wgmma_gemm<256>(c, a, b, N, K);
 }

@@ -6,9 +6,13 @@ descriptors, against numpy in float64. Not part of NanoEuler.
     python dev/variants/wgmma_probe.py
 
 One line a variant: the largest error, that error over the bound of summing the K products in fp32
-(K 2^-24 |a| @ |b|), OK or NOT OK; then "all OK" or how many were not. test_wgmma.py runs the
-same variants on the CPU emulator (tools/emulate_cuda.py) with the same operands: both OK means
-the emulator lays out wgmma's accumulators and reads its descriptors and swizzles as this GPU does.
+(K 2^-24 |a| @ |b|), OK or NOT OK. Then the probe's product of
+many tiles (wgmma_gemm_bn128, _bn256: c (M, N) bf16 = a @ b.T, no TMA, not tuned) is checked the same
+way (with room for c's rounding to bf16) and timed against cuBLAS (cublasGemmEx, as Cublas.gemm calls
+it) on the big model's forward products at batch 64 x 512, in one run: median us of 20 and TFLOP/s.
+Last, "all OK" or how many were not (exit code 1). test_wgmma.py runs the same variants on the CPU emulator (tools/emulate_cuda.py) with the same
+operands: both OK means the emulator lays out wgmma's accumulators and reads its descriptors and
+swizzles as this GPU does.
 A wrong layout is off by about the size of the products (a ratio of 10^5 or more), so OK allows the
 tensor core some room over the sequential fp32 sum's bound (16 x): its order and rounding are its own.
 """
@@ -65,6 +69,76 @@ def fp32_bound(A, B):
     return A.shape[1] * 2.0 ** -24 * (np.abs(A) @ np.abs(B))
 
 
+def launch(module, name, grid, block, shared, *args):
+    cu, check = nc.cu, nc.check
+    f = check(cu.cuModuleGetFunction(module, name.encode()), name)
+    check(cu.cuFuncSetAttribute(f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
+          "cuFuncSetAttribute")
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+    nc.gpu.last_kernel = name
+    check(cu.cuLaunchKernel(f, *grid, block, 1, 1, shared, nc.gpu.stream, ctypes.addressof(params), 0), name)
+
+
+def gemm(module, BN, c, a, b, M, N, K):
+    """the probe's product c (M, N) = a @ b.T, 128 x BN tiles"""
+    launch(module, f"wgmma_gemm_bn{BN}", (N // BN, M // 128, 1), 256, 4 * (128 + BN) * 128 + 1024, nc.ptr_arg(c),
+           nc.ptr_arg(a), nc.ptr_arg(b), nc.int_arg(N), nc.int_arg(K))
+
+
+def timed(run, reps=20):
+    """median us of run() over reps, CUDA events around each, after 3 to warm up"""
+    cu, check, gpu = nc.cu, nc.check, nc.gpu
+    ev = [check(cu.cuEventCreate(0), "cuEventCreate") for _ in range(2)]
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(reps):
+        check(cu.cuEventRecord(ev[0], gpu.stream), "cuEventRecord")
+        run()
+        check(cu.cuEventRecord(ev[1], gpu.stream), "cuEventRecord")
+        gpu.sync()
+        times.append(check(cu.cuEventElapsedTime(ev[0], ev[1]), "cuEventElapsedTime") * 1000)
+    return float(np.median(times))
+
+
+# the big model's forward products at batch 64 x 512 (x @ w.T): name, M, N, K
+PRODUCTS = [("wqkv", 32768, 1280, 768), ("wo", 32768, 768, 768), ("w_gate_up", 32768, 4096, 768),
+            ("w_down", 32768, 768, 2048)]
+
+
+def check_and_time_products(module):
+    """-> whether the probe's product is within its bound; prints its check and the timings"""
+    rng = np.random.default_rng(0)
+    M, N, K = 512, 768, 768
+    a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(N, K)))
+    A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64).T
+    ref, ok = A @ B, True
+    da, db = nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
+    for BN in (128, 256):
+        c = nc.DeviceArray((M, N), np.uint16)
+        c.fill_bits(0xFFFF)                                    # NaN: what the kernel does not write shows
+        gemm(module, BN, c, da, db, M, N, K)
+        nc.gpu.sync()
+        err = np.abs(from_bf16(c.download()) - ref)
+        ratio = np.nanmax(err / (fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref))) if np.isfinite(err).all() else np.inf
+        ok &= ratio <= ROOM
+        print(f"{'wgmma_gemm_bn%d' % BN:<40} {M} x {N} x {K}  max error {np.max(err):9.2e}  / bound {ratio:8.2f}  "
+              f"{'OK' if ratio <= ROOM else 'NOT OK'}", flush=True)
+    nc.gpu.precision, nc.gpu.cublas = "bf16", nc.Cublas(nc.gpu.stream)
+    print(f"{'product':<10} {'M x N x K':>18} {'cuBLAS':>16} {'wgmma 128x128':>18} {'wgmma 128x256':>18}")
+    for name, M, N, K in PRODUCTS:
+        a = nc.to_gpu(bf16_bits(rng.normal(size=(M, K))), np.uint16)
+        b = nc.to_gpu(bf16_bits(rng.normal(size=(N, K))), np.uint16)
+        c = nc.DeviceArray((M, N), np.uint16)
+        flop = 2 * M * N * K
+        us = [timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_b=True))]
+        us += [timed(lambda BN=BN: gemm(module, BN, c, a, b, M, N, K)) for BN in (128, 256)]
+        print(f"{name:<10} {f'{M} x {N} x {K}':>18} " + " ".join(f"{u:8.1f} us {flop / u / 1e6:4.0f}" for u in us),
+              flush=True)
+    print("(us a call, median of 20; TFLOP/s)")
+    return ok
+
+
 def start_gpu():
     """a context and stream on GPU 0, as nanoeuler_cuda.GPU makes them, without compiling its kernels"""
     nc.count_gpus()
@@ -99,14 +173,8 @@ def main():
         c = nc.DeviceArray((64, N))
         c.fill_bits(0x7FC00000)                              # NaN: what the kernel does not write shows
         da, db = nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
-        shared = (64 + N) * 2 * K + 1024
-        f = check(cu.cuModuleGetFunction(module, name.encode()), name)
-        check(cu.cuFuncSetAttribute(f, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                    shared), "cuFuncSetAttribute")
-        args = [nc.ptr_arg(c), nc.ptr_arg(da), nc.ptr_arg(db), nc.int_arg(K)]
-        params = (ctypes.c_void_p * 4)(*[ctypes.addressof(x) for x in args])
-        gpu.last_kernel = name
-        check(cu.cuLaunchKernel(f, 1, 1, 1, 128, 1, 1, shared, gpu.stream, ctypes.addressof(params), 0), name)
+        launch(module, name, (1, 1, 1), 128, (64 + N) * 2 * K + 1024, nc.ptr_arg(c), nc.ptr_arg(da), nc.ptr_arg(db),
+               nc.int_arg(K))
         gpu.sync()
         err = np.abs(c.download() - A @ B)
         ratio = np.nanmax(err / fp32_bound(A, B)) if np.isfinite(err).all() else np.inf
@@ -114,7 +182,8 @@ def main():
         bad += not ok
         print(f"{name:<40} N {N:3} K {K:3}  max error {np.max(err):9.2e}  / fp32 bound {ratio:8.2f}  "
               f"{'OK' if ok else 'NOT OK'}", flush=True)
-    print("all OK" if not bad else f"{bad} of {len(VARIANTS)} NOT OK")
+    bad += not check_and_time_products(module)
+    print("all OK" if not bad else f"{bad} NOT OK")
     sys.exit(1 if bad else 0)
 
 
