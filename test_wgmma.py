@@ -131,6 +131,32 @@ def test_the_multi_tile_product_on_the_emulator_against_float64(probe, BN):
     assert np.all(err <= fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref)), np.nanmax(err)
 
 
+@needs_gxx
+def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
+    # `python dev/variants/wgmma_probe.py` as the lead runs it on a GPU, its host code on the emulator's
+    # stand-in driver: launches, shared memory sizes, grids, the checks (small shapes; the timings are 0 here)
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    monkeypatch.setattr(nc, "cu", nc.cu)
+    monkeypatch.setattr(nc, "gpu", nc.gpu)
+    emulator = emulator_module()
+    driver = emulator.install(nc)
+    nc.gpu.arch = "90"
+    monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (0, probe), raising=False)
+    monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda f, attribute, value: (0,), raising=False)
+    monkeypatch.setattr(nc, "nvrtc_compile", lambda *args: b"")
+    monkeypatch.setattr(nc, "Cublas", lambda stream: emulator.Cublas(nc))
+    monkeypatch.setattr(probe_script, "start_gpu", lambda: nc.gpu)
+    monkeypatch.setattr(probe_script, "timed", lambda run: (run(), 1.0)[1])
+    monkeypatch.setattr(probe_script, "CHECK", (256, 256, 128))
+    monkeypatch.setattr(probe_script, "PRODUCTS", [("small", 128, 256, 64)])
+    with pytest.raises(SystemExit) as end:
+        probe_script.main()
+    out = capsys.readouterr().out
+    assert end.value.code == 0 and out.count("  OK\n") == len(VARIANTS) + 2 and out.endswith("all OK\n"), out
+
+
 def test_the_probe_compiles_for_sm_90a_with_nvrtc():
     pytest.importorskip("cuda.bindings")
     sys.path.insert(0, HERE)

@@ -101,6 +101,8 @@ def timed(run, reps=20):
     return float(np.median(times))
 
 
+CHECK = (512, 768, 768)       # M, N, K of the product checked against numpy before the timings
+
 # the big model's forward products at batch 64 x 512 (x @ w.T): name, M, N, K
 PRODUCTS = [("wqkv", 32768, 1280, 768), ("wo", 32768, 768, 768), ("w_gate_up", 32768, 4096, 768),
             ("w_down", 32768, 768, 2048)]
@@ -109,7 +111,7 @@ PRODUCTS = [("wqkv", 32768, 1280, 768), ("wo", 32768, 768, 768), ("w_gate_up", 3
 def check_and_time_products(module):
     """-> whether the probe's product is within its bound; prints its check and the timings"""
     rng = np.random.default_rng(0)
-    M, N, K = 512, 768, 768
+    M, N, K = CHECK
     a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(N, K)))
     A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64).T
     ref, ok = A @ B, True
