@@ -1,0 +1,307 @@
+/*
+A variant of flash_attn.cu's bf16 attention forward at D = 64 with Hopper's warpgroup MMA (issue 36; not
+part of the product: nanoeuler_cuda.MODULES does not list it). The same math as attention_forward_bf16:
+causal grouped-query attention, scores s = q.k of the bf16 inputs summed in fp32, an online softmax in
+base 2 with the scale folded into one fma, p rounded to bf16 on its way into p v, y = o / l rounded to
+bf16, lse = m scale + log(l) in fp32 for the backward. The same layouts: qkv16 (B, T, (Hq + 2 Hkv) 64)
+(q heads, k heads, v heads), y16 (B, T, Hq 64), lse (B, Hq, T).
+
+How the work is split: a block owns 64 query rows (one 64-row tile) of W query heads that read the same kv
+head (W a divisor of Hq / Hkv: 3 for the big model), one warpgroup (128 threads) a head, so the W
+warpgroups walk the same key tiles up to the same diagonal and share every K and V tile the block copies
+(K and V are read once for 64 W query rows). grid = (Hq / W, B, ceil(T / 64)), the last query tiles (most
+keys) first; block = 128 W threads; dynamic shared memory W 8 KB (each warpgroup's q tile) + STAGES 16 KB
+(a K and a V tile of 64 keys each) + 1 KB (to align the tiles to 1024 bytes).
+
+Each step of 64 keys, in each warpgroup:
+  s (64 x 64, fp32) = q k.T   4 wgmma m64n64k16, q and k both from shared memory ("K-major": a row of
+                              64 bf16 = 128 bytes, the 128-byte swizzle; s is 32 registers a thread)
+  online softmax on s in the accumulator layout: thread t holds rows 16 (t / 32 % 4) + t % 32 / 4 and
+                              8 below it (columns 8 j + 2 (t % 4) + 0, 1): a row's max and sum over the 4
+                              threads of a quad (two shuffles); the causal mask on the diagonal tile alone
+  o (64 x 64, fp32) += p v    4 wgmma m64n64k16 with p from registers (the accumulator layout of s,
+                              rounded to bf16 in pairs, is wgmma's register a fragment) and v from shared
+                              memory ("MN-major": a key's 64 bf16 one 128-byte row, the same swizzle)
+Q, K and V tiles are all copied the same way (row r's 16-byte chunk c at 128 r + 16 (c ^ r % 8)), by
+cp.async, every thread of the block taking part; no TMA, no producer warpgroup.
+
+Two versions (the entry points at the bottom):
+- attention_forward_wgmma_64: each wgmma waited for at once (wait_group 0), K/V copied 2 tiles ahead
+  through 3 stages: the simple one, correct first.
+- attention_forward_wgmma_overlap_64: FlashAttention-3's intra-warpgroup pipelining. The scores of the
+  next tile are issued before this tile's softmax, and this tile's p v runs while the next tile's softmax
+  does (two score accumulators, 64 registers): a warpgroup waits on its softmax chain with the tensor
+  core busy on its own products. K/V copied 2 tiles ahead through 4 stages (a V tile may still be read by
+  the p v in flight when the next copy starts).
+*/
+
+#define HD 64                 // head dim (wgmma's K of q k.T, its N of p v)
+#define ROWS 64               // query rows of a warpgroup, and keys a step (wgmma's M, and N of q k.T)
+#define TILE_BYTES 8192       // a 64 x 64 bf16 tile
+#define LOG2E 1.4426950408889634f
+#define INFINITY __int_as_float(0x7f800000)
+
+// -----------------------------------------------------------------------------
+// helpers (inline PTX; the emulator defines each in C++: tools/emulate_cuda.py, WGMMA_HELPERS and
+// TENSOR_CORE_HELPERS); as dev/variants/wgmma_probe.cu and flash_attn.cu have them
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// make this thread's generic-proxy writes to shared memory visible to wgmma's (async proxy) reads
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// order the registers' accesses before it against the wgmma after it (the warpgroup runs it together)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+// d (64 x N fp32) = a (64 x 16) b (16 x N) + (scale_d ? d : 0), a and b bf16 in shared memory by their
+// descriptors; A_MN, B_MN: a is M-major, b N-major (else both K-major)
+template <int N, int A_MN, int B_MN>
+__device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    static_assert(N == 64, "wgmma_bf16: N is 64 here");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : D8(0), D8(8), D8(16), D8(24)
+                 : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+#undef D8
+}
+
+// the same with a from registers: a[0..3] this thread's part of a (64 x 16) as mma.sync's m16n8k16 a fragment;
+// not to be written until the wgmma is waited for
+template <int N, int B_MN>
+__device__ __forceinline__ void wgmma_bf16_rs(float* d, const unsigned* a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    static_assert(N == 64, "wgmma_bf16_rs: N is 64 here");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : D8(0), D8(8), D8(16), D8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(B_MN));
+#undef D8
+}
+
+// close the group of the wgmma this thread issued since the last commit
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>   // wait until at most N groups of wgmma are still in flight
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// 16 bytes global -> shared without passing through registers; zeros when !valid
+__device__ __forceinline__ void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>   // wait until at most N groups of copies are still in flight
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// -----------------------------------------------------------------------------
+// plain C++ (the emulator runs it as it is)
+
+// keep the compiler from moving accesses to the n accumulators across a wgmma fence or wait (CUTLASS's
+// warpgroup_fence_operand): each register passes through an empty asm
+template <int n>
+__device__ __forceinline__ void fence_registers(float* d) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float quad_max(float v) {          // over the 4 threads of a row
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffff, v, 1);
+    return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+// a shared-memory matrix descriptor of a 128-byte-swizzled operand: bits 0-13 the start address >> 4, 16-29
+// the leading byte offset >> 4, 32-45 the stride byte offset >> 4 (8 rows of 128 bytes: 1024), 62-63 1
+__device__ __forceinline__ unsigned long long sw128_descriptor(unsigned address, unsigned lbo) {
+    return (address & 0x3FFFF) >> 4 | (unsigned long long)(lbo >> 4 & 0x3FFF) << 16 |
+           (unsigned long long)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// start copying rows r0 .. r0 + 63 of a row-major bf16 matrix (row stride ld, m at the head's first column;
+// zeros past T) into a 64 x 64 tile: row r's 16-byte chunk c at 128 r + 16 (c ^ r % 8), the 128-byte swizzle
+// of both of wgmma's layouts here; thread `first` of `threads` (of the block) takes every threads-th chunk
+__device__ __forceinline__ void load_tile(unsigned short* tile, const unsigned short* m, long ld, int r0, int T,
+                                          int first, int threads) {
+    for (int c = first; c < ROWS * 8; c += threads) {
+        int r = c / 8, ch = c % 8;
+        bool valid = r0 + r < T;
+        cp_async16(tile + r * 64 + (ch ^ r % 8) * 8, m + (valid ? (long)(r0 + r) * ld : 0) + ch * 8, valid);
+    }
+}
+
+// s = q k.T: 4 wgmma of 16 dims, q and k K-major (the 16 dims from kk at byte 32 kk of each 128-byte row)
+__device__ __forceinline__ void issue_scores(float* s, unsigned q, unsigned k) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+        wgmma_bf16<ROWS, 0, 0>(s, sw128_descriptor(q + 32 * kk, 16), sw128_descriptor(k + 32 * kk, 16), kk > 0);
+    wgmma_commit();
+}
+
+// o += p v: 4 wgmma of 16 keys, p[kk] from registers, v N-major (keys 16 kk .. at byte 2048 kk; the 64 dims of
+// a key one row, so the leading byte offset, between groups of 64 dims, is never used)
+__device__ __forceinline__ void issue_weighted_sum(float* o, const unsigned (*p)[4], unsigned v) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; kk++) wgmma_bf16_rs<HD, 1>(o, p[kk], sw128_descriptor(v + 2048 * kk, 8192), 1);
+    wgmma_commit();
+}
+
+// the online softmax of one step on this thread's scores s (accumulator layout, rows row0 and row0 + 8):
+// mask keys after the query on the diagonal tile (keys k0 ..), update the running max m and sum l, s <- p =
+// exp2(s scale2 - m scale2) in fp32; -> correction[r], what o's row r is to be multiplied by
+__device__ __forceinline__ void softmax_step(float* s, float* m, float* l, float* correction, int k0, int row0,
+                                             bool diagonal, float scale2) {
+    int q = threadIdx.x % 4;
+    if (diagonal)
+#pragma unroll
+        for (int i = 0; i < ROWS / 2; i++)
+            if (k0 + 8 * (i / 4) + 2 * q + i % 2 > row0 + 8 * (i / 2 % 2)) s[i] = -INFINITY;
+    float mx[2] = {m[0], m[1]}, ms[2];
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; i++) mx[i / 2 % 2] = fmaxf(mx[i / 2 % 2], s[i]);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {                                 // key 0 is in the first step: mx is finite
+        mx[r] = quad_max(mx[r]);
+        correction[r] = exp2f((m[r] - mx[r]) * scale2);           // rescale what came before
+        m[r] = mx[r];
+        ms[r] = mx[r] * scale2;
+        l[r] *= correction[r];
+    }
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; i++) {
+        s[i] = exp2f(fmaf(s[i], scale2, -ms[i / 2 % 2]));
+        l[i / 2 % 2] += s[i];
+    }
+}
+
+// p (fp32, accumulator layout) -> bf16 pairs in wgmma's register a layout, 16 keys a k-step: register j of
+// k-step kk holds row g (+ 8 for odd j), keys 16 kk + 2 (t % 4), +1 (+ 8 for j >= 2): s[8 kk + 2 j], + 1
+__device__ __forceinline__ void pack_p(unsigned (*p)[4], const float* s) {
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[kk][j] = pack_bf16(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+}
+
+__device__ __forceinline__ void scale_o(float* o, const float* correction) {
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] *= correction[i / 2 % 2];
+}
+
+// y = o / l rounded to bf16, lse = m scale + log(l), rows row0 and row0 + 8 of head h (rows past T skipped)
+__device__ __forceinline__ void store_rows(unsigned short* y16, float* lse, const float* o, const float* m, float* l,
+                                           int b, int h, int row0, int T, int Hq, float scale) {
+    int q = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + 8 * r;
+        l[r] = quad_sum(l[r]);
+        float inv = 1.0f / l[r];
+        if (row >= T) continue;
+        if (q == 0) lse[((long)b * Hq + h) * T + row] = m[r] * scale + logf(l[r]);
+        unsigned short* out = y16 + ((long)b * T + row) * Hq * HD + h * HD;
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+            *(unsigned*)(out + 8 * j + 2 * q) = pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+    }
+}
+
+// -----------------------------------------------------------------------------
+// the kernel (the header says how the work is split)
+
+template <int STAGES, bool OVERLAP>
+__device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq,
+                                        int Hkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* tiles = smem + (1024 - shared_address(smem) % 1024) % 1024;
+    int W = blockDim.x / 128, wg = threadIdx.x / 128, t = threadIdx.x % 128;
+    unsigned short* qs = (unsigned short*)(tiles + wg * TILE_BYTES);          // this warpgroup's q tile
+    unsigned short* kv = (unsigned short*)(tiles + W * TILE_BYTES);           // stage i: k at 8192 i, v after it
+    int h = blockIdx.x * W + wg, b = blockIdx.y, kvh = blockIdx.x * W / (Hq / Hkv);
+    int q0 = (gridDim.z - 1 - blockIdx.z) * ROWS;
+    int row0 = q0 + 16 * (t / 32) + t % 32 / 4;                               // this thread's rows: and + 8
+    long stride = (long)(Hq + 2 * Hkv) * HD;
+    const unsigned short* base = qkv16 + (long)b * T * stride;
+    const unsigned short *kbase = base + (Hq + kvh) * HD, *vbase = base + (Hq + Hkv + kvh) * HD;
+    int steps = q0 / ROWS + 1;                                                // causal: up to the diagonal tile
+    const float scale2 = scale * LOG2E;
+    constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;                  // tiles copied ahead of the step
+
+    load_tile(qs, base + h * HD, stride, q0, T, t, 128);
+    for (int i = 0; i < AHEAD; i++) {                                         // q with tile 0, one group a tile
+        if (i < steps) {
+            load_tile(kv + i * 2 * ROWS * HD, kbase, stride, i * ROWS, T, threadIdx.x, blockDim.x);
+            load_tile(kv + (i * 2 + 1) * ROWS * HD, vbase, stride, i * ROWS, T, threadIdx.x, blockDim.x);
+        }
+        cp_async_commit();
+    }
+    float o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, correction[2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] = 0.0f;
+    unsigned p[ROWS / 16][4];
+    unsigned qa = shared_address(qs);
+    if constexpr (!OVERLAP) {
+        float s[ROWS / 2];
+        for (int j = 0; j < steps; j++) {
+            cp_async_wait<AHEAD - 1>();                                       // this thread's copies of tile j
+            fence_proxy_async();
+            __syncthreads();              // everyone's; and every warpgroup is done with tile j - 1's stage
+            int next = j + AHEAD;
+            if (next < steps) {
+                unsigned short* st = kv + next % STAGES * 2 * ROWS * HD;
+                load_tile(st, kbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
+                load_tile(st + ROWS * HD, vbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
+            }
+            cp_async_commit();
+            unsigned ka = shared_address(kv + j % STAGES * 2 * ROWS * HD);
+            issue_scores(s, qa, ka);
+            wgmma_wait<0>();
+            fence_registers<ROWS / 2>(s);
+            softmax_step(s, m, l, correction, j * ROWS, row0, j == steps - 1, scale2);
+            pack_p(p, s);
+            scale_o(o, correction);
+            fence_registers<HD / 2>(o);
+            issue_weighted_sum(o, p, ka + TILE_BYTES);
+            wgmma_wait<0>();
+            fence_registers<HD / 2>(o);
+        }
+    }
+    store_rows(y16, lse, o, m, l, b, h, row0, T, Hq, scale);
+}
+
+// -----------------------------------------------------------------------------
+// entry points: grid (Hq / W, B, ceil(T / 64)), 128 W threads (W a divisor of Hq / Hkv, at most 3),
+// dynamic shared memory W 8192 + STAGES 16384 + 1024 bytes
+
+extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_64(unsigned short* y16, float* lse,
+                                                                           const unsigned short* qkv16, int T,
+                                                                           int Hq, int Hkv, float scale) {
+    attention_forward_wgmma<3, false>(y16, lse, qkv16, T, Hq, Hkv, scale);
+}
