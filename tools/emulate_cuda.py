@@ -415,8 +415,9 @@ static void emu_wgmma_done(int g) {
         }
         if (!same) emu_fail("the threads of a warpgroup differ in their wgmma (descriptors, shapes, groups or waits)");
     }
+    for (unsigned t = t0; t < t0 + 128; t++)                 // every thread's first: a register a is read from
+        for (int j = 0; j < ops; j++) emu_wgmma_run(j, t);  // the other lanes' queues, at the same place in each
     for (unsigned t = t0; t < t0 + 128; t++) {
-        for (int j = 0; j < ops; j++) emu_wgmma_run(j, t);
         for (int j = ops; j < issued; j++) emu_wgmma_ops[t][j - ops] = emu_wgmma_ops[t][j];
         for (int j = finished; j < groups; j++) emu_wgmma_group_end[t][j - finished] = emu_wgmma_group_end[t][j] - ops;
         emu_wgmma_issued[t] -= ops, emu_wgmma_groups[t] -= finished;

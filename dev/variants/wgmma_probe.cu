@@ -320,6 +320,13 @@ extern "C" __global__ void __launch_bounds__(128) wgmma_n64_sw128_ar_bn(float* c
     wgmma_probe<64, 128, 2, 1, 1>(c, a, b, K);
 }
 
+// a from registers in two groups, the first waited for while the second is in flight (as a p v of attention
+// runs on beside the next scores)
+extern "C" __global__ void __launch_bounds__(128) wgmma_n64_sw128_ar_bn_two_groups(float* c, const unsigned short* a,
+                                                                                   const unsigned short* b, int K) {
+    wgmma_probe<64, 128, 2, 1, 2>(c, a, b, K);
+}
+
 extern "C" __global__ void __launch_bounds__(128) wgmma_n128_interleave_ar_bk(float* c, const unsigned short* a,
                                                                               const unsigned short* b, int K) {
     wgmma_probe<128, 0, 2, 0, 1>(c, a, b, K);

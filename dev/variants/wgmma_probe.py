@@ -51,6 +51,7 @@ VARIANTS = {"wgmma_n64_interleave_ak_bk": (64, 64, False, False),
             "wgmma_n128_sw32_am_bn": (128, 32, True, True),
             "wgmma_n64_interleave_ak_bk_two_groups": (64, 64, False, False),
             "wgmma_n64_sw128_ar_bn": (64, 64, False, True),
+            "wgmma_n64_sw128_ar_bn_two_groups": (64, 64, False, True),
             "wgmma_n128_interleave_ar_bk": (128, 48, False, False)}
 
 
