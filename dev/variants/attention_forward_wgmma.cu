@@ -233,6 +233,32 @@ __device__ __forceinline__ void store_rows(unsigned short* y16, float* lse, cons
     }
 }
 
+// one step of the overlapped version, on tile j (its scores in sc, done): with NEXT, first issue the next
+// tile's scores into sn (tile j + 1 is in its stage); the softmax; wait for the previous p v (leaving the next
+// scores in flight); o rescaled, p packed, this p v issued; with NEXT, wait for the next scores (leaving this
+// p v in flight: it runs during the next step's softmax). Without NEXT (the last step: the diagonal), all of
+// it waited for.
+template <bool NEXT>
+__device__ __forceinline__ void overlapped_step(float* sc, float* sn, float* o, unsigned (*p)[4], float* m, float* l,
+                                                unsigned qa, unsigned ka, unsigned kn, int j, int row0, float scale2) {
+    float correction[2];
+    if constexpr (NEXT) {
+        fence_registers<ROWS / 2>(sn);
+        issue_scores(sn, qa, kn);
+        fence_registers<ROWS / 2>(sn);
+    }
+    softmax_step(sc, m, l, correction, j * ROWS, row0, !NEXT, scale2);
+    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the previous p v: o and p are free
+    fence_registers<HD / 2>(o);
+    pack_p(p, sc);
+    scale_o(o, correction);
+    fence_registers<HD / 2>(o);
+    issue_weighted_sum(o, p, ka + TILE_BYTES);
+    fence_registers<HD / 2>(o);
+    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the next scores (or everything)
+    if constexpr (NEXT) fence_registers<ROWS / 2>(sn);
+}
+
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
@@ -293,6 +319,47 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
             fence_registers<HD / 2>(o);
         }
     }
+    if constexpr (OVERLAP) {
+        float s0[ROWS / 2], s1[ROWS / 2];
+        // at the top of step j: tile j + 1 in (copied during step j - 1), and every warpgroup's p v of tile j - 2
+        // done (waited for in step j - 1), so tile j + 2 may go into its stage
+        auto top = [&](int j) {
+            cp_async_wait<0>();
+            fence_proxy_async();
+            __syncthreads();
+            int next = j + AHEAD;
+            if (next < steps) {
+                unsigned short* st = kv + next % STAGES * 2 * ROWS * HD;
+                load_tile(st, kbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
+                load_tile(st + ROWS * HD, vbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
+            }
+            cp_async_commit();
+        };
+        auto stage = [&](int j) { return shared_address(kv + j % STAGES * 2 * ROWS * HD); };
+        cp_async_wait<AHEAD - 1>();                                           // q and tile 0
+        fence_proxy_async();
+        __syncthreads();
+        fence_registers<ROWS / 2>(s0);
+        issue_scores(s0, qa, stage(0));
+        wgmma_wait<0>();
+        fence_registers<ROWS / 2>(s0);
+        int j = 0;
+        for (; j + 2 < steps; j += 2) {                                       // two steps: the score buffers swap
+            top(j);
+            overlapped_step<true>(s0, s1, o, p, m, l, qa, stage(j), stage(j + 1), j, row0, scale2);
+            top(j + 1);
+            overlapped_step<true>(s1, s0, o, p, m, l, qa, stage(j + 1), stage(j + 2), j + 1, row0, scale2);
+        }
+        if (j + 1 < steps) {
+            top(j);
+            overlapped_step<true>(s0, s1, o, p, m, l, qa, stage(j), stage(j + 1), j, row0, scale2);
+            top(j + 1);
+            overlapped_step<false>(s1, s0, o, p, m, l, qa, stage(j + 1), 0, j + 1, row0, scale2);
+        } else {
+            top(j);
+            overlapped_step<false>(s0, s1, o, p, m, l, qa, stage(j), 0, j, row0, scale2);
+        }
+    }
     store_rows(y16, lse, o, m, l, b, h, row0, T, Hq, scale);
 }
 
@@ -304,4 +371,11 @@ extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_64(uns
                                                                            const unsigned short* qkv16, int T,
                                                                            int Hq, int Hkv, float scale) {
     attention_forward_wgmma<3, false>(y16, lse, qkv16, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_overlap_64(unsigned short* y16, float* lse,
+                                                                                   const unsigned short* qkv16,
+                                                                                   int T, int Hq, int Hkv,
+                                                                                   float scale) {
+    attention_forward_wgmma<4, true>(y16, lse, qkv16, T, Hq, Hkv, scale);
 }

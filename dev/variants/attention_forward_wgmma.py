@@ -34,7 +34,7 @@ LAUNCHES, REPS = 20, 7            # us a call: the median of REPS runs of LAUNCH
 Y_BOUND, LSE_BOUND = 4e-3, 1e-4   # OK: relative norm of the error against float64 within these
 PRODUCT = "attention_forward_bf16_kernel_64"
 # the versions by entry point: K/V stages (the dynamic shared memory: W 8 KB + STAGES 16 KB + 1 KB)
-VERSIONS = {"attention_forward_wgmma_64": 3}
+VERSIONS = {"attention_forward_wgmma_64": 3, "attention_forward_wgmma_overlap_64": 4}
 
 
 def bf16_bits(x):
