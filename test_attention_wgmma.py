@@ -1,10 +1,11 @@
 """
 dev/variants/attention_forward_wgmma.cu (the bf16 attention forward at D = 64 with Hopper's warpgroup
-MMA, issue 36) on tools/emulate_cuda.py's CPU emulator: y and lse of each version against numpy in
-float64 at small shapes (causal, GQA, a query tile past T), within the GPU script's bounds; the same
-kernel with its causal mask or its rescale taken out is off by far more; NVRTC compiles it for sm_90a;
-and `python dev/variants/attention_forward_wgmma.py`, the lead's GPU command, runs on the emulator's
-stand-in driver (its checks and its timing table) at a small shape.
+MMA, issue 36) on tools/emulate_cuda.py's CPU emulator: y and lse of each version (simple or overlapped,
+a block a unit or persistent blocks walking several) against numpy in float64 at small shapes (causal,
+GQA, a query tile past T, an odd number of tiles), within the GPU script's bounds; the same kernel with
+its causal mask or its rescale taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps
+its wgmma asynchronous with no spills; and `python dev/variants/attention_forward_wgmma.py`, the lead's GPU
+command, runs on the emulator's stand-in driver (its checks and its timing table) at a small shape.
 """
 
 import ctypes
@@ -41,15 +42,20 @@ def load(path=KERNEL, **options):
     return emulator.load(path, select=lambda text: emulator.without_helpers(text, helpers), **options)
 
 
+SMS = 3             # the persistent versions: as many blocks (fewer than the units: each walks several)
+
+
 def run(lib, name, qkv, B, T, Hq, Hkv):
     """a version on the emulator -> y (B T, Hq D) as float32, lse (B, Hq, T); NaN where it did not write"""
     y = np.full((B * T, Hq * D), 0xFFFF, np.uint16)
     lse = np.full((B, Hq, T), np.nan, np.float32)
-    W = script.warpgroups(Hq, Hkv)
+    entry, _, persistent = script.VERSIONS[name]
+    units = script.units(B, T, Hq, Hkv)
     args = [ctypes.c_void_p(y.ctypes.data), ctypes.c_void_p(lse.ctypes.data), ctypes.c_void_p(qkv.ctypes.data),
-            ctypes.c_int(T), ctypes.c_int(Hq), ctypes.c_int(Hkv), ctypes.c_float(1 / np.sqrt(D))]
+            ctypes.c_int(B), ctypes.c_int(T), ctypes.c_int(Hq), ctypes.c_int(Hkv), ctypes.c_float(1 / np.sqrt(D))]
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
-    launch = lib.emu_launch(lib.emu_kernel(name.encode()), Hq // W, B, -(-T // 64), 128 * W, params)
+    launch = lib.emu_launch(lib.emu_kernel(entry.encode()), min(units, SMS) if persistent else units, 1, 1,
+                            128 * script.warpgroups(Hq, Hkv), params)
     fault = lib.emu_run(launch)
     lib.emu_free(launch)
     assert not fault, f"{name} read or wrote outside its arrays"
@@ -71,9 +77,11 @@ def variant():
     return load()
 
 
-# B, T, Hq, Hkv: two warpgroups a block (Hq / Hkv = 2); three (the big model's 12 / 4) and a T that ends
-# inside a query tile (rows past T not written, keys past T masked); one warpgroup a block (no GQA)
-SHAPES = [(1, 256, 2, 1), (1, 160, 3, 1), (2, 64, 1, 1)]
+# B, T, Hq, Hkv: two warpgroups a block (Hq / Hkv = 2), 2 units of 5 steps; three (the big model's 12 / 4), a T
+# that ends inside a query tile (rows past T not written, keys past T masked) and an odd number of tiles (the
+# middle one a unit by itself); one warpgroup a block (no GQA), a unit of one step a batch row; 8 units over 3
+# persistent blocks
+SHAPES = [(1, 256, 2, 1), (1, 160, 3, 1), (2, 64, 1, 1), (2, 192, 6, 2)]
 
 
 @needs_gxx
@@ -132,5 +140,23 @@ def test_the_variant_compiles_for_sm_90a_with_nvrtc():
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     cubin = nc.nvrtc_compile("attention_forward_wgmma.cu", open(KERNEL).read(), "90a")
-    for name in script.VERSIONS:
-        assert name.encode() in cubin, name                 # extern "C": the name is in the CUBIN
+    for entry, _, _ in script.VERSIONS.values():
+        assert entry.encode() in cubin, entry               # extern "C": the name is in the CUBIN
+
+
+def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
+    # ptxas serializes wgmma it cannot prove safe (C7514, C7519: an accumulator read or a wgmma under a branch
+    # before its wait) or injects waits (C7517): the overlap would be gone without a word but this one
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    _, nvrtc = nc.import_cuda()
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
+    err, prog = nvrtc.nvrtcCreateProgram(open(KERNEL).read().encode(), b"attention_forward_wgmma.cu", 0, [], [])
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = bytearray(size)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    log = log.decode(errors="replace")
+    assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == 2, log

@@ -6,12 +6,14 @@ base 2 with the scale folded into one fma, p rounded to bf16 on its way into p v
 bf16, lse = m scale + log(l) in fp32 for the backward. The same layouts: qkv16 (B, T, (Hq + 2 Hkv) 64)
 (q heads, k heads, v heads), y16 (B, T, Hq 64), lse (B, Hq, T).
 
-How the work is split: a block owns 64 query rows (one 64-row tile) of W query heads that read the same kv
-head (W a divisor of Hq / Hkv: 3 for the big model), one warpgroup (128 threads) a head, so the W
-warpgroups walk the same key tiles up to the same diagonal and share every K and V tile the block copies
-(K and V are read once for 64 W query rows). grid = (Hq / W, B, ceil(T / 64)), the last query tiles (most
-keys) first; block = 128 W threads; dynamic shared memory W 8 KB (each warpgroup's q tile) + STAGES 16 KB
-(a K and a V tile of 64 keys each) + 1 KB (to align the tiles to 1024 bytes).
+How the work is split: a block has W warpgroups (128 threads each), one for each of W query heads that read
+the same kv head (W a divisor of Hq / Hkv: 3 for the big model), and works through units: 64-row query tiles
+nq - 1 - p and p of its W heads of one batch row (nq = ceil(T / 64) tiles; both tiles together always nq + 1
+steps of 64 keys, so units weigh the same). The W warpgroups walk the same key tiles up to the same diagonal,
+so the block copies each K and V tile once for 64 W query rows. grid = the units (a block each), or fewer
+blocks ("persistent": the number of SMs), each walking units gridDim.x apart with its copies running ahead
+across tiles and units; block = 128 W threads; dynamic shared memory 3 W 8 KB (three q tiles a warpgroup) +
+STAGES 16 KB (a K and a V tile of 64 keys each) + 1 KB (to align the tiles to 1024 bytes).
 
 Each step of 64 keys, in each warpgroup:
   s (64 x 64, fp32) = q k.T   4 wgmma m64n64k16, q and k both from shared memory ("K-major": a row of
@@ -25,14 +27,16 @@ Each step of 64 keys, in each warpgroup:
 Q, K and V tiles are all copied the same way (row r's 16-byte chunk c at 128 r + 16 (c ^ r % 8)), by
 cp.async, every thread of the block taking part; no TMA, no producer warpgroup.
 
-Two versions (the entry points at the bottom):
-- attention_forward_wgmma_64: each wgmma waited for at once (wait_group 0), K/V copied 2 tiles ahead
+Two versions (the entry points at the bottom), each launched either way:
+- attention_forward_wgmma_64: each wgmma waited for at once (wait_group 0), K/V copied 2 steps ahead
   through 3 stages: the simple one, correct first.
 - attention_forward_wgmma_overlap_64: FlashAttention-3's intra-warpgroup pipelining. The scores of the
-  next tile are issued before this tile's softmax, and this tile's p v runs while the next tile's softmax
+  next step are issued before this step's softmax, and this step's p v runs while the next step's softmax
   does (two score accumulators, 64 registers): a warpgroup waits on its softmax chain with the tensor
-  core busy on its own products. K/V copied 2 tiles ahead through 4 stages (a V tile may still be read by
+  core busy on its own products. K/V copied 2 steps ahead through 4 stages (a V tile may still be read by
   the p v in flight when the next copy starts).
+ptxas (NVRTC 13, sm_90a): 127 and 164 registers, no spills, no wgmma serialized (test_attention_wgmma);
+with 384 threads a block, one block an SM.
 */
 
 #define HD 64                 // head dim (wgmma's K of q k.T, its N of p v)
@@ -233,149 +237,230 @@ __device__ __forceinline__ void store_rows(unsigned short* y16, float* lse, cons
     }
 }
 
-// one step of the overlapped version, on tile j (its scores in sc, done): with NEXT, first issue the next
-// tile's scores into sn (tile j + 1 is in its stage); the softmax; wait for the previous p v (leaving the next
-// scores in flight); o rescaled, p packed, this p v issued; with NEXT, wait for the next scores (leaving this
-// p v in flight: it runs during the next step's softmax). Without NEXT (the last step: the diagonal), all of
-// it waited for.
-template <bool NEXT>
-__device__ __forceinline__ void overlapped_step(float* sc, float* sn, float* o, unsigned (*p)[4], float* m, float* l,
-                                                unsigned qa, unsigned ka, unsigned kn, int j, int row0, float scale2) {
-    float correction[2];
-    if constexpr (NEXT) {
-        fence_registers<ROWS / 2>(sn);
-        issue_scores(sn, qa, kn);
-        fence_registers<ROWS / 2>(sn);
+// -----------------------------------------------------------------------------
+// the work: units of two query tiles
+
+// A unit is query tiles nq - 1 - p and p of W query heads of one batch row (nq = ceil(T / 64) tiles of 64 rows,
+// p < ceil(nq / 2); one tile when the two are the same): nq + 1 steps of 64 keys whichever p (a tile's steps: its
+// index + 1), so the units weigh the same. Unit u: p = u % pairs, the group of W heads x = u / pairs % groups,
+// the batch row b = u / pairs / groups. A block walks units blockIdx.x, + gridDim.x, ... (grid: the units, one a
+// block; or the SMs, persistent), tile by tile and step by step, with two cursors: the copies AHEAD steps in
+// front of the products, across tiles and units, so a tile's q and first keys are in before its first step.
+struct Cursor {
+    int u, second, j;                    // the unit, its second tile (0 or 1), the step (key tile j) of the tile
+};
+
+struct Work {
+    int nq, pairs, groups, units;
+    __device__ Work(int B, int T, int Hq, int W) {
+        nq = (T + ROWS - 1) / ROWS, pairs = (nq + 1) / 2, groups = Hq / W, units = B * groups * pairs;
     }
-    softmax_step(sc, m, l, correction, j * ROWS, row0, !NEXT, scale2);
-    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the previous p v: o and p are free
-    fence_registers<HD / 2>(o);
-    pack_p(p, sc);
-    scale_o(o, correction);
-    fence_registers<HD / 2>(o);
-    issue_weighted_sum(o, p, ka + TILE_BYTES);
-    fence_registers<HD / 2>(o);
-    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the next scores (or everything)
-    if constexpr (NEXT) fence_registers<ROWS / 2>(sn);
-}
+    __device__ int tile(const Cursor& c) const { return c.second ? c.u % pairs : nq - 1 - c.u % pairs; }
+    __device__ bool valid(const Cursor& c) const { return c.u < units; }
+    __device__ void advance(Cursor& c) const {
+        if (c.j < tile(c)) {
+            c.j++;
+            return;
+        }
+        c.j = 0;
+        if (!c.second && 2 * (c.u % pairs) != nq - 1) c.second = 1;
+        else c.second = 0, c.u += gridDim.x;
+    }
+};
 
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
-template <int STAGES, bool OVERLAP>
-__device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const unsigned short* qkv16, int T, int Hq,
-                                        int Hkv, float scale) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* tiles = smem + (1024 - shared_address(smem) % 1024) % 1024;
-    int W = blockDim.x / 128, wg = threadIdx.x / 128, t = threadIdx.x % 128;
-    unsigned short* qs = (unsigned short*)(tiles + wg * TILE_BYTES);          // this warpgroup's q tile
-    unsigned short* kv = (unsigned short*)(tiles + W * TILE_BYTES);           // stage i: k at 8192 i, v after it
-    int h = blockIdx.x * W + wg, b = blockIdx.y, kvh = blockIdx.x * W / (Hq / Hkv);
-    int q0 = (gridDim.z - 1 - blockIdx.z) * ROWS;
-    int row0 = q0 + 16 * (t / 32) + t % 32 / 4;                               // this thread's rows: and + 8
-    long stride = (long)(Hq + 2 * Hkv) * HD;
-    const unsigned short* base = qkv16 + (long)b * T * stride;
-    const unsigned short *kbase = base + (Hq + kvh) * HD, *vbase = base + (Hq + Hkv + kvh) * HD;
-    int steps = q0 / ROWS + 1;                                                // causal: up to the diagonal tile
-    const float scale2 = scale * LOG2E;
-    constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;                  // tiles copied ahead of the step
-
-    load_tile(qs, base + h * HD, stride, q0, T, t, 128);
-    for (int i = 0; i < AHEAD; i++) {                                         // q with tile 0, one group a tile
-        if (i < steps) {
-            load_tile(kv + i * 2 * ROWS * HD, kbase, stride, i * ROWS, T, threadIdx.x, blockDim.x);
-            load_tile(kv + (i * 2 + 1) * ROWS * HD, vbase, stride, i * ROWS, T, threadIdx.x, blockDim.x);
+// what the steps share: the shared tiles (q buffer i of warpgroup g at (i W + g) 4096 bf16: three, as a tile's q
+// is copied up to AHEAD steps before it starts while the tile before it may still be in use; K/V stage i at
+// kv + 8192 i, v 4096 after k), the work, the layouts
+struct Block {
+    unsigned short *qs, *kv;
+    Work work;
+    int W, wg, t, G, T, Hq, Hkv;
+    long stride;
+    const unsigned short* qkv16;
+    __device__ Block(unsigned char* tiles, const unsigned short* qkv16_, int B, int T_, int Hq_, int Hkv_)
+        : work(B, T_, Hq_, blockDim.x / 128), qkv16(qkv16_) {
+        W = blockDim.x / 128, wg = threadIdx.x / 128, t = threadIdx.x % 128;
+        T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv, stride = (long)(Hq + 2 * Hkv) * HD;
+        qs = (unsigned short*)tiles, kv = (unsigned short*)(tiles + 3 * W * TILE_BYTES);
+    }
+    __device__ unsigned short* q_tile(int i) const { return qs + (i % 3 * W + wg) * ROWS * HD; }
+    __device__ unsigned short* stage(int n, int stages) const { return kv + n % stages * 2 * ROWS * HD; }
+    // batch row and query head of this warpgroup in unit u
+    __device__ int batch(int u) const { return u / work.pairs / work.groups; }
+    __device__ int head(int u) const { return u / work.pairs % work.groups * W + wg; }
+    // start copying what the step at c needs (the n-th of the block) into stage n: its keys and values, and at the
+    // first step of a tile (the block's tiles-th), each warpgroup its q; then c moves on. One commit group, empty
+    // past the last step
+    __device__ void load(Cursor& c, int n, int stages, int& tiles) const {
+        if (work.valid(c)) {
+            const unsigned short* base = qkv16_base(c.u);
+            int kvh = (head(c.u) - wg) / G;
+            if (c.j == 0) load_tile(q_tile(tiles++), base + head(c.u) * HD, stride, work.tile(c) * ROWS, T, t, 128);
+            unsigned short* st = stage(n, stages);
+            load_tile(st, base + (Hq + kvh) * HD, stride, c.j * ROWS, T, threadIdx.x, blockDim.x);
+            load_tile(st + ROWS * HD, base + (Hq + Hkv + kvh) * HD, stride, c.j * ROWS, T, threadIdx.x, blockDim.x);
+            work.advance(c);
         }
         cp_async_commit();
     }
-    float o[HD / 2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, correction[2];
+    __device__ const unsigned short* qkv16_base(int u) const { return qkv16 + (long)batch(u) * T * stride; }
+};
+
+// the running state of a warpgroup's tile: o, the running max m and sum l of its two rows a thread
+struct Rows {
+    float o[HD / 2], m[2], l[2];
+    __device__ void reset() {
 #pragma unroll
-    for (int i = 0; i < HD / 2; i++) o[i] = 0.0f;
-    unsigned p[ROWS / 16][4];
-    unsigned qa = shared_address(qs);
-    if constexpr (!OVERLAP) {
-        float s[ROWS / 2];
-        for (int j = 0; j < steps; j++) {
-            cp_async_wait<AHEAD - 1>();                                       // this thread's copies of tile j
-            fence_proxy_async();
-            __syncthreads();              // everyone's; and every warpgroup is done with tile j - 1's stage
-            int next = j + AHEAD;
-            if (next < steps) {
-                unsigned short* st = kv + next % STAGES * 2 * ROWS * HD;
-                load_tile(st, kbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
-                load_tile(st + ROWS * HD, vbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
-            }
-            cp_async_commit();
-            unsigned ka = shared_address(kv + j % STAGES * 2 * ROWS * HD);
-            issue_scores(s, qa, ka);
-            wgmma_wait<0>();
-            fence_registers<ROWS / 2>(s);
-            softmax_step(s, m, l, correction, j * ROWS, row0, j == steps - 1, scale2);
-            pack_p(p, s);
-            scale_o(o, correction);
-            fence_registers<HD / 2>(o);
-            issue_weighted_sum(o, p, ka + TILE_BYTES);
-            wgmma_wait<0>();
-            fence_registers<HD / 2>(o);
-        }
+        for (int i = 0; i < HD / 2; i++) o[i] = 0.0f;
+        m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.0f;
     }
-    if constexpr (OVERLAP) {
-        float s0[ROWS / 2], s1[ROWS / 2];
-        // at the top of step j: tile j + 1 in (copied during step j - 1), and every warpgroup's p v of tile j - 2
-        // done (waited for in step j - 1), so tile j + 2 may go into its stage
-        auto top = [&](int j) {
-            cp_async_wait<0>();
+};
+
+// a tile's rows whose o is still to be stored once its last p v is done (the overlapped version)
+struct Pending {
+    int b, h, row0;                      // b < 0: none
+    float m[2], l[2];
+};
+
+// one step of the overlapped version on the step at cs (its scores in sc, done; the n-th of the block): with NEXT
+// (not the block's last step), first issue the next step's scores into sn; the softmax; wait for the previous
+// p v (leaving the next scores in flight) and store the tile before if that was its last; o rescaled (to zero
+// at a tile's first step, where m was -inf), p packed, this p v issued; with NEXT wait for the next scores,
+// leaving this p v in flight through the next step's softmax (without, for everything). At a tile's last step
+// its m and l go to `pending` and start afresh. The waits are the same whatever the step, so that ptxas can
+// follow the groups in flight (a wait_group chosen at run time, or a wgmma under a branch, and it serializes them)
+template <int STAGES, bool NEXT>
+__device__ __forceinline__ void overlapped_step(const Block& k, Cursor& cs, Cursor& ld, int n, int& loaded,
+                                                int& done, float* sc, float* sn, Rows& r, Pending& pending,
+                                                unsigned (*p)[4], unsigned short* y16, float* lse, float scale,
+                                                float scale2) {
+    constexpr int AHEAD = STAGES - 2;
+    // step n + 1's tiles in (copied during step n - 1), and every warpgroup's p v of step n - 2 done (waited for
+    // in step n - 1), so step n + AHEAD may go into its stage
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    k.load(ld, n + AHEAD, STAGES, loaded);
+    Cursor nx = cs;
+    k.work.advance(nx);
+    int qi = k.work.tile(cs), row0 = qi * ROWS + 16 * (k.t / 32) + k.t % 32 / 4;
+    bool last = cs.j == qi;                                        // the diagonal: the tile's last step
+    float correction[2];
+    if constexpr (NEXT) {
+        fence_registers<ROWS / 2>(sn);
+        issue_scores(sn, shared_address(k.q_tile(done + last)), shared_address(k.stage(n + 1, STAGES)));
+        fence_registers<ROWS / 2>(sn);
+    }
+    softmax_step(sc, r.m, r.l, correction, cs.j * ROWS, row0, last, scale2);
+    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the previous p v: o and p are free
+    fence_registers<HD / 2>(r.o);
+    if (pending.b >= 0) {
+        store_rows(y16, lse, r.o, pending.m, pending.l, pending.b, pending.h, pending.row0, k.T, k.Hq, scale);
+        pending.b = -1;
+    }
+    pack_p(p, sc);
+    scale_o(r.o, correction);
+    fence_registers<HD / 2>(r.o);
+    issue_weighted_sum(r.o, p, shared_address(k.stage(n, STAGES)) + TILE_BYTES);
+    fence_registers<HD / 2>(r.o);
+    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the next scores (or everything)
+    if constexpr (NEXT) fence_registers<ROWS / 2>(sn);
+    if (last) {
+        pending = {k.batch(cs.u), k.head(cs.u), row0, {r.m[0], r.m[1]}, {r.l[0], r.l[1]}};
+        r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
+        done++;
+    }
+    cs = nx;
+}
+
+template <int STAGES, bool OVERLAP>
+__device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const unsigned short* qkv16, int B, int T,
+                                        int Hq, int Hkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Block k(smem + (1024 - shared_address(smem) % 1024) % 1024, qkv16, B, T, Hq, Hkv);
+    const float scale2 = scale * LOG2E;
+    constexpr int AHEAD = OVERLAP ? STAGES - 2 : STAGES - 1;     // steps copied ahead of the products
+    Cursor cs = {(int)blockIdx.x, 0, 0}, ld = cs;                  // the products' step, the copies'
+    int loaded = 0, done = 0;                                      // tiles whose q was copied, tiles stored
+    for (int i = 0; i < AHEAD; i++) k.load(ld, i, STAGES, loaded);
+    Rows r;
+    r.reset();
+    unsigned p[ROWS / 16][4];
+    float s0[ROWS / 2];
+    if constexpr (!OVERLAP) {
+        for (int n = 0; k.work.valid(cs); n++) {
+            cp_async_wait<AHEAD - 1>();                            // this thread's copies of step n
             fence_proxy_async();
-            __syncthreads();
-            int next = j + AHEAD;
-            if (next < steps) {
-                unsigned short* st = kv + next % STAGES * 2 * ROWS * HD;
-                load_tile(st, kbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
-                load_tile(st + ROWS * HD, vbase, stride, next * ROWS, T, threadIdx.x, blockDim.x);
+            __syncthreads();              // everyone's; and every warpgroup is done with step n - 1's stage
+            k.load(ld, n + AHEAD, STAGES, loaded);
+            int qi = k.work.tile(cs), row0 = qi * ROWS + 16 * (k.t / 32) + k.t % 32 / 4;
+            unsigned ka = shared_address(k.stage(n, STAGES));
+            float correction[2];
+            issue_scores(s0, shared_address(k.q_tile(done)), ka);
+            wgmma_wait<0>();
+            fence_registers<ROWS / 2>(s0);
+            softmax_step(s0, r.m, r.l, correction, cs.j * ROWS, row0, cs.j == qi, scale2);
+            pack_p(p, s0);
+            scale_o(r.o, correction);
+            fence_registers<HD / 2>(r.o);
+            issue_weighted_sum(r.o, p, ka + TILE_BYTES);
+            wgmma_wait<0>();
+            fence_registers<HD / 2>(r.o);
+            if (cs.j == qi) {
+                store_rows(y16, lse, r.o, r.m, r.l, k.batch(cs.u), k.head(cs.u), row0, T, Hq, scale);
+                r.reset();
+                done++;
             }
-            cp_async_commit();
-        };
-        auto stage = [&](int j) { return shared_address(kv + j % STAGES * 2 * ROWS * HD); };
-        cp_async_wait<AHEAD - 1>();                                           // q and tile 0
+            k.work.advance(cs);
+        }
+    } else {
+        float s1[ROWS / 2];
+        if (!k.work.valid(cs)) return;
+        cp_async_wait<AHEAD - 1>();                                // step 0's q and tiles
         fence_proxy_async();
         __syncthreads();
         fence_registers<ROWS / 2>(s0);
-        issue_scores(s0, qa, stage(0));
+        issue_scores(s0, shared_address(k.q_tile(0)), shared_address(k.stage(0, STAGES)));
         wgmma_wait<0>();
         fence_registers<ROWS / 2>(s0);
-        int j = 0;
-        for (; j + 2 < steps; j += 2) {                                       // two steps: the score buffers swap
-            top(j);
-            overlapped_step<true>(s0, s1, o, p, m, l, qa, stage(j), stage(j + 1), j, row0, scale2);
-            top(j + 1);
-            overlapped_step<true>(s1, s0, o, p, m, l, qa, stage(j + 1), stage(j + 2), j + 1, row0, scale2);
+        Pending pending = {-1};
+        int n = 0, steps = 0;                                      // this block's steps, over all its units
+        for (Cursor c = cs; k.work.valid(c); c.u += gridDim.x)
+            steps += k.work.nq - 2 * (c.u % k.work.pairs) == 1 ? k.work.nq / 2 + 1 : k.work.nq + 1;
+        for (; n + 2 < steps; n += 2) {                            // two steps: the score buffers swap
+            overlapped_step<STAGES, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale, scale2);
+            overlapped_step<STAGES, true>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, y16, lse, scale,
+                                          scale2);
         }
-        if (j + 1 < steps) {
-            top(j);
-            overlapped_step<true>(s0, s1, o, p, m, l, qa, stage(j), stage(j + 1), j, row0, scale2);
-            top(j + 1);
-            overlapped_step<false>(s1, s0, o, p, m, l, qa, stage(j + 1), 0, j + 1, row0, scale2);
+        if (n + 1 < steps) {
+            overlapped_step<STAGES, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale, scale2);
+            overlapped_step<STAGES, false>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, y16, lse, scale,
+                                           scale2);
         } else {
-            top(j);
-            overlapped_step<false>(s0, s1, o, p, m, l, qa, stage(j), 0, j, row0, scale2);
+            overlapped_step<STAGES, false>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale, scale2);
         }
+        wgmma_wait<0>();                                           // (the last step waited for all)
+        fence_registers<HD / 2>(r.o);
+        store_rows(y16, lse, r.o, pending.m, pending.l, pending.b, pending.h, pending.row0, T, Hq, scale);
     }
-    store_rows(y16, lse, o, m, l, b, h, row0, T, Hq, scale);
 }
 
 // -----------------------------------------------------------------------------
-// entry points: grid (Hq / W, B, ceil(T / 64)), 128 W threads (W a divisor of Hq / Hkv, at most 3),
-// dynamic shared memory W 8192 + STAGES 16384 + 1024 bytes
+// entry points: grid (units, or fewer: the number of SMs, each block walking units gridDim.x apart), 128 W threads
+// (W a divisor of Hq / Hkv, at most 3), dynamic shared memory 3 W 8192 + STAGES 16384 + 1024 bytes
 
 extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_64(unsigned short* y16, float* lse,
-                                                                           const unsigned short* qkv16, int T,
+                                                                           const unsigned short* qkv16, int B, int T,
                                                                            int Hq, int Hkv, float scale) {
-    attention_forward_wgmma<3, false>(y16, lse, qkv16, T, Hq, Hkv, scale);
+    attention_forward_wgmma<3, false>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_overlap_64(unsigned short* y16, float* lse,
                                                                                    const unsigned short* qkv16,
-                                                                                   int T, int Hq, int Hkv,
+                                                                                   int B, int T, int Hq, int Hkv,
                                                                                    float scale) {
-    attention_forward_wgmma<4, true>(y16, lse, qkv16, T, Hq, Hkv, scale);
+    attention_forward_wgmma<4, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }

@@ -6,13 +6,14 @@ launches it). Not part of NanoEuler.
 
     python dev/variants/attention_forward_wgmma.py
 
-First each version and the product at the big model's shape (B 64, T 512, Hq 12, Hkv 4, D 64;
-causal, GQA) on the same random qkv: y and lse of one batch row against numpy in float64 (relative
-norm of the error), every element of y and lse written and finite; OK within Y_BOUND and LSE_BOUND
-(the product's own errors are about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a call,
-the median of REPS runs of 20 launches, CUDA events around each run, after a warm-up. Last, "all OK"
-or how many were not (exit code 1). test_attention_wgmma.py runs this host code on the CPU
-emulator's stand-in driver at a small shape, and the versions against float64 there.
+First the product and each version of the variant (simple or overlapped, a block a unit of work or one
+block an SM walking units: VERSIONS) at the big model's shape (B 64, T 512, Hq 12, Hkv 4, D 64; causal,
+GQA) on the same random qkv: y and lse of one batch row against numpy in float64 (relative norm of the
+error), every element of y and lse written and finite; OK within Y_BOUND and LSE_BOUND (the product's own
+errors are about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a call, the median of REPS runs
+of 20 launches, CUDA events around each run, after a warm-up, and each over the product's. Last, "all OK"
+or how many were not (exit code 1). test_attention_wgmma.py runs this host code on the CPU emulator's
+stand-in driver at a small shape, and the versions against float64 there.
 """
 
 import ctypes
@@ -33,8 +34,12 @@ BATCHES = (64, 16)                # timed at these B, T and heads as CHECK
 LAUNCHES, REPS = 20, 7            # us a call: the median of REPS runs of LAUNCHES launches
 Y_BOUND, LSE_BOUND = 4e-3, 1e-4   # OK: relative norm of the error against float64 within these
 PRODUCT = "attention_forward_bf16_kernel_64"
-# the versions by entry point: K/V stages (the dynamic shared memory: W 8 KB + STAGES 16 KB + 1 KB)
-VERSIONS = {"attention_forward_wgmma_64": 3, "attention_forward_wgmma_overlap_64": 4}
+# the variant's versions: entry point, K/V stages (dynamic shared memory 3 W 8 KB + STAGES 16 KB + 1 KB), and
+# whether persistent (a block an SM, each walking units gridDim.x apart) or a block a unit
+VERSIONS = {"wgmma": ("attention_forward_wgmma_64", 3, False),
+            "wgmma persistent": ("attention_forward_wgmma_64", 3, True),
+            "wgmma overlap": ("attention_forward_wgmma_overlap_64", 4, False),
+            "wgmma overlap persistent": ("attention_forward_wgmma_overlap_64", 4, True)}
 
 
 def bf16_bits(x):
@@ -80,6 +85,11 @@ def warpgroups(Hq, Hkv):
     return max(w for w in (1, 2, 3) if (Hq // Hkv) % w == 0)
 
 
+def units(B, T, Hq, Hkv):
+    """the variant's units of work: pairs of 64-row query tiles of W query heads of a batch row"""
+    return B * (Hq // warpgroups(Hq, Hkv)) * ((-(-T // 64) + 1) // 2)
+
+
 def launch(module, name, grid, block, shared, *args):
     cu, check = nc.cu, nc.check
     f = check(cu.cuModuleGetFunction(module, name.encode()), name)
@@ -93,15 +103,17 @@ def launch(module, name, grid, block, shared, *args):
 def forward(modules, name, y, lse, qkv, B, T, Hq, Hkv):
     """one launch of a version of the variant, or (name PRODUCT) of the product's forward as
     nanoeuler_cuda.attention_forward launches it"""
-    args = (nc.ptr_arg(y), nc.ptr_arg(lse), nc.ptr_arg(qkv), nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv),
-            nc.float_arg(1 / math.sqrt(D)))
+    scale = nc.float_arg(1 / math.sqrt(D))
     if name == PRODUCT:
         rows = nc.ATTENTION_ROWS * nc.FORWARD_MT[D]
-        launch(modules["product"], name, (Hq, B, -(-T // rows)), 128, 0, *args)
+        launch(modules["product"], name, (Hq, B, -(-T // rows)), 128, 0, nc.ptr_arg(y), nc.ptr_arg(lse),
+               nc.ptr_arg(qkv), nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv), scale)
     else:
-        W = warpgroups(Hq, Hkv)
-        launch(modules["variant"], name, (Hq // W, B, -(-T // 64)), 128 * W, W * 8192 + VERSIONS[name] * 16384 + 1024,
-               *args)
+        entry, stages, persistent = VERSIONS[name]
+        W, n = warpgroups(Hq, Hkv), units(B, T, Hq, Hkv)
+        launch(modules["variant"], entry, (min(n, nc.gpu.sms) if persistent else n, 1, 1), 128 * W,
+               3 * W * 8192 + stages * 16384 + 1024, nc.ptr_arg(y), nc.ptr_arg(lse), nc.ptr_arg(qkv), nc.int_arg(B),
+               nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv), scale)
 
 
 def timed(run, reps=REPS):
@@ -176,6 +188,7 @@ def start_gpu():
     minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, gpu.dev), "attr")
     gpu.arch = f"{major}{minor}"
     gpu.name = check(cu.cuDeviceGetName(256, gpu.dev), "cuDeviceGetName").split(b"\0")[0].decode()
+    gpu.sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, gpu.dev), "attr")
     gpu.last_kernel, gpu.profile = None, None
     nc.gpu = gpu
     return gpu
@@ -187,7 +200,7 @@ def main():
     if gpu.arch != "90":
         sys.exit(f"wgmma needs sm_90a (an H100 or H200); this is {gpu.name}, sm_{gpu.arch}")
     _, nvrtc = nc.import_cuda()
-    print(f"{gpu.name}, NVRTC {'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))}")
+    print(f"{gpu.name} ({gpu.sms} SMs), NVRTC {'.'.join(map(str, nvrtc.nvrtcVersion()[1:]))}")
     modules = {}
     for key, file, arch in (("variant", os.path.join(HERE, "attention_forward_wgmma.cu"), "90a"),
                             ("product", os.path.join(ROOT, "flash_attn.cu"), gpu.arch)):
