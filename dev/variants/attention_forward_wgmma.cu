@@ -187,22 +187,30 @@ __device__ __forceinline__ void softmax_step(float* s, float* m, float* l, float
 #pragma unroll
         for (int i = 0; i < ROWS / 2; i++)
             if (k0 + 8 * (i / 4) + 2 * q + i % 2 > row0 + 8 * (i / 2 % 2)) s[i] = -INFINITY;
-    float mx[2] = {m[0], m[1]}, ms[2];
+    // a row's 16 scores here (registers 4 a + 2 r, + 1) reduced as a tree and summed 4 ways: short chains, as
+    // a warp's softmax waits on its own latency
+    float mx[2][8], sum[2][4], ms[2];
 #pragma unroll
-    for (int i = 0; i < ROWS / 2; i++) mx[i / 2 % 2] = fmaxf(mx[i / 2 % 2], s[i]);
+    for (int r = 0; r < 2; r++) {
 #pragma unroll
-    for (int r = 0; r < 2; r++) {                                 // key 0 is in the first step: mx is finite
-        mx[r] = quad_max(mx[r]);
-        correction[r] = exp2f((m[r] - mx[r]) * scale2);           // rescale what came before
-        m[r] = mx[r];
-        ms[r] = mx[r] * scale2;
-        l[r] *= correction[r];
+        for (int a = 0; a < 8; a++) mx[r][a] = fmaxf(s[4 * a + 2 * r], s[4 * a + 2 * r + 1]);
+#pragma unroll
+        for (int w = 4; w > 0; w /= 2)
+#pragma unroll
+            for (int a = 0; a < w; a++) mx[r][a] = fmaxf(mx[r][a], mx[r][a + w]);
+        mx[r][0] = quad_max(fmaxf(m[r], mx[r][0]));               // key 0 is in the first step: finite
+        correction[r] = exp2f((m[r] - mx[r][0]) * scale2);        // rescale what came before
+        m[r] = mx[r][0];
+        ms[r] = mx[r][0] * scale2;
     }
 #pragma unroll
     for (int i = 0; i < ROWS / 2; i++) {
         s[i] = exp2f(fmaf(s[i], scale2, -ms[i / 2 % 2]));
-        l[i / 2 % 2] += s[i];
+        if (i < 8) sum[i / 2 % 2][i / 4 * 2 + i % 2] = s[i];
+        else sum[i / 2 % 2][i / 4 % 2 * 2 + i % 2] += s[i];
     }
+#pragma unroll
+    for (int r = 0; r < 2; r++) l[r] = l[r] * correction[r] + ((sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]));
 }
 
 // p (fp32, accumulator layout) -> bf16 pairs in wgmma's register a layout, 16 keys a k-step: register j of
