@@ -35,8 +35,11 @@ Two versions (the entry points at the bottom), each launched either way:
   does (two score accumulators, 64 registers): a warpgroup waits on its softmax chain with the tensor
   core busy on its own products. K/V copied 2 steps ahead through 4 stages (a V tile may still be read by
   the p v in flight when the next copy starts).
-ptxas (NVRTC 13, sm_90a): 127 and 164 registers, no spills, no wgmma serialized (test_attention_wgmma);
-with 384 threads a block, one block an SM.
+Either with q read by s = q k.T from shared memory, or from registers (the _qr_ entry points: 16 registers
+more, loaded from the q tile at a tile's start): a wgmma m64n64k16 with both operands in shared memory reads
+4 KB in its 32 cycles, all of the 128 bytes a cycle shared memory gives, and the copies write there too.
+ptxas (NVRTC 13, sm_90a): 132, 136 (q in registers), 160 and 168 (overlapped) registers, no spills, no wgmma
+serialized (test_attention_wgmma); with 384 threads a block, one block an SM.
 */
 
 #define HD 64                 // head dim (wgmma's K of q k.T, its N of p v)
@@ -168,6 +171,35 @@ __device__ __forceinline__ void issue_scores(float* s, unsigned q, unsigned k) {
     wgmma_commit();
 }
 
+// the same with q from registers (qf[kk]: this thread's part of q's 16 dims from 16 kk, as wgmma's register a)
+__device__ __forceinline__ void issue_scores_rs(float* s, const unsigned (*qf)[4], unsigned k) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) wgmma_bf16_rs<ROWS, 0>(s, qf[kk], sw128_descriptor(k + 32 * kk, 16), kk > 0);
+    wgmma_commit();
+}
+
+// this thread's register a of q (QR) from its q tile in shared memory (load_tile's layout): register j of
+// k-step kk holds row 16 (t / 32 % 4) + t % 32 / 4 (+ 8 for odd j), dims 16 kk + 2 (t % 4), + 1 (+ 8 for j >= 2)
+__device__ __forceinline__ void load_q_fragments(unsigned (*qf)[4], const unsigned short* tile) {
+    int t = threadIdx.x % 128, row = 16 * (t / 32) + t % 32 / 4;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int r = row + 8 * (j % 2), d = 16 * kk + 2 * (t % 4) + 8 * (j / 2);
+            qf[kk][j] = *(const unsigned*)((const char*)tile + r * 128 + (d / 8 ^ r % 8) * 16 + d % 8 * 2);
+        }
+}
+
+// s = q k.T with q from shared memory, or (QR) from registers: half the shared-memory reads of a wgmma
+// m64n64k16 (whose two operands from shared memory take all of its 128 bytes a cycle)
+template <bool QR>
+__device__ __forceinline__ void scores(float* s, const unsigned (*qf)[4], const unsigned short* q, unsigned k) {
+    if constexpr (QR) issue_scores_rs(s, qf, k);
+    else issue_scores(s, shared_address(q), k);
+}
+
 // o += p v: 4 wgmma of 16 keys, p[kk] from registers, v N-major (keys 16 kk .. at byte 2048 kk; the 64 dims of
 // a key one row, so the leading byte offset, between groups of 64 dims, is never used)
 __device__ __forceinline__ void issue_weighted_sum(float* o, const unsigned (*p)[4], unsigned v) {
@@ -227,21 +259,30 @@ __device__ __forceinline__ void scale_o(float* o, const float* correction) {
     for (int i = 0; i < HD / 2; i++) o[i] *= correction[i / 2 % 2];
 }
 
-// y = o / l rounded to bf16, lse = m scale + log(l), rows row0 and row0 + 8 of head h (rows past T skipped)
-__device__ __forceinline__ void store_rows(unsigned short* y16, float* lse, const float* o, const float* m, float* l,
-                                           int b, int h, int row0, int T, int Hq, float scale) {
+// the end of a tile, rows row0 and row0 + 8 of head h: lse = m scale + log(l) (rows past T skipped); -> inv, 1 / l
+__device__ __forceinline__ void store_lse(float* lse, const float* m, const float* l, float* inv, int b, int h,
+                                          int row0, int T, int Hq, float scale) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = quad_sum(l[r]);
+        inv[r] = 1.0f / sum;
+        if (threadIdx.x % 4 == 0 && row0 + 8 * r < T)
+            lse[((long)b * Hq + h) * T + row0 + 8 * r] = m[r] * scale + logf(sum);
+    }
+}
+
+// and y = o / l rounded to bf16
+__device__ __forceinline__ void store_y(unsigned short* y16, const float* o, const float* inv, int b, int h, int row0,
+                                        int T, int Hq) {
     int q = threadIdx.x % 4;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = row0 + 8 * r;
-        l[r] = quad_sum(l[r]);
-        float inv = 1.0f / l[r];
         if (row >= T) continue;
-        if (q == 0) lse[((long)b * Hq + h) * T + row] = m[r] * scale + logf(l[r]);
         unsigned short* out = y16 + ((long)b * T + row) * Hq * HD + h * HD;
 #pragma unroll
         for (int j = 0; j < HD / 8; j++)
-            *(unsigned*)(out + 8 * j + 2 * q) = pack_bf16(o[4 * j + 2 * r] * inv, o[4 * j + 2 * r + 1] * inv);
+            *(unsigned*)(out + 8 * j + 2 * q) = pack_bf16(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
     }
 }
 
@@ -329,8 +370,8 @@ struct Rows {
 
 // a tile's rows whose o is still to be stored once its last p v is done (the overlapped version)
 struct Pending {
-    int b, h, row0;                      // b < 0: none
-    float m[2], l[2];
+    int u, qi;                           // its unit and query tile; u < 0: none
+    float inv[2];                        // 1 / l (lse is stored at once)
 };
 
 // one step of the overlapped version on the step at cs (its scores in sc, done; the n-th of the block): with NEXT
@@ -338,13 +379,14 @@ struct Pending {
 // p v (leaving the next scores in flight) and store the tile before if that was its last; o rescaled (to zero
 // at a tile's first step, where m was -inf), p packed, this p v issued; with NEXT wait for the next scores,
 // leaving this p v in flight through the next step's softmax (without, for everything). At a tile's last step
-// its m and l go to `pending` and start afresh. The waits are the same whatever the step, so that ptxas can
-// follow the groups in flight (a wait_group chosen at run time, or a wgmma under a branch, and it serializes them)
-template <int STAGES, bool NEXT>
+// its lse is stored, 1 / l goes to `pending` and m, l start afresh. The waits are the same whatever the step,
+// so that ptxas can follow the groups in flight (a wait_group chosen at run time, or a wgmma under a branch, and
+// it serializes them). QR: at a tile's last step, the next tile's q into registers before its scores
+template <int STAGES, bool QR, bool NEXT>
 __device__ __forceinline__ void overlapped_step(const Block& k, Cursor& cs, Cursor& ld, int n, int& loaded,
                                                 int& done, float* sc, float* sn, Rows& r, Pending& pending,
-                                                unsigned (*p)[4], unsigned short* y16, float* lse, float scale,
-                                                float scale2) {
+                                                unsigned (*p)[4], unsigned (*qf)[4], unsigned short* y16,
+                                                float* lse, float scale, float scale2) {
     constexpr int AHEAD = STAGES - 2;
     // step n + 1's tiles in (copied during step n - 1), and every warpgroup's p v of step n - 2 done (waited for
     // in step n - 1), so step n + AHEAD may go into its stage
@@ -359,15 +401,17 @@ __device__ __forceinline__ void overlapped_step(const Block& k, Cursor& cs, Curs
     float correction[2];
     if constexpr (NEXT) {
         fence_registers<ROWS / 2>(sn);
-        issue_scores(sn, shared_address(k.q_tile(done + last)), shared_address(k.stage(n + 1, STAGES)));
+        if (QR && last) load_q_fragments(qf, k.q_tile(done + 1));  // the next tile's (this one's scores are done)
+        scores<QR>(sn, qf, k.q_tile(done + last), shared_address(k.stage(n + 1, STAGES)));
         fence_registers<ROWS / 2>(sn);
     }
     softmax_step(sc, r.m, r.l, correction, cs.j * ROWS, row0, last, scale2);
     if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the previous p v: o and p are free
     fence_registers<HD / 2>(r.o);
-    if (pending.b >= 0) {
-        store_rows(y16, lse, r.o, pending.m, pending.l, pending.b, pending.h, pending.row0, k.T, k.Hq, scale);
-        pending.b = -1;
+    if (pending.u >= 0) {
+        store_y(y16, r.o, pending.inv, k.batch(pending.u), k.head(pending.u), row0 - (qi - pending.qi) * ROWS, k.T,
+                k.Hq);
+        pending.u = -1;
     }
     pack_p(p, sc);
     scale_o(r.o, correction);
@@ -377,14 +421,15 @@ __device__ __forceinline__ void overlapped_step(const Block& k, Cursor& cs, Curs
     if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the next scores (or everything)
     if constexpr (NEXT) fence_registers<ROWS / 2>(sn);
     if (last) {
-        pending = {k.batch(cs.u), k.head(cs.u), row0, {r.m[0], r.m[1]}, {r.l[0], r.l[1]}};
+        store_lse(lse, r.m, r.l, pending.inv, k.batch(cs.u), k.head(cs.u), row0, k.T, k.Hq, scale);
+        pending.u = cs.u, pending.qi = qi;
         r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
         done++;
     }
     cs = nx;
 }
 
-template <int STAGES, bool OVERLAP>
+template <int STAGES, bool OVERLAP, bool QR>
 __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const unsigned short* qkv16, int B, int T,
                                         int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -396,7 +441,7 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
     for (int i = 0; i < AHEAD; i++) k.load(ld, i, STAGES, loaded);
     Rows r;
     r.reset();
-    unsigned p[ROWS / 16][4];
+    unsigned p[ROWS / 16][4], qf[HD / 16][4];
     float s0[ROWS / 2];
     if constexpr (!OVERLAP) {
         for (int n = 0; k.work.valid(cs); n++) {
@@ -407,7 +452,8 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
             int qi = k.work.tile(cs), row0 = qi * ROWS + 16 * (k.t / 32) + k.t % 32 / 4;
             unsigned ka = shared_address(k.stage(n, STAGES));
             float correction[2];
-            issue_scores(s0, shared_address(k.q_tile(done)), ka);
+            if (QR && cs.j == 0) load_q_fragments(qf, k.q_tile(done));
+            scores<QR>(s0, qf, k.q_tile(done), ka);
             wgmma_wait<0>();
             fence_registers<ROWS / 2>(s0);
             softmax_step(s0, r.m, r.l, correction, cs.j * ROWS, row0, cs.j == qi, scale2);
@@ -418,7 +464,9 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
             wgmma_wait<0>();
             fence_registers<HD / 2>(r.o);
             if (cs.j == qi) {
-                store_rows(y16, lse, r.o, r.m, r.l, k.batch(cs.u), k.head(cs.u), row0, T, Hq, scale);
+                float inv[2];
+                store_lse(lse, r.m, r.l, inv, k.batch(cs.u), k.head(cs.u), row0, T, Hq, scale);
+                store_y(y16, r.o, inv, k.batch(cs.u), k.head(cs.u), row0, T, Hq);
                 r.reset();
                 done++;
             }
@@ -431,28 +479,33 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
         fence_proxy_async();
         __syncthreads();
         fence_registers<ROWS / 2>(s0);
-        issue_scores(s0, shared_address(k.q_tile(0)), shared_address(k.stage(0, STAGES)));
+        if (QR) load_q_fragments(qf, k.q_tile(0));
+        scores<QR>(s0, qf, k.q_tile(0), shared_address(k.stage(0, STAGES)));
         wgmma_wait<0>();
         fence_registers<ROWS / 2>(s0);
-        Pending pending = {-1};
+        Pending pending = {-1, 0};
         int n = 0, steps = 0;                                      // this block's steps, over all its units
         for (Cursor c = cs; k.work.valid(c); c.u += gridDim.x)
             steps += k.work.nq - 2 * (c.u % k.work.pairs) == 1 ? k.work.nq / 2 + 1 : k.work.nq + 1;
         for (; n + 2 < steps; n += 2) {                            // two steps: the score buffers swap
-            overlapped_step<STAGES, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale, scale2);
-            overlapped_step<STAGES, true>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, y16, lse, scale,
-                                          scale2);
+            overlapped_step<STAGES, QR, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, qf, y16, lse, scale,
+                                              scale2);
+            overlapped_step<STAGES, QR, true>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, qf, y16, lse,
+                                              scale, scale2);
         }
         if (n + 1 < steps) {
-            overlapped_step<STAGES, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale, scale2);
-            overlapped_step<STAGES, false>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, y16, lse, scale,
-                                           scale2);
+            overlapped_step<STAGES, QR, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, qf, y16, lse, scale,
+                                              scale2);
+            overlapped_step<STAGES, QR, false>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, qf, y16, lse,
+                                               scale, scale2);
         } else {
-            overlapped_step<STAGES, false>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale, scale2);
+            overlapped_step<STAGES, QR, false>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, qf, y16, lse, scale,
+                                               scale2);
         }
         wgmma_wait<0>();                                           // (the last step waited for all)
         fence_registers<HD / 2>(r.o);
-        store_rows(y16, lse, r.o, pending.m, pending.l, pending.b, pending.h, pending.row0, T, Hq, scale);
+        store_y(y16, r.o, pending.inv, k.batch(pending.u), k.head(pending.u),
+                pending.qi * ROWS + 16 * (k.t / 32) + k.t % 32 / 4, T, Hq);
     }
 }
 
@@ -463,12 +516,27 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
 extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_64(unsigned short* y16, float* lse,
                                                                            const unsigned short* qkv16, int B, int T,
                                                                            int Hq, int Hkv, float scale) {
-    attention_forward_wgmma<3, false>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
+    attention_forward_wgmma<3, false, false>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_overlap_64(unsigned short* y16, float* lse,
                                                                                    const unsigned short* qkv16,
                                                                                    int B, int T, int Hq, int Hkv,
                                                                                    float scale) {
-    attention_forward_wgmma<4, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
+    attention_forward_wgmma<4, true, false>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
+}
+
+// q from registers (QR): s = q k.T reads only k from shared memory
+extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_qr_64(unsigned short* y16, float* lse,
+                                                                              const unsigned short* qkv16, int B,
+                                                                              int T, int Hq, int Hkv, float scale) {
+    attention_forward_wgmma<3, false, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(384) attention_forward_wgmma_overlap_qr_64(unsigned short* y16,
+                                                                                      float* lse,
+                                                                                      const unsigned short* qkv16,
+                                                                                      int B, int T, int Hq, int Hkv,
+                                                                                      float scale) {
+    attention_forward_wgmma<4, true, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }

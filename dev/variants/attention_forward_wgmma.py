@@ -36,10 +36,15 @@ Y_BOUND, LSE_BOUND = 4e-3, 1e-4   # OK: relative norm of the error against float
 PRODUCT = "attention_forward_bf16_kernel_64"
 # the variant's versions: entry point, K/V stages (dynamic shared memory 3 W 8 KB + STAGES 16 KB + 1 KB), and
 # whether persistent (a block an SM, each walking units gridDim.x apart) or a block a unit
+# (q: q read by s = q k.T from registers, not shared memory)
 VERSIONS = {"wgmma": ("attention_forward_wgmma_64", 3, False),
             "wgmma persistent": ("attention_forward_wgmma_64", 3, True),
+            "wgmma q": ("attention_forward_wgmma_qr_64", 3, False),
+            "wgmma q persistent": ("attention_forward_wgmma_qr_64", 3, True),
             "wgmma overlap": ("attention_forward_wgmma_overlap_64", 4, False),
-            "wgmma overlap persistent": ("attention_forward_wgmma_overlap_64", 4, True)}
+            "wgmma overlap persistent": ("attention_forward_wgmma_overlap_64", 4, True),
+            "wgmma overlap q": ("attention_forward_wgmma_overlap_qr_64", 4, False),
+            "wgmma overlap q persistent": ("attention_forward_wgmma_overlap_qr_64", 4, True)}
 
 
 def bf16_bits(x):
