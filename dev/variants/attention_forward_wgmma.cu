@@ -39,7 +39,8 @@ Either with q read by s = q k.T from shared memory, or from registers (the _qr_ 
 more, loaded from the q tile at a tile's start): a wgmma m64n64k16 with both operands in shared memory reads
 4 KB in its 32 cycles, all of the 128 bytes a cycle shared memory gives, and the copies write there too.
 ptxas (NVRTC 13, sm_90a): 132, 136 (q in registers), 160 and 168 (overlapped) registers, no spills, no wgmma
-serialized (test_attention_wgmma); with 384 threads a block, one block an SM.
+serialized (test_attention_wgmma); with 384 threads a block, one block an SM. Checked against float64 on the
+CPU emulator only so far; `python dev/variants/attention_forward_wgmma.py` checks and times it on an H100/H200.
 */
 
 #define HD 64                 // head dim (wgmma's K of q k.T, its N of p v)
