@@ -677,10 +677,11 @@ def test_every_mutant_of_tools_mutate_still_applies():
     assert {name: src[f].count(old) for name, f, old, _, _ in tools if src[f].count(old) != 1} == {}
     assert all(old != new for _, _, old, new, _ in tools)
     assert all(any(t in k for t in test_files) for *_, k in tools)
-    # the emulator's warpgroup MMA (--set wgmma, against test_wgmma.py): each text once in tools/emulate_cuda.py
+    # the emulator's warpgroup MMA, mbarriers and TMA (--set wgmma, against test_wgmma.py): each text once in
+    # tools/emulate_cuda.py
     wgmma = mutate.WGMMA_MUTATIONS
     emulator = open(os.path.join(here, "tools", "emulate_cuda.py")).read()
-    assert len(wgmma) == 13
+    assert len(wgmma) == 20
     assert {name: emulator.count(old) for name, f, old, _, _ in wgmma if f != mutate.EMULATOR or
             emulator.count(old) != 1} == {}
     assert all(old != new for _, _, old, new, _ in wgmma)

@@ -36,8 +36,10 @@ def emulator_module():
     return emulator
 
 
-# the probe's helpers whose inline PTX the emulator's header defines: wgmma's, and cp.async's for the product
-HELPERS = emulator_module().WGMMA_HELPERS + ("cp_async16", "cp_async_commit", "cp_async_wait")
+# the probe's helpers whose inline PTX the emulator's header defines: wgmma's, cp.async's for the product, and
+# mbarriers', TMA's, named barriers' and setmaxnreg for the product fed by TMA
+HELPERS = emulator_module().WGMMA_HELPERS + ("cp_async16", "cp_async_commit", "cp_async_wait") + \
+    emulator_module().TMA_HELPERS
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
 
@@ -154,7 +156,8 @@ def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
     with pytest.raises(SystemExit) as end:
         probe_script.main()
     out = capsys.readouterr().out
-    assert end.value.code == 0 and out.count("  OK\n") == len(VARIANTS) + 2 and out.endswith("all OK\n"), out
+    assert end.value.code == 0 and out.count("  OK\n") == len(VARIANTS) + len(probe_script.GEMMS), out
+    assert out.endswith("all OK\n"), out
 
 
 def test_the_probe_compiles_for_sm_90a_with_nvrtc():
@@ -162,5 +165,160 @@ def test_the_probe_compiles_for_sm_90a_with_nvrtc():
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     cubin = nc.nvrtc_compile("wgmma_probe.cu", open(PROBE).read(), "90a")
-    for name in [*VARIANTS, "wgmma_gemm_bn128", "wgmma_gemm_bn256"]:
+    for name in [*VARIANTS, *(name for name, _, _ in probe_script.GEMMS)]:
         assert name.encode() in cubin, name                 # extern "C": the name is in the CUBIN
+
+
+def tma_product(lib, BN, M, N, K, seed=0):
+    """the probe's product fed by TMA (wgmma_tma_gemm_bn*) on the emulator, its tensor maps made by the stand-in
+    driver's cuTensorMapEncodeTiled -> c (M, N) as float32, a @ b.T in float64, the bound"""
+    from cuda.bindings import driver as real
+    driver = emulator_module().Driver(real)
+    rng = np.random.default_rng(seed)
+    a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(N, K)))
+    A, B = probe_script.from_bf16(a).astype(np.float64), probe_script.from_bf16(b).astype(np.float64).T
+
+    def tensor_map(x, rows, box_rows):
+        u64, u32 = real.cuuint64_t, real.cuuint32_t             # as cuda-python's takes them
+        _, m = driver.cuTensorMapEncodeTiled(real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
+                                             x.ctypes.data, [u64(K), u64(rows)], [u64(K * 2)],
+                                             [u32(64), u32(box_rows)], [u32(1), u32(1)],
+                                             real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                             real.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                                             real.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                                             real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
+
+    c = np.full((M, N), 0xFFFF, np.uint16)                            # NaN: what the kernel does not write shows
+    args = [ctypes.c_void_p(c.ctypes.data), tensor_map(a, M, 128), tensor_map(b, N, BN), ctypes.c_int(N),
+            ctypes.c_int(K)]
+    params = (ctypes.c_void_p * 5)(*[ctypes.addressof(x) for x in args])
+    launch = lib.emu_launch(lib.emu_kernel(f"wgmma_tma_gemm_bn{BN}".encode()), N // BN, M // 128, 1, 384, params)
+    assert not lib.emu_run(launch)
+    lib.emu_free(launch)
+    ref = A @ B
+    return probe_script.from_bf16(c), ref, fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref)
+
+
+@needs_gxx
+@pytest.mark.parametrize("BN, reverse", [(128, 0), (256, 0), (128, 1)])
+def test_the_tma_product_on_the_emulator_against_float64(BN, reverse):
+    # 8 steps of 64 k through the 4 stages: each stage's full and empty mbarriers go through phases 0 and 1 (the
+    # producer waits for an empty one from step 4 on), 2 x 2 or 1 x 2 blocks of a producer and two consumers;
+    # once with the threads in reverse order (the consumers first)
+    # (in a process of its own, so that what the emulator refuses is named here, not a crash of pytest)
+    pytest.importorskip("cuda.bindings")
+    code = f"""
+import sys
+import numpy as np
+sys.path.insert(0, {HERE!r})
+import test_wgmma as t
+emulator = t.emulator_module()
+lib = emulator.load(t.PROBE, select=lambda text: emulator.without_helpers(text, t.HELPERS))
+lib.emu_set_reverse({reverse})                        # blocks, and threads between waits, in reverse order
+c, ref, bound = t.tma_product(lib, {BN}, 256, 256, 512, seed={BN})
+assert np.all(np.abs(c - ref) <= bound), np.nanmax(np.abs(c - ref))
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:].decode()
+
+
+@needs_gxx
+@pytest.mark.parametrize("old, new, refusal", [
+    # expect_tx announces 16 bytes more than the copies bring: the full barrier's phase never completes
+    ("mbarrier_arrive_expect_tx(&full[s], STAGE * 2);", "mbarrier_arrive_expect_tx(&full[s], STAGE * 2 + 16);",
+     "tx-count 16 bytes"),
+    # or 16 fewer: the copies' bytes outrun it
+    ("mbarrier_arrive_expect_tx(&full[s], STAGE * 2);", "mbarrier_arrive_expect_tx(&full[s], STAGE * 2 - 16);",
+     "more bytes (complete_tx) than expect_tx announced"),
+    # the consumers never free a stage: the producer waits at step 4 for a phase that never completes
+    ("if (kt > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(", "if (kt < 0) mbarrier_arrive(",
+     "1 thread(s) from thread 0 wait at an mbarrier's try_wait.parity 0"),
+    # the consumers' named barrier counts the producer's threads, which never come
+    ("named_barrier_sync(1, 256);", "named_barrier_sync(1, 384);", "named barrier 1 (256 of 384 threads arrived)"),
+    ("named_barrier_sync(1, 256);", "named_barrier_sync(1, 200);", "a named barrier's thread count not a multiple"),
+    # an mbarrier that mbarrier.init never set up
+    ("mbarrier_init(&full[s], 1), ", "", "an mbarrier operation on 8 bytes that mbarrier.init did not set up")])
+def test_mbarrier_and_named_barrier_misuse_is_refused_by_name(tmp_path, old, new, refusal):
+    # the TMA product with one thing wrong: the launch fails, named, instead of hanging or computing garbage (in a
+    # process of its own: the emulator aborts)
+    pytest.importorskip("cuda.bindings")
+    text = open(PROBE).read()
+    assert text.count(old) == 1
+    (tmp_path / "broken.cu").write_text(text.replace(old, new))
+    code = f"""
+import sys
+sys.path.insert(0, {HERE!r})
+import test_wgmma as t
+emulator = t.emulator_module()
+lib = emulator.load({str(tmp_path / "broken.cu")!r}, cache_dir={str(tmp_path)!r},
+                    select=lambda text: emulator.without_helpers(text, t.HELPERS))
+t.tma_product(lib, 128, 128, 128, 512)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)
+    assert r.returncode != 0 and refusal.encode() in r.stderr, r.stderr[-2000:]
+
+
+def test_cu_tensor_map_encode_tiled_holds_to_the_driver_rules():
+    # the stand-in driver's tensor maps: what the real driver refuses (or the emulator does not do) raises, named
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver as real
+    driver = emulator_module().Driver(real)
+    T = real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    rest = (real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            real.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            real.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+    def encode(rank, address, dims, strides, box, element_strides=(1, 1)):
+        return driver.cuTensorMapEncodeTiled(T, rank, address, [real.cuuint64_t(v) for v in dims],
+                                             [real.cuuint64_t(v) for v in strides], [real.cuuint32_t(v) for v in box],
+                                             [real.cuuint32_t(v) for v in element_strides], *rest)
+
+    err, m = encode(2, 4096, [64, 128], [128], [64, 128])
+    assert err == 0 and [int(w) for w in m.opaque[:10]] == [driver.TMAP_TAG, 4096, 2, 2, 64, 128, 128, 64, 128, 128]
+    for args, why in [((2, 4104, [64, 128], [128], [64, 128]), "not 16-byte aligned"),
+                      ((2, 4096, [64, 128], [136], [64, 128]), "not a multiple of 16 bytes"),
+                      ((2, 4096, [128, 128], [256], [128, 128]), "wider than the swizzle"),
+                      ((2, 4096, [64, 512], [128], [64, 512]), "outside 1 .. 256"),
+                      ((2, 4096, [64, 128], [128], [64, 128], [2, 1]), "element strides are not 1"),
+                      ((3, 4096, [64, 128, 2], [128, 256], [64, 128, 1], [1, 1, 1]), "rank is not 2")]:
+        with pytest.raises(ValueError, match=why):
+            encode(*args)
+    with pytest.raises(TypeError, match="cuuint64_t"):                  # plain ints, as cuda-python refuses them
+        driver.cuTensorMapEncodeTiled(T, 2, 4096, [64, 128], [128], [64, 128], [1, 1], *rest)
+
+
+NAMED = r"""
+// warps 0 and 1 write 64 values and arrive at named barrier 1 without waiting; warps 2 and 3 wait there for
+// all 128, then read them; warp 4 waits at no barrier and leaves
+extern "C" __global__ void named_barrier_probe(float* out) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    float* values = (float*)smem;
+    if (threadIdx.x < 64) {
+        values[threadIdx.x] = 1.0f + threadIdx.x;
+        named_barrier_arrive(1, 128);
+    } else if (threadIdx.x < 128) {
+        named_barrier_sync(1, 128);
+        out[threadIdx.x - 64] = values[127 - threadIdx.x];
+    }
+}
+"""
+
+
+@needs_gxx
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_a_named_barrier_orders_bar_arrive_before_bar_sync(tmp_path, reverse):
+    # in reverse order the readers come first: bar.sync must hold them until the writers' bar.arrive
+    emulator = emulator_module()
+    (tmp_path / "named.cu").write_text(open(PROBE).read() + NAMED)
+    lib = emulator.load(str(tmp_path / "named.cu"), cache_dir=str(tmp_path),
+                        select=lambda text: emulator.without_helpers(text, HELPERS))
+    lib.emu_set_reverse(reverse)
+    out = np.full(64, np.nan, np.float32)
+    arg = ctypes.c_void_p(out.ctypes.data)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    launch = lib.emu_launch(lib.emu_kernel(b"named_barrier_probe"), 1, 1, 1, 160, params)
+    assert not lib.emu_run(launch)
+    lib.emu_free(launch)
+    assert np.array_equal(out, 64.0 - np.arange(64)), out

@@ -21,7 +21,12 @@ helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
 as the PTX ISA lays them out; ldmatrix; cp.async, done at once), and Hopper's
 warpgroup MMA for kernels to come (WGMMA_HELPERS: wgmma.mma_async reading
 shared memory through matrix descriptors, every layout and swizzle, done at
-wgmma.wait_group; dev/variants/wgmma_probe.cu, test_wgmma.py). install() then
+wgmma.wait_group; dev/variants/wgmma_probe.cu, test_wgmma.py) and what feeds it
+(TMA_HELPERS: mbarriers with phases, arrival counts and tx-counts; TMA copies
+through a tensor map that the stand-in driver's cuTensorMapEncodeTiled makes,
+swizzled as they land, done when every thread of the block waits; named
+barriers; setmaxnreg, a no-op); a block whose threads all wait for what none of
+them will do is a deadlock, named with what each waits at. install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
 NaN bits when allocated, after a guard of NaN bytes that is read after every
 kernel and right before a page no one may touch, so a write before the start is
@@ -95,6 +100,7 @@ static dim3e threadIdx, blockIdx, gridDim, blockDim;       // threadIdx: the run
 #define __device__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
+#define __grid_constant__
 #define __align__(n) __attribute__((aligned(n)))
 
 static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
@@ -132,6 +138,17 @@ static int wg_arrived[8];                                // warpgroups (4 warps)
 static unsigned wg_gen[8];
 static void emu_wgmma_block();                           // the wgmma state a block starts with
 static void emu_wgmma_exit();                            // a thread leaves none in flight
+// a deadlock: each wait below counts an event when a thread arrives or goes on; a round of the scheduler in which
+// no thread started and none counted one leaves every thread waiting for what no one will do (TMA copies aside)
+static unsigned long long emu_events;
+static int emu_wait_kind[1024];                          // what a thread waits at (EMU_WAITS), for the message
+static unsigned emu_wait_at[1024], emu_wait_parity[1024];
+static const char* EMU_WAITS[] = {"nothing", "__syncthreads", "a warp's shuffle, ballot or __syncwarp",
+                                  "wgmma.wait_group", "an mbarrier's try_wait.parity", "a named barrier (bar.sync)"};
+static void emu_fail(const char* what);                 // the process aborts, named
+static bool emu_tma_pending();                          // TMA copies issued, not yet done
+static void emu_tma_complete();                         // done, as the async proxy may do them at the latest
+static void emu_deadlock();                             // named, with what each waits for
 
 static void yield_fiber() {
     if (!_setjmp(fibers[cur].jb)) _longjmp(scheduler, 1);
@@ -143,14 +160,14 @@ static void release_warp(int w) {
 }
 static void __syncthreads() {
     unsigned g = bar_gen;
-    bar_arrived++;
+    bar_arrived++, emu_events++, emu_wait_kind[threadIdx.x] = 1;
     release_block();
     while (bar_gen == g) yield_fiber();
 }
 static void warp_barrier() {
     int w = threadIdx.x / 32;
     unsigned g = warp_gen[w];
-    warp_arrived[w]++;
+    warp_arrived[w]++, emu_events++, emu_wait_kind[threadIdx.x] = 2;
     release_warp(w);
     while (warp_gen[w] == g) yield_fiber();
 }
@@ -187,7 +204,7 @@ static void fiber_main() {
     emu_wgmma_exit();
     Fiber& f = fibers[cur];
     f.done = true;
-    live--;
+    live--, emu_events++;
     warp_live[f.tid / 32]--;
     release_block();
     release_warp(f.tid / 32);
@@ -222,18 +239,25 @@ static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
         }
         for (int running = block; running;) {
             running = 0;
+            unsigned long long events = emu_events;
+            bool started = false;
             for (int k = 0; k < block; k++) {
                 int t = emu_reverse ? block - 1 - k : k;
                 Fiber& f = fibers[t];
                 if (f.done) continue;
                 cur = t, threadIdx = dim3e{f.tid, 0, 0};
                 if (!_setjmp(scheduler)) {
-                    if (!f.started) f.started = true, setcontext(&f.uc);
+                    if (!f.started) f.started = started = true, setcontext(&f.uc);
                     else _longjmp(f.jb, 1);
                 }
                 running += !f.done;
             }
+            if (running && !started && events == emu_events) {    // every live thread waits: for TMA copies, or
+                if (!emu_tma_pending()) emu_deadlock();              // for what no one will do
+                emu_tma_complete();
+            }
         }
+        if (emu_tma_pending()) emu_fail("a block ends with TMA copies in flight");
     }
 }
 
@@ -368,7 +392,9 @@ static EmuWgmma emu_wgmma_ops[1024][EMU_WGMMA_QUEUE];    // by thread: issued, n
 static int emu_wgmma_issued[1024], emu_wgmma_groups[1024], emu_wgmma_keep[1024];
 static int emu_wgmma_group_end[1024][EMU_WGMMA_QUEUE];  // committed groups, each the end of its ops in the queue
 static bool emu_wgmma_fenced[1024];
+static void emu_async_block();                          // no mbarrier, TMA copy or named barrier yet
 static void emu_wgmma_block() {
+    emu_async_block();
     memset(wg_arrived, 0, sizeof wg_arrived);
     memset(emu_wgmma_issued, 0, sizeof emu_wgmma_issued), memset(emu_wgmma_groups, 0, sizeof emu_wgmma_groups);
     memset(emu_wgmma_fenced, 0, sizeof emu_wgmma_fenced);
@@ -458,9 +484,186 @@ template <int N> static void wgmma_wait() {
         if (warp_live[w] != 32) emu_fail("a wgmma.wait_group in a warpgroup one of whose threads has exited");
     emu_wgmma_keep[t] = N;
     unsigned gen = wg_gen[g];
+    emu_events++, emu_wait_kind[t] = 3;
     if (++wg_arrived[g] == 128) emu_wgmma_done(g), wg_arrived[g] = 0, wg_gen[g]++;
     while (wg_gen[g] == gen) yield_fiber();
     emu_wgmma_fenced[t] = false;
+}
+
+// ---- Hopper's mbarriers, TMA, named barriers and setmaxnreg (TMA_HELPERS), as the PTX ISA defines them
+// An mbarrier is 8 bytes of shared memory (dynamic, 8-byte aligned, here). mbarrier.init sets its phase 0, its
+// expected arrival count (its pending count too) and its tx-count 0; arrive takes one from the pending count,
+// expect_tx adds to the tx-count, a TMA copy's complete_tx takes its bytes from it; when the pending count and the
+// tx-count are both 0 the phase is complete: the next begins, with the pending count reset. try_wait.parity P is
+// true when the phase of parity P has completed: the current phase's parity differs from P. Refused by name: an
+// operation on 8 bytes mbarrier.init did not set up or that were written since (the emulator keeps its state
+// aside and a tag in the 8 bytes), a copy whose bytes come after its phase completed or outrun expect_tx (a tx-count
+// below 0 with no arrival pending), every thread waiting for what no one will do (a deadlock, named with what each
+// waits for: a try_wait on a phase that never completes, expect_tx announcing more bytes than the copies bring).
+struct EmuMbarrier { bool init; int count, pending; long long tx; unsigned phase; };
+static EmuMbarrier emu_mbar[sizeof emu_dynamic_shared / 8];
+static const unsigned long long EMU_MBAR_TAG = 0x6d62617272696572ull;   // "mbarrier"
+static EmuMbarrier& emu_mbarrier(unsigned address) {
+    if (address % 8) emu_fail("an mbarrier at a shared address that is not a multiple of 8");
+    unsigned long long tag;
+    memcpy(&tag, emu_dynamic_shared + (address - EMU_SHARED_START), 8);
+    EmuMbarrier& m = emu_mbar[(address - EMU_SHARED_START) / 8];
+    if (!m.init) emu_fail("an mbarrier operation on 8 bytes that mbarrier.init did not set up");
+    if (tag != EMU_MBAR_TAG) emu_fail("an mbarrier whose 8 bytes were written since mbarrier.init");
+    return m;
+}
+static void emu_mbarrier_complete(EmuMbarrier& m) {      // the phase completes when nothing is pending
+    if (m.pending == 0 && m.tx < 0)
+        emu_fail("an mbarrier's phase received more bytes (complete_tx) than expect_tx announced");
+    if (m.pending == 0 && m.tx == 0) m.phase++, m.pending = m.count, emu_events++;
+}
+static void mbarrier_init(unsigned long long* bar, unsigned count) {
+    unsigned address = shared_address(bar);
+    if (address % 8) emu_fail("an mbarrier at a shared address that is not a multiple of 8");
+    if (count < 1 || count > (1u << 20) - 1) emu_fail("mbarrier.init with a count outside 1 .. 2^20 - 1");
+    emu_mbar[(address - EMU_SHARED_START) / 8] = EmuMbarrier{true, (int)count, (int)count, 0, 0};
+    memcpy(bar, &EMU_MBAR_TAG, 8);
+    emu_events++;
+}
+static void fence_mbarrier_init() {}                     // memory order is not emulated
+static void mbarrier_expect_tx(unsigned long long* bar, unsigned bytes) {
+    emu_mbarrier(shared_address(bar)).tx += bytes, emu_events++;
+}
+static void mbarrier_arrive(unsigned long long* bar) {
+    EmuMbarrier& m = emu_mbarrier(shared_address(bar));
+    m.pending--, emu_events++;
+    emu_mbarrier_complete(m);
+}
+static void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    EmuMbarrier& m = emu_mbarrier(shared_address(bar));
+    m.tx += bytes;                                        // expect-tx, then arrive-on
+    m.pending--, emu_events++;
+    emu_mbarrier_complete(m);
+}
+// try_wait: false after letting the other threads run once (a GPU's may wait a while first)
+static bool mbarrier_try_wait(unsigned long long* bar, unsigned parity) {
+    unsigned address = shared_address(bar);
+    if ((emu_mbarrier(address).phase & 1) != (parity & 1)) return true;
+    emu_wait_kind[threadIdx.x] = 4, emu_wait_at[threadIdx.x] = address, emu_wait_parity[threadIdx.x] = parity;
+    yield_fiber();
+    return false;
+}
+
+// TMA: cp.async.bulk.tensor.2d global -> shared through a tensor map that the stand-in driver's
+// cuTensorMapEncodeTiled writes in its own form (EmuTensorMap, 128 bytes as CUtensorMap). A copy is queued at
+// issue and done when every thread of the block waits (the latest the async proxy may), then its bytes complete on
+// its mbarrier: a read before the wait sees the old tile. The box lands as rows of box[0] elements one after
+// the other, an element outside the tensor 0, the swizzle (32, 64, 128 bytes) XORing the address's 16-byte
+// chunk (bits 4..) with bits 7.. as wgmma reads it back. Refused: a map the driver did not make, a destination
+// not 128-byte aligned (1024 when swizzled: the pattern's start), a tile out of dynamic shared memory.
+struct EmuTensorMap { unsigned long long tag, address, element, rank, dim[2], stride, box[2], swizzle, pad[6]; };
+static const unsigned long long EMU_TMAP_TAG = 0x656d752d746d6170ull;   // "emu-tmap"
+struct EmuTma { EmuTensorMap map; unsigned dst, bar, phase; int x, y; };
+static const int EMU_TMA_QUEUE = 256;
+static EmuTma emu_tma[EMU_TMA_QUEUE];
+static int emu_tma_count;
+static bool emu_tma_pending() { return emu_tma_count > 0; }
+static void tma_load_2d(void* dst, const void* map, int x, int y, unsigned long long* bar) {
+    EmuTma op;
+    memcpy(&op.map, map, sizeof op.map);
+    if (op.map.tag != EMU_TMAP_TAG || op.map.rank != 2)
+        emu_fail("cp.async.bulk.tensor.2d with a tensor map that cuTensorMapEncodeTiled did not make (rank 2)");
+    op.dst = shared_address(dst), op.bar = shared_address(bar), op.x = x, op.y = y;
+    op.phase = emu_mbarrier(op.bar).phase;
+    if (op.dst % (op.map.swizzle ? 1024 : 128))
+        emu_fail("a TMA destination not 128-byte aligned (1024 with a swizzle: not emulated)");
+    unsigned long long bytes = op.map.box[0] * op.map.box[1] * op.map.element;
+    if (op.dst - EMU_SHARED_START + bytes > sizeof emu_dynamic_shared)
+        emu_fail("a TMA tile past dynamic shared memory");
+    if (emu_tma_count == EMU_TMA_QUEUE) emu_fail("more TMA copies in flight than the emulator keeps (256)");
+    emu_tma[emu_tma_count++] = op, emu_events++;
+}
+static void emu_tma_copy(const EmuTma& op) {
+    const EmuTensorMap& m = op.map;
+    unsigned row = m.box[0] * m.element;
+    for (unsigned r = 0; r < m.box[1]; r++)
+        for (unsigned e = 0; e < m.box[0]; e++) {
+            long long gx = (long long)op.x + e, gy = (long long)op.y + r;
+            unsigned a = op.dst + r * row + e * m.element;
+            a ^= (m.swizzle ? a >> 7 & (m.swizzle / 16 - 1) : 0) << 4;
+            char* to = emu_dynamic_shared + (a - EMU_SHARED_START);
+            if (gx < 0 || gy < 0 || gx >= (long long)m.dim[0] || gy >= (long long)m.dim[1]) memset(to, 0, m.element);
+            else memcpy(to, (const char*)m.address + gy * m.stride + gx * m.element, m.element);
+        }
+    EmuMbarrier& b = emu_mbarrier(op.bar);
+    if (b.phase != op.phase)
+        emu_fail("a TMA copy's bytes came after the mbarrier phase it was issued in completed (expect_tx too small?)");
+    b.tx -= (long long)m.box[0] * m.box[1] * m.element;
+    emu_mbarrier_complete(b);
+}
+static void emu_tma_complete() {
+    int n = emu_tma_count;
+    emu_tma_count = 0;
+    for (int i = 0; i < n; i++) emu_tma_copy(emu_tma[emu_reverse ? n - 1 - i : i]);
+    emu_events++;
+}
+
+// named barriers 1 .. 15: bar.sync id, n waits until n threads (a multiple of 32) have arrived by bar.sync or
+// bar.arrive (which does not wait); barrier 0 is __syncthreads's. Refused: an id outside 1 .. 15, a count not a
+// multiple of 32 or that differs from the phase's first, more threads than the block has.
+static int emu_named_arrived[16], emu_named_count[16];
+static unsigned emu_named_gen[16];
+static unsigned emu_named_arrive(int id, int n) {
+    if (id < 1 || id > 15) emu_fail("a named barrier outside 1 .. 15 (0 is __syncthreads's)");
+    if (n < 32 || n % 32 || n > (int)blockDim.x)
+        emu_fail("a named barrier's thread count not a multiple of 32 of the block");
+    if (emu_named_arrived[id] && emu_named_count[id] != n)
+        emu_fail("threads arriving at a named barrier with different thread counts");
+    unsigned gen = emu_named_gen[id];
+    emu_named_count[id] = n, emu_events++;
+    if (++emu_named_arrived[id] == n) emu_named_arrived[id] = 0, emu_named_gen[id]++;
+    return gen;
+}
+static void named_barrier_sync(int id, int n) {
+    unsigned gen = emu_named_arrive(id, n);
+    emu_wait_kind[threadIdx.x] = 5, emu_wait_at[threadIdx.x] = id;
+    while (emu_named_gen[id] == gen) yield_fiber();
+}
+static void named_barrier_arrive(int id, int n) { emu_named_arrive(id, n); }
+
+// setmaxnreg.inc / .dec: a warpgroup's register budget, nothing to do here; N as the PTX ISA allows it
+template <int N> static void setmaxnreg_inc() { static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg"); }
+template <int N> static void setmaxnreg_dec() { static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg"); }
+
+static void emu_async_block() {
+    memset(emu_mbar, 0, sizeof emu_mbar), emu_tma_count = 0;
+    memset(emu_named_arrived, 0, sizeof emu_named_arrived), memset(emu_wait_kind, 0, sizeof emu_wait_kind);
+}
+static void emu_deadlock() {                             // each different wait, with the threads at it
+    int live_threads = 0, first = -1;
+    for (int t = 0; t < (int)blockDim.x; t++)
+        if (!fibers[t].done) live_threads++, first = first < 0 ? t : first;
+    fprintf(stderr, "emulator: a deadlock: the block's %d live threads all wait, for what none of them will do:\n",
+            live_threads);
+    for (int t = 0; t < (int)blockDim.x; t++) {
+        int k = emu_wait_kind[t], n = 0, seen = 0;
+        if (fibers[t].done) continue;
+        for (int u = 0; u < (int)blockDim.x; u++) {
+            bool same = !fibers[u].done && emu_wait_kind[u] == k &&
+                        (k < 4 || (emu_wait_at[u] == emu_wait_at[t] && emu_wait_parity[u] == emu_wait_parity[t]));
+            n += same, seen += same && u < t;
+        }
+        if (seen) continue;                                // told with the first thread at the same wait
+        char what[320];
+        if (k == 4) {
+            const EmuMbarrier& m = emu_mbar[(emu_wait_at[t] - EMU_SHARED_START) / 8];
+            snprintf(what, sizeof what, "an mbarrier's try_wait.parity %u at shared address %u (its phase %u: %d of "
+                     "%d arrivals pending, tx-count %lld bytes)", emu_wait_parity[t], emu_wait_at[t], m.phase,
+                     m.pending, m.count, m.tx);
+        } else if (k == 5)
+            snprintf(what, sizeof what, "named barrier %u (%d of %d threads arrived)", emu_wait_at[t],
+                     emu_named_arrived[emu_wait_at[t]], emu_named_count[emu_wait_at[t]]);
+        else
+            snprintf(what, sizeof what, "%s", EMU_WAITS[k]);
+        fprintf(stderr, "  %d thread(s) from thread %d wait at %s\n", n, t, what);
+    }
+    threadIdx = dim3e{(unsigned)first, 0, 0};
+    emu_fail("a deadlock");
 }
 #undef INFINITY
 """
@@ -471,7 +674,7 @@ struct Kernel { const char* name; int n; size_t sizes[16]; void (*thunk)(void**)
 static Kernel table[] = {
 %(table)s
 };
-struct Launch { int k; dim3e grid; int block; void* args[16]; char values[16][8]; };
+struct Launch { int k; dim3e grid; int block; void* args[16]; alignas(64) char values[16][128]; };
 extern "C" int emu_kernel(const char* name) {
     for (int i = 0; i < (int)(sizeof(table) / sizeof(table[0])); i++)
         if (!strcmp(table[i].name, name)) return i;
@@ -577,6 +780,13 @@ def without_helpers(text, names=TENSOR_CORE_HELPERS):
 # (wgmma, its fence, commit and wait, fence.proxy.async) the emulator's header defines in C++ instead
 WGMMA_HELPERS = ("shared_address", "fence_proxy_async", "wgmma_fence", "wgmma_bf16", "wgmma_bf16_rs", "wgmma_commit",
                  "wgmma_wait")
+
+
+# the helpers of a kernel file that feeds wgmma by TMA (dev/variants/wgmma_probe.cu's wgmma_tma_gemm): mbarriers,
+# TMA, named barriers, setmaxnreg, whose inline PTX the emulator's header defines in C++ instead
+TMA_HELPERS = ("mbarrier_init", "fence_mbarrier_init", "mbarrier_expect_tx", "mbarrier_arrive",
+               "mbarrier_arrive_expect_tx", "mbarrier_try_wait", "tma_load_2d", "named_barrier_sync",
+               "named_barrier_arrive", "setmaxnreg_inc", "setmaxnreg_dec")
 
 
 # the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it
@@ -770,6 +980,44 @@ class Driver:
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         assert by == bz == 1 and shared <= 227 * 1024            # emu_dynamic_shared
         return self.launch(f, (gx, gy, gz), bx, params)
+
+    SWIZZLES = {"CU_TENSOR_MAP_SWIZZLE_NONE": 0, "CU_TENSOR_MAP_SWIZZLE_32B": 32, "CU_TENSOR_MAP_SWIZZLE_64B": 64,
+                "CU_TENSOR_MAP_SWIZZLE_128B": 128}
+    TMAP_TAG = 0x656d752d746d6170                          # the emulator's EmuTensorMap: "emu-tmap"
+
+    def cuTensorMapEncodeTiled(self, dtype, rank, address, dims, strides, box, element_strides, interleave, swizzle,
+                               l2, oob):
+        """a tensor map in the emulator's own form (EmuTensorMap: 16 words, as CUtensorMap's opaque): the tag,
+        the global address, the element's bytes, the rank, dims, the row stride in bytes, the box, the swizzle's
+        bytes. Held to the driver's rules for what the emulator does (rank 2, 2- or 4-byte elements, element strides
+        1, no interleave, zeros outside the tensor); what it breaks raises, named"""
+        real, m = self.real, self.real.CUtensorMap()
+        sizes = {real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16: 2,
+                 real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16: 2,
+                 real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32: 4}
+        for values, kind in ((dims, real.cuuint64_t), (strides, real.cuuint64_t), (box, real.cuuint32_t),
+                             (element_strides, real.cuuint32_t)):
+            if not all(isinstance(v, kind) for v in values):         # as cuda-python's refuses plain ints
+                raise TypeError(f"Cannot convert int to cuda.bindings.driver.{kind.__name__}")
+        dims, strides, box = [int(d) for d in dims], [int(s) for s in strides], [int(b) for b in box]
+        why = ("its data type is not bf16, uint16 or fp32" if dtype not in sizes else
+               "rank is not 2 (the emulator's TMA is 2d)" if rank != 2 or len(dims) != 2 or len(box) != 2 else
+               "element strides are not 1" if [int(e) for e in element_strides] != [1, 1] else
+               "interleave is not NONE" if interleave != real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
+               else "the global address is not 16-byte aligned" if int(address) % 16 else
+               "a global stride is not a multiple of 16 bytes" if len(strides) != 1 or strides[0] % 16 else
+               "the global stride is shorter than a row" if strides[0] < dims[0] * sizes[dtype] else
+               "a box dimension is outside 1 .. 256" if not all(1 <= b <= 256 for b in box) else
+               "a box row is not a multiple of 16 bytes" if box[0] * sizes[dtype] % 16 else
+               "the swizzle is not NONE, 32B, 64B or 128B" if swizzle.name not in self.SWIZZLES else
+               "a box row is wider than the swizzle" if self.SWIZZLES[swizzle.name] and
+               box[0] * sizes[dtype] > self.SWIZZLES[swizzle.name] else
+               "oobFill is not NONE" if oob != real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE else "")
+        if why:
+            raise ValueError(f"cuTensorMapEncodeTiled: {why}")
+        words = [self.TMAP_TAG, int(address), sizes[dtype], 2, *dims, strides[0], *box, self.SWIZZLES[swizzle.name]]
+        m.opaque = words + [0] * (16 - len(words))
+        return (0, m)
 
     def cuLaunchKernelEx(self, config, f, params, extra):
         attr = config.attrs[0]

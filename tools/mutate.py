@@ -9,7 +9,7 @@ a mutant whose tests still pass "survived", and shows a hole in the tests.
     python tools/mutate.py --set inputs    # the input checks taken out, against test_inputs.py
     python tools/mutate.py --set kernels   # bugs in kernels.cu and flash_attn.cu, on the CPU emulator
     python tools/mutate.py --set tools     # export.py, eval.py, serve.py and the GPU's decoding policy
-    python tools/mutate.py --set wgmma     # the emulator's warpgroup MMA, against test_wgmma.py
+    python tools/mutate.py --set wgmma     # the emulator's warpgroup MMA, mbarriers, TMA, against test_wgmma.py
     python tools/mutate.py -k adamw        # the mutants whose name contains "adamw"
     python tools/mutate.py --tests test_spec.py test_nanoeuler.py
 
@@ -338,8 +338,9 @@ TOOL_MUTATIONS = [
     ("queue_fills_one_past_the_window", "nanoeuler_cuda.py", "if reach + policy.heads <= T:",
      "if reach + policy.heads <= T + 1:", DECODE_HOST),
 ]
-# bugs in the CPU emulator's warpgroup MMA (tools/emulate_cuda.py), which test_wgmma.py runs
-# dev/variants/wgmma_probe.cu on: (name, file, its exact text, what it becomes, pytest -k: "" for all)
+# bugs in the CPU emulator's warpgroup MMA, mbarriers, TMA and named barriers (tools/emulate_cuda.py), which
+# test_wgmma.py runs dev/variants/wgmma_probe.cu on: (name, file, its exact text, what it becomes, pytest -k: "" for
+# all)
 EMULATOR = "tools/emulate_cuda.py"
 WGMMA_MUTATIONS = [
     ("wgmma: accumulator rows g and g + 8 swapped", EMULATOR, "int row = 16 * w + g + 8 * (i / 2 % 2), col",
@@ -368,6 +369,29 @@ WGMMA_MUTATIONS = [
      "finished = max(groups - keep - 1, 0)", ""),
     ("wgmma: register a's rows and k halves swapped", EMULATOR, ".ra[row % 16 / 8 + 2 * (k / 8)];",
      ".ra[row % 16 / 8 * 2 + k / 8];", ""),
+    # the bug 0c883df fixed: a register-a wgmma finished by a wait_group that leaves later groups in flight read
+    # its a from lanes whose queues had already moved on
+    ("wgmma: register a read from queues already moved on", EMULATOR,
+     "    for (unsigned t = t0; t < t0 + 128; t++)                 // every thread's first: a register a is read "
+     "from\n        for (int j = 0; j < ops; j++) emu_wgmma_run(j, t);  // the other lanes' queues, at the same "
+     "place in each\n    for (unsigned t = t0; t < t0 + 128; t++) {\n",
+     "    for (unsigned t = t0; t < t0 + 128; t++) {\n        for (int j = 0; j < ops; j++) emu_wgmma_run(j, t);\n",
+     "ar_bn_two_groups"),
+    # mbarriers and TMA (the product fed by TMA, and its misuse refused)
+    ("mbarrier: try_wait.parity's sense flipped", EMULATOR,
+     "if ((emu_mbarrier(address).phase & 1) != (parity & 1)) return true;",
+     "if ((emu_mbarrier(address).phase & 1) == (parity & 1)) return true;", "tma_product or misuse"),
+    ("mbarrier: expect_tx ignored by arrive.expect_tx", EMULATOR,
+     "    m.tx += bytes;                                        // expect-tx, then arrive-on\n", "",
+     "tma_product or misuse"),
+    ("mbarrier: a phase completes at the first arrival", EMULATOR, "if (m.pending == 0 && m.tx == 0) m.phase++",
+     "if (m.tx == 0) m.phase++", "tma_product or misuse"),
+    ("TMA: the swizzle not applied to the copy's writes", EMULATOR,
+     "a ^= (m.swizzle ? a >> 7 & (m.swizzle / 16 - 1) : 0) << 4;", "a ^= 0;", "tma_product or misuse"),
+    ("TMA: a copy's bytes never completed on its mbarrier", EMULATOR,
+     "b.tx -= (long long)m.box[0] * m.box[1] * m.element;", "b.tx -= 0;", "tma_product or misuse"),
+    ("named barrier: bar.sync passes without waiting", EMULATOR,
+     "    while (emu_named_gen[id] == gen) yield_fiber();\n", "", "named_barrier_orders"),
 ]
 SETS = {"spec": (SPEC_MUTATIONS, ["test_spec.py"]), "inputs": (INPUT_MUTATIONS, ["test_inputs.py"]),
         "kernels": (KERNEL_MUTATIONS, ["test_cuda_pipeline.py"]),

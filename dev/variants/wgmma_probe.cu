@@ -10,6 +10,10 @@ alone (the 'a' target: Hopper's own instructions), so dev/variants/wgmma_probe.p
 file with NVRTC for "90a" itself; the CPU emulator (tools/emulate_cuda.py, WGMMA_HELPERS) runs it too, and
 test_wgmma.py compares the emulator with numpy.
 
+Below the probe, two products of many tiles for a first timing against cuBLAS: wgmma_gemm_bn* fed by cp.async
+with a block barrier each step, and wgmma_tma_gemm_bn* fed by TMA through mbarriers (a producer warpgroup, two
+consumers, setmaxnreg, a named barrier), each opening with what it computes and how the work is split.
+
 How the work is split: the 128 threads copy a and b into shared memory, 16 bytes at a time, in
 one of wgmma's layouts (tile_offset below); then each wgmma is the warpgroup's: every thread
 issues it with the same descriptors, and thread t receives N / 2 accumulators of c: rows
@@ -421,4 +425,157 @@ extern "C" __global__ void __launch_bounds__(256) wgmma_gemm_bn128(unsigned shor
 extern "C" __global__ void __launch_bounds__(256) wgmma_gemm_bn256(unsigned short* c, const unsigned short* a,
                                                                    const unsigned short* b, int N, int K) {
     wgmma_gemm<256>(c, a, b, N, K);
+}
+
+// -----------------------------------------------------------------------------
+// the same product fed by TMA through mbarriers, as the field's Hopper kernels are (CUTLASS's warp-specialized
+// GEMM, "fast.cu"): c (M, N) bf16 = a (M, K) @ b.T, a (M, K) and b (N, K) bf16 row-major, M a multiple of 128, N
+// of BN (128 or 256), K of 64. A block of 3 warpgroups (384 threads) owns a 128 x BN tile of c: warpgroup 0 is
+// the producer (its registers lowered by setmaxnreg; one thread issues the copies), warpgroups 1 and 2 the
+// consumers, rows 0 .. 63 and 64 .. 127 (setmaxnreg raises theirs). K is walked 64 at a time through GEMM_STAGES
+// stages of a (128 x 64) and b (BN x 64), each written by two TMA copies (cp.async.bulk.tensor.2d, the 128-byte
+// swizzle applied by the copy itself: the tiles wgmma reads K-major). Each stage has two mbarriers: full (1
+// arrival, by the producer's arrive.expect_tx of the stage's bytes, and the copies' bytes) and empty (2 arrivals,
+// a thread of each consumer warpgroup once its wgmma on the stage are done). Step kt uses stage kt % 4 in its
+// kt / 4-th round: consumers wait for full's phase of parity (kt / 4) % 2, the producer for empty's phase of the
+// round before, parity (kt / 4 + 1) % 2 (for the first round, the phase "before" phase 0, which counts as
+// complete). A consumer keeps a step's group of 4 wgmma in flight (wait_group 1) and frees the stage before it.
+// The consumers meet at a named barrier (bar.sync 1, 256) before they store c, without the producer.
+
+// a CUtensorMap: 128 opaque bytes that cuTensorMapEncodeTiled writes on the host; a kernel takes it as a
+// const __grid_constant__ parameter and gives the copy its address
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// an mbarrier (8 bytes of shared memory) whose phases complete after count arrivals (and the bytes expected)
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+// make mbarrier.init visible to the async proxy (the TMA unit) and to the other threads
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// bytes that copies will complete on the current phase, without arriving
+__device__ __forceinline__ void mbarrier_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+}
+
+// expect `bytes` more on the current phase, then arrive
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+                 "r"(bytes) : "memory");
+}
+
+// whether the phase of this parity has completed (waits a while first, as the hardware decides)
+__device__ __forceinline__ bool mbarrier_try_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+    return done;
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    while (!mbarrier_try_wait(bar, parity)) {
+    }
+}
+
+// the box of the tensor map at element (x, y) (x along rows, the inner dimension) -> dst in shared memory,
+// its bytes completed on bar
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, int y, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
+                 "[%2];" ::"r"(shared_address(dst)), "l"(map), "r"(shared_address(bar)), "r"(x), "r"(y)
+                 : "memory");
+}
+
+// named barrier id (1 .. 15): wait until n threads (a multiple of 32) have arrived; or arrive without waiting
+__device__ __forceinline__ void named_barrier_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// a warpgroup's registers a thread: raised to N, or lowered to N
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+template <int BN>
+__device__ void wgmma_tma_gemm(unsigned short* c, const TensorMap* map_a, const TensorMap* map_b, int N, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
+    unsigned short* stages = (unsigned short*)base;
+    constexpr int STAGE = (128 + BN) * GEMM_BK;                   // bf16 a stage: a's 128 rows, then b's BN
+    unsigned long long* full = (unsigned long long*)(base + GEMM_STAGES * STAGE * 2);
+    unsigned long long* empty = full + GEMM_STAGES;
+    int m0 = blockIdx.y * 128, n0 = blockIdx.x * BN, wg = threadIdx.x / 128, steps = K / GEMM_BK;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GEMM_STAGES; s++) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], 2);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {                                                // the producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0)
+            for (int kt = 0; kt < steps; kt++) {
+                int s = kt % GEMM_STAGES;
+                mbarrier_wait(&empty[s], (kt / GEMM_STAGES + 1) % 2);
+                unsigned short* stage = stages + s * STAGE;
+                mbarrier_arrive_expect_tx(&full[s], STAGE * 2);
+                tma_load_2d(stage, map_a, kt * GEMM_BK, m0, &full[s]);
+                tma_load_2d(stage + 128 * GEMM_BK, map_b, kt * GEMM_BK, n0, &full[s]);
+            }
+        return;
+    }
+    setmaxnreg_inc<232>();
+    float d[BN / 2];
+    for (int kt = 0; kt < steps; kt++) {
+        int s = kt % GEMM_STAGES;
+        mbarrier_wait(&full[s], kt / GEMM_STAGES % 2);
+        const unsigned short* as = stages + s * STAGE + (wg - 1) * 64 * GEMM_BK;
+        const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK;
+        wgmma_fence();
+        for (int kk = 0; kk < GEMM_BK; kk += 16)
+            wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
+                                 operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
+        wgmma_commit();
+        wgmma_wait<1>();                                          // step kt - 1's wgmma are done: its stage is free
+        if (kt > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&empty[(kt - 1) % GEMM_STAGES]);
+    }
+    wgmma_wait<0>();
+    fence_registers<BN / 2>(d);
+    named_barrier_sync(1, 256);                                   // (both consumers' wgmma are done)
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+    for (int i = 0; i < BN / 2; i += 2) {
+        long row = m0 + 64 * (wg - 1) + 16 * w + g + 8 * (i / 2 % 2), col = n0 + 8 * (i / 4) + 2 * q;
+        *(unsigned*)(c + row * N + col) = pack_bf16(d[i], d[i + 1]);
+    }
+}
+
+// grid (N / BN, M / 128), 384 threads, dynamic shared memory GEMM_STAGES (128 + BN) 128 bytes + 1024 (to align
+// the tiles) + 64 (the mbarriers); map_a: a's tensor map, box 64 x 128, map_b: b's, box 64 x BN, both bf16 with the
+// 128-byte swizzle
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn128(unsigned short* c,
+                                                                          const __grid_constant__ TensorMap map_a,
+                                                                          const __grid_constant__ TensorMap map_b,
+                                                                          int N, int K) {
+    wgmma_tma_gemm<128>(c, &map_a, &map_b, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn256(unsigned short* c,
+                                                                          const __grid_constant__ TensorMap map_a,
+                                                                          const __grid_constant__ TensorMap map_b,
+                                                                          int N, int K) {
+    wgmma_tma_gemm<256>(c, &map_a, &map_b, N, K);
 }

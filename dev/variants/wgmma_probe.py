@@ -7,7 +7,8 @@ descriptors, against numpy in float64. Not part of NanoEuler.
 
 One line a variant: the largest error, that error over the bound of summing the K products in fp32
 (K 2^-24 |a| @ |b|), OK or NOT OK. Then the probe's product of
-many tiles (wgmma_gemm_bn128, _bn256: c (M, N) bf16 = a @ b.T, no TMA, not tuned) is checked the same
+many tiles (wgmma_gemm_bn128, _bn256: c (M, N) bf16 = a @ b.T, fed by cp.async; wgmma_tma_gemm_bn128, _bn256:
+fed by TMA through mbarriers, a producer warpgroup and two consumers; not tuned) is checked the same
 way (with room for c's rounding to bf16) and timed against cuBLAS (cublasGemmEx, as Cublas.gemm calls
 it) on the big model's forward products at batch 64 x 512, in one run: median us of 20 and TFLOP/s.
 Last, "all OK" or how many were not (exit code 1). test_wgmma.py runs the same variants on the CPU emulator (tools/emulate_cuda.py) with the same
@@ -86,6 +87,35 @@ def gemm(module, BN, c, a, b, M, N, K):
            nc.ptr_arg(a), nc.ptr_arg(b), nc.int_arg(N), nc.int_arg(K))
 
 
+def tensor_map(x, rows, cols, box_rows):
+    """a CUtensorMap of the bf16 matrix x (rows, cols) row-major, boxes of 64 columns (128 bytes) x box_rows
+    with the 128-byte swizzle, as 128 bytes to pass by value"""
+    cu, check = nc.cu, nc.check
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t                    # (cuda-python takes no plain ints for these)
+    m = check(cu.cuTensorMapEncodeTiled(cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x.ptr,
+                                        [u64(cols), u64(rows)], [u64(cols * 2)], [u32(64), u32(box_rows)],
+                                        [u32(1), u32(1)],
+                                        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                                        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+              "cuTensorMapEncodeTiled")
+    return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
+
+
+def tma_gemm(module, BN, c, a, b, M, N, K, maps=None):
+    """the probe's product fed by TMA (wgmma_tma_gemm_bn*): c (M, N) = a @ b.T, 128 x BN tiles; maps: a's and
+    b's tensor maps, made once for a timing"""
+    map_a, map_b = maps or (tensor_map(a, M, K, 128), tensor_map(b, N, K, BN))
+    launch(module, f"wgmma_tma_gemm_bn{BN}", (N // BN, M // 128, 1), 384, 4 * (128 + BN) * 128 + 1024 + 64,
+           nc.ptr_arg(c), map_a, map_b, nc.int_arg(N), nc.int_arg(K))
+
+
+# the products checked and timed: (name, BN, how it is fed)
+GEMMS = [("wgmma_gemm_bn128", 128, gemm), ("wgmma_gemm_bn256", 256, gemm),
+         ("wgmma_tma_gemm_bn128", 128, tma_gemm), ("wgmma_tma_gemm_bn256", 256, tma_gemm)]
+
+
 def timed(run, reps=20):
     """median us of run() over reps, CUDA events around each, after 3 to warm up"""
     cu, check, gpu = nc.cu, nc.check, nc.gpu
@@ -117,18 +147,19 @@ def check_and_time_products(module):
     A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64).T
     ref, ok = A @ B, True
     da, db = nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
-    for BN in (128, 256):
+    for name, BN, product in GEMMS:
         c = nc.DeviceArray((M, N), np.uint16)
         c.fill_bits(0xFFFF)                                    # NaN: what the kernel does not write shows
-        gemm(module, BN, c, da, db, M, N, K)
+        product(module, BN, c, da, db, M, N, K)
         nc.gpu.sync()
         err = np.abs(from_bf16(c.download()) - ref)
         ratio = np.nanmax(err / (fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref))) if np.isfinite(err).all() else np.inf
         ok &= ratio <= ROOM
-        print(f"{'wgmma_gemm_bn%d' % BN:<40} {M} x {N} x {K}  max error {np.max(err):9.2e}  / bound {ratio:8.2f}  "
+        print(f"{name:<40} {M} x {N} x {K}  max error {np.max(err):9.2e}  / bound {ratio:8.2f}  "
               f"{'OK' if ratio <= ROOM else 'NOT OK'}", flush=True)
     nc.gpu.precision, nc.gpu.cublas = "bf16", nc.Cublas(nc.gpu.stream)
-    print(f"{'product':<10} {'M x N x K':>18} {'cuBLAS':>16} {'wgmma 128x128':>18} {'wgmma 128x256':>18}")
+    print(f"{'product':<10} {'M x N x K':>18} {'cuBLAS':>16} {'wgmma 128x128':>18} {'wgmma 128x256':>18} "
+          f"{'TMA 128x128':>18} {'TMA 128x256':>18}")
     for name, M, N, K in PRODUCTS:
         a = nc.to_gpu(bf16_bits(rng.normal(size=(M, K))), np.uint16)
         b = nc.to_gpu(bf16_bits(rng.normal(size=(N, K))), np.uint16)
@@ -136,6 +167,9 @@ def check_and_time_products(module):
         flop = 2 * M * N * K
         us = [timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_b=True))]
         us += [timed(lambda BN=BN: gemm(module, BN, c, a, b, M, N, K)) for BN in (128, 256)]
+        for BN in (128, 256):
+            maps = tensor_map(a, M, K, 128), tensor_map(b, N, K, BN)
+            us.append(timed(lambda BN=BN, maps=maps: tma_gemm(module, BN, c, a, b, M, N, K, maps)))
         print(f"{name:<10} {f'{M} x {N} x {K}':>18} " + " ".join(f"{u:8.1f} us {flop / u / 1e6:4.0f}" for u in us),
               flush=True)
     print("(us a call, median of 20; TFLOP/s)")
