@@ -322,3 +322,68 @@ def test_a_named_barrier_orders_bar_arrive_before_bar_sync(tmp_path, reverse):
     assert not lib.emu_run(launch)
     lib.emu_free(launch)
     assert np.array_equal(out, 64.0 - np.arange(64)), out
+
+
+TMA_PROBE = r"""
+// one TMA copy of the map's box at (x, y) into shared memory (1024-byte aligned), waited for on an mbarrier, then
+// the tile's bytes as they landed (swizzle and all) copied out
+extern "C" __global__ void tma_probe(unsigned short* out, const __grid_constant__ TensorMap map, int x, int y,
+                                     int bytes) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* tile = smem + (1024 - shared_address(smem) % 1024) % 1024;
+    unsigned long long* bar = (unsigned long long*)(tile + bytes);
+    if (threadIdx.x == 0) {
+        mbarrier_init(bar, 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mbarrier_arrive_expect_tx(bar, bytes);
+        tma_load_2d(tile, &map, x, y, bar);
+    }
+    mbarrier_wait(bar, 0);
+    for (int i = threadIdx.x; i < bytes / 2; i += blockDim.x) out[i] = ((const unsigned short*)tile)[i];
+}
+"""
+
+
+@needs_gxx
+@pytest.mark.parametrize("swizzle, box, x, y", [(128, (64, 16), 16, 30), (0, (32, 8), -8, -3), (64, (32, 8), 40, 0),
+                                                (32, (16, 8), 0, 36)])
+def test_a_tma_copy_lands_swizzled_with_zeros_outside_the_tensor(tmp_path, swizzle, box, x, y):
+    # a (40, 72) matrix of distinct values, a box reaching past its edges (or before its start): element (r, e) of
+    # the box at byte 2 (r box[0] + e) of the tile, its 16-byte chunk XORed with the row of 128 bytes mod the
+    # swizzle's 16-byte chunks, 0 outside the tensor; the expect_tx of the whole box's bytes completes the phase
+    pytest.importorskip("cuda.bindings")
+    from cuda.bindings import driver as real
+    emulator = emulator_module()
+    (tmp_path / "tma.cu").write_text(open(PROBE).read() + TMA_PROBE)
+    lib = emulator.load(str(tmp_path / "tma.cu"), cache_dir=str(tmp_path),
+                        select=lambda text: emulator.without_helpers(text, HELPERS))
+    rows, cols = 40, 72
+    g = (np.arange(rows * cols) + 1).astype(np.uint16).reshape(rows, cols)
+    names = {0: "NONE", 32: "32B", 64: "64B", 128: "128B"}
+    _, m = emulator.Driver(real).cuTensorMapEncodeTiled(
+        real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, g.ctypes.data,
+        [real.cuuint64_t(cols), real.cuuint64_t(rows)], [real.cuuint64_t(2 * cols)],
+        [real.cuuint32_t(box[0]), real.cuuint32_t(box[1])], [real.cuuint32_t(1), real.cuuint32_t(1)],
+        real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        getattr(real.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{names[swizzle]}"),
+        real.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    n = box[0] * box[1]
+    out = np.full(n, 0xFFFF, np.uint16)
+    args = [ctypes.c_void_p(out.ctypes.data), (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque]), ctypes.c_int(x),
+            ctypes.c_int(y), ctypes.c_int(2 * n)]
+    params = (ctypes.c_void_p * 5)(*[ctypes.addressof(a) for a in args])
+    launch = lib.emu_launch(lib.emu_kernel(b"tma_probe"), 1, 1, 1, 64, params)
+    assert not lib.emu_run(launch)
+    lib.emu_free(launch)
+    want = np.zeros(n, np.uint16)
+    for r in range(box[1]):
+        for e in range(box[0]):
+            at = 2 * (r * box[0] + e)
+            at ^= (at >> 7 & (swizzle // 16 - 1)) << 4 if swizzle else 0
+            inside = 0 <= y + r < rows and 0 <= x + e < cols
+            want[at // 2] = g[y + r, x + e] if inside else 0
+    assert np.array_equal(out, want), np.nonzero(out != want)[0][:8]
