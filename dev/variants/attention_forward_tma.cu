@@ -35,10 +35,15 @@ Each key step, in each consumer warpgroup (its 64 query rows of its head):
                               BN 128 and an even query tile its last 64 keys are all masked: computed, wasted)
   o (64 x 64, fp32) += p v    BN / 16 wgmma m64n64k16, p from registers (s's layout rounded to bf16 in pairs is
                               wgmma's register a fragment), v from shared memory (MN-major)
-The entry points (at the bottom): attention_forward_tma_64 and _128 (BN), each wgmma waited for at once: the
-other consumers' wgmma run while one does its softmax.
-ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM), no spills, no stack frame, no
-wgmma serialized (test_attention_tma).
+The entry points (at the bottom):
+- attention_forward_tma_64 and _128 (BN): each wgmma waited for at once; the other consumers' wgmma run while
+  one does its softmax.
+- attention_forward_tma_overlap_64: FlashAttention-3's intra-warpgroup pipelining, as attention_forward_wgmma.cu's
+  overlapped version: the next step's scores are issued before this step's softmax, and this step's p v runs
+  during the next step's softmax (two score accumulators: 64 keys a step, within 160 registers).
+ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98, 139
+(_128) and 147 (overlapped) of their 160 (nvdisasm); no spills, no stack frame, no wgmma serialized
+(test_attention_tma).
 Checked against float64 on the CPU emulator (test_attention_tma.py); `python dev/variants/attention_forward_tma.py`
 checks and times it on an H100/H200.
 */
@@ -439,6 +444,103 @@ __device__ void consume(const Block<BN, STAGES>& k, int g, unsigned short* y16, 
     }
 }
 
+// a tile's rows whose o is still to be stored once its last p v is done (the overlapped version)
+struct Pending {
+    int u, qi;                           // its unit and query tile; u < 0: none
+    float inv[2];                        // 1 / l (lse is stored at once)
+};
+
+// one step of the overlapped consumer on the step at c (the n-th of the block; its scores in sc, done), as
+// attention_forward_wgmma.cu's overlapped_step: with NEXT (not the block's last step), first issue the next step's
+// scores into sn (its q the next tile's at this tile's last step); the softmax; wait for the previous p v (leaving
+// the next scores in flight): its stage is free, and the tile before is stored if that was its last; o rescaled (to
+// zero at a tile's first step, where m was -inf), p packed, this p v issued; with NEXT wait for the next scores
+// (its tile's q is free if that is its last step), leaving this p v in flight through the next step's softmax
+// (without, for everything). At a tile's last step its lse is stored, 1 / l goes to `pending`, m and l start
+// afresh. The waits are the same whatever the step, so that ptxas can follow the groups in flight (a wait_group
+// chosen at run time, or a wgmma under a branch, and it serializes them)
+template <int STAGES, bool NEXT>
+__device__ __forceinline__ void overlapped_step(const Block<64, STAGES>& k, int g, Cursor& c, int n, int& tiles,
+                                                float* sc, float* sn, Rows& r, Pending& pending, unsigned (*p)[4],
+                                                unsigned short* y16, float* lse, float scale, float scale2) {
+    int t = threadIdx.x % 128, qi = k.work.tile(c), row0 = qi * ROWS + 16 * (t / 32) + t % 32 / 4;
+    bool last = c.j == k.work.last(c);
+    int next_q = (tiles + last) % 2;                                // the q buffer of the next step's tile
+    Cursor nx = c;
+    k.work.advance(nx);
+    float correction[2];
+    if constexpr (NEXT) {
+        if (last) mbarrier_wait(&k.q_full[next_q], (tiles + 1) / 2 % 2);
+        mbarrier_wait(&k.full_k[(n + 1) % STAGES], (n + 1) / STAGES % 2);
+        fence_registers<ROWS / 2>(sn);
+        issue_scores<64>(sn, k.q_tile(next_q, g), k.k_tile(n + 1));
+        fence_registers<ROWS / 2>(sn);
+    }
+    softmax_step<64>(sc, r.m, r.l, correction, c.j * 64, row0, last, scale2);
+    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the previous p v: o, p and its stage are free
+    fence_registers<HD / 2>(r.o);
+    if (n > 0 && t == 0) mbarrier_arrive(&k.empty[(n - 1) % STAGES]);
+    if (pending.u >= 0) {
+        store_y(y16, r.o, pending.inv, k.batch(pending.u), k.head0(pending.u) + g,
+                pending.qi * ROWS + 16 * (t / 32) + t % 32 / 4, k.T, k.Hq);
+        pending.u = -1;
+    }
+    pack_p<64>(p, sc);
+    scale_o(r.o, correction);
+    mbarrier_wait(&k.full_v[n % STAGES], n / STAGES % 2);
+    fence_registers<HD / 2>(r.o);
+    issue_weighted_sum<64>(r.o, p, k.v_tile(n));
+    fence_registers<HD / 2>(r.o);
+    if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the next scores (or everything)
+    if constexpr (NEXT) {
+        fence_registers<ROWS / 2>(sn);
+        if (nx.j == k.work.last(nx) && t == 0) mbarrier_arrive(&k.q_empty[next_q]);
+    }
+    if (last) {
+        store_lse(lse, r.m, r.l, pending.inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq, scale);
+        pending.u = c.u, pending.qi = qi;
+        r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
+        tiles++;
+    }
+    c = nx;
+}
+
+// the overlapped consumer: the first step's scores, then the steps two at a time (the score buffers swap), the
+// last one without NEXT; the last tile's y stored at the end
+template <int STAGES>
+__device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned short* y16, float* lse,
+                                   float scale) {
+    const float scale2 = scale * LOG2E;
+    int t = threadIdx.x % 128, n = 0, tiles = 0, steps = 0;
+    Cursor c = {(int)blockIdx.x, 0, 0};
+    for (Cursor x = c; k.work.valid(x); k.work.advance(x)) steps++;
+    if (!steps) return;
+    Rows r;
+    r.reset();
+    Pending pending = {-1, 0};
+    float s0[ROWS / 2], s1[ROWS / 2];
+    unsigned p[4][4];
+    mbarrier_wait(&k.q_full[0], 0);
+    mbarrier_wait(&k.full_k[0], 0);
+    fence_registers<ROWS / 2>(s0);
+    issue_scores<64>(s0, k.q_tile(0, g), k.k_tile(0));
+    wgmma_wait<0>();
+    fence_registers<ROWS / 2>(s0);
+    if (c.j == k.work.last(c) && t == 0) mbarrier_arrive(&k.q_empty[0]);
+    for (; n + 2 < steps; n += 2) {
+        overlapped_step<STAGES, true>(k, g, c, n, tiles, s0, s1, r, pending, p, y16, lse, scale, scale2);
+        overlapped_step<STAGES, true>(k, g, c, n + 1, tiles, s1, s0, r, pending, p, y16, lse, scale, scale2);
+    }
+    if (n + 1 < steps) {
+        overlapped_step<STAGES, true>(k, g, c, n, tiles, s0, s1, r, pending, p, y16, lse, scale, scale2);
+        overlapped_step<STAGES, false>(k, g, c, n + 1, tiles, s1, s0, r, pending, p, y16, lse, scale, scale2);
+    } else {
+        overlapped_step<STAGES, false>(k, g, c, n, tiles, s0, s1, r, pending, p, y16, lse, scale, scale2);
+    }
+    store_y(y16, r.o, pending.inv, k.batch(pending.u), k.head0(pending.u) + g,
+            pending.qi * ROWS + 16 * (t / 32) + t % 32 / 4, k.T, k.Hq);
+}
+
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
@@ -461,7 +563,8 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
-    consume(k, wg - 1, y16, lse, scale);
+    if constexpr (OVERLAP) consume_overlapped(k, wg - 1, y16, lse, scale);
+    else consume(k, wg - 1, y16, lse, scale);
 }
 
 // -----------------------------------------------------------------------------
@@ -483,4 +586,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_128(u
                                                                              int B, int T, int Hq, int Hkv,
                                                                              float scale) {
     attention_forward_tma<128, 4, false>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the overlapped consumer (64 keys a step: two score accumulators)
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_overlap_64(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<64, 6, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

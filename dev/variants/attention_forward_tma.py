@@ -46,7 +46,9 @@ LAUNCHES, REPS = 20, 11           # us a call: the median of REPS runs of LAUNCH
 VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 64 persistent": ("attention_forward_tma_64", 64, 6, True),
             "tma 128": ("attention_forward_tma_128", 128, 4, False),
-            "tma 128 persistent": ("attention_forward_tma_128", 128, 4, True)}
+            "tma 128 persistent": ("attention_forward_tma_128", 128, 4, True),
+            "tma 64 overlap": ("attention_forward_tma_overlap_64", 64, 6, False),
+            "tma 64 overlap persistent": ("attention_forward_tma_overlap_64", 64, 6, True)}
 
 
 def warpgroups(Hq, Hkv):
