@@ -41,9 +41,13 @@ The entry points (at the bottom):
 - attention_forward_tma_overlap_64: FlashAttention-3's intra-warpgroup pipelining, as attention_forward_wgmma.cu's
   overlapped version: the next step's scores are issued before this step's softmax, and this step's p v runs
   during the next step's softmax (two score accumulators: 64 keys a step, within 160 registers).
-ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98, 139
-(_128) and 147 (overlapped) of their 160 (nvdisasm); no spills, no stack frame, no wgmma serialized
-(test_attention_tma).
+- attention_forward_tma_pipelined_64 and _128: FlashAttention-3's own order (its IntraWGOverlap): the next step's
+  scores and this step's p v issued back to back, the next step's softmax done while the p v runs; p is packed
+  to bf16 before the scores are issued into the same accumulator, so one score accumulator is enough for 128
+  keys a step.
+ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98 and
+139 (simple _64, _128), 147 (overlapped), 103 and 154 (pipelined _64, _128) of their 160 (nvdisasm); no spills, no
+stack frame, no wgmma serialized (test_attention_tma).
 Checked against float64 on the CPU emulator (test_attention_tma.py); `python dev/variants/attention_forward_tma.py`
 checks and times it on an H100/H200.
 */
@@ -541,10 +545,90 @@ __device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned s
             pending.qi * ROWS + 16 * (t / 32) + t % 32 / 4, k.T, k.Hq);
 }
 
+// one step of the pipelined consumer (FlashAttention-3's order) on the step at c, the n-th of the block, whose p
+// (softmax done, o rescaled for it) is in p: with NEXT (not the block's last step), issue the next step's scores
+// into s (its q the next tile's at this tile's last step), then this step's p v; wait for the scores, leaving the
+// p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
+// next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A warpgroup
+// keeps one score accumulator (BN / 2 registers), p (BN / 4) and o (32): 128 for BN 128
+template <int BN, int STAGES, bool NEXT>
+__device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g, Cursor& c, int n, int& tiles,
+                                               float* s, unsigned (*p)[4], Rows& r, unsigned short* y16, float* lse,
+                                               float scale, float scale2) {
+    int t = threadIdx.x % 128, qi = k.work.tile(c), row0 = qi * ROWS + 16 * (t / 32) + t % 32 / 4;
+    bool last = c.j == k.work.last(c);
+    int next_q = (tiles + last) % 2;                                // the q buffer of the next step's tile
+    Cursor nx = c;
+    k.work.advance(nx);
+    float correction[2], m[2] = {r.m[0], r.m[1]}, l[2] = {r.l[0], r.l[1]};   // (the tile's, if it ends here)
+    if constexpr (NEXT) {
+        if (last) mbarrier_wait(&k.q_full[next_q], (tiles + 1) / 2 % 2);
+        mbarrier_wait(&k.full_k[(n + 1) % STAGES], (n + 1) / STAGES % 2);
+        fence_registers<BN / 2>(s);
+        issue_scores<BN>(s, k.q_tile(next_q, g), k.k_tile(n + 1));
+    }
+    mbarrier_wait(&k.full_v[n % STAGES], n / STAGES % 2);
+    fence_registers<HD / 2>(r.o);
+    issue_weighted_sum<BN>(r.o, p, k.v_tile(n));
+    fence_registers<HD / 2>(r.o);
+    if constexpr (NEXT) {
+        wgmma_wait<1>();                                            // the next scores
+        fence_registers<BN / 2>(s);
+        bool next_last = nx.j == k.work.last(nx);
+        if (next_last && t == 0) mbarrier_arrive(&k.q_empty[next_q]);
+        if (last) r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
+        softmax_step<BN>(s, r.m, r.l, correction, nx.j * BN, k.work.tile(nx) * ROWS + 16 * (t / 32) + t % 32 / 4,
+                         next_last, scale2);
+    }
+    wgmma_wait<0>();                                                // this p v: o, p and the stage are free
+    fence_registers<HD / 2>(r.o);
+    if (t == 0) mbarrier_arrive(&k.empty[n % STAGES]);
+    if (last) {
+        float inv[2];
+        store_lse(lse, m, l, inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq, scale);
+        store_y(y16, r.o, inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq);
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) r.o[i] = 0.0f;
+        tiles++;
+    } else if constexpr (NEXT) {
+        scale_o(r.o, correction);
+    }
+    if constexpr (NEXT) pack_p<BN>(p, s);
+    c = nx;
+}
+
+// the pipelined consumer: the first step's scores and softmax, then every step but the last with NEXT
+template <int BN, int STAGES>
+__device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse,
+                                  float scale) {
+    const float scale2 = scale * LOG2E;
+    int t = threadIdx.x % 128, tiles = 0, steps = 0;
+    Cursor c = {(int)blockIdx.x, 0, 0};
+    for (Cursor x = c; k.work.valid(x); k.work.advance(x)) steps++;
+    if (!steps) return;
+    Rows r;
+    r.reset();
+    float s[BN / 2], correction[2];
+    unsigned p[BN / 16][4];
+    bool last = c.j == k.work.last(c);
+    mbarrier_wait(&k.q_full[0], 0);
+    mbarrier_wait(&k.full_k[0], 0);
+    fence_registers<BN / 2>(s);
+    issue_scores<BN>(s, k.q_tile(0, g), k.k_tile(0));
+    wgmma_wait<0>();
+    fence_registers<BN / 2>(s);
+    if (last && t == 0) mbarrier_arrive(&k.q_empty[0]);
+    softmax_step<BN>(s, r.m, r.l, correction, 0, k.work.tile(c) * ROWS + 16 * (t / 32) + t % 32 / 4, last, scale2);
+    pack_p<BN>(p, s);
+    int n = 0;
+    for (; n + 1 < steps; n++) pipelined_step<BN, STAGES, true>(k, g, c, n, tiles, s, p, r, y16, lse, scale, scale2);
+    pipelined_step<BN, STAGES, false>(k, g, c, n, tiles, s, p, r, y16, lse, scale, scale2);
+}
+
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
-template <int BN, int STAGES, bool OVERLAP>
+template <int BN, int STAGES, int CONSUMER>    // CONSUMER: 0 simple, 1 overlapped, 2 pipelined
 __device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q,
                                       const TensorMap* map_kv, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -563,7 +647,8 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
-    if constexpr (OVERLAP) consume_overlapped(k, wg - 1, y16, lse, scale);
+    if constexpr (CONSUMER == 1) consume_overlapped(k, wg - 1, y16, lse, scale);
+    else if constexpr (CONSUMER == 2) consume_pipelined(k, wg - 1, y16, lse, scale);
     else consume(k, wg - 1, y16, lse, scale);
 }
 
@@ -577,7 +662,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_64(un
                                                                             const __grid_constant__ TensorMap map_kv,
                                                                             int B, int T, int Hq, int Hkv,
                                                                             float scale) {
-    attention_forward_tma<64, 6, false>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+    attention_forward_tma<64, 6, 0>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_128(unsigned short* y16, float* lse,
@@ -585,12 +670,25 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_128(u
                                                                              const __grid_constant__ TensorMap map_kv,
                                                                              int B, int T, int Hq, int Hkv,
                                                                              float scale) {
-    attention_forward_tma<128, 4, false>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+    attention_forward_tma<128, 4, 0>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }
 
 // the overlapped consumer (64 keys a step: two score accumulators)
 extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_overlap_64(
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tma<64, 6, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+    attention_forward_tma<64, 6, 1>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the pipelined consumer (FlashAttention-3's order: one score accumulator), 64 or 128 keys a step
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_64(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<64, 6, 2>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

@@ -48,7 +48,11 @@ VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 128": ("attention_forward_tma_128", 128, 4, False),
             "tma 128 persistent": ("attention_forward_tma_128", 128, 4, True),
             "tma 64 overlap": ("attention_forward_tma_overlap_64", 64, 6, False),
-            "tma 64 overlap persistent": ("attention_forward_tma_overlap_64", 64, 6, True)}
+            "tma 64 overlap persistent": ("attention_forward_tma_overlap_64", 64, 6, True),
+            "tma 64 pipelined": ("attention_forward_tma_pipelined_64", 64, 6, False),
+            "tma 64 pipelined persistent": ("attention_forward_tma_pipelined_64", 64, 6, True),
+            "tma 128 pipelined": ("attention_forward_tma_pipelined_128", 128, 4, False),
+            "tma 128 pipelined persistent": ("attention_forward_tma_pipelined_128", 128, 4, True)}
 
 
 def warpgroups(Hq, Hkv):
