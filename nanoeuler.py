@@ -3394,13 +3394,16 @@ def run_command(command, args):
 # Flag types: argparse calls them on the flag's text and turns an ArgumentTypeError into "argument --batch: 0 is
 # not ...", one line with the usage, exit code 2. The story names them (type="positive_int": FLAG_TYPES, registered).
 TINY, HUGE = math.ulp(0.0), sys.float_info.max       # the least float above 0, the largest finite one
-def number_type(convert, low, high, what, off=None):
+def number_type(convert, low, high, what, off=None, above=None):
     """a flag type: convert the text, keep a number from low to high (or the off value), else say it is not
-    `what`. For floats "above 0" is from TINY and "finite" up to HUGE; nan is in no range"""
+    `what`; above: what to do instead, said of a finite number above high. For floats "above 0" is from TINY
+    and "finite" up to HUGE; nan is in no range"""
     def parse(text):
         with contextlib.suppress(ValueError):           # (not a number at all)
             if low <= (value := convert(text)) <= high or value == off:
                 return value
+            if above and high < value < math.inf:
+                raise argparse.ArgumentTypeError(f"{value:g} is more than {high:,}; {above}")
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
     return parse
 
@@ -3432,17 +3435,11 @@ vocab_size = number_type(int, FIRST_MERGE_ID, MAX_V,
 port_type = number_type(int, 0, 65535, "a TCP port from 0 to 65535")
 workers_count = number_type(int, 1, 4 * CORES, "a number of processes from 1 to 4 per core")   # more: shared cores
 MAX_MTP_WEIGHT = 1000      # past it head 0 hardly counts, and near 1e308 the loss is inf at step 1
+mtp_weight_type = number_type(float, 0, MAX_MTP_WEIGHT, "a number >= 0", above="give a smaller weight (SPEC's "
+                              "default is 0.5)")     # train's --mtp-weight
 FLAG_TYPES = ("positive_int positive_int_or_off nonnegative_int nonnegative_float positive_float positive_float_or_off "
               "probability minutes_type count_type vocab_size port_type workers_count argv_text "
               "mtp_weight_type").split()
-
-
-def mtp_weight_type(text):
-    """a flag type: train's --mtp-weight, a number >= 0 (nonnegative_float's words) up to MAX_MTP_WEIGHT"""
-    if (weight := nonnegative_float(text)) > MAX_MTP_WEIGHT:
-        raise argparse.ArgumentTypeError(f"{weight:g} is more than {MAX_MTP_WEIGHT:,}; give a smaller weight "
-                                         "(SPEC's default is 0.5)")
-    return weight
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
