@@ -1892,31 +1892,25 @@ def add_serve_flags(sp):
 # and bad inputs safe; a first reading may skip it. The story calls these
 # functions by name, and Python looks a name up when the call runs, so they
 # may come after it.
-# The guarantees it keeps:
-# - the run folder and its lock: one run per folder (train.lock, taken over
-#   from a killed run), another run's files refused without --resume
-# - checkpoint files written atomically (a temp file renamed), the state
-#   before the model; pairs that do not read set aside on --resume, old pairs
-#   pruned, and a run that diverges stops at its last good checkpoint
-# - signals: Ctrl-C, SIGTERM and SIGHUP stop a run after its step, saved; a
-#   second one stops at once; the exit code is 128 + the signal's number
-# - memory: a --batch that would not fit (cgroup limits counted) is refused
-#   before anything is allocated (check_config's estimate); freed memory is
-#   kept (the allocator setting, run once at import)
-# - input checks: a bad file or flag is one sentence naming it and what to
-#   do, exit code 2, never a traceback
-# - lost output streams: a closed pipe or a hung-up terminal ends the run
-#   quietly, saved; closed streams at start become /dev/null
+# The guarantees it keeps, each by one mechanism:
+# - input checks: a bad file or flag is one sentence naming it and what to do, exit code 2, never a traceback.
+#   By a NanoEulerError raised anywhere, said by run_command, the one place a command ends; a damaged file's
+#   content is MALFORMED, refused by refused_if_malformed, or in the data cache (cached) made again
+# - the run folder and its lock: one run per folder (train.lock, taken over from a killed run), another run's
+#   files refused without --resume. By a RunFolder: everything a run does to its folder
+# - checkpoint files written atomically (a temp file renamed), the state before the model; pairs that do not
+#   read set aside on --resume, old pairs pruned, and a run that diverges stops at its last good checkpoint
+#   (a NaN anywhere in a run stops it in the RunFolder's stop_if_not_finite)
+# - signals: Ctrl-C, SIGTERM and SIGHUP stop a run after its step, saved; a second one stops at once; the exit
+#   code is 128 + the signal's number. By one policy, signals_handled: raised where the command stands, or in
+#   the training loop a stop after the step, saved
+# - memory: a --batch that would not fit (cgroup limits counted) is refused before anything is allocated
+#   (check_config's estimate); freed memory is kept (the allocator setting, run once at import)
+# - lost output streams: a closed pipe or a hung-up terminal ends the run quietly, saved (it stops the training
+#   loop as a signal does); streams closed at start are /dev/null from the import of this file on
+#   (CLOSED_AT_START)
 # - tokenizing a corpus: in small memory whatever its size, on every core, the tokens of whole documents (chunk_end)
 # - a training step's workers: they ignore signals, die with this process, and an error in one is raised here
-# Each by one mechanism: a refusal is a NanoEulerError raised anywhere, said
-# in one sentence by run_command, the one place a command ends (streams closed at start are
-# /dev/null from the import of this file on: CLOSED_AT_START); a damaged file's content
-# is MALFORMED, refused by refused_if_malformed, or in the data cache (cached)
-# made again; everything a run does to its folder is a RunFolder (a NaN
-# anywhere in a run stops it in its stop_if_not_finite, lost output stops the
-# training loop saved); signals follow one policy, signals_handled: raised where
-# the command stands, or in the training loop a stop after the step, saved.
 
 # -----------------------------------------------------------------------------
 # operations: input checks
