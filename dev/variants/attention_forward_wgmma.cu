@@ -38,7 +38,7 @@ Two versions (the entry points at the bottom), each launched either way:
 Either with q read by s = q k.T from shared memory, or from registers (the _qr_ entry points: 16 registers
 more, loaded from the q tile at a tile's start): a wgmma m64n64k16 with both operands in shared memory reads
 4 KB in its 32 cycles, all of the 128 bytes a cycle shared memory gives, and the copies write there too.
-ptxas (NVRTC 13, sm_90a): 132, 136 (q in registers), 160 and 168 (overlapped) registers, no spills, no wgmma
+ptxas (NVRTC 13, sm_90a): 132, 146 (q in registers), 160 and 168 (overlapped) registers, no spills, no wgmma
 serialized (test_attention_wgmma); with 384 threads a block, one block an SM. Checked against float64 on the
 CPU emulator only so far; `python dev/variants/attention_forward_wgmma.py` checks and times it on an H100/H200.
 */
@@ -442,7 +442,12 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
     for (int i = 0; i < AHEAD; i++) k.load(ld, i, STAGES, loaded);
     Rows r;
     r.reset();
-    unsigned p[ROWS / 16][4], qf[HD / 16][4];
+    // subtle: qf is written before its first use (every tile's first step), but not on every path the compiler
+    // sees (the loop entered at a step past a tile's first); so written here too: ptxas (CUDA 13.0) treats the
+    // registers of a wgmma's a that are undefined on one path into the loop as free after the wgmma, and gave
+    // them to p, which the simple version's s = q k.T then read as q at every step but a tile's first (y 0.41
+    // off on an H100, 2026-12-07; test_wgmma.py's PTX check refuses such a register)
+    unsigned p[ROWS / 16][4], qf[HD / 16][4] = {};
     float s0[ROWS / 2];
     if constexpr (!OVERLAP) {
         for (int n = 0; k.work.valid(cs); n++) {
