@@ -4,8 +4,10 @@ MMA, issue 36) on tools/emulate_cuda.py's CPU emulator: y and lse of each versio
 a block a unit or persistent blocks walking several) against numpy in float64 at small shapes (causal,
 GQA, a query tile past T, an odd number of tiles), within the GPU script's bounds; the same kernel with
 its causal mask or its rescale taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps
-its wgmma asynchronous with no spills; and `python dev/variants/attention_forward_wgmma.py`, the lead's GPU
-command, runs on the emulator's stand-in driver (its checks and its timing table) at a small shape.
+its wgmma asynchronous with no spills; q's register fragments left undefined before the loop (as they ran
+wrong on an H100, right on the emulator) are refused by the PTX check; and `python
+dev/variants/attention_forward_wgmma.py`, the lead's GPU command, runs on the emulator's stand-in driver (its
+checks and its timing table) at a small shape.
 """
 
 import ctypes
@@ -133,6 +135,21 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
         script.main()
     out = capsys.readouterr().out
     assert end.value.code == 0 and out.count("  OK\n") == len(script.VERSIONS) + 1 and out.endswith("all OK\n"), out
+
+
+def test_q_left_undefined_before_the_loop_is_refused():
+    # the simple q-in-registers version as it ran wrong on an H100 (y 0.41 off, 2026-12-07; right on the emulator):
+    # its q fragments, written at every tile's first step only, undefined on the loop's first way in
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import test_wgmma
+    text = open(KERNEL).read()
+    old = "qf[HD / 16][4] = {};"
+    assert text.count(old) == 1
+    check = emulator_module().wgmma_registers_not_always_written
+    assert not check(test_wgmma.ptx_of(text, "attention_forward_wgmma.cu"))
+    found = check(test_wgmma.ptx_of(text.replace(old, "qf[HD / 16][4];"), "attention_forward_wgmma.cu"))
+    assert {entry for entry, _, _ in found} == {"attention_forward_wgmma_qr_64"}, found
 
 
 def test_the_variant_compiles_for_sm_90a_with_nvrtc():

@@ -169,6 +169,36 @@ def test_the_probe_compiles_for_sm_90a_with_nvrtc():
         assert name.encode() in cubin, name                 # extern "C": the name is in the CUBIN
 
 
+def ptx_of(text, name):
+    """a .cu file's text -> its PTX for sm_90a, by NVRTC with nanoeuler_cuda's options"""
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    _, nvrtc = nc.import_cuda()
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math"]
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), name.encode(), 0, [], [])
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    assert not err, name
+    _, size = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = bytearray(size)
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode(errors="replace")
+
+
+VARIANTS_DIR = os.path.join(HERE, "dev", "variants")
+WGMMA_FILES = sorted(f for f in os.listdir(VARIANTS_DIR)
+                     if f.endswith(".cu") and "wgmma.mma_async" in open(os.path.join(VARIANTS_DIR, f)).read())
+
+
+@pytest.mark.parametrize("file", WGMMA_FILES)
+def test_every_register_a_wgmma_reads_is_written_on_every_path_to_it(file):
+    # what the emulator cannot run (ptxas's registers): a wgmma's register a left undefined on one path into a loop
+    # lost its value to other uses after the wgmma on an H100 (attention_forward_wgmma.cu's q, 2026-12-07)
+    pytest.importorskip("cuda.bindings")
+    ptx = ptx_of(open(os.path.join(VARIANTS_DIR, file)).read(), file)
+    assert ptx.count("wgmma.mma_async") and not emulator_module().wgmma_registers_not_always_written(ptx)
+
+
 def tma_product(lib, BN, M, N, K, seed=0):
     """the probe's product fed by TMA (wgmma_tma_gemm_bn*) on the emulator, its tensor maps made by the stand-in
     driver's cuTensorMapEncodeTiled -> c (M, N) as float32, a @ b.T in float64, the bound"""

@@ -40,7 +40,10 @@ What it cannot tell: speed, memory order (fences and atomics are plain), and the
 GPU's exact bits (expf is libm's, not --use_fast_math's), so it compares with
 numpy at the same bars as `check` does and pins equalities between two runs of
 the emulator (speculative == plain, graph == one by one), not GPU bits; a tensor
-core's sums are in fp32 in k order here. Needs g++
+core's sums are in fp32 in k order here. Nor what ptxas makes of a kernel: a
+fiber keeps every C++ variable, so wgmma_registers_not_always_written reads the
+kernel's PTX for the one register hazard met so far (a wgmma's register a left
+undefined on one path to it; test_wgmma.py runs it on every wgmma file). Needs g++
 (C++20) and cuda-python (for the enums and launch structs; no driver).
 """
 
@@ -826,6 +829,71 @@ def load(path, defines=(), select=None, **build_options):
     lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
     lib.emu_run.restype = ctypes.c_void_p
     return lib
+
+
+# What the emulator cannot run: ptxas's register allocation. A fiber keeps every C++ variable, but ptxas (CUDA
+# 13.0) gave the registers of a wgmma's register a to other values right after the wgmma when the a was undefined
+# on one path into the loop around it, though every path taken wrote it first (the simple q-in-registers version of
+# dev/variants/attention_forward_wgmma.cu: its q read as p, y 0.41 off on an H100, exact here). So this reads the
+# kernel's PTX instead: each register a wgmma.mma_async takes as a must be written on every path from the entry.
+
+def wgmma_registers_not_always_written(ptx):
+    """PTX text -> [(entry, label of its block, registers)]: a wgmma's register a not written on every path from
+    the entry to it (a predicated write counts on none)"""
+    found = []
+    regs = lambda operand: set(re.findall(r"%[a-z]+\d+", operand))
+    for name, body in re.findall(r"\.entry (\w+)\((.*?)(?=\.entry |\Z)", ptx, re.S):
+        blocks = [["entry", []]]                   # [label, [(predicated, opcode, operands)]], in order
+        for line in body.split("\n"):
+            line = line.split("//")[0].strip().rstrip(";")
+            if not line or line[0] in ".{}" or line.startswith(")"):
+                continue
+            if line.endswith(":"):
+                blocks.append([line[:-1], []])
+                continue
+            guard, line = (line.split(None, 1) if line[0] == "@" else ("", line))
+            opcode, _, rest = line.partition(" ")
+            blocks[-1][1].append((bool(guard), opcode, [o.strip() for o in re.findall(r"\{[^}]*\}|[^,{}]+", rest)
+                                                        if o.strip()]))
+            if opcode.startswith("bra") or opcode in ("ret", "exit"):
+                blocks.append([blocks[-1][0] + "+", []])     # what follows a branch starts a block
+        where = {label: i for i, (label, _) in reversed(list(enumerate(blocks)))}
+        succ = []
+        for i, (_, insts) in enumerate(blocks):
+            nxt = [i + 1] if i + 1 < len(blocks) else []
+            guarded, opcode, ops = insts[-1] if insts else (True, "", [])
+            if opcode.startswith("bra"):
+                succ.append([where[ops[0]]] + (nxt if guarded else []))
+            else:
+                succ.append(nxt if guarded or opcode not in ("ret", "exit") else [])
+
+        def writes(state, inst):                   # the registers of a first operand that is not an address
+            guarded, _, ops = inst
+            return state | regs(ops[0]) if ops and not guarded and not ops[0].startswith("[") else state
+
+        written = [set()] + [None] * (len(blocks) - 1)     # written on every path to a block; None: not reached yet
+        changed = True
+        while changed:
+            changed = False
+            for i, (_, insts) in enumerate(blocks):
+                if written[i] is None:
+                    continue
+                out = written[i]
+                for inst in insts:
+                    out = writes(out, inst)
+                for j in succ[i]:
+                    new = out if written[j] is None else written[j] & out
+                    if new != written[j]:
+                        written[j], changed = new, True
+        for i, (label, insts) in enumerate(blocks):
+            have = written[i] or set()
+            for inst in insts:
+                _, opcode, ops = inst
+                if opcode.startswith("wgmma.mma_async") and len(ops) > 1 and ops[1].startswith("{"):
+                    if missing := sorted(regs(ops[1]) - have):
+                        found.append((name, label, missing))
+                have = writes(have, inst)
+    return found
 
 
 class Function:
