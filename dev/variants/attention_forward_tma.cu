@@ -45,9 +45,12 @@ The entry points (at the bottom):
   scores and this step's p v issued back to back, the next step's softmax done while the p v runs; p is packed
   to bf16 before the scores are issued into the same accumulator, so one score accumulator is enough for 128
   keys a step.
+- attention_forward_tma_pipelined_qr_64: the same with q read into registers at a tile's start (s = q k.T by
+  RS-wgmma): per 64 keys a warpgroup's wgmma then read 16 KB of shared memory instead of 24, with 3 warpgroups
+  and the copies' writes near the 128 bytes a cycle it gives.
 ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98 and
-139 (simple _64, _128), 147 (overlapped), 103 and 154 (pipelined _64, _128) of their 160 (nvdisasm); no spills, no
-stack frame, no wgmma serialized (test_attention_tma).
+139 (simple _64, _128), 147 (overlapped), 103, 154 and 123 (pipelined _64, _128, _qr_64) of their 160 (nvdisasm);
+no spills, no stack frame, no wgmma serialized (test_attention_tma).
 Checked against float64 on the CPU emulator (test_attention_tma.py); `python dev/variants/attention_forward_tma.py`
 checks and times it on an H100/H200.
 */
@@ -225,6 +228,40 @@ __device__ __forceinline__ void issue_scores(float* s, unsigned q, unsigned k) {
     wgmma_commit();
 }
 
+// the same with q from registers (QR, 64 keys): qf[kk] this thread's part of q's 16 dims from 16 kk, as wgmma's
+// register a; k alone read from shared memory
+__device__ __forceinline__ void issue_scores_rs(float* s, const unsigned (*qf)[4], unsigned k) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) wgmma_bf16_rs<64, 0>(s, qf[kk], sw128_descriptor(k + 32 * kk, 16), kk > 0);
+    wgmma_commit();
+}
+
+// this thread's register a of q from its q tile in shared memory (the 128-byte swizzle): register j of k-step kk
+// holds row 16 (t / 32 % 4) + t % 32 / 4 (+ 8 for odd j), dims 16 kk + 2 (t % 4), + 1 (+ 8 for j >= 2)
+__device__ __forceinline__ void load_q_fragments(unsigned (*qf)[4], const unsigned char* tile) {
+    int t = threadIdx.x % 128, row = 16 * (t / 32) + t % 32 / 4;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int r = row + 8 * (j % 2), d = 16 * kk + 2 * (t % 4) + 8 * (j / 2);
+            qf[kk][j] = *(const unsigned*)(tile + r * 128 + (d / 8 ^ r % 8) * 16 + d % 8 * 2);
+        }
+}
+
+// s = q k.T with q from shared memory, or (QR, 64 keys only) from registers: a wgmma m64n64k16 with both operands
+// in shared memory reads 4 KB in its 32 cycles, all of the 128 bytes a cycle that shared memory gives
+template <int BN, bool QR>
+__device__ __forceinline__ void scores(float* s, const unsigned (*qf)[4], unsigned q, unsigned k) {
+    if constexpr (QR) {
+        static_assert(BN == 64, "scores: q from registers at 64 keys a step only");
+        issue_scores_rs(s, qf, k);
+    } else {
+        issue_scores<BN>(s, q, k);
+    }
+}
+
 // o += p v: BN / 16 wgmma of 16 keys, p[kk] from registers, v N-major (keys 16 kk .. at byte 2048 kk; the 64 dims
 // of a key one row, so the leading byte offset, between groups of 64 dims, is never used)
 template <int BN>
@@ -366,7 +403,8 @@ struct Block {
         full_k = (unsigned long long*)(kv + STAGES * 2 * BN * 128);
         full_v = full_k + STAGES, empty = full_v + STAGES, q_full = empty + STAGES, q_empty = q_full + 2;
     }
-    __device__ unsigned q_tile(int i, int g) const { return shared_address(qs + (i % 2 * W + g) * TILE_BYTES); }
+    __device__ unsigned q_tile(int i, int g) const { return shared_address(q_bytes(i, g)); }
+    __device__ const unsigned char* q_bytes(int i, int g) const { return qs + (i % 2 * W + g) * TILE_BYTES; }
     __device__ unsigned k_tile(int n) const { return shared_address(kv + n % STAGES * 2 * BN * 128); }
     __device__ unsigned v_tile(int n) const { return k_tile(n) + BN * 128; }
     __device__ int batch(int u) const { return u / work.pairs / work.groups; }
@@ -551,10 +589,10 @@ __device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned s
 // p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
 // next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A warpgroup
 // keeps one score accumulator (BN / 2 registers), p (BN / 4) and o (32): 128 for BN 128
-template <int BN, int STAGES, bool NEXT>
+template <int BN, int STAGES, bool QR, bool NEXT>
 __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g, Cursor& c, int n, int& tiles,
-                                               float* s, unsigned (*p)[4], Rows& r, unsigned short* y16, float* lse,
-                                               float scale, float scale2) {
+                                               float* s, unsigned (*p)[4], unsigned (*qf)[4], Rows& r,
+                                               unsigned short* y16, float* lse, float scale, float scale2) {
     int t = threadIdx.x % 128, qi = k.work.tile(c), row0 = qi * ROWS + 16 * (t / 32) + t % 32 / 4;
     bool last = c.j == k.work.last(c);
     int next_q = (tiles + last) % 2;                                // the q buffer of the next step's tile
@@ -562,10 +600,13 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
     k.work.advance(nx);
     float correction[2], m[2] = {r.m[0], r.m[1]}, l[2] = {r.l[0], r.l[1]};   // (the tile's, if it ends here)
     if constexpr (NEXT) {
-        if (last) mbarrier_wait(&k.q_full[next_q], (tiles + 1) / 2 % 2);
+        if (last) {
+            mbarrier_wait(&k.q_full[next_q], (tiles + 1) / 2 % 2);
+            if (QR) load_q_fragments(qf, k.q_bytes(next_q, g));     // (this tile's last scores are done)
+        }
         mbarrier_wait(&k.full_k[(n + 1) % STAGES], (n + 1) / STAGES % 2);
         fence_registers<BN / 2>(s);
-        issue_scores<BN>(s, k.q_tile(next_q, g), k.k_tile(n + 1));
+        scores<BN, QR>(s, qf, k.q_tile(next_q, g), k.k_tile(n + 1));
     }
     mbarrier_wait(&k.full_v[n % STAGES], n / STAGES % 2);
     fence_registers<HD / 2>(r.o);
@@ -597,8 +638,10 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
     c = nx;
 }
 
-// the pipelined consumer: the first step's scores and softmax, then every step but the last with NEXT
-template <int BN, int STAGES>
+// the pipelined consumer: the first step's scores and softmax, then every step but the last with NEXT; QR: q read
+// into registers at a tile's start (its q buffer is still freed after the tile's last scores: by then every thread
+// of the warpgroup has its fragments, the wgmma having read them)
+template <int BN, int STAGES, bool QR>
 __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse,
                                   float scale) {
     const float scale2 = scale * LOG2E;
@@ -609,26 +652,29 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     Rows r;
     r.reset();
     float s[BN / 2], correction[2];
-    unsigned p[BN / 16][4];
+    unsigned p[BN / 16][4], qf[HD / 16][4];
     bool last = c.j == k.work.last(c);
     mbarrier_wait(&k.q_full[0], 0);
+    if (QR) load_q_fragments(qf, k.q_bytes(0, g));
     mbarrier_wait(&k.full_k[0], 0);
     fence_registers<BN / 2>(s);
-    issue_scores<BN>(s, k.q_tile(0, g), k.k_tile(0));
+    scores<BN, QR>(s, qf, k.q_tile(0, g), k.k_tile(0));
     wgmma_wait<0>();
     fence_registers<BN / 2>(s);
     if (last && t == 0) mbarrier_arrive(&k.q_empty[0]);
     softmax_step<BN>(s, r.m, r.l, correction, 0, k.work.tile(c) * ROWS + 16 * (t / 32) + t % 32 / 4, last, scale2);
     pack_p<BN>(p, s);
     int n = 0;
-    for (; n + 1 < steps; n++) pipelined_step<BN, STAGES, true>(k, g, c, n, tiles, s, p, r, y16, lse, scale, scale2);
-    pipelined_step<BN, STAGES, false>(k, g, c, n, tiles, s, p, r, y16, lse, scale, scale2);
+    for (; n + 1 < steps; n++)
+        pipelined_step<BN, STAGES, QR, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+    pipelined_step<BN, STAGES, QR, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
 }
 
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
-template <int BN, int STAGES, int CONSUMER>    // CONSUMER: 0 simple, 1 overlapped, 2 pipelined
+// CONSUMER: 0 simple, 1 overlapped, 2 pipelined, 3 pipelined with q in registers
+template <int BN, int STAGES, int CONSUMER>
 __device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q,
                                       const TensorMap* map_kv, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -648,7 +694,7 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
     }
     setmaxnreg_inc<CONSUMER_REGS>();
     if constexpr (CONSUMER == 1) consume_overlapped(k, wg - 1, y16, lse, scale);
-    else if constexpr (CONSUMER == 2) consume_pipelined(k, wg - 1, y16, lse, scale);
+    else if constexpr (CONSUMER >= 2) consume_pipelined<BN, STAGES, CONSUMER == 3>(k, wg - 1, y16, lse, scale);
     else consume(k, wg - 1, y16, lse, scale);
 }
 
@@ -691,4 +737,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipel
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_tma<128, 4, 2>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the pipelined consumer with q in registers (s = q k.T reads only k from shared memory), 64 keys a step
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_qr_64(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<64, 6, 3>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

@@ -52,7 +52,9 @@ VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 64 pipelined": ("attention_forward_tma_pipelined_64", 64, 6, False),
             "tma 64 pipelined persistent": ("attention_forward_tma_pipelined_64", 64, 6, True),
             "tma 128 pipelined": ("attention_forward_tma_pipelined_128", 128, 4, False),
-            "tma 128 pipelined persistent": ("attention_forward_tma_pipelined_128", 128, 4, True)}
+            "tma 128 pipelined persistent": ("attention_forward_tma_pipelined_128", 128, 4, True),
+            "tma 64 pipelined q": ("attention_forward_tma_pipelined_qr_64", 64, 6, False),
+            "tma 64 pipelined q persistent": ("attention_forward_tma_pipelined_qr_64", 64, 6, True)}
 
 
 def warpgroups(Hq, Hkv):
