@@ -48,9 +48,12 @@ The entry points (at the bottom):
 - attention_forward_tma_pipelined_qr_64: the same with q read into registers at a tile's start (s = q k.T by
   RS-wgmma): per 64 keys a warpgroup's wgmma then read 16 KB of shared memory instead of 24, with 3 warpgroups
   and the copies' writes near the 128 bytes a cycle it gives.
+- attention_forward_tma_pipelined_turns_128 and _qr_turns_64: the consumers take turns to issue their wgmma
+  (FlashAttention-3's warp scheduler barrier, named barriers 1 .. W), so that one's softmax runs while the others'
+  wgmma do.
 ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98 and
-139 (simple _64, _128), 147 (overlapped), 103, 154 and 123 (pipelined _64, _128, _qr_64) of their 160 (nvdisasm);
-no spills, no stack frame, no wgmma serialized (test_attention_tma).
+139 (simple _64, _128), 147 (overlapped), 103, 154 and 123 (pipelined _64, _128, _qr_64; the same taking turns)
+of their 160 (nvdisasm); no spills, no stack frame, no wgmma serialized (test_attention_tma).
 Checked against float64 on the CPU emulator (test_attention_tma.py); `python dev/variants/attention_forward_tma.py`
 checks and times it on an H100/H200.
 */
@@ -171,6 +174,15 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, i
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
                  "[%2];" ::"r"(shared_address(dst)), "l"(map), "r"(shared_address(bar)), "r"(x), "r"(y)
                  : "memory");
+}
+
+// named barrier id (1 .. 15): wait until n threads (a multiple of 32) have arrived; or arrive without waiting
+__device__ __forceinline__ void named_barrier_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
 }
 
 // a warpgroup's registers a thread: raised to N, or lowered to N
@@ -589,7 +601,7 @@ __device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned s
 // p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
 // next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A warpgroup
 // keeps one score accumulator (BN / 2 registers), p (BN / 4) and o (32): 128 for BN 128
-template <int BN, int STAGES, bool QR, bool NEXT>
+template <int BN, int STAGES, bool QR, bool SCHED, bool NEXT>
 __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g, Cursor& c, int n, int& tiles,
                                                float* s, unsigned (*p)[4], unsigned (*qf)[4], Rows& r,
                                                unsigned short* y16, float* lse, float scale, float scale2) {
@@ -599,6 +611,7 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
     Cursor nx = c;
     k.work.advance(nx);
     float correction[2], m[2] = {r.m[0], r.m[1]}, l[2] = {r.l[0], r.l[1]};   // (the tile's, if it ends here)
+    if constexpr (SCHED) named_barrier_sync(1 + g, 256);             // this warpgroup's turn to issue
     if constexpr (NEXT) {
         if (last) {
             mbarrier_wait(&k.q_full[next_q], (tiles + 1) / 2 % 2);
@@ -612,6 +625,7 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
     fence_registers<HD / 2>(r.o);
     issue_weighted_sum<BN>(r.o, p, k.v_tile(n));
     fence_registers<HD / 2>(r.o);
+    if constexpr (SCHED) named_barrier_arrive(1 + (g + 1) % k.W, 256);  // the next warpgroup's turn
     if constexpr (NEXT) {
         wgmma_wait<1>();                                            // the next scores
         fence_registers<BN / 2>(s);
@@ -640,8 +654,11 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
 
 // the pipelined consumer: the first step's scores and softmax, then every step but the last with NEXT; QR: q read
 // into registers at a tile's start (its q buffer is still freed after the tile's last scores: by then every thread
-// of the warpgroup has its fragments, the wgmma having read them)
-template <int BN, int STAGES, bool QR>
+// of the warpgroup has its fragments, the wgmma having read them). SCHED: the consumers take turns to issue their
+// wgmma, FlashAttention-3's warp scheduler barrier: consumer g waits at named barrier 1 + g (256 threads: its own
+// and the consumer before it, which arrives once it has issued), so each one's softmax runs while the others'
+// wgmma do; consumer 0 is given the first turn
+template <int BN, int STAGES, bool QR, bool SCHED>
 __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse,
                                   float scale) {
     const float scale2 = scale * LOG2E;
@@ -654,11 +671,14 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     float s[BN / 2], correction[2];
     unsigned p[BN / 16][4], qf[HD / 16][4];
     bool last = c.j == k.work.last(c);
+    if (SCHED && g == 0) named_barrier_arrive(1, 256);
     mbarrier_wait(&k.q_full[0], 0);
     if (QR) load_q_fragments(qf, k.q_bytes(0, g));
     mbarrier_wait(&k.full_k[0], 0);
+    if constexpr (SCHED) named_barrier_sync(1 + g, 256);
     fence_registers<BN / 2>(s);
     scores<BN, QR>(s, qf, k.q_tile(0, g), k.k_tile(0));
+    if constexpr (SCHED) named_barrier_arrive(1 + (g + 1) % k.W, 256);
     wgmma_wait<0>();
     fence_registers<BN / 2>(s);
     if (last && t == 0) mbarrier_arrive(&k.q_empty[0]);
@@ -666,15 +686,16 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     pack_p<BN>(p, s);
     int n = 0;
     for (; n + 1 < steps; n++)
-        pipelined_step<BN, STAGES, QR, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
-    pipelined_step<BN, STAGES, QR, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+        pipelined_step<BN, STAGES, QR, SCHED, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+    pipelined_step<BN, STAGES, QR, SCHED, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
 }
 
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
-// CONSUMER: 0 simple, 1 overlapped, 2 pipelined, 3 pipelined with q in registers
-template <int BN, int STAGES, int CONSUMER>
+// CONSUMER: 0 simple, 1 overlapped, 2 pipelined; QR (pipelined): q in registers; SCHED (pipelined): the consumers
+// take turns to issue
+template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false>
 __device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q,
                                       const TensorMap* map_kv, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -694,7 +715,7 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
     }
     setmaxnreg_inc<CONSUMER_REGS>();
     if constexpr (CONSUMER == 1) consume_overlapped(k, wg - 1, y16, lse, scale);
-    else if constexpr (CONSUMER >= 2) consume_pipelined<BN, STAGES, CONSUMER == 3>(k, wg - 1, y16, lse, scale);
+    else if constexpr (CONSUMER == 2) consume_pipelined<BN, STAGES, QR, SCHED>(k, wg - 1, y16, lse, scale);
     else consume(k, wg - 1, y16, lse, scale);
 }
 
@@ -743,5 +764,19 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipel
 extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_qr_64(
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
-    attention_forward_tma<64, 6, 3>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+    attention_forward_tma<64, 6, 2, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the pipelined consumers taking turns to issue their wgmma (FlashAttention-3's warp scheduler barrier): 128 keys a
+// step, and 64 with q in registers
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_turns_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2, false, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_qr_turns_64(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<64, 6, 2, true, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

@@ -54,7 +54,11 @@ VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 128 pipelined": ("attention_forward_tma_pipelined_128", 128, 4, False),
             "tma 128 pipelined persistent": ("attention_forward_tma_pipelined_128", 128, 4, True),
             "tma 64 pipelined q": ("attention_forward_tma_pipelined_qr_64", 64, 6, False),
-            "tma 64 pipelined q persistent": ("attention_forward_tma_pipelined_qr_64", 64, 6, True)}
+            "tma 64 pipelined q persistent": ("attention_forward_tma_pipelined_qr_64", 64, 6, True),
+            "tma 128 pipelined turns": ("attention_forward_tma_pipelined_turns_128", 128, 4, False),
+            "tma 128 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_128", 128, 4, True),
+            "tma 64 pipelined q turns": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, False),
+            "tma 64 pipelined q turns persistent": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, True)}
 
 
 def warpgroups(Hq, Hkv):
