@@ -161,6 +161,7 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (0, libs[cubin.decode()]), raising=False)
     monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda f, attribute, value: (0,), raising=False)
     monkeypatch.setattr(script.base, "start_gpu", lambda: nc.gpu)
+    monkeypatch.setattr(script, "finish", lambda name: nc.gpu.sync())      # (the emulator's launches are done)
     monkeypatch.setattr(script.base, "timed", lambda run, reps: (run(), 1.0)[1])
     monkeypatch.setattr(script, "CHECKS", ((2, 128, 6, 2), (1, 160, 3, 1)))
     monkeypatch.setattr(script, "BATCHES", (2, 1))

@@ -13,7 +13,7 @@ does not divide): y and lse of one batch row against numpy in float64 (relative 
 of y and lse written and finite; OK within the bounds of attention_forward_wgmma.py (the product's own errors are
 about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a call, the median of REPS runs of 20 launches,
 CUDA events around each run, after a warm-up, and each over the product's. Last, "all OK" or how many were not
-(exit code 1). test_attention_tma.py runs this host code on the CPU emulator's stand-in driver at a small shape.
+(exit code 1). A version still running 5 s after its launch hangs: named, NOT OK, and the process ends (exit 3). test_attention_tma.py runs this host code on the CPU emulator's stand-in driver at a small shape.
 The helpers shared with attention_forward_wgmma.py (random qkv, the float64 reference, launches, timing) are its.
 """
 
@@ -22,6 +22,7 @@ import importlib.util
 import math
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -111,6 +112,21 @@ def forward(modules, name, y, lse, qkv, B, T, Hq, Hkv, prepared=None):
     base.launch(modules["variant"], entry, (grid, 1, 1), threads, shared, *args)
 
 
+def finish(name, seconds=5):
+    """wait for the stream; a kernel still running after `seconds` hangs (a wait on its barriers that nothing
+    completes, which no timeout ends on a GPU): say which, and end the process"""
+    cu, deadline = nc.cu, time.time() + seconds
+    while True:
+        err = cu.cuStreamQuery(nc.gpu.stream)[0]
+        if err != cu.CUresult.CUDA_ERROR_NOT_READY:
+            nc.check((err,), name)
+            return
+        if time.time() > deadline:
+            print(f"{name} HANGS: still running after {seconds} s; NOT OK", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
+
 def check_versions(modules):
     """-> how many versions (the product's as well) are not OK at CHECKS; prints each one's errors"""
     bad = 0
@@ -123,7 +139,7 @@ def check_versions(modules):
             y.fill_bits(0xFFFF)                                    # NaN: what a kernel does not write shows
             lse.fill_bits(0x7FC00000)
             forward(modules, name, y, lse, dqkv, B, T, Hq, Hkv)
-            nc.gpu.sync()
+            finish(name)
             ys, lses = from_bf16(y.download()), lse.download()
             written = np.isfinite(ys).all() and np.isfinite(lses).all()
             ey = relative_error(ys.reshape(B, T, -1)[B - 1].astype(np.float64), y_ref)
