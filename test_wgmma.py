@@ -199,19 +199,43 @@ def test_every_register_a_wgmma_reads_is_written_on_every_path_to_it(file):
     assert ptx.count("wgmma.mma_async") and not emulator_module().wgmma_registers_not_always_written(ptx)
 
 
-def tma_product(lib, BN, M, N, K, seed=0):
-    """the probe's product fed by TMA (wgmma_tma_gemm_bn*) on the emulator, its tensor maps made by the stand-in
-    driver's cuTensorMapEncodeTiled -> c (M, N) as float32, a @ b.T in float64, the bound"""
+def test_ptxas_keeps_the_products_wgmma_asynchronous_and_spills_nothing():
+    # ptxas serializes wgmma it cannot prove safe (C7514, C7519: an accumulator read or a wgmma under a branch
+    # before its wait) or injects waits (C7517), naming the function: for a product that is its rate gone without a
+    # word but this one (the one-warpgroup probes above are serialized, their loop over a runtime K: not timed)
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    _, nvrtc = nc.import_cuda()
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
+    err, prog = nvrtc.nvrtcCreateProgram(open(PROBE).read().encode(), b"wgmma_probe.cu", 0, [], [])
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = bytearray(size)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    log = log.decode(errors="replace")
+    assert not err, log
+    sections = {part.split("'")[0]: part for part in log.split("Compiling entry function '")[1:]}
+    for name, _, _ in probe_script.GEMMS:
+        assert " 0 bytes spill stores" in sections[name] and f"the function '{name}'" not in log, sections[name]
+
+
+def tma_product(lib, BN, M, N, K, seed=0, name=None, blocks=None):
+    """the probe's product fed by TMA (wgmma_tma_gemm_bn*, or the entry point `name` of the script's TMA_GEMMS) on
+    the emulator, its tensor maps made by the stand-in driver's cuTensorMapEncodeTiled; a persistent one on `blocks`
+    blocks -> c (M, N) as float32, a @ b.T in float64, the bound"""
     from cuda.bindings import driver as real
     driver = emulator_module().Driver(real)
     rng = np.random.default_rng(seed)
     a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(N, K)))
     A, B = probe_script.from_bf16(a).astype(np.float64), probe_script.from_bf16(b).astype(np.float64).T
+    c = np.full((M, N), 0xFFFF, np.uint16)                            # NaN: what the kernel does not write shows
 
-    def tensor_map(x, rows, box_rows):
+    def tensor_map(x, rows, cols, box_rows):
         u64, u32 = real.cuuint64_t, real.cuuint32_t             # as cuda-python's takes them
         _, m = driver.cuTensorMapEncodeTiled(real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                                             x.ctypes.data, [u64(K), u64(rows)], [u64(K * 2)],
+                                             x.ctypes.data, [u64(cols), u64(rows)], [u64(cols * 2)],
                                              [u32(64), u32(box_rows)], [u32(1), u32(1)],
                                              real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
                                              real.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
@@ -219,11 +243,16 @@ def tma_product(lib, BN, M, N, K, seed=0):
                                              real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
         return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
 
-    c = np.full((M, N), 0xFFFF, np.uint16)                            # NaN: what the kernel does not write shows
-    args = [ctypes.c_void_p(c.ctypes.data), tensor_map(a, M, 128), tensor_map(b, N, BN), ctypes.c_int(N),
-            ctypes.c_int(K)]
-    params = (ctypes.c_void_p * 5)(*[ctypes.addressof(x) for x in args])
-    launch = lib.emu_launch(lib.emu_kernel(f"wgmma_tma_gemm_bn{BN}".encode()), N // BN, M // 128, 1, 384, params)
+    name = name or f"wgmma_tma_gemm_bn{BN}"
+    maps = [tensor_map(a, M, K, 128), tensor_map(b, N, K, BN)]
+    if probe_script.TMA_GEMMS[name][2]:                                # persistent: c's map too, and M
+        args = [ctypes.c_void_p(c.ctypes.data), *maps, tensor_map(c, M, N, 64), ctypes.c_int(M), ctypes.c_int(N),
+                ctypes.c_int(K)]
+        grid = (blocks, 1)
+    else:
+        args, grid = [ctypes.c_void_p(c.ctypes.data), *maps, ctypes.c_int(N), ctypes.c_int(K)], (N // BN, M // 128)
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+    launch = lib.emu_launch(lib.emu_kernel(name.encode()), *grid, 1, 384, params)
     assert not lib.emu_run(launch)
     lib.emu_free(launch)
     ref = A @ B
@@ -251,6 +280,82 @@ assert np.all(np.abs(c - ref) <= bound), np.nanmax(np.abs(c - ref))
 """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:].decode()
+
+
+# the tuned products (issue 36's steps toward cuBLAS's rate), each against numpy and a mutant of it: (entry point, the
+# emulator's blocks for a persistent one, threads in reverse order)
+TUNED = [("wgmma_tma_gemm_bn128_s6", None, 0), ("wgmma_tma_persistent_bn256", 3, 0),
+         ("wgmma_tma_persistent_bn128_s6", 3, 1), ("wgmma_tma_persistent_store_bn256", 3, 1),
+         ("wgmma_tma_persistent_store_bn128_s6", 2, 0)]
+
+
+def run_tuned(tmp_path, name, blocks, reverse, mutation=None):
+    """the product `name` at 384 x 512 x 448 on the emulator, in a process of its own (what the emulator refuses
+    aborts it), the probe's text with mutation (old, new, from where: old's first place after it) -> its exit code
+    and stderr, "c is wrong" there when c is not within its bound"""
+    text = open(PROBE).read()
+    if mutation:
+        old, new, start = mutation
+        at = text.index(start)
+        assert old in text[at:], old
+        text = text[:at] + text[at:].replace(old, new, 1)
+    (tmp_path / "probe.cu").write_text(text)
+    BN = probe_script.TMA_GEMMS[name][0]
+    code = f"""
+import sys
+import numpy as np
+sys.path.insert(0, {HERE!r})
+import test_wgmma as t
+emulator = t.emulator_module()
+lib = emulator.load({str(tmp_path / "probe.cu")!r}, cache_dir={str(tmp_path)!r},
+                    select=lambda text: emulator.without_helpers(text, t.HELPERS))
+lib.emu_set_reverse({reverse})
+c, ref, bound = t.tma_product(lib, {BN}, 384, 512, 448, seed=1, name={name!r}, blocks={blocks})
+if not np.all(np.abs(c - ref) <= bound):
+    sys.exit(f"c is wrong: {{np.nanmax(np.abs(c - ref) / bound)}} x its bound")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=600)
+    return r.returncode, r.stderr.decode()
+
+
+@needs_gxx
+@pytest.mark.parametrize("name, blocks, reverse", TUNED)
+def test_each_tuned_tma_product_on_the_emulator_against_float64(tmp_path, name, blocks, reverse):
+    # 7 steps of 64 k a tile through 4 or 6 stages; persistent: 2 or 3 blocks walk the 6 (BN 256) or 12 (BN 128)
+    # tiles of 384 x 512, so a block's steps run on through its stages across tiles (a tile's first step in any
+    # stage, each mbarrier through phases 0 and 1 several times) and a consumer's two c boxes are reused
+    pytest.importorskip("cuda.bindings")
+    code, err = run_tuned(tmp_path, name, blocks, reverse)
+    assert code == 0, err[-2000:]
+
+
+PERSISTENT = "template <int BN, int STAGES, int EPILOGUE>"
+
+
+@needs_gxx
+@pytest.mark.parametrize("name, blocks, reverse, mutation, failure", [
+    # 6 stages with the mbarriers of 4 set up
+    ("wgmma_tma_gemm_bn128_s6", None, 0, ("for (int s = 0; s < STAGES; s++)", "for (int s = 0; s < 4; s++)",
+                                          "wgmma_tma_gemm("), "an mbarrier operation on 8 bytes that mbarrier.init"),
+    # a tile's last stage never freed: the producer waits for it a round later
+    ("wgmma_tma_persistent_bn256", 3, 0,
+     ("if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);", "", PERSISTENT),
+     "wait at an mbarrier's try_wait.parity"),
+    # the accumulators zeroed at the block's first step only: a block's second tile adds to its first
+    ("wgmma_tma_persistent_bn128_s6", 3, 0, ("kt > 0 || kk > 0);", "it > 0 || kk > 0);", PERSISTENT), "c is wrong"),
+    # the box of two boxes ago written before its store read it
+    ("wgmma_tma_persistent_store_bn256", 3, 0, ("bulk_wait_read<1>();", "bulk_wait_read<2>();", PERSISTENT),
+     "c is wrong"),
+    # written unswizzled, read by the store as swizzled
+    ("wgmma_tma_persistent_store_bn128_s6", 2, 0, ("(chunk ^ row % 8) * 16", "chunk * 16", PERSISTENT), "c is wrong"),
+    # the block ends with its last stores still reading the boxes
+    ("wgmma_tma_persistent_store_bn128_s6", 2, 0,
+     ("    if (EPILOGUE && lead) bulk_wait_read<0>();", "", PERSISTENT),
+     "a thread exits with a TMA store not waited for")])
+def test_a_mutant_of_each_tuned_product_fails(tmp_path, name, blocks, reverse, mutation, failure):
+    pytest.importorskip("cuda.bindings")
+    code, err = run_tuned(tmp_path, name, blocks, reverse, mutation)
+    assert code != 0 and failure in err, err[-2000:]
 
 
 @needs_gxx

@@ -151,6 +151,7 @@ static const char* EMU_WAITS[] = {"nothing", "__syncthreads", "a warp's shuffle,
 static void emu_fail(const char* what);                 // the process aborts, named
 static bool emu_tma_pending();                          // TMA copies issued, not yet done
 static void emu_tma_complete();                         // done, as the async proxy may do them at the latest
+static void emu_async_exit();                           // a thread leaves no TMA store in flight
 static void emu_deadlock();                             // named, with what each waits for
 
 static void yield_fiber() {
@@ -205,6 +206,7 @@ static void __syncwarp(unsigned = 0xffffffff) { warp_barrier(); }
 static void fiber_main() {
     body(body_arg);
     emu_wgmma_exit();
+    emu_async_exit();
     Fiber& f = fibers[cur];
     f.done = true;
     live--, emu_events++;
@@ -606,6 +608,65 @@ static void emu_tma_complete() {
     emu_events++;
 }
 
+// TMA stores: cp.async.bulk.tensor.2d global <- shared through a tensor map, the box read from shared memory as a
+// load lays it (the swizzle too), elements outside the tensor not written. A store joins the issuing thread's open
+// bulk group, which cp.async.bulk.commit_group closes; it is queued at issue and done when that thread's
+// cp.async.bulk.wait_group.read N lets the thread past it (the latest a GPU may read the box): a box written
+// again before its wait is stored with the new values. Refused: a source not 128-byte aligned (1024 when
+// swizzled), a box past dynamic shared memory, a thread that exits with stores not waited for.
+struct EmuTmaStore { EmuTensorMap map; unsigned src, thread; int x, y, group; };     // group -1: not committed
+static const int EMU_STORE_QUEUE = 256;
+static EmuTmaStore emu_stores[EMU_STORE_QUEUE];
+static int emu_store_count, emu_bulk_groups[1024];       // a thread's committed bulk groups so far
+static void tma_store_2d(const void* map, const void* src, int x, int y) {
+    EmuTmaStore op;
+    memcpy(&op.map, map, sizeof op.map);
+    if (op.map.tag != EMU_TMAP_TAG || op.map.rank != 2)
+        emu_fail("a TMA store with a tensor map that cuTensorMapEncodeTiled did not make (rank 2)");
+    op.src = shared_address(src), op.thread = threadIdx.x, op.x = x, op.y = y, op.group = -1;
+    if (op.src % (op.map.swizzle ? 1024 : 128))
+        emu_fail("a TMA store's source not 128-byte aligned (1024 with a swizzle: not emulated)");
+    if (op.src - EMU_SHARED_START + op.map.box[0] * op.map.box[1] * op.map.element > sizeof emu_dynamic_shared)
+        emu_fail("a TMA store's box past dynamic shared memory");
+    if (emu_store_count == EMU_STORE_QUEUE) emu_fail("more TMA stores in flight than the emulator keeps (256)");
+    emu_stores[emu_store_count++] = op, emu_events++;
+}
+static void bulk_commit() {
+    for (int i = 0; i < emu_store_count; i++)
+        if (emu_stores[i].thread == threadIdx.x && emu_stores[i].group < 0)
+            emu_stores[i].group = emu_bulk_groups[threadIdx.x];
+    emu_bulk_groups[threadIdx.x]++;
+}
+static void emu_tma_store(const EmuTmaStore& op) {
+    const EmuTensorMap& m = op.map;
+    for (unsigned r = 0; r < m.box[1]; r++)
+        for (unsigned e = 0; e < m.box[0]; e++) {
+            long long gx = (long long)op.x + e, gy = (long long)op.y + r;
+            unsigned from = op.src + r * m.box[0] * m.element + e * m.element;
+            from ^= (m.swizzle ? from >> 7 & (m.swizzle / 16 - 1) : 0) << 4;
+            if (gx >= 0 && gy >= 0 && gx < (long long)m.dim[0] && gy < (long long)m.dim[1])
+                memcpy((char*)m.address + gy * m.stride + gx * m.element,
+                       emu_dynamic_shared + (from - EMU_SHARED_START), m.element);
+        }
+}
+// this thread's stores of groups older than its newest N, done in issue order (reversed with emu_reverse)
+template <int N> static void bulk_wait_read() {
+    static EmuTmaStore ops[EMU_STORE_QUEUE];
+    int n = 0, k = 0;
+    for (int i = 0; i < emu_store_count; i++) {
+        const EmuTmaStore& op = emu_stores[i];
+        bool finished = op.thread == threadIdx.x && op.group >= 0 && op.group < emu_bulk_groups[threadIdx.x] - N;
+        if (finished) ops[k++] = op;
+        else emu_stores[n++] = op;
+    }
+    emu_store_count = n, emu_events++;
+    for (int i = 0; i < k; i++) emu_tma_store(ops[emu_reverse ? k - 1 - i : i]);
+}
+static void emu_async_exit() {
+    for (int i = 0; i < emu_store_count; i++)
+        if (emu_stores[i].thread == threadIdx.x) emu_fail("a thread exits with a TMA store not waited for");
+}
+
 // named barriers 1 .. 15: bar.sync id, n waits until n threads (a multiple of 32) have arrived by bar.sync or
 // bar.arrive (which does not wait); barrier 0 is __syncthreads's. Refused: an id outside 1 .. 15, a count not a
 // multiple of 32 or that differs from the phase's first, more threads than the block has.
@@ -634,7 +695,8 @@ template <int N> static void setmaxnreg_inc() { static_assert(N >= 24 && N <= 25
 template <int N> static void setmaxnreg_dec() { static_assert(N >= 24 && N <= 256 && N % 8 == 0, "setmaxnreg"); }
 
 static void emu_async_block() {
-    memset(emu_mbar, 0, sizeof emu_mbar), emu_tma_count = 0;
+    memset(emu_mbar, 0, sizeof emu_mbar), emu_tma_count = 0, emu_store_count = 0;
+    memset(emu_bulk_groups, 0, sizeof emu_bulk_groups);
     memset(emu_named_arrived, 0, sizeof emu_named_arrived), memset(emu_wait_kind, 0, sizeof emu_wait_kind);
 }
 static void emu_deadlock() {                             // each different wait, with the threads at it
@@ -789,7 +851,8 @@ WGMMA_HELPERS = ("shared_address", "fence_proxy_async", "wgmma_fence", "wgmma_bf
 # TMA, named barriers, setmaxnreg, whose inline PTX the emulator's header defines in C++ instead
 TMA_HELPERS = ("mbarrier_init", "fence_mbarrier_init", "mbarrier_expect_tx", "mbarrier_arrive",
                "mbarrier_arrive_expect_tx", "mbarrier_try_wait", "tma_load_2d", "named_barrier_sync",
-               "named_barrier_arrive", "setmaxnreg_inc", "setmaxnreg_dec")
+               "named_barrier_arrive", "setmaxnreg_inc", "setmaxnreg_dec", "tma_store_2d", "bulk_commit",
+               "bulk_wait_read")
 
 
 # the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it

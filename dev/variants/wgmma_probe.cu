@@ -432,13 +432,13 @@ extern "C" __global__ void __launch_bounds__(256) wgmma_gemm_bn256(unsigned shor
 // GEMM, "fast.cu"): c (M, N) bf16 = a (M, K) @ b.T, a (M, K) and b (N, K) bf16 row-major, M a multiple of 128, N
 // of BN (128 or 256), K of 64. A block of 3 warpgroups (384 threads) owns a 128 x BN tile of c: warpgroup 0 is
 // the producer (its registers lowered by setmaxnreg; one thread issues the copies), warpgroups 1 and 2 the
-// consumers, rows 0 .. 63 and 64 .. 127 (setmaxnreg raises theirs). K is walked 64 at a time through GEMM_STAGES
-// stages of a (128 x 64) and b (BN x 64), each written by two TMA copies (cp.async.bulk.tensor.2d, the 128-byte
+// consumers, rows 0 .. 63 and 64 .. 127 (setmaxnreg raises theirs). K is walked 64 at a time through STAGES (4;
+// 6 for _s6) of a (128 x 64) and b (BN x 64), each written by two TMA copies (cp.async.bulk.tensor.2d, the 128-byte
 // swizzle applied by the copy itself: the tiles wgmma reads K-major). Each stage has two mbarriers: full (1
 // arrival, by the producer's arrive.expect_tx of the stage's bytes, and the copies' bytes) and empty (2 arrivals,
-// a thread of each consumer warpgroup once its wgmma on the stage are done). Step kt uses stage kt % 4 in its
-// kt / 4-th round: consumers wait for full's phase of parity (kt / 4) % 2, the producer for empty's phase of the
-// round before, parity (kt / 4 + 1) % 2 (for the first round, the phase "before" phase 0, which counts as
+// a thread of each consumer warpgroup once its wgmma on the stage are done). Step kt uses stage kt % STAGES in its
+// kt / STAGES-th round: consumers wait for full's phase of that round's parity, the producer for empty's phase of
+// the round before (for the first round, the phase "before" phase 0, which counts as
 // complete). A consumer keeps a step's group of 4 wgmma in flight (wait_group 1) and frees the stage before it.
 // The consumers meet at a named barrier (bar.sync 1, 256) before they store c, without the producer.
 
@@ -511,17 +511,17 @@ __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
 
-template <int BN>
+template <int BN, int STAGES>
 __device__ void wgmma_tma_gemm(unsigned short* c, const TensorMap* map_a, const TensorMap* map_b, int N, int K) {
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
     unsigned short* stages = (unsigned short*)base;
     constexpr int STAGE = (128 + BN) * GEMM_BK;                   // bf16 a stage: a's 128 rows, then b's BN
-    unsigned long long* full = (unsigned long long*)(base + GEMM_STAGES * STAGE * 2);
-    unsigned long long* empty = full + GEMM_STAGES;
+    unsigned long long* full = (unsigned long long*)(base + STAGES * STAGE * 2);
+    unsigned long long* empty = full + STAGES;
     int m0 = blockIdx.y * 128, n0 = blockIdx.x * BN, wg = threadIdx.x / 128, steps = K / GEMM_BK;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < GEMM_STAGES; s++) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], 2);
+        for (int s = 0; s < STAGES; s++) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], 2);
         fence_mbarrier_init();
     }
     __syncthreads();
@@ -529,8 +529,8 @@ __device__ void wgmma_tma_gemm(unsigned short* c, const TensorMap* map_a, const 
         setmaxnreg_dec<40>();
         if (threadIdx.x == 0)
             for (int kt = 0; kt < steps; kt++) {
-                int s = kt % GEMM_STAGES;
-                mbarrier_wait(&empty[s], (kt / GEMM_STAGES + 1) % 2);
+                int s = kt % STAGES;
+                mbarrier_wait(&empty[s], (kt / STAGES + 1) % 2);
                 unsigned short* stage = stages + s * STAGE;
                 mbarrier_arrive_expect_tx(&full[s], STAGE * 2);
                 tma_load_2d(stage, map_a, kt * GEMM_BK, m0, &full[s]);
@@ -541,8 +541,8 @@ __device__ void wgmma_tma_gemm(unsigned short* c, const TensorMap* map_a, const 
     setmaxnreg_inc<232>();
     float d[BN / 2];
     for (int kt = 0; kt < steps; kt++) {
-        int s = kt % GEMM_STAGES;
-        mbarrier_wait(&full[s], kt / GEMM_STAGES % 2);
+        int s = kt % STAGES;
+        mbarrier_wait(&full[s], kt / STAGES % 2);
         const unsigned short* as = stages + s * STAGE + (wg - 1) * 64 * GEMM_BK;
         const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK;
         wgmma_fence();
@@ -551,7 +551,7 @@ __device__ void wgmma_tma_gemm(unsigned short* c, const TensorMap* map_a, const 
                                  operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
         wgmma_commit();
         wgmma_wait<1>();                                          // step kt - 1's wgmma are done: its stage is free
-        if (kt > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&empty[(kt - 1) % GEMM_STAGES]);
+        if (kt > 0 && threadIdx.x % 128 == 0) mbarrier_arrive(&empty[(kt - 1) % STAGES]);
     }
     wgmma_wait<0>();
     fence_registers<BN / 2>(d);
@@ -563,19 +563,160 @@ __device__ void wgmma_tma_gemm(unsigned short* c, const TensorMap* map_a, const 
     }
 }
 
-// grid (N / BN, M / 128), 384 threads, dynamic shared memory GEMM_STAGES (128 + BN) 128 bytes + 1024 (to align
-// the tiles) + 64 (the mbarriers); map_a: a's tensor map, box 64 x 128, map_b: b's, box 64 x BN, both bf16 with the
-// 128-byte swizzle
+// grid (N / BN, M / 128), 384 threads, dynamic shared memory STAGES (128 + BN) 128 bytes + 1024 (to align the
+// tiles) + 16 STAGES (the mbarriers); map_a: a's tensor map, box 64 x 128, map_b: b's, box 64 x BN, both bf16 with
+// the 128-byte swizzle
 extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn128(unsigned short* c,
                                                                           const __grid_constant__ TensorMap map_a,
                                                                           const __grid_constant__ TensorMap map_b,
                                                                           int N, int K) {
-    wgmma_tma_gemm<128>(c, &map_a, &map_b, N, K);
+    wgmma_tma_gemm<128, GEMM_STAGES>(c, &map_a, &map_b, N, K);
 }
 
 extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn256(unsigned short* c,
                                                                           const __grid_constant__ TensorMap map_a,
                                                                           const __grid_constant__ TensorMap map_b,
                                                                           int N, int K) {
-    wgmma_tma_gemm<256>(c, &map_a, &map_b, N, K);
+    wgmma_tma_gemm<256, GEMM_STAGES>(c, &map_a, &map_b, N, K);
+}
+
+// more stages where shared memory allows: 6 of 32 KB at 128 x 128 (at 128 x 256 a stage is 48 KB: 4 is the most)
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn128_s6(unsigned short* c,
+                                                                             const __grid_constant__ TensorMap map_a,
+                                                                             const __grid_constant__ TensorMap map_b,
+                                                                             int N, int K) {
+    wgmma_tma_gemm<128, 6>(c, &map_a, &map_b, N, K);
+}
+
+// -----------------------------------------------------------------------------
+// the TMA-fed product made persistent (CUTLASS's warp-specialized persistent cooperative kernel): the same c (M, N)
+// bf16 = a @ b.T, the same block of a producer and two consumers on 128 x BN tiles, but grid = the SMs (at most the
+// tiles), each block walking tiles blockIdx.x, + gridDim.x, ... Tile t is row block t / (N / BN), column block
+// t % (N / BN): the blocks at work at once share a's rows (read from memory once; b, the weights, 6 MB at most here,
+// stays in L2). The producer and the consumers count their steps over the block's whole walk (it: stage it %
+// STAGES, round it / STAGES), so the producer copies the next tile's first stages while the consumers store this
+// one. A consumer frees a tile's last stage after wait_group 0 (the only wait 0, at a tile's end), then stores its
+// 64 x BN of c: EPILOGUE 0 from registers (4 bytes a thread: a warp's store is 8 rows of 16 bytes), EPILOGUE 1
+// through shared memory, 64 x 64 boxes laid out (128-byte swizzle) as a TMA load lays them, then a TMA store of
+// each, two box buffers a consumer so that it writes a box while the one before is stored; its first thread
+// commits the stores and waits for a buffer's last store to have read it (cp.async.bulk.wait_group.read), the
+// warpgroup meets at named barrier 1 + its number around the writes.
+
+// global <- shared: the box of the tensor map at element (x, y) from src (laid out as tma_load_2d lays it), one of
+// this thread's bulk copies (closed into a group by bulk_commit)
+__device__ __forceinline__ void tma_store_2d(const void* map, const void* src, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
+                 "r"(shared_address(src)), "r"(x), "r"(y) : "memory");
+}
+
+// close the group of the bulk copies this thread issued since the last commit
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+template <int N>   // wait until at most N of this thread's bulk groups are still reading shared memory
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+template <int BN, int STAGES, int EPILOGUE>
+__device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, const TensorMap* map_b,
+                                     const TensorMap* map_c, int M, int N, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
+    constexpr int STAGE = (128 + BN) * GEMM_BK, BOX = 64 * 64;   // bf16 a stage (a's 128 rows, b's BN); a c box
+    unsigned short* stages = (unsigned short*)base;
+    unsigned short* boxes = stages + STAGES * STAGE;              // EPILOGUE 1: 2 a consumer
+    unsigned long long* full = (unsigned long long*)(boxes + (EPILOGUE ? 4 * BOX : 0));
+    unsigned long long* empty = full + STAGES;
+    int wg = threadIdx.x / 128, steps = K / GEMM_BK, columns = N / BN, tiles = M / 128 * columns;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
+            mbarrier_init(&empty[s], 2);                          // a thread of each consumer
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {                                                // the producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0)
+            for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x)
+                for (int kt = 0; kt < steps; kt++, it++) {
+                    int s = it % STAGES;
+                    mbarrier_wait(&empty[s], (it / STAGES + 1) % 2);
+                    mbarrier_arrive_expect_tx(&full[s], STAGE * sizeof(unsigned short));
+                    tma_load_2d(stages + s * STAGE, map_a, kt * GEMM_BK, tile / columns * 128, &full[s]);
+                    tma_load_2d(stages + s * STAGE + 128 * GEMM_BK, map_b, kt * GEMM_BK, tile % columns * BN,
+                                &full[s]);
+                }
+        return;
+    }
+    setmaxnreg_inc<232>();
+    float d[BN / 2];
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
+    for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x) {
+        for (int kt = 0; kt < steps; kt++, it++) {
+            int s = it % STAGES;
+            mbarrier_wait(&full[s], it / STAGES % 2);
+            const unsigned short* as = stages + s * STAGE + (wg - 1) * 64 * GEMM_BK;
+            const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK;
+            wgmma_fence();
+            for (int kk = 0; kk < GEMM_BK; kk += 16)
+                wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
+                                     operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
+            wgmma_commit();
+            wgmma_wait<1>();                                      // the step before is done: its stage is free
+            if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);
+        }
+        wgmma_wait<0>();
+        fence_registers<BN / 2>(d);
+        if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);     // the tile's last stage
+        int m0 = tile / columns * 128 + 64 * (wg - 1), n0 = tile % columns * BN;
+        if constexpr (EPILOGUE == 0)
+            for (int i = 0; i < BN / 2; i += 2) {
+                long row = m0 + 16 * w + g + 8 * (i / 2 % 2), col = n0 + 8 * (i / 4) + 2 * q;
+                *(unsigned*)(c + row * N + col) = pack_bf16(d[i], d[i + 1]);
+            }
+        else
+            for (int j = 0; j < BN / 64; j++) {                   // box j: columns 64 j .. 64 j + 63, registers
+                unsigned char* box = (unsigned char*)(boxes + (2 * (wg - 1) + j % 2) * BOX);   // 32 j ..
+                if (lead) bulk_wait_read<1>();                    // the store of two boxes ago has read it
+                named_barrier_sync(1 + wg, 128);                  // before any thread writes it again
+                for (int i = 32 * j; i < 32 * j + 32; i += 2) {
+                    int row = 16 * w + g + 8 * (i / 2 % 2), chunk = i / 4 % 8;     // a 16-byte chunk: 8 columns
+                    *(unsigned*)(box + row * 128 + (chunk ^ row % 8) * 16 + 4 * q) = pack_bf16(d[i], d[i + 1]);
+                }
+                fence_proxy_async();                              // the writes, visible to the TMA store
+                named_barrier_sync(1 + wg, 128);
+                if (lead) tma_store_2d(map_c, box, n0 + 64 * j, m0), bulk_commit();
+            }
+    }
+    if (EPILOGUE && lead) bulk_wait_read<0>();                    // the boxes are read before the block ends
+}
+
+// grid (min(SMs, tiles), 1), 384 threads, dynamic shared memory STAGES (128 + BN) 128 bytes (+ 32 KB for EPILOGUE
+// 1's boxes) + 1024 + 16 STAGES; map_a, map_b as wgmma_tma_gemm's, map_c: c's, box 64 x 64, 128-byte swizzle
+// (written out: the emulator finds its entry points in the text)
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_bn256(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<256, 4, 0>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_bn128_s6(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<128, 6, 0>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+// the epilogue through shared memory and TMA stores (4 stages of 48 KB or 6 of 32 KB, and the 32 KB of boxes)
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_store_bn256(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<256, 4, 1>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_store_bn128_s6(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<128, 6, 1>(c, &map_a, &map_b, &map_c, M, N, K);
 }

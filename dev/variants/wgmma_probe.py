@@ -6,14 +6,15 @@ descriptors, against numpy in float64. Not part of NanoEuler.
     python dev/variants/wgmma_probe.py
 
 One line a variant: the largest error, that error over the bound of summing the K products in fp32
-(K 2^-24 |a| @ |b|), OK or NOT OK. Then the probe's product of
-many tiles (wgmma_gemm_bn128, _bn256: c (M, N) bf16 = a @ b.T, fed by cp.async; wgmma_tma_gemm_bn128, _bn256:
-fed by TMA through mbarriers, a producer warpgroup and two consumers; not tuned) is checked the same
-way (with room for c's rounding to bf16) and timed against cuBLAS (cublasGemmEx, as Cublas.gemm calls
-it) on the big model's forward products at batch 64 x 512, in one run: median us of 20 and TFLOP/s.
-Last, "all OK" or how many were not (exit code 1). test_wgmma.py runs the same variants on the CPU emulator (tools/emulate_cuda.py) with the same
-operands: both OK means the emulator lays out wgmma's accumulators and reads its descriptors and
-swizzles as this GPU does.
+(K 2^-24 |a| @ |b|), OK or NOT OK. Then the probe's products of many tiles, c (M, N) bf16 = a @ b.T
+(wgmma_gemm_bn128, _bn256 fed by cp.async; the TMA_GEMMS below fed by TMA through mbarriers, a producer
+warpgroup and two consumers: a block a tile with 4 or 6 stages, or persistent, c stored from registers or
+through shared memory and TMA), are checked the same way (with room for c's rounding to bf16) and
+timed against cuBLAS (cublasGemmEx, as Cublas.gemm calls it) on the big model's forward products at
+batch 64 x 512, in one run: a row a kernel, median us of 20, TFLOP/s and cuBLAS's time over its own.
+Last, "all OK" or how many were not (exit code 1). test_wgmma.py runs the same variants on the CPU
+emulator (tools/emulate_cuda.py) with the same operands: both OK means the emulator lays out wgmma's
+accumulators and reads its descriptors and swizzles as this GPU does.
 A wrong layout is off by about the size of the products (a ratio of 10^5 or more), so OK allows the
 tensor core some room over the sequential fp32 sum's bound (16 x): its order and rounding are its own.
 """
@@ -103,17 +104,42 @@ def tensor_map(x, rows, cols, box_rows):
     return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
 
 
-def tma_gemm(module, BN, c, a, b, M, N, K, maps=None):
-    """the probe's product fed by TMA (wgmma_tma_gemm_bn*): c (M, N) = a @ b.T, 128 x BN tiles; maps: a's and
-    b's tensor maps, made once for a timing"""
-    map_a, map_b = maps or (tensor_map(a, M, K, 128), tensor_map(b, N, K, BN))
-    launch(module, f"wgmma_tma_gemm_bn{BN}", (N // BN, M // 128, 1), 384, 4 * (128 + BN) * 128 + 1024 + 64,
-           nc.ptr_arg(c), map_a, map_b, nc.int_arg(N), nc.int_arg(K))
+# the products fed by TMA, by entry point: BN, stages, persistent (grid = the SMs), c stored through shared memory
+# and TMA (a third tensor map, 32 KB more shared memory)
+TMA_GEMMS = {"wgmma_tma_gemm_bn128": (128, 4, False, False), "wgmma_tma_gemm_bn256": (256, 4, False, False),
+             "wgmma_tma_gemm_bn128_s6": (128, 6, False, False),
+             "wgmma_tma_persistent_bn256": (256, 4, True, False),
+             "wgmma_tma_persistent_bn128_s6": (128, 6, True, False),
+             "wgmma_tma_persistent_store_bn256": (256, 4, True, True),
+             "wgmma_tma_persistent_store_bn128_s6": (128, 6, True, True)}
 
 
-# the products checked and timed: (name, BN, how it is fed)
-GEMMS = [("wgmma_gemm_bn128", 128, gemm), ("wgmma_gemm_bn256", 256, gemm),
-         ("wgmma_tma_gemm_bn128", 128, tma_gemm), ("wgmma_tma_gemm_bn256", 256, tma_gemm)]
+def tma_maps(name, c, a, b, M, N, K):
+    """the tensor maps of a TMA-fed product: a's (boxes 64 x 128), b's (64 x BN), c's (64 x 64)"""
+    BN = TMA_GEMMS[name][0]
+    return tensor_map(a, M, K, 128), tensor_map(b, N, K, BN), tensor_map(c, M, N, 64)
+
+
+def tma_gemm(module, name, c, a, b, M, N, K, maps=None, blocks=None):
+    """the probe's product fed by TMA (the entry point name of TMA_GEMMS): c (M, N) = a @ b.T, 128 x BN tiles; maps:
+    tma_maps, made once for a timing; a persistent one on `blocks` blocks (or one an SM), at most one a tile"""
+    BN, stages, persistent, boxes = TMA_GEMMS[name]
+    map_a, map_b, map_c = maps or tma_maps(name, c, a, b, M, N, K)
+    shared = stages * (128 + BN) * 128 + 1024 + 16 * stages + (32768 if boxes else 0)
+    if persistent:
+        launch(module, name, (min(blocks or nc.gpu.sms, M // 128 * (N // BN)), 1, 1), 384, shared, nc.ptr_arg(c), map_a,
+               map_b, map_c, nc.int_arg(M), nc.int_arg(N), nc.int_arg(K))
+    else:
+        launch(module, name, (N // BN, M // 128, 1), 384, shared, nc.ptr_arg(c), map_a, map_b, nc.int_arg(N),
+               nc.int_arg(K))
+
+
+# the products checked and timed: (name, how it is launched, its row in the table); checked with a persistent one's
+# blocks walking several tiles each (5 blocks)
+GEMMS = [("wgmma_gemm_bn128", lambda module, *args, **_: gemm(module, 128, *args), "cp.async 128x128"),
+         ("wgmma_gemm_bn256", lambda module, *args, **_: gemm(module, 256, *args), "cp.async 128x256"),
+         *((name, lambda module, *args, name=name, **options: tma_gemm(module, name, *args, **options),
+            name.replace("wgmma_", "")) for name in TMA_GEMMS)]
 
 
 def timed(run, reps=20):
@@ -147,10 +173,10 @@ def check_and_time_products(module):
     A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64).T
     ref, ok = A @ B, True
     da, db = nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
-    for name, BN, product in GEMMS:
+    for name, product, _ in GEMMS:
         c = nc.DeviceArray((M, N), np.uint16)
         c.fill_bits(0xFFFF)                                    # NaN: what the kernel does not write shows
-        product(module, BN, c, da, db, M, N, K)
+        product(module, c, da, db, M, N, K, blocks=5)
         nc.gpu.sync()
         err = np.abs(from_bf16(c.download()) - ref)
         ratio = np.nanmax(err / (fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref))) if np.isfinite(err).all() else np.inf
@@ -158,21 +184,24 @@ def check_and_time_products(module):
         print(f"{name:<40} {M} x {N} x {K}  max error {np.max(err):9.2e}  / bound {ratio:8.2f}  "
               f"{'OK' if ratio <= ROOM else 'NOT OK'}", flush=True)
     nc.gpu.precision, nc.gpu.cublas = "bf16", nc.Cublas(nc.gpu.stream)
-    print(f"{'product':<10} {'M x N x K':>18} {'cuBLAS':>16} {'wgmma 128x128':>18} {'wgmma 128x256':>18} "
-          f"{'TMA 128x128':>18} {'TMA 128x256':>18}")
+    # a row a kernel, a column a product: us a call (TFLOP/s), cuBLAS first, each x its time
+    us = {}
     for name, M, N, K in PRODUCTS:
         a = nc.to_gpu(bf16_bits(rng.normal(size=(M, K))), np.uint16)
         b = nc.to_gpu(bf16_bits(rng.normal(size=(N, K))), np.uint16)
         c = nc.DeviceArray((M, N), np.uint16)
-        flop = 2 * M * N * K
-        us = [timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_b=True))]
-        us += [timed(lambda BN=BN: gemm(module, BN, c, a, b, M, N, K)) for BN in (128, 256)]
-        for BN in (128, 256):
-            maps = tensor_map(a, M, K, 128), tensor_map(b, N, K, BN)
-            us.append(timed(lambda BN=BN, maps=maps: tma_gemm(module, BN, c, a, b, M, N, K, maps)))
-        print(f"{name:<10} {f'{M} x {N} x {K}':>18} " + " ".join(f"{u:8.1f} us {flop / u / 1e6:4.0f}" for u in us),
-              flush=True)
-    print("(us a call, median of 20; TFLOP/s)")
+        us["cuBLAS", name] = timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_b=True))
+        for kernel, product, _ in GEMMS:
+            maps = tma_maps(kernel, c, a, b, M, N, K) if kernel in TMA_GEMMS else None
+            run = (lambda kernel=kernel, maps=maps: tma_gemm(module, kernel, c, a, b, M, N, K, maps)) if maps else \
+                (lambda product=product: product(module, c, a, b, M, N, K))
+            us[kernel, name] = timed(run)
+    print(f"{'us a call (TFLOP/s)':<30}" + "".join(f"{f'{n} {M}x{N}x{K}':>26}" for n, M, N, K in PRODUCTS))
+    for kernel, column in [("cuBLAS", "cuBLAS"), *((kernel, column) for kernel, _, column in GEMMS)]:
+        cells = [f"{us[kernel, n]:7.1f} ({2 * M * N * K / us[kernel, n] / 1e6:3.0f}) "
+                 f"{us['cuBLAS', n] / us[kernel, n]:4.2f}x" for n, M, N, K in PRODUCTS]
+        print(f"{column:<30}" + "".join(f"{cell:>26}" for cell in cells), flush=True)
+    print("(median of 20; x: cuBLAS's time over this one's, same run)")
     return ok
 
 
