@@ -24,7 +24,8 @@ shared memory through matrix descriptors, every layout and swizzle, done at
 wgmma.wait_group; dev/variants/wgmma_probe.cu, test_wgmma.py) and what feeds it
 (TMA_HELPERS: mbarriers with phases, arrival counts and tx-counts; TMA copies
 through a tensor map that the stand-in driver's cuTensorMapEncodeTiled makes,
-swizzled as they land, done when every thread of the block waits; named
+swizzled as they land, done when every thread of the block waits; TMA stores
+in bulk groups, done at the wait_group.read that lets them be; named
 barriers; setmaxnreg, a no-op); a block whose threads all wait for what none of
 them will do is a deadlock, named with what each waits at. install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
