@@ -2264,10 +2264,11 @@ def load_instructions(path):
 #
 # Model files are safetensors (SPEC.md): 8 bytes of header length, a JSON
 # header, then the float32 tensors in SPEC order. The training state (AdamW
-# moments, step, random state) goes in a second safetensors file beside it.
-# Both are written to a .tmp file and renamed (atomic_write), the state first
-# and the model last, so a model file that exists always has its complete
-# state beside it. Both are read by read_safetensors.
+# moments, step, random state) goes in a second safetensors file beside it
+# (RunFolder.write_pair, read_pair). Both are written to a .tmp file and
+# renamed (atomic_write), the state first and the model last, so a model file
+# that exists always has its complete state beside it. Both are read by
+# read_safetensors.
 
 def write_safetensors(path, tensors, metadata):
     """tensors: list of (name, float32 array), written in that order; metadata: str -> str"""
@@ -2326,37 +2327,6 @@ def fit_flags(args, cfg, tok):
     if getattr(args, "prompt", None) and len(prompt := tok.encode(args.prompt)) > cfg.T - 1:   # (chat has none)
         print(f"note: the prompt is {len(prompt)} tokens, longer than the context of {cfg.T}; "
               f"keeping its last {cfg.T - 1}", file=sys.stderr)
-
-
-def checkpoint_path(out_dir, step, kind="model"):
-    """out_dir/model_000120.safetensors (kind "state": its training state)"""
-    return os.path.join(out_dir, f"{kind}_{step:06d}.safetensors")
-
-
-def save_checkpoint(out_dir, step, cfg, flat, m, v, tok, state):
-    """state_<step>.safetensors then model_<step>.safetensors"""
-    meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
-    write_safetensors(checkpoint_path(out_dir, step, "state"), [("m", m), ("v", v)], meta)
-    save_model(checkpoint_path(out_dir, step), cfg, flat, tok)
-
-
-def load_checkpoint(out_dir, step):
-    """-> cfg, flat, tok, m, v, state dict"""
-    cfg, flat, tok = load_model(checkpoint_path(out_dir, step))
-    path = checkpoint_path(out_dir, step, "state")
-
-    def check(path, shapes, meta):                     # the state file's header -> its state dict
-        with refused_if_malformed(path, "is no training state --resume can continue", "use an earlier checkpoint"):
-            require(meta.get("format") == "nanoeuler-state" and shapes == {"m": flat.shape, "v": flat.shape},
-                    f"it is not the state of {checkpoint_path(out_dir, step)}")
-            return check_state(json.loads(meta["state"]), step)
-    tensors, state = read_safetensors(path, check)
-    m, v = tensors["m"], tensors["v"]
-    # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
-    if not (np.isfinite(m).all() and np.isfinite(v).all() and (v >= 0).all()):
-        raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative; use an earlier "
-                             "checkpoint")
-    return cfg, flat, tok, m.copy(), v.copy(), state
 
 
 def atomic_write(path, write):
@@ -2442,10 +2412,35 @@ class RunFolder:
         self.plan_at, self.began, self.eval_time = None, None, None    # --minutes's plan; plan_at None: none to make
 
     def path(self, step, kind="model"):
-        return checkpoint_path(self.out, step, kind)
+        """out/model_000120.safetensors (kind "state": its training state)"""
+        return os.path.join(self.out, f"{kind}_{step:06d}.safetensors")
+
+    def write_pair(self, step, flat, m, v, state):
+        """state_<step>.safetensors then model_<step>.safetensors"""
+        meta = {"format": "nanoeuler-state", "version": "1", "state": json.dumps(state)}
+        write_safetensors(self.path(step, "state"), [("m", m), ("v", v)], meta)
+        save_model(self.path(step), self.cfg, flat, self.tok)
+
+    def read_pair(self, step):
+        """-> cfg, flat, tok, m, v, state dict"""
+        cfg, flat, tok = load_model(self.path(step))
+        path = self.path(step, "state")
+
+        def check(path, shapes, meta):                 # the state file's header -> its state dict
+            with refused_if_malformed(path, "is no training state --resume can continue", "use an earlier checkpoint"):
+                require(meta.get("format") == "nanoeuler-state" and shapes == {"m": flat.shape, "v": flat.shape},
+                        f"it is not the state of {self.path(step)}")
+                return check_state(json.loads(meta["state"]), step)
+        tensors, state = read_safetensors(path, check)
+        m, v = tensors["m"], tensors["v"]
+        # a NaN moment would make NaN weights at the first step, saved over a good best.safetensors
+        if not (np.isfinite(m).all() and np.isfinite(v).all() and (v >= 0).all()):
+            raise NanoEulerError(f"{path} holds AdamW moments that are NaN, infinite or negative; use an earlier "
+                                 "checkpoint")
+        return cfg, flat, tok, m.copy(), v.copy(), state
 
     def steps(self, complete=True):
-        """the steps of the model_<step>.safetensors files that checkpoint_path names (not model_8), newest first;
+        """the steps of the model_<step>.safetensors files that path names (not model_8), newest first;
         complete: only those whose state file exists too (the model is written last, so the pair is complete)"""
         names = os.listdir(self.out) if os.path.isdir(self.out) else []
         steps = sorted((int(m.group(1)) for f in names
@@ -2588,7 +2583,7 @@ class RunFolder:
             skipped = []                               # (step, why) of the newer pairs that do not read
             for step in self.steps():
                 try:
-                    loaded = load_checkpoint(self.out, step)
+                    loaded = self.read_pair(step)
                 except NanoEulerError as e:
                     # the refusal's advice (an earlier checkpoint) is what --resume does here: keep what is wrong
                     skipped.append((step, str(e).split("; ")[0]))
@@ -2668,7 +2663,7 @@ class RunFolder:
 
     # -- the loop's checkpoints, written while training goes on, and --minutes's plan of the run's length:
     # save takes the engine's copies of the weights and moments (host_weights: on the GPU into page-locked
-    # memory, in well under a second) and of the state; a thread writes the pair (save_checkpoint: state
+    # memory, in well under a second) and of the state; a thread writes the pair (write_pair: state
     # first, model last, each through a temp name) and prunes the older ones, so a kill at any moment leaves
     # the pair before; best.safetensors goes the same way (save_best). One write at most is in flight: the
     # next waits for it (a pair says so once); finish waits and says a pair is saved, stop_if_not_finite
@@ -2760,8 +2755,7 @@ class RunFolder:
         self.stop_if_not_finite({"weights": flat}, step)
         state = json.loads(json.dumps(state))            # the loop goes on changing its own
         self.paused = self.clock() - t0                  # how long the save held training
-        self.start(lambda: (save_checkpoint(self.out, step, self.cfg, flat, m, v, self.tok, state),
-                            self.prune()), step, background)
+        self.start(lambda: (self.write_pair(step, flat, m, v, state), self.prune()), step, background)
         return self.path(step)
 
     def save_best(self, flat):

@@ -52,15 +52,15 @@ class Gate:
 
     def __init__(self, monkeypatch, at="model"):
         self.held, self.open = threading.Event(), threading.Event()
-        name = "save_model" if at == "model" else "save_checkpoint"
-        write = getattr(ne, name)
+        owner, name = (ne, "save_model") if at == "model" else (ne.RunFolder, "write_pair")
+        write = getattr(owner, name)
 
         def gated(path, *args):
             if threading.current_thread() is not threading.main_thread():
                 self.held.set()
                 assert self.open.wait(120), "the test never opened the gate"
             return write(path, *args)
-        monkeypatch.setattr(ne, name, gated)
+        monkeypatch.setattr(owner, name, gated)
 
 
 @pytest.fixture(params=["model"])
@@ -138,7 +138,7 @@ def test_the_pair_holds_the_weights_moments_and_state_of_its_step_while_training
     assert not np.array_equal(engine.flat, before[0]) and not np.array_equal(engine.v, before[2])
     gate.open.set()
     saves.finish()
-    cfg, flat, _, m, v, saved = ne.load_checkpoint(str(tmp_path), 1)
+    cfg, flat, _, m, v, saved = ne.RunFolder(str(tmp_path)).read_pair(1)
     assert cfg == CFG and all(np.array_equal(a, b) for a, b in zip((flat, m, v), before))
     assert saved["step"] == 1 and "best_val" not in saved and saved["rng"] == np.random.default_rng(5).bit_generator.state
     engine.close()
@@ -429,7 +429,7 @@ def test_training_goes_on_while_a_pair_is_written_and_a_signal_keeps_both_pairs(
         r"saved  \S+model_(\d+)", stdout.read_text())] == [3, 6]
     assert not [f for f in os.listdir(run) if f.endswith(".tmp")]
     for step in (3, 6):
-        assert ne.load_checkpoint(str(run), step)[5]["step"] == step
+        assert ne.RunFolder(str(run)).read_pair(step)[5]["step"] == step
 
 
 def test_kill_9_during_a_background_write_leaves_the_pair_before_and_resume_is_bit_identical(tmp_path, corpus):

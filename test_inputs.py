@@ -315,9 +315,9 @@ def test_a_state_whose_moments_are_not_finite_or_negative_is_refused(tmp_path, w
     moments = {"m": np.zeros_like(flat), "v": np.zeros_like(flat)}
     moments[where][3] = value
     state = {"step": 2, "rng": np.random.default_rng(0).bit_generator.state}
-    ne.save_checkpoint(str(tmp_path), 2, CFG, flat, moments["m"], moments["v"], ne.Tokenizer(), state)
+    ne.RunFolder(str(tmp_path), CFG, ne.Tokenizer()).write_pair(2, flat, moments["m"], moments["v"], state)
     with pytest.raises(ne.NanoEulerError) as e:
-        ne.load_checkpoint(str(tmp_path), 2)
+        ne.RunFolder(str(tmp_path)).read_pair(2)
     assert str(e.value) == (f"{tmp_path / 'state_000002.safetensors'} holds AdamW moments that are NaN, infinite "
                             "or negative; use an earlier checkpoint")
 
@@ -601,7 +601,7 @@ def test_an_instruction_file_without_examples_says_what_to_give(tmp_path, text):
 def test_a_training_state_given_as_a_model_names_the_model_file(tmp_path):
     cfg = ne.Config(V=260, C=8, Hq=2, Hkv=1, L=1, T=8, F=16, K=2)
     flat = ne.init_params(cfg)
-    ne.save_checkpoint(str(tmp_path), 3, cfg, flat, flat * 0, flat * 0, ne.Tokenizer(), {"step": 3})
+    ne.RunFolder(str(tmp_path), cfg, ne.Tokenizer()).write_pair(3, flat, flat * 0, flat * 0, {"step": 3})
     with pytest.raises(ne.NanoEulerError) as e:
         ne.load_model(str(tmp_path / "state_000003.safetensors"))
     assert str(e.value).endswith("(format 'nanoeuler-state', version '1'); it is a training state: give the "

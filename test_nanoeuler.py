@@ -598,7 +598,7 @@ def fake_clock(monkeypatch, now, costs):
 def plan_costs():
     """the --minutes tests' clock costs: reading the corpus 1 s, a step 1/16 s, an evaluation 2 s,
     a checkpoint's copy 0.25 s and its write 0.5 s (fake_clock's form)"""
-    return {ne: {"prepare_data": 1.0, "save_checkpoint": 0.5},
+    return {ne: {"prepare_data": 1.0}, ne.RunFolder: {"write_pair": 0.5},
             ne.CPUEngine: {"step": 1 / 16, "evaluate": 2.0, "host_weights": 0.25}}
 
 
@@ -621,7 +621,7 @@ def test_minutes_plans_the_run_once_and_resume_keeps_the_plan(tmp_path, capsys, 
     assert planned > 30 and re.search(rf"step +21/{planned} \|", out)
     # before the plan the total is unknown: "?" and no time left, the plan's evaluation too
     assert re.search(r"^step 20/\? \|.* tok/s$", out, re.M) and "val  20/? |" in out and "/1000" not in out
-    cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 30)
+    cfg, flat, tok, m, v, state = ne.RunFolder(str(tmp_path / "run")).read_pair(30)
     assert state["planned_steps"] == planned
     # resumed with other --minutes: the plan stands, and the run ends on it
     ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume", "--eval-every", "1000"))
@@ -642,7 +642,7 @@ def test_minutes_keeps_a_plan_made_at_the_sessions_last_step(tmp_path, capsys, m
                        "--eval-every", "1000", "--save-every", "1000"))
     out = capsys.readouterr().out
     assert "plan | 88 steps in 0.2 minutes" in out and "done: 20 steps" in out
-    cfg, flat, tok, m, v, state = ne.load_checkpoint(str(tmp_path / "run"), 20)
+    cfg, flat, tok, m, v, state = ne.RunFolder(str(tmp_path / "run")).read_pair(20)
     assert state["planned_steps"] == 88
     ne.main(train_args(tmp_path / "run", data, "--minutes", "5", "--resume", "--warmup", "25", "--eval-every", "1000"))
     out = capsys.readouterr().out
@@ -684,7 +684,7 @@ def test_minutes_is_the_whole_run_within_five_percent(tmp_path, capsys, monkeypa
     # last line, the corpus, evaluations, checkpoints and the summary included. A write in
     # the background (step 40's) takes none of the loop's time: its copy does
     now = [0.0]
-    fake_clock(monkeypatch, now, {ne: {"prepare_data": 3.0, "save_checkpoint": 1.5},
+    fake_clock(monkeypatch, now, {ne: {"prepare_data": 3.0}, ne.RunFolder: {"write_pair": 1.5},
                                   ne.CPUEngine: {"step": 0.25, "evaluate": 4.0, "host_weights": 0.5}})
     data = small_corpus(tmp_path)
     ne.main(train_args(tmp_path / "run", data, "--minutes", "0.5", "--warmup", "25", "--eval-every", "20",
@@ -1368,8 +1368,8 @@ def test_data_parallel_matches_one_gpu(tmp_path, precision, tol):
         resumed, out2 = train_losses(tmp_path, "resumed", "--precision", precision, "--gpus", "2", "--zero",
                                      "--resume")
         assert np.array_equal(resumed, zero)
-        _, _, _, m, v, _ = ne.load_checkpoint(str(out), 20)     # ZeRO gathered the moments whole
-        _, _, _, m2, v2, _ = ne.load_checkpoint(str(out2), 20)
+        _, _, _, m, v, _ = ne.RunFolder(str(out)).read_pair(20)     # ZeRO gathered the moments whole
+        _, _, _, m2, v2, _ = ne.RunFolder(str(out2)).read_pair(20)
         for a, b in ((m, m2), (v, v2)):
             assert np.linalg.norm(a) > 0 and np.array_equal(a, b)
 

@@ -403,7 +403,7 @@ def test_pretraining_resumed_with_another_config_is_refused_before_tokenizing(fi
     cfg, flat, tok = ne.load_model(str(out / "model_000008.safetensors"))
     state = {"step": 8, "rng": np.random.default_rng(0).bit_generator.state, "args": {"command": "sft"}}
     os.makedirs(tmp_path / "sft")                              # an sft run's checkpoint, then another tokenizer
-    ne.save_checkpoint(str(tmp_path / "sft"), 8, cfg, flat, np.zeros_like(flat), np.zeros_like(flat), tok, state)
+    ne.RunFolder(str(tmp_path / "sft"), cfg, tok).write_pair(8, flat, np.zeros_like(flat), np.zeros_like(flat), state)
     other_tok = ne.Tokenizer()                                 # the same config, another tokenizer's merges
     other_tok.merges = [(1, 2)]
     with pytest.raises(ne.NanoEulerError, match=r"tokenizer; pass the same --model, or another --out$"):
@@ -713,7 +713,7 @@ def test_resume_sets_a_model_without_its_state_aside_and_prunes_only_pairs(finis
 
 
 def test_resume_passes_over_files_named_like_checkpoints_that_it_never_writes(finished_run, corpus, tmp_path):
-    # step 8's pair renamed by hand (model_8, 7 digits, full-width digits): no name checkpoint_path makes, so
+    # step 8's pair renamed by hand (model_8, 7 digits, full-width digits): no name RunFolder.path makes, so
     # --resume neither takes them for step 8's files (it stopped on "model_000008.safetensors: no such file")
     # nor touches them
     out = copy_of(finished_run, tmp_path)
@@ -1004,7 +1004,7 @@ def test_a_stop_at_the_minutes_plan_saves_and_makes_no_plan(corpus, tmp_path, ca
     # a signal in the step comes before the evaluation: there is none (the save comes first)
     assert bool(re.search(r"val +20/", said.out)) == (during != "step")
     assert calls.count(during) == (20 if during == "step" else 1)
-    cfg, flat, tok, m, v, state = ne.load_checkpoint(str(out), 20)
+    cfg, flat, tok, m, v, state = ne.RunFolder(str(out)).read_pair(20)
     assert state["step"] == 20 and "planned_steps" not in state
     assert ne.RunFolder(str(out)).latest() == 20
 

@@ -586,13 +586,13 @@ def test_checkpoint_pairing(tmp_path):
     saved = {}
     for step in (5, 10):
         flat, m, v = (np.full(ne.num_params(cfg), step + i, np.float32) for i in (0.25, 0.5, 0.75))
-        rng = np.random.default_rng(step).bit_generator.state      # load_checkpoint checks it is one
-        ne.save_checkpoint(out, step, cfg, flat, m, v, tok, {"step": step, "rng": rng})
+        rng = np.random.default_rng(step).bit_generator.state      # read_pair checks it is one
+        ne.RunFolder(out, cfg, tok).write_pair(step, flat, m, v, {"step": step, "rng": rng})
         saved[step] = (flat, m, v)
     assert ne.RunFolder(out).latest() == 10
     os.remove(os.path.join(out, "state_000010.safetensors"))  # as if stopped between the two writes
     assert ne.RunFolder(out).latest() == 5
-    cfg2, flat, tok2, m, v, state = ne.load_checkpoint(out, 5)
+    cfg2, flat, tok2, m, v, state = ne.RunFolder(out).read_pair(5)
     assert cfg2 == cfg and state == {"step": 5, "rng": np.random.default_rng(5).bit_generator.state}
     for got, want in zip((flat, m, v), saved[5]):
         assert got.tobytes() == want.tobytes()
