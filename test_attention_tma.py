@@ -192,7 +192,7 @@ def test_the_variant_compiles_for_sm_90a_with_nvrtc():
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     cubin = nc.nvrtc_compile("attention_forward_tma.cu", open(KERNEL).read(), "90a")
-    for entry, _, _, _ in script.VERSIONS.values():
+    for entry, _, _, _ in [*script.VERSIONS.values(), *script.PROBES.values()]:
         assert entry.encode() in cubin, entry               # extern "C": the name is in the CUBIN
 
 
@@ -202,6 +202,6 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
     # frame either (a local array: a loop NVRTC left rolled)
     pytest.importorskip("cuda.bindings")
     err, log = ptxas_log()
-    entries = len({entry for entry, _, _, _ in script.VERSIONS.values()})
+    entries = len({entry for entry, _, _, _ in [*script.VERSIONS.values(), *script.PROBES.values()]})
     assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == entries, log
     assert log.count("0 bytes stack frame") == entries, log

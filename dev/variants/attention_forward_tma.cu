@@ -48,9 +48,11 @@ The entry points (at the bottom):
 - attention_forward_tma_pipelined_qr_64: the same with q read into registers at a tile's start (s = q k.T by
   RS-wgmma): per 64 keys a warpgroup's wgmma then read 16 KB of shared memory instead of 24, with 3 warpgroups
   and the copies' writes near the 128 bytes a cycle it gives.
-- attention_forward_tma_pipelined_turns_128 and _qr_turns_64: the consumers take turns to issue their wgmma
-  (FlashAttention-3's warp scheduler barrier, named barriers 1 .. W), so that one's softmax runs while the others'
-  wgmma do.
+- attention_forward_tma_pipelined_turns_128, _turns_64 and _qr_turns_64: the consumers take turns to issue their
+  wgmma (FlashAttention-3's warp scheduler barrier, named barriers 1 .. W), so that one's softmax runs while the
+  others' wgmma do. On an H100 (dev/LOG.md), _turns_128 persistent took 96.1 us at B 64 T 512 against the
+  product's 143.7 (0.67x), 27.7 against 41.7 at B 16.
+- attention_forward_tma_probe_*: timing probes of what bounds it (wrong results): no softmax; copies alone.
 ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98 and
 139 (simple _64, _128), 147 (overlapped), 103, 154 and 123 (pipelined _64, _128, _qr_64; the same taking turns)
 of their 160 (nvdisasm); no spills, no stack frame, no wgmma serialized (test_attention_tma).
@@ -601,7 +603,7 @@ __device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned s
 // p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
 // next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A warpgroup
 // keeps one score accumulator (BN / 2 registers), p (BN / 4) and o (32): 128 for BN 128
-template <int BN, int STAGES, bool QR, bool SCHED, bool NEXT>
+template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool NEXT>
 __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g, Cursor& c, int n, int& tiles,
                                                float* s, unsigned (*p)[4], unsigned (*qf)[4], Rows& r,
                                                unsigned short* y16, float* lse, float scale, float scale2) {
@@ -632,8 +634,9 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
         bool next_last = nx.j == k.work.last(nx);
         if (next_last && t == 0) mbarrier_arrive(&k.q_empty[next_q]);
         if (last) r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
-        softmax_step<BN>(s, r.m, r.l, correction, nx.j * BN, k.work.tile(nx) * ROWS + 16 * (t / 32) + t % 32 / 4,
-                         next_last, scale2);
+        if constexpr (PROBE == 1) correction[0] = correction[1] = 1.0f;
+        else softmax_step<BN>(s, r.m, r.l, correction, nx.j * BN, k.work.tile(nx) * ROWS + 16 * (t / 32) + t % 32 / 4,
+                              next_last, scale2);
     }
     wgmma_wait<0>();                                                // this p v: o, p and the stage are free
     fence_registers<HD / 2>(r.o);
@@ -658,7 +661,7 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
 // wgmma, FlashAttention-3's warp scheduler barrier: consumer g waits at named barrier 1 + g (256 threads: its own
 // and the consumer before it, which arrives once it has issued), so each one's softmax runs while the others'
 // wgmma do; consumer 0 is given the first turn
-template <int BN, int STAGES, bool QR, bool SCHED>
+template <int BN, int STAGES, bool QR, bool SCHED, int PROBE>
 __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse,
                                   float scale) {
     const float scale2 = scale * LOG2E;
@@ -682,20 +685,48 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     wgmma_wait<0>();
     fence_registers<BN / 2>(s);
     if (last && t == 0) mbarrier_arrive(&k.q_empty[0]);
-    softmax_step<BN>(s, r.m, r.l, correction, 0, k.work.tile(c) * ROWS + 16 * (t / 32) + t % 32 / 4, last, scale2);
+    if constexpr (PROBE != 1)
+        softmax_step<BN>(s, r.m, r.l, correction, 0, k.work.tile(c) * ROWS + 16 * (t / 32) + t % 32 / 4, last, scale2);
     pack_p<BN>(p, s);
     int n = 0;
     for (; n + 1 < steps; n++)
-        pipelined_step<BN, STAGES, QR, SCHED, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
-    pipelined_step<BN, STAGES, QR, SCHED, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+        pipelined_step<BN, STAGES, QR, SCHED, PROBE, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+    pipelined_step<BN, STAGES, QR, SCHED, PROBE, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+}
+
+// a probe of the floor the copies and stores set: a consumer that waits for each step's tiles and frees them, and
+// stores a tile's y and lse (of nothing computed), without a wgmma or a softmax
+template <int BN, int STAGES>
+__device__ void consume_copies(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse, float scale) {
+    int t = threadIdx.x % 128, n = 0, tiles = 0;
+    Rows r;
+    r.reset();
+    r.m[0] = r.m[1] = 0.0f, r.l[0] = r.l[1] = 1.0f;
+    for (Cursor c = {(int)blockIdx.x, 0, 0}; k.work.valid(c); k.work.advance(c), n++) {
+        int qi = k.work.tile(c), row0 = qi * ROWS + 16 * (t / 32) + t % 32 / 4, i = tiles % 2;
+        bool last = c.j == k.work.last(c);
+        if (c.j == 0) mbarrier_wait(&k.q_full[i], tiles / 2 % 2);
+        mbarrier_wait(&k.full_k[n % STAGES], n / STAGES % 2);
+        mbarrier_wait(&k.full_v[n % STAGES], n / STAGES % 2);
+        named_barrier_sync(1 + g, 128);                             // every thread of the warpgroup is past both
+        if (t == 0) mbarrier_arrive(&k.empty[n % STAGES]);
+        if (last && t == 0) mbarrier_arrive(&k.q_empty[i]);
+        if (last) {
+            float inv[2];
+            store_lse(lse, r.m, r.l, inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq, scale);
+            store_y(y16, r.o, inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq);
+            tiles++;
+        }
+    }
 }
 
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
 // CONSUMER: 0 simple, 1 overlapped, 2 pipelined; QR (pipelined): q in registers; SCHED (pipelined): the consumers
-// take turns to issue
-template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false>
+// take turns to issue; PROBE (timing only, wrong results): 1 the pipelined consumer without its softmax, 2 the
+// copies and stores alone
+template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false, int PROBE = 0>
 __device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q,
                                       const TensorMap* map_kv, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -715,7 +746,8 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
     }
     setmaxnreg_inc<CONSUMER_REGS>();
     if constexpr (CONSUMER == 1) consume_overlapped(k, wg - 1, y16, lse, scale);
-    else if constexpr (CONSUMER == 2) consume_pipelined<BN, STAGES, QR, SCHED>(k, wg - 1, y16, lse, scale);
+    else if constexpr (PROBE == 2) consume_copies(k, wg - 1, y16, lse, scale);
+    else if constexpr (CONSUMER == 2) consume_pipelined<BN, STAGES, QR, SCHED, PROBE>(k, wg - 1, y16, lse, scale);
     else consume(k, wg - 1, y16, lse, scale);
 }
 
@@ -779,4 +811,25 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipel
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_tma<64, 6, 2, true, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the same at 64 keys with q in shared memory
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_turns_64(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<64, 6, 2, false, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// probes of what bounds the fastest version (timing only: their y and lse are wrong): without the softmax (p = the
+// scores as they are), and the copies and stores alone
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_probe_no_softmax_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2, false, true, 1>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_probe_copies_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2, false, false, 2>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

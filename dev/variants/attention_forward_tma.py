@@ -12,7 +12,7 @@ GQA) on the same random qkv, and once more at T 320 (a T with an odd number of q
 does not divide): y and lse of one batch row against numpy in float64 (relative norm of the error), every element
 of y and lse written and finite; OK within the bounds of attention_forward_wgmma.py (the product's own errors are
 about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a call, the median of REPS runs of 20 launches,
-CUDA events around each run, after a warm-up, and each over the product's. Last, "all OK" or how many were not
+CUDA events around each run, after a warm-up, and each over the product's; PROBES (timed, not checked) too. Last, "all OK" or how many were not
 (exit code 1). A version still running 5 s after its launch hangs: named, NOT OK, and the process ends (exit 3). test_attention_tma.py runs this host code on the CPU emulator's stand-in driver at a small shape.
 The helpers shared with attention_forward_wgmma.py (random qkv, the float64 reference, launches, timing) are its.
 """
@@ -59,7 +59,12 @@ VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 128 pipelined turns": ("attention_forward_tma_pipelined_turns_128", 128, 4, False),
             "tma 128 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_128", 128, 4, True),
             "tma 64 pipelined q turns": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, False),
-            "tma 64 pipelined q turns persistent": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, True)}
+            "tma 64 pipelined q turns persistent": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, True),
+            "tma 64 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_64", 64, 6, True)}
+# probes of what bounds the fastest version, timed but not checked (their y and lse are wrong): its consumers
+# without the softmax, and the copies and stores alone
+PROBES = {"probe: no softmax (128 turns persistent)": ("attention_forward_tma_probe_no_softmax_128", 128, 4, True),
+          "probe: copies and stores only (128)": ("attention_forward_tma_probe_copies_128", 128, 4, True)}
 
 
 def warpgroups(Hq, Hkv):
@@ -93,7 +98,7 @@ def tensor_map(cu, address, rows, cols, box_rows):
 
 def arguments(cu, name, y, lse, qkv, B, T, Hq, Hkv):
     """-> (entry, grid, threads, shared bytes, the arguments as ctypes values) of a version; y, lse, qkv: addresses"""
-    entry, BN, stages, persistent = VERSIONS[name]
+    entry, BN, stages, persistent = {**VERSIONS, **PROBES}[name]
     W, n = warpgroups(Hq, Hkv), units(B, T, Hq, Hkv)
     rows, cols = B * T, (Hq + 2 * Hkv) * D
     args = [ctypes.c_void_p(y), ctypes.c_void_p(lse), tensor_map(cu, qkv, rows, cols, 64),
@@ -153,8 +158,8 @@ def check_versions(modules):
 
 def time_versions(modules):
     _, T, Hq, Hkv = CHECKS[0]
-    names = [PRODUCT, *VERSIONS]
-    print(f"{'us a call':<36} " + " ".join(f"{'B %d' % B:>16}" for B in BATCHES))
+    names = [PRODUCT, *VERSIONS, *PROBES]
+    print(f"{'us a call':<41} " + " ".join(f"{'B %d' % B:>16}" for B in BATCHES))
     table = {name: [] for name in names}
     for B in BATCHES:
         qkv = nc.to_gpu(random_qkv(B, T, Hq, Hkv, seed=B), np.uint16)
@@ -168,7 +173,7 @@ def time_versions(modules):
             table[name].append(base.timed(run, REPS) / LAUNCHES)
     for name in names:
         ratios = [t / p for t, p in zip(table[name], table[PRODUCT])]
-        print(f"{name:<36} " + " ".join(f"{t:8.1f} ({r:4.2f}x)" for t, r in zip(table[name], ratios)), flush=True)
+        print(f"{name:<41} " + " ".join(f"{t:8.1f} ({r:4.2f}x)" for t, r in zip(table[name], ratios)), flush=True)
     print(f"(median of {REPS} runs of {LAUNCHES} launches; x: of the product's time)")
 
 
