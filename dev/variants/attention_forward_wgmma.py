@@ -6,14 +6,14 @@ launches it). Not part of NanoEuler.
 
     python dev/variants/attention_forward_wgmma.py
 
-First the product and each version of the variant (simple or overlapped, a block a unit of work or one
-block an SM walking units: VERSIONS) at the big model's shape (B 64, T 512, Hq 12, Hkv 4, D 64; causal,
-GQA) on the same random qkv: y and lse of one batch row against numpy in float64 (relative norm of the
-error), every element of y and lse written and finite; OK within Y_BOUND and LSE_BOUND (the product's own
-errors are about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a call, the median of REPS runs
-of 20 launches, CUDA events around each run, after a warm-up, and each over the product's. Last, "all OK"
-or how many were not (exit code 1). test_attention_wgmma.py runs this host code on the CPU emulator's
-stand-in driver at a small shape, and the versions against float64 there.
+First the product and each version of the variant (simple, overlapped or pipelined, 64 or 128 keys a step,
+a block a unit of work or one block an SM walking units: VERSIONS) at the big model's shape (B 64, T 512,
+Hq 12, Hkv 4, D 64; causal, GQA) on the same random qkv: y and lse of one batch row against numpy in
+float64 (relative norm of the error), every element of y and lse written and finite; OK within Y_BOUND and
+LSE_BOUND (the product's own errors are about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a
+call, the median of REPS runs of 20 launches, CUDA events around each run, after a warm-up, and each over
+the product's. Last, "all OK" or how many were not (exit code 1). test_attention_wgmma.py runs this host
+code on the CPU emulator's stand-in driver at a small shape, and the versions against float64 there.
 """
 
 import ctypes
@@ -34,17 +34,19 @@ BATCHES = (64, 16)                # timed at these B, T and heads as CHECK
 LAUNCHES, REPS = 20, 11           # us a call: the median of REPS runs of LAUNCHES launches
 Y_BOUND, LSE_BOUND = 4e-3, 1e-4   # OK: relative norm of the error against float64 within these
 PRODUCT = "attention_forward_bf16_kernel_64"
-# the variant's versions: entry point, K/V stages (dynamic shared memory 3 W 8 KB + STAGES 16 KB + 1 KB), and
-# whether persistent (a block an SM, each walking units gridDim.x apart) or a block a unit
-# (q: q read by s = q k.T from registers, not shared memory)
-VERSIONS = {"wgmma": ("attention_forward_wgmma_64", 3, False),
-            "wgmma persistent": ("attention_forward_wgmma_64", 3, True),
-            "wgmma q": ("attention_forward_wgmma_qr_64", 3, False),
-            "wgmma q persistent": ("attention_forward_wgmma_qr_64", 3, True),
-            "wgmma overlap": ("attention_forward_wgmma_overlap_64", 4, False),
-            "wgmma overlap persistent": ("attention_forward_wgmma_overlap_64", 4, True),
-            "wgmma overlap q": ("attention_forward_wgmma_overlap_qr_64", 4, False),
-            "wgmma overlap q persistent": ("attention_forward_wgmma_overlap_qr_64", 4, True)}
+# the variant's versions: entry point, keys a step, K/V stages (dynamic shared memory 3 W 8 KB + STAGES 256 KEYS
+# bytes + 1 KB), and whether persistent (a block an SM, each walking units gridDim.x apart) or a block a unit
+# (q: q read by s = q k.T from registers, not shared memory; k128: 128 keys a step)
+ENTRIES = {"wgmma": ("attention_forward_wgmma_64", 64, 3),
+           "wgmma q": ("attention_forward_wgmma_qr_64", 64, 3),
+           "wgmma overlap": ("attention_forward_wgmma_overlap_64", 64, 4),
+           "wgmma overlap q": ("attention_forward_wgmma_overlap_qr_64", 64, 4),
+           "wgmma pipelined": ("attention_forward_wgmma_pipelined_64", 64, 4),
+           "wgmma k128": ("attention_forward_wgmma_k128_64", 128, 3),
+           "wgmma k128 q": ("attention_forward_wgmma_k128_qr_64", 128, 3),
+           "wgmma k128 pipelined": ("attention_forward_wgmma_k128_pipelined_64", 128, 4)}
+VERSIONS = {name + persistent: (*entry, bool(persistent))
+            for name, entry in ENTRIES.items() for persistent in ("", " persistent")}
 
 
 def bf16_bits(x):
@@ -114,11 +116,11 @@ def forward(modules, name, y, lse, qkv, B, T, Hq, Hkv):
         launch(modules["product"], name, (Hq, B, -(-T // rows)), 128, 0, nc.ptr_arg(y), nc.ptr_arg(lse),
                nc.ptr_arg(qkv), nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv), scale)
     else:
-        entry, stages, persistent = VERSIONS[name]
+        entry, keys, stages, persistent = VERSIONS[name]
         W, n = warpgroups(Hq, Hkv), units(B, T, Hq, Hkv)
         launch(modules["variant"], entry, (min(n, nc.gpu.sms) if persistent else n, 1, 1), 128 * W,
-               3 * W * 8192 + stages * 16384 + 1024, nc.ptr_arg(y), nc.ptr_arg(lse), nc.ptr_arg(qkv), nc.int_arg(B),
-               nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv), scale)
+               3 * W * 8192 + stages * 256 * keys + 1024, nc.ptr_arg(y), nc.ptr_arg(lse), nc.ptr_arg(qkv),
+               nc.int_arg(B), nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv), scale)
 
 
 def timed(run, reps=REPS):
