@@ -52,7 +52,10 @@ The entry points (at the bottom):
   wgmma (FlashAttention-3's warp scheduler barrier, named barriers 1 .. W), so that one's softmax runs while the
   others' wgmma do. On an H100 (dev/LOG.md), _turns_128 persistent took 96.1 us at B 64 T 512 against the
   product's 143.7 (0.67x), 27.7 against 41.7 at B 16.
-- attention_forward_tma_probe_*: timing probes of what bounds it (wrong results): no softmax; copies alone.
+- attention_forward_tma_pipelined_turns_half_128: the same, an even tile's diagonal step's p v on its first 64 keys
+  alone (the other 64 are after all its rows).
+- attention_forward_tma_probe_*: timing probes of what bounds it (wrong results): no softmax; copies alone; no
+  wgmma.
 ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98 and
 139 (simple _64, _128), 147 (overlapped), 103, 154 and 123 (pipelined _64, _128, _qr_64; the same taking turns)
 of their 160 (nvdisasm); no spills, no stack frame, no wgmma serialized (test_attention_tma).
@@ -390,6 +393,8 @@ struct Work {
     }
     __device__ int tile(const Cursor& c) const { return c.second ? c.u % pairs : nq - 1 - c.u % pairs; }
     __device__ int last(const Cursor& c) const { return (tile(c) * ROWS + ROWS - 1) / BN; }   // the diagonal step
+    // (BN 128) the diagonal step of an even tile, whose last 64 keys are all after its rows
+    __device__ bool half(const Cursor& c) const { return BN == 128 && c.j == last(c) && tile(c) % 2 == 0; }
     __device__ bool valid(const Cursor& c) const { return c.u < units; }
     __device__ void advance(Cursor& c) const {
         if (c.j < last(c)) {
@@ -597,13 +602,23 @@ __device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned s
             pending.qi * ROWS + 16 * (t / 32) + t % 32 / 4, k.T, k.Hq);
 }
 
+// (a timing probe without wgmma) keep p's registers computed, as a p v would read them
+template <int KK>
+__device__ __forceinline__ void sink(const unsigned (*p)[4]) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int kk = 0; kk < KK; kk++)
+        asm volatile("" ::"r"(p[kk][0]), "r"(p[kk][1]), "r"(p[kk][2]), "r"(p[kk][3]));
+#endif
+}
+
 // one step of the pipelined consumer (FlashAttention-3's order) on the step at c, the n-th of the block, whose p
 // (softmax done, o rescaled for it) is in p: with NEXT (not the block's last step), issue the next step's scores
 // into s (its q the next tile's at this tile's last step), then this step's p v; wait for the scores, leaving the
 // p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
 // next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A warpgroup
 // keeps one score accumulator (BN / 2 registers), p (BN / 4) and o (32): 128 for BN 128
-template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool NEXT>
+template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool HALF, bool NEXT>
 __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g, Cursor& c, int n, int& tiles,
                                                float* s, unsigned (*p)[4], unsigned (*qf)[4], Rows& r,
                                                unsigned short* y16, float* lse, float scale, float scale2) {
@@ -621,11 +636,13 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
         }
         mbarrier_wait(&k.full_k[(n + 1) % STAGES], (n + 1) / STAGES % 2);
         fence_registers<BN / 2>(s);
-        scores<BN, QR>(s, qf, k.q_tile(next_q, g), k.k_tile(n + 1));
+        if constexpr (PROBE != 3) scores<BN, QR>(s, qf, k.q_tile(next_q, g), k.k_tile(n + 1));
     }
     mbarrier_wait(&k.full_v[n % STAGES], n / STAGES % 2);
     fence_registers<HD / 2>(r.o);
-    issue_weighted_sum<BN>(r.o, p, k.v_tile(n));
+    if (HALF && k.work.half(c)) issue_weighted_sum<64>(r.o, p, k.v_tile(n));
+    else if constexpr (PROBE != 3) issue_weighted_sum<BN>(r.o, p, k.v_tile(n));
+    else sink<BN / 16>(p);
     fence_registers<HD / 2>(r.o);
     if constexpr (SCHED) named_barrier_arrive(1 + (g + 1) % k.W, 256);  // the next warpgroup's turn
     if constexpr (NEXT) {
@@ -661,7 +678,7 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
 // wgmma, FlashAttention-3's warp scheduler barrier: consumer g waits at named barrier 1 + g (256 threads: its own
 // and the consumer before it, which arrives once it has issued), so each one's softmax runs while the others'
 // wgmma do; consumer 0 is given the first turn
-template <int BN, int STAGES, bool QR, bool SCHED, int PROBE>
+template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool HALF>
 __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse,
                                   float scale) {
     const float scale2 = scale * LOG2E;
@@ -680,7 +697,10 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     mbarrier_wait(&k.full_k[0], 0);
     if constexpr (SCHED) named_barrier_sync(1 + g, 256);
     fence_registers<BN / 2>(s);
-    scores<BN, QR>(s, qf, k.q_tile(0, g), k.k_tile(0));
+    if constexpr (PROBE != 3) scores<BN, QR>(s, qf, k.q_tile(0, g), k.k_tile(0));
+#pragma unroll
+    for (int i = 0; i < BN / 2; i++)
+        if (PROBE == 3) s[i] = 0.0f;
     if constexpr (SCHED) named_barrier_arrive(1 + (g + 1) % k.W, 256);
     wgmma_wait<0>();
     fence_registers<BN / 2>(s);
@@ -690,8 +710,9 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     pack_p<BN>(p, s);
     int n = 0;
     for (; n + 1 < steps; n++)
-        pipelined_step<BN, STAGES, QR, SCHED, PROBE, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
-    pipelined_step<BN, STAGES, QR, SCHED, PROBE, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+        pipelined_step<BN, STAGES, QR, SCHED, PROBE, HALF, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale,
+                                                                 scale2);
+    pipelined_step<BN, STAGES, QR, SCHED, PROBE, HALF, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
 }
 
 // a probe of the floor the copies and stores set: a consumer that waits for each step's tiles and frees them, and
@@ -725,8 +746,11 @@ __device__ void consume_copies(const Block<BN, STAGES>& k, int g, unsigned short
 
 // CONSUMER: 0 simple, 1 overlapped, 2 pipelined; QR (pipelined): q in registers; SCHED (pipelined): the consumers
 // take turns to issue; PROBE (timing only, wrong results): 1 the pipelined consumer without its softmax, 2 the
-// copies and stores alone
-template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false, int PROBE = 0>
+// copies and stores alone, 3 without its wgmma; HALF (pipelined, BN 128): an even tile's diagonal step's p v on its
+// first 64 keys alone (4 k-steps of wgmma, not 8), the other 64 being all after its rows (their p 0). Its scores and
+// softmax stay 128 wide: a branch between two widths of either keeps more registers live than the 160 of a
+// consumer, and ptxas serializes the wgmma (C7511)
+template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false, int PROBE = 0, bool HALF = false>
 __device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q,
                                       const TensorMap* map_kv, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -747,7 +771,8 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
     setmaxnreg_inc<CONSUMER_REGS>();
     if constexpr (CONSUMER == 1) consume_overlapped(k, wg - 1, y16, lse, scale);
     else if constexpr (PROBE == 2) consume_copies(k, wg - 1, y16, lse, scale);
-    else if constexpr (CONSUMER == 2) consume_pipelined<BN, STAGES, QR, SCHED, PROBE>(k, wg - 1, y16, lse, scale);
+    else if constexpr (CONSUMER == 2)
+        consume_pipelined<BN, STAGES, QR, SCHED, PROBE, HALF>(k, wg - 1, y16, lse, scale);
     else consume(k, wg - 1, y16, lse, scale);
 }
 
@@ -821,7 +846,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipel
 }
 
 // probes of what bounds the fastest version (timing only: their y and lse are wrong): without the softmax (p = the
-// scores as they are), and the copies and stores alone
+// scores as they are), the copies and stores alone, and without the wgmma (the softmax on the last step's p)
 extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_probe_no_softmax_128(
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
@@ -832,4 +857,17 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_probe
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_tma<128, 4, 2, false, false, 2>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_probe_no_wgmma_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2, false, true, 3>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the pipelined consumers taking turns at 128 keys, an even tile's diagonal step on its first 64 keys alone
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_turns_half_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2, false, true, 0, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

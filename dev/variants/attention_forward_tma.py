@@ -12,8 +12,10 @@ GQA) on the same random qkv, and once more at T 320 (a T with an odd number of q
 does not divide): y and lse of one batch row against numpy in float64 (relative norm of the error), every element
 of y and lse written and finite; OK within the bounds of attention_forward_wgmma.py (the product's own errors are
 about 2e-3 and 3e-5). Then the timings at batch 64 and 16: us a call, the median of REPS runs of 20 launches,
-CUDA events around each run, after a warm-up, and each over the product's; PROBES (timed, not checked) too. Last, "all OK" or how many were not
-(exit code 1). A version still running 5 s after its launch hangs: named, NOT OK, and the process ends (exit 3). test_attention_tma.py runs this host code on the CPU emulator's stand-in driver at a small shape.
+CUDA events around each run, after a warm-up, and each over the product's; PROBES (timed, not checked) too.
+Last, "all OK" or how many were not (exit code 1). A version still running 5 s after its launch hangs: named,
+NOT OK, and the process ends (exit 3). test_attention_tma.py runs this host code on the CPU emulator's stand-in
+driver at a small shape.
 The helpers shared with attention_forward_wgmma.py (random qkv, the float64 reference, launches, timing) are its.
 """
 
@@ -60,11 +62,13 @@ VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 128 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_128", 128, 4, True),
             "tma 64 pipelined q turns": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, False),
             "tma 64 pipelined q turns persistent": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, True),
-            "tma 64 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_64", 64, 6, True)}
+            "tma 64 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_64", 64, 6, True),
+            "tma 128 pipelined turns half persistent": ("attention_forward_tma_pipelined_turns_half_128", 128, 4, True)}
 # probes of what bounds the fastest version, timed but not checked (their y and lse are wrong): its consumers
-# without the softmax, and the copies and stores alone
+# without the softmax, the copies and stores alone, its consumers without the wgmma
 PROBES = {"probe: no softmax (128 turns persistent)": ("attention_forward_tma_probe_no_softmax_128", 128, 4, True),
-          "probe: copies and stores only (128)": ("attention_forward_tma_probe_copies_128", 128, 4, True)}
+          "probe: copies and stores only (128)": ("attention_forward_tma_probe_copies_128", 128, 4, True),
+          "probe: no wgmma (128 turns persistent)": ("attention_forward_tma_probe_no_wgmma_128", 128, 4, True)}
 
 
 def warpgroups(Hq, Hkv):
@@ -151,7 +155,7 @@ def check_versions(modules):
             el = relative_error(lses[B - 1].astype(np.float64), lse_ref)
             ok = written and ey <= Y_BOUND and el <= LSE_BOUND
             bad += not ok
-            print(f"{name:<36} B {B:>2} T {T} Hq {Hq} Hkv {Hkv}: y {ey:9.2e}  lse {el:9.2e}  "
+            print(f"{name:<41} B {B:>2} T {T} Hq {Hq} Hkv {Hkv}: y {ey:9.2e}  lse {el:9.2e}  "
                   f"{'all written' if written else 'NOT ALL WRITTEN'}  {'OK' if ok else 'NOT OK'}", flush=True)
     return bad
 
