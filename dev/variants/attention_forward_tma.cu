@@ -380,9 +380,10 @@ __device__ __forceinline__ void store_y(unsigned short* y16, const float* o, con
 // A unit is query tiles nq - 1 - p and p of W query heads of one batch row (nq = ceil(T / 64) tiles of 64 rows,
 // p < ceil(nq / 2); one tile when the two are the same). Unit u: p = u % pairs, the group of W heads x = u / pairs %
 // groups, the batch row b = u / pairs / groups. A tile qi takes the key steps j = 0 .. (64 qi + 63) / BN, the last
-// one the diagonal. A block walks units blockIdx.x, + gridDim.x, ..., tile by tile and step by step.
+// one the diagonal. A block walks units blockIdx.x, + gridDim.x, ..., tile by tile and step by step; the cursor
+// keeps its tile, so that a step costs no division (u % pairs once a unit).
 struct Cursor {
-    int u, second, j;                    // the unit, its second tile (0 or 1), the key step of the tile
+    int u, second, j, qi;                // the unit, its second tile (0 or 1), the key step of the tile, the tile
 };
 
 template <int BN>
@@ -391,8 +392,9 @@ struct Work {
     __device__ Work(int B, int T, int Hq, int W) {
         nq = (T + ROWS - 1) / ROWS, pairs = (nq + 1) / 2, groups = Hq / W, units = B * groups * pairs;
     }
-    __device__ int tile(const Cursor& c) const { return c.second ? c.u % pairs : nq - 1 - c.u % pairs; }
-    __device__ int last(const Cursor& c) const { return (tile(c) * ROWS + ROWS - 1) / BN; }   // the diagonal step
+    __device__ Cursor first() const { return {(int)blockIdx.x, 0, 0, nq - 1 - (int)blockIdx.x % pairs}; }
+    __device__ int tile(const Cursor& c) const { return c.qi; }
+    __device__ int last(const Cursor& c) const { return (c.qi * ROWS + ROWS - 1) / BN; }   // the diagonal step
     // (BN 128) the diagonal step of an even tile, whose last 64 keys are all after its rows
     __device__ bool half(const Cursor& c) const { return BN == 128 && c.j == last(c) && tile(c) % 2 == 0; }
     __device__ bool valid(const Cursor& c) const { return c.u < units; }
@@ -402,8 +404,8 @@ struct Work {
             return;
         }
         c.j = 0;
-        if (!c.second && 2 * (c.u % pairs) != nq - 1) c.second = 1;
-        else c.second = 0, c.u += gridDim.x;
+        if (!c.second && 2 * c.qi != nq - 1) c.second = 1, c.qi = nq - 1 - c.qi;     // tile p after nq - 1 - p
+        else c.second = 0, c.u += gridDim.x, c.qi = nq - 1 - c.u % pairs;
     }
 };
 
@@ -435,7 +437,7 @@ struct Block {
 template <int BN, int STAGES>
 __device__ void produce(const Block<BN, STAGES>& k, const TensorMap* map_q, const TensorMap* map_kv) {
     int n = 0, tiles = 0;
-    for (Cursor c = {(int)blockIdx.x, 0, 0}; k.work.valid(c); k.work.advance(c), n++) {
+    for (Cursor c = k.work.first(); k.work.valid(c); k.work.advance(c), n++) {
         int row = k.batch(c.u) * k.T, h = k.head0(c.u), kvh = h / (k.Hq / k.Hkv);
         if (c.j == 0) {
             int i = tiles % 2;
@@ -475,7 +477,7 @@ __device__ void consume(const Block<BN, STAGES>& k, int g, unsigned short* y16, 
     r.reset();
     float s[BN / 2];
     unsigned p[BN / 16][4];
-    for (Cursor c = {(int)blockIdx.x, 0, 0}; k.work.valid(c); k.work.advance(c), n++) {
+    for (Cursor c = k.work.first(); k.work.valid(c); k.work.advance(c), n++) {
         int qi = k.work.tile(c), row0 = qi * ROWS + 16 * (t / 32) + t % 32 / 4, i = tiles % 2;
         bool last = c.j == k.work.last(c);
         float correction[2];
@@ -573,7 +575,7 @@ __device__ void consume_overlapped(const Block<64, STAGES>& k, int g, unsigned s
                                    float scale) {
     const float scale2 = scale * LOG2E;
     int t = threadIdx.x % 128, n = 0, tiles = 0, steps = 0;
-    Cursor c = {(int)blockIdx.x, 0, 0};
+    Cursor c = k.work.first();
     for (Cursor x = c; k.work.valid(x); k.work.advance(x)) steps++;
     if (!steps) return;
     Rows r;
@@ -683,7 +685,7 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
                                   float scale) {
     const float scale2 = scale * LOG2E;
     int t = threadIdx.x % 128, tiles = 0, steps = 0;
-    Cursor c = {(int)blockIdx.x, 0, 0};
+    Cursor c = k.work.first();
     for (Cursor x = c; k.work.valid(x); k.work.advance(x)) steps++;
     if (!steps) return;
     Rows r;
@@ -723,7 +725,7 @@ __device__ void consume_copies(const Block<BN, STAGES>& k, int g, unsigned short
     Rows r;
     r.reset();
     r.m[0] = r.m[1] = 0.0f, r.l[0] = r.l[1] = 1.0f;
-    for (Cursor c = {(int)blockIdx.x, 0, 0}; k.work.valid(c); k.work.advance(c), n++) {
+    for (Cursor c = k.work.first(); k.work.valid(c); k.work.advance(c), n++) {
         int qi = k.work.tile(c), row0 = qi * ROWS + 16 * (t / 32) + t % 32 / 4, i = tiles % 2;
         bool last = c.j == k.work.last(c);
         if (c.j == 0) mbarrier_wait(&k.q_full[i], tiles / 2 % 2);
