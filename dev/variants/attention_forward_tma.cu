@@ -54,6 +54,8 @@ The entry points (at the bottom):
   product's 143.7 (0.67x), 27.7 against 41.7 at B 16.
 - attention_forward_tma_pipelined_turns_half_128: the same, an even tile's diagonal step's p v on its first 64 keys
   alone (the other 64 are after all its rows).
+- attention_forward_tma_pipelined_turns_poly_128: the same, a quarter of the exponentials computed on the FMA
+  units (exp2_fma) instead of MUFU, whose 16 a cycle an SM take as long as the tensor cores a step.
 - attention_forward_tma_probe_*: timing probes of what bounds it (wrong results): no softmax; copies alone; no
   wgmma.
 ptxas (NVRTC 13, sm_90a): 128 registers at launch (512 threads, one block an SM); the consumers use up to 98 and
@@ -297,10 +299,23 @@ __device__ __forceinline__ void tree_max(float* x) {
     if constexpr (W > 1) tree_max<W / 2>(x);
 }
 
+// 2^x for x <= 0 on the FMA units instead of MUFU.EX2 (FlashAttention-4's trick, for a share of a step's
+// exponentials when MUFU's 16 a cycle an SM bound it): n = x rounded to an integer in t's low bits (1.5 2^23 added),
+// 2^(x - n) by a cubic on [-0.5, 0.5] (relative error 7.5e-5, below p's bf16 rounding, 2^-9), n added to its
+// exponent bits (t's bits << 23 are n << 23 mod 2^32). x is clamped at -126 (-inf, a masked key: 2^-126, nothing
+// beside a row's largest p of 1)
+__device__ __forceinline__ float exp2_fma(float x) {
+    x = fmaxf(x, -126.0f);
+    float t = x + 12582912.0f, f = x - (t - 12582912.0f);
+    float p = fmaf(fmaf(fmaf(0.05517167f, f, 0.24261112f), f, 0.69326099f), f, 0.99992807f);
+    return __uint_as_float(__float_as_uint(p) + (__float_as_uint(t) << 23));
+}
+
 // the online softmax of one step on this thread's scores s (accumulator layout, rows row0 and row0 + 8, BN keys
 // from k0): mask keys after the query on the diagonal step, update the running max m and sum l, s <- p =
-// exp2(s scale2 - m scale2) in fp32; -> correction[r], what o's row r is to be multiplied by
-template <int BN>
+// exp2(s scale2 - m scale2) in fp32 (POLY: every POLY-th by exp2_fma); -> correction[r], what o's row r is to be
+// multiplied by
+template <int BN, int POLY = 0>
 __device__ __forceinline__ void softmax_step(float* s, float* m, float* l, float* correction, int k0, int row0,
                                              bool diagonal, float scale2) {
     int q = threadIdx.x % 4;
@@ -324,7 +339,8 @@ __device__ __forceinline__ void softmax_step(float* s, float* m, float* l, float
     }
 #pragma unroll
     for (int i = 0; i < BN / 2; i++) {
-        s[i] = exp2f(fmaf(s[i], scale2, -ms[i / 2 % 2]));
+        if (POLY && i % POLY == POLY - 1) s[i] = exp2_fma(fmaf(s[i], scale2, -ms[i / 2 % 2]));
+        else s[i] = exp2f(fmaf(s[i], scale2, -ms[i / 2 % 2]));
         if (i < 8) sum[i / 2 % 2][i / 4 * 2 + i % 2] = s[i];
         else sum[i / 2 % 2][i / 4 % 2 * 2 + i % 2] += s[i];
     }
@@ -620,7 +636,7 @@ __device__ __forceinline__ void sink(const unsigned (*p)[4]) {
 // p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
 // next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A warpgroup
 // keeps one score accumulator (BN / 2 registers), p (BN / 4) and o (32): 128 for BN 128
-template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool HALF, bool NEXT>
+template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool HALF, int POLY, bool NEXT>
 __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g, Cursor& c, int n, int& tiles,
                                                float* s, unsigned (*p)[4], unsigned (*qf)[4], Rows& r,
                                                unsigned short* y16, float* lse, float scale, float scale2) {
@@ -654,8 +670,8 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
         if (next_last && t == 0) mbarrier_arrive(&k.q_empty[next_q]);
         if (last) r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
         if constexpr (PROBE == 1) correction[0] = correction[1] = 1.0f;
-        else softmax_step<BN>(s, r.m, r.l, correction, nx.j * BN, k.work.tile(nx) * ROWS + 16 * (t / 32) + t % 32 / 4,
-                              next_last, scale2);
+        else softmax_step<BN, POLY>(s, r.m, r.l, correction, nx.j * BN,
+                                    k.work.tile(nx) * ROWS + 16 * (t / 32) + t % 32 / 4, next_last, scale2);
     }
     wgmma_wait<0>();                                                // this p v: o, p and the stage are free
     fence_registers<HD / 2>(r.o);
@@ -680,7 +696,7 @@ __device__ __forceinline__ void pipelined_step(const Block<BN, STAGES>& k, int g
 // wgmma, FlashAttention-3's warp scheduler barrier: consumer g waits at named barrier 1 + g (256 threads: its own
 // and the consumer before it, which arrives once it has issued), so each one's softmax runs while the others'
 // wgmma do; consumer 0 is given the first turn
-template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool HALF>
+template <int BN, int STAGES, bool QR, bool SCHED, int PROBE, bool HALF, int POLY>
 __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned short* y16, float* lse,
                                   float scale) {
     const float scale2 = scale * LOG2E;
@@ -708,13 +724,15 @@ __device__ void consume_pipelined(const Block<BN, STAGES>& k, int g, unsigned sh
     fence_registers<BN / 2>(s);
     if (last && t == 0) mbarrier_arrive(&k.q_empty[0]);
     if constexpr (PROBE != 1)
-        softmax_step<BN>(s, r.m, r.l, correction, 0, k.work.tile(c) * ROWS + 16 * (t / 32) + t % 32 / 4, last, scale2);
+        softmax_step<BN, POLY>(s, r.m, r.l, correction, 0, k.work.tile(c) * ROWS + 16 * (t / 32) + t % 32 / 4, last,
+                               scale2);
     pack_p<BN>(p, s);
     int n = 0;
     for (; n + 1 < steps; n++)
-        pipelined_step<BN, STAGES, QR, SCHED, PROBE, HALF, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale,
-                                                                 scale2);
-    pipelined_step<BN, STAGES, QR, SCHED, PROBE, HALF, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale, scale2);
+        pipelined_step<BN, STAGES, QR, SCHED, PROBE, HALF, POLY, true>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale,
+                                                                       scale2);
+    pipelined_step<BN, STAGES, QR, SCHED, PROBE, HALF, POLY, false>(k, g, c, n, tiles, s, p, qf, r, y16, lse, scale,
+                                                                    scale2);
 }
 
 // a probe of the floor the copies and stores set: a consumer that waits for each step's tiles and frees them, and
@@ -751,8 +769,9 @@ __device__ void consume_copies(const Block<BN, STAGES>& k, int g, unsigned short
 // copies and stores alone, 3 without its wgmma; HALF (pipelined, BN 128): an even tile's diagonal step's p v on its
 // first 64 keys alone (4 k-steps of wgmma, not 8), the other 64 being all after its rows (their p 0). Its scores and
 // softmax stay 128 wide: a branch between two widths of either keeps more registers live than the 160 of a
-// consumer, and ptxas serializes the wgmma (C7511)
-template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false, int PROBE = 0, bool HALF = false>
+// consumer, and ptxas serializes the wgmma (C7511); POLY (pipelined): every POLY-th exponential on the FMA units
+template <int BN, int STAGES, int CONSUMER, bool QR = false, bool SCHED = false, int PROBE = 0, bool HALF = false,
+          int POLY = 0>
 __device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q,
                                       const TensorMap* map_kv, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
@@ -774,7 +793,7 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
     if constexpr (CONSUMER == 1) consume_overlapped(k, wg - 1, y16, lse, scale);
     else if constexpr (PROBE == 2) consume_copies(k, wg - 1, y16, lse, scale);
     else if constexpr (CONSUMER == 2)
-        consume_pipelined<BN, STAGES, QR, SCHED, PROBE, HALF>(k, wg - 1, y16, lse, scale);
+        consume_pipelined<BN, STAGES, QR, SCHED, PROBE, HALF, POLY>(k, wg - 1, y16, lse, scale);
     else consume(k, wg - 1, y16, lse, scale);
 }
 
@@ -872,4 +891,11 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipel
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_tma<128, 4, 2, false, true, 0, true>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the pipelined consumers taking turns at 128 keys, a quarter of the exponentials on the FMA units
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_pipelined_turns_poly_128(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma<128, 4, 2, false, true, 0, false, 4>(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
 }

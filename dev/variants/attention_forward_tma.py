@@ -63,7 +63,8 @@ VERSIONS = {"tma 64": ("attention_forward_tma_64", 64, 6, False),
             "tma 64 pipelined q turns": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, False),
             "tma 64 pipelined q turns persistent": ("attention_forward_tma_pipelined_qr_turns_64", 64, 6, True),
             "tma 64 pipelined turns persistent": ("attention_forward_tma_pipelined_turns_64", 64, 6, True),
-            "tma 128 pipelined turns half persistent": ("attention_forward_tma_pipelined_turns_half_128", 128, 4, True)}
+            "tma 128 pipelined turns half persistent": ("attention_forward_tma_pipelined_turns_half_128", 128, 4, True),
+            "tma 128 pipelined turns poly persistent": ("attention_forward_tma_pipelined_turns_poly_128", 128, 4, True)}
 # probes of what bounds the fastest version, timed but not checked (their y and lse are wrong): its consumers
 # without the softmax, the copies and stores alone, its consumers without the wgmma
 PROBES = {"probe: no softmax (128 turns persistent)": ("attention_forward_tma_probe_no_softmax_128", 128, 4, True),
