@@ -137,6 +137,37 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     assert end.value.code == 0 and out.count("  OK\n") == len(script.VERSIONS) + 1 and out.endswith("all OK\n"), out
 
 
+@needs_gxx
+def test_each_version_with_copies_landing_at_their_wait(variant):
+    # cp.async held until the cp.async.wait_group that covers it, the latest the PTX ISA allows (by default the
+    # emulator copies at once, the earliest): a tile read before its wait would read what the stage held before
+    variant.emu_set_late_copies(1)
+    try:
+        for name in script.VERSIONS:
+            ey, el = errors(variant, name, *SHAPES[3])
+            assert ey <= script.Y_BOUND and el <= script.LSE_BOUND, (name, ey, el)
+    finally:
+        variant.emu_set_late_copies(0)
+
+
+@needs_gxx
+@pytest.mark.parametrize("old, new, name", [
+    ("cp_async_wait<AHEAD - 1>();                                //", "cp_async_wait<AHEAD>(); //", "wgmma"),
+    ("cp_async_wait<STAGES - 3>();", "cp_async_wait<STAGES - 2>();", "wgmma k128 pipelined")])
+def test_a_wait_one_group_short_is_seen_only_with_late_copies(tmp_path, old, new, name):
+    # the simple and the pipelined version waiting for one group of copies too few: right with copies done at once
+    # (the round-1 emulator's only way), wrong with copies landing at their wait
+    text = open(KERNEL).read()
+    assert text.count(old) == 1
+    (tmp_path / "broken.cu").write_text(text.replace(old, new))
+    lib = load(str(tmp_path / "broken.cu"), cache_dir=str(tmp_path))
+    ey, el = errors(lib, name, *SHAPES[3])
+    assert ey <= script.Y_BOUND and el <= script.LSE_BOUND, (ey, el)
+    lib.emu_set_late_copies(1)
+    ey, el = errors(lib, name, *SHAPES[3])
+    assert ey > 10 * script.Y_BOUND, (ey, el)
+
+
 def test_q_left_undefined_before_the_loop_is_refused():
     # the simple q-in-registers version as it ran wrong on an H100 (y 0.41 off, 2026-12-07; right on the emulator):
     # its q fragments, written at every tile's first step only, undefined on the loop's first way in

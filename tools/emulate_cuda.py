@@ -18,7 +18,8 @@ run one after another, __syncthreads and each warp shuffle or ballot are
 barriers the fibers meet at, __shared__ becomes static, and inline PTX becomes
 C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
 helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
-as the PTX ISA lays them out; ldmatrix; cp.async, done at once), and Hopper's
+as the PTX ISA lays them out; ldmatrix; cp.async, done at once, or with
+--late-copies at the wait that covers it), and Hopper's
 warpgroup MMA for kernels to come (WGMMA_HELPERS: wgmma.mma_async reading
 shared memory through matrix descriptors, every layout and swizzle, done at
 wgmma.wait_group; dev/variants/wgmma_probe.cu, test_wgmma.py) and what feeds it
@@ -142,6 +143,8 @@ static int wg_arrived[8];                                // warpgroups (4 warps)
 static unsigned wg_gen[8];
 static void emu_wgmma_block();                           // the wgmma state a block starts with
 static void emu_wgmma_exit();                            // a thread leaves none in flight
+static void emu_copies_block();                          // no cp.async in flight
+static void emu_copies_exit();                           // a thread's copies in flight land
 // a deadlock: each wait below counts an event when a thread arrives or goes on; a round of the scheduler in which
 // no thread started and none counted one leaves every thread waiting for what no one will do (TMA copies aside)
 static unsigned long long emu_events;
@@ -208,6 +211,7 @@ static void fiber_main() {
     body(body_arg);
     emu_wgmma_exit();
     emu_async_exit();
+    emu_copies_exit();
     Fiber& f = fibers[cur];
     f.done = true;
     live--, emu_events++;
@@ -234,6 +238,7 @@ static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
         live = block, bar_arrived = 0;
         for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
         emu_wgmma_block();
+        emu_copies_block();
         for (int t = 0; t < block; t++) {
             Fiber& f = fibers[t];
             f.started = f.done = false, f.tid = t;
@@ -329,13 +334,46 @@ static void emu_ldmatrix(unsigned* r, const unsigned short* row, bool trans) {
 }
 static void ldmatrix_x4(unsigned* r, const unsigned short* row) { emu_ldmatrix(r, row, false); }
 static void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) { emu_ldmatrix(r, row, true); }
-// cp.async: copied at once (stricter than the GPU: a buffer still being read is overwritten now)
-static void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) {
-    if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16);
+// cp.async: copied at once (stricter than the GPU: a buffer still being read is overwritten now), or, with late
+// copies (emu_set_late_copies), held until the thread's cp.async.wait_group lets its group land, the latest the
+// PTX ISA allows (stricter the other way: a tile read before the wait that covers its copy is what was there)
+static int emu_late_copies;
+extern "C" void emu_set_late_copies(int late) { emu_late_copies = late; }
+struct EmuCopy { void* dst; unsigned char bytes[16]; int n, group; };
+static const int EMU_COPIES = 256;
+static EmuCopy emu_copies[1024][EMU_COPIES];             // by thread: issued, not landed, in order
+static int emu_copies_held[1024], emu_copy_groups[1024];  // how many; groups committed
+static void emu_copies_block() {
+    memset(emu_copies_held, 0, sizeof emu_copies_held);
+    memset(emu_copy_groups, 0, sizeof emu_copy_groups);
 }
-static void cp_async4(float* dst, const float* src, bool valid) { *dst = valid ? *src : 0.0f; }
-static void cp_async_commit() {}
-template <int N> static void cp_async_wait() {}
+static void emu_copy(void* dst, const void* src, int n, bool valid) {
+    unsigned t = threadIdx.x;
+    if (!emu_late_copies) {
+        if (valid) memcpy(dst, src, n); else memset(dst, 0, n);
+        return;
+    }
+    if (emu_copies_held[t] == EMU_COPIES) emu_fail("more cp.async in flight than the emulator keeps (256)");
+    EmuCopy& c = emu_copies[t][emu_copies_held[t]++];
+    c.dst = dst, c.n = n, c.group = emu_copy_groups[t];
+    if (valid) memcpy(c.bytes, src, n); else memset(c.bytes, 0, n);
+}
+// the thread's copies of groups before `groups` land
+static void emu_copies_land(int groups) {
+    unsigned t = threadIdx.x;
+    int kept = 0;
+    for (int i = 0; i < emu_copies_held[t]; i++) {
+        EmuCopy& c = emu_copies[t][i];
+        if (c.group < groups) memcpy(c.dst, c.bytes, c.n);
+        else emu_copies[t][kept++] = c;
+    }
+    emu_copies_held[t] = kept;
+}
+static void emu_copies_exit() { emu_copies_land(1 << 30); }
+static void cp_async16(unsigned short* dst, const unsigned short* src, bool valid) { emu_copy(dst, src, 16, valid); }
+static void cp_async4(float* dst, const float* src, bool valid) { emu_copy(dst, src, 4, valid); }
+static void cp_async_commit() { emu_copy_groups[threadIdx.x]++; }
+template <int N> static void cp_async_wait() { emu_copies_land(emu_copy_groups[threadIdx.x] - N); }
 
 // ---- Hopper's warpgroup MMA (WGMMA_HELPERS: wgmma.mma_async from shared memory, sm_90a), as the PTX ISA defines it
 // A warpgroup is 4 warps, threads 128 g .. 128 g + 127. wgmma_bf16<N> computes d (64 x N, fp32, spread over the
@@ -892,6 +930,7 @@ def load(path, defines=(), select=None, **build_options):
     lib.emu_launch.argtypes, lib.emu_launch.restype = [ctypes.c_int] * 5 + [ctypes.c_void_p], ctypes.c_void_p
     lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
     lib.emu_run.restype = ctypes.c_void_p
+    lib.emu_set_late_copies.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -1194,9 +1233,10 @@ class Cublas:
             o[...] = o + A @ B if accumulate else A @ B
 
 
-def install(nc, sms=2, arch="90", reverse=False):
+def install(nc, sms=2, arch="90", reverse=False, late_copies=False):
     """nanoeuler_cuda (the module nc) on the emulator: its driver and its GPU, with the
-    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; -> the driver"""
+    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; late_copies:
+    cp.async lands at the wait that covers it; -> the driver"""
     from cuda.bindings import driver as real
     root = os.path.dirname(os.path.abspath(nc.__file__))
     nc.cu = driver = Driver(real)
@@ -1206,6 +1246,7 @@ def install(nc, sms=2, arch="90", reverse=False):
                    for name, (file, defines, select) in SOURCES.items()}
     for lib in gpu.modules.values():
         lib.emu_set_reverse(int(reverse))
+        lib.emu_set_late_copies(int(late_copies))
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
@@ -1244,6 +1285,9 @@ def parse_args(argv=None):
                         "none: kernels, training and decoding")
     p.add_argument("--reverse", action="store_true",
                    help="run blocks, and a block's threads between barriers, in reverse order (races show)")
+    p.add_argument("--late-copies", action="store_true",
+                   help="cp.async lands at the cp.async.wait_group that covers it, not at once (a read before its "
+                        "wait shows)")
     args = p.parse_args(argv)
     if bad := [w for w in args.what if w not in WHAT]:
         p.error(f"{bad[0]!r} is not a check this emulator runs; give some of {', '.join(WHAT)}, or none")
@@ -1256,7 +1300,7 @@ def main():
     sys.path.insert(0, HERE)
     import nanoeuler as ne
     import nanoeuler_cuda as nc
-    driver = install(nc, reverse=args.reverse)
+    driver = install(nc, reverse=args.reverse, late_copies=args.late_copies)
     if "check" in args.what:
         nc.main(["check"])
         return

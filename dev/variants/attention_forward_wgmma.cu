@@ -47,9 +47,11 @@ Three versions (the entry points at the bottom), each launched either way:
 Either with q read by s = q k.T from shared memory, or from registers (the _qr_ entry points: 16 registers
 more, loaded from the q tile at a tile's start): a wgmma m64n64k16 with both operands in shared memory reads
 4 KB in its 32 cycles, all of the 128 bytes a cycle shared memory gives, and the copies write there too.
-ptxas (NVRTC 13, sm_90a): 132 registers (simple), 146 (q in registers), 162 and 168 (overlapped), 140
-(pipelined); at 128 keys 165 (simple), 167 (q in registers), 168 (pipelined; with q in registers it spills, so
-it is not built); no spills, no wgmma serialized (test_attention_wgmma); 384 threads a block, one block an SM.
+ptxas (NVRTC 13, sm_90a), no spills, no wgmma serialized (test_attention_wgmma), 384 threads a block, one block
+an SM; registers at 64 keys: 129 simple, 151 with q in registers, 166 overlapped, 134 pipelined, 155 with q in
+registers; at 128 keys: 167 simple, 166 with q in registers, 168 pipelined. Not built, for want of registers
+(168 at most with 384 threads): overlapped with q in registers (built in round 1; it spilled 36 bytes with the
+copies' cursor below) and pipelined at 128 keys with q in registers (48 bytes).
 `python dev/variants/attention_forward_wgmma.py` checks every version against float64 and times it beside the
 product on an H100/H200; the figures are in dev/LOG.md (issue 36).
 */
@@ -172,13 +174,17 @@ __device__ __forceinline__ unsigned long long sw128_descriptor(unsigned address,
 
 // start copying rows r0 .. r0 + rows - 1 of a row-major bf16 matrix (row stride ld, m at the head's first column;
 // zeros past T) into a rows x 64 tile: row r's 16-byte chunk c at 128 r + 16 (c ^ r % 8), the 128-byte swizzle
-// of both of wgmma's layouts here; thread `first` of `threads` (of the block) takes every threads-th chunk
+// of both of wgmma's layouts here; thread `first` of `threads` (of the block, a multiple of 128) takes every
+// threads-th chunk: chunk first % 8 of rows first / 8, + threads / 8, ..., all alike mod 8, so its chunk's swizzled
+// place moves by whole rows (a pointer add a chunk, where indices worked out afresh took some 35 instructions)
 __device__ __forceinline__ void load_tile(unsigned short* tile, const unsigned short* m, long ld, int r0, int T,
                                           int first, int threads, int rows) {
-    for (int c = first; c < rows * 8; c += threads) {
-        int r = c / 8, ch = c % 8;
+    int r = first / 8, ch = first % 8, step = threads / 8;
+    unsigned short* dst = tile + r * 64 + (ch ^ r % 8) * 8;
+    const unsigned short* src = m + (long)(r0 + r) * ld + ch * 8;
+    for (; r < rows; r += step, dst += step * 64, src += step * ld) {
         bool valid = r0 + r < T;
-        cp_async16(tile + r * 64 + (ch ^ r % 8) * 8, m + (valid ? (long)(r0 + r) * ld : 0) + ch * 8, valid);
+        cp_async16(dst, valid ? src : m, valid);
     }
 }
 
@@ -325,29 +331,39 @@ __device__ __forceinline__ void store_y(unsigned short* y16, const float* o, con
 // % groups, the batch row b = u / pairs / groups. A block walks units blockIdx.x, + gridDim.x, ... (grid: the
 // units, one a block; or the SMs, persistent), tile by tile and step by step, with two cursors: the copies AHEAD
 // steps in front of the products, across tiles and units, so a tile's q and first keys are in before its first
-// step.
+// step. A cursor keeps the unit's batch row and kv head, which the copies need at every step (divisions by
+// numbers known at run time only, some 20 instructions each, once a unit, in one register: registers are short
+// in the overlapped version); the query heads are worked out once a tile.
 struct Cursor {
-    int u, second, j;                    // the unit, its second tile (0 or 1), the step (key tile j) of the tile
+    int u, jq, bk;                       // the unit; 65536 qi + j: step (key tile) j of query tile qi; 65536 b + the
+                                         // kv head, b the unit's batch row
+    __device__ int j() const { return jq & 0xFFFF; }
+    __device__ int qi() const { return jq >> 16; }
 };
 
 template <int KEYS>
 struct Work {
-    int nq, pairs, groups, units;
-    __device__ Work(int B, int T, int Hq, int W) {
+    int nq, pairs, groups, units, W, G;
+    __device__ Work(int B, int T, int Hq, int Hkv, int W_) {
+        W = W_, G = Hq / Hkv;
         nq = (T + ROWS - 1) / ROWS, pairs = (nq + 1) / 2, groups = Hq / W, units = B * groups * pairs;
     }
-    __device__ int tile(const Cursor& c) const { return c.second ? c.u % pairs : nq - 1 - c.u % pairs; }
     __device__ int last(int tile) const { return tile * ROWS / KEYS; }          // a tile's last step (diagonal)
     __device__ bool valid(const Cursor& c) const { return c.u < units; }
-    __device__ bool diagonal(const Cursor& c) const { return c.j == last(tile(c)); }
+    __device__ bool diagonal(const Cursor& c) const { return c.j() == last(c.qi()); }
+    // query head h0 + w of unit u for warpgroup w, and the batch row
+    __device__ int h0(int u) const { return u / pairs % groups * W; }
+    __device__ int batch(int u) const { return u / pairs / groups; }
+    // the cursor at the first step of unit u's first tile (nq - 1 - p)
+    __device__ Cursor start(int u) const { return {u, (nq - 1 - u % pairs) << 16, batch(u) << 16 | h0(u) / G}; }
     __device__ void advance(Cursor& c) const {
         if (!diagonal(c)) {
-            c.j++;
-            return;
+            c.jq++;
+        } else if (2 * c.qi() > nq - 1) {                         // the first tile of two: on to tile p
+            c.jq = (nq - 1 - c.qi()) << 16;
+        } else {
+            c = start(c.u + gridDim.x);
         }
-        c.j = 0;
-        if (!c.second && 2 * (c.u % pairs) != nq - 1) c.second = 1;
-        else c.second = 0, c.u += gridDim.x;
     }
     // the steps of unit u: both tiles' (one when they are the same)
     __device__ int steps(int u) const {
@@ -361,27 +377,29 @@ struct Work {
 
 // what the steps share: the shared tiles (q buffer i of warpgroup g at (i W + g) 4096 bf16: three, as a tile's q
 // is copied up to AHEAD steps before it starts while the tile before it may still be in use; K/V stage i at
-// kv + 2 KEYS 64 i, v KEYS 64 after k), the work, the layouts
+// qs + 3 W 4096 + 2 KEYS 64 i, v KEYS 64 after k), the work, the layouts (as few registers as will do: the
+// versions at 128 keys are at ptxas's 168)
 template <int KEYS>
 struct Block {
-    unsigned short *qs, *kv;
+    unsigned short* qs;
     Work<KEYS> work;
-    int W, wg, t, G, T, Hq, Hkv;
-    long stride;
+    int wg, t, T, Hq, Hkv;
+    int stride;                          // of a row of qkv16: (Hq + 2 Hkv) 64
     const unsigned short* qkv16;
     __device__ Block(unsigned char* tiles, const unsigned short* qkv16_, int B, int T_, int Hq_, int Hkv_)
-        : work(B, T_, Hq_, blockDim.x / 128), qkv16(qkv16_) {
-        W = blockDim.x / 128, wg = threadIdx.x / 128, t = threadIdx.x % 128;
-        T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv, stride = (long)(Hq + 2 * Hkv) * HD;
-        qs = (unsigned short*)tiles, kv = (unsigned short*)(tiles + 3 * W * TILE_BYTES);
+        : work(B, T_, Hq_, Hkv_, blockDim.x / 128), qkv16(qkv16_) {
+        wg = threadIdx.x / 128, t = threadIdx.x % 128;
+        T = T_, Hq = Hq_, Hkv = Hkv_, stride = (Hq + 2 * Hkv) * HD;
+        qs = (unsigned short*)tiles;
     }
-    __device__ unsigned short* q_tile(int i) const { return qs + (i % 3 * W + wg) * ROWS * HD; }
-    __device__ unsigned short* stage(int n, int stages) const { return kv + n % stages * 2 * KEYS * HD; }
+    __device__ unsigned short* q_tile(int i) const { return qs + (i % 3 * work.W + wg) * ROWS * HD; }
+    __device__ unsigned short* stage(int n, int stages) const {
+        return qs + (3 * work.W + n % stages * 2 * KEYS / ROWS) * ROWS * HD;
+    }
     __device__ unsigned k_tile(int n, int stages) const { return shared_address(stage(n, stages)); }
     __device__ unsigned v_tile(int n, int stages) const { return shared_address(stage(n, stages) + KEYS * HD); }
-    // batch row and query head of this warpgroup in unit u
-    __device__ int batch(int u) const { return u / work.pairs / work.groups; }
-    __device__ int head(int u) const { return u / work.pairs % work.groups * W + wg; }
+    // this warpgroup's query head at c
+    __device__ int head(const Cursor& c) const { return work.h0(c.u) + wg; }
     // this thread's first row (of its two) in query tile qi
     __device__ int row0(int qi) const { return qi * ROWS + 16 * (t / 32) + t % 32 / 4; }
     // start copying what the step at c needs (the n-th of the block) into stage n: its keys and values, and at the
@@ -389,19 +407,17 @@ struct Block {
     // past the last step
     __device__ void load(Cursor& c, int n, int stages, int& tiles) const {
         if (work.valid(c)) {
-            const unsigned short* base = qkv16_base(c.u);
-            int kvh = (head(c.u) - wg) / G;
-            if (c.j == 0)
-                load_tile(q_tile(tiles++), base + head(c.u) * HD, stride, work.tile(c) * ROWS, T, t, 128, ROWS);
+            const unsigned short* base = qkv16 + (long)(c.bk >> 16) * T * stride;
+            int kvh = c.bk & 0xFFFF;
+            if (c.j() == 0) load_tile(q_tile(tiles++), base + head(c) * HD, stride, c.qi() * ROWS, T, t, 128, ROWS);
             unsigned short* st = stage(n, stages);
-            load_tile(st, base + (Hq + kvh) * HD, stride, c.j * KEYS, T, threadIdx.x, blockDim.x, KEYS);
-            load_tile(st + KEYS * HD, base + (Hq + Hkv + kvh) * HD, stride, c.j * KEYS, T, threadIdx.x, blockDim.x,
+            load_tile(st, base + (Hq + kvh) * HD, stride, c.j() * KEYS, T, threadIdx.x, blockDim.x, KEYS);
+            load_tile(st + KEYS * HD, base + (Hq + Hkv + kvh) * HD, stride, c.j() * KEYS, T, threadIdx.x, blockDim.x,
                       KEYS);
             work.advance(c);
         }
         cp_async_commit();
     }
-    __device__ const unsigned short* qkv16_base(int u) const { return qkv16 + (long)batch(u) * T * stride; }
     // the steps of this block, over all its units
     __device__ int steps() const {
         int n = 0;
@@ -430,7 +446,7 @@ struct Pending {
 template <int KEYS, int STAGES, bool QR>
 __device__ void simple_steps(const Block<KEYS>& k, unsigned short* y16, float* lse, float scale, float scale2) {
     constexpr int AHEAD = STAGES - 1;                              // steps copied ahead of the products
-    Cursor cs = {(int)blockIdx.x, 0, 0}, ld = cs;                  // the products' step, the copies'
+    Cursor cs = k.work.start(blockIdx.x), ld = cs;                 // the products' step, the copies'
     int loaded = 0, done = 0;                                      // tiles whose q was copied, tiles stored
     for (int i = 0; i < AHEAD; i++) k.load(ld, i, STAGES, loaded);
     Rows r;
@@ -447,13 +463,13 @@ __device__ void simple_steps(const Block<KEYS>& k, unsigned short* y16, float* l
         fence_proxy_async();
         __syncthreads();                  // everyone's; and every warpgroup is done with step n - 1's stage
         k.load(ld, n + AHEAD, STAGES, loaded);
-        int qi = k.work.tile(cs), row0 = k.row0(qi);
+        int qi = cs.qi(), row0 = k.row0(qi);
         float correction[2];
-        if (QR && cs.j == 0) load_q_fragments(qf, k.q_tile(done));
+        if (QR && cs.j() == 0) load_q_fragments(qf, k.q_tile(done));
         scores<KEYS, QR>(s, qf, k.q_tile(done), k.k_tile(n, STAGES));
         wgmma_wait<0>();
         fence_registers<KEYS / 2>(s);
-        softmax_step<KEYS>(s, r.m, r.l, correction, cs.j * KEYS, row0, k.work.diagonal(cs), scale2);
+        softmax_step<KEYS>(s, r.m, r.l, correction, cs.j() * KEYS, row0, k.work.diagonal(cs), scale2);
         pack_p<KEYS>(p, s);
         scale_o(r.o, correction);
         fence_registers<HD / 2>(r.o);
@@ -462,8 +478,8 @@ __device__ void simple_steps(const Block<KEYS>& k, unsigned short* y16, float* l
         fence_registers<HD / 2>(r.o);
         if (k.work.diagonal(cs)) {
             float inv[2];
-            store_lse(lse, r.m, r.l, inv, k.batch(cs.u), k.head(cs.u), row0, k.T, k.Hq, scale);
-            store_y(y16, r.o, inv, k.batch(cs.u), k.head(cs.u), row0, k.T, k.Hq);
+            store_lse(lse, r.m, r.l, inv, k.work.batch(cs.u), k.head(cs), row0, k.T, k.Hq, scale);
+            store_y(y16, r.o, inv, k.work.batch(cs.u), k.head(cs), row0, k.T, k.Hq);
             r.reset();
             done++;
         }
@@ -478,11 +494,11 @@ __device__ void simple_steps(const Block<KEYS>& k, unsigned short* y16, float* l
 // leaving this p v in flight through the next step's softmax (without, for everything). At a tile's last step
 // its lse is stored, 1 / l goes to `pending` and m, l start afresh. The waits are the same whatever the step,
 // so that ptxas can follow the groups in flight (a wait_group chosen at run time, or a wgmma under a branch, and
-// it serializes them). QR: at a tile's last step, the next tile's q into registers before its scores
-template <int STAGES, bool QR, bool NEXT>
+// it serializes them)
+template <int STAGES, bool NEXT>
 __device__ __forceinline__ void overlapped_step(const Block<64>& k, Cursor& cs, Cursor& ld, int n, int& loaded,
                                                 int& done, float* sc, float* sn, Rows& r, Pending& pending,
-                                                unsigned (*p)[4], unsigned (*qf)[4], unsigned short* y16,
+                                                unsigned (*p)[4], unsigned short* y16,
                                                 float* lse, float scale, float scale2) {
     constexpr int AHEAD = STAGES - 2;
     // step n + 1's tiles in (copied during step n - 1), and every warpgroup's p v of step n - 2 done (waited for
@@ -491,23 +507,20 @@ __device__ __forceinline__ void overlapped_step(const Block<64>& k, Cursor& cs, 
     fence_proxy_async();
     __syncthreads();
     k.load(ld, n + AHEAD, STAGES, loaded);
-    Cursor nx = cs;
-    k.work.advance(nx);
-    int qi = k.work.tile(cs), row0 = k.row0(qi);
+    int qi = cs.qi(), row0 = k.row0(qi);
     bool last = k.work.diagonal(cs);                               // the tile's last step
     float correction[2];
     if constexpr (NEXT) {
         fence_registers<ROWS / 2>(sn);
-        if (QR && last) load_q_fragments(qf, k.q_tile(done + 1));  // the next tile's (this one's scores are done)
-        scores<64, QR>(sn, qf, k.q_tile(done + last), k.k_tile(n + 1, STAGES));
+        issue_scores<64>(sn, shared_address(k.q_tile(done + last)), k.k_tile(n + 1, STAGES));
         fence_registers<ROWS / 2>(sn);
     }
-    softmax_step<64>(sc, r.m, r.l, correction, cs.j * 64, row0, last, scale2);
+    softmax_step<64>(sc, r.m, r.l, correction, cs.j() * 64, row0, last, scale2);
     if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the previous p v: o and p are free
     fence_registers<HD / 2>(r.o);
     if (pending.u >= 0) {
-        store_y(y16, r.o, pending.inv, k.batch(pending.u), k.head(pending.u), row0 - (qi - pending.qi) * ROWS, k.T,
-                k.Hq);
+        store_y(y16, r.o, pending.inv, k.work.batch(pending.u), k.work.h0(pending.u) + k.wg,
+                row0 - (qi - pending.qi) * ROWS, k.T, k.Hq);
         pending.u = -1;
     }
     pack_p<64>(p, sc);
@@ -518,53 +531,53 @@ __device__ __forceinline__ void overlapped_step(const Block<64>& k, Cursor& cs, 
     if constexpr (NEXT) wgmma_wait<1>(); else wgmma_wait<0>();    // the next scores (or everything)
     if constexpr (NEXT) fence_registers<ROWS / 2>(sn);
     if (last) {
-        store_lse(lse, r.m, r.l, pending.inv, k.batch(cs.u), k.head(cs.u), row0, k.T, k.Hq, scale);
+        store_lse(lse, r.m, r.l, pending.inv, k.work.batch(cs.u), k.head(cs), row0, k.T, k.Hq, scale);
         pending.u = cs.u, pending.qi = qi;
         r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
         done++;
     }
-    cs = nx;
+    k.work.advance(cs);
 }
 
-template <int STAGES, bool QR>
+template <int STAGES>
 __device__ void overlapped_steps(const Block<64>& k, unsigned short* y16, float* lse, float scale, float scale2) {
     constexpr int AHEAD = STAGES - 2;                              // steps copied ahead of the products
-    Cursor cs = {(int)blockIdx.x, 0, 0}, ld = cs;                  // the products' step, the copies'
+    Cursor cs = k.work.start(blockIdx.x), ld = cs;                 // the products' step, the copies'
     int loaded = 0, done = 0;                                      // tiles whose q was copied, tiles stored
     for (int i = 0; i < AHEAD; i++) k.load(ld, i, STAGES, loaded);
     Rows r;
     r.reset();
-    unsigned p[ROWS / 16][4], qf[HD / 16][4];
+    unsigned p[ROWS / 16][4];
     float s0[ROWS / 2], s1[ROWS / 2];
     if (!k.work.valid(cs)) return;
     cp_async_wait<AHEAD - 1>();                                    // step 0's q and tiles
     fence_proxy_async();
     __syncthreads();
     fence_registers<ROWS / 2>(s0);
-    if (QR) load_q_fragments(qf, k.q_tile(0));
-    scores<64, QR>(s0, qf, k.q_tile(0), k.k_tile(0, STAGES));
+    issue_scores<64>(s0, shared_address(k.q_tile(0)), k.k_tile(0, STAGES));
     wgmma_wait<0>();
     fence_registers<ROWS / 2>(s0);
     Pending pending = {-1, 0};
     int n = 0, steps = k.steps();
     for (; n + 2 < steps; n += 2) {                                // two steps: the score buffers swap
-        overlapped_step<STAGES, QR, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, qf, y16, lse, scale,
+        overlapped_step<STAGES, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale,
                                           scale2);
-        overlapped_step<STAGES, QR, true>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, qf, y16, lse,
+        overlapped_step<STAGES, true>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, y16, lse,
                                           scale, scale2);
     }
     if (n + 1 < steps) {
-        overlapped_step<STAGES, QR, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, qf, y16, lse, scale,
+        overlapped_step<STAGES, true>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale,
                                           scale2);
-        overlapped_step<STAGES, QR, false>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, qf, y16, lse,
+        overlapped_step<STAGES, false>(k, cs, ld, n + 1, loaded, done, s1, s0, r, pending, p, y16, lse,
                                            scale, scale2);
     } else {
-        overlapped_step<STAGES, QR, false>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, qf, y16, lse, scale,
+        overlapped_step<STAGES, false>(k, cs, ld, n, loaded, done, s0, s1, r, pending, p, y16, lse, scale,
                                            scale2);
     }
     wgmma_wait<0>();                                               // (the last step waited for all)
     fence_registers<HD / 2>(r.o);
-    store_y(y16, r.o, pending.inv, k.batch(pending.u), k.head(pending.u), k.row0(pending.qi), k.T, k.Hq);
+    store_y(y16, r.o, pending.inv, k.work.batch(pending.u), k.work.h0(pending.u) + k.wg, k.row0(pending.qi), k.T,
+            k.Hq);
 }
 
 // one step of the pipelined version (FlashAttention-3's order) at cs, the n-th of the block, whose p is packed:
@@ -585,7 +598,7 @@ __device__ __forceinline__ void pipelined_step(const Block<KEYS>& k, Cursor& cs,
     k.load(ld, n + STAGES - 1, STAGES, loaded);
     Cursor nx = cs;
     k.work.advance(nx);
-    int qi = k.work.tile(cs), row0 = k.row0(qi);
+    int qi = cs.qi(), row0 = k.row0(qi);
     bool last = k.work.diagonal(cs);
     if constexpr (NEXT) {
         fence_registers<KEYS / 2>(s);
@@ -598,19 +611,19 @@ __device__ __forceinline__ void pipelined_step(const Block<KEYS>& k, Cursor& cs,
     fence_registers<HD / 2>(r.o);
     float correction[2], inv[2];
     if (last) {
-        store_lse(lse, r.m, r.l, inv, k.batch(cs.u), k.head(cs.u), row0, k.T, k.Hq, scale);
+        store_lse(lse, r.m, r.l, inv, k.work.batch(cs.u), k.head(cs), row0, k.T, k.Hq, scale);
         r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
     }
     if constexpr (NEXT) {
         wgmma_wait<1>();                                           // the next scores (this p v still in flight)
         fence_registers<KEYS / 2>(s);
-        softmax_step<KEYS>(s, r.m, r.l, correction, nx.j * KEYS, k.row0(k.work.tile(nx)), k.work.diagonal(nx),
+        softmax_step<KEYS>(s, r.m, r.l, correction, nx.j() * KEYS, k.row0(nx.qi()), k.work.diagonal(nx),
                            scale2);
     }
     wgmma_wait<0>();                                               // this p v: o and p are free
     fence_registers<HD / 2>(r.o);
     if (last) {
-        store_y(y16, r.o, inv, k.batch(cs.u), k.head(cs.u), row0, k.T, k.Hq);
+        store_y(y16, r.o, inv, k.work.batch(cs.u), k.head(cs), row0, k.T, k.Hq);
         done++;
     }
     if constexpr (NEXT) {
@@ -622,7 +635,7 @@ __device__ __forceinline__ void pipelined_step(const Block<KEYS>& k, Cursor& cs,
 
 template <int KEYS, int STAGES, bool QR>
 __device__ void pipelined_steps(const Block<KEYS>& k, unsigned short* y16, float* lse, float scale, float scale2) {
-    Cursor cs = {(int)blockIdx.x, 0, 0}, ld = cs;                  // the products' step, the copies'
+    Cursor cs = k.work.start(blockIdx.x), ld = cs;                 // the products' step, the copies'
     int loaded = 0, done = 0;                                      // tiles whose q was copied, tiles stored
     for (int i = 0; i < STAGES - 1; i++) k.load(ld, i, STAGES, loaded);
     if (!k.work.valid(cs)) return;
@@ -637,7 +650,7 @@ __device__ void pipelined_steps(const Block<KEYS>& k, unsigned short* y16, float
     scores<KEYS, QR>(s, qf, k.q_tile(0), k.k_tile(0, STAGES));
     wgmma_wait<0>();
     fence_registers<KEYS / 2>(s);
-    softmax_step<KEYS>(s, r.m, r.l, correction, 0, k.row0(k.work.tile(cs)), k.work.diagonal(cs), scale2);
+    softmax_step<KEYS>(s, r.m, r.l, correction, 0, k.row0(cs.qi()), k.work.diagonal(cs), scale2);
     pack_p<KEYS>(p, s);
     int n = 0, steps = k.steps();
     for (; n + 1 < steps; n++)
@@ -653,7 +666,7 @@ __device__ void attention_forward_wgmma(unsigned short* y16, float* lse, const u
     Block<KEYS> k(smem + (1024 - shared_address(smem) % 1024) % 1024, qkv16, B, T, Hq, Hkv);
     const float scale2 = scale * LOG2E;
     if constexpr (MODE == 0) simple_steps<KEYS, STAGES, QR>(k, y16, lse, scale, scale2);
-    else if constexpr (MODE == 1) overlapped_steps<STAGES, QR>(k, y16, lse, scale, scale2);
+    else if constexpr (MODE == 1) overlapped_steps<STAGES>(k, y16, lse, scale, scale2);
     else pipelined_steps<KEYS, STAGES, QR>(k, y16, lse, scale, scale2);
 }
 
@@ -680,17 +693,17 @@ attention_forward_wgmma_qr_64(unsigned short* y16, float* lse, const unsigned sh
     attention_forward_wgmma<64, 3, 0, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }
 
-extern "C" __global__ void __launch_bounds__(384)
-attention_forward_wgmma_overlap_qr_64(unsigned short* y16, float* lse, const unsigned short* qkv16,
-                                      int B, int T, int Hq, int Hkv, float scale) {
-    attention_forward_wgmma<64, 4, 1, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
-}
-
 // FlashAttention-3's order at 64 keys a step
 extern "C" __global__ void __launch_bounds__(384)
 attention_forward_wgmma_pipelined_64(unsigned short* y16, float* lse, const unsigned short* qkv16,
                                      int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_wgmma<64, 4, 2, false>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
+}
+
+extern "C" __global__ void __launch_bounds__(384)
+attention_forward_wgmma_pipelined_qr_64(unsigned short* y16, float* lse, const unsigned short* qkv16,
+                                        int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_wgmma<64, 4, 2, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }
 
 // 128 keys a step

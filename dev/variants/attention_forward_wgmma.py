@@ -40,8 +40,8 @@ PRODUCT = "attention_forward_bf16_kernel_64"
 ENTRIES = {"wgmma": ("attention_forward_wgmma_64", 64, 3),
            "wgmma q": ("attention_forward_wgmma_qr_64", 64, 3),
            "wgmma overlap": ("attention_forward_wgmma_overlap_64", 64, 4),
-           "wgmma overlap q": ("attention_forward_wgmma_overlap_qr_64", 64, 4),
            "wgmma pipelined": ("attention_forward_wgmma_pipelined_64", 64, 4),
+           "wgmma pipelined q": ("attention_forward_wgmma_pipelined_qr_64", 64, 4),
            "wgmma k128": ("attention_forward_wgmma_k128_64", 128, 3),
            "wgmma k128 q": ("attention_forward_wgmma_k128_qr_64", 128, 3),
            "wgmma k128 pipelined": ("attention_forward_wgmma_k128_pipelined_64", 128, 4)}
