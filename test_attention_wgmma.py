@@ -153,7 +153,7 @@ def test_each_version_with_copies_landing_at_their_wait(variant):
 @needs_gxx
 @pytest.mark.parametrize("old, new, name", [
     ("cp_async_wait<AHEAD - 1>();                                //", "cp_async_wait<AHEAD>(); //", "wgmma"),
-    ("cp_async_wait<STAGES - 3>();", "cp_async_wait<STAGES - 2>();", "wgmma k128 pipelined")])
+    ("cp_async_wait<STAGES - 3>();", "cp_async_wait<STAGES - 2>();", "wgmma pipelined")])
 def test_a_wait_one_group_short_is_seen_only_with_late_copies(tmp_path, old, new, name):
     # the simple and the pipelined version waiting for one group of copies too few: right with copies done at once
     # (the round-1 emulator's only way), wrong with copies landing at their wait

@@ -39,19 +39,18 @@ Three versions (the entry points at the bottom), each launched either way:
   step's p v runs while the next step's softmax does: a warpgroup waits on its softmax chain with the tensor
   core busy on its own products. K/V copied 2 steps ahead through 4 stages (a V tile may still be read by
   the p v in flight when the next copy starts).
-- pipelined (attention_forward_wgmma_pipelined_64; _k128_pipelined_64 with 128 keys a step): FlashAttention-3's
-  own order, one score accumulator: the next step's s = q k.T, then this step's o += p v, issued together; the
-  next step's softmax while this p v runs; then o rescaled and the next p packed (at 128 keys s, p and o are
-  64 + 32 + 32 registers). K/V copied 3 steps ahead through 4 stages (every p v of a step is done before the
-  block's next barrier).
+- pipelined (attention_forward_wgmma_pipelined_64, 64 keys a step): FlashAttention-3's own order, one score
+  accumulator: the next step's s = q k.T, then this step's o += p v, issued together; the next step's softmax
+  while this p v runs; then o rescaled and the next p packed. K/V copied 3 steps ahead through 4 stages (every
+  p v of a step is done before the block's next barrier).
 Either with q read by s = q k.T from shared memory, or from registers (the _qr_ entry points: 16 registers
 more, loaded from the q tile at a tile's start): a wgmma m64n64k16 with both operands in shared memory reads
 4 KB in its 32 cycles, all of the 128 bytes a cycle shared memory gives, and the copies write there too.
 ptxas (NVRTC 13, sm_90a), no spills, no wgmma serialized (test_attention_wgmma), 384 threads a block, one block
-an SM; registers at 64 keys: 129 simple, 151 with q in registers, 166 overlapped, 134 pipelined, 155 with q in
-registers; at 128 keys: 167 simple, 166 with q in registers, 168 pipelined. Not built, for want of registers
-(168 at most with 384 threads): overlapped with q in registers (built in round 1; it spilled 36 bytes with the
-copies' cursor below) and pipelined at 128 keys with q in registers (48 bytes).
+an SM; registers at 64 keys: 132 simple, 149 with q in registers, 166 overlapped, 134 pipelined, 155 with q in
+registers; at 128 keys: 166 simple, 166 with q in registers. Not built, for want of registers (168 at most with
+384 threads): overlapped with q in registers (built in rounds 1 and 2; 36 bytes of spills with the copies'
+cursor below), pipelined at 128 keys (round 2; 4 bytes with NVRTC 13.5's ptxas) and with q in registers too.
 `python dev/variants/attention_forward_wgmma.py` checks every version against float64 and times it beside the
 product on an H100/H200; the figures are in dev/LOG.md (issue 36).
 */
@@ -717,10 +716,4 @@ extern "C" __global__ void __launch_bounds__(384)
 attention_forward_wgmma_k128_qr_64(unsigned short* y16, float* lse, const unsigned short* qkv16,
                                    int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_wgmma<128, 3, 0, true>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
-}
-
-extern "C" __global__ void __launch_bounds__(384)
-attention_forward_wgmma_k128_pipelined_64(unsigned short* y16, float* lse, const unsigned short* qkv16,
-                                          int B, int T, int Hq, int Hkv, float scale) {
-    attention_forward_wgmma<128, 4, 2, false>(y16, lse, qkv16, B, T, Hq, Hkv, scale);
 }

@@ -43,8 +43,8 @@ ENTRIES = {"wgmma": ("attention_forward_wgmma_64", 64, 3),
            "wgmma pipelined": ("attention_forward_wgmma_pipelined_64", 64, 4),
            "wgmma pipelined q": ("attention_forward_wgmma_pipelined_qr_64", 64, 4),
            "wgmma k128": ("attention_forward_wgmma_k128_64", 128, 3),
-           "wgmma k128 q": ("attention_forward_wgmma_k128_qr_64", 128, 3),
-           "wgmma k128 pipelined": ("attention_forward_wgmma_k128_pipelined_64", 128, 4)}
+           "wgmma k128 q": ("attention_forward_wgmma_k128_qr_64", 128, 3)}
+
 VERSIONS = {name + persistent: (*entry, bool(persistent))
             for name, entry in ENTRIES.items() for persistent in ("", " persistent")}
 
