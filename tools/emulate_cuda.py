@@ -1233,10 +1233,9 @@ class Cublas:
             o[...] = o + A @ B if accumulate else A @ B
 
 
-def install(nc, sms=2, arch="90", reverse=False, late_copies=False):
+def install(nc, sms=2, arch="90", reverse=False):
     """nanoeuler_cuda (the module nc) on the emulator: its driver and its GPU, with the
-    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; late_copies:
-    cp.async lands at the wait that covers it; -> the driver"""
+    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; -> the driver"""
     from cuda.bindings import driver as real
     root = os.path.dirname(os.path.abspath(nc.__file__))
     nc.cu = driver = Driver(real)
@@ -1246,7 +1245,6 @@ def install(nc, sms=2, arch="90", reverse=False, late_copies=False):
                    for name, (file, defines, select) in SOURCES.items()}
     for lib in gpu.modules.values():
         lib.emu_set_reverse(int(reverse))
-        lib.emu_set_late_copies(int(late_copies))
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile = {}, None, "fp32", None
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
@@ -1300,7 +1298,9 @@ def main():
     sys.path.insert(0, HERE)
     import nanoeuler as ne
     import nanoeuler_cuda as nc
-    driver = install(nc, reverse=args.reverse, late_copies=args.late_copies)
+    driver = install(nc, reverse=args.reverse)
+    for lib in nc.gpu.modules.values():
+        lib.emu_set_late_copies(int(args.late_copies))
     if "check" in args.what:
         nc.main(["check"])
         return
