@@ -1,0 +1,365 @@
+/*
+The dk/dv pass of the bf16 attention backward at D = 64 with warpgroup MMA fed by TMA (issue 36; not part of the
+product: nanoeuler_cuda.MODULES does not list it), in the design of attention_forward_tma.cu: one producer
+warpgroup whose one thread issues every copy, W consumer warpgroups, mbarriers between them, no block-wide
+barrier a step. The same math and layouts as flash_attn.cu's attention_backward_dkv_bf16, so that its dq pass
+(attention_backward_dq_bf16_kernel_64) runs on what this one stores:
+  keys are the rows: st = k q.T, pt = exp(scale st - lse) (0 for a query before the key or past T),
+  dpt = v dy.T, dst = pt (dpt - delta); dv = sum pt dy, dk = scale sum dst q over the G query heads that read
+  the kv head and every query tile from the keys' own on; dst rounded to bf16 and stored for the dq pass in the
+  product's order (flash_attn.cu's ds_tile, each 64 x 64 tile in mma.sync's C order, which is wgmma's too).
+Layouts: qkv16 (B, T, (Hq + 2 Hkv) 64), dy16 (B, T, Hq 64), lse and delta (B, Hq, T) fp32; dk and dv written
+into dqkv16 (B, T, (Hq + 2 Hkv) 64) at the k and v heads' columns (dk before rope_backward rotates it).
+
+How the work is split: a block owns W key tiles of 64 keys (W = 2: keys 128 x .. 128 x + 127) of one kv head of
+one batch row, grid = (ceil(nk / W), Hkv, B) with nk = ceil(T / 64), the first key tiles (most queries) first.
+Warpgroup 0 is the producer (setmaxnreg 24), warpgroups 1 .. W the consumers (setmaxnreg 240), consumer g owning
+key tile W x + g. Every thread walks the same steps: step n is query head kvh G + n / m and query tile W x + n % m
+(m = nq - W x query tiles from the block's first key tile on); a consumer whose key tile is after the step's query
+tile computes it all masked (p = 0: nothing added) and stores no ds, so that no wgmma is under a branch.
+  K, V: the block's W key tiles of each, copied once (kv_full)
+  q, dy, lse, delta: STAGES stages, each a 64-row tile of q and of dy (the 128-byte swizzle that wgmma reads,
+     K-major for st and dpt, MN-major for dk and dv) and 64 floats of lse and of delta, with mbarriers full (the
+     producer's expect_tx) and empty (W arrivals, each consumer once its dk and dv products of the step are done)
+Each step, in each consumer (its 64 keys):
+  st, dpt (64 x 64 fp32)  4 + 4 wgmma m64n64k16, k or v and q or dy from shared memory (32 + 32 registers)
+  pt, dst                  in the accumulator layout (thread t: keys 16 (t / 32 % 4) + t % 32 / 4 and 8 below, queries
+                           8 j + 2 (t % 4) + 0, 1), lse and delta of those queries read from the stage
+  dv += pt dy, dk += dst q 4 + 4 wgmma m64n64k16, pt and dst from registers (rounded to bf16 in pairs: wgmma's register
+                           a), dy and q MN-major
+dk and dv (32 + 32 registers) stay in registers to the end. ptxas (NVRTC 13, sm_90a): no spills, no wgmma
+serialized (test_attention_backward_tma). `python dev/variants/attention_backward_tma.py` checks it against float64
+and times it beside the product's dk/dv pass on an H100/H200.
+*/
+
+#define HD 64                 // head dim
+#define ROWS 64               // keys of a consumer, queries of a step (wgmma's M and N)
+#define TILE_BYTES 8192       // a 64 x 64 bf16 tile
+#define PRODUCER_REGS 24      // setmaxnreg: 24 128 + 240 256 = 64512 of the SM's 65536, for W = 2
+#define CONSUMER_REGS 240
+#define LOG2E 1.4426950408889634f
+
+// -----------------------------------------------------------------------------
+// helpers (inline PTX; the emulator defines each in C++: tools/emulate_cuda.py, WGMMA_HELPERS and TMA_HELPERS);
+// as attention_forward_tma.cu has them
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// order the registers' accesses before it against the wgmma after it (the warpgroup runs it together)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+// d (64 x 64 fp32) = a (64 x 16) b (16 x 64) + (scale_d ? d : 0), a and b bf16 in shared memory by their
+// descriptors; A_MN, B_MN: a M-major, b N-major (else K-major)
+template <int N, int A_MN, int B_MN>
+__device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    static_assert(N == 64, "wgmma_bf16: N is 64 here");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "%32, %33, p, 1, 1, %35, %36;\n}\n"
+                 : D8(0), D8(8), D8(16), D8(24)
+                 : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+#undef D8
+}
+
+// the same with a from registers: a[0..3] this thread's part of a (64 x 16) as mma.sync's m16n8k16 a fragment;
+// not to be written until the wgmma is waited for
+template <int N, int B_MN>
+__device__ __forceinline__ void wgmma_bf16_rs(float* d, const unsigned* a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    static_assert(N == 64, "wgmma_bf16_rs: N is 64 here");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : D8(0), D8(8), D8(16), D8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(B_MN));
+#undef D8
+}
+
+// close the group of the wgmma this thread issued since the last commit
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>   // wait until at most N groups of wgmma are still in flight
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// a CUtensorMap: 128 opaque bytes that cuTensorMapEncodeTiled writes on the host; a kernel takes it as a
+// const __grid_constant__ parameter and gives the copy its address
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// an mbarrier (8 bytes of shared memory) whose phases complete after count arrivals (and the bytes expected)
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+// make mbarrier.init visible to the async proxy (the TMA unit) and to the other threads
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+}
+
+// expect `bytes` more on the current phase, then arrive
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+                 "r"(bytes) : "memory");
+}
+
+// whether the phase of this parity has completed (waits a while first, as the hardware decides)
+__device__ __forceinline__ bool mbarrier_try_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+    return done;
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    while (!mbarrier_try_wait(bar, parity)) {
+    }
+}
+
+// the box of the tensor map at element (x, y) (x along rows, the inner dimension) -> dst in shared memory,
+// its bytes completed on bar
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, int y, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
+                 "[%2];" ::"r"(shared_address(dst)), "l"(map), "r"(shared_address(bar)), "r"(x), "r"(y)
+                 : "memory");
+}
+
+// a warpgroup's registers a thread: raised to N, or lowered to N
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+// -----------------------------------------------------------------------------
+// plain C++ (the emulator runs it as it is)
+
+// keep the compiler from moving accesses to the n accumulators across a wgmma fence or wait (CUTLASS's
+// warpgroup_fence_operand): each register passes through an empty asm
+template <int n>
+__device__ __forceinline__ void fence_registers(float* d) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+// two floats -> one register of two bf16, rounded to nearest even; lo in the lower half
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// a shared-memory matrix descriptor of a 128-byte-swizzled operand: bits 0-13 the start address >> 4, 16-29
+// the leading byte offset >> 4, 32-45 the stride byte offset >> 4 (8 rows of 128 bytes: 1024), 62-63 1
+__device__ __forceinline__ unsigned long long sw128_descriptor(unsigned address, unsigned lbo) {
+    return (address & 0x3FFFF) >> 4 | (unsigned long long)(lbo >> 4 & 0x3FFF) << 16 |
+           (unsigned long long)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// d = a b.T (64 x 64): 4 wgmma of 16 dims, a (64 rows) and b (64 rows) K-major (the 16 dims from kk at byte 32 kk
+// of each 128-byte row): st = k q.T, dpt = v dy.T
+__device__ __forceinline__ void issue_products_t(float* d, unsigned a, unsigned b) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+        wgmma_bf16<64, 0, 0>(d, sw128_descriptor(a + 32 * kk, 16), sw128_descriptor(b + 32 * kk, 16), kk > 0);
+}
+
+// d += a b: 4 wgmma of 16 queries, a[kk] from registers, b (64 query rows of 64 dims) N-major (queries 16 kk .. at
+// byte 2048 kk): dv += pt dy, dk += dst q
+__device__ __forceinline__ void issue_products(float* d, const unsigned (*a)[4], unsigned b) {
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; kk++) wgmma_bf16_rs<HD, 1>(d, a[kk], sw128_descriptor(b + 2048 * kk, 8192), 1);
+}
+
+// x (fp32, accumulator layout) -> bf16 pairs in wgmma's register a layout, 16 queries a k-step: register j of
+// k-step kk holds row g (+ 8 for odd j), queries 16 kk + 2 (t % 4), +1 (+ 8 for j >= 2): x[8 kk + 2 j], + 1
+__device__ __forceinline__ void pack_a(unsigned (*a)[4], const float* x) {
+#pragma unroll
+    for (int kk = 0; kk < ROWS / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) a[kk][j] = pack_bf16(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
+}
+
+// flash_attn.cu's ds_tile: where the 64 x 64 ds tile of query tile qi and key tile kj of (b, h) starts
+__device__ __forceinline__ long ds_tile(int b, int h, int Hq, int T, int qi, int kj) {
+    int tiles = (T - 1) / ROWS + 1;
+    return (((long)b * Hq + h) * (tiles * (tiles + 1) / 2) + qi * (qi + 1) / 2 + kj) * ROWS * ROWS;
+}
+
+// rows row0 and row0 + 8 of x (accumulator layout) times f, rounded to bf16, into a row-major bf16 matrix (row
+// stride ld) from out; rows past T skipped
+__device__ __forceinline__ void store_rows(unsigned short* out, long ld, const float* x, float f, int row0, int T) {
+    int q = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + 8 * r;
+        if (row >= T) continue;
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+            *(unsigned*)(out + row * ld + 8 * j + 2 * q) = pack_bf16(x[4 * j + 2 * r] * f, x[4 * j + 2 * r + 1] * f);
+    }
+}
+
+// -----------------------------------------------------------------------------
+// the kernel (the header says how the work is split)
+
+// what the warpgroups share: the block's key tiles (K of consumer g at g 8192 bytes, V at (W + g) 8192), the stages
+// (stage s: q at 2 W 8192 + 2 s 8192, dy 8192 after it; lse and delta, 256 bytes each, after every tile), the
+// mbarriers, the work
+template <int STAGES>
+struct Block {
+    unsigned char* tiles;
+    float* stats;                                   // lse of stage s at 128 s, delta at 128 s + 64
+    unsigned long long *full, *empty, *kv_full;
+    int W, x, kvh, b, T, Hq, Hkv, G, nq, m, steps;
+    __device__ Block(unsigned char* tiles_, int T_, int Hq_, int Hkv_) : tiles(tiles_) {
+        W = blockDim.x / 128 - 1, x = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+        T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv;
+        nq = (T + ROWS - 1) / ROWS, m = nq - W * x, steps = G * m;
+        stats = (float*)(tiles + (2 * W + 2 * STAGES) * TILE_BYTES);
+        full = (unsigned long long*)(stats + 128 * STAGES);
+        empty = full + STAGES, kv_full = empty + STAGES;
+    }
+    __device__ unsigned char* k_bytes(int g) const { return tiles + g * TILE_BYTES; }
+    __device__ unsigned char* v_bytes(int g) const { return tiles + (W + g) * TILE_BYTES; }
+    __device__ unsigned char* q_bytes(int n) const { return tiles + (2 * W + 2 * (n % STAGES)) * TILE_BYTES; }
+    __device__ unsigned char* dy_bytes(int n) const { return q_bytes(n) + TILE_BYTES; }
+    __device__ float* lse_s(int n) const { return stats + 128 * (n % STAGES); }
+    __device__ float* delta_s(int n) const { return stats + 128 * (n % STAGES) + 64; }
+    __device__ int head(int n) const { return kvh * G + n / m; }
+    __device__ int query_tile(int n) const { return W * x + n % m; }
+};
+
+// the producer: one thread issues the block's K and V tiles, then step by step the stage's q, dy, lse and delta
+// (into stage n % STAGES once every consumer has freed it)
+template <int STAGES>
+__device__ void produce(const Block<STAGES>& k, const TensorMap* map_qkv, const TensorMap* map_dy,
+                        const TensorMap* map_lse, const TensorMap* map_delta) {
+    int row = k.b * k.T;
+    mbarrier_arrive_expect_tx(k.kv_full, 2 * k.W * TILE_BYTES);
+    for (int g = 0; g < k.W; g++) {
+        int r = row + (k.W * k.x + g) * ROWS;
+        tma_load_2d(k.k_bytes(g), map_qkv, (k.Hq + k.kvh) * HD, r, k.kv_full);
+        tma_load_2d(k.v_bytes(g), map_qkv, (k.Hq + k.Hkv + k.kvh) * HD, r, k.kv_full);
+    }
+    for (int n = 0; n < k.steps; n++) {
+        int s = n % STAGES, h = k.head(n), q0 = k.query_tile(n) * ROWS;
+        mbarrier_wait(&k.empty[s], (n / STAGES + 1) % 2);
+        mbarrier_arrive_expect_tx(&k.full[s], 2 * TILE_BYTES + 2 * ROWS * 4);
+        tma_load_2d(k.q_bytes(n), map_qkv, h * HD, row + q0, &k.full[s]);
+        tma_load_2d(k.dy_bytes(n), map_dy, h * HD, row + q0, &k.full[s]);
+        tma_load_2d(k.lse_s(n), map_lse, q0, k.b * k.Hq + h, &k.full[s]);
+        tma_load_2d(k.delta_s(n), map_delta, q0, k.b * k.Hq + h, &k.full[s]);
+    }
+}
+
+// a consumer (warpgroup g of the consumers, key tile W x + g): every step's products waited for at once
+template <int STAGES>
+__device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, unsigned short* ds16, float scale) {
+    const float scale2 = scale * LOG2E;
+    int t = threadIdx.x % 128, q = t % 4, kt = k.W * k.x + g, row0 = kt * ROWS + 16 * (t / 32) + t % 32 / 4;
+    unsigned ka = shared_address(k.k_bytes(g)), va = shared_address(k.v_bytes(g));
+    float dk[HD / 2], dv[HD / 2], st[ROWS / 2], dpt[ROWS / 2];
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++) dk[i] = dv[i] = 0.0f;
+    unsigned pa[ROWS / 16][4], da[ROWS / 16][4];
+    mbarrier_wait(k.kv_full, 0);
+    for (int n = 0; n < k.steps; n++) {
+        int s = n % STAGES, h = k.head(n), qt = k.query_tile(n), q0 = qt * ROWS;
+        mbarrier_wait(&k.full[s], n / STAGES % 2);
+        unsigned qa = shared_address(k.q_bytes(n)), dya = shared_address(k.dy_bytes(n));
+        fence_registers<ROWS / 2>(st);
+        fence_registers<ROWS / 2>(dpt);
+        wgmma_fence();
+        issue_products_t(st, ka, qa);
+        issue_products_t(dpt, va, dya);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers<ROWS / 2>(st);
+        fence_registers<ROWS / 2>(dpt);
+        // pt and dst in place of st and dpt; keys after a query, or queries past T, are masked (p = 0)
+        const float *lse = k.lse_s(n), *delta = k.delta_s(n);
+        bool edge = q0 < kt * ROWS + ROWS || q0 + ROWS > k.T;
+#pragma unroll
+        for (int i = 0; i < ROWS / 2; i++) {
+            int c = 8 * (i / 4) + 2 * q + i % 2, query = q0 + c, key = row0 + 8 * (i / 2 % 2);
+            float p = exp2f(fmaf(st[i], scale2, -lse[c] * LOG2E));
+            if (edge && (query < key || query >= k.T)) p = 0.0f;
+            st[i] = p;
+            dpt[i] = p * (dpt[i] - delta[c]);
+        }
+        pack_a(pa, st);
+        pack_a(da, dpt);
+        if (qt >= kt) {                                  // this warp's 16 keys x 64 queries of the ds tile
+            unsigned* ds = (unsigned*)(ds16 + ds_tile(k.b, h, k.Hq, k.T, qt, kt)) + 512 * (t / 32) + t % 32;
+#pragma unroll
+            for (int kk = 0; kk < ROWS / 16; kk++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) ds[32 * (4 * kk + j)] = da[kk][j];   // flash_attn.cu's order
+        }
+        fence_registers<HD / 2>(dv);
+        fence_registers<HD / 2>(dk);
+        wgmma_fence();
+        issue_products(dv, pa, dya);
+        issue_products(dk, da, qa);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers<HD / 2>(dv);
+        fence_registers<HD / 2>(dk);
+        if (t == 0) mbarrier_arrive(&k.empty[s]);        // this warpgroup is done with the stage
+    }
+    long stride = (long)(k.Hq + 2 * k.Hkv) * HD;
+    unsigned short* out = dqkv16 + (long)k.b * k.T * stride;
+    store_rows(out + (k.Hq + k.kvh) * HD, stride, dk, scale, row0, k.T);            // rope_backward rotates dk
+    store_rows(out + (k.Hq + k.Hkv + k.kvh) * HD, stride, dv, 1.0f, row0, k.T);
+}
+
+template <int STAGES>
+__device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned short* ds16, const TensorMap* map_qkv,
+                                           const TensorMap* map_dy, const TensorMap* map_lse,
+                                           const TensorMap* map_delta, int T, int Hq, int Hkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Block<STAGES> k(smem + (1024 - shared_address(smem) % 1024) % 1024, T, Hq, Hkv);
+    int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) mbarrier_init(&k.full[s], 1), mbarrier_init(&k.empty[s], k.W);
+        mbarrier_init(k.kv_full, 1);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce(k, map_qkv, map_dy, map_lse, map_delta);
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+    consume(k, wg - 1, dqkv16, ds16, scale);
+}
+
+// -----------------------------------------------------------------------------
+// entry points: grid (ceil(nk / W), Hkv, B), 128 (W + 1) threads (W = 2), dynamic shared memory (2 W + 2 STAGES)
+// 8192 + 512 STAGES (lse and delta) + 16 STAGES + 8 (the mbarriers) + 1024 (to align the tiles) bytes; map_qkv:
+// qkv16's tensor map, map_dy: dy16's, boxes of 64 x 64 with the 128-byte swizzle; map_lse, map_delta: lse's and
+// delta's as (B Hq, T) fp32, boxes of 64 x 1
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+attention_backward_dkv_tma_64(unsigned short* dqkv16, unsigned short* ds16, const __grid_constant__ TensorMap map_qkv,
+                              const __grid_constant__ TensorMap map_dy, const __grid_constant__ TensorMap map_lse,
+                              const __grid_constant__ TensorMap map_delta, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_tma<4>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, T, Hq, Hkv, scale);
+}
