@@ -83,6 +83,9 @@ def ds_of_tiles(ds16, b, T, Hq):
     return out[:, :T, :T]
 
 
+SMS = 3             # the persistent versions: as many blocks (fewer than the units: each walks several)
+
+
 def run(lib, name, B, T, Hq, Hkv, seed=0):
     """a version on the emulator -> the errors of dk, dv and ds (relative norms) against float64, every batch row"""
     from cuda.bindings import driver as real
@@ -95,7 +98,7 @@ def run(lib, name, B, T, Hq, Hkv, seed=0):
     ds = np.full(B * Hq * tiles * (tiles + 1) // 2 * 4096, 0xFFFF, np.uint16)
     entry, grid, threads, _, args = script.arguments(driver, name, dqkv.ctypes.data, ds.ctypes.data,
                                                      qkv.ctypes.data, dy.ctypes.data, lse.ctypes.data,
-                                                     delta.ctypes.data, B, T, Hq, Hkv)
+                                                     delta.ctypes.data, B, T, Hq, Hkv, SMS)
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
     launch = lib.emu_launch(lib.emu_kernel(entry.encode()), *grid, threads, params)
     fault = lib.emu_run(launch)
@@ -154,7 +157,7 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     monkeypatch.setattr(nc, "gpu", nc.gpu)
     emulator = emulator_module()
     driver = emulator.install(nc)
-    nc.gpu.arch = "90"
+    nc.gpu.arch, nc.gpu.sms = "90", SMS
     libs = {"attention_backward_tma.cu": variant, "flash_attn.cu": nc.gpu.modules["flash_attn.cu"]}
     monkeypatch.setattr(nc, "nvrtc_compile", lambda name, source, arch: name.encode())
     monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (0, libs[cubin.decode()]), raising=False)
@@ -186,5 +189,5 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
     nvrtc.nvrtcGetProgramLog(prog, log)
     nvrtc.nvrtcDestroyProgram(prog)
     log = log.decode(errors="replace")
-    entries = {entry for entry, _ in script.VERSIONS.values()}
+    entries = {entry for entry, _, _ in script.VERSIONS.values()}
     assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == len(entries), log

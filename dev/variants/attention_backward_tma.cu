@@ -11,13 +11,14 @@ barrier a step. The same math and layouts as flash_attn.cu's attention_backward_
 Layouts: qkv16 (B, T, (Hq + 2 Hkv) 64), dy16 (B, T, Hq 64), lse and delta (B, Hq, T) fp32; dk and dv written
 into dqkv16 (B, T, (Hq + 2 Hkv) 64) at the k and v heads' columns (dk before rope_backward rotates it).
 
-How the work is split: a block owns W key tiles of 64 keys (W = 2: keys 128 x .. 128 x + 127) of one kv head of
-one batch row, grid = (ceil(nk / W), Hkv, B) with nk = ceil(T / 64), the first key tiles (most queries) first.
-Warpgroup 0 is the producer (setmaxnreg 24), warpgroups 1 .. W the consumers (setmaxnreg 240), consumer g owning
-key tile W x + g. Every thread walks the same steps: step n is query head kvh G + n / m and query tile W x + n % m
-(m = nq - W x query tiles from the block's first key tile on); a consumer whose key tile is after the step's query
-tile computes it all masked (p = 0: nothing added) and stores no ds, so that no wgmma is under a branch.
-  K, V: the block's W key tiles of each, copied once (kv_full)
+How the work is split: a unit is W key tiles of 64 keys (W = 2: keys 128 x .. 128 x + 127) of one kv head of one
+batch row, the units with the first key tiles (most queries) first (struct Unit). grid = the units (a block each),
+or fewer ("persistent": the number of SMs), each block walking units gridDim.x apart. Warpgroup 0 is the producer
+(setmaxnreg 24), warpgroups 1 .. W the consumers (setmaxnreg 240), consumer g owning key tile W x + g. Every thread
+walks the same units and steps: step j of a unit is query head kvh G + j / m and query tile W x + j % m (m = nq -
+W x query tiles from the unit's first key tile on); a consumer whose key tile is after the step's query tile
+computes it all masked (p = 0: nothing added) and stores no ds, so that no wgmma is under a branch.
+  K, V: the unit's W key tiles of each (kv_full; kv_empty: W arrivals, each consumer at the unit's end)
   q, dy, lse, delta: STAGES stages, each a 64-row tile of q and of dy (the 128-byte swizzle that wgmma reads,
      K-major for st and dpt, MN-major for dk and dv) and 64 floats of lse and of delta, with mbarriers full (the
      producer's expect_tx) and empty (W arrivals, each consumer once its dk and dv products of the step are done)
@@ -218,22 +219,35 @@ __device__ __forceinline__ void store_rows(unsigned short* out, long ld, const f
 // -----------------------------------------------------------------------------
 // the kernel (the header says how the work is split)
 
-// what the warpgroups share: the block's key tiles (K of consumer g at g 8192 bytes, V at (W + g) 8192), the stages
+// A unit is W key tiles of 64 keys (keys 64 W x .. 64 W x + 64 W - 1) of one kv head of one batch row, the units
+// ordered by x first, so that the heaviest (the first key tiles: the most queries) come first: unit u has x = u /
+// (B Hkv), kv head u % (B Hkv) % Hkv, batch row u % (B Hkv) / Hkv. Its steps: n = 0 .. G m - 1 (m = nq - W x),
+// step n is query head kvh G + n / m and query tile W x + n % m. A block walks units blockIdx.x, + gridDim.x, ...
+// (grid: the units, a block each; or the SMs, persistent), and its steps are counted over all its units, so the
+// stages' ring and their parities run on from one unit to the next.
+struct Unit {
+    int x, kvh, b, m, steps;
+};
+
+// what the warpgroups share: the unit's key tiles (K of consumer g at g 8192 bytes, V at (W + g) 8192), the stages
 // (stage s: q at 2 W 8192 + 2 s 8192, dy 8192 after it; lse and delta, 256 bytes each, after every tile), the
-// mbarriers, the work
+// mbarriers (kv_full, kv_empty: the key tiles of the block's i-th unit, phase i), the work
 template <int STAGES>
 struct Block {
     unsigned char* tiles;
     float* stats;                                   // lse of stage s at 128 s, delta at 128 s + 64
-    unsigned long long *full, *empty, *kv_full;
-    int W, x, kvh, b, T, Hq, Hkv, G, nq, m, steps;
-    __device__ Block(unsigned char* tiles_, int T_, int Hq_, int Hkv_) : tiles(tiles_) {
-        W = blockDim.x / 128 - 1, x = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-        T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv;
-        nq = (T + ROWS - 1) / ROWS, m = nq - W * x, steps = G * m;
+    unsigned long long *full, *empty, *kv_full, *kv_empty;
+    int W, B, T, Hq, Hkv, G, nq, units;
+    __device__ Block(unsigned char* tiles_, int B_, int T_, int Hq_, int Hkv_) : tiles(tiles_) {
+        W = blockDim.x / 128 - 1, B = B_, T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv;
+        nq = (T + ROWS - 1) / ROWS, units = (nq + W - 1) / W * B * Hkv;
         stats = (float*)(tiles + (2 * W + 2 * STAGES) * TILE_BYTES);
         full = (unsigned long long*)(stats + 128 * STAGES);
-        empty = full + STAGES, kv_full = empty + STAGES;
+        empty = full + STAGES, kv_full = empty + STAGES, kv_empty = kv_full + 1;
+    }
+    __device__ Unit unit(int u) const {
+        int x = u / (B * Hkv), m = nq - W * x;
+        return {x, u % (B * Hkv) % Hkv, u % (B * Hkv) / Hkv, m, G * m};
     }
     __device__ unsigned char* k_bytes(int g) const { return tiles + g * TILE_BYTES; }
     __device__ unsigned char* v_bytes(int g) const { return tiles + (W + g) * TILE_BYTES; }
@@ -241,104 +255,113 @@ struct Block {
     __device__ unsigned char* dy_bytes(int n) const { return q_bytes(n) + TILE_BYTES; }
     __device__ float* lse_s(int n) const { return stats + 128 * (n % STAGES); }
     __device__ float* delta_s(int n) const { return stats + 128 * (n % STAGES) + 64; }
-    __device__ int head(int n) const { return kvh * G + n / m; }
-    __device__ int query_tile(int n) const { return W * x + n % m; }
 };
 
-// the producer: one thread issues the block's K and V tiles, then step by step the stage's q, dy, lse and delta
-// (into stage n % STAGES once every consumer has freed it)
+// the producer: one thread issues, unit by unit, its K and V tiles (once every consumer is done with the unit
+// before), then step by step the stage's q, dy, lse and delta (into stage n % STAGES once every consumer has
+// freed it; n counts the block's steps)
 template <int STAGES>
 __device__ void produce(const Block<STAGES>& k, const TensorMap* map_qkv, const TensorMap* map_dy,
                         const TensorMap* map_lse, const TensorMap* map_delta) {
-    int row = k.b * k.T;
-    mbarrier_arrive_expect_tx(k.kv_full, 2 * k.W * TILE_BYTES);
-    for (int g = 0; g < k.W; g++) {
-        int r = row + (k.W * k.x + g) * ROWS;
-        tma_load_2d(k.k_bytes(g), map_qkv, (k.Hq + k.kvh) * HD, r, k.kv_full);
-        tma_load_2d(k.v_bytes(g), map_qkv, (k.Hq + k.Hkv + k.kvh) * HD, r, k.kv_full);
-    }
-    for (int n = 0; n < k.steps; n++) {
-        int s = n % STAGES, h = k.head(n), q0 = k.query_tile(n) * ROWS;
-        mbarrier_wait(&k.empty[s], (n / STAGES + 1) % 2);
-        mbarrier_arrive_expect_tx(&k.full[s], 2 * TILE_BYTES + 2 * ROWS * 4);
-        tma_load_2d(k.q_bytes(n), map_qkv, h * HD, row + q0, &k.full[s]);
-        tma_load_2d(k.dy_bytes(n), map_dy, h * HD, row + q0, &k.full[s]);
-        tma_load_2d(k.lse_s(n), map_lse, q0, k.b * k.Hq + h, &k.full[s]);
-        tma_load_2d(k.delta_s(n), map_delta, q0, k.b * k.Hq + h, &k.full[s]);
+    int n = 0, i = 0;
+    for (int u = blockIdx.x; u < k.units; u += gridDim.x, i++) {
+        Unit w = k.unit(u);
+        int row = w.b * k.T;
+        mbarrier_wait(k.kv_empty, (i + 1) % 2);
+        mbarrier_arrive_expect_tx(k.kv_full, 2 * k.W * TILE_BYTES);
+        for (int g = 0; g < k.W; g++) {
+            int r = row + (k.W * w.x + g) * ROWS;
+            tma_load_2d(k.k_bytes(g), map_qkv, (k.Hq + w.kvh) * HD, r, k.kv_full);
+            tma_load_2d(k.v_bytes(g), map_qkv, (k.Hq + k.Hkv + w.kvh) * HD, r, k.kv_full);
+        }
+        for (int j = 0; j < w.steps; j++, n++) {
+            int s = n % STAGES, h = w.kvh * k.G + j / w.m, q0 = (k.W * w.x + j % w.m) * ROWS;
+            mbarrier_wait(&k.empty[s], (n / STAGES + 1) % 2);
+            mbarrier_arrive_expect_tx(&k.full[s], 2 * TILE_BYTES + 2 * ROWS * 4);
+            tma_load_2d(k.q_bytes(n), map_qkv, h * HD, row + q0, &k.full[s]);
+            tma_load_2d(k.dy_bytes(n), map_dy, h * HD, row + q0, &k.full[s]);
+            tma_load_2d(k.lse_s(n), map_lse, q0, w.b * k.Hq + h, &k.full[s]);
+            tma_load_2d(k.delta_s(n), map_delta, q0, w.b * k.Hq + h, &k.full[s]);
+        }
     }
 }
 
-// a consumer (warpgroup g of the consumers, key tile W x + g): every step's products waited for at once
+// a consumer (warpgroup g of the consumers, key tile W x + g of each unit): every step's products waited for at once
 template <int STAGES>
 __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, unsigned short* ds16, float scale) {
     const float scale2 = scale * LOG2E;
-    int t = threadIdx.x % 128, q = t % 4, kt = k.W * k.x + g, row0 = kt * ROWS + 16 * (t / 32) + t % 32 / 4;
+    int t = threadIdx.x % 128, q = t % 4, n = 0, i = 0;
     unsigned ka = shared_address(k.k_bytes(g)), va = shared_address(k.v_bytes(g));
     float dk[HD / 2], dv[HD / 2], st[ROWS / 2], dpt[ROWS / 2];
-#pragma unroll
-    for (int i = 0; i < HD / 2; i++) dk[i] = dv[i] = 0.0f;
     unsigned pa[ROWS / 16][4], da[ROWS / 16][4];
-    mbarrier_wait(k.kv_full, 0);
-    for (int n = 0; n < k.steps; n++) {
-        int s = n % STAGES, h = k.head(n), qt = k.query_tile(n), q0 = qt * ROWS;
-        mbarrier_wait(&k.full[s], n / STAGES % 2);
-        unsigned qa = shared_address(k.q_bytes(n)), dya = shared_address(k.dy_bytes(n));
-        fence_registers<ROWS / 2>(st);
-        fence_registers<ROWS / 2>(dpt);
-        wgmma_fence();
-        issue_products_t(st, ka, qa);
-        issue_products_t(dpt, va, dya);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers<ROWS / 2>(st);
-        fence_registers<ROWS / 2>(dpt);
-        // pt and dst in place of st and dpt; keys after a query, or queries past T, are masked (p = 0)
-        const float *lse = k.lse_s(n), *delta = k.delta_s(n);
-        bool edge = q0 < kt * ROWS + ROWS || q0 + ROWS > k.T;
-#pragma unroll
-        for (int i = 0; i < ROWS / 2; i++) {
-            int c = 8 * (i / 4) + 2 * q + i % 2, query = q0 + c, key = row0 + 8 * (i / 2 % 2);
-            float p = exp2f(fmaf(st[i], scale2, -lse[c] * LOG2E));
-            if (edge && (query < key || query >= k.T)) p = 0.0f;
-            st[i] = p;
-            dpt[i] = p * (dpt[i] - delta[c]);
-        }
-        pack_a(pa, st);
-        pack_a(da, dpt);
-        if (qt >= kt) {                                  // this warp's 16 keys x 64 queries of the ds tile
-            unsigned* ds = (unsigned*)(ds16 + ds_tile(k.b, h, k.Hq, k.T, qt, kt)) + 512 * (t / 32) + t % 32;
-#pragma unroll
-            for (int kk = 0; kk < ROWS / 16; kk++)
-#pragma unroll
-                for (int j = 0; j < 4; j++) ds[32 * (4 * kk + j)] = da[kk][j];   // flash_attn.cu's order
-        }
-        fence_registers<HD / 2>(dv);
-        fence_registers<HD / 2>(dk);
-        wgmma_fence();
-        issue_products(dv, pa, dya);
-        issue_products(dk, da, qa);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_registers<HD / 2>(dv);
-        fence_registers<HD / 2>(dk);
-        if (t == 0) mbarrier_arrive(&k.empty[s]);        // this warpgroup is done with the stage
-    }
     long stride = (long)(k.Hq + 2 * k.Hkv) * HD;
-    unsigned short* out = dqkv16 + (long)k.b * k.T * stride;
-    store_rows(out + (k.Hq + k.kvh) * HD, stride, dk, scale, row0, k.T);            // rope_backward rotates dk
-    store_rows(out + (k.Hq + k.Hkv + k.kvh) * HD, stride, dv, 1.0f, row0, k.T);
+    for (int u = blockIdx.x; u < k.units; u += gridDim.x, i++) {
+        Unit w = k.unit(u);
+        int kt = k.W * w.x + g, row0 = kt * ROWS + 16 * (t / 32) + t % 32 / 4;
+#pragma unroll
+        for (int a = 0; a < HD / 2; a++) dk[a] = dv[a] = 0.0f;
+        mbarrier_wait(k.kv_full, i % 2);
+        for (int j = 0; j < w.steps; j++, n++) {
+            int s = n % STAGES, h = w.kvh * k.G + j / w.m, qt = k.W * w.x + j % w.m, q0 = qt * ROWS;
+            mbarrier_wait(&k.full[s], n / STAGES % 2);
+            unsigned qa = shared_address(k.q_bytes(n)), dya = shared_address(k.dy_bytes(n));
+            fence_registers<ROWS / 2>(st);
+            fence_registers<ROWS / 2>(dpt);
+            wgmma_fence();
+            issue_products_t(st, ka, qa);
+            issue_products_t(dpt, va, dya);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers<ROWS / 2>(st);
+            fence_registers<ROWS / 2>(dpt);
+            // pt and dst in place of st and dpt; keys after a query, or queries past T, are masked (p = 0)
+            const float *lse = k.lse_s(n), *delta = k.delta_s(n);
+            bool edge = q0 < kt * ROWS + ROWS || q0 + ROWS > k.T;
+#pragma unroll
+            for (int a = 0; a < ROWS / 2; a++) {
+                int c = 8 * (a / 4) + 2 * q + a % 2, query = q0 + c, key = row0 + 8 * (a / 2 % 2);
+                float p = exp2f(fmaf(st[a], scale2, -lse[c] * LOG2E));
+                if (edge && (query < key || query >= k.T)) p = 0.0f;
+                st[a] = p;
+                dpt[a] = p * (dpt[a] - delta[c]);
+            }
+            pack_a(pa, st);
+            pack_a(da, dpt);
+            if (qt >= kt) {                              // this warp's 16 keys x 64 queries of the ds tile
+                unsigned* ds = (unsigned*)(ds16 + ds_tile(w.b, h, k.Hq, k.T, qt, kt)) + 512 * (t / 32) + t % 32;
+#pragma unroll
+                for (int kk = 0; kk < ROWS / 16; kk++)
+#pragma unroll
+                    for (int b = 0; b < 4; b++) ds[32 * (4 * kk + b)] = da[kk][b];      // flash_attn.cu's order
+            }
+            fence_registers<HD / 2>(dv);
+            fence_registers<HD / 2>(dk);
+            wgmma_fence();
+            issue_products(dv, pa, dya);
+            issue_products(dk, da, qa);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers<HD / 2>(dv);
+            fence_registers<HD / 2>(dk);
+            if (t == 0) mbarrier_arrive(&k.empty[s]);    // this warpgroup is done with the stage
+        }
+        if (t == 0) mbarrier_arrive(k.kv_empty);         // and with the unit's key tiles
+        unsigned short* out = dqkv16 + (long)w.b * k.T * stride;
+        store_rows(out + (k.Hq + w.kvh) * HD, stride, dk, scale, row0, k.T);        // rope_backward rotates dk
+        store_rows(out + (k.Hq + k.Hkv + w.kvh) * HD, stride, dv, 1.0f, row0, k.T);
+    }
 }
 
 template <int STAGES>
 __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned short* ds16, const TensorMap* map_qkv,
                                            const TensorMap* map_dy, const TensorMap* map_lse,
-                                           const TensorMap* map_delta, int T, int Hq, int Hkv, float scale) {
+                                           const TensorMap* map_delta, int B, int T, int Hq, int Hkv, float scale) {
     extern __shared__ __align__(16) unsigned char smem[];
-    Block<STAGES> k(smem + (1024 - shared_address(smem) % 1024) % 1024, T, Hq, Hkv);
+    Block<STAGES> k(smem + (1024 - shared_address(smem) % 1024) % 1024, B, T, Hq, Hkv);
     int wg = threadIdx.x / 128;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) mbarrier_init(&k.full[s], 1), mbarrier_init(&k.empty[s], k.W);
-        mbarrier_init(k.kv_full, 1);
+        mbarrier_init(k.kv_full, 1), mbarrier_init(k.kv_empty, k.W);
         fence_mbarrier_init();
     }
     __syncthreads();
@@ -352,14 +375,15 @@ __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned shor
 }
 
 // -----------------------------------------------------------------------------
-// entry points: grid (ceil(nk / W), Hkv, B), 128 (W + 1) threads (W = 2), dynamic shared memory (2 W + 2 STAGES)
-// 8192 + 512 STAGES (lse and delta) + 16 STAGES + 8 (the mbarriers) + 1024 (to align the tiles) bytes; map_qkv:
-// qkv16's tensor map, map_dy: dy16's, boxes of 64 x 64 with the 128-byte swizzle; map_lse, map_delta: lse's and
-// delta's as (B Hq, T) fp32, boxes of 64 x 1
+// entry points: grid (the units, ceil(nk / W) B Hkv, or fewer: the number of SMs), 128 (W + 1) threads (W = 2),
+// dynamic shared memory (2 W + 2 STAGES) 8192 + 512 STAGES (lse and delta) + 16 STAGES + 16 (the mbarriers) + 1024
+// (to align the tiles) bytes; map_qkv: qkv16's tensor map, map_dy: dy16's, boxes of 64 x 64 with the 128-byte
+// swizzle; map_lse, map_delta: lse's and delta's as (B Hq, T) fp32, boxes of 64 x 1
 
 extern "C" __global__ void __launch_bounds__(384, 1)
 attention_backward_dkv_tma_64(unsigned short* dqkv16, unsigned short* ds16, const __grid_constant__ TensorMap map_qkv,
                               const __grid_constant__ TensorMap map_dy, const __grid_constant__ TensorMap map_lse,
-                              const __grid_constant__ TensorMap map_delta, int T, int Hq, int Hkv, float scale) {
-    attention_backward_dkv_tma<4>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, T, Hq, Hkv, scale);
+                              const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
+                              float scale) {
+    attention_backward_dkv_tma<4>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv, scale);
 }

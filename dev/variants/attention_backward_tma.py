@@ -42,8 +42,10 @@ LAUNCHES, REPS = 20, 11           # us a call: the median of REPS runs of LAUNCH
 DKV_BOUND = 1e-2                  # OK: relative norm of dk's, dv's and dq's errors against float64 within this
 PRODUCT = "attention_backward_dkv_bf16_kernel_64"
 W = 2                             # consumer warpgroups (key tiles) a block
-# the versions: entry point, q/dy stages
-VERSIONS = {"tma dkv": ("attention_backward_dkv_tma_64", 4)}
+# the versions: entry point, q/dy stages, and whether persistent (a block an SM, each walking units gridDim.x apart)
+# or a block a unit
+VERSIONS = {"tma dkv": ("attention_backward_dkv_tma_64", 4, False),
+            "tma dkv persistent": ("attention_backward_dkv_tma_64", 4, True)}
 
 
 def random_dy(B, T, Hq, seed=1):
@@ -79,7 +81,7 @@ def reference(qkv, dy, b, T, Hq, Hkv):
 def shared_bytes(stages):
     """dynamic shared memory: W K and W V tiles, the stages' q and dy tiles, lse and delta, the mbarriers, 1024 to
     align the tiles"""
-    return (2 * W + 2 * stages) * 8192 + 512 * stages + 8 * (2 * stages + 1) + 1024
+    return (2 * W + 2 * stages) * 8192 + 512 * stages + 8 * (2 * stages + 2) + 1024
 
 
 def tensor_map(cu, address, dtype, rows, cols, box_cols, box_rows, swizzle):
@@ -96,9 +98,10 @@ def tensor_map(cu, address, dtype, rows, cols, box_cols, box_rows, swizzle):
     return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
 
 
-def arguments(cu, name, dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv):
-    """-> (entry, grid, threads, shared bytes, the arguments as ctypes values) of a version; the rest: addresses"""
-    entry, stages = VERSIONS[name]
+def arguments(cu, name, dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv, sms):
+    """-> (entry, grid, threads, shared bytes, the arguments as ctypes values) of a version; dqkv .. delta: addresses;
+    sms: the blocks of a persistent version"""
+    entry, stages, persistent = VERSIONS[name]
     types = cu.CUtensorMapDataType
     bf16, fp32 = types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32
     sw128, none = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
@@ -106,9 +109,10 @@ def arguments(cu, name, dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv):
             tensor_map(cu, qkv, bf16, B * T, (Hq + 2 * Hkv) * D, 64, 64, sw128),
             tensor_map(cu, dy, bf16, B * T, Hq * D, 64, 64, sw128),
             tensor_map(cu, lse, fp32, B * Hq, T, 64, 1, none), tensor_map(cu, delta, fp32, B * Hq, T, 64, 1, none),
-            ctypes.c_int(T), ctypes.c_int(Hq), ctypes.c_int(Hkv), ctypes.c_float(1 / math.sqrt(D))]
-    nk = -(-T // 64)
-    return entry, (-(-nk // W), Hkv, B), 128 * (W + 1), shared_bytes(stages), args
+            ctypes.c_int(B), ctypes.c_int(T), ctypes.c_int(Hq), ctypes.c_int(Hkv), ctypes.c_float(1 / math.sqrt(D))]
+    nk = -(-T // 64)                                           # key tiles; a unit is W of them
+    units = -(-nk // W) * B * Hkv
+    return entry, (min(units, sms) if persistent else units, 1, 1), 128 * (W + 1), shared_bytes(stages), args
 
 
 class Problem:
@@ -142,7 +146,7 @@ class Problem:
 
     def arguments(self, name):
         return arguments(nc.cu, name, self.dqkv.ptr, self.ds.ptr, self.qkv.ptr, self.dy.ptr, self.lse.ptr,
-                         self.delta.ptr, self.B, self.T, self.Hq, self.Hkv)
+                         self.delta.ptr, self.B, self.T, self.Hq, self.Hkv, nc.gpu.sms)
 
     def dq(self, modules):
         """the product's dq pass on ds"""
