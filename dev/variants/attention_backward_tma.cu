@@ -180,6 +180,25 @@ __device__ __forceinline__ void issue_products_t(float* d, unsigned a, unsigned 
         wgmma_bf16<64, 0, 0>(d, sw128_descriptor(a + 32 * kk, 16), sw128_descriptor(b + 32 * kk, 16), kk > 0);
 }
 
+// the same with a from registers (af[kk]: this thread's part of a's 16 dims from 16 kk, as wgmma's register a)
+__device__ __forceinline__ void issue_products_t_rs(float* d, const unsigned (*af)[4], unsigned b) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++) wgmma_bf16_rs<64, 0>(d, af[kk], sw128_descriptor(b + 32 * kk, 16), kk > 0);
+}
+
+// this thread's register a of a 64 x 64 tile in shared memory (the 128-byte swizzle): register j of k-step kk
+// holds row 16 (t / 32 % 4) + t % 32 / 4 (+ 8 for odd j), dims 16 kk + 2 (t % 4), + 1 (+ 8 for j >= 2)
+__device__ __forceinline__ void load_fragments(unsigned (*af)[4], const unsigned char* tile) {
+    int t = threadIdx.x % 128, row = 16 * (t / 32) + t % 32 / 4;
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int r = row + 8 * (j % 2), d = 16 * kk + 2 * (t % 4) + 8 * (j / 2);
+            af[kk][j] = *(const unsigned*)(tile + r * 128 + (d / 8 ^ r % 8) * 16 + d % 8 * 2);
+        }
+}
+
 // d += a b: 4 wgmma of 16 queries, a[kk] from registers, b (64 query rows of 64 dims) N-major (queries 16 kk .. at
 // byte 2048 kk): dv += pt dy, dk += dst q
 __device__ __forceinline__ void issue_products(float* d, const unsigned (*a)[4], unsigned b) {
@@ -286,14 +305,16 @@ __device__ void produce(const Block<STAGES>& k, const TensorMap* map_qkv, const 
     }
 }
 
-// a consumer (warpgroup g of the consumers, key tile W x + g of each unit): every step's products waited for at once
-template <int STAGES>
+// a consumer (warpgroup g of the consumers, key tile W x + g of each unit): every step's products waited for at once.
+// KVR: k and v from registers in st = k q.T and dpt = v dy.T (read from their tiles at a unit's start: 32 registers
+// more), so that those wgmma read only q and dy from shared memory
+template <int STAGES, bool KVR>
 __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, unsigned short* ds16, float scale) {
     const float scale2 = scale * LOG2E;
     int t = threadIdx.x % 128, q = t % 4, n = 0, i = 0;
     unsigned ka = shared_address(k.k_bytes(g)), va = shared_address(k.v_bytes(g));
     float dk[HD / 2], dv[HD / 2], st[ROWS / 2], dpt[ROWS / 2];
-    unsigned pa[ROWS / 16][4], da[ROWS / 16][4];
+    unsigned pa[ROWS / 16][4], da[ROWS / 16][4], kf[HD / 16][4], vf[HD / 16][4];
     long stride = (long)(k.Hq + 2 * k.Hkv) * HD;
     for (int u = blockIdx.x; u < k.units; u += gridDim.x, i++) {
         Unit w = k.unit(u);
@@ -301,6 +322,11 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
 #pragma unroll
         for (int a = 0; a < HD / 2; a++) dk[a] = dv[a] = 0.0f;
         mbarrier_wait(k.kv_full, i % 2);
+        if (KVR) {
+            load_fragments(kf, k.k_bytes(g));
+            load_fragments(vf, k.v_bytes(g));
+            if (t == 0) mbarrier_arrive(k.kv_empty);     // the unit's key tiles are read for the last time
+        }
         for (int j = 0; j < w.steps; j++, n++) {
             int s = n % STAGES, h = w.kvh * k.G + j / w.m, qt = k.W * w.x + j % w.m, q0 = qt * ROWS;
             mbarrier_wait(&k.full[s], n / STAGES % 2);
@@ -308,8 +334,13 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
             fence_registers<ROWS / 2>(st);
             fence_registers<ROWS / 2>(dpt);
             wgmma_fence();
-            issue_products_t(st, ka, qa);
-            issue_products_t(dpt, va, dya);
+            if constexpr (KVR) {
+                issue_products_t_rs(st, kf, qa);
+                issue_products_t_rs(dpt, vf, dya);
+            } else {
+                issue_products_t(st, ka, qa);
+                issue_products_t(dpt, va, dya);
+            }
             wgmma_commit();
             wgmma_wait<0>();
             fence_registers<ROWS / 2>(st);
@@ -345,14 +376,14 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
             fence_registers<HD / 2>(dk);
             if (t == 0) mbarrier_arrive(&k.empty[s]);    // this warpgroup is done with the stage
         }
-        if (t == 0) mbarrier_arrive(k.kv_empty);         // and with the unit's key tiles
+        if (!KVR && t == 0) mbarrier_arrive(k.kv_empty); // and with the unit's key tiles
         unsigned short* out = dqkv16 + (long)w.b * k.T * stride;
         store_rows(out + (k.Hq + w.kvh) * HD, stride, dk, scale, row0, k.T);        // rope_backward rotates dk
         store_rows(out + (k.Hq + k.Hkv + w.kvh) * HD, stride, dv, 1.0f, row0, k.T);
     }
 }
 
-template <int STAGES>
+template <int STAGES, bool KVR>
 __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned short* ds16, const TensorMap* map_qkv,
                                            const TensorMap* map_dy, const TensorMap* map_lse,
                                            const TensorMap* map_delta, int B, int T, int Hq, int Hkv, float scale) {
@@ -371,7 +402,7 @@ __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned shor
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
-    consume(k, wg - 1, dqkv16, ds16, scale);
+    consume<STAGES, KVR>(k, wg - 1, dqkv16, ds16, scale);
 }
 
 // -----------------------------------------------------------------------------
@@ -385,5 +416,17 @@ attention_backward_dkv_tma_64(unsigned short* dqkv16, unsigned short* ds16, cons
                               const __grid_constant__ TensorMap map_dy, const __grid_constant__ TensorMap map_lse,
                               const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
                               float scale) {
-    attention_backward_dkv_tma<4>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv, scale);
+    attention_backward_dkv_tma<4, false>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
+                                         scale);
+}
+
+// k and v from registers
+extern "C" __global__ void __launch_bounds__(384, 1)
+attention_backward_dkv_tma_kvr_64(unsigned short* dqkv16, unsigned short* ds16,
+                                  const __grid_constant__ TensorMap map_qkv, const __grid_constant__ TensorMap map_dy,
+                                  const __grid_constant__ TensorMap map_lse,
+                                  const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
+                                  float scale) {
+    attention_backward_dkv_tma<4, true>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
+                                        scale);
 }

@@ -45,7 +45,9 @@ W = 2                             # consumer warpgroups (key tiles) a block
 # the versions: entry point, q/dy stages, and whether persistent (a block an SM, each walking units gridDim.x apart)
 # or a block a unit
 VERSIONS = {"tma dkv": ("attention_backward_dkv_tma_64", 4, False),
-            "tma dkv persistent": ("attention_backward_dkv_tma_64", 4, True)}
+            "tma dkv persistent": ("attention_backward_dkv_tma_64", 4, True),
+            "tma dkv kv": ("attention_backward_dkv_tma_kvr_64", 4, False),
+            "tma dkv kv persistent": ("attention_backward_dkv_tma_kvr_64", 4, True)}
 
 
 def random_dy(B, T, Hq, seed=1):
