@@ -600,7 +600,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn128_s6(uns
 // through shared memory, 64 x 64 boxes laid out (128-byte swizzle) as a TMA load lays them, then a TMA store of
 // each, two box buffers a consumer so that it writes a box while the one before is stored; its first thread
 // commits the stores and waits for a buffer's last store to have read it (cp.async.bulk.wait_group.read), the
-// warpgroup meets at named barrier 1 + its number around the writes.
+// warpgroup meets at named barrier 1 + its number around the writes. For the timings alone, not c: EPILOGUE 2
+// stores nothing (the main loop's time), EPILOGUE 3 neither multiplies (the copies' time).
 
 // global <- shared: the box of the tensor map at element (x, y) from src (laid out as tma_load_2d lays it), one of
 // this thread's bulk copies (closed into a group by bulk_commit)
@@ -625,7 +626,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
     constexpr int STAGE = (128 + BN) * GEMM_BK, BOX = 64 * 64;   // bf16 a stage (a's 128 rows, b's BN); a c box
     unsigned short* stages = (unsigned short*)base;
     unsigned short* boxes = stages + STAGES * STAGE;              // EPILOGUE 1: 2 a consumer
-    unsigned long long* full = (unsigned long long*)(boxes + (EPILOGUE ? 4 * BOX : 0));
+    unsigned long long* full = (unsigned long long*)(boxes + (EPILOGUE == 1 ? 4 * BOX : 0));
     unsigned long long* empty = full + STAGES;
     int wg = threadIdx.x / 128, steps = K / GEMM_BK, columns = N / BN, tiles = M / 128 * columns;
     if (threadIdx.x == 0) {
@@ -657,6 +658,10 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
         for (int kt = 0; kt < steps; kt++, it++) {
             int s = it % STAGES;
             mbarrier_wait(&full[s], it / STAGES % 2);
+            if constexpr (EPILOGUE == 3) {                        // copies alone: the stage freed at once
+                if (lead) mbarrier_arrive(&empty[s]);
+                continue;
+            }
             const unsigned short* as = stages + s * STAGE + (wg - 1) * 64 * GEMM_BK;
             const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK;
             wgmma_fence();
@@ -667,6 +672,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
             wgmma_wait<1>();                                      // the step before is done: its stage is free
             if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);
         }
+        if constexpr (EPILOGUE == 3) continue;
         wgmma_wait<0>();
         fence_registers<BN / 2>(d);
         if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);     // the tile's last stage
@@ -676,7 +682,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                 long row = m0 + 16 * w + g + 8 * (i / 2 % 2), col = n0 + 8 * (i / 4) + 2 * q;
                 *(unsigned*)(c + row * N + col) = pack_bf16(d[i], d[i + 1]);
             }
-        else
+        else if constexpr (EPILOGUE == 1)
             for (int j = 0; j < BN / 64; j++) {                   // box j: columns 64 j .. 64 j + 63, registers
                 unsigned char* box = (unsigned char*)(boxes + (2 * (wg - 1) + j % 2) * BOX);   // 32 j ..
                 if (lead) bulk_wait_read<1>();                    // the store of two boxes ago has read it
@@ -690,7 +696,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                 if (lead) tma_store_2d(map_c, box, n0 + 64 * j, m0), bulk_commit();
             }
     }
-    if (EPILOGUE && lead) bulk_wait_read<0>();                    // the boxes are read before the block ends
+    if (EPILOGUE == 1 && lead) bulk_wait_read<0>();               // the boxes are read before the block ends
 }
 
 // grid (min(SMs, tiles), 1), 384 threads, dynamic shared memory STAGES (128 + BN) 128 bytes (+ 32 KB for EPILOGUE
@@ -719,4 +725,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_store_
     unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
     const __grid_constant__ TensorMap map_c, int M, int N, int K) {
     wgmma_tma_persistent<128, 6, 1>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+// for the timings alone (c is not written): the main loop without the epilogue, the copies without the main loop
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_bn256_no_store(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<256, 4, 2>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_bn256_copies_only(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<256, 4, 3>(c, &map_a, &map_b, &map_c, M, N, K);
 }
