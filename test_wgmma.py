@@ -287,7 +287,7 @@ assert np.all(np.abs(c - ref) <= bound), np.nanmax(np.abs(c - ref))
 # emulator's blocks for a persistent one, threads in reverse order)
 TUNED = [("wgmma_tma_gemm_bn128_s6", None, 0), ("wgmma_tma_persistent_bn256", 3, 0),
          ("wgmma_tma_persistent_bn128_s6", 3, 1), ("wgmma_tma_persistent_store_bn256", 3, 1),
-         ("wgmma_tma_persistent_store_bn128_s6", 2, 0)]
+         ("wgmma_tma_persistent_store_bn128_s6", 2, 0), ("wgmma_tma_persistent_store_bn256_split", 3, 1)]
 
 
 def run_tuned(tmp_path, name, blocks, reverse, mutation=None):
@@ -339,7 +339,7 @@ def test_the_products_timed_alone_run_through_and_write_nothing(tmp_path, name):
     code, err = run_tuned(tmp_path, name, 3, 0)
     assert code != 0 and "c is wrong: nan" in err, err[-2000:]
 
-PERSISTENT = "template <int BN, int STAGES, int EPILOGUE>"
+PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0>"
 
 
 @needs_gxx
@@ -352,12 +352,17 @@ PERSISTENT = "template <int BN, int STAGES, int EPILOGUE>"
      ("if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);", "", PERSISTENT),
      "wait at an mbarrier's try_wait.parity"),
     # the accumulators zeroed at the block's first step only: a block's second tile adds to its first
-    ("wgmma_tma_persistent_bn128_s6", 3, 0, ("kt > 0 || kk > 0);", "it > 0 || kk > 0);", PERSISTENT), "c is wrong"),
+    ("wgmma_tma_persistent_bn128_s6", 3, 0, ("(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);",
+                                             "(bs, BN, GEMM_BK, kk), it > 0 || kk > 0);", PERSISTENT), "c is wrong"),
     # the box of two boxes ago written before its store read it
     ("wgmma_tma_persistent_store_bn256", 3, 0, ("bulk_wait_read<1>();", "bulk_wait_read<2>();", PERSISTENT),
      "c is wrong"),
     # written unswizzled, read by the store as swizzled
     ("wgmma_tma_persistent_store_bn128_s6", 2, 0, ("(chunk ^ row % 8) * 16", "chunk * 16", PERSISTENT), "c is wrong"),
+    # 128 x 128 consumers: both m64n128k16 read a's first 64 rows
+    ("wgmma_tma_persistent_store_bn256_split", 3, 0,
+     ("operand_descriptor<128, 0>(as + h * 64 * GEMM_BK,", "operand_descriptor<128, 0>(as,", PERSISTENT),
+     "c is wrong"),
     # the block ends with its last stores still reading the boxes
     ("wgmma_tma_persistent_store_bn128_s6", 2, 0,
      ("    if (EPILOGUE == 1 && lead) bulk_wait_read<0>();", "", PERSISTENT),

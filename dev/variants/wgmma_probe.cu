@@ -618,9 +618,10 @@ __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
-template <int BN, int STAGES, int EPILOGUE>
+template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0>
 __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, const TensorMap* map_b,
                                      const TensorMap* map_c, int M, int N, int K) {
+    static_assert(!SPLIT || EPILOGUE == 1, "a consumer of 128 x BN / 2 stores through shared memory");
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
     constexpr int STAGE = (128 + BN) * GEMM_BK, BOX = 64 * 64;   // bf16 a stage (a's 128 rows, b's BN); a c box
@@ -662,12 +663,18 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                 if (lead) mbarrier_arrive(&empty[s]);
                 continue;
             }
-            const unsigned short* as = stages + s * STAGE + (wg - 1) * 64 * GEMM_BK;
-            const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK;
+            const unsigned short* as = stages + s * STAGE + (SPLIT ? 0 : (wg - 1) * 64 * GEMM_BK);
+            const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK + (SPLIT ? (wg - 1) * BN / 2 * GEMM_BK : 0);
             wgmma_fence();
             for (int kk = 0; kk < GEMM_BK; kk += 16)
-                wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
-                                     operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
+                if constexpr (SPLIT)                              // rows 0 .. 63 into d, 64 .. 127 into d + BN / 4
+                    for (int h = 0; h < 2; h++)
+                        wgmma_bf16<BN / 2, 0, 0>(d + BN / 4 * h,
+                                                 operand_descriptor<128, 0>(as + h * 64 * GEMM_BK, 64, GEMM_BK, kk),
+                                                 operand_descriptor<128, 0>(bs, BN / 2, GEMM_BK, kk), kt > 0 || kk > 0);
+                else
+                    wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
+                                         operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
             wgmma_commit();
             wgmma_wait<1>();                                      // the step before is done: its stage is free
             if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);
@@ -676,7 +683,8 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
         wgmma_wait<0>();
         fence_registers<BN / 2>(d);
         if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);     // the tile's last stage
-        int m0 = tile / columns * 128 + 64 * (wg - 1), n0 = tile % columns * BN;
+        int m0 = tile / columns * 128 + (SPLIT ? 0 : 64 * (wg - 1));            // this consumer's part of c
+        int n0 = tile % columns * BN + (SPLIT ? (wg - 1) * BN / 2 : 0);
         if constexpr (EPILOGUE == 0)
             for (int i = 0; i < BN / 2; i += 2) {
                 long row = m0 + 16 * w + g + 8 * (i / 2 % 2), col = n0 + 8 * (i / 4) + 2 * q;
@@ -684,7 +692,9 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
             }
         else if constexpr (EPILOGUE == 1)
             for (int j = 0; j < BN / 64; j++) {                   // box j: columns 64 j .. 64 j + 63, registers
-                unsigned char* box = (unsigned char*)(boxes + (2 * (wg - 1) + j % 2) * BOX);   // 32 j ..
+                unsigned char* box = (unsigned char*)(boxes + (2 * (wg - 1) + j % 2) * BOX);   // 32 j .. (SPLIT:
+                int x = n0 + 64 * (SPLIT ? j % (BN / 128) : j), y = m0 + (SPLIT ? 64 * (j / (BN / 128)) : 0);   // rows
+                                                                  // 64 (j / (BN / 128)) of the tile, columns 64 j..)
                 if (lead) bulk_wait_read<1>();                    // the store of two boxes ago has read it
                 named_barrier_sync(1 + wg, 128);                  // before any thread writes it again
                 for (int i = 32 * j; i < 32 * j + 32; i += 2) {
@@ -693,7 +703,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                 }
                 fence_proxy_async();                              // the writes, visible to the TMA store
                 named_barrier_sync(1 + wg, 128);
-                if (lead) tma_store_2d(map_c, box, n0 + 64 * j, m0), bulk_commit();
+                if (lead) tma_store_2d(map_c, box, x, y), bulk_commit();
             }
     }
     if (EPILOGUE == 1 && lead) bulk_wait_read<0>();               // the boxes are read before the block ends
@@ -738,4 +748,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_bn256_
     unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
     const __grid_constant__ TensorMap map_c, int M, int N, int K) {
     wgmma_tma_persistent<256, 4, 3>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+// two consumers of 128 x 128 each (two m64n128k16 back to back, rows 0 .. 63 and 64 .. 127 of one half of b)
+// instead of 64 x 256: a step reads a's 128 rows twice and each half of b twice from shared memory (96 KB) where
+// 64 x 256 reads a once and b twice (80 KB)
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_store_bn256_split(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<256, 4, 1, 1>(c, &map_a, &map_b, &map_c, M, N, K);
 }
