@@ -149,7 +149,8 @@ def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
     monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda f, attribute, value: (0,), raising=False)
     monkeypatch.setattr(nc, "nvrtc_compile", lambda *args: b"")
     monkeypatch.setattr(nc, "Cublas", lambda stream: emulator.Cublas(nc))
-    monkeypatch.setattr(probe_script, "start_gpu", lambda: nc.gpu)
+    # the script's own start_gpu on the stand-in driver (its arch, name and SMs asked of it), in the emulator's context
+    monkeypatch.setattr(probe_script, "open_device", lambda: (0, None, nc.gpu.stream))
     monkeypatch.setattr(probe_script, "timed", lambda run: (run(), 1.0)[1])
     monkeypatch.setattr(probe_script, "CHECK", (256, 256, 128))
     monkeypatch.setattr(probe_script, "PRODUCTS", [("small", 128, 256, 64)])

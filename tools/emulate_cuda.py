@@ -1010,8 +1010,8 @@ class Driver:
     join the graph (run when it is launched), and what a capture may not do on a GPU
     (synchronise, copy from the host, allocate or free) fails as it would there."""
 
-    def __init__(self, real):
-        self.real, self.memory, self.capture = real, {}, None
+    def __init__(self, real, sms=2):
+        self.real, self.memory, self.capture, self.sms = real, {}, None, sms
         self.launches = self.programmatic = self.replays = 0
 
     def __getattr__(self, name):
@@ -1100,6 +1100,18 @@ class Driver:
     def cuStreamSynchronize(self, stream): return self.capture_error("cuStreamSynchronize") or (0,)
     def cuStreamWaitEvent(self, stream, event, flags): return (0,)
     def cuGetErrorName(self, err): return (0, getattr(err, "name", "CUDA_ERROR_EMULATED").encode())
+
+    def cuDeviceGetAttribute(self, attribute, dev):
+        """what a script asks of the device: an H100's compute capability 9.0, the emulator's SMs; any other
+        attribute raises, named"""
+        a = self.real.CUdevice_attribute
+        values = {a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9, a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0,
+                  a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: self.sms}
+        if attribute not in values:
+            raise ValueError(f"cuDeviceGetAttribute: {attribute.name} is not emulated")
+        return (0, values[attribute])
+
+    def cuDeviceGetName(self, n, dev): return (0, b"CPU emulator".ljust(n, b"\0"))
     def cuEventCreate(self, flags=0): return (0, object())
     def cuEventRecord(self, event, stream): return (0,)
     def cuEventSynchronize(self, event): return self.capture_error("cuEventSynchronize") or (0,)
@@ -1238,7 +1250,7 @@ def install(nc, sms=2, arch="90", reverse=False):
     modules of nc.MODULES; reverse: blocks and fibers run in reverse order; -> the driver"""
     from cuda.bindings import driver as real
     root = os.path.dirname(os.path.abspath(nc.__file__))
-    nc.cu = driver = Driver(real)
+    nc.cu = driver = Driver(real, sms)
     gpu = object.__new__(nc.GPU)                      # the GPU's state, without a device behind it
     gpu.stream, gpu.sms, gpu.arch, gpu.name = real.CUstream(0), sms, arch, "CPU emulator"
     gpu.modules = {name: load(os.path.join(root, file), defines, select)

@@ -213,18 +213,26 @@ def check_and_time_products(module):
     return ok
 
 
-def start_gpu():
-    """a context and stream on GPU 0, as nanoeuler_cuda.GPU makes them, without compiling its kernels"""
+def open_device():
+    """GPU 0, its primary context made current and a stream, as nanoeuler_cuda.GPU makes them -> (device, context,
+    stream)"""
     nc.count_gpus()
     cu, check = nc.cu, nc.check
+    dev = check(cu.cuDeviceGet(0), "cuDeviceGet")
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    return dev, ctx, check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+
+
+def start_gpu():
+    """nanoeuler_cuda's GPU on GPU 0 without compiling its kernels: its arch, name and SMs from the driver"""
     gpu = object.__new__(nc.GPU)
-    gpu.dev = check(cu.cuDeviceGet(0), "cuDeviceGet")
-    gpu.ctx = check(cu.cuDevicePrimaryCtxRetain(gpu.dev), "cuDevicePrimaryCtxRetain")
-    check(cu.cuCtxSetCurrent(gpu.ctx), "cuCtxSetCurrent")
-    gpu.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
+    gpu.dev, gpu.ctx, gpu.stream = open_device()
+    cu, check = nc.cu, nc.check
     attr = cu.CUdevice_attribute
     major = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, gpu.dev), "attr")
     minor = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, gpu.dev), "attr")
+    gpu.sms = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, gpu.dev), "attr")
     gpu.arch = f"{major}{minor}"
     gpu.name = check(cu.cuDeviceGetName(256, gpu.dev), "cuDeviceGetName").split(b"\0")[0].decode()
     gpu.last_kernel, gpu.profile = None, None
