@@ -288,7 +288,8 @@ assert np.all(np.abs(c - ref) <= bound), np.nanmax(np.abs(c - ref))
 # emulator's blocks for a persistent one, threads in reverse order)
 TUNED = [("wgmma_tma_gemm_bn128_s6", None, 0), ("wgmma_tma_persistent_bn256", 3, 0),
          ("wgmma_tma_persistent_bn128_s6", 3, 1), ("wgmma_tma_persistent_store_bn256", 3, 1),
-         ("wgmma_tma_persistent_store_bn128_s6", 2, 0), ("wgmma_tma_persistent_store_bn256_split", 3, 1)]
+         ("wgmma_tma_persistent_store_bn128_s6", 2, 0), ("wgmma_tma_persistent_store_bn256_split", 3, 1),
+         ("wgmma_tma_pingpong_bn128_s6", 3, 1), ("wgmma_tma_pingpong_bn128_s6", 1, 0)]
 
 
 def run_tuned(tmp_path, name, blocks, reverse, mutation=None):
@@ -340,7 +341,7 @@ def test_the_products_timed_alone_run_through_and_write_nothing(tmp_path, name):
     code, err = run_tuned(tmp_path, name, 3, 0)
     assert code != 0 and "c is wrong: nan" in err, err[-2000:]
 
-PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0>"
+PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PINGPONG = 0>"
 
 
 @needs_gxx
@@ -350,7 +351,7 @@ PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0>"
                                           "wgmma_tma_gemm("), "an mbarrier operation on 8 bytes that mbarrier.init"),
     # a tile's last stage never freed: the producer waits for it a round later
     ("wgmma_tma_persistent_bn256", 3, 0,
-     ("if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);", "", PERSISTENT),
+     ("if (lead) mbarrier_arrive(&empty[((n + 1) * steps - 1) % STAGES]);", "", PERSISTENT),
      "wait at an mbarrier's try_wait.parity"),
     # the accumulators zeroed at the block's first step only: a block's second tile adds to its first
     ("wgmma_tma_persistent_bn128_s6", 3, 0, ("(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);",
@@ -364,6 +365,11 @@ PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0>"
     ("wgmma_tma_persistent_store_bn256_split", 3, 0,
      ("operand_descriptor<128, 0>(as + h * 64 * GEMM_BK,", "operand_descriptor<128, 0>(as,", PERSISTENT),
      "c is wrong"),
+    # ping-pong: both consumers on the same tiles
+    ("wgmma_tma_pingpong_bn128_s6", 3, 0, ("n = PINGPONG ? wg - 1 : 0", "n = 0", PERSISTENT), "a deadlock"),
+    # ping-pong without turns: consumer 2 waits for its first tile's copies a round ahead, and parity passes it
+    ("wgmma_tma_pingpong_bn128_s6", 1, 0, ("if (PINGPONG && n > 0) named_barrier_sync(3 + wg, 256);", "",
+                                           PERSISTENT), "wait at an mbarrier's try_wait.parity"),
     # the block ends with its last stores still reading the boxes
     ("wgmma_tma_persistent_store_bn128_s6", 2, 0,
      ("    if (EPILOGUE == 1 && lead) bulk_wait_read<0>();", "", PERSISTENT),

@@ -618,10 +618,14 @@ __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
-template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0>
+template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PINGPONG = 0>
 __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, const TensorMap* map_b,
                                      const TensorMap* map_c, int M, int N, int K) {
-    static_assert(!SPLIT || EPILOGUE == 1, "a consumer of 128 x BN / 2 stores through shared memory");
+    // a consumer's part of a tile: 64 x BN, or (SPLIT) 128 x BN / 2, or (PINGPONG) all 128 x BN of its own tiles,
+    // 128 rows as two m64nCNk16 back to back (ROWS2); CN / 2 (ROWS2) or BN / 2 accumulators a thread either way
+    constexpr bool ROWS2 = SPLIT || PINGPONG;
+    constexpr int CN = SPLIT ? BN / 2 : BN, REGS = ROWS2 ? CN : BN / 2;
+    static_assert(!ROWS2 || EPILOGUE == 1, "a consumer of 128 rows stores through shared memory");
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
     constexpr int STAGE = (128 + BN) * GEMM_BK, BOX = 64 * 64;   // bf16 a stage (a's 128 rows, b's BN); a c box
@@ -633,7 +637,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
             mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
-            mbarrier_init(&empty[s], 2);                          // a thread of each consumer
+            mbarrier_init(&empty[s], PINGPONG ? 1 : 2);           // a thread of each consumer using the stage
         }
         fence_mbarrier_init();
     }
@@ -653,25 +657,31 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
         return;
     }
     setmaxnreg_inc<232>();
-    float d[BN / 2];
+    float d[REGS];
     int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
-    for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x) {
-        for (int kt = 0; kt < steps; kt++, it++) {
+    // the block's walk, tile n of it at blockIdx.x + n gridDim.x with steps n steps ..: PINGPONG, consumer wg takes
+    // the tiles n = wg - 1, wg + 1, ..., so that one stores while the other multiplies
+    for (int n = PINGPONG ? wg - 1 : 0, tile = blockIdx.x + n * gridDim.x; tile < tiles;
+         n += 1 + PINGPONG, tile += (1 + PINGPONG) * gridDim.x) {
+        // PINGPONG: a consumer starts its tile's waits once the other has passed its own of the tile before, so that
+        // no full barrier is waited on more than a round ahead of its copies (a parity names a phase only so far)
+        if (PINGPONG && n > 0) named_barrier_sync(3 + wg, 256);
+        for (int kt = 0, it = n * steps; kt < steps; kt++, it++) {
             int s = it % STAGES;
             mbarrier_wait(&full[s], it / STAGES % 2);
             if constexpr (EPILOGUE == 3) {                        // copies alone: the stage freed at once
                 if (lead) mbarrier_arrive(&empty[s]);
                 continue;
             }
-            const unsigned short* as = stages + s * STAGE + (SPLIT ? 0 : (wg - 1) * 64 * GEMM_BK);
+            const unsigned short* as = stages + s * STAGE + (ROWS2 ? 0 : (wg - 1) * 64 * GEMM_BK);
             const unsigned short* bs = stages + s * STAGE + 128 * GEMM_BK + (SPLIT ? (wg - 1) * BN / 2 * GEMM_BK : 0);
             wgmma_fence();
             for (int kk = 0; kk < GEMM_BK; kk += 16)
-                if constexpr (SPLIT)                              // rows 0 .. 63 into d, 64 .. 127 into d + BN / 4
+                if constexpr (ROWS2)                              // rows 0 .. 63 into d, 64 .. 127 into d + CN / 2
                     for (int h = 0; h < 2; h++)
-                        wgmma_bf16<BN / 2, 0, 0>(d + BN / 4 * h,
-                                                 operand_descriptor<128, 0>(as + h * 64 * GEMM_BK, 64, GEMM_BK, kk),
-                                                 operand_descriptor<128, 0>(bs, BN / 2, GEMM_BK, kk), kt > 0 || kk > 0);
+                        wgmma_bf16<CN, 0, 0>(d + CN / 2 * h,
+                                             operand_descriptor<128, 0>(as + h * 64 * GEMM_BK, 64, GEMM_BK, kk),
+                                             operand_descriptor<128, 0>(bs, CN, GEMM_BK, kk), kt > 0 || kk > 0);
                 else
                     wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
                                          operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
@@ -679,11 +689,12 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
             wgmma_wait<1>();                                      // the step before is done: its stage is free
             if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);
         }
+        if (PINGPONG && tile + gridDim.x < tiles) named_barrier_arrive(6 - wg, 256);   // the other's turn
         if constexpr (EPILOGUE == 3) continue;
         wgmma_wait<0>();
-        fence_registers<BN / 2>(d);
-        if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);     // the tile's last stage
-        int m0 = tile / columns * 128 + (SPLIT ? 0 : 64 * (wg - 1));            // this consumer's part of c
+        fence_registers<REGS>(d);
+        if (lead) mbarrier_arrive(&empty[((n + 1) * steps - 1) % STAGES]);   // the tile's last stage
+        int m0 = tile / columns * 128 + (ROWS2 ? 0 : 64 * (wg - 1));          // this consumer's part of c
         int n0 = tile % columns * BN + (SPLIT ? (wg - 1) * BN / 2 : 0);
         if constexpr (EPILOGUE == 0)
             for (int i = 0; i < BN / 2; i += 2) {
@@ -691,10 +702,10 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                 *(unsigned*)(c + row * N + col) = pack_bf16(d[i], d[i + 1]);
             }
         else if constexpr (EPILOGUE == 1)
-            for (int j = 0; j < BN / 64; j++) {                   // box j: columns 64 j .. 64 j + 63, registers
-                unsigned char* box = (unsigned char*)(boxes + (2 * (wg - 1) + j % 2) * BOX);   // 32 j .. (SPLIT:
-                int x = n0 + 64 * (SPLIT ? j % (BN / 128) : j), y = m0 + (SPLIT ? 64 * (j / (BN / 128)) : 0);   // rows
-                                                                  // 64 (j / (BN / 128)) of the tile, columns 64 j..)
+            for (int j = 0; j < 2 * REGS / 64; j++) {             // box j: registers 32 j .., columns 64 j ..
+                unsigned char* box = (unsigned char*)(boxes + (2 * (wg - 1) + j % 2) * BOX);   // (ROWS2: rows
+                int x = n0 + 64 * (ROWS2 ? j % (CN / 64) : j), y = m0 + (ROWS2 ? 64 * (j / (CN / 64)) : 0);   // 64
+                                                                  // (j / (CN / 64)), columns 64 (j % (CN / 64)))
                 if (lead) bulk_wait_read<1>();                    // the store of two boxes ago has read it
                 named_barrier_sync(1 + wg, 128);                  // before any thread writes it again
                 for (int i = 32 * j; i < 32 * j + 32; i += 2) {
@@ -757,4 +768,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_store_
     unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
     const __grid_constant__ TensorMap map_c, int M, int N, int K) {
     wgmma_tma_persistent<256, 4, 1, 1>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+// CUTLASS's ping-pong schedule: each consumer multiplies its own 128 x 128 tiles (two m64n128k16 back to back),
+// every other tile of the block's walk, taking turns (named barriers 4, 5) so that one's epilogue runs while the
+// other multiplies (6 stages of 32 KB)
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_pingpong_bn128_s6(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<128, 6, 1, 0, 1>(c, &map_a, &map_b, &map_c, M, N, K);
 }

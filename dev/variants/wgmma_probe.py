@@ -113,6 +113,7 @@ TMA_GEMMS = {"wgmma_tma_gemm_bn128": (128, 4, False, False), "wgmma_tma_gemm_bn2
              "wgmma_tma_persistent_store_bn256": (256, 4, True, True),
              "wgmma_tma_persistent_store_bn128_s6": (128, 6, True, True),
              "wgmma_tma_persistent_store_bn256_split": (256, 4, True, True),
+             "wgmma_tma_pingpong_bn128_s6": (128, 6, True, True),
              "wgmma_tma_persistent_bn256_no_store": (256, 4, True, False),
              "wgmma_tma_persistent_bn256_copies_only": (256, 4, True, False)}
 # timed, not checked (they do not write c): where the time goes, the main loop without the epilogue and the copies
