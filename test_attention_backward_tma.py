@@ -1,10 +1,10 @@
 """
-dev/variants/attention_backward_tma.cu (the dk/dv pass of the bf16 attention backward at D = 64 with warpgroup
-MMA fed by TMA, issue 36) on tools/emulate_cuda.py's CPU emulator: dk, dv and the ds tiles it stores for the
-product's dq pass (in flash_attn.cu's order) against numpy in float64 at small shapes (causal, GQA, a T that
-ends inside a key tile, an odd number of key tiles: a block's second consumer with no keys), its tensor maps made
-by the emulator's stand-in driver as the GPU script makes them; the same kernel with its causal mask taken out is
-off by far more; NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no spills. `python
+dev/variants/attention_backward_tma.cu (the dk/dv and dq passes of the bf16 attention backward at D = 64 with
+warpgroup MMA fed by TMA, issue 36) on tools/emulate_cuda.py's CPU emulator: dk, dv and the ds tiles it stores for
+the dq pass (in flash_attn.cu's order), and dq from them, against numpy in float64 at small shapes (causal, GQA,
+a T that ends inside a key tile, an odd number of key tiles: a block's second consumer with no keys), its tensor
+maps made by the emulator's stand-in driver as the GPU script makes them; the same kernel with its causal mask
+taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no spills. `python
 dev/variants/attention_backward_tma.py` checks and times it on a GPU.
 """
 
@@ -39,7 +39,7 @@ def emulator_module():
 def load(path=KERNEL, **options):
     """the emulator's library for the kernel file, its inline-PTX helpers replaced by the emulator's"""
     emulator = emulator_module()
-    helpers = emulator.WGMMA_HELPERS + emulator.TMA_HELPERS
+    helpers = emulator.WGMMA_HELPERS + emulator.TMA_HELPERS + ("ldmatrix_x4_trans",)
     return emulator.load(path, select=lambda text: emulator.without_helpers(text, helpers), **options)
 
 
@@ -86,8 +86,9 @@ def ds_of_tiles(ds16, b, T, Hq):
 SMS = 3             # the persistent versions: as many blocks (fewer than the units: each walks several)
 
 
-def run(lib, name, B, T, Hq, Hkv, seed=0):
-    """a version on the emulator -> the errors of dk, dv and ds (relative norms) against float64, every batch row"""
+def run(lib, name, B, T, Hq, Hkv, seed=0, dq_name=None):
+    """a version on the emulator -> the errors of dk, dv and ds (relative norms) against float64, every batch row;
+    with dq_name, then that version of the dq pass on its ds, and dq's error instead"""
     from cuda.bindings import driver as real
     driver = emulator_module().Driver(real)
     qkv, dy = script.random_qkv(B, T, Hq, Hkv, seed), script.random_dy(B, T, Hq, seed + 1)
@@ -104,6 +105,17 @@ def run(lib, name, B, T, Hq, Hkv, seed=0):
     fault = lib.emu_run(launch)
     lib.emu_free(launch)
     assert not fault, f"{name} read or wrote outside its arrays"
+    if dq_name:
+        entry, grid, threads, _, args = script.dq_arguments(driver, dq_name, dqkv.ctypes.data, qkv.ctypes.data,
+                                                            ds.ctypes.data, B, T, Hq, Hkv, SMS)
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+        launch = lib.emu_launch(lib.emu_kernel(entry.encode()), *grid, threads, params)
+        fault = lib.emu_run(launch)
+        lib.emu_free(launch)
+        assert not fault, f"{dq_name} read or wrote outside its arrays"
+        out = script.from_bf16(dqkv).reshape(B, T, -1).astype(np.float64)
+        return max(script.relative_error(out[b][:, :Hq * D], script.reference(qkv, dy, b, T, Hq, Hkv)[0])
+                   for b in range(B))
     out = script.from_bf16(dqkv).reshape(B, T, -1).astype(np.float64)
     errors = []
     for b in range(B):
@@ -131,6 +143,14 @@ SHAPES = [(1, 128, 2, 1), (1, 160, 3, 1), (2, 192, 2, 2)]
 def test_each_version_on_the_emulator_against_float64(variant, name, shape):
     dk, dv, ds = run(variant, name, *shape)
     assert max(dk, dv, ds) <= script.DKV_BOUND, (dk, dv, ds)
+
+
+@needs_gxx
+@pytest.mark.parametrize("dq_name", script.DQ_VERSIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B%d_T%d_Hq%d_Hkv%d" % s)
+def test_the_dq_pass_on_the_emulator_against_float64(variant, dq_name, shape):
+    # on the ds tiles of the dk/dv pass (checked above against float64)
+    assert run(variant, "tma dkv", *shape, dq_name=dq_name) <= script.DKV_BOUND
 
 
 @needs_gxx
@@ -171,7 +191,7 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     with pytest.raises(SystemExit) as end:
         script.main()
     out = capsys.readouterr().out
-    assert end.value.code == 0 and out.count("  OK\n") == 2 * (len(script.VERSIONS) + 1), out
+    assert end.value.code == 0 and out.count("  OK\n") == 2 * (len(script.VERSIONS) + len(script.DQ_VERSIONS) + 1), out
     assert out.endswith("all OK\n"), out
 
 
@@ -189,5 +209,5 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
     nvrtc.nvrtcGetProgramLog(prog, log)
     nvrtc.nvrtcDestroyProgram(prog)
     log = log.decode(errors="replace")
-    entries = {entry for entry, _, _ in script.VERSIONS.values()}
+    entries = {entry for entry, _, _ in [*script.VERSIONS.values(), *script.DQ_VERSIONS.values()]}
     assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == len(entries), log

@@ -28,9 +28,13 @@ Each step, in each consumer (its 64 keys):
                            8 j + 2 (t % 4) + 0, 1), lse and delta of those queries read from the stage
   dv += pt dy, dk += dst q 4 + 4 wgmma m64n64k16, pt and dst from registers (rounded to bf16 in pairs: wgmma's register
                            a), dy and q MN-major
-dk and dv (32 + 32 registers) stay in registers to the end. ptxas (NVRTC 13, sm_90a): no spills, no wgmma
-serialized (test_attention_backward_tma). `python dev/variants/attention_backward_tma.py` checks it against float64
-and times it beside the product's dk/dv pass on an H100/H200.
+dk and dv (32 + 32 registers) stay in registers to the end. The dq pass (attention_backward_dq_tma_64, at the
+bottom) reads those ds tiles: dq = scale ds k, W query heads of a GQA group a block sharing each key tile, in the
+same design. ptxas (NVRTC 13, sm_90a): no spills, no wgmma serialized (test_attention_backward_tma); FA3's order
+in the dk/dv pass (the next step's st and dpt issued before this step's gradients: two of each, 64 registers
+more) needed more than the consumers' 240 registers (ptxas serialized its wgmma, C7512): not built.
+`python dev/variants/attention_backward_tma.py` checks both passes against float64 and times them beside the
+product's on an H100/H200.
 */
 
 #define HD 64                 // head dim
@@ -136,6 +140,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, i
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
                  "[%2];" ::"r"(shared_address(dst)), "l"(map), "r"(shared_address(bar)), "r"(x), "r"(y)
                  : "memory");
+}
+
+// four 8 x 8 bf16 matrices from shared memory, transposed, into r[0..3] as mma.sync's fragments: lane l gives the
+// address of row l % 8 of matrix l / 8
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(row)));
 }
 
 // a warpgroup's registers a thread: raised to N, or lowered to N
@@ -406,6 +417,106 @@ __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned shor
 }
 
 // -----------------------------------------------------------------------------
+// the dq pass: dq = scale ds k over the key tiles up to the diagonal, with ds as the dk/dv pass stores it
+
+// A unit of the dq pass is query tile qi of W query heads of one GQA group (x) of one batch row, the last query
+// tiles (most key tiles) first: unit u has qi = nq - 1 - u / (B groups), x = u % (B groups) % groups, b = u % (B
+// groups) / groups; its steps are the key tiles kj = 0 .. qi. Per step the producer copies the key tile (MN-major:
+// wgmma's b) and the W heads' ds tiles (8 KB each, as stored) into a stage; consumer g (head x W + g, its 64 query
+// rows) reads its ds tile transposed by ldmatrix into wgmma's register a (as flash_attn.cu's dq pass does into
+// mma.sync's), and dq += ds k by 4 wgmma m64n64k16 of 16 keys.
+struct QUnit {
+    int qi, x, b;
+};
+
+// stage s: the key tile at (1 + W) 8192 s, then the W ds tiles; full (the producer's expect_tx), empty (W
+// arrivals)
+template <int STAGES>
+struct QBlock {
+    unsigned char* tiles;
+    unsigned long long *full, *empty;
+    int W, B, T, Hq, Hkv, groups, nq, units;
+    __device__ QBlock(unsigned char* tiles_, int B_, int T_, int Hq_, int Hkv_) : tiles(tiles_) {
+        W = blockDim.x / 128 - 1, B = B_, T = T_, Hq = Hq_, Hkv = Hkv_, groups = Hq / W;
+        nq = (T + ROWS - 1) / ROWS, units = nq * B * groups;
+        full = (unsigned long long*)(tiles + STAGES * (1 + W) * TILE_BYTES);
+        empty = full + STAGES;
+    }
+    __device__ QUnit unit(int u) const {
+        int r = u % (B * groups);
+        return {nq - 1 - u / (B * groups), r % groups, r / groups};
+    }
+    __device__ unsigned char* k_bytes(int n) const { return tiles + n % STAGES * (1 + W) * TILE_BYTES; }
+    __device__ unsigned char* ds_bytes(int n, int g) const { return k_bytes(n) + (1 + g) * TILE_BYTES; }
+};
+
+template <int STAGES>
+__device__ void produce_dq(const QBlock<STAGES>& k, const TensorMap* map_qkv, const TensorMap* map_ds) {
+    int n = 0;
+    for (int u = blockIdx.x; u < k.units; u += gridDim.x) {
+        QUnit w = k.unit(u);
+        int kvh = w.x * k.W / (k.Hq / k.Hkv);
+        for (int kj = 0; kj <= w.qi; kj++, n++) {
+            int s = n % STAGES;
+            mbarrier_wait(&k.empty[s], (n / STAGES + 1) % 2);
+            mbarrier_arrive_expect_tx(&k.full[s], (1 + k.W) * TILE_BYTES);
+            tma_load_2d(k.k_bytes(n), map_qkv, (k.Hq + kvh) * HD, w.b * k.T + kj * ROWS, &k.full[s]);
+            for (int g = 0; g < k.W; g++)
+                tma_load_2d(k.ds_bytes(n, g), map_ds, 0, (int)(ds_tile(w.b, w.x * k.W + g, k.Hq, k.T, w.qi, kj) / 64),
+                            &k.full[s]);
+        }
+    }
+}
+
+template <int STAGES>
+__device__ void consume_dq(const QBlock<STAGES>& k, int g, unsigned short* dqkv16, float scale) {
+    int t = threadIdx.x % 128, lane = t % 32, warp = t / 32, n = 0;
+    int m = lane >> 3, r = 2 * (2 * warp + (m & 1)) + (m >> 1);   // this lane's row of the ldmatrix (the product's)
+    long stride = (long)(k.Hq + 2 * k.Hkv) * HD;
+    float dq[HD / 2];
+    unsigned a[ROWS / 16][4];
+    for (int u = blockIdx.x; u < k.units; u += gridDim.x) {
+        QUnit w = k.unit(u);
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) dq[i] = 0.0f;
+        for (int kj = 0; kj <= w.qi; kj++, n++) {
+            int s = n % STAGES;
+            mbarrier_wait(&k.full[s], n / STAGES % 2);
+            // a (16 queries x 16 keys of k-step kk) = the ds tile's keys 16 kk.. x queries 16 warp.., transposed
+            const unsigned short* dss = (const unsigned short*)k.ds_bytes(n, g);
+#pragma unroll
+            for (int kk = 0; kk < ROWS / 16; kk++) ldmatrix_x4_trans(a[kk], dss + 1024 * kk + 64 * r + 8 * (lane & 7));
+            fence_registers<HD / 2>(dq);
+            wgmma_fence();
+            issue_products(dq, a, shared_address(k.k_bytes(n)));
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_registers<HD / 2>(dq);
+            if (t == 0) mbarrier_arrive(&k.empty[s]);
+        }
+        int row0 = w.qi * ROWS + 16 * warp + lane / 4;
+        store_rows(dqkv16 + (long)w.b * k.T * stride + (w.x * k.W + g) * HD, stride, dq, scale, row0, k.T);
+    }
+}
+
+template <int STAGES>
+__device__ void attention_backward_dq_tma(unsigned short* dqkv16, const TensorMap* map_qkv, const TensorMap* map_ds,
+                                          int B, int T, int Hq, int Hkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    QBlock<STAGES> k(smem + (1024 - shared_address(smem) % 1024) % 1024, B, T, Hq, Hkv);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) mbarrier_init(&k.full[s], 1), mbarrier_init(&k.empty[s], k.W);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x / 128 == 0) {
+        if (threadIdx.x == 0) produce_dq(k, map_qkv, map_ds);
+        return;
+    }
+    consume_dq(k, threadIdx.x / 128 - 1, dqkv16, scale);
+}
+
+// -----------------------------------------------------------------------------
 // entry points: grid (the units, ceil(nk / W) B Hkv, or fewer: the number of SMs), 128 (W + 1) threads (W = 2),
 // dynamic shared memory (2 W + 2 STAGES) 8192 + 512 STAGES (lse and delta) + 16 STAGES + 16 (the mbarriers) + 1024
 // (to align the tiles) bytes; map_qkv: qkv16's tensor map, map_dy: dy16's, boxes of 64 x 64 with the 128-byte
@@ -429,4 +540,12 @@ attention_backward_dkv_tma_kvr_64(unsigned short* dqkv16, unsigned short* ds16,
                                   float scale) {
     attention_backward_dkv_tma<4, true>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
                                         scale);
+}
+
+// the dq pass: grid (the units, nq B Hq / W, or fewer), 128 (W + 1) threads (W a divisor of Hq / Hkv, at most 3),
+// dynamic shared memory 4 (1 + W) 8192 + 64 + 1024 bytes; map_ds: ds16 as rows of 64 bf16, boxes of 64 x 64
+extern "C" __global__ void __launch_bounds__(512, 1)
+attention_backward_dq_tma_64(unsigned short* dqkv16, const __grid_constant__ TensorMap map_qkv,
+                             const __grid_constant__ TensorMap map_ds, int B, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dq_tma<4>(dqkv16, &map_qkv, &map_ds, B, T, Hq, Hkv, scale);
 }

@@ -48,6 +48,10 @@ VERSIONS = {"tma dkv": ("attention_backward_dkv_tma_64", 4, False),
             "tma dkv persistent": ("attention_backward_dkv_tma_64", 4, True),
             "tma dkv kv": ("attention_backward_dkv_tma_kvr_64", 4, False),
             "tma dkv kv persistent": ("attention_backward_dkv_tma_kvr_64", 4, True)}
+# the dq pass's versions: entry point, stages, persistent; run on the product's ds
+DQ_PRODUCT = "attention_backward_dq_bf16_kernel_64"
+DQ_VERSIONS = {"tma dq": ("attention_backward_dq_tma_64", 4, False),
+               "tma dq persistent": ("attention_backward_dq_tma_64", 4, True)}
 
 
 def random_dy(B, T, Hq, seed=1):
@@ -117,6 +121,25 @@ def arguments(cu, name, dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv, sms):
     return entry, (min(units, sms) if persistent else units, 1, 1), 128 * (W + 1), shared_bytes(stages), args
 
 
+def dq_warpgroups(Hq, Hkv):
+    """query heads (consumer warpgroups) a block of the dq pass: the largest divisor of Hq / Hkv up to 3"""
+    return max(w for w in (1, 2, 3) if (Hq // Hkv) % w == 0)
+
+
+def dq_arguments(cu, name, dqkv, qkv, ds, B, T, Hq, Hkv, sms):
+    """-> (entry, grid, threads, shared bytes, the arguments as ctypes values) of a dq version"""
+    entry, stages, persistent = DQ_VERSIONS[name]
+    Wq, nq = dq_warpgroups(Hq, Hkv), -(-T // 64)
+    bf16 = cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    sw128, none = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+    args = [ctypes.c_void_p(dqkv), tensor_map(cu, qkv, bf16, B * T, (Hq + 2 * Hkv) * D, 64, 64, sw128),
+            tensor_map(cu, ds, bf16, nc.attention_ds_size(B, T, Hq) // 64, 64, 64, 64, none),
+            ctypes.c_int(B), ctypes.c_int(T), ctypes.c_int(Hq), ctypes.c_int(Hkv), ctypes.c_float(1 / math.sqrt(D))]
+    units = nq * B * Hq // Wq
+    shared = stages * (1 + Wq) * 8192 + 16 * stages + 1024
+    return entry, (min(units, sms) if persistent else units, 1, 1), 128 * (Wq + 1), shared, args
+
+
 class Problem:
     """qkv, dy, y, lse, delta on the GPU (y and lse by the product's forward, delta by its delta kernel), dqkv and ds
     to write"""
@@ -150,12 +173,20 @@ class Problem:
         return arguments(nc.cu, name, self.dqkv.ptr, self.ds.ptr, self.qkv.ptr, self.dy.ptr, self.lse.ptr,
                          self.delta.ptr, self.B, self.T, self.Hq, self.Hkv, nc.gpu.sms)
 
-    def dq(self, modules):
-        """the product's dq pass on ds"""
+    def dq(self, modules, name=DQ_PRODUCT, prepared=None):
+        """one launch of the product's dq pass (name DQ_PRODUCT) or of a dq version, on ds"""
         B, T, Hq, Hkv = self.B, self.T, self.Hq, self.Hkv
-        base.launch(modules["product"], "attention_backward_dq_bf16_kernel_64", (Hq, B, -(-T // 64)), 128, 0,
-                    nc.ptr_arg(self.dqkv), nc.ptr_arg(self.qkv), nc.ptr_arg(self.ds), nc.int_arg(T), nc.int_arg(Hq),
-                    nc.int_arg(Hkv), nc.float_arg(1 / math.sqrt(D)))
+        if name == DQ_PRODUCT:
+            base.launch(modules["product"], DQ_PRODUCT, (Hq, B, -(-T // 64)), 128, 0, nc.ptr_arg(self.dqkv),
+                        nc.ptr_arg(self.qkv), nc.ptr_arg(self.ds), nc.int_arg(T), nc.int_arg(Hq), nc.int_arg(Hkv),
+                        nc.float_arg(1 / math.sqrt(D)))
+            return
+        entry, grid, threads, shared, args = prepared or self.dq_arguments(name)
+        base.launch(modules["variant"], entry, grid, threads, shared, *args)
+
+    def dq_arguments(self, name):
+        return dq_arguments(nc.cu, name, self.dqkv.ptr, self.qkv.ptr, self.ds.ptr, self.B, self.T, self.Hq, self.Hkv,
+                            nc.gpu.sms)
 
 
 def finish(name, seconds=5):
@@ -194,27 +225,43 @@ def check_versions(modules):
             bad += not ok
             print(f"{name:<38} B {B:>2} T {T} Hq {Hq} Hkv {Hkv}: dq {e[0]:9.2e}  dk {e[1]:9.2e}  dv {e[2]:9.2e}  "
                   f"{'all written' if written else 'NOT ALL WRITTEN'}  {'OK' if ok else 'NOT OK'}", flush=True)
+        for name in DQ_VERSIONS:                                   # on the product's ds
+            pb.dqkv.fill_bits(0xFFFF)
+            pb.dkv(modules, PRODUCT)
+            pb.dq(modules, name)
+            finish(name)
+            out = from_bf16(pb.dqkv.download()).reshape(B, T, -1)[B - 1].astype(np.float64)
+            written = np.isfinite(out[:, :Hq * D]).all()
+            e = relative_error(out[:, :Hq * D], dq_ref)
+            ok = written and e <= DKV_BOUND
+            bad += not ok
+            print(f"{name:<38} B {B:>2} T {T} Hq {Hq} Hkv {Hkv}: dq {e:9.2e}  "
+                  f"{'all written' if written else 'NOT ALL WRITTEN'}  {'OK' if ok else 'NOT OK'}", flush=True)
     return bad
 
 
 def time_versions(modules):
     _, T, Hq, Hkv = CHECKS[0]
-    names = [PRODUCT, *VERSIONS]
-    print(f"{'us a call (the dk/dv pass)':<38} " + " ".join(f"{'B %d' % B:>16}" for B in BATCHES))
-    table = {name: [] for name in names}
-    for B in BATCHES:
-        pb = Problem(modules, B, T, Hq, Hkv, seed=B)
-        for name in names:
-            prepared = None if name == PRODUCT else pb.arguments(name)
+    print(f"{'us a call':<38} " + " ".join(f"{'B %d' % B:>16}" for B in BATCHES))
+    for product, versions, dq in ((PRODUCT, VERSIONS, False), (DQ_PRODUCT, DQ_VERSIONS, True)):
+        names = [product, *versions]
+        table = {name: [] for name in names}
+        for B in BATCHES:
+            pb = Problem(modules, B, T, Hq, Hkv, seed=B)
+            pb.dkv(modules, PRODUCT)                               # (ds for the dq pass)
+            launch, prepare = (pb.dq, pb.dq_arguments) if dq else (pb.dkv, pb.arguments)
+            for name in names:
+                prepared = None if name == product else prepare(name)
 
-            def run(name=name, prepared=prepared):
-                for _ in range(LAUNCHES):
-                    pb.dkv(modules, name, prepared)
-            table[name].append(base.timed(run, REPS) / LAUNCHES)
-    for name in names:
-        ratios = [t / p for t, p in zip(table[name], table[PRODUCT])]
-        print(f"{name:<38} " + " ".join(f"{t:8.1f} ({r:4.2f}x)" for t, r in zip(table[name], ratios)), flush=True)
-    print(f"(median of {REPS} runs of {LAUNCHES} launches; x: of the product's time)")
+                def run(name=name, prepared=prepared, launch=launch):
+                    for _ in range(LAUNCHES):
+                        launch(modules, name, prepared)
+                table[name].append(base.timed(run, REPS) / LAUNCHES)
+        for name in names:
+            ratios = [t / p for t, p in zip(table[name], table[product])]
+            print(f"{name:<38} " + " ".join(f"{t:8.1f} ({r:4.2f}x)" for t, r in zip(table[name], ratios)),
+                  flush=True)
+    print(f"(median of {REPS} runs of {LAUNCHES} launches; x: of the product's time, its dk/dv or dq pass)")
 
 
 def main():
