@@ -4,8 +4,8 @@ warpgroup MMA fed by TMA, issue 36) on tools/emulate_cuda.py's CPU emulator: dk,
 the dq pass (in flash_attn.cu's order), and dq from them, against numpy in float64 at small shapes (causal, GQA,
 a T that ends inside a key tile, an odd number of key tiles: a block's second consumer with no keys), its tensor
 maps made by the emulator's stand-in driver as the GPU script makes them; the same kernel with its causal mask
-taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no spills. `python
-dev/variants/attention_backward_tma.py` checks and times it on a GPU.
+taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no
+spills. `python dev/variants/attention_backward_tma.py` checks and times it on a GPU.
 """
 
 import ctypes
