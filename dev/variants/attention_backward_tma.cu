@@ -149,6 +149,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const unsigned sh
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(shared_address(row)));
 }
 
+// named barrier id (1 .. 15): wait until n threads (a multiple of 32) have arrived; or arrive without waiting
+__device__ __forceinline__ void named_barrier_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
 // a warpgroup's registers a thread: raised to N, or lowered to N
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
@@ -318,8 +327,10 @@ __device__ void produce(const Block<STAGES>& k, const TensorMap* map_qkv, const 
 
 // a consumer (warpgroup g of the consumers, key tile W x + g of each unit): every step's products waited for at once.
 // KVR: k and v from registers in st = k q.T and dpt = v dy.T (read from their tiles at a unit's start: 32 registers
-// more), so that those wgmma read only q and dy from shared memory
-template <int STAGES, bool KVR>
+// more), so that those wgmma read only q and dy from shared memory. SCHED: the consumers take turns to issue
+// (FlashAttention-3's warp scheduler barrier, named barriers 1 .. W, as attention_forward_tma.cu's): each issues its
+// st and dpt, then its dk and dv products, in its turn, so that one's gradients run while the other's wgmma do
+template <int STAGES, bool KVR, bool SCHED>
 __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, unsigned short* ds16, float scale) {
     const float scale2 = scale * LOG2E;
     int t = threadIdx.x % 128, q = t % 4, n = 0, i = 0;
@@ -327,6 +338,7 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
     float dk[HD / 2], dv[HD / 2], st[ROWS / 2], dpt[ROWS / 2];
     unsigned pa[ROWS / 16][4], da[ROWS / 16][4], kf[HD / 16][4], vf[HD / 16][4];
     long stride = (long)(k.Hq + 2 * k.Hkv) * HD;
+    if (SCHED && g == 0) named_barrier_arrive(1, 256);             // the first turn is consumer 0's
     for (int u = blockIdx.x; u < k.units; u += gridDim.x, i++) {
         Unit w = k.unit(u);
         int kt = k.W * w.x + g, row0 = kt * ROWS + 16 * (t / 32) + t % 32 / 4;
@@ -344,6 +356,7 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
             unsigned qa = shared_address(k.q_bytes(n)), dya = shared_address(k.dy_bytes(n));
             fence_registers<ROWS / 2>(st);
             fence_registers<ROWS / 2>(dpt);
+            if constexpr (SCHED) named_barrier_sync(1 + g, 256);    // this consumer's turn to issue
             wgmma_fence();
             if constexpr (KVR) {
                 issue_products_t_rs(st, kf, qa);
@@ -353,6 +366,7 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
                 issue_products_t(dpt, va, dya);
             }
             wgmma_commit();
+            if constexpr (SCHED) named_barrier_arrive(1 + (g + 1) % k.W, 256);     // the next consumer's turn
             wgmma_wait<0>();
             fence_registers<ROWS / 2>(st);
             fence_registers<ROWS / 2>(dpt);
@@ -378,10 +392,12 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
             }
             fence_registers<HD / 2>(dv);
             fence_registers<HD / 2>(dk);
+            if constexpr (SCHED) named_barrier_sync(1 + g, 256);
             wgmma_fence();
             issue_products(dv, pa, dya);
             issue_products(dk, da, qa);
             wgmma_commit();
+            if constexpr (SCHED) named_barrier_arrive(1 + (g + 1) % k.W, 256);
             wgmma_wait<0>();
             fence_registers<HD / 2>(dv);
             fence_registers<HD / 2>(dk);
@@ -394,7 +410,7 @@ __device__ void consume(const Block<STAGES>& k, int g, unsigned short* dqkv16, u
     }
 }
 
-template <int STAGES, bool KVR>
+template <int STAGES, bool KVR, bool SCHED>
 __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned short* ds16, const TensorMap* map_qkv,
                                            const TensorMap* map_dy, const TensorMap* map_lse,
                                            const TensorMap* map_delta, int B, int T, int Hq, int Hkv, float scale) {
@@ -413,7 +429,7 @@ __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned shor
         return;
     }
     setmaxnreg_inc<CONSUMER_REGS>();
-    consume<STAGES, KVR>(k, wg - 1, dqkv16, ds16, scale);
+    consume<STAGES, KVR, SCHED>(k, wg - 1, dqkv16, ds16, scale);
 }
 
 // -----------------------------------------------------------------------------
@@ -527,7 +543,7 @@ attention_backward_dkv_tma_64(unsigned short* dqkv16, unsigned short* ds16, cons
                               const __grid_constant__ TensorMap map_dy, const __grid_constant__ TensorMap map_lse,
                               const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
                               float scale) {
-    attention_backward_dkv_tma<4, false>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
+    attention_backward_dkv_tma<4, false, false>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
                                          scale);
 }
 
@@ -538,8 +554,30 @@ attention_backward_dkv_tma_kvr_64(unsigned short* dqkv16, unsigned short* ds16,
                                   const __grid_constant__ TensorMap map_lse,
                                   const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
                                   float scale) {
-    attention_backward_dkv_tma<4, true>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
+    attention_backward_dkv_tma<4, true, false>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
                                         scale);
+}
+
+// the consumers taking turns to issue, k and v from shared memory or registers
+extern "C" __global__ void __launch_bounds__(384, 1)
+attention_backward_dkv_tma_turns_64(unsigned short* dqkv16, unsigned short* ds16,
+                                    const __grid_constant__ TensorMap map_qkv, const __grid_constant__ TensorMap map_dy,
+                                    const __grid_constant__ TensorMap map_lse,
+                                    const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
+                                    float scale) {
+    attention_backward_dkv_tma<4, false, true>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
+                                               scale);
+}
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+attention_backward_dkv_tma_kvr_turns_64(unsigned short* dqkv16, unsigned short* ds16,
+                                        const __grid_constant__ TensorMap map_qkv,
+                                        const __grid_constant__ TensorMap map_dy,
+                                        const __grid_constant__ TensorMap map_lse,
+                                        const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv,
+                                        float scale) {
+    attention_backward_dkv_tma<4, true, true>(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv,
+                                              scale);
 }
 
 // the dq pass: grid (the units, nq B Hq / W, or fewer), 128 (W + 1) threads (W a divisor of Hq / Hkv, at most 3),

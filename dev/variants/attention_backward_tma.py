@@ -47,7 +47,9 @@ W = 2                             # consumer warpgroups (key tiles) a block
 VERSIONS = {"tma dkv": ("attention_backward_dkv_tma_64", 4, False),
             "tma dkv persistent": ("attention_backward_dkv_tma_64", 4, True),
             "tma dkv kv": ("attention_backward_dkv_tma_kvr_64", 4, False),
-            "tma dkv kv persistent": ("attention_backward_dkv_tma_kvr_64", 4, True)}
+            "tma dkv kv persistent": ("attention_backward_dkv_tma_kvr_64", 4, True),
+            "tma dkv turns persistent": ("attention_backward_dkv_tma_turns_64", 4, True),
+            "tma dkv kv turns persistent": ("attention_backward_dkv_tma_kvr_turns_64", 4, True)}
 # the dq pass's versions: entry point, stages, persistent; run on the product's ds
 DQ_PRODUCT = "attention_backward_dq_bf16_kernel_64"
 DQ_VERSIONS = {"tma dq": ("attention_backward_dq_tma_64", 4, False),
