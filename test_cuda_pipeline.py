@@ -935,3 +935,23 @@ def test_target_counts_are_the_kept_targets_of_each_head():
     expected = [sum(targets[b, t, k] != -1 for b in range(3) for t in range(7)) for k in range(4)]
     assert list(nc.target_counts(targets)) == expected and expected[2] == 0
     assert list(nc.target_counts(np.zeros((2, 5, 3), np.int32))) == [10, 10, 10]
+
+
+@needs_nvrtc
+@needs_gxx
+def test_the_attention_passes_with_copies_landing_at_their_waits(emulated):
+    # flash_attn.cu's passes (fp32 CUDA cores, tf32 and bf16 tensor cores) with each cp.async held until the
+    # cp.async.wait_group that covers it, the latest the PTX ISA allows (the emulator's default lands it at issue,
+    # the earliest): a tile read before its wait would read what the buffer held before
+    for lib in nc.gpu.modules.values():
+        lib.emu_set_late_copies(1)
+    errors = []
+    try:
+        for precision in ("fp32", "tf32", "bf16"):
+            nc.gpu.precision = precision
+            nc.check_attention(np.random.default_rng(5), lambda what, err: errors.append((what, err, precision)))
+    finally:
+        for lib in nc.gpu.modules.values():
+            lib.emu_set_late_copies(0)
+    bad = [(what, err) for what, err, precision in errors if not err < nc.TOLERANCE[precision]]
+    assert errors and not bad, bad
