@@ -20,7 +20,6 @@ import importlib.util
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -29,10 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 import nanoeuler_cuda as nc                                    # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("attention_forward_wgmma", os.path.join(HERE,
-                                                                                       "attention_forward_wgmma.py"))
-base = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(base)
+_spec = importlib.util.spec_from_file_location("attention_forward_tma", os.path.join(HERE, "attention_forward_tma.py"))
+forward_tma = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forward_tma)
+base, tensor_map, finish = forward_tma.base, forward_tma.tensor_map, forward_tma.finish    # (finish: a hang named)
 D, bf16_bits, from_bf16, random_qkv, relative_error = (base.D, base.bf16_bits, base.from_bf16, base.random_qkv,
                                                        base.relative_error)
 
@@ -90,20 +89,6 @@ def shared_bytes(stages):
     """dynamic shared memory: W K and W V tiles, the stages' q and dy tiles, lse and delta, the mbarriers, 1024 to
     align the tiles"""
     return (2 * W + 2 * stages) * 8192 + 512 * stages + 8 * (2 * stages + 2) + 1024
-
-
-def tensor_map(cu, address, dtype, rows, cols, box_cols, box_rows, swizzle):
-    """a CUtensorMap of the row-major matrix at address (rows, cols), boxes of box_cols x box_rows, as 128 bytes to
-    pass by value (cu: the driver, or the emulator's)"""
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t                    # (cuda-python takes no plain ints for these)
-    size = 2 if dtype == cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 else 4
-    m = nc.check(cu.cuTensorMapEncodeTiled(dtype, 2, address, [u64(cols), u64(rows)], [u64(cols * size)],
-                                           [u32(box_cols), u32(box_rows)], [u32(1), u32(1)],
-                                           cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                           cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                           cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-                 "cuTensorMapEncodeTiled")
-    return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
 
 
 def arguments(cu, name, dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv, sms):
@@ -189,21 +174,6 @@ class Problem:
     def dq_arguments(self, name):
         return dq_arguments(nc.cu, name, self.dqkv.ptr, self.qkv.ptr, self.ds.ptr, self.B, self.T, self.Hq, self.Hkv,
                             nc.gpu.sms)
-
-
-def finish(name, seconds=5):
-    """wait for the stream; a kernel still running after `seconds` hangs (a wait on its barriers that nothing
-    completes, which no timeout ends on a GPU): say which, and end the process"""
-    cu, deadline = nc.cu, time.time() + seconds
-    while True:
-        err = cu.cuStreamQuery(nc.gpu.stream)[0]
-        if err != cu.CUresult.CUDA_ERROR_NOT_READY:
-            nc.check((err,), name)
-            return
-        if time.time() > deadline:
-            print(f"{name} HANGS: still running after {seconds} s; NOT OK", flush=True)
-            os._exit(3)
-        time.sleep(0.001)
 
 
 def check_versions(modules):

@@ -87,14 +87,14 @@ def shared_bytes(W, BN, stages):
     return 2 * W * 8192 + stages * 256 * BN + 1024 + 8 * (3 * stages + 4)
 
 
-def tensor_map(cu, address, rows, cols, box_rows):
-    """a CUtensorMap of the bf16 matrix at address (rows, cols) row-major, boxes of 64 columns (128 bytes) x
-    box_rows with the 128-byte swizzle, as 128 bytes to pass by value (cu: the driver, or the emulator's)"""
+def tensor_map(cu, address, dtype, rows, cols, box_cols, box_rows, swizzle):
+    """a CUtensorMap of the row-major matrix at address (rows, cols), boxes of box_cols x box_rows, as 128 bytes to
+    pass by value (cu: the driver, or the emulator's)"""
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t                    # (cuda-python takes no plain ints for these)
-    m = nc.check(cu.cuTensorMapEncodeTiled(cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, address,
-                                           [u64(cols), u64(rows)], [u64(cols * 2)], [u32(64), u32(box_rows)],
-                                           [u32(1), u32(1)], cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                           cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+    size = 2 if dtype == cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 else 4
+    m = nc.check(cu.cuTensorMapEncodeTiled(dtype, 2, address, [u64(cols), u64(rows)], [u64(cols * size)],
+                                           [u32(box_cols), u32(box_rows)], [u32(1), u32(1)],
+                                           cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
                  "cuTensorMapEncodeTiled")
@@ -106,8 +106,11 @@ def arguments(cu, name, y, lse, qkv, B, T, Hq, Hkv):
     entry, BN, stages, persistent = {**VERSIONS, **PROBES}[name]
     W, n = warpgroups(Hq, Hkv), units(B, T, Hq, Hkv)
     rows, cols = B * T, (Hq + 2 * Hkv) * D
-    args = [ctypes.c_void_p(y), ctypes.c_void_p(lse), tensor_map(cu, qkv, rows, cols, 64),
-            tensor_map(cu, qkv, rows, cols, BN), ctypes.c_int(B), ctypes.c_int(T), ctypes.c_int(Hq), ctypes.c_int(Hkv),
+    bf16 = cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    sw128 = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
+    args = [ctypes.c_void_p(y), ctypes.c_void_p(lse), tensor_map(cu, qkv, bf16, rows, cols, 64, 64, sw128),
+            tensor_map(cu, qkv, bf16, rows, cols, 64, BN, sw128), ctypes.c_int(B), ctypes.c_int(T), ctypes.c_int(Hq),
+            ctypes.c_int(Hkv),
             ctypes.c_float(1 / math.sqrt(D))]
     return entry, min(n, nc.gpu.sms) if persistent else n, 128 * (W + 1), shared_bytes(W, BN, stages), args
 
