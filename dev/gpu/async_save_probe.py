@@ -55,7 +55,7 @@ state = {"step": step, "rng": rng.bit_generator.state}
 t0 = clock()
 flat, m, v = engine.host_params(), engine.model.m.download()[:n], engine.model.v.download()[:n]
 t1 = clock()
-ne.save_checkpoint(folder, step, cfg, flat, m, v, tok, state)
+ne.RunFolder(folder, cfg, tok).write_pair(step, flat, m, v, state)
 ne.RunFolder(folder).prune()
 t2 = clock()
 print(f"before: a checkpoint held training {t2 - t0:.2f} s: copies from the GPU {t1 - t0:.3f} s (pageable), "
