@@ -2301,10 +2301,8 @@ def load_model(path, args=None):
     tensors, (cfg, tok) = read_safetensors(path, model_header)
     names = [name for name, _ in param_shapes(cfg)]
     bad = [name for name in names if not np.isfinite(tensors[name]).all()]
-    if bad:
-        raise NanoEulerError(f"{path} holds weights that are NaN or infinite (in {bad[0]}"
-                             f"{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}); "
-                             "use an earlier checkpoint")
+    with refused_if_malformed(path, "holds weights that are NaN or infinite", "use an earlier checkpoint"):
+        require(not bad, f"in {bad and bad[0]}{f' and {len(bad) - 1} more tensors' if len(bad) > 1 else ''}")
     flat = np.concatenate([tensors[name].reshape(-1) for name in names]).astype(np.float32)
     if args is not None:
         fit_flags(args, cfg, tok)
