@@ -981,6 +981,474 @@ __device__ void attention_backward_dkv_bf16(unsigned short* dqkv16, unsigned sho
 }
 
 // -----------------------------------------------------------------------------
+// the bf16 forward on Hopper (sm_90a: an H100 or H200): TMA, mbarriers and warpgroup MMA
+//
+// The same math and layouts as attention_forward_bf16 above (so the backward reads its y and lse as they are):
+// scores s = q.k of the bf16 inputs summed in fp32, the online softmax in base 2 with the scale folded into one
+// fma, p rounded to bf16 on its way into p v, y = o / l rounded to bf16, lse = m scale + log(l). Fed the way
+// FlashAttention-3 feeds it (Shah et al., 2024): one warpgroup copies, the others multiply, and no block-wide
+// barrier a step. On an H100 at the big model's B 64, T 512: 96.1 us a layer against attention_forward_bf16's
+// 143.7 (dev/LOG.md; dev/variants/attention_forward_tma.cu holds the versions that were tried, this one its
+// `_pipelined_turns_128`). D = 64 only; compiled where sm_90a's instructions exist (nanoeuler_cuda compiles this
+// file for sm_90a on compute capability 9.0: the other kernels' machine code is the same as for sm_90) and on the
+// CPU emulator, which defines these helpers in C++ (tools/emulate_cuda.py's WGMMA_HELPERS and TMA_HELPERS).
+//
+// The copies: TMA (cp.async.bulk.tensor.2d) through two tensor maps that nanoeuler_cuda makes once per qkv16
+// buffer, over qkv16 seen as a 2D tensor of B T rows and (Hq + 2 Hkv) 64 columns: boxes of 64 columns (a head) by
+// 64 rows (map_q) or 128 (map_kv), with the 128-byte swizzle that wgmma reads (row r's 16-byte chunk c at
+// 128 r + 16 (c ^ r % 8)). Rows past a batch row's T are the next batch row's (zeros past B T): keys there fall
+// on the diagonal step, after every query row, and are masked; query rows there are never stored.
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)   // sm_90a, or the CPU emulator
+
+#define HD 64                 // head dim (wgmma's K of q k.T, its N of p v)
+#define WG_ROWS 64            // query rows of a consumer warpgroup (wgmma's M)
+#define STEP_KEYS 128         // keys a step (wgmma's N of q k.T)
+#define STAGES 4              // K/V stages in shared memory
+#define TILE_BYTES 8192       // a 64 x 64 bf16 tile
+#define PRODUCER_REGS 32      // setmaxnreg: 32 128 + 160 384 = 65536, the SM's registers, for 3 consumers
+#define CONSUMER_REGS 160
+
+// order the registers' accesses before it against the wgmma after it (the warpgroup runs it together)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+
+// d (64 x N fp32) = a (64 x 16) b (16 x N) + (scale_d ? d : 0), a and b bf16 in shared memory by their
+// descriptors (A_MN, B_MN: 0 K-major, 1 MN-major)
+template <int N, int A_MN, int B_MN>
+__device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    static_assert(N == 128, "wgmma_bf16: N is 128 here");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "%64, %65, p, 1, 1, %67, %68;\n}\n"
+                 : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+                 : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+#undef D8
+}
+
+// the same with a from registers: a[0..3] this thread's part of a (64 x 16) as mma.sync's m16n8k16 a fragment;
+// not to be written until the wgmma is waited for
+template <int N, int B_MN>
+__device__ __forceinline__ void wgmma_bf16_rs(float* d, const unsigned* a, unsigned long long b, int scale_d) {
+#define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+              "+f"(d[i + 6]), "+f"(d[i + 7])
+    static_assert(N == 64, "wgmma_bf16_rs: N is 64 here");
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+                 : D8(0), D8(8), D8(16), D8(24)
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(B_MN));
+#undef D8
+}
+
+// close the group of the wgmma this thread issued since the last commit
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+
+template <int N>   // wait until at most N groups of wgmma are still in flight
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+// a CUtensorMap: 128 opaque bytes that cuTensorMapEncodeTiled writes on the host; a kernel takes it as a
+// const __grid_constant__ parameter and gives the copy its address
+struct __align__(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+// an mbarrier (8 bytes of shared memory) whose phases complete after count arrivals (and the bytes expected)
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count) : "memory");
+}
+
+// make mbarrier.init visible to the async proxy (the TMA unit) and to the other threads
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+}
+
+// expect `bytes` more on the current phase, then arrive
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)),
+                 "r"(bytes) : "memory");
+}
+
+// whether the phase of this parity has completed (waits a while first, as the hardware decides)
+__device__ __forceinline__ bool mbarrier_try_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(shared_address(bar)), "r"(parity) : "memory");
+    return done;
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned parity) {
+    while (!mbarrier_try_wait(bar, parity)) {
+    }
+}
+
+// the box of the tensor map at element (x, y) (x along rows, the inner dimension) -> dst in shared memory,
+// its bytes completed on bar
+__device__ __forceinline__ void tma_load_2d(void* dst, const void* map, int x, int y, unsigned long long* bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], "
+                 "[%2];" ::"r"(shared_address(dst)), "l"(map), "r"(shared_address(bar)), "r"(x), "r"(y)
+                 : "memory");
+}
+
+// named barrier id (1 .. 15): wait until n threads (a multiple of 32) have arrived; or arrive without waiting
+__device__ __forceinline__ void named_barrier_sync(int id, int n) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(int id, int n) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+
+// a warpgroup's registers a thread: raised to N, or lowered to N
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N)); }
+
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N)); }
+
+// keep the compiler from moving accesses to the n accumulators across a wgmma fence or wait (CUTLASS's
+// warpgroup_fence_operand): each register passes through an empty asm
+template <int n>
+__device__ __forceinline__ void fence_registers(float* d) {
+#ifdef __CUDA_ARCH__
+#pragma unroll
+    for (int i = 0; i < n; i++) asm volatile("" : "+f"(d[i])::"memory");
+#endif
+}
+
+// a shared-memory matrix descriptor of a 128-byte-swizzled operand: bits 0-13 the start address >> 4, 16-29
+// the leading byte offset >> 4, 32-45 the stride byte offset >> 4 (8 rows of 128 bytes: 1024), 62-63 1
+__device__ __forceinline__ unsigned long long sw128_descriptor(unsigned address, unsigned lbo) {
+    return (address & 0x3FFFF) >> 4 | (unsigned long long)(lbo >> 4 & 0x3FFF) << 16 |
+           (unsigned long long)(1024 >> 4) << 32 | 1ull << 62;
+}
+
+// s = q k.T: 4 wgmma of 16 dims, q (64 rows) and k (128 keys) K-major (the 16 dims from kk at byte 32 kk of each
+// 128-byte row)
+__device__ __forceinline__ void issue_scores(float* s, unsigned q, unsigned k) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+        wgmma_bf16<STEP_KEYS, 0, 0>(s, sw128_descriptor(q + 32 * kk, 16), sw128_descriptor(k + 32 * kk, 16), kk > 0);
+    wgmma_commit();
+}
+
+// o += p v: 8 wgmma of 16 keys, p[kk] from registers, v N-major (keys 16 kk .. at byte 2048 kk; the 64 dims of a
+// key one row, so the leading byte offset, between groups of 64 dims, is never used)
+__device__ __forceinline__ void issue_weighted_sum(float* o, const unsigned (*p)[4], unsigned v) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < STEP_KEYS / 16; kk++)
+        wgmma_bf16_rs<HD, 1>(o, p[kk], sw128_descriptor(v + 2048 * kk, 8192), 1);
+    wgmma_commit();
+}
+
+// x[0] = the max of x[0 .. 2 W - 1], as a tree (a template: NVRTC leaves a loop of 4 levels rolled, x in local memory)
+template <int W>
+__device__ __forceinline__ void tree_max(float* x) {
+#pragma unroll
+    for (int a = 0; a < W; a++) x[a] = fmaxf(x[a], x[a + W]);
+    if constexpr (W > 1) tree_max<W / 2>(x);
+}
+
+// the online softmax of one step on this thread's scores s (accumulator layout: thread t holds rows row0 = 16 (t
+// / 32 % 4) + t % 32 / 4 and row0 + 8, columns 8 j + 2 (t % 4) + 0, 1; 128 keys from k0): mask keys after the
+// query on the diagonal step, update the running max m and sum l, s <- p = exp2(s scale2 - m scale2) in fp32;
+// -> correction[r], what o's row r is to be multiplied by
+__device__ __forceinline__ void softmax_step(float* s, float* m, float* l, float* correction, int k0, int row0,
+                                             bool diagonal, float scale2) {
+    int q = threadIdx.x % 4;
+    if (diagonal)
+#pragma unroll
+        for (int i = 0; i < STEP_KEYS / 2; i++)
+            if (k0 + 8 * (i / 4) + 2 * q + i % 2 > row0 + 8 * (i / 2 % 2)) s[i] = -INFINITY;
+    // a row's 32 scores here (registers 4 a + 2 r, + 1) reduced as a tree and summed 4 ways: short chains, as
+    // a warp's softmax waits on its own latency
+    constexpr int A = STEP_KEYS / 8;
+    float mx[2][A], sum[2][4], ms[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+#pragma unroll
+        for (int a = 0; a < A; a++) mx[r][a] = fmaxf(s[4 * a + 2 * r], s[4 * a + 2 * r + 1]);
+        tree_max<A / 2>(mx[r]);
+        mx[r][0] = group_max(fmaxf(m[r], mx[r][0]));              // a step's first key is at or before each row
+        correction[r] = exp2f((m[r] - mx[r][0]) * scale2);        // rescale what came before
+        m[r] = mx[r][0];
+        ms[r] = mx[r][0] * scale2;
+    }
+#pragma unroll
+    for (int i = 0; i < STEP_KEYS / 2; i++) {
+        s[i] = exp2f(fmaf(s[i], scale2, -ms[i / 2 % 2]));
+        if (i < 8) sum[i / 2 % 2][i / 4 * 2 + i % 2] = s[i];
+        else sum[i / 2 % 2][i / 4 % 2 * 2 + i % 2] += s[i];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) l[r] = l[r] * correction[r] + ((sum[r][0] + sum[r][1]) + (sum[r][2] + sum[r][3]));
+}
+
+// p (fp32, accumulator layout) -> bf16 pairs in wgmma's register a layout, 16 keys a k-step: register j of
+// k-step kk holds row g (+ 8 for odd j), keys 16 kk + 2 (t % 4), +1 (+ 8 for j >= 2): s[8 kk + 2 j], + 1
+__device__ __forceinline__ void pack_p(unsigned (*p)[4], const float* s) {
+#pragma unroll
+    for (int kk = 0; kk < STEP_KEYS / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) p[kk][j] = pack_bf16(s[8 * kk + 2 * j], s[8 * kk + 2 * j + 1]);
+}
+
+__device__ __forceinline__ void scale_o(float* o, const float* correction) {
+#pragma unroll
+    for (int i = 0; i < HD / 2; i++) o[i] *= correction[i / 2 % 2];
+}
+
+// the end of a tile, rows row0 and row0 + 8 of head h: lse = m scale + log(l) (rows past T skipped); -> inv, 1 / l
+__device__ __forceinline__ void store_lse(float* lse, const float* m, const float* l, float* inv, int b, int h,
+                                          int row0, int T, int Hq, float scale) {
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float sum = group_sum(l[r]);
+        inv[r] = 1.0f / sum;
+        if (threadIdx.x % 4 == 0 && row0 + 8 * r < T)
+            lse[((long)b * Hq + h) * T + row0 + 8 * r] = m[r] * scale + logf(sum);
+    }
+}
+
+// and y = o / l rounded to bf16
+__device__ __forceinline__ void store_y(unsigned short* y16, const float* o, const float* inv, int b, int h, int row0,
+                                        int T, int Hq) {
+    int q = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + 8 * r;
+        if (row >= T) continue;
+        unsigned short* out = y16 + ((long)b * T + row) * Hq * HD + h * HD;
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+            *(unsigned*)(out + 8 * j + 2 * q) = pack_bf16(o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r]);
+    }
+}
+
+// The work: a unit is query tiles nq - 1 - p and p (nq = ceil(T / 64) tiles of 64 rows, p < ceil(nq / 2); one
+// tile when the two are the same) of W query heads that read the same kv head, of one batch row: both tiles
+// together take about the same number of key steps whatever p. Unit u: p = u % pairs, the group of W heads
+// x = u / pairs % groups, the batch row b = u / pairs / groups. A tile qi takes the key steps j = 0 .. (64 qi +
+// 63) / 128, the last one the diagonal. A block walks units blockIdx.x, + gridDim.x, ..., tile by tile and step
+// by step, every thread of it the same way (so producer and consumers agree on which step uses which stage without
+// telling each other); the cursor keeps its tile, so that a step costs no division (u % pairs once a unit).
+struct Cursor {
+    int u, second, j, qi;                // the unit, its second tile (0 or 1), the key step of the tile, the tile
+};
+
+struct Work {
+    int nq, pairs, groups, units;
+    __device__ Work(int B, int T, int Hq, int W) {
+        nq = (T + WG_ROWS - 1) / WG_ROWS, pairs = (nq + 1) / 2, groups = Hq / W, units = B * groups * pairs;
+    }
+    __device__ Cursor first() const { return {(int)blockIdx.x, 0, 0, nq - 1 - (int)blockIdx.x % pairs}; }
+    __device__ int last(const Cursor& c) const { return (c.qi * WG_ROWS + WG_ROWS - 1) / STEP_KEYS; }   // diagonal
+    __device__ bool valid(const Cursor& c) const { return c.u < units; }
+    __device__ void advance(Cursor& c) const {
+        if (c.j < last(c)) {
+            c.j++;
+            return;
+        }
+        c.j = 0;
+        if (!c.second && 2 * c.qi != nq - 1) c.second = 1, c.qi = nq - 1 - c.qi;     // tile p after nq - 1 - p
+        else c.second = 0, c.u += gridDim.x, c.qi = nq - 1 - c.u % pairs;
+    }
+};
+
+// what the warpgroups share in shared memory: q, two buffers of W tiles (buffer i of consumer g at (i W + g) 8192
+// bytes), each with mbarriers q_full (the producer's expect_tx, the bytes) and q_empty (W arrivals: each consumer
+// once its last scores of the tile are done); K and V, STAGES stages of 128 keys (stage i at kv + 2 128 128 i
+// bytes, v 128 128 bytes after k), each with full_k and full_v (so the scores may start before V is in) and empty
+// (W arrivals: each consumer once its p v of the step is done). Step n of a block uses stage n % STAGES in round
+// n / STAGES: consumers wait for full's phase of parity (n / STAGES) % 2, the producer for empty's of the round
+// before (the first round's counts as complete).
+struct Block {
+    unsigned char *qs, *kv;
+    unsigned long long *full_k, *full_v, *empty, *q_full, *q_empty;
+    Work work;
+    int W, T, Hq, Hkv;
+    __device__ Block(unsigned char* tiles, int B, int T_, int Hq_, int Hkv_)
+        : work(B, T_, Hq_, blockDim.x / 128 - 1) {
+        W = blockDim.x / 128 - 1, T = T_, Hq = Hq_, Hkv = Hkv_;
+        qs = tiles, kv = tiles + 2 * W * TILE_BYTES;
+        full_k = (unsigned long long*)(kv + STAGES * 2 * STEP_KEYS * 128);
+        full_v = full_k + STAGES, empty = full_v + STAGES, q_full = empty + STAGES, q_empty = q_full + 2;
+    }
+    __device__ unsigned q_tile(int i, int g) const { return shared_address(qs + (i % 2 * W + g) * TILE_BYTES); }
+    __device__ unsigned k_tile(int n) const { return shared_address(kv + n % STAGES * 2 * STEP_KEYS * 128); }
+    __device__ unsigned v_tile(int n) const { return k_tile(n) + STEP_KEYS * 128; }
+    __device__ int batch(int u) const { return u / work.pairs / work.groups; }
+    __device__ int head0(int u) const { return u / work.pairs % work.groups * W; }   // the unit's first q head
+};
+
+// the producer: one thread issues, step by step, the copies of the block's tiles of q (each tile's W heads at its
+// first step) and K/V (into stage n % STAGES once every consumer has freed it)
+__device__ void produce(const Block& k, const TensorMap* map_q, const TensorMap* map_kv) {
+    int n = 0, tiles = 0;
+    for (Cursor c = k.work.first(); k.work.valid(c); k.work.advance(c), n++) {
+        int row = k.batch(c.u) * k.T, h = k.head0(c.u), kvh = h / (k.Hq / k.Hkv);
+        if (c.j == 0) {
+            int i = tiles % 2;
+            mbarrier_wait(&k.q_empty[i], (tiles / 2 + 1) % 2);
+            mbarrier_arrive_expect_tx(&k.q_full[i], k.W * TILE_BYTES);
+            for (int g = 0; g < k.W; g++)
+                tma_load_2d(k.qs + (i * k.W + g) * TILE_BYTES, map_q, (h + g) * HD, row + c.qi * WG_ROWS,
+                            &k.q_full[i]);
+            tiles++;
+        }
+        int s = n % STAGES;
+        mbarrier_wait(&k.empty[s], (n / STAGES + 1) % 2);
+        unsigned char* stage = k.kv + s * 2 * STEP_KEYS * 128;
+        mbarrier_arrive_expect_tx(&k.full_k[s], STEP_KEYS * 128);
+        tma_load_2d(stage, map_kv, (k.Hq + kvh) * HD, row + c.j * STEP_KEYS, &k.full_k[s]);
+        mbarrier_arrive_expect_tx(&k.full_v[s], STEP_KEYS * 128);
+        tma_load_2d(stage + STEP_KEYS * 128, map_kv, (k.Hq + k.Hkv + kvh) * HD, row + c.j * STEP_KEYS, &k.full_v[s]);
+    }
+}
+
+// the running state of a warpgroup's tile: o, the running max m and sum l of its two rows a thread
+struct Rows {
+    float o[HD / 2], m[2], l[2];
+    __device__ void reset() {
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) o[i] = 0.0f;
+        m[0] = m[1] = -INFINITY, l[0] = l[1] = 0.0f;
+    }
+};
+
+// one step of a consumer (FlashAttention-3's IntraWGOverlap order) on the step at c, the n-th of the block, whose
+// p (softmax done, o rescaled for it) is in p: with NEXT (not the block's last step), issue the next step's scores
+// into s (its q the next tile's at this tile's last step), then this step's p v; wait for the scores, leaving the
+// p v in flight, and do the next step's softmax on them; wait for the p v: its stage is free, o is rescaled for the
+// next step (or, at a tile's last step, the tile's lse and y stored and o zeroed), and the next p packed. A
+// warpgroup keeps one score accumulator (64 registers), p (32) and o (32). The consumers take turns to issue their
+// wgmma (FlashAttention-3's warp scheduler barrier): consumer g waits at named barrier 1 + g (256 threads: its own
+// and the consumer before it, which arrives once it has issued), so each one's softmax runs while the others'
+// wgmma do. The waits are the same whatever the step, so that ptxas can follow the groups in flight (a wait_group
+// chosen at run time, or a wgmma under a branch, and it serializes them)
+template <bool NEXT>
+__device__ __forceinline__ void consume_step(const Block& k, int g, Cursor& c, int n, int& tiles, float* s,
+                                             unsigned (*p)[4], Rows& r, unsigned short* y16, float* lse, float scale,
+                                             float scale2) {
+    int t = threadIdx.x % 128, row0 = c.qi * WG_ROWS + 16 * (t / 32) + t % 32 / 4;
+    bool last = c.j == k.work.last(c);
+    int next_q = (tiles + last) % 2;                                // the q buffer of the next step's tile
+    Cursor nx = c;
+    k.work.advance(nx);
+    float correction[2], m[2] = {r.m[0], r.m[1]}, l[2] = {r.l[0], r.l[1]};   // (the tile's, if it ends here)
+    named_barrier_sync(1 + g, 256);                                 // this warpgroup's turn to issue
+    if constexpr (NEXT) {
+        if (last) mbarrier_wait(&k.q_full[next_q], (tiles + 1) / 2 % 2);
+        mbarrier_wait(&k.full_k[(n + 1) % STAGES], (n + 1) / STAGES % 2);
+        fence_registers<STEP_KEYS / 2>(s);
+        issue_scores(s, k.q_tile(next_q, g), k.k_tile(n + 1));
+    }
+    mbarrier_wait(&k.full_v[n % STAGES], n / STAGES % 2);
+    fence_registers<HD / 2>(r.o);
+    issue_weighted_sum(r.o, p, k.v_tile(n));
+    fence_registers<HD / 2>(r.o);
+    named_barrier_arrive(1 + (g + 1) % k.W, 256);                   // the next warpgroup's turn
+    if constexpr (NEXT) {
+        wgmma_wait<1>();                                            // the next scores
+        fence_registers<STEP_KEYS / 2>(s);
+        bool next_last = nx.j == k.work.last(nx);
+        if (next_last && t == 0) mbarrier_arrive(&k.q_empty[next_q]);
+        if (last) r.m[0] = r.m[1] = -INFINITY, r.l[0] = r.l[1] = 0.0f;
+        softmax_step(s, r.m, r.l, correction, nx.j * STEP_KEYS, nx.qi * WG_ROWS + 16 * (t / 32) + t % 32 / 4,
+                     next_last, scale2);
+    }
+    wgmma_wait<0>();                                                // this p v: o, p and the stage are free
+    fence_registers<HD / 2>(r.o);
+    if (t == 0) mbarrier_arrive(&k.empty[n % STAGES]);
+    if (last) {
+        float inv[2];
+        store_lse(lse, m, l, inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq, scale);
+        store_y(y16, r.o, inv, k.batch(c.u), k.head0(c.u) + g, row0, k.T, k.Hq);
+#pragma unroll
+        for (int i = 0; i < HD / 2; i++) r.o[i] = 0.0f;
+        tiles++;
+    } else if constexpr (NEXT) {
+        scale_o(r.o, correction);
+    }
+    if constexpr (NEXT) pack_p(p, s);
+    c = nx;
+}
+
+// a consumer (warpgroup g = 0 .. W - 1 of the consumers, query head head0 + g): the first step's scores and
+// softmax, then every step but the last with NEXT; consumer 0 is given the first turn
+__device__ void consume(const Block& k, int g, unsigned short* y16, float* lse, float scale) {
+    const float scale2 = scale * LOG2E;
+    int t = threadIdx.x % 128, tiles = 0, steps = 0;
+    Cursor c = k.work.first();
+    for (Cursor x = c; k.work.valid(x); k.work.advance(x)) steps++;
+    if (!steps) return;
+    Rows r;
+    r.reset();
+    float s[STEP_KEYS / 2], correction[2];
+    unsigned p[STEP_KEYS / 16][4];
+    bool last = c.j == k.work.last(c);
+    if (g == 0) named_barrier_arrive(1, 256);
+    mbarrier_wait(&k.q_full[0], 0);
+    mbarrier_wait(&k.full_k[0], 0);
+    named_barrier_sync(1 + g, 256);
+    fence_registers<STEP_KEYS / 2>(s);
+    issue_scores(s, k.q_tile(0, g), k.k_tile(0));
+    named_barrier_arrive(1 + (g + 1) % k.W, 256);
+    wgmma_wait<0>();
+    fence_registers<STEP_KEYS / 2>(s);
+    if (last && t == 0) mbarrier_arrive(&k.q_empty[0]);
+    softmax_step(s, r.m, r.l, correction, 0, c.qi * WG_ROWS + 16 * (t / 32) + t % 32 / 4, last, scale2);
+    pack_p(p, s);
+    int n = 0;
+    for (; n + 1 < steps; n++) consume_step<true>(k, g, c, n, tiles, s, p, r, y16, lse, scale, scale2);
+    consume_step<false>(k, g, c, n, tiles, s, p, r, y16, lse, scale, scale2);
+}
+
+// y16 and lse as attention_forward_bf16<64> writes them. The work is split as the section's header and Work say:
+// a block is 1 + W warpgroups (W a divisor of Hq / Hkv, at most 3: 3 for the big model): warpgroup 0 the producer
+// (setmaxnreg lowers its registers to 32; one thread issues every copy), warpgroups 1 .. W the consumers, one per
+// query head of the unit's W (setmaxnreg raises theirs to 160), each 64 query rows of its head a tile; each key
+// step of 128 keys: s = q k.T by 4 wgmma m64n128k16 from shared memory, the online softmax on s in the
+// accumulator layout (the causal mask on the diagonal step alone), o += p v by 8 wgmma m64n64k16 with p from
+// registers. grid = the number of SMs (or the units, if fewer): persistent blocks, each walking units gridDim.x
+// apart. Dynamic shared memory: 2 W 8192 (q) + 4 32768 (K/V) + 1024 (to align the tiles) + 8 16 (the mbarriers)
+__device__ void attention_forward_tma(unsigned short* y16, float* lse, const TensorMap* map_q, const TensorMap* map_kv,
+                                      int B, int T, int Hq, int Hkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    Block k(smem + (1024 - shared_address(smem) % 1024) % 1024, B, T, Hq, Hkv);   // the 128-byte swizzle's 1024
+    int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++)
+            mbarrier_init(&k.full_k[s], 1), mbarrier_init(&k.full_v[s], 1), mbarrier_init(&k.empty[s], k.W);
+        for (int i = 0; i < 2; i++) mbarrier_init(&k.q_full[i], 1), mbarrier_init(&k.q_empty[i], k.W);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce(k, map_q, map_kv);
+        return;
+    }
+    setmaxnreg_inc<CONSUMER_REGS>();
+    consume(k, wg - 1, y16, lse, scale);
+}
+
+#endif
+
+// -----------------------------------------------------------------------------
 // entry points: the CUDA-core (fp32), tf32 and bf16 passes for D = 16, 32 and 64;
 // nanoeuler_cuda.py picks one by --precision and D
 
@@ -1154,3 +1622,13 @@ extern "C" __global__ void __launch_bounds__(MMA_THREADS) attention_backward_dq_
     float scale) {
     attention_backward_dq_bf16<64>(dqkv16, qkv16, ds16, T, Hq, Hkv, scale);
 }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)   // sm_90a, or the CPU emulator
+// the bf16 forward at D = 64 fed by TMA, on an H100 or H200 (nanoeuler_cuda's attention_forward picks it there):
+// grid = the number of SMs, 128 (W + 1) threads, dynamic shared memory and tensor maps as attention_forward_tma says
+extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_kernel_64(
+    unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
+    int B, int T, int Hq, int Hkv, float scale) {
+    attention_forward_tma(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+#endif

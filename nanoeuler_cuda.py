@@ -148,7 +148,9 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
     """{module: CUBIN} of MODULES for sm_<arch>, from the disk cache when the source is unchanged.
 
     The CUBIN is built for the device's own compute capability: PTX from an
-    NVRTC newer than the driver would not load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION). A cached
+    NVRTC newer than the driver would not load (CUDA_ERROR_UNSUPPORTED_PTX_VERSION). On 9.0,
+    flash_attn.cu is built for sm_90a, whose TMA forward needs Hopper's own instructions (its
+    other kernels' machine code is the same as sm_90's, byte for byte under NVRTC 13). A cached
     file ends with the SHA-256 of the CUBIN before it: the driver crashes the
     process on a damaged CUBIN, so one that does not match is compiled again."""
     _, nvrtc = import_cuda()
@@ -157,9 +159,10 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
     for name, (file, defines) in MODULES.items():
         with open(os.path.join(HERE, file)) as f:
             source = f.read()
-        key = hashlib.sha256(f"{source}|{defines}|sm_{arch}|nvrtc {major}.{minor}".encode()).hexdigest()[:16]
+        target = arch + "a" if arch == "90" and file == "flash_attn.cu" else arch
+        key = hashlib.sha256(f"{source}|{defines}|sm_{target}|nvrtc {major}.{minor}".encode()).hexdigest()[:16]
         stem = name.replace(".cu", "").replace(" ", "_")
-        path = os.path.join(cache_dir, f"{stem}_sm{arch}_{key}.sealed.cubin")
+        path = os.path.join(cache_dir, f"{stem}_sm{target}_{key}.sealed.cubin")
         if os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
@@ -168,7 +171,7 @@ def compile_kernels(arch, cache_dir=CACHE_DIR):
                 cubins[name] = cubin
                 continue
             print(f"{path} is damaged; compiling {name} again", file=sys.stderr)
-        cubins[name] = nvrtc_compile(file, source, arch, defines)
+        cubins[name] = nvrtc_compile(file, source, target, defines)
         os.makedirs(cache_dir, exist_ok=True)
         ne.atomic_write(path, cubins[name] + hashlib.sha256(cubins[name]).digest())
     return cubins
@@ -614,8 +617,59 @@ def attention_path(D, qkv):
     return "fp32" if gpu.precision == "fp32" else "tf32"
 
 
-def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D):
-    """y (B*T, Hq*D) and lse (B, Hq, T) from qkv (B*T, (Hq+2Hkv)*D), q and k rotated"""
+# the bf16 forward at D = 64 on compute capability 9.0 (H100, H200): flash_attn.cu's attention_forward_tma (TMA and
+# warpgroup MMA; 96.1 us a layer at batch 64 against the mma.sync kernel's 143.7 on an H100, dev/LOG.md); False:
+# the mma.sync kernel everywhere (an A/B). Its backward is the same: y and lse have the same layout
+ATTENTION_FORWARD_TMA = True
+TMA_KEYS, TMA_STAGES = 128, 4            # as in flash_attn.cu: STEP_KEYS and STAGES, keys a step and K/V stages
+TENSOR_MAPS = {}                         # (qkv's address, rows, columns) -> the TMA forward's two tensor maps
+
+
+def attention_tma(D, qkv):
+    """does attention_forward run the TMA forward on these activations (TMA reads 16-byte-aligned rows)"""
+    return ATTENTION_FORWARD_TMA and gpu.arch == "90" and D == 64 and bf16(qkv) and qkv.ptr % 16 == 0
+
+
+def tensor_maps(qkv, rows):
+    """the TMA forward's CUtensorMaps over the first `rows` rows of qkv (bf16, (rows, (Hq+2Hkv)*64)), 128 bytes each
+    to pass by value: boxes of a head's 64 columns by 64 rows (q) and TMA_KEYS rows (k, v), 128-byte swizzled as
+    wgmma reads them; zeros past the rows. Made once per buffer and rows (GPUModel makes its own when it allocates
+    them: a CUDA graph keeps the values it was captured with, and the buffers never move); a map is the same for
+    the same address and sizes, so one left from a freed buffer is still right for a new one there"""
+    key = (qkv.ptr, rows, qkv.shape[-1])
+    if key not in TENSOR_MAPS:
+        cols, u64, u32 = qkv.shape[-1], cu.cuuint64_t, cu.cuuint32_t          # (cuda-python takes no plain ints)
+        enum = lambda kind, name: getattr(getattr(cu, f"CUtensorMap{kind}"), f"CU_TENSOR_MAP_{name}")
+
+        def encode(box_rows):
+            m = check(cu.cuTensorMapEncodeTiled(
+                enum("DataType", "DATA_TYPE_BFLOAT16"), 2, qkv.ptr, [u64(cols), u64(rows)], [u64(2 * cols)],
+                [u32(64), u32(box_rows)], [u32(1), u32(1)], enum("Interleave", "INTERLEAVE_NONE"),
+                enum("Swizzle", "SWIZZLE_128B"), enum("L2promotion", "L2_PROMOTION_L2_256B"),
+                enum("FloatOOBfill", "FLOAT_OOB_FILL_NONE")), "cuTensorMapEncodeTiled")
+            return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
+        TENSOR_MAPS[key] = encode(64), encode(TMA_KEYS)
+    return TENSOR_MAPS[key]
+
+
+def attention_forward_tma(y, lse, qkv, B, T, Hq, Hkv):
+    """attention_forward at D = 64 by flash_attn.cu's TMA kernel: persistent blocks, one an SM, of a producer
+    warpgroup and W consumers, one a query head of the W (a divisor of Hq/Hkv, at most 3) that read one kv head"""
+    W = max(w for w in (1, 2, 3) if (Hq // Hkv) % w == 0)
+    units = B * (Hq // W) * ((ceil_div(T, 64) + 1) // 2)          # pairs of 64-row query tiles of W heads
+    shared = 2 * W * 8192 + TMA_STAGES * 256 * TMA_KEYS + 1024 + 8 * (3 * TMA_STAGES + 4)   # q, K/V, align, mbarriers
+    name, (map_q, map_kv) = "attention_forward_tma_kernel_64", tensor_maps(qkv, B * T)
+    allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES    # past the 48 KB of a default
+    check(cu.cuFuncSetAttribute(gpu.function(name), allow, shared), f"allowing {name} {shared} bytes of shared memory")
+    gpu.launch(name, min(units, gpu.sms), 128 * (W + 1), ptr_arg(y), ptr_arg(lse), map_q, map_kv, int_arg(B),
+               int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared)
+
+
+def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D, tma=None):
+    """y (B*T, Hq*D) and lse (B, Hq, T) from qkv (B*T, (Hq+2Hkv)*D), q and k rotated; tma: False runs the mma.sync
+    kernel where attention_tma would pick the TMA one (check runs both)"""
+    if attention_tma(D, qkv) and tma is not False:
+        return attention_forward_tma(y, lse, qkv, B, T, Hq, Hkv)
     path = attention_path(D, qkv)
     kernel = ATTENTION_KERNELS[path][0].format(D=D)
     args = (ptr_arg(y), ptr_arg(lse), ptr_arg(qkv), int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(D)))
@@ -863,6 +917,8 @@ class GPUModel:
         self.rstd_attn, self.rstd_mlp = per_layer(lambda: f32(N)), per_layer(lambda: f32(N))
         self.qkv, self.y = per_layer(lambda: act(N, QKV)), per_layer(lambda: act(N, HD))   # q, k rotated in place
         self.lse = per_layer(lambda: f32(B, cfg.Hq, cfg.T))
+        for qkv in self.qkv if attention_tma(cfg.D, self.qkv[0]) else ():
+            tensor_maps(qkv, N)                                      # the TMA forward's, made now: see tensor_maps
         self.gu, self.s = per_layer(lambda: act(N, 2 * F)), per_layer(lambda: act(N, F))
         self.xf, self.rstd_final = act(N, C), f32(N)
         self.logits, self.losses = act(N, K * cfg.V), f32(K, N)    # logits: d loss / d logits after the loss
@@ -2068,10 +2124,13 @@ def check_attention(rng, report):
         k = qkv[:, Hq * D:(Hq + Hkv) * D].astype(np.float64).reshape(B, T, Hkv, D)
         v = qkv[:, (Hq + Hkv) * D:].astype(np.float64).reshape(B, T, Hkv, D)
         ref, cache = ne.attention_forward(q, k, v)
-        y, lse = poisoned((N, Hq * D), is_bf16), poisoned((B, Hq, T))
-        attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
         what = f"attention {path} D={D} G={Hq // Hkv}"
-        report(f"{what} forward", rel_diff(values(y), ref.reshape(N, -1)))
+        tma = attention_tma(D, qkv_g)                             # sm_90: the TMA forward, and the other one too
+        for kernel in ([True, False] if tma else [None]):
+            y, lse = poisoned((N, Hq * D), is_bf16), poisoned((B, Hq, T))
+            attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D, tma=kernel)
+            report(f"{what} forward" + {True: " (TMA)", False: " (mma.sync)", None: ""}[kernel],
+                   rel_diff(values(y), ref.reshape(N, -1)))
         dq, dk, dv = ne.attention_backward(dy.astype(np.float64).reshape(B, T, Hq, D), cache)
         dqkv = poisoned((N, QKV), is_bf16)
         ds = poisoned((attention_ds_size(B, T, Hq),), True)       # every tile the dq pass reads must be written
@@ -2578,8 +2637,9 @@ def profile_step(engine, batch, step):
     for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         print(f"    {name:<36} {calls:4d} calls {ms:8.2f} ms")
     forward, both = time_attention(model)
+    path = attention_path(cfg.D, model.qkv[0]) + " TMA" * attention_tma(cfg.D, model.qkv[0])
     print(f"  attention of one layer (B={model.B}, T={cfg.T}, {cfg.Hq} query and {cfg.Hkv} kv heads, D={cfg.D}, "
-          f"{attention_path(cfg.D, model.qkv[0])}): forward {forward:.1f} us, forward+backward {both:.1f} us")
+          f"{path}): forward {forward:.1f} us, forward+backward {both:.1f} us")
 
 
 BENCH_PROMPT = "ROMEO:\nWhat say you"

@@ -866,11 +866,14 @@ def test_training_checks_on_the_cpu_emulator(emulated):
     # and bf16: AdamW against numpy, the NaN stop, and 3 steps replayed from the captured graph
     # (per precision, and the NaN step) with the bits of kernel-by-kernel steps. Each line of
     # output is named to the part that printed it, as the device script's fallback reads it.
+    # The emulator is compute capability 9.0: bf16 at D = 64 runs flash_attn.cu's TMA forward
+    # (its tensor maps through the stand-in driver), the mma.sync forward checked beside it.
     parts = check_parts_module()
-    failed, misnamed, part = [], [], None
+    failed, misnamed, part, lines = [], [], None, []
 
     def reporter(tol):
         def report(what, err):
+            lines.append(what)
             failed.extend([] if err < tol else [(what, err)])
             misnamed.extend([] if parts.part_of(what) == part else [(part, what)])
         return report
@@ -882,6 +885,8 @@ def test_training_checks_on_the_cpu_emulator(emulated):
     assert not failed, failed
     assert not misnamed, misnamed
     assert emulated.replays == 2 * (3 + 1)
+    assert "attention_forward_tma_kernel_64" in emulated.shared                 # it ran, its shared memory allowed
+    assert {"attention bf16 D=64 G=3 forward (TMA)", "attention bf16 D=64 G=3 forward (mma.sync)"} <= set(lines)
     assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \
         {f"{what} {p}" for what in ("step", "sft", "decoding", "kernels") for p in ("fp32", "bf16")} | {"optimizer"}
 

@@ -650,6 +650,9 @@ def emulated(monkeypatch):
 
     monkeypatch.setattr(nc.GPU, "launch", checked_launch)
     monkeypatch.setattr(nc, "check_decoding", lambda rng, report, precision: None)   # not emulated
+    # nor the TMA forward that compute capability 9.0 gets (tensor maps): tools/emulate_cuda.py runs it
+    # (test_cuda_pipeline.py's training checks); here the mma.sync forward everywhere
+    monkeypatch.setattr(nc, "ATTENTION_FORWARD_TMA", False)
     return driver
 
 

@@ -894,9 +894,11 @@ TMA_HELPERS = ("mbarrier_init", "fence_mbarrier_init", "mbarrier_expect_tx", "mb
                "bulk_wait_read")
 
 
-# the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it
+# the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it (flash_attn.cu's
+# helpers of mma.sync, and of its TMA forward's wgmma and TMA, in C++)
 SOURCES = {"kernels.cu": ("kernels.cu", (), None), "kernels.cu bf16": ("kernels.cu", ("-DFLOATX=bfloat16",), None),
-           "flash_attn.cu": ("flash_attn.cu", (), without_helpers)}
+           "flash_attn.cu": ("flash_attn.cu", (), lambda text: without_helpers(
+               text, TENSOR_CORE_HELPERS + WGMMA_HELPERS + TMA_HELPERS))}
 
 
 def build(path, defines=(), select=None, cache_dir=CACHE_DIR, flags=()):
@@ -1012,6 +1014,7 @@ class Driver:
 
     def __init__(self, real, sms=2):
         self.real, self.memory, self.capture, self.sms = real, {}, None, sms
+        self.shared = {}                              # kernel -> its dynamic shared memory allowed (cuFuncSetAttribute)
         self.launches = self.programmatic = self.replays = 0
 
     def __getattr__(self, name):
@@ -1161,8 +1164,15 @@ class Driver:
         return (0,)
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
-        assert by == bz == 1 and shared <= 227 * 1024            # emu_dynamic_shared
+        assert by == bz == 1 and shared <= self.shared.get(f.name, 48 * 1024)    # (at most emu_dynamic_shared's)
         return self.launch(f, (gx, gy, gz), bx, params)
+
+    def cuFuncSetAttribute(self, f, attribute, value):
+        """the dynamic shared memory a kernel may launch with, past the default 48 KB (an H100's most: 227 KB)"""
+        assert attribute == self.real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        assert value <= 227 * 1024, value
+        self.shared[f.name] = value
+        return (0,)
 
     SWIZZLES = {"CU_TENSOR_MAP_SWIZZLE_NONE": 0, "CU_TENSOR_MAP_SWIZZLE_32B": 32, "CU_TENSOR_MAP_SWIZZLE_64B": 64,
                 "CU_TENSOR_MAP_SWIZZLE_128B": 128}
