@@ -7,6 +7,8 @@ GQA, a T that ends inside a query tile, an odd number of tiles), within the GPU 
 threads run in reverse order; the same kernel with its causal mask or its rescale taken out is off by far more;
 NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no spills; and
 `python dev/variants/attention_forward_tma.py`, the lead's GPU command, runs on the emulator's stand-in driver.
+The product's copy of `_pipelined_turns_128` (flash_attn.cu's attention_forward_tma_kernel_64) too, launched by
+nanoeuler_cuda.attention_forward with its tensor maps, and through ptxas.
 
     python -m pytest -q test_attention_tma.py
 """
@@ -172,12 +174,41 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     assert out.endswith("all OK\n"), out
 
 
-def ptxas_log():
+@needs_gxx
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "threads in reverse"])
+def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
+    # flash_attn.cu's attention_forward_tma_kernel_64 (this file's _pipelined_turns_128) through the product's own
+    # launch: nanoeuler_cuda.attention_forward on the emulator's stand-in driver (compute capability 9.0: its tensor
+    # maps, shared memory allowed, SMS persistent blocks) at each shape against float64, every element written
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    monkeypatch.setattr(nc, "cu", nc.cu)
+    monkeypatch.setattr(nc, "gpu", nc.gpu)
+    driver = emulator_module().install(nc, sms=SMS, reverse=reverse)
+    nc.gpu.precision = "bf16"
+    for B, T, Hq, Hkv in SHAPES:
+        qkv = script.random_qkv(B, T, Hq, Hkv)
+        dqkv = nc.to_gpu(qkv, np.uint16)
+        y, lse = nc.DeviceArray((B * T, Hq * D), np.uint16), nc.DeviceArray((B, Hq, T))
+        y.fill_bits(0xFFFF)                                        # NaN: what the kernel does not write shows
+        lse.fill_bits(0x7FC00000)
+        assert nc.attention_tma(D, dqkv)
+        nc.attention_forward(y, lse, dqkv, B, T, Hq, Hkv, D)
+        refs = [script.reference(qkv, b, T, Hq, Hkv) for b in range(B)]
+        ey = script.relative_error(script.from_bf16(y.download()).reshape(B, T, -1).astype(np.float64),
+                                   np.stack([r[0] for r in refs]))
+        el = script.relative_error(lse.download().astype(np.float64), np.stack([r[1] for r in refs]))
+        assert ey <= script.Y_BOUND and el <= script.LSE_BOUND, ((B, T, Hq, Hkv), ey, el)
+    assert driver.shared == {"attention_forward_tma_kernel_64": script.shared_bytes(3, 128, 4)}   # (the last shape's)
+
+
+def ptxas_log(path=KERNEL):
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     _, nvrtc = nc.import_cuda()
     opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
-    err, prog = nvrtc.nvrtcCreateProgram(open(KERNEL).read().encode(), b"attention_forward_tma.cu", 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(open(path).read().encode(), os.path.basename(path).encode(), 0, [], [])
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     _, size = nvrtc.nvrtcGetProgramLogSize(prog)
     log = bytearray(size)
@@ -204,3 +235,12 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
     entries = len({entry for entry, _, _, _ in [*script.VERSIONS.values(), *script.PROBES.values()]})
     assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == entries, log
     assert log.count("0 bytes stack frame") == entries, log
+
+
+def test_ptxas_keeps_the_products_copy_asynchronous_and_spills_nothing():
+    # the same of flash_attn.cu's attention_forward_tma_kernel_64, as nanoeuler_cuda builds it on an H100 or H200
+    pytest.importorskip("cuda.bindings")
+    err, log = ptxas_log(os.path.join(HERE, "flash_attn.cu"))
+    assert not err and "C751" not in log, log
+    entry = log.split("Function properties for attention_forward_tma_kernel_64")[1]
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in entry.splitlines()[1], entry[:300]

@@ -1,6 +1,7 @@
 /*
-A FlashAttention-3-style bf16 attention forward at D = 64 (issue 36; not part of the product:
-nanoeuler_cuda.MODULES does not list it): warpgroup MMA fed by TMA through mbarriers, one producer warpgroup
+A FlashAttention-3-style bf16 attention forward at D = 64 (issue 36; its `_pipelined_turns_128` is in the product,
+as flash_attn.cu's attention_forward_tma_kernel_64, pared to that one version and the same SASS byte for byte;
+the others are here alone): warpgroup MMA fed by TMA through mbarriers, one producer warpgroup
 and one consumer warpgroup per query head, no block-wide barrier per step. The same math as flash_attn.cu's
 attention_forward_bf16 and attention_forward_wgmma.cu: causal grouped-query attention, scores s = q.k of the
 bf16 inputs summed in fp32, an online softmax in base 2 with the scale folded into one fma, p rounded to bf16
