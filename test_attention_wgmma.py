@@ -125,7 +125,6 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     libs = {"attention_forward_wgmma.cu": variant, "flash_attn.cu": nc.gpu.modules["flash_attn.cu"]}
     monkeypatch.setattr(nc, "nvrtc_compile", lambda name, source, arch: name.encode())
     monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (0, libs[cubin.decode()]), raising=False)
-    monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda f, attribute, value: (0,), raising=False)
     monkeypatch.setattr(script, "start_gpu", lambda: nc.gpu)
     monkeypatch.setattr(script, "timed", lambda run: (run(), 1.0)[1])
     monkeypatch.setattr(script, "CHECK", (2, 128, 6, 2))

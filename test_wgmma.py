@@ -146,7 +146,6 @@ def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
     driver = emulator.install(nc)
     nc.gpu.arch = "90"
     monkeypatch.setattr(driver, "cuModuleLoadData", lambda cubin: (0, probe), raising=False)
-    monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda f, attribute, value: (0,), raising=False)
     monkeypatch.setattr(nc, "nvrtc_compile", lambda *args: b"")
     monkeypatch.setattr(nc, "Cublas", lambda stream: emulator.Cublas(nc))
     # the script's own start_gpu on the stand-in driver (its arch, name and SMs asked of it), in the emulator's context
