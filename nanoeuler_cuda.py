@@ -366,7 +366,7 @@ class GPU:
         self.arch = f"{major}{minor}"
         self.modules = {name: check(cu.cuModuleLoadData(cubin), f"loading {name}")
                         for name, cubin in compile_kernels(self.arch).items()}
-        self.functions, self.last_kernel = {}, None
+        self.functions, self.last_kernel, self.shared_allowed = {}, None, set()
         self.precision = precision
         self.cublas = Cublas(self.stream)
 
@@ -657,12 +657,14 @@ def attention_forward_tma(y, lse, qkv, B, T, Hq, Hkv):
     warpgroup and W consumers, one a query head of the W (a divisor of Hq/Hkv, at most 3) that read one kv head"""
     W = max(w for w in (1, 2, 3) if (Hq // Hkv) % w == 0)
     units = B * (Hq // W) * ((ceil_div(T, 64) + 1) // 2)          # pairs of 64-row query tiles of W heads
-    shared = 2 * W * 8192 + TMA_STAGES * 256 * TMA_KEYS + 1024 + 8 * (3 * TMA_STAGES + 4)   # q, K/V, align, mbarriers
+    shared = lambda W: 2 * W * 8192 + TMA_STAGES * 256 * TMA_KEYS + 1024 + 8 * (3 * TMA_STAGES + 4)  # q, K/V, mbarriers
     name, (map_q, map_kv) = "attention_forward_tma_kernel_64", tensor_maps(qkv, B * T)
-    allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES    # past the 48 KB of a default
-    check(cu.cuFuncSetAttribute(gpu.function(name), allow, shared), f"allowing {name} {shared} bytes of shared memory")
+    if name not in gpu.shared_allowed:       # once a context (not in a capture): past a default's 48 KB, to W = 3's
+        allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cu.cuFuncSetAttribute(gpu.function(name), allow, shared(3)), f"allowing {name} its shared memory")
+        gpu.shared_allowed.add(name)
     gpu.launch(name, min(units, gpu.sms), 128 * (W + 1), ptr_arg(y), ptr_arg(lse), map_q, map_kv, int_arg(B),
-               int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared)
+               int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared(W))
 
 
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D, tma=None):
