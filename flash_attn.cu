@@ -31,7 +31,9 @@ Three versions of the three passes, read in this order:
   dq in one product; see "bf16 tensor cores" below.
 - and on an H100 or H200 (sm_90a), the bf16 forward at D = 64 fed by TMA to
   warpgroup MMA (FlashAttention-3's way), 0.67x the mma.sync forward's time;
-  see "the bf16 forward on Hopper" below.
+  see "the bf16 forward on Hopper" below; and the backward's dk/dv pass in the
+  same design (its dq pass the mma.sync one, on the same ds; not yet measured
+  on a GPU): "the bf16 backward's dk/dv pass on Hopper".
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
 without opting in).
@@ -1021,16 +1023,25 @@ template <int N, int A_MN, int B_MN>
 __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
 #define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
               "+f"(d[i + 6]), "+f"(d[i + 7])
-    static_assert(N == 128, "wgmma_bf16: N is 128 here");
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-                 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "%64, %65, p, 1, 1, %67, %68;\n}\n"
-                 : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
-                 : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+    static_assert(N == 128 || N == 64, "wgmma_bf16: N is 128 (the forward) or 64 (the backward) here");
+    if constexpr (N == 128)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                     "%64, %65, p, 1, 1, %67, %68;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56)
+                     : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+    else
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+                     "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+                     "%32, %33, p, 1, 1, %35, %36;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24)
+                     : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
 #undef D8
 }
 
@@ -1449,6 +1460,238 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
     consume(k, wg - 1, y16, lse, scale);
 }
 
+// -----------------------------------------------------------------------------
+// the bf16 backward's dk/dv pass on Hopper (sm_90a), in the forward's design: TMA, mbarriers and warpgroup MMA
+//
+// The same math and layouts as attention_backward_dkv_bf16 above, so that its dq pass (attention_backward_dq_bf16)
+// runs on the ds this one stores: keys are the rows, st = k q.T, pt = exp(scale st - lse) (0 for a query before the
+// key or past T), dpt = v dy.T, dst = pt (dpt - delta); dv = sum pt dy, dk = scale sum dst q over the G query heads
+// that read the kv head and every query tile from the keys' own on; dst rounded to bf16 and stored in ds_tile's
+// order (each 64 x 64 tile in mma.sync's C order, which is wgmma's accumulator order too). Taken from
+// dev/variants/attention_backward_tma.cu (its `_turns_64`, run persistent), which holds the versions that were
+// tried; it ran on the CPU emulator only when it came here (not yet measured on a GPU: dev/LOG.md).
+//
+// The copies: TMA through four tensor maps that nanoeuler_cuda makes once per buffer: qkv16's (the forward's
+// map_q: boxes of a head's 64 columns by 64 rows, the 128-byte swizzle), dy16's (the same over (B T, Hq 64)), and
+// lse's and delta's, each seen as one row of B Hq T floats (a 2D map of one row, so any T does: rows of T floats
+// would need 4 T bytes a multiple of 16), boxes of 64 floats. Query rows past a batch row's T are the next batch
+// row's (zeros past B T), their lse and delta the next head's (zeros past the end): all of them masked (p = 0).
+
+#define DKV_STAGES 4              // q, dy, lse and delta stages of the dk/dv pass
+#define DKV_PRODUCER_REGS 24      // setmaxnreg: 24 128 + 240 256 = 64512 of the SM's 65536, for 2 consumers
+#define DKV_CONSUMER_REGS 240
+
+// d = a b.T (64 x 64): 4 wgmma of 16 dims, a (64 rows) and b (64 rows) K-major (the 16 dims from kk at byte 32 kk
+// of each 128-byte row): st = k q.T, dpt = v dy.T
+__device__ __forceinline__ void issue_products_t(float* d, unsigned a, unsigned b) {
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; kk++)
+        wgmma_bf16<64, 0, 0>(d, sw128_descriptor(a + 32 * kk, 16), sw128_descriptor(b + 32 * kk, 16), kk > 0);
+}
+
+// d += a b: 4 wgmma of 16 queries, a[kk] from registers, b (64 query rows of 64 dims) N-major (queries 16 kk .. at
+// byte 2048 kk): dv += pt dy, dk += dst q
+__device__ __forceinline__ void issue_products(float* d, const unsigned (*a)[4], unsigned b) {
+#pragma unroll
+    for (int kk = 0; kk < TILE / 16; kk++) wgmma_bf16_rs<HD, 1>(d, a[kk], sw128_descriptor(b + 2048 * kk, 8192), 1);
+}
+
+// x (fp32, accumulator layout) -> bf16 pairs in wgmma's register a layout, 16 queries a k-step: register j of
+// k-step kk holds row g (+ 8 for odd j), queries 16 kk + 2 (t % 4), +1 (+ 8 for j >= 2): x[8 kk + 2 j], + 1
+__device__ __forceinline__ void pack_a(unsigned (*a)[4], const float* x) {
+#pragma unroll
+    for (int kk = 0; kk < TILE / 16; kk++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) a[kk][j] = pack_bf16(x[8 * kk + 2 * j], x[8 * kk + 2 * j + 1]);
+}
+
+// rows row0 and row0 + 8 of x (accumulator layout) times f, rounded to bf16, into a row-major bf16 matrix (row
+// stride ld) from out; rows past T skipped
+__device__ __forceinline__ void store_key_rows(unsigned short* out, long ld, const float* x, float f, int row0,
+                                               int T) {
+    int q = threadIdx.x % 4;
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        int row = row0 + 8 * r;
+        if (row >= T) continue;
+#pragma unroll
+        for (int j = 0; j < HD / 8; j++)
+            *(unsigned*)(out + row * ld + 8 * j + 2 * q) = pack_bf16(x[4 * j + 2 * r] * f, x[4 * j + 2 * r + 1] * f);
+    }
+}
+
+// The work: a unit is W key tiles of 64 keys (keys 64 W x .. 64 W x + 64 W - 1) of one kv head of one batch row,
+// the units ordered by x first, so that the heaviest (the first key tiles: the most queries) come first: unit u has
+// x = u / (B Hkv), kv head u % (B Hkv) % Hkv, batch row u % (B Hkv) / Hkv. Its steps: j = 0 .. G m - 1 (m = nq -
+// W x), step j is query head kvh G + j / m and query tile W x + j % m. A block walks units blockIdx.x, +
+// gridDim.x, ..., every thread of it the same way, and its steps are counted over all its units, so the stages'
+// ring and their parities run on from one unit to the next.
+struct DkvUnit {
+    int x, kvh, b, m, steps;
+};
+
+// what the warpgroups share: the unit's key tiles (K of consumer g at g 8192 bytes, V at (W + g) 8192), the stages
+// (stage s: q at 2 W 8192 + 2 s 8192, dy 8192 after it; lse and delta, 256 bytes each, after every tile), the
+// mbarriers: full (the producer's expect_tx) and empty (W arrivals, each consumer once its dk and dv products of
+// the step are done) a stage; kv_full and kv_empty, the key tiles of the block's i-th unit in phase i
+struct DkvBlock {
+    unsigned char* tiles;
+    float* stats;                                   // lse of stage s at 128 s, delta at 128 s + 64
+    unsigned long long *full, *empty, *kv_full, *kv_empty;
+    int W, B, T, Hq, Hkv, G, nq, units;
+    __device__ DkvBlock(unsigned char* tiles_, int B_, int T_, int Hq_, int Hkv_) : tiles(tiles_) {
+        W = blockDim.x / 128 - 1, B = B_, T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv;
+        nq = (T + TILE - 1) / TILE, units = (nq + W - 1) / W * B * Hkv;
+        stats = (float*)(tiles + (2 * W + 2 * DKV_STAGES) * TILE_BYTES);
+        full = (unsigned long long*)(stats + 128 * DKV_STAGES);
+        empty = full + DKV_STAGES, kv_full = empty + DKV_STAGES, kv_empty = kv_full + 1;
+    }
+    __device__ DkvUnit unit(int u) const {
+        int x = u / (B * Hkv), m = nq - W * x;
+        return {x, u % (B * Hkv) % Hkv, u % (B * Hkv) / Hkv, m, G * m};
+    }
+    __device__ unsigned char* k_bytes(int g) const { return tiles + g * TILE_BYTES; }
+    __device__ unsigned char* v_bytes(int g) const { return tiles + (W + g) * TILE_BYTES; }
+    __device__ unsigned char* q_bytes(int n) const { return tiles + (2 * W + 2 * (n % DKV_STAGES)) * TILE_BYTES; }
+    __device__ unsigned char* dy_bytes(int n) const { return q_bytes(n) + TILE_BYTES; }
+    __device__ float* lse_s(int n) const { return stats + 128 * (n % DKV_STAGES); }
+    __device__ float* delta_s(int n) const { return stats + 128 * (n % DKV_STAGES) + 64; }
+};
+
+// the producer: one thread issues, unit by unit, its K and V tiles (once every consumer is done with the unit
+// before), then step by step the stage's q, dy, lse and delta (into stage n % DKV_STAGES once every consumer has
+// freed it; n counts the block's steps)
+__device__ void produce_dkv(const DkvBlock& k, const TensorMap* map_qkv, const TensorMap* map_dy,
+                            const TensorMap* map_lse, const TensorMap* map_delta) {
+    int n = 0, i = 0;
+    for (int u = blockIdx.x; u < k.units; u += gridDim.x, i++) {
+        DkvUnit w = k.unit(u);
+        int row = w.b * k.T;
+        mbarrier_wait(k.kv_empty, (i + 1) % 2);
+        mbarrier_arrive_expect_tx(k.kv_full, 2 * k.W * TILE_BYTES);
+        for (int g = 0; g < k.W; g++) {
+            int r = row + (k.W * w.x + g) * TILE;
+            tma_load_2d(k.k_bytes(g), map_qkv, (k.Hq + w.kvh) * HD, r, k.kv_full);
+            tma_load_2d(k.v_bytes(g), map_qkv, (k.Hq + k.Hkv + w.kvh) * HD, r, k.kv_full);
+        }
+        for (int j = 0; j < w.steps; j++, n++) {
+            int s = n % DKV_STAGES, h = w.kvh * k.G + j / w.m, q0 = (k.W * w.x + j % w.m) * TILE;
+            long e = (long)(w.b * k.Hq + h) * k.T + q0;             // lse's and delta's first (one row of B Hq T)
+            mbarrier_wait(&k.empty[s], (n / DKV_STAGES + 1) % 2);
+            mbarrier_arrive_expect_tx(&k.full[s], 2 * TILE_BYTES + 2 * TILE * 4);
+            tma_load_2d(k.q_bytes(n), map_qkv, h * HD, row + q0, &k.full[s]);
+            tma_load_2d(k.dy_bytes(n), map_dy, h * HD, row + q0, &k.full[s]);
+            tma_load_2d(k.lse_s(n), map_lse, (int)e, 0, &k.full[s]);
+            tma_load_2d(k.delta_s(n), map_delta, (int)e, 0, &k.full[s]);
+        }
+    }
+}
+
+// a consumer (warpgroup g of the consumers, key tile W x + g of each unit), every step's products waited for at
+// once. The consumers take turns to issue (FlashAttention-3's warp scheduler barrier, named barriers 1 .. W, as in
+// the forward): each issues its st and dpt, then its dk and dv products, in its turn, so that one's gradients run
+// while the other's wgmma do. A consumer whose key tile is after the step's query tile computes it all masked (p
+// = 0: nothing added) and stores no ds, so that no wgmma is under a branch
+__device__ void consume_dkv(const DkvBlock& k, int g, unsigned short* dqkv16, unsigned short* ds16, float scale) {
+    const float scale2 = scale * LOG2E;
+    int t = threadIdx.x % 128, q = t % 4, n = 0, i = 0;
+    unsigned ka = shared_address(k.k_bytes(g)), va = shared_address(k.v_bytes(g));
+    float dk[HD / 2], dv[HD / 2], st[TILE / 2], dpt[TILE / 2];
+    unsigned pa[TILE / 16][4], da[TILE / 16][4];
+    long stride = (long)(k.Hq + 2 * k.Hkv) * HD;
+    if (g == 0) named_barrier_arrive(1, 256);                     // the first turn is consumer 0's
+    for (int u = blockIdx.x; u < k.units; u += gridDim.x, i++) {
+        DkvUnit w = k.unit(u);
+        int kt = k.W * w.x + g, row0 = kt * TILE + 16 * (t / 32) + t % 32 / 4;
+#pragma unroll
+        for (int a = 0; a < HD / 2; a++) dk[a] = dv[a] = 0.0f;
+        mbarrier_wait(k.kv_full, i % 2);
+        for (int j = 0; j < w.steps; j++, n++) {
+            int s = n % DKV_STAGES, h = w.kvh * k.G + j / w.m, qt = k.W * w.x + j % w.m, q0 = qt * TILE;
+            mbarrier_wait(&k.full[s], n / DKV_STAGES % 2);
+            unsigned qa = shared_address(k.q_bytes(n)), dya = shared_address(k.dy_bytes(n));
+            fence_registers<TILE / 2>(st);
+            fence_registers<TILE / 2>(dpt);
+            named_barrier_sync(1 + g, 256);                         // this consumer's turn to issue
+            wgmma_fence();
+            issue_products_t(st, ka, qa);
+            issue_products_t(dpt, va, dya);
+            wgmma_commit();
+            named_barrier_arrive(1 + (g + 1) % k.W, 256);           // the next consumer's turn
+            wgmma_wait<0>();
+            fence_registers<TILE / 2>(st);
+            fence_registers<TILE / 2>(dpt);
+            // pt and dst in place of st and dpt; keys after a query, or queries past T, are masked (p = 0)
+            const float *lse = k.lse_s(n), *delta = k.delta_s(n);
+            bool edge = q0 < kt * TILE + TILE || q0 + TILE > k.T;
+#pragma unroll
+            for (int a = 0; a < TILE / 2; a++) {
+                int c = 8 * (a / 4) + 2 * q + a % 2, query = q0 + c, key = row0 + 8 * (a / 2 % 2);
+                float p = exp2f(fmaf(st[a], scale2, -lse[c] * LOG2E));
+                if (edge && (query < key || query >= k.T)) p = 0.0f;
+                st[a] = p;
+                dpt[a] = p * (dpt[a] - delta[c]);
+            }
+            pack_a(pa, st);
+            pack_a(da, dpt);
+            if (qt >= kt) {                              // this warp's 16 keys x 64 queries of the ds tile
+                unsigned* ds = (unsigned*)(ds16 + ds_tile(w.b, h, k.Hq, k.T, qt, kt)) + 512 * (t / 32) + t % 32;
+#pragma unroll
+                for (int kk = 0; kk < TILE / 16; kk++)
+#pragma unroll
+                    for (int b = 0; b < 4; b++) ds[32 * (4 * kk + b)] = da[kk][b];      // ds_tile's order
+            }
+            fence_registers<HD / 2>(dv);
+            fence_registers<HD / 2>(dk);
+            named_barrier_sync(1 + g, 256);
+            wgmma_fence();
+            issue_products(dv, pa, dya);
+            issue_products(dk, da, qa);
+            wgmma_commit();
+            named_barrier_arrive(1 + (g + 1) % k.W, 256);
+            wgmma_wait<0>();
+            fence_registers<HD / 2>(dv);
+            fence_registers<HD / 2>(dk);
+            if (t == 0) mbarrier_arrive(&k.empty[s]);    // this warpgroup is done with the stage
+        }
+        if (t == 0) mbarrier_arrive(k.kv_empty);         // and with the unit's key tiles
+        unsigned short* out = dqkv16 + (long)w.b * k.T * stride;
+        store_key_rows(out + (k.Hq + w.kvh) * HD, stride, dk, scale, row0, k.T);      // rope_backward rotates dk
+        store_key_rows(out + (k.Hq + k.Hkv + w.kvh) * HD, stride, dv, 1.0f, row0, k.T);
+    }
+}
+
+// dk and dv into dqkv16 and ds into ds16 as attention_backward_dkv_bf16<64> writes them. The work is split as
+// DkvUnit says: a block is 1 + W warpgroups (W = 2): warpgroup 0 the producer (setmaxnreg lowers its registers to
+// 24; one thread issues every copy), warpgroups 1 .. W the consumers (setmaxnreg raises theirs to 240), consumer g
+// owning key tile W x + g of the unit, its dk and dv (32 + 32 registers) in registers to the unit's end. Each
+// step, in each consumer: st and dpt (64 keys x 64 queries, fp32) by 4 + 4 wgmma m64n64k16 from shared memory, pt
+// and dst in the accumulator layout (lse and delta of its queries read from the stage), then dv += pt dy and dk
+// += dst q by 4 + 4 wgmma m64n64k16, pt and dst from registers (bf16: wgmma's register a), dy and q MN-major.
+// No atomics, no block-wide barrier a step. grid = the number of SMs (or the units, if fewer): persistent blocks,
+// each walking units gridDim.x apart. Dynamic shared memory: (2 W + 2 DKV_STAGES) 8192 (K, V, q, dy) + 512
+// DKV_STAGES (lse, delta) + 8 (2 DKV_STAGES + 2) (the mbarriers) + 1024 (to align the tiles)
+__device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned short* ds16, const TensorMap* map_qkv,
+                                           const TensorMap* map_dy, const TensorMap* map_lse,
+                                           const TensorMap* map_delta, int B, int T, int Hq, int Hkv, float scale) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    DkvBlock k(smem + (1024 - shared_address(smem) % 1024) % 1024, B, T, Hq, Hkv);
+    int wg = threadIdx.x / 128;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < DKV_STAGES; s++) mbarrier_init(&k.full[s], 1), mbarrier_init(&k.empty[s], k.W);
+        mbarrier_init(k.kv_full, 1), mbarrier_init(k.kv_empty, k.W);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+        setmaxnreg_dec<DKV_PRODUCER_REGS>();
+        if (threadIdx.x == 0) produce_dkv(k, map_qkv, map_dy, map_lse, map_delta);
+        return;
+    }
+    setmaxnreg_inc<DKV_CONSUMER_REGS>();
+    consume_dkv(k, wg - 1, dqkv16, ds16, scale);
+}
+
 #endif
 
 // -----------------------------------------------------------------------------
@@ -1633,5 +1876,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) attention_forward_tma_kerne
     unsigned short* y16, float* lse, const __grid_constant__ TensorMap map_q, const __grid_constant__ TensorMap map_kv,
     int B, int T, int Hq, int Hkv, float scale) {
     attention_forward_tma(y16, lse, &map_q, &map_kv, B, T, Hq, Hkv, scale);
+}
+
+// the bf16 backward's dk/dv pass at D = 64 fed by TMA, on an H100 or H200 (nanoeuler_cuda's attention_backward picks
+// it there; the dq pass is attention_backward_dq_bf16_kernel_64 on its ds): grid = the number of SMs, 384 threads,
+// dynamic shared memory and tensor maps as attention_backward_dkv_tma says
+extern "C" __global__ void __launch_bounds__(384, 1) attention_backward_dkv_tma_kernel_64(
+    unsigned short* dqkv16, unsigned short* ds16, const __grid_constant__ TensorMap map_qkv,
+    const __grid_constant__ TensorMap map_dy, const __grid_constant__ TensorMap map_lse,
+    const __grid_constant__ TensorMap map_delta, int B, int T, int Hq, int Hkv, float scale) {
+    attention_backward_dkv_tma(dqkv16, ds16, &map_qkv, &map_dy, &map_lse, &map_delta, B, T, Hq, Hkv, scale);
 }
 #endif
