@@ -621,35 +621,55 @@ def attention_path(D, qkv):
 # warpgroup MMA; 96.1 us a layer at batch 64 against the mma.sync kernel's 143.7 on an H100, dev/LOG.md); False:
 # the mma.sync kernel everywhere (an A/B). Its backward is the same: y and lse have the same layout
 ATTENTION_FORWARD_TMA = True
+# the bf16 backward's dk/dv pass there: flash_attn.cu's attention_backward_dkv_tma (dev/variants/
+# attention_backward_tma.cu's turns version, persistent; not yet measured on a GPU), the dq pass the mma.sync one
+# on the ds it stores in the same order; False: the mma.sync dk/dv pass everywhere (an A/B)
+ATTENTION_BACKWARD_TMA = True
 TMA_KEYS, TMA_STAGES = 128, 4            # as in flash_attn.cu: STEP_KEYS and STAGES, keys a step and K/V stages
-TENSOR_MAPS = {}                         # (qkv's address, rows, columns) -> the TMA forward's two tensor maps
+DKV_STAGES = 4                           # and DKV_STAGES: the TMA dk/dv pass's q, dy, lse and delta stages
+TENSOR_MAPS = {}                         # (address, rows, columns, box, dtype) -> a TMA kernel's tensor map
 
 
-def attention_tma(D, qkv):
-    """does attention_forward run the TMA forward on these activations (TMA reads 16-byte-aligned rows)"""
-    return ATTENTION_FORWARD_TMA and gpu.arch == "90" and D == 64 and bf16(qkv) and qkv.ptr % 16 == 0
+def attention_tma(D, qkv, backward=False):
+    """does attention_forward (backward: attention_backward's dk/dv pass) run its TMA kernel on these activations
+    (TMA reads 16-byte-aligned rows)"""
+    on = ATTENTION_BACKWARD_TMA if backward else ATTENTION_FORWARD_TMA
+    return on and gpu.arch == "90" and D == 64 and bf16(qkv) and qkv.ptr % 16 == 0
+
+
+def tensor_map(a, rows, cols, box_rows, box_cols=64):
+    """a TMA kernel's CUtensorMap over the first `rows` rows of `cols` elements of a, 128 bytes to pass by value:
+    boxes of box_cols x box_rows, zeros past the rows; bf16 rows of 2 cols bytes, 128-byte swizzled as wgmma reads
+    them, or fp32 unswizzled (the rows' stride rounded up to 16 bytes: one row of any length does). Made once per
+    buffer and shape (GPUModel makes its own when it allocates them: a CUDA graph keeps the values it was captured
+    with, and the buffers never move); a map is the same for the same address and sizes, so one left from a freed
+    buffer is still right for a new one there"""
+    key = (a.ptr, rows, cols, box_rows, box_cols, bf16(a))
+    if key not in TENSOR_MAPS:
+        u64, u32 = cu.cuuint64_t, cu.cuuint32_t                  # (cuda-python takes no plain ints)
+        enum = lambda kind, name: getattr(getattr(cu, f"CUtensorMap{kind}"), f"CU_TENSOR_MAP_{name}")
+        kind, size, swizzle = ("BFLOAT16", 2, "128B") if bf16(a) else ("FLOAT32", 4, "NONE")
+        stride = size * cols if rows > 1 else ceil_div(size * cols, 16) * 16
+        m = check(cu.cuTensorMapEncodeTiled(
+            enum("DataType", f"DATA_TYPE_{kind}"), 2, a.ptr, [u64(cols), u64(rows)], [u64(stride)],
+            [u32(box_cols), u32(box_rows)], [u32(1), u32(1)], enum("Interleave", "INTERLEAVE_NONE"),
+            enum("Swizzle", f"SWIZZLE_{swizzle}"), enum("L2promotion", "L2_PROMOTION_L2_256B"),
+            enum("FloatOOBfill", "FLOAT_OOB_FILL_NONE")), "cuTensorMapEncodeTiled")
+        TENSOR_MAPS[key] = (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
+    return TENSOR_MAPS[key]
 
 
 def tensor_maps(qkv, rows):
-    """the TMA forward's CUtensorMaps over the first `rows` rows of qkv (bf16, (rows, (Hq+2Hkv)*64)), 128 bytes each
-    to pass by value: boxes of a head's 64 columns by 64 rows (q) and TMA_KEYS rows (k, v), 128-byte swizzled as
-    wgmma reads them; zeros past the rows. Made once per buffer and rows (GPUModel makes its own when it allocates
-    them: a CUDA graph keeps the values it was captured with, and the buffers never move); a map is the same for
-    the same address and sizes, so one left from a freed buffer is still right for a new one there"""
-    key = (qkv.ptr, rows, qkv.shape[-1])
-    if key not in TENSOR_MAPS:
-        cols, u64, u32 = qkv.shape[-1], cu.cuuint64_t, cu.cuuint32_t          # (cuda-python takes no plain ints)
-        enum = lambda kind, name: getattr(getattr(cu, f"CUtensorMap{kind}"), f"CU_TENSOR_MAP_{name}")
+    """the TMA forward's two tensor maps over the first `rows` rows of qkv (bf16, (rows, (Hq+2Hkv)*64)): boxes of a
+    head's 64 columns by 64 rows (q) and TMA_KEYS rows (k, v)"""
+    return tensor_map(qkv, rows, qkv.shape[-1], 64), tensor_map(qkv, rows, qkv.shape[-1], TMA_KEYS)
 
-        def encode(box_rows):
-            m = check(cu.cuTensorMapEncodeTiled(
-                enum("DataType", "DATA_TYPE_BFLOAT16"), 2, qkv.ptr, [u64(cols), u64(rows)], [u64(2 * cols)],
-                [u32(64), u32(box_rows)], [u32(1), u32(1)], enum("Interleave", "INTERLEAVE_NONE"),
-                enum("Swizzle", "SWIZZLE_128B"), enum("L2promotion", "L2_PROMOTION_L2_256B"),
-                enum("FloatOOBfill", "FLOAT_OOB_FILL_NONE")), "cuTensorMapEncodeTiled")
-            return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
-        TENSOR_MAPS[key] = encode(64), encode(TMA_KEYS)
-    return TENSOR_MAPS[key]
+
+def backward_tensor_maps(qkv, dy, lse, delta, B, T, Hq):
+    """the TMA dk/dv pass's four: qkv's (the forward's 64-row one), dy's (the same over (B*T, Hq*64)), and lse's
+    and delta's, each one row of B*Hq*T floats in boxes of 64 (rows of T floats would need T a multiple of 4)"""
+    return (tensor_map(qkv, B * T, qkv.shape[-1], 64), tensor_map(dy, B * T, Hq * 64, 64),
+            tensor_map(lse, 1, B * Hq * T, 1), tensor_map(delta, 1, B * Hq * T, 1))
 
 
 def attention_forward_tma(y, lse, qkv, B, T, Hq, Hkv):
@@ -688,9 +708,25 @@ def attention_ds_size(B, T, Hq):
     return B * Hq * tiles * (tiles + 1) // 2 * ATTENTION_ROWS ** 2
 
 
-def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D):
+def attention_backward_dkv_tma(dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv):
+    """attention_backward's dk/dv pass at D = 64 by flash_attn.cu's TMA kernel: persistent blocks, one an SM, of a
+    producer warpgroup and 2 consumers, each 64 keys of the unit's 128 of a kv head; ds as the mma.sync pass stores
+    it"""
+    units = ceil_div(ceil_div(T, 64), 2) * B * Hkv
+    shared = (2 * 2 + 2 * DKV_STAGES) * 8192 + 512 * DKV_STAGES + 8 * (2 * DKV_STAGES + 2) + 1024  # K, V, q, dy, ...
+    name, maps = "attention_backward_dkv_tma_kernel_64", backward_tensor_maps(qkv, dy, lse, delta, B, T, Hq)
+    if name not in gpu.shared_allowed:       # once a context (not in a capture): past a default's 48 KB
+        allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cu.cuFuncSetAttribute(gpu.function(name), allow, shared), f"allowing {name} its shared memory")
+        gpu.shared_allowed.add(name)
+    gpu.launch(name, min(units, gpu.sms), 384, ptr_arg(dqkv), ptr_arg(ds), *maps, int_arg(B), int_arg(T),
+               int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared)
+
+
+def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, tma=None):
     """dqkv = d loss / d qkv (dq and dk before rope's backward); delta (B, Hq, T) and, for
-    the bf16 passes, ds (attention_ds_size bf16 elements) are scratch"""
+    the bf16 passes, ds (attention_ds_size bf16 elements) are scratch; tma: False runs the mma.sync dk/dv pass
+    where attention_tma would pick the TMA one (check runs both)"""
     block, path = 256, attention_path(D, qkv)
     delta_args = (ptr_arg(delta), ptr_arg(dy), ptr_arg(y), int_arg(B), int_arg(T), int_arg(Hq), int_arg(D))
     lanes = D * (2 if path == "bf16" else 4) // 16                  # a 16-byte pack of a row each
@@ -702,7 +738,10 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D):
     blocks = ceil_div(T, ATTENTION_ROWS)
     if path == "bf16":                                               # dq from the ds that the dk/dv pass stores
         assert ds is not None and ds.size >= attention_ds_size(B, T, Hq) and ds.dtype == np.uint16
-        gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, ptr_arg(dqkv), ptr_arg(ds), *inputs, *sizes)
+        if attention_tma(D, qkv, backward=True) and all(a.ptr % 16 == 0 for a in (dy, lse, delta)) and tma is not False:
+            attention_backward_dkv_tma(dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv)
+        else:
+            gpu.launch(dkv_kernel, (Hkv, B, blocks), 128, ptr_arg(dqkv), ptr_arg(ds), *inputs, *sizes)
         gpu.launch(dq_kernel, (Hq, B, blocks), 128, ptr_arg(dqkv), ptr_arg(qkv), ptr_arg(ds), *sizes)
     else:                                                            # fp32 dq: one thread per query row
         gpu.launch(dkv_kernel, (blocks, Hkv, B), 128, ptr_arg(dqkv), *inputs, *sizes)
@@ -931,6 +970,8 @@ class GPUModel:
         self.dnorm_out = act(N, C)
         self.ds, self.dgu, self.dy, self.dqkv = act(N, F), act(N, 2 * F), act(N, HD), act(N, QKV)
         self.delta = f32(B, cfg.Hq, cfg.T)
+        for qkv, lse in zip(self.qkv, self.lse) if attention_tma(cfg.D, self.qkv[0], backward=True) else ():
+            backward_tensor_maps(qkv, self.dy, lse, self.delta, B, cfg.T, cfg.Hq)     # the TMA dk/dv pass's
         # attention's ds (d loss / d scores), from the bf16 dk/dv pass to the dq pass
         self.attention_ds = DeviceArray((attention_ds_size(B, cfg.T, cfg.Hq) if self.bf16 else 1,), np.uint16)
         self.norm_partial = f32(2 * gpu.sms * C)                    # rmsnorm_backward's dw per block
@@ -2134,13 +2175,15 @@ def check_attention(rng, report):
             report(f"{what} forward" + {True: " (TMA)", False: " (mma.sync)", None: ""}[kernel],
                    rel_diff(values(y), ref.reshape(N, -1)))
         dq, dk, dv = ne.attention_backward(dy.astype(np.float64).reshape(B, T, Hq, D), cache)
-        dqkv = poisoned((N, QKV), is_bf16)
-        ds = poisoned((attention_ds_size(B, T, Hq),), True)       # every tile the dq pass reads must be written
-        attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), ds, B, T, Hq, Hkv, D)
-        got = values(dqkv)
-        report(f"{what} dq", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
-        report(f"{what} dk", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
-        report(f"{what} dv", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
+        tma = attention_tma(D, qkv_g, backward=True)              # sm_90: the TMA dk/dv pass, and the other one too
+        for kernel in ([True, False] if tma else [None]):
+            dqkv = poisoned((N, QKV), is_bf16)
+            ds = poisoned((attention_ds_size(B, T, Hq),), True)   # every tile the dq pass reads must be written
+            attention_backward(dqkv, dy_g, qkv_g, y, lse, DeviceArray((B, Hq, T)), ds, B, T, Hq, Hkv, D, tma=kernel)
+            got, how = values(dqkv), {True: " (TMA)", False: " (mma.sync)", None: ""}[kernel]
+            report(f"{what} dq{how}", rel_diff(got[:, :Hq * D], dq.reshape(N, -1)))
+            report(f"{what} dk{how}", rel_diff(got[:, Hq * D:(Hq + Hkv) * D], dk.reshape(N, -1)))
+            report(f"{what} dv{how}", rel_diff(got[:, (Hq + Hkv) * D:], dv.reshape(N, -1)))
 
 
 # The whole model in bf16 mode is held to a float64 reference that rounds where the GPU
@@ -2639,7 +2682,9 @@ def profile_step(engine, batch, step):
     for name, (calls, ms) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
         print(f"    {name:<36} {calls:4d} calls {ms:8.2f} ms")
     forward, both = time_attention(model)
-    path = attention_path(cfg.D, model.qkv[0]) + " TMA" * attention_tma(cfg.D, model.qkv[0])
+    tma = [what for what, backward in (("forward", False), ("dk/dv", True))
+           if attention_tma(cfg.D, model.qkv[0], backward)]
+    path = attention_path(cfg.D, model.qkv[0]) + "".join(f" TMA {what}" for what in tma)
     print(f"  attention of one layer (B={model.B}, T={cfg.T}, {cfg.Hq} query and {cfg.Hkv} kv heads, D={cfg.D}, "
           f"{path}): forward {forward:.1f} us, forward+backward {both:.1f} us")
 

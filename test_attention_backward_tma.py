@@ -5,7 +5,9 @@ the dq pass (in flash_attn.cu's order), and dq from them, against numpy in float
 a T that ends inside a key tile, an odd number of key tiles: a block's second consumer with no keys), its tensor
 maps made by the emulator's stand-in driver as the GPU script makes them; the same kernel with its causal mask
 taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no
-spills. `python dev/variants/attention_backward_tma.py` checks and times it on a GPU.
+spills. `python dev/variants/attention_backward_tma.py` checks and times it on a GPU. The product's copy of the
+dk/dv pass's turns version (flash_attn.cu's attention_backward_dkv_tma_kernel_64) too, launched by
+nanoeuler_cuda.attention_backward with its tensor maps (the dq pass the product's mma.sync one), and through ptxas.
 """
 
 import ctypes
@@ -210,3 +212,63 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
     log = log.decode(errors="replace")
     entries = {entry for entry, _, _ in [*script.VERSIONS.values(), *script.DQ_VERSIONS.values()]}
     assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == len(entries), log
+
+
+@needs_gxx
+@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "threads in reverse"])
+def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
+    # flash_attn.cu's attention_backward_dkv_tma_kernel_64 (this file's `_turns_64`, persistent) through the
+    # product's own launch: nanoeuler_cuda.attention_backward on the emulator's stand-in driver (compute capability
+    # 9.0: its tensor maps, shared memory allowed, SMS persistent blocks; y and lse from the product's forward, delta
+    # from its delta kernel, dq from its mma.sync dq pass on the ds stored) at each shape and at T 150 (lse's and
+    # delta's rows of T floats no multiple of 16 bytes) against float64, every element written
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    monkeypatch.setattr(nc, "cu", nc.cu)
+    monkeypatch.setattr(nc, "gpu", nc.gpu)
+    driver = emulator_module().install(nc, sms=SMS, reverse=reverse)
+    nc.gpu.precision = "bf16"
+    calls, launch = [], nc.attention_backward_dkv_tma
+    monkeypatch.setattr(nc, "attention_backward_dkv_tma", lambda *args: (calls.append(args[-4:]), launch(*args)))
+    for B, T, Hq, Hkv in [*SHAPES, (2, 150, 3, 1)]:
+        qkv, dy = script.random_qkv(B, T, Hq, Hkv), script.random_dy(B, T, Hq)
+        qkv_g, dy_g = nc.to_gpu(qkv, np.uint16), nc.to_gpu(dy, np.uint16)
+        y, lse, delta = (nc.DeviceArray((B * T, Hq * D), np.uint16), nc.DeviceArray((B, Hq, T)),
+                         nc.DeviceArray((B, Hq, T)))
+        dqkv, ds = nc.DeviceArray(qkv.shape, np.uint16), nc.DeviceArray((nc.attention_ds_size(B, T, Hq),), np.uint16)
+        dqkv.fill_bits(0xFFFF)                                     # NaN: what the kernels do not write shows
+        ds.fill_bits(0xFFFF)
+        assert nc.attention_tma(D, qkv_g, backward=True)
+        nc.attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
+        nc.attention_backward(dqkv, dy_g, qkv_g, y, lse, delta, ds, B, T, Hq, Hkv, D)
+        assert calls[-1] == (B, T, Hq, Hkv)                                # the TMA dk/dv pass ran
+        out = script.from_bf16(dqkv.download()).reshape(B, T, -1).astype(np.float64)
+        assert np.isfinite(out).all(), (B, T, Hq, Hkv)
+        for b in range(B):
+            refs = script.reference(qkv, dy, b, T, Hq, Hkv)
+            e = [script.relative_error(out[b][:, a * D:(a + n) * D], ref) for a, n, ref in
+                 ((0, Hq, refs[0]), (Hq, Hkv, refs[1]), (Hq + Hkv, Hkv, refs[2]))]
+            assert max(e) <= script.DKV_BOUND, ((B, T, Hq, Hkv), b, e)
+    assert driver.shared == {"attention_forward_tma_kernel_64": script.forward_tma.shared_bytes(3, 128, 4),
+                             "attention_backward_dkv_tma_kernel_64": script.shared_bytes(4)}
+
+
+def test_ptxas_keeps_the_products_copy_asynchronous_and_spills_nothing():
+    # the same of flash_attn.cu's attention_backward_dkv_tma_kernel_64, as nanoeuler_cuda builds it on an H100 or H200
+    pytest.importorskip("cuda.bindings")
+    sys.path.insert(0, HERE)
+    import nanoeuler_cuda as nc
+    _, nvrtc = nc.import_cuda()
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
+    source = open(os.path.join(HERE, "flash_attn.cu")).read().encode()
+    err, prog = nvrtc.nvrtcCreateProgram(source, b"flash_attn.cu", 0, [], [])
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = bytearray(size)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    log = log.decode(errors="replace")
+    assert not err and "C751" not in log, log
+    entry = log.split("Function properties for attention_backward_dkv_tma_kernel_64")[1]
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in entry.splitlines()[1], entry[:300]

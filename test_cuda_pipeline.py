@@ -866,8 +866,8 @@ def test_training_checks_on_the_cpu_emulator(emulated):
     # and bf16: AdamW against numpy, the NaN stop, and 3 steps replayed from the captured graph
     # (per precision, and the NaN step) with the bits of kernel-by-kernel steps. Each line of
     # output is named to the part that printed it, as the device script's fallback reads it.
-    # The emulator is compute capability 9.0: bf16 at D = 64 runs flash_attn.cu's TMA forward
-    # (its tensor maps through the stand-in driver), the mma.sync forward checked beside it.
+    # The emulator is compute capability 9.0: bf16 at D = 64 runs flash_attn.cu's TMA forward and
+    # TMA dk/dv pass (their tensor maps through the stand-in driver), the mma.sync ones checked beside them.
     parts = check_parts_module()
     failed, misnamed, part, lines = [], [], None, []
 
@@ -886,7 +886,9 @@ def test_training_checks_on_the_cpu_emulator(emulated):
     assert not misnamed, misnamed
     assert emulated.replays == 2 * (3 + 1)
     assert "attention_forward_tma_kernel_64" in emulated.shared                 # it ran, its shared memory allowed
-    assert {"attention bf16 D=64 G=3 forward (TMA)", "attention bf16 D=64 G=3 forward (mma.sync)"} <= set(lines)
+    assert "attention_backward_dkv_tma_kernel_64" in emulated.shared
+    assert {f"attention bf16 D=64 G=3 {what} ({kernel})" for what in ("forward", "dq", "dk", "dv")
+            for kernel in ("TMA", "mma.sync")} <= set(lines)
     assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \
         {f"{what} {p}" for what in ("step", "sft", "decoding", "kernels") for p in ("fp32", "bf16")} | {"optimizer"}
 

@@ -653,6 +653,7 @@ def emulated(monkeypatch):
     # nor the TMA forward that compute capability 9.0 gets (tensor maps): tools/emulate_cuda.py runs it
     # (test_cuda_pipeline.py's training checks); here the mma.sync forward everywhere
     monkeypatch.setattr(nc, "ATTENTION_FORWARD_TMA", False)
+    monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", False)                         # and the mma.sync dk/dv pass
     return driver
 
 

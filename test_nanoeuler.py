@@ -914,8 +914,9 @@ def test_nvrtc_compiles_every_kernel(arch, tmp_path):
     for name, cubin in cubins.items():
         assert cubin[:4] == b"\x7fELF", name                   # a CUBIN is an ELF file
     assert cubins["kernels.cu"] != cubins["kernels.cu bf16"]
-    # flash_attn.cu's TMA forward: built for sm_90a on 9.0 (H100, H200), left out elsewhere
+    # flash_attn.cu's TMA forward and dk/dv pass: built for sm_90a on 9.0 (H100, H200), left out elsewhere
     assert (b"attention_forward_tma_kernel_64" in cubins["flash_attn.cu"]) == (arch == "90")
+    assert (b"attention_backward_dkv_tma_kernel_64" in cubins["flash_attn.cu"]) == (arch == "90")
     for kernel in (b"rmsnorm_backward_kernel", b"residual_rmsnorm_forward_kernel", b"adamw_update_kernel"):
         assert kernel in cubins["kernels.cu"] and kernel in cubins["kernels.cu bf16"]
     again = nc.compile_kernels(arch, str(tmp_path))            # now from the disk cache
