@@ -18,7 +18,7 @@ done
 rm -f "$R/b.log"
 for tree in $trees; do
   (cd $tree && python nanoeuler_cuda.py bench big --batch 64 --profile --no-decode) > "$R/profile_${tree//\//_}.log" 2>&1
-  echo "profile $tree: $(grep -E 'replayed|attention_forward|attention of one' "$R/profile_${tree//\//_}.log" | tr -s ' ' | tr '\n' ';')" | tee -a "$S"
+  echo "profile $tree: $(grep -E 'replayed|attention_forward|attention_backward|attention of one' "$R/profile_${tree//\//_}.log" | tr -s ' ' | tr '\n' ';')" | tee -a "$S"
 done
 if [ "${PYTORCH:-1}" != 0 ]; then
   for b in 64 16; do
