@@ -1,6 +1,8 @@
 /*
-The dk/dv pass of the bf16 attention backward at D = 64 with warpgroup MMA fed by TMA (issue 36; not part of the
-product: nanoeuler_cuda.MODULES does not list it), in the design of attention_forward_tma.cu: one producer
+The dk/dv pass of the bf16 attention backward at D = 64 with warpgroup MMA fed by TMA (issue 36; this file is not
+part of the product: nanoeuler_cuda.MODULES does not list it; its `_turns_64`, run persistent, is, as flash_attn.cu's
+attention_backward_dkv_tma_kernel_64, lse and delta read through one-row maps), in the design of
+attention_forward_tma.cu: one producer
 warpgroup whose one thread issues every copy, W consumer warpgroups, mbarriers between them, no block-wide
 barrier a step. The same math and layouts as flash_attn.cu's attention_backward_dkv_bf16, so that its dq pass
 (attention_backward_dq_bf16_kernel_64) runs on what this one stores:
