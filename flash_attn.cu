@@ -1474,12 +1474,19 @@ __device__ void attention_forward_tma(unsigned short* y16, float* lse, const Ten
 // The copies: TMA through four tensor maps that nanoeuler_cuda makes once per buffer: qkv16's (the forward's
 // map_q: boxes of a head's 64 columns by 64 rows, the 128-byte swizzle), dy16's (the same over (B T, Hq 64)), and
 // lse's and delta's, each seen as one row of B Hq T floats (a 2D map of one row, so any T does: rows of T floats
-// would need 4 T bytes a multiple of 16), boxes of 64 floats. Query rows past a batch row's T are the next batch
-// row's (zeros past B T), their lse and delta the next head's (zeros past the end): all of them masked (p = 0).
+// would need 4 T bytes a multiple of 16), boxes of DKV_STAT_BOX = 68 floats. A TMA copy's first element must be
+// 16-byte aligned in global memory (its inner coordinate times the element's bytes a multiple of 16; the hardware
+// stops the kernel with CUDA_ERROR_ILLEGAL_INSTRUCTION otherwise, the emulator with a named failure): a step's
+// 64 floats start at e = (b Hq + h) T + q0, which is no multiple of 4 when T is none (T 150: e 150 for b Hq + h
+// = 1), so the copy starts at e & ~3 and takes 68 floats, and the consumer reads from e & 3 on. Query rows past
+// a batch row's T are the next batch row's (zeros past B T), their lse and delta the next head's (zeros past the
+// end): all of them masked (p = 0).
 
 #define DKV_STAGES 4              // q, dy, lse and delta stages of the dk/dv pass
 #define DKV_PRODUCER_REGS 24      // setmaxnreg: 24 128 + 240 256 = 64512 of the SM's 65536, for 2 consumers
 #define DKV_CONSUMER_REGS 240
+#define DKV_STAT_BOX 68           // floats of lse (and of delta) a copy: a step's 64 from e & 3 on (above)
+#define DKV_STAT_STRIDE 96        // floats of lse (and of delta) a stage: 384 bytes, TMA's 128-byte alignment kept
 
 // d = a b.T (64 x 64): 4 wgmma of 16 dims, a (64 rows) and b (64 rows) K-major (the 16 dims from kk at byte 32 kk
 // of each 128-byte row): st = k q.T, dpt = v dy.T
@@ -1531,19 +1538,19 @@ struct DkvUnit {
 };
 
 // what the warpgroups share: the unit's key tiles (K of consumer g at g 8192 bytes, V at (W + g) 8192), the stages
-// (stage s: q at 2 W 8192 + 2 s 8192, dy 8192 after it; lse and delta, 256 bytes each, after every tile), the
+// (stage s: q at 2 W 8192 + 2 s 8192, dy 8192 after it; lse and delta, 384 bytes each, after every tile), the
 // mbarriers: full (the producer's expect_tx) and empty (W arrivals, each consumer once its dk and dv products of
 // the step are done) a stage; kv_full and kv_empty, the key tiles of the block's i-th unit in phase i
 struct DkvBlock {
     unsigned char* tiles;
-    float* stats;                                   // lse of stage s at 128 s, delta at 128 s + 64
+    float* stats;                                   // lse of stage s at 192 s, delta at 192 s + 96
     unsigned long long *full, *empty, *kv_full, *kv_empty;
     int W, B, T, Hq, Hkv, G, nq, units;
     __device__ DkvBlock(unsigned char* tiles_, int B_, int T_, int Hq_, int Hkv_) : tiles(tiles_) {
         W = blockDim.x / 128 - 1, B = B_, T = T_, Hq = Hq_, Hkv = Hkv_, G = Hq / Hkv;
         nq = (T + TILE - 1) / TILE, units = (nq + W - 1) / W * B * Hkv;
         stats = (float*)(tiles + (2 * W + 2 * DKV_STAGES) * TILE_BYTES);
-        full = (unsigned long long*)(stats + 128 * DKV_STAGES);
+        full = (unsigned long long*)(stats + 2 * DKV_STAT_STRIDE * DKV_STAGES);
         empty = full + DKV_STAGES, kv_full = empty + DKV_STAGES, kv_empty = kv_full + 1;
     }
     __device__ DkvUnit unit(int u) const {
@@ -1554,8 +1561,8 @@ struct DkvBlock {
     __device__ unsigned char* v_bytes(int g) const { return tiles + (W + g) * TILE_BYTES; }
     __device__ unsigned char* q_bytes(int n) const { return tiles + (2 * W + 2 * (n % DKV_STAGES)) * TILE_BYTES; }
     __device__ unsigned char* dy_bytes(int n) const { return q_bytes(n) + TILE_BYTES; }
-    __device__ float* lse_s(int n) const { return stats + 128 * (n % DKV_STAGES); }
-    __device__ float* delta_s(int n) const { return stats + 128 * (n % DKV_STAGES) + 64; }
+    __device__ float* lse_s(int n) const { return stats + 2 * DKV_STAT_STRIDE * (n % DKV_STAGES); }
+    __device__ float* delta_s(int n) const { return lse_s(n) + DKV_STAT_STRIDE; }
 };
 
 // the producer: one thread issues, unit by unit, its K and V tiles (once every consumer is done with the unit
@@ -1576,13 +1583,13 @@ __device__ void produce_dkv(const DkvBlock& k, const TensorMap* map_qkv, const T
         }
         for (int j = 0; j < w.steps; j++, n++) {
             int s = n % DKV_STAGES, h = w.kvh * k.G + j / w.m, q0 = (k.W * w.x + j % w.m) * TILE;
-            long e = (long)(w.b * k.Hq + h) * k.T + q0;             // lse's and delta's first (one row of B Hq T)
+            int e = ((w.b * k.Hq + h) * k.T + q0) & ~3;  // lse's, delta's first: 16-byte aligned
             mbarrier_wait(&k.empty[s], (n / DKV_STAGES + 1) % 2);
-            mbarrier_arrive_expect_tx(&k.full[s], 2 * TILE_BYTES + 2 * TILE * 4);
+            mbarrier_arrive_expect_tx(&k.full[s], 2 * TILE_BYTES + 2 * DKV_STAT_BOX * 4);
             tma_load_2d(k.q_bytes(n), map_qkv, h * HD, row + q0, &k.full[s]);
             tma_load_2d(k.dy_bytes(n), map_dy, h * HD, row + q0, &k.full[s]);
-            tma_load_2d(k.lse_s(n), map_lse, (int)e, 0, &k.full[s]);
-            tma_load_2d(k.delta_s(n), map_delta, (int)e, 0, &k.full[s]);
+            tma_load_2d(k.lse_s(n), map_lse, e, 0, &k.full[s]);
+            tma_load_2d(k.delta_s(n), map_delta, e, 0, &k.full[s]);
         }
     }
 }
@@ -1622,7 +1629,8 @@ __device__ void consume_dkv(const DkvBlock& k, int g, unsigned short* dqkv16, un
             fence_registers<TILE / 2>(st);
             fence_registers<TILE / 2>(dpt);
             // pt and dst in place of st and dpt; keys after a query, or queries past T, are masked (p = 0)
-            const float *lse = k.lse_s(n), *delta = k.delta_s(n);
+            int o = ((w.b * k.Hq + h) * k.T + q0) & 3;     // the step's first in the stage (the copy's start aligned)
+            const float *lse = k.lse_s(n) + o, *delta = k.delta_s(n) + o;
             bool edge = q0 < kt * TILE + TILE || q0 + TILE > k.T;
 #pragma unroll
             for (int a = 0; a < TILE / 2; a++) {
@@ -1669,7 +1677,7 @@ __device__ void consume_dkv(const DkvBlock& k, int g, unsigned short* dqkv16, un
 // and dst in the accumulator layout (lse and delta of its queries read from the stage), then dv += pt dy and dk
 // += dst q by 4 + 4 wgmma m64n64k16, pt and dst from registers (bf16: wgmma's register a), dy and q MN-major.
 // No atomics, no block-wide barrier a step. grid = the number of SMs (or the units, if fewer): persistent blocks,
-// each walking units gridDim.x apart. Dynamic shared memory: (2 W + 2 DKV_STAGES) 8192 (K, V, q, dy) + 512
+// each walking units gridDim.x apart. Dynamic shared memory: (2 W + 2 DKV_STAGES) 8192 (K, V, q, dy) + 768
 // DKV_STAGES (lse, delta) + 8 (2 DKV_STAGES + 2) (the mbarriers) + 1024 (to align the tiles)
 __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned short* ds16, const TensorMap* map_qkv,
                                            const TensorMap* map_dy, const TensorMap* map_lse,

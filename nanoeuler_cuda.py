@@ -628,6 +628,7 @@ ATTENTION_FORWARD_TMA = True
 ATTENTION_BACKWARD_TMA = False
 TMA_KEYS, TMA_STAGES = 128, 4            # as in flash_attn.cu: STEP_KEYS and STAGES, keys a step and K/V stages
 DKV_STAGES = 4                           # and DKV_STAGES: the TMA dk/dv pass's q, dy, lse and delta stages
+DKV_STAT_BOX, DKV_STAT_STRIDE = 68, 96  # its lse and delta: floats a copy, floats a stage (flash_attn.cu's)
 TENSOR_MAPS = {}                         # (address, rows, columns, box, dtype) -> a TMA kernel's tensor map
 
 
@@ -668,9 +669,11 @@ def tensor_maps(qkv, rows):
 
 def backward_tensor_maps(qkv, dy, lse, delta, B, T, Hq):
     """the TMA dk/dv pass's four: qkv's (the forward's 64-row one), dy's (the same over (B*T, Hq*64)), and lse's
-    and delta's, each one row of B*Hq*T floats in boxes of 64 (rows of T floats would need T a multiple of 4)"""
+    and delta's, each one row of B*Hq*T floats (rows of T floats would need T a multiple of 4) in boxes of 68: a
+    copy must start 16-byte aligned (else CUDA_ERROR_ILLEGAL_INSTRUCTION), so a step's 64 are read from the
+    multiple of 4 at or before their first (flash_attn.cu's DKV_STAT_BOX)"""
     return (tensor_map(qkv, B * T, qkv.shape[-1], 64), tensor_map(dy, B * T, Hq * 64, 64),
-            tensor_map(lse, 1, B * Hq * T, 1), tensor_map(delta, 1, B * Hq * T, 1))
+            tensor_map(lse, 1, B * Hq * T, 1, DKV_STAT_BOX), tensor_map(delta, 1, B * Hq * T, 1, DKV_STAT_BOX))
 
 
 def attention_forward_tma(y, lse, qkv, B, T, Hq, Hkv):
@@ -709,12 +712,18 @@ def attention_ds_size(B, T, Hq):
     return B * Hq * tiles * (tiles + 1) // 2 * ATTENTION_ROWS ** 2
 
 
+def dkv_tma_shared_bytes():
+    """the TMA dk/dv pass's dynamic shared memory: K, V (2 consumers), the stages' q, dy, lse and delta, the
+    mbarriers, 1024 to align the tiles"""
+    return (2 * 2 + 2 * DKV_STAGES) * 8192 + 2 * 4 * DKV_STAT_STRIDE * DKV_STAGES + 8 * (2 * DKV_STAGES + 2) + 1024
+
+
 def attention_backward_dkv_tma(dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv):
     """attention_backward's dk/dv pass at D = 64 by flash_attn.cu's TMA kernel: persistent blocks, one an SM, of a
     producer warpgroup and 2 consumers, each 64 keys of the unit's 128 of a kv head; ds as the mma.sync pass stores
     it"""
     units = ceil_div(ceil_div(T, 64), 2) * B * Hkv
-    shared = (2 * 2 + 2 * DKV_STAGES) * 8192 + 512 * DKV_STAGES + 8 * (2 * DKV_STAGES + 2) + 1024  # K, V, q, dy, ...
+    shared = dkv_tma_shared_bytes()
     name, maps = "attention_backward_dkv_tma_kernel_64", backward_tensor_maps(qkv, dy, lse, delta, B, T, Hq)
     if name not in gpu.shared_allowed:       # once a context (not in a capture): past a default's 48 KB
         allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -599,7 +599,9 @@ static bool mbarrier_try_wait(unsigned long long* bar, unsigned parity) {
 // its mbarrier: a read before the wait sees the old tile. The box lands as rows of box[0] elements one after
 // the other, an element outside the tensor 0, the swizzle (32, 64, 128 bytes) XORing the address's 16-byte
 // chunk (bits 4..) with bits 7.. as wgmma reads it back. Refused: a map the driver did not make, a destination
-// not 128-byte aligned (1024 when swizzled: the pattern's start), a tile out of dynamic shared memory.
+// not 128-byte aligned (1024 when swizzled: the pattern's start), a tile out of dynamic shared memory, a box whose
+// first element is not 16-byte aligned (x times the element's bytes no multiple of 16: an H100 stops the kernel
+// with CUDA_ERROR_ILLEGAL_INSTRUCTION, as the TMA dk/dv pass's lse copies at T 150 did; loads and stores).
 struct EmuTensorMap { unsigned long long tag, address, element, rank, dim[2], stride, box[2], swizzle, pad[6]; };
 static const unsigned long long EMU_TMAP_TAG = 0x656d752d746d6170ull;   // "emu-tmap"
 struct EmuTma { EmuTensorMap map; unsigned dst, bar, phase; int x, y; };
@@ -614,6 +616,9 @@ static void tma_load_2d(void* dst, const void* map, int x, int y, unsigned long 
         emu_fail("cp.async.bulk.tensor.2d with a tensor map that cuTensorMapEncodeTiled did not make (rank 2)");
     op.dst = shared_address(dst), op.bar = shared_address(bar), op.x = x, op.y = y;
     op.phase = emu_mbarrier(op.bar).phase;
+    if ((long long)x * (long long)op.map.element % 16)
+        emu_fail("a TMA copy whose first element is not 16-byte aligned (x times the element's bytes no multiple of "
+                 "16: CUDA_ERROR_ILLEGAL_INSTRUCTION on an H100)");
     if (op.dst % (op.map.swizzle ? 1024 : 128))
         emu_fail("a TMA destination not 128-byte aligned (1024 with a swizzle: not emulated)");
     unsigned long long bytes = op.map.box[0] * op.map.box[1] * op.map.element;
@@ -652,7 +657,8 @@ static void emu_tma_complete() {
 // bulk group, which cp.async.bulk.commit_group closes; it is queued at issue and done when that thread's
 // cp.async.bulk.wait_group.read N lets the thread past it (the latest a GPU may read the box): a box written
 // again before its wait is stored with the new values. Refused: a source not 128-byte aligned (1024 when
-// swizzled), a box past dynamic shared memory, a thread that exits with stores not waited for.
+// swizzled), a box past dynamic shared memory, a thread that exits with stores not waited for, a box whose first
+// element is not 16-byte aligned (as loads).
 struct EmuTmaStore { EmuTensorMap map; unsigned src, thread; int x, y, group; };     // group -1: not committed
 static const int EMU_STORE_QUEUE = 256;
 static EmuTmaStore emu_stores[EMU_STORE_QUEUE];
@@ -663,6 +669,9 @@ static void tma_store_2d(const void* map, const void* src, int x, int y) {
     if (op.map.tag != EMU_TMAP_TAG || op.map.rank != 2)
         emu_fail("a TMA store with a tensor map that cuTensorMapEncodeTiled did not make (rank 2)");
     op.src = shared_address(src), op.thread = threadIdx.x, op.x = x, op.y = y, op.group = -1;
+    if ((long long)x * (long long)op.map.element % 16)
+        emu_fail("a TMA store whose first element is not 16-byte aligned (x times the element's bytes no multiple "
+                 "of 16: CUDA_ERROR_ILLEGAL_INSTRUCTION on an H100)");
     if (op.src % (op.map.swizzle ? 1024 : 128))
         emu_fail("a TMA store's source not 128-byte aligned (1024 with a swizzle: not emulated)");
     if (op.src - EMU_SHARED_START + op.map.box[0] * op.map.box[1] * op.map.element > sizeof emu_dynamic_shared)
