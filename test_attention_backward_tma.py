@@ -233,6 +233,9 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
     monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # off in the product until it passes check on a GPU
     calls, launch = [], nc.attention_backward_dkv_tma
     monkeypatch.setattr(nc, "attention_backward_dkv_tma", lambda *args: (calls.append(args[-4:]), launch(*args)))
+    launches, cu_launch = [], driver.cuLaunchKernel
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda f, gx, gy, gz, bx, *rest: (
+        launches.append((f.name, gx, bx, rest[2])), cu_launch(f, gx, gy, gz, bx, *rest))[1])
     for B, T, Hq, Hkv in [*SHAPES, (2, 150, 3, 1)]:
         qkv, dy = script.random_qkv(B, T, Hq, Hkv), script.random_dy(B, T, Hq)
         qkv_g, dy_g = nc.to_gpu(qkv, np.uint16), nc.to_gpu(dy, np.uint16)
@@ -245,6 +248,10 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
         nc.attention_forward(y, lse, qkv_g, B, T, Hq, Hkv, D)
         nc.attention_backward(dqkv, dy_g, qkv_g, y, lse, delta, ds, B, T, Hq, Hkv, D)
         assert calls[-1] == (B, T, Hq, Hkv)                                # the TMA dk/dv pass ran
+        # its launch: min(units, SMS) blocks, the units ceil(ceil(T / 64) / 2) B Hkv worked out by hand; 384 threads;
+        # (4 + 2 4) 8192 (K, V, 4 stages' q, dy) + 2 4 96 4 (lse, delta) + 8 10 (mbarriers) + 1024 = 102480 bytes
+        units = {(1, 128, 2, 1): 1, (1, 160, 3, 1): 2, (2, 192, 2, 2): 8, (2, 150, 3, 1): 4}[B, T, Hq, Hkv]
+        assert ("attention_backward_dkv_tma_kernel_64", min(units, SMS), 384, 102480) in launches[-3:], launches[-3:]
         out = script.from_bf16(dqkv.download()).reshape(B, T, -1).astype(np.float64)
         assert np.isfinite(out).all(), (B, T, Hq, Hkv)
         for b in range(B):

@@ -174,12 +174,23 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
     assert out.endswith("all OK\n"), out
 
 
+# and for the product's launch, 4 query heads a kv head: W = 2 consumers (the largest of 1, 2, 3 that divides 4), so
+# a kv head's query heads are two units (query head h reads kv head h / 4: the units' first heads 0, 2, 4, 6 read kv
+# heads 0, 0, 1, 1, where h % Hkv would read 0 every time)
+PRODUCT_SHAPES = [(1, 128, 8, 2)]
+# (B, T, Hq, Hkv) -> W and the units, B (Hq / W) ceil(ceil(T / 64) / 2), worked out by hand: the grid is
+# min(units, SMS) persistent blocks (no idle ones), 128 (W + 1) threads
+LAUNCH = {(1, 256, 2, 1): (2, 2), (2, 160, 3, 1): (3, 4), (2, 64, 1, 1): (1, 2), (2, 192, 6, 2): (3, 8),
+          (1, 128, 8, 2): (2, 4)}
+
+
 @needs_gxx
 @pytest.mark.parametrize("reverse", [False, True], ids=["in order", "threads in reverse"])
 def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
     # flash_attn.cu's attention_forward_tma_kernel_64 (this file's _pipelined_turns_128) through the product's own
     # launch: nanoeuler_cuda.attention_forward on the emulator's stand-in driver (compute capability 9.0: its tensor
-    # maps, shared memory allowed, SMS persistent blocks) at each shape against float64, every element written
+    # maps, shared memory allowed, SMS persistent blocks) at each shape against float64, every element written; its
+    # grid, threads and shared memory as LAUNCH says
     pytest.importorskip("cuda.bindings")
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
@@ -187,7 +198,10 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
     monkeypatch.setattr(nc, "gpu", nc.gpu)
     driver = emulator_module().install(nc, sms=SMS, reverse=reverse)
     nc.gpu.precision = "bf16"
-    for B, T, Hq, Hkv in SHAPES:
+    launches, launch = [], driver.cuLaunchKernel
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda f, gx, gy, gz, bx, *rest: (
+        launches.append((f.name, gx, bx, rest[2])), launch(f, gx, gy, gz, bx, *rest))[1])
+    for B, T, Hq, Hkv in [*SHAPES, *PRODUCT_SHAPES]:
         qkv = script.random_qkv(B, T, Hq, Hkv)
         dqkv = nc.to_gpu(qkv, np.uint16)
         y, lse = nc.DeviceArray((B * T, Hq * D), np.uint16), nc.DeviceArray((B, Hq, T))
@@ -200,7 +214,10 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
                                    np.stack([r[0] for r in refs]))
         el = script.relative_error(lse.download().astype(np.float64), np.stack([r[1] for r in refs]))
         assert ey <= script.Y_BOUND and el <= script.LSE_BOUND, ((B, T, Hq, Hkv), ey, el)
-    assert driver.shared == {"attention_forward_tma_kernel_64": script.shared_bytes(3, 128, 4)}   # (the last shape's)
+        W, units = LAUNCH[B, T, Hq, Hkv]                            # the launch, as attention_forward_tma says
+        assert launches[-1] == ("attention_forward_tma_kernel_64", min(units, SMS), 128 * (W + 1),
+                                script.shared_bytes(W, 128, 4)), ((B, T, Hq, Hkv), launches[-1])
+    assert driver.shared == {"attention_forward_tma_kernel_64": script.shared_bytes(3, 128, 4)}   # (W = 3's, once)
 
 
 def ptxas_log(path=KERNEL):

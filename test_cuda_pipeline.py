@@ -947,6 +947,23 @@ def test_target_counts_are_the_kept_targets_of_each_head():
 
 @needs_nvrtc
 @needs_gxx
+def test_check_runs_both_bf16_attention_forwards_and_both_dkv_passes(emulated, monkeypatch):
+    # check_attention in bf16 on compute capability 9.0: its "(TMA)" lines from flash_attn.cu's TMA forward and TMA
+    # dk/dv pass, its "(mma.sync)" lines from the mma.sync ones (each launched once, at D = 64), all within the bar
+    launched, launch = [], emulated.cuLaunchKernel
+    monkeypatch.setattr(emulated, "cuLaunchKernel", lambda f, *rest: (launched.append(f.name), launch(f, *rest))[1])
+    nc.gpu.precision = "bf16"
+    errors = []
+    nc.check_attention(np.random.default_rng(5), lambda what, err: errors.append((what, err)))
+    bad = [(what, err) for what, err in errors if not err < nc.TOLERANCE["bf16"]]
+    assert errors and not bad, bad
+    for kernel in ("attention_forward_tma_kernel_64", "attention_forward_bf16_kernel_64",
+                   "attention_backward_dkv_tma_kernel_64", "attention_backward_dkv_bf16_kernel_64"):
+        assert launched.count(kernel) == 1, (kernel, launched)
+
+
+@needs_nvrtc
+@needs_gxx
 def test_the_attention_passes_with_copies_landing_at_their_waits(emulated):
     # flash_attn.cu's passes (fp32 CUDA cores, tf32 and bf16 tensor cores) with each cp.async held until the
     # cp.async.wait_group that covers it, the latest the PTX ISA allows (the emulator's default lands it at issue,
