@@ -366,7 +366,7 @@ class GPU:
         self.arch = f"{major}{minor}"
         self.modules = {name: check(cu.cuModuleLoadData(cubin), f"loading {name}")
                         for name, cubin in compile_kernels(self.arch).items()}
-        self.functions, self.last_kernel, self.shared_allowed = {}, None, set()
+        self.functions, self.last_kernel, self.shared_allowed = {}, None, {}
         self.precision = precision
         self.cublas = Cublas(self.stream)
 
@@ -389,6 +389,10 @@ class GPU:
         params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
         grid = grid if isinstance(grid, tuple) else (grid, 1, 1)
         self.last_kernel = name
+        if shared > max(48 * 1024, self.shared_allowed.get(name, 0)):    # past a default's 48 KB: allowed once a
+            allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES   # size, before capture
+            check(cu.cuFuncSetAttribute(self.function(name, bf16), allow, shared), f"allowing {name} {shared} bytes")
+            self.shared_allowed[name] = shared                  # (never lowered: a smaller launch fits the larger)
         with self.timed(name):
             check(cu.cuLaunchKernel(self.function(name, bf16), *grid, block, 1, 1, shared, self.stream,
                                     ctypes.addressof(params), 0), f"launching {name}")
@@ -681,14 +685,10 @@ def attention_forward_tma(y, lse, qkv, B, T, Hq, Hkv):
     warpgroup and W consumers, one a query head of the W (a divisor of Hq/Hkv, at most 3) that read one kv head"""
     W = max(w for w in (1, 2, 3) if (Hq // Hkv) % w == 0)
     units = B * (Hq // W) * ((ceil_div(T, 64) + 1) // 2)          # pairs of 64-row query tiles of W heads
-    shared = lambda W: 2 * W * 8192 + TMA_STAGES * 256 * TMA_KEYS + 1024 + 8 * (3 * TMA_STAGES + 4)  # q, K/V, mbarriers
+    shared = 2 * W * 8192 + TMA_STAGES * 256 * TMA_KEYS + 1024 + 8 * (3 * TMA_STAGES + 4)   # q, K/V, align, mbarriers
     name, (map_q, map_kv) = "attention_forward_tma_kernel_64", tensor_maps(qkv, B * T)
-    if name not in gpu.shared_allowed:       # once a context (not in a capture): past a default's 48 KB, to W = 3's
-        allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(cu.cuFuncSetAttribute(gpu.function(name), allow, shared(3)), f"allowing {name} its shared memory")
-        gpu.shared_allowed.add(name)
     gpu.launch(name, min(units, gpu.sms), 128 * (W + 1), ptr_arg(y), ptr_arg(lse), map_q, map_kv, int_arg(B),
-               int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared(W))
+               int_arg(T), int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared)
 
 
 def attention_forward(y, lse, qkv, B, T, Hq, Hkv, D, tma=None):
@@ -723,14 +723,9 @@ def attention_backward_dkv_tma(dqkv, ds, qkv, dy, lse, delta, B, T, Hq, Hkv):
     producer warpgroup and 2 consumers, each 64 keys of the unit's 128 of a kv head; ds as the mma.sync pass stores
     it"""
     units = ceil_div(ceil_div(T, 64), 2) * B * Hkv
-    shared = dkv_tma_shared_bytes()
     name, maps = "attention_backward_dkv_tma_kernel_64", backward_tensor_maps(qkv, dy, lse, delta, B, T, Hq)
-    if name not in gpu.shared_allowed:       # once a context (not in a capture): past a default's 48 KB
-        allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        check(cu.cuFuncSetAttribute(gpu.function(name), allow, shared), f"allowing {name} its shared memory")
-        gpu.shared_allowed.add(name)
     gpu.launch(name, min(units, gpu.sms), 384, ptr_arg(dqkv), ptr_arg(ds), *maps, int_arg(B), int_arg(T),
-               int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=shared)
+               int_arg(Hq), int_arg(Hkv), float_arg(1 / math.sqrt(64)), shared=dkv_tma_shared_bytes())
 
 
 def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, tma=None):

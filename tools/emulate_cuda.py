@@ -1276,7 +1276,7 @@ def install(nc, sms=2, arch="90", reverse=False):
                    for name, (file, defines, select) in SOURCES.items()}
     for lib in gpu.modules.values():
         lib.emu_set_reverse(int(reverse))
-    gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile, gpu.shared_allowed = {}, None, "fp32", None, set()
+    gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile, gpu.shared_allowed = {}, None, "fp32", None, {}
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
     return driver
