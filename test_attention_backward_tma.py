@@ -230,7 +230,7 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
     monkeypatch.setattr(nc, "gpu", nc.gpu)
     driver = emulator_module().install(nc, sms=SMS, reverse=reverse)
     nc.gpu.precision = "bf16"
-    monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # off in the product until it passes check on a GPU
+    monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # the product's default, pinned here
     calls, launch = [], nc.attention_backward_dkv_tma
     monkeypatch.setattr(nc, "attention_backward_dkv_tma", lambda *args: (calls.append(args[-4:]), launch(*args)))
     launches, cu_launch = [], driver.cuLaunchKernel

@@ -528,7 +528,7 @@ def emulated(monkeypatch):
     """nanoeuler_cuda on tools/emulate_cuda.py's CPU emulator of kernels.cu"""
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
-    monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # off in the product until it passes check on a GPU
+    monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # the product's default, pinned here
     return emulator_module().install(nc)
 
 
