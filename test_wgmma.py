@@ -153,12 +153,20 @@ def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
     monkeypatch.setattr(probe_script, "timed", lambda run: (run(), 1.0)[1])
     monkeypatch.setattr(probe_script, "CHECK", (256, 256, 128))
     monkeypatch.setattr(probe_script, "PRODUCTS", [("small", 128, 256, 64)])
+    monkeypatch.setattr(probe_script, "CHECK_TN", (256, 256, 256))
+    monkeypatch.setattr(probe_script, "DATA_GRADIENTS", [("small", 128, 256, 64)])
+    monkeypatch.setattr(probe_script, "WEIGHT_GRADIENTS", [("small", 128, 256, 128)])
     with pytest.raises(SystemExit) as end:
         probe_script.main()
     out = capsys.readouterr().out
-    checked = len(probe_script.GEMMS) - len(probe_script.TIMING_ONLY)
+    checked = len(probe_script.GEMMS) - len(probe_script.TIMING_ONLY) + len(probe_script.NN_GEMMS) + 1
+    assert "same bits on 5 blocks and on 2" in out, out
     assert end.value.code == 0 and out.count("  OK\n") == len(VARIANTS) + checked, out
     assert out.endswith("all OK\n"), out
+
+
+# the backward's products' entry points (the data gradient's, the weight gradient's and its sum of the partials)
+BACKWARD = [*probe_script.NN_GEMMS, probe_script.SPLITK, "splitk_reduce_add"]
 
 
 def test_the_probe_compiles_for_sm_90a_with_nvrtc():
@@ -166,7 +174,7 @@ def test_the_probe_compiles_for_sm_90a_with_nvrtc():
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     cubin = nc.nvrtc_compile("wgmma_probe.cu", open(PROBE).read(), "90a")
-    for name in [*VARIANTS, *(name for name, _, _ in probe_script.GEMMS)]:
+    for name in [*VARIANTS, *(name for name, _, _ in probe_script.GEMMS), *BACKWARD]:
         assert name.encode() in cubin, name                 # extern "C": the name is in the CUBIN
 
 
@@ -218,35 +226,37 @@ def test_ptxas_keeps_the_products_wgmma_asynchronous_and_spills_nothing():
     log = log.decode(errors="replace")
     assert not err, log
     sections = {part.split("'")[0]: part for part in log.split("Compiling entry function '")[1:]}
-    for name, _, _ in probe_script.GEMMS:
+    for name in [*(name for name, _, _ in probe_script.GEMMS), *BACKWARD]:
         assert " 0 bytes spill stores" in sections[name] and f"the function '{name}'" not in log, sections[name]
 
 
-def tma_product(lib, BN, M, N, K, seed=0, name=None, blocks=None):
-    """the probe's product fed by TMA (wgmma_tma_gemm_bn*, or the entry point `name` of the script's TMA_GEMMS) on
-    the emulator, its tensor maps made by the stand-in driver's cuTensorMapEncodeTiled; a persistent one on `blocks`
-    blocks -> c (M, N) as float32, a @ b.T in float64, the bound"""
+def tensor_map(x, rows, cols, box_rows):
+    """the stand-in driver's tensor map of the bf16 matrix x (rows, cols), boxes of 64 columns x box_rows, 128-byte
+    swizzle, as 128 bytes to pass by value"""
     from cuda.bindings import driver as real
-    driver = emulator_module().Driver(real)
+    u64, u32 = real.cuuint64_t, real.cuuint32_t                 # as cuda-python's takes them
+    _, m = emulator_module().Driver(real).cuTensorMapEncodeTiled(
+        real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, x.ctypes.data, [u64(cols), u64(rows)],
+        [u64(cols * 2)], [u32(64), u32(box_rows)], [u32(1), u32(1)],
+        real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, real.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        real.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+        real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
+
+
+def tma_product(lib, BN, M, N, K, seed=0, name=None, blocks=None):
+    """the probe's product fed by TMA (wgmma_tma_gemm_bn*, or the entry point `name` of the script's TMA_GEMMS or
+    NN_GEMMS) on the emulator, its tensor maps made by the stand-in driver's cuTensorMapEncodeTiled; a persistent one
+    on `blocks` blocks -> c (M, N) as float32, a @ b.T (NN_GEMMS: a @ b, b (K, N)) in float64, the bound"""
     rng = np.random.default_rng(seed)
-    a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(N, K)))
-    A, B = probe_script.from_bf16(a).astype(np.float64), probe_script.from_bf16(b).astype(np.float64).T
+    nn = name in probe_script.NN_GEMMS
+    a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(K, N) if nn else (N, K)))
+    A, B = probe_script.from_bf16(a).astype(np.float64), probe_script.from_bf16(b).astype(np.float64)
+    B = B if nn else B.T
     c = np.full((M, N), 0xFFFF, np.uint16)                            # NaN: what the kernel does not write shows
-
-    def tensor_map(x, rows, cols, box_rows):
-        u64, u32 = real.cuuint64_t, real.cuuint32_t             # as cuda-python's takes them
-        _, m = driver.cuTensorMapEncodeTiled(real.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2,
-                                             x.ctypes.data, [u64(cols), u64(rows)], [u64(cols * 2)],
-                                             [u32(64), u32(box_rows)], [u32(1), u32(1)],
-                                             real.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                             real.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                                             real.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                             real.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-        return (ctypes.c_uint64 * 16)(*[int(w) for w in m.opaque])
-
     name = name or f"wgmma_tma_gemm_bn{BN}"
-    maps = [tensor_map(a, M, K, 128), tensor_map(b, N, K, BN)]
-    if probe_script.TMA_GEMMS[name][2]:                                # persistent: c's map too, and M
+    maps = [tensor_map(a, M, K, 128), tensor_map(b, K, N, 64) if nn else tensor_map(b, N, K, BN)]
+    if {**probe_script.TMA_GEMMS, **probe_script.NN_GEMMS}[name][2]:                                # persistent: c's map too, and M
         args = [ctypes.c_void_p(c.ctypes.data), *maps, tensor_map(c, M, N, 64), ctypes.c_int(M), ctypes.c_int(N),
                 ctypes.c_int(K)]
         grid = (blocks, 1)
@@ -288,7 +298,8 @@ assert np.all(np.abs(c - ref) <= bound), np.nanmax(np.abs(c - ref))
 TUNED = [("wgmma_tma_gemm_bn128_s6", None, 0), ("wgmma_tma_persistent_bn256", 3, 0),
          ("wgmma_tma_persistent_bn128_s6", 3, 1), ("wgmma_tma_persistent_store_bn256", 3, 1),
          ("wgmma_tma_persistent_store_bn128_s6", 2, 0), ("wgmma_tma_persistent_store_bn256_split", 3, 1),
-         ("wgmma_tma_pingpong_bn128_s6", 3, 1), ("wgmma_tma_pingpong_bn128_s6", 1, 0)]
+         ("wgmma_tma_pingpong_bn128_s6", 3, 1), ("wgmma_tma_pingpong_bn128_s6", 1, 0),
+         ("wgmma_tma_persistent_store_nn_bn256", 3, 0), ("wgmma_tma_persistent_store_nn_bn256", 2, 1)]
 
 
 def run_tuned(tmp_path, name, blocks, reverse, mutation=None):
@@ -302,7 +313,7 @@ def run_tuned(tmp_path, name, blocks, reverse, mutation=None):
         assert old in text[at:], old
         text = text[:at] + text[at:].replace(old, new, 1)
     (tmp_path / "probe.cu").write_text(text)
-    BN = probe_script.TMA_GEMMS[name][0]
+    BN = {**probe_script.TMA_GEMMS, **probe_script.NN_GEMMS}[name][0]
     code = f"""
 import sys
 import numpy as np
@@ -340,7 +351,7 @@ def test_the_products_timed_alone_run_through_and_write_nothing(tmp_path, name):
     code, err = run_tuned(tmp_path, name, 3, 0)
     assert code != 0 and "c is wrong: nan" in err, err[-2000:]
 
-PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PINGPONG = 0>"
+PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PINGPONG = 0, int B_MN = 0>"
 
 
 @needs_gxx
@@ -381,7 +392,21 @@ PERSISTENT = "template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PIN
      "a TMA copy whose first element is not 16-byte aligned"),
     ("wgmma_tma_persistent_store_bn128_s6", 2, 0,
      ("tma_store_2d(map_c, box, x, y)", "tma_store_2d(map_c, box, x + 4, y)", PERSISTENT),
-     "a TMA store whose first element is not 16-byte aligned")])
+     "a TMA store whose first element is not 16-byte aligned"),
+    # the data gradient's b (K, N) read as if K-major: the transpose-b bit clear
+    ("wgmma_tma_persistent_store_nn_bn256", 3, 0, ("wgmma_bf16<BN, 0, B_MN>(d,", "wgmma_bf16<BN, 0, 0>(d,", PERSISTENT),
+     "c is wrong"),
+    # every box of b at the tile's first 64 columns
+    ("wgmma_tma_persistent_store_nn_bn256", 3, 0,
+     ("tile % columns * BN + 64 * j, kt * GEMM_BK", "tile % columns * BN, kt * GEMM_BK", PERSISTENT), "c is wrong"),
+    # b's descriptor with the 64-byte swizzle (and its strides) where TMA wrote the 128-byte one
+    ("wgmma_tma_persistent_store_nn_bn256", 3, 0,
+     ("operand_descriptor<128, B_MN>(bs, BN, GEMM_BK, kk)", "operand_descriptor<64, B_MN>(bs, BN, GEMM_BK, kk)",
+      PERSISTENT), "c is wrong"),
+    # b's 64-column groups 16 KB apart (LBO of 128 k), not 8 KB
+    ("wgmma_tma_persistent_store_nn_bn256", 3, 0,
+     ("operand_descriptor<128, B_MN>(bs, BN, GEMM_BK, kk)", "operand_descriptor<128, B_MN>(bs, BN, 2 * GEMM_BK, kk)",
+      PERSISTENT), "c is wrong")])
 def test_a_mutant_of_each_tuned_product_fails(tmp_path, name, blocks, reverse, mutation, failure):
     pytest.importorskip("cuda.bindings")
     code, err = run_tuned(tmp_path, name, blocks, reverse, mutation)
@@ -552,3 +577,110 @@ def test_a_tma_copy_lands_swizzled_with_zeros_outside_the_tensor(tmp_path, swizz
             inside = 0 <= y + r < rows and 0 <= x + e < cols
             want[at // 2] = g[y + r, x + e] if inside else 0
     assert np.array_equal(out, want), np.nonzero(out != want)[0][:8]
+
+
+# ---- the weight gradient: split over K, the partials summed in a fixed order
+
+def splitk_product(lib, M, N, K, splits, blocks, seed=0):
+    """the script's weight gradient on the emulator, c (M, N) fp32 += a.T @ b, a (K, M) and b (K, N) bf16: the split
+    product on `blocks` persistent blocks, then splitk_reduce_add -> c, c0 + a.T @ b in float64, the bound"""
+    rng = np.random.default_rng(seed)
+    a, b = bf16_bits(rng.normal(size=(K, M))), bf16_bits(rng.normal(size=(K, N)))
+    c0 = rng.normal(size=(M, N)).astype(np.float32)
+    A, B = probe_script.from_bf16(a).astype(np.float64), probe_script.from_bf16(b).astype(np.float64)
+    c, partials = c0.copy(), np.full((splits, M, N), np.nan, np.float32)   # NaN: a partial not written shows
+    for name, grid, block, args in [
+            (probe_script.SPLITK, blocks, 384, [ctypes.c_void_p(partials.ctypes.data), tensor_map(a, K, M, 64),
+                                                tensor_map(b, K, N, 64), ctypes.c_int(M), ctypes.c_int(N),
+                                                ctypes.c_int(K), ctypes.c_int(splits)]),
+            ("splitk_reduce_add", -(-M * N // 1024), 256, [ctypes.c_void_p(c.ctypes.data),
+                                                           ctypes.c_void_p(partials.ctypes.data),
+                                                           ctypes.c_int(M * N), ctypes.c_int(splits)])]:
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(x) for x in args])
+        launch = lib.emu_launch(lib.emu_kernel(name.encode()), grid, 1, 1, block, params)
+        assert not lib.emu_run(launch), name
+        lib.emu_free(launch)
+    ref = c0 + A.T @ B
+    return c, ref, fp32_bound(A.T, B) + 2.0 ** -23 * (np.abs(c0) + np.abs(A.T) @ np.abs(B))
+
+
+SPLITK_SHAPE = (256, 512, 448)        # 2 x 2 tiles of 128 x 256, 7 steps of 64 k
+
+
+def run_splitk(tmp_path, runs, mutation=None):
+    """the weight gradient at SPLITK_SHAPE on the emulator, in a process of its own, the probe's text with mutation
+    (old, new: old's first place after the split product's template) -> its exit code and stderr; runs: (splits,
+    blocks, reverse) each, "c is wrong" when one is not within its bound, "bits differ" when two runs' c differ"""
+    text = open(PROBE).read()
+    if mutation:
+        old, new = mutation
+        at = text.index("__device__ void wgmma_tma_splitk_tn(")
+        assert old in text[at:], old
+        text = text[:at] + text[at:].replace(old, new, 1)
+    (tmp_path / "probe.cu").write_text(text)
+    code = f"""
+import sys
+import numpy as np
+sys.path.insert(0, {HERE!r})
+import test_wgmma as t
+emulator = t.emulator_module()
+lib = emulator.load({str(tmp_path / "probe.cu")!r}, cache_dir={str(tmp_path)!r},
+                    select=lambda text: emulator.without_helpers(text, t.HELPERS))
+first = None
+for splits, blocks, reverse in {runs!r}:
+    lib.emu_set_reverse(reverse)
+    c, ref, bound = t.splitk_product(lib, *t.SPLITK_SHAPE, splits, blocks, seed=2)
+    if not np.all(np.abs(c - ref) <= bound):
+        sys.exit(f"c is wrong ({{splits}} splits): {{np.nanmax(np.abs(c - ref) / bound)}} x its bound")
+    if first is not None and not np.array_equal(c.view(np.uint32), first.view(np.uint32)):
+        sys.exit(f"bits differ: {{splits}} splits on {{blocks}} blocks")
+    first = c
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=HERE, timeout=600)
+    return r.returncode, r.stderr.decode()
+
+
+@needs_gxx
+@pytest.mark.parametrize("splits, blocks, reverse", [(3, 5, 0), (1, 3, 1), (7, 3, 0), (2, 1, 1)])
+def test_the_split_weight_gradient_on_the_emulator_against_float64(tmp_path, splits, blocks, reverse):
+    # 4 tiles x splits units walked by 1 to 5 blocks: units of 2 or 3 steps (3 splits of 7), of 7 (one), of 1 (7:
+    # every unit starts its accumulators and frees its stage at once); a block's steps run on through the 4 stages
+    # across units, every mbarrier through phases 0 and 1
+    pytest.importorskip("cuda.bindings")
+    code, err = run_splitk(tmp_path, [(splits, blocks, reverse)])
+    assert code == 0, err[-2000:]
+
+
+@needs_gxx
+def test_the_split_weight_gradient_has_the_same_bits_on_any_grid(tmp_path):
+    # the partials' sum does not depend on which block made which partial, nor on the order blocks run in: the same
+    # 3 splits on 1, 2 and 5 blocks, forwards and in reverse, give the same bits
+    pytest.importorskip("cuda.bindings")
+    code, err = run_splitk(tmp_path, [(3, 1, 0), (3, 2, 1), (3, 5, 0), (3, 5, 1)])
+    assert code == 0, err[-2000:]
+
+
+@needs_gxx
+@pytest.mark.parametrize("mutation, failure", [
+    # a (K, M) read as if K-major: the transpose-a bit clear
+    (("wgmma_bf16<BN, 1, 1>(d,", "wgmma_bf16<BN, 0, 1>(d,"), "c is wrong"),
+    # b (K, N) read as if K-major
+    (("wgmma_bf16<BN, 1, 1>(d,", "wgmma_bf16<BN, 1, 0>(d,"), "c is wrong"),
+    # both boxes of a at the tile's first 64 columns: the second consumer multiplies the first's rows of c
+    (("m0 + 64 * j, kt * GEMM_BK", "m0, kt * GEMM_BK"), "c is wrong"),
+    # b's descriptor with the 32-byte swizzle where TMA wrote the 128-byte one
+    (("operand_descriptor<128, 1>(bs, BN, GEMM_BK, kk)", "operand_descriptor<32, 1>(bs, BN, GEMM_BK, kk)"),
+     "c is wrong"),
+    # the first partial summed twice
+    (("for (int s = 1; s < splits; s++)", "for (int s = 0; s < splits; s++)"), "c is wrong"),
+    # every unit's partial into split 0's: the others stay NaN
+    (("float* p = partials + (long)split * M * N;", "float* p = partials;"), "c is wrong"),
+    # a unit's accumulators started at the first step of K, not of its split: it adds to the unit before
+    (("kt > k0 || kk > 0);", "kt > 0 || kk > 0);"), "c is wrong"),
+    # a unit's last stage never freed: the producer waits for it a round later
+    (("        if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);   // the unit's last stage", ""),
+     "wait at an mbarrier's try_wait.parity")])
+def test_a_mutant_of_the_split_weight_gradient_fails(tmp_path, mutation, failure):
+    pytest.importorskip("cuda.bindings")
+    code, err = run_splitk(tmp_path, [(3, 2, 0)], mutation)
+    assert code != 0 and failure in err, err[-2000:]

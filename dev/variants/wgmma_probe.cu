@@ -602,6 +602,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_gemm_bn128_s6(uns
 // commits the stores and waits for a buffer's last store to have read it (cp.async.bulk.wait_group.read), the
 // warpgroup meets at named barrier 1 + its number around the writes. For the timings alone, not c: EPILOGUE 2
 // stores nothing (the main loop's time), EPILOGUE 3 neither multiplies (the copies' time).
+// B_MN 1, the backward's data gradient (dx = dy @ w, cuBLAS's "NN"): c (M, N) = a (M, K) @ b (K, N), b row-major
+// (K, N), read along its rows: a stage's b is BN / 64 TMA boxes of 64 n x 64 k (a box row is 128 bytes of one k,
+// the most the 128-byte swizzle allows), one after the other, each 8 KB: the MN-major layout of tile_offset (LBO
+// 64 k x 128 bytes between 64-column groups, SBO 1024 between groups of 8 k) that wgmma reads with its
+// transpose-b bit set.
 
 // global <- shared: the box of the tensor map at element (x, y) from src (laid out as tma_load_2d lays it), one of
 // this thread's bulk copies (closed into a group by bulk_commit)
@@ -618,7 +623,7 @@ __device__ __forceinline__ void bulk_wait_read() {
     asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
-template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PINGPONG = 0>
+template <int BN, int STAGES, int EPILOGUE, int SPLIT = 0, int PINGPONG = 0, int B_MN = 0>
 __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, const TensorMap* map_b,
                                      const TensorMap* map_c, int M, int N, int K) {
     // a consumer's part of a tile: 64 x BN, or (SPLIT) 128 x BN / 2, or (PINGPONG) all 128 x BN of its own tiles,
@@ -626,6 +631,7 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
     constexpr bool ROWS2 = SPLIT || PINGPONG;
     constexpr int CN = SPLIT ? BN / 2 : BN, REGS = ROWS2 ? CN : BN / 2;
     static_assert(!ROWS2 || EPILOGUE == 1, "a consumer of 128 rows stores through shared memory");
+    static_assert(!B_MN || !ROWS2, "b N-major: consumers of 64 x BN only (not written for the others)");
     extern __shared__ __align__(16) unsigned char smem[];
     unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
     constexpr int STAGE = (128 + BN) * GEMM_BK, BOX = 64 * 64;   // bf16 a stage (a's 128 rows, b's BN); a c box
@@ -651,8 +657,13 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                     mbarrier_wait(&empty[s], (it / STAGES + 1) % 2);
                     mbarrier_arrive_expect_tx(&full[s], STAGE * sizeof(unsigned short));
                     tma_load_2d(stages + s * STAGE, map_a, kt * GEMM_BK, tile / columns * 128, &full[s]);
-                    tma_load_2d(stages + s * STAGE + 128 * GEMM_BK, map_b, kt * GEMM_BK, tile % columns * BN,
-                                &full[s]);
+                    if constexpr (B_MN)                           // b (K, N): box j is columns 64 j .. of BN
+                        for (int j = 0; j < BN / 64; j++)
+                            tma_load_2d(stages + s * STAGE + (128 + 64 * j) * GEMM_BK, map_b,
+                                        tile % columns * BN + 64 * j, kt * GEMM_BK, &full[s]);
+                    else
+                        tma_load_2d(stages + s * STAGE + 128 * GEMM_BK, map_b, kt * GEMM_BK, tile % columns * BN,
+                                    &full[s]);
                 }
         return;
     }
@@ -683,8 +694,8 @@ __device__ void wgmma_tma_persistent(unsigned short* c, const TensorMap* map_a, 
                                              operand_descriptor<128, 0>(as + h * 64 * GEMM_BK, 64, GEMM_BK, kk),
                                              operand_descriptor<128, 0>(bs, CN, GEMM_BK, kk), kt > 0 || kk > 0);
                 else
-                    wgmma_bf16<BN, 0, 0>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
-                                         operand_descriptor<128, 0>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
+                    wgmma_bf16<BN, 0, B_MN>(d, operand_descriptor<128, 0>(as, 64, GEMM_BK, kk),
+                                            operand_descriptor<128, B_MN>(bs, BN, GEMM_BK, kk), kt > 0 || kk > 0);
             wgmma_commit();
             wgmma_wait<1>();                                      // the step before is done: its stage is free
             if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);
@@ -777,4 +788,113 @@ extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_pingpong_bn128_s6
     unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
     const __grid_constant__ TensorMap map_c, int M, int N, int K) {
     wgmma_tma_persistent<128, 6, 1, 0, 1>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+// the backward's data gradient, cuBLAS's "NN": c (M, N) bf16 = a (M, K) @ b (K, N), b row-major (K, N) (dx = dy @
+// w, w (N_out, C) as the model keeps it); as _store_bn256 otherwise; map_b: b's, box 64 x 64 (64 columns of 64 rows)
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_persistent_store_nn_bn256(
+    unsigned short* c, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    wgmma_tma_persistent<256, 4, 1, 0, 0, 1>(c, &map_a, &map_b, &map_c, M, N, K);
+}
+
+// -----------------------------------------------------------------------------
+// the backward's weight gradient, cuBLAS's "TN": c (M, N) fp32 += a.T @ b, a (K, M) and b (K, N) bf16 row-major,
+// the sum over K = the batch's tokens (dw = dy.T @ x: dy (tokens, N_out), x (tokens, C), the gradient fp32 and
+// accumulated, as Cublas.gemm's beta 1 does). Both operands are MN-major for wgmma (a row of a is one k): a stage
+// holds a's 128 columns as 2 TMA boxes of 64 m x 64 k and b's BN as BN / 64 boxes of 64 n x 64 k, each 8 KB, the
+// layout of the NN product's b above, read with both transpose bits set. c is small (768 x 768 to 4096 x 768: 18
+// to 96 tiles of 128 x 256 for 132 SMs) and K long (32768), so K is split: unit u of tiles x splits is tile u %
+// tiles, k-steps of split u / tiles (splits consecutive ranges of the K / 64 steps, as even as integer division
+// makes them). The blocks are persistent over the units (the same producer, consumers and stage count across
+// units as wgmma_tma_persistent), so the units at work at once are the tiles of one or two splits: they read the
+// same rows of a and b, from memory once. A unit writes its fp32 partial (128 x BN) from registers to partials
+// [split] (M, N) (8 bytes a thread: a warp writes 8 rows of 32 bytes); then splitk_reduce_add adds the splits'
+// partials into c, summed in split order. No atomics: c's bits are the same every run (what an atomicAdd of
+// the partials would not give).
+template <int BN, int STAGES>
+__device__ void wgmma_tma_splitk_tn(float* partials, const TensorMap* map_a, const TensorMap* map_b, int M, int N,
+                                    int K, int splits) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;
+    constexpr int STAGE = (128 + BN) * GEMM_BK, BOX = 64 * GEMM_BK;   // bf16 a stage (a's 128 columns, b's BN); a box
+    unsigned short* stages = (unsigned short*)base;
+    unsigned long long* full = (unsigned long long*)(stages + STAGES * STAGE);
+    unsigned long long* empty = full + STAGES;
+    int wg = threadIdx.x / 128, steps = K / GEMM_BK, columns = N / BN, tiles = M / 128 * columns;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], 2);
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {                                                // the producer
+        setmaxnreg_dec<40>();
+        if (threadIdx.x == 0)
+            for (int u = blockIdx.x, it = 0; u < tiles * splits; u += gridDim.x) {
+                int tile = u % tiles, split = u / tiles, m0 = tile / columns * 128, n0 = tile % columns * BN;
+                for (int kt = split * steps / splits; kt < (split + 1) * steps / splits; kt++, it++) {
+                    int s = it % STAGES;
+                    mbarrier_wait(&empty[s], (it / STAGES + 1) % 2);
+                    mbarrier_arrive_expect_tx(&full[s], STAGE * sizeof(unsigned short));
+                    for (int j = 0; j < 2; j++)                   // a (K, M): columns m0 + 64 j .., rows kt 64 ..
+                        tma_load_2d(stages + s * STAGE + j * BOX, map_a, m0 + 64 * j, kt * GEMM_BK, &full[s]);
+                    for (int j = 0; j < BN / 64; j++)
+                        tma_load_2d(stages + s * STAGE + (2 + j) * BOX, map_b, n0 + 64 * j, kt * GEMM_BK, &full[s]);
+                }
+            }
+        return;
+    }
+    setmaxnreg_inc<232>();
+    float d[BN / 2];
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
+    for (int u = blockIdx.x, it = 0; u < tiles * splits; u += gridDim.x) {
+        int tile = u % tiles, split = u / tiles, k0 = split * steps / splits, k1 = (split + 1) * steps / splits;
+        for (int kt = k0; kt < k1; kt++, it++) {
+            int s = it % STAGES;
+            mbarrier_wait(&full[s], it / STAGES % 2);
+            const unsigned short* as = stages + s * STAGE + (wg - 1) * BOX;   // this consumer's 64 columns of a
+            const unsigned short* bs = stages + s * STAGE + 2 * BOX;
+            wgmma_fence();
+            for (int kk = 0; kk < GEMM_BK; kk += 16)
+                wgmma_bf16<BN, 1, 1>(d, operand_descriptor<128, 1>(as, 64, GEMM_BK, kk),
+                                     operand_descriptor<128, 1>(bs, BN, GEMM_BK, kk), kt > k0 || kk > 0);
+            wgmma_commit();
+            wgmma_wait<1>();                                      // the step before is done: its stage is free
+            if (kt > k0 && lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);
+        }
+        wgmma_wait<0>();
+        fence_registers<BN / 2>(d);
+        if (lead) mbarrier_arrive(&empty[(it - 1) % STAGES]);   // the unit's last stage
+        float* p = partials + (long)split * M * N;
+        int m0 = tile / columns * 128 + 64 * (wg - 1), n0 = tile % columns * BN;
+        for (int i = 0; i < BN / 2; i += 2) {
+            long row = m0 + 16 * w + g + 8 * (i / 2 % 2), col = n0 + 8 * (i / 4) + 2 * q;
+            *(float2*)(p + row * N + col) = make_float2(d[i], d[i + 1]);
+        }
+    }
+}
+
+// grid (min(SMs, tiles x splits), 1), 384 threads, dynamic shared memory STAGES (128 + BN) 128 bytes + 1024 + 16
+// STAGES; map_a: a's (K, M), map_b: b's (K, N), both boxes of 64 columns x 64 rows with the 128-byte swizzle;
+// partials: splits x M x N fp32; 1 <= splits <= K / 64
+extern "C" __global__ void __launch_bounds__(384, 1) wgmma_tma_splitk_tn_bn256(
+    float* partials, const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b, int M, int N,
+    int K, int splits) {
+    wgmma_tma_splitk_tn<256, 4>(partials, &map_a, &map_b, M, N, K, splits);
+}
+
+// c (n) += partials[0] + partials[1] + ... + partials[splits - 1] (each n fp32, one after the other), summed in that
+// order whatever the grid; one thread 4 elements; grid ceil(n / 1024), 256 threads; n a multiple of 4
+extern "C" __global__ void __launch_bounds__(256) splitk_reduce_add(float* c, const float* partials, int n,
+                                                                   int splits) {
+    long i = 4 * ((long)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    float4 sum = *(const float4*)(partials + i);
+    for (int s = 1; s < splits; s++) {
+        float4 p = *(const float4*)(partials + (long)s * n + i);
+        sum.x += p.x, sum.y += p.y, sum.z += p.z, sum.w += p.w;
+    }
+    float4 out = *(float4*)(c + i);
+    out.x += sum.x, out.y += sum.y, out.z += sum.z, out.w += sum.w;
+    *(float4*)(c + i) = out;
 }

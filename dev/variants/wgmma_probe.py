@@ -12,6 +12,10 @@ warpgroup and two consumers: a block a tile with 4 or 6 stages, or persistent, c
 through shared memory and TMA), are checked the same way (with room for c's rounding to bf16) and
 timed against cuBLAS (cublasGemmEx, as Cublas.gemm calls it) on the big model's forward products at
 batch 64 x 512, in one run: a row a kernel, median us of 20, TFLOP/s and cuBLAS's time over its own.
+Then the backward's two other layouts, checked the same way and timed beside cuBLAS called as the backward calls
+it: the data gradients c (M, N) bf16 = a (M, K) @ b (K, N) (NN_GEMMS: b read along its rows, wgmma's transposed
+b) and the weight gradients c (M, N) fp32 += a.T @ b, a (K, M) and b (K, N), K the batch's tokens (split over
+blocks, the partials summed in a fixed order by a second pass).
 Last, "all OK" or how many were not (exit code 1). test_wgmma.py runs the same variants on the CPU
 emulator (tools/emulate_cuda.py) with the same operands: both OK means the emulator lays out wgmma's
 accumulators and reads its descriptors and swizzles as this GPU does.
@@ -116,21 +120,27 @@ TMA_GEMMS = {"wgmma_tma_gemm_bn128": (128, 4, False, False), "wgmma_tma_gemm_bn2
              "wgmma_tma_pingpong_bn128_s6": (128, 6, True, True),
              "wgmma_tma_persistent_bn256_no_store": (256, 4, True, False),
              "wgmma_tma_persistent_bn256_copies_only": (256, 4, True, False)}
+# the backward's data gradient, c (M, N) = a (M, K) @ b (K, N), b row-major: the same fields as TMA_GEMMS
+NN_GEMMS = {"wgmma_tma_persistent_store_nn_bn256": (256, 4, True, True)}
 # timed, not checked (they do not write c): where the time goes, the main loop without the epilogue and the copies
 # without the main loop
 TIMING_ONLY = ("wgmma_tma_persistent_bn256_no_store", "wgmma_tma_persistent_bn256_copies_only")
 
 
 def tma_maps(name, c, a, b, M, N, K):
-    """the tensor maps of a TMA-fed product: a's (boxes 64 x 128), b's (64 x BN), c's (64 x 64)"""
+    """the tensor maps of a TMA-fed product: a's (boxes 64 x 128), b's (64 x BN; NN_GEMMS: b (K, N), 64 x 64), c's
+    (64 x 64)"""
+    if name in NN_GEMMS:
+        return tensor_map(a, M, K, 128), tensor_map(b, K, N, 64), tensor_map(c, M, N, 64)
     BN = TMA_GEMMS[name][0]
     return tensor_map(a, M, K, 128), tensor_map(b, N, K, BN), tensor_map(c, M, N, 64)
 
 
 def tma_gemm(module, name, c, a, b, M, N, K, maps=None, blocks=None):
-    """the probe's product fed by TMA (the entry point name of TMA_GEMMS): c (M, N) = a @ b.T, 128 x BN tiles; maps:
+    """the probe's product fed by TMA (the entry point name of TMA_GEMMS): c (M, N) = a @ b.T (NN_GEMMS: a @ b),
+    128 x BN tiles; maps:
     tma_maps, made once for a timing; a persistent one on `blocks` blocks (or one an SM), at most one a tile"""
-    BN, stages, persistent, boxes = TMA_GEMMS[name]
+    BN, stages, persistent, boxes = {**TMA_GEMMS, **NN_GEMMS}[name]
     map_a, map_b, map_c = maps or tma_maps(name, c, a, b, M, N, K)
     shared = stages * (128 + BN) * 128 + 1024 + 16 * stages + (32768 if boxes else 0)
     if persistent:
@@ -147,6 +157,35 @@ GEMMS = [("wgmma_gemm_bn128", lambda module, *args, **_: gemm(module, 128, *args
          ("wgmma_gemm_bn256", lambda module, *args, **_: gemm(module, 256, *args), "cp.async 128x256"),
          *((name, lambda module, *args, name=name, **options: tma_gemm(module, name, *args, **options),
             name.replace("wgmma_", "")) for name in TMA_GEMMS)]
+
+
+# the weight gradient, split over K (wgmma_tma_splitk_tn_bn256, then splitk_reduce_add): c (M, N) fp32 += a.T @ b
+SPLITK = "wgmma_tma_splitk_tn_bn256"
+SPLITK_BN, SPLITK_STAGES = 256, 4
+
+
+def splits_for(M, N, K, sms):
+    """the smallest number of splits of K whose units (tiles x splits) fill 90% of the SMs' waves (at most 16, at
+    most K / 64): fewer splits, fewer partials to write and sum"""
+    tiles = M // 128 * (N // SPLITK_BN)
+    for splits in range(1, min(16, K // 64) + 1):
+        units = tiles * splits
+        if units / (-(-units // sms) * sms) >= 0.9:
+            return splits
+    return min(16, K // 64)
+
+
+def splitk_tn(module, c, a, b, M, N, K, partials, splits, maps=None, blocks=None):
+    """c (M, N) fp32 += a.T @ b, a (K, M) and b (K, N) bf16: the split product into partials (splits x M x N fp32),
+    persistent on `blocks` blocks (or one an SM), then their sum added into c"""
+    assert M % 128 == 0 and N % SPLITK_BN == 0 and K % 64 == 0 and 1 <= splits <= K // 64, (M, N, K, splits)
+    map_a, map_b = maps or (tensor_map(a, K, M, 64), tensor_map(b, K, N, 64))
+    units = M // 128 * (N // SPLITK_BN) * splits
+    shared = SPLITK_STAGES * (128 + SPLITK_BN) * 128 + 1024 + 16 * SPLITK_STAGES
+    launch(module, SPLITK, (min(blocks or nc.gpu.sms, units), 1, 1), 384, shared, nc.ptr_arg(partials), map_a, map_b,
+           nc.int_arg(M), nc.int_arg(N), nc.int_arg(K), nc.int_arg(splits))
+    launch(module, "splitk_reduce_add", (-(-M * N // 1024), 1, 1), 256, 0, nc.ptr_arg(c), nc.ptr_arg(partials),
+           nc.int_arg(M * N), nc.int_arg(splits))
 
 
 def timed(run, reps=20):
@@ -166,10 +205,41 @@ def timed(run, reps=20):
 
 
 CHECK = (512, 768, 768)       # M, N, K of the product checked against numpy before the timings
+CHECK_TN = (384, 512, 4096)   # the weight gradient's: 6 tiles x 3 splits on 5 blocks
 
 # the big model's forward products at batch 64 x 512 (x @ w.T): name, M, N, K
 PRODUCTS = [("wqkv", 32768, 1280, 768), ("wo", 32768, 768, 768), ("w_gate_up", 32768, 4096, 768),
             ("w_down", 32768, 768, 2048)]
+# the backward's (nanoeuler_cuda run_backward): data gradients dx (N_tok, K_in) = dy (N_tok, N_out) @ w (N_out, K_in)
+# as M, N, K; weight gradients dw (N_out, K_in) += dy.T @ x, M = N_out, N = K_in, K = the tokens
+DATA_GRADIENTS = [("wqkv", 32768, 768, 1280), ("wo", 32768, 768, 768), ("w_gate_up", 32768, 768, 4096),
+                  ("w_down", 32768, 2048, 768)]
+WEIGHT_GRADIENTS = [("wqkv", 1280, 768, 32768), ("wo", 768, 768, 32768), ("w_gate_up", 4096, 768, 32768),
+                    ("w_down", 768, 2048, 32768)]
+
+
+def random_bf16(rng, shape):
+    """normal numbers as bf16 bits (drawn in float32: the timings' operands are big)"""
+    return bf16_bits(rng.standard_normal(size=shape, dtype=np.float32))
+
+
+def print_table(us, products, rows):
+    """a row a kernel (rows: (kernel, label)), a column a product: us a call (TFLOP/s), cuBLAS's time over it"""
+    print(f"{'us a call (TFLOP/s)':<34}" + "".join(f"{f'{n} {M}x{N}x{K}':>26}" for n, M, N, K in products))
+    for kernel, column in rows:
+        cells = [f"{us[kernel, n]:7.1f} ({2 * M * N * K / us[kernel, n] / 1e6:3.0f}) "
+                 f"{us['cuBLAS', n] / us[kernel, n]:4.2f}x" for n, M, N, K in products]
+        print(f"{column:<34}" + "".join(f"{cell:>26}" for cell in cells), flush=True)
+    print("(median of 20; x: cuBLAS's time over this one's, same run)")
+
+
+def report(name, shape, c, ref, bound):
+    """one check's line -> whether c is within ROOM times its bound"""
+    err = np.abs(c - ref)
+    ratio = np.nanmax(err / bound) if np.isfinite(err).all() else np.inf
+    print(f"{name:<40} {' x '.join(map(str, shape))}  max error {np.max(err):9.2e}  / bound {ratio:8.2f}  "
+          f"{'OK' if ratio <= ROOM else 'NOT OK'}", flush=True)
+    return ratio <= ROOM
 
 
 def check_and_time_products(module):
@@ -205,12 +275,60 @@ def check_and_time_products(module):
             run = (lambda kernel=kernel, maps=maps: tma_gemm(module, kernel, c, a, b, M, N, K, maps)) if maps else \
                 (lambda product=product: product(module, c, a, b, M, N, K))
             us[kernel, name] = timed(run)
-    print(f"{'us a call (TFLOP/s)':<34}" + "".join(f"{f'{n} {M}x{N}x{K}':>26}" for n, M, N, K in PRODUCTS))
-    for kernel, column in [("cuBLAS", "cuBLAS"), *((kernel, column) for kernel, _, column in GEMMS)]:
-        cells = [f"{us[kernel, n]:7.1f} ({2 * M * N * K / us[kernel, n] / 1e6:3.0f}) "
-                 f"{us['cuBLAS', n] / us[kernel, n]:4.2f}x" for n, M, N, K in PRODUCTS]
-        print(f"{column:<34}" + "".join(f"{cell:>26}" for cell in cells), flush=True)
-    print("(median of 20; x: cuBLAS's time over this one's, same run)")
+    print_table(us, PRODUCTS, [("cuBLAS", "cuBLAS"), *((kernel, column) for kernel, _, column in GEMMS)])
+    return ok
+
+
+def check_and_time_backward(module):
+    """-> whether the backward's products are within their bounds; prints their checks and timings beside cuBLAS
+    called as run_backward calls it (matmul(dx, dy, w, ...) and matmul(dw, dy, x, ..., trans_a=True,
+    accumulate=True))"""
+    rng, ok = np.random.default_rng(1), True
+    M, N, K = CHECK
+    a, b = random_bf16(rng, (M, K)), random_bf16(rng, (K, N))
+    A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64)
+    ref, da, db = A @ B, nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
+    for name in NN_GEMMS:
+        c = nc.DeviceArray((M, N), np.uint16).fill_bits(0xFFFF)   # NaN: what the kernel does not write shows
+        tma_gemm(module, name, c, da, db, M, N, K, blocks=5)
+        ok &= report(name, CHECK, from_bf16(c.download()), ref, fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref))
+    M, N, K = CHECK_TN
+    a, b, c0 = random_bf16(rng, (K, M)), random_bf16(rng, (K, N)), rng.normal(size=(M, N)).astype(np.float32)
+    A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64)
+    ref = c0 + A.T @ B
+    c, partials = nc.to_gpu(c0), nc.DeviceArray((3, M, N)).fill_bits(0x7FC00000)
+    splitk_tn(module, c, nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16), M, N, K, partials, 3, blocks=5)
+    c1 = c.download()
+    ok &= report(SPLITK + " (3 splits)", CHECK_TN, c1, ref,
+                 fp32_bound(A.T, B) + 2.0 ** -23 * (np.abs(c0) + np.abs(A.T) @ np.abs(B)))
+    # no atomics: the same bits again on one block an SM (other blocks making each partial)
+    c = nc.to_gpu(c0)
+    splitk_tn(module, c, nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16), M, N, K, partials, 3)
+    same = np.array_equal(c.download().view(np.uint32), c1.view(np.uint32))
+    ok &= same
+    print(f"{SPLITK + ' (3 splits)':<40} same bits on 5 blocks and on {nc.gpu.sms}: {'OK' if same else 'NOT OK'}")
+    us = {}
+    for name, M, N, K in DATA_GRADIENTS:
+        a, b = nc.to_gpu(random_bf16(rng, (M, K)), np.uint16), nc.to_gpu(random_bf16(rng, (K, N)), np.uint16)
+        c = nc.DeviceArray((M, N), np.uint16)
+        us["cuBLAS", name] = timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K))
+        for kernel in NN_GEMMS:
+            maps = tma_maps(kernel, c, a, b, M, N, K)
+            us[kernel, name] = timed(lambda kernel=kernel, maps=maps: tma_gemm(module, kernel, c, a, b, M, N, K, maps))
+    print("the data gradients, c (M, N) bf16 = a (M, K) @ b (K, N)")
+    print_table(us, DATA_GRADIENTS, [("cuBLAS", "cuBLAS"), *((k, k.replace("wgmma_", "")) for k in NN_GEMMS)])
+    us, splits = {}, {}
+    for name, M, N, K in WEIGHT_GRADIENTS:
+        a, b = nc.to_gpu(random_bf16(rng, (K, M)), np.uint16), nc.to_gpu(random_bf16(rng, (K, N)), np.uint16)
+        c = nc.DeviceArray((M, N)).zero()
+        us["cuBLAS", name] = timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_a=True, accumulate=True))
+        splits[name] = splits_for(M, N, K, nc.gpu.sms)
+        partials = nc.DeviceArray((splits[name], M, N))
+        maps = tensor_map(a, K, M, 64), tensor_map(b, K, N, 64)
+        us[SPLITK, name] = timed(lambda: splitk_tn(module, c, a, b, M, N, K, partials, splits[name], maps))
+    print("the weight gradients, c (M, N) fp32 += a.T @ b, a (K, M), b (K, N); splits " +
+          ", ".join(f"{name} {s}" for name, s in splits.items()))
+    print_table(us, WEIGHT_GRADIENTS, [("cuBLAS", "cuBLAS"), (SPLITK, "tma_splitk_tn_bn256 + reduce")])
     return ok
 
 
@@ -266,6 +384,7 @@ def main():
         print(f"{name:<40} N {N:3} K {K:3}  max error {np.max(err):9.2e}  / fp32 bound {ratio:8.2f}  "
               f"{'OK' if ok else 'NOT OK'}", flush=True)
     bad += not check_and_time_products(module)
+    bad += not check_and_time_backward(module)
     print("all OK" if not bad else f"{bad} NOT OK")
     sys.exit(1 if bad else 0)
 
