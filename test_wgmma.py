@@ -155,7 +155,7 @@ def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
     monkeypatch.setattr(probe_script, "PRODUCTS", [("small", 128, 256, 64)])
     monkeypatch.setattr(probe_script, "CHECK_TN", (256, 256, 256))
     monkeypatch.setattr(probe_script, "DATA_GRADIENTS", [("small", 128, 256, 64)])
-    monkeypatch.setattr(probe_script, "WEIGHT_GRADIENTS", [("small", 128, 256, 128)])
+    monkeypatch.setattr(probe_script, "WEIGHT_GRADIENTS", [("small", 128, 256, 512)])
     with pytest.raises(SystemExit) as end:
         probe_script.main()
     out = capsys.readouterr().out

@@ -823,7 +823,10 @@ __device__ void wgmma_tma_splitk_tn(float* partials, const TensorMap* map_a, con
     unsigned long long* empty = full + STAGES;
     int wg = threadIdx.x / 128, steps = K / GEMM_BK, columns = N / BN, tiles = M / 128 * columns;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; s++) mbarrier_init(&full[s], 1), mbarrier_init(&empty[s], 2);
+        for (int s = 0; s < STAGES; s++) {
+            mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
+            mbarrier_init(&empty[s], 2);                          // a thread of each consumer
+        }
         fence_mbarrier_init();
     }
     __syncthreads();

@@ -162,6 +162,7 @@ GEMMS = [("wgmma_gemm_bn128", lambda module, *args, **_: gemm(module, 128, *args
 # the weight gradient, split over K (wgmma_tma_splitk_tn_bn256, then splitk_reduce_add): c (M, N) fp32 += a.T @ b
 SPLITK = "wgmma_tma_splitk_tn_bn256"
 SPLITK_BN, SPLITK_STAGES = 256, 4
+SPLIT_SWEEP = (1, 2, 4, 8)    # timed beside splits_for's choice
 
 
 def splits_for(M, N, K, sms):
@@ -175,17 +176,18 @@ def splits_for(M, N, K, sms):
     return min(16, K // 64)
 
 
-def splitk_tn(module, c, a, b, M, N, K, partials, splits, maps=None, blocks=None):
+def splitk_tn(module, c, a, b, M, N, K, partials, splits, maps=None, blocks=None, reduce=True):
     """c (M, N) fp32 += a.T @ b, a (K, M) and b (K, N) bf16: the split product into partials (splits x M x N fp32),
-    persistent on `blocks` blocks (or one an SM), then their sum added into c"""
+    persistent on `blocks` blocks (or one an SM), then their sum added into c (reduce False: not, for a timing)"""
     assert M % 128 == 0 and N % SPLITK_BN == 0 and K % 64 == 0 and 1 <= splits <= K // 64, (M, N, K, splits)
     map_a, map_b = maps or (tensor_map(a, K, M, 64), tensor_map(b, K, N, 64))
     units = M // 128 * (N // SPLITK_BN) * splits
     shared = SPLITK_STAGES * (128 + SPLITK_BN) * 128 + 1024 + 16 * SPLITK_STAGES
     launch(module, SPLITK, (min(blocks or nc.gpu.sms, units), 1, 1), 384, shared, nc.ptr_arg(partials), map_a, map_b,
            nc.int_arg(M), nc.int_arg(N), nc.int_arg(K), nc.int_arg(splits))
-    launch(module, "splitk_reduce_add", (-(-M * N // 1024), 1, 1), 256, 0, nc.ptr_arg(c), nc.ptr_arg(partials),
-           nc.int_arg(M * N), nc.int_arg(splits))
+    if reduce:
+        launch(module, "splitk_reduce_add", (-(-M * N // 1024), 1, 1), 256, 0, nc.ptr_arg(c), nc.ptr_arg(partials),
+               nc.int_arg(M * N), nc.int_arg(splits))
 
 
 def timed(run, reps=20):
@@ -218,9 +220,11 @@ WEIGHT_GRADIENTS = [("wqkv", 1280, 768, 32768), ("wo", 768, 768, 32768), ("w_gat
                     ("w_down", 768, 2048, 32768)]
 
 
-def random_bf16(rng, shape):
-    """normal numbers as bf16 bits (drawn in float32: the timings' operands are big)"""
-    return bf16_bits(rng.standard_normal(size=shape, dtype=np.float32))
+def timing_operand(rng, shape):
+    """a timing's operand as bf16 bits: 2^20 normal numbers repeated to fill the shape (drawing all of a 32768 x 4096
+    operand takes tens of seconds on the host; the tensor cores' time does not depend on the values)"""
+    pool = bf16_bits(rng.standard_normal(size=min(1 << 20, int(np.prod(shape))), dtype=np.float32))
+    return np.resize(pool, shape)
 
 
 def print_table(us, products, rows):
@@ -285,7 +289,7 @@ def check_and_time_backward(module):
     accumulate=True))"""
     rng, ok = np.random.default_rng(1), True
     M, N, K = CHECK
-    a, b = random_bf16(rng, (M, K)), random_bf16(rng, (K, N))
+    a, b = bf16_bits(rng.normal(size=(M, K))), bf16_bits(rng.normal(size=(K, N)))
     A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64)
     ref, da, db = A @ B, nc.to_gpu(a, np.uint16), nc.to_gpu(b, np.uint16)
     for name in NN_GEMMS:
@@ -293,7 +297,8 @@ def check_and_time_backward(module):
         tma_gemm(module, name, c, da, db, M, N, K, blocks=5)
         ok &= report(name, CHECK, from_bf16(c.download()), ref, fp32_bound(A, B) + 2.0 ** -8 * np.abs(ref))
     M, N, K = CHECK_TN
-    a, b, c0 = random_bf16(rng, (K, M)), random_bf16(rng, (K, N)), rng.normal(size=(M, N)).astype(np.float32)
+    a, b = bf16_bits(rng.normal(size=(K, M))), bf16_bits(rng.normal(size=(K, N)))
+    c0 = rng.normal(size=(M, N)).astype(np.float32)
     A, B = from_bf16(a).astype(np.float64), from_bf16(b).astype(np.float64)
     ref = c0 + A.T @ B
     c, partials = nc.to_gpu(c0), nc.DeviceArray((3, M, N)).fill_bits(0x7FC00000)
@@ -309,7 +314,7 @@ def check_and_time_backward(module):
     print(f"{SPLITK + ' (3 splits)':<40} same bits on 5 blocks and on {nc.gpu.sms}: {'OK' if same else 'NOT OK'}")
     us = {}
     for name, M, N, K in DATA_GRADIENTS:
-        a, b = nc.to_gpu(random_bf16(rng, (M, K)), np.uint16), nc.to_gpu(random_bf16(rng, (K, N)), np.uint16)
+        a, b = nc.to_gpu(timing_operand(rng, (M, K)), np.uint16), nc.to_gpu(timing_operand(rng, (K, N)), np.uint16)
         c = nc.DeviceArray((M, N), np.uint16)
         us["cuBLAS", name] = timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K))
         for kernel in NN_GEMMS:
@@ -319,16 +324,23 @@ def check_and_time_backward(module):
     print_table(us, DATA_GRADIENTS, [("cuBLAS", "cuBLAS"), *((k, k.replace("wgmma_", "")) for k in NN_GEMMS)])
     us, splits = {}, {}
     for name, M, N, K in WEIGHT_GRADIENTS:
-        a, b = nc.to_gpu(random_bf16(rng, (K, M)), np.uint16), nc.to_gpu(random_bf16(rng, (K, N)), np.uint16)
+        a, b = nc.to_gpu(timing_operand(rng, (K, M)), np.uint16), nc.to_gpu(timing_operand(rng, (K, N)), np.uint16)
         c = nc.DeviceArray((M, N)).zero()
         us["cuBLAS", name] = timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_a=True, accumulate=True))
         splits[name] = splits_for(M, N, K, nc.gpu.sms)
         partials = nc.DeviceArray((splits[name], M, N))
         maps = tensor_map(a, K, M, 64), tensor_map(b, K, N, 64)
         us[SPLITK, name] = timed(lambda: splitk_tn(module, c, a, b, M, N, K, partials, splits[name], maps))
+        us["no reduce", name] = timed(lambda: splitk_tn(module, c, a, b, M, N, K, partials, splits[name], maps,
+                                                        reduce=False))
+        for s in SPLIT_SWEEP:                                  # other splits, to see how far splits_for is off
+            partials = nc.DeviceArray((s, M, N))
+            us[f"splits {s}", name] = timed(lambda: splitk_tn(module, c, a, b, M, N, K, partials, s, maps))
     print("the weight gradients, c (M, N) fp32 += a.T @ b, a (K, M), b (K, N); splits " +
           ", ".join(f"{name} {s}" for name, s in splits.items()))
-    print_table(us, WEIGHT_GRADIENTS, [("cuBLAS", "cuBLAS"), (SPLITK, "tma_splitk_tn_bn256 + reduce")])
+    print_table(us, WEIGHT_GRADIENTS, [("cuBLAS", "cuBLAS"), (SPLITK, "tma_splitk_tn_bn256 + reduce"),
+                                       ("no reduce", "tma_splitk_tn_bn256 alone"),
+                                       *((f"splits {s}", f"  {s} splits + reduce") for s in SPLIT_SWEEP)])
     return ok
 
 
