@@ -151,9 +151,9 @@ def test_the_gpu_script_runs_on_the_emulator(probe, monkeypatch, capsys):
     # the script's own start_gpu on the stand-in driver (its arch, name and SMs asked of it), in the emulator's context
     monkeypatch.setattr(probe_script, "open_device", lambda: (0, None, nc.gpu.stream))
     monkeypatch.setattr(probe_script, "timed", lambda run: (run(), 1.0)[1])
-    monkeypatch.setattr(probe_script, "CHECK", (256, 256, 128))
+    monkeypatch.setattr(probe_script, "CHECK", (256, 512, 128))
     monkeypatch.setattr(probe_script, "PRODUCTS", [("small", 128, 256, 64)])
-    monkeypatch.setattr(probe_script, "CHECK_TN", (256, 256, 256))
+    monkeypatch.setattr(probe_script, "CHECK_TN", (256, 512, 384))   # not square: a map with its sides swapped shows
     monkeypatch.setattr(probe_script, "DATA_GRADIENTS", [("small", 128, 256, 64)])
     monkeypatch.setattr(probe_script, "WEIGHT_GRADIENTS", [("small", 128, 256, 512)])
     with pytest.raises(SystemExit) as end:

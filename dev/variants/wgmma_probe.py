@@ -176,11 +176,16 @@ def splits_for(M, N, K, sms):
     return min(16, K // 64)
 
 
+def splitk_maps(a, b, M, N, K):
+    """the split product's tensor maps: a's (K, M) and b's (K, N), boxes of 64 columns x 64 rows"""
+    return tensor_map(a, K, M, 64), tensor_map(b, K, N, 64)
+
+
 def splitk_tn(module, c, a, b, M, N, K, partials, splits, maps=None, blocks=None, reduce=True):
     """c (M, N) fp32 += a.T @ b, a (K, M) and b (K, N) bf16: the split product into partials (splits x M x N fp32),
     persistent on `blocks` blocks (or one an SM), then their sum added into c (reduce False: not, for a timing)"""
     assert M % 128 == 0 and N % SPLITK_BN == 0 and K % 64 == 0 and 1 <= splits <= K // 64, (M, N, K, splits)
-    map_a, map_b = maps or (tensor_map(a, K, M, 64), tensor_map(b, K, N, 64))
+    map_a, map_b = maps or splitk_maps(a, b, M, N, K)
     units = M // 128 * (N // SPLITK_BN) * splits
     shared = SPLITK_STAGES * (128 + SPLITK_BN) * 128 + 1024 + 16 * SPLITK_STAGES
     launch(module, SPLITK, (min(blocks or nc.gpu.sms, units), 1, 1), 384, shared, nc.ptr_arg(partials), map_a, map_b,
@@ -329,7 +334,7 @@ def check_and_time_backward(module):
         us["cuBLAS", name] = timed(lambda: nc.gpu.cublas.gemm(c, a, b, M, N, K, trans_a=True, accumulate=True))
         splits[name] = splits_for(M, N, K, nc.gpu.sms)
         partials = nc.DeviceArray((splits[name], M, N))
-        maps = tensor_map(a, K, M, 64), tensor_map(b, K, N, 64)
+        maps = splitk_maps(a, b, M, N, K)
         us[SPLITK, name] = timed(lambda: splitk_tn(module, c, a, b, M, N, K, partials, splits[name], maps))
         us["no reduce", name] = timed(lambda: splitk_tn(module, c, a, b, M, N, K, partials, splits[name], maps,
                                                         reduce=False))
