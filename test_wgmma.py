@@ -256,7 +256,7 @@ def tma_product(lib, BN, M, N, K, seed=0, name=None, blocks=None):
     c = np.full((M, N), 0xFFFF, np.uint16)                            # NaN: what the kernel does not write shows
     name = name or f"wgmma_tma_gemm_bn{BN}"
     maps = [tensor_map(a, M, K, 128), tensor_map(b, K, N, 64) if nn else tensor_map(b, N, K, BN)]
-    if {**probe_script.TMA_GEMMS, **probe_script.NN_GEMMS}[name][2]:                                # persistent: c's map too, and M
+    if {**probe_script.TMA_GEMMS, **probe_script.NN_GEMMS}[name][2]:      # persistent: c's map too, and M
         args = [ctypes.c_void_p(c.ctypes.data), *maps, tensor_map(c, M, N, 64), ctypes.c_int(M), ctypes.c_int(N),
                 ctypes.c_int(K)]
         grid = (blocks, 1)
