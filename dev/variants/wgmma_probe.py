@@ -137,9 +137,9 @@ def tma_maps(name, c, a, b, M, N, K):
 
 
 def tma_gemm(module, name, c, a, b, M, N, K, maps=None, blocks=None):
-    """the probe's product fed by TMA (the entry point name of TMA_GEMMS): c (M, N) = a @ b.T (NN_GEMMS: a @ b),
-    128 x BN tiles; maps:
-    tma_maps, made once for a timing; a persistent one on `blocks` blocks (or one an SM), at most one a tile"""
+    """the probe's product fed by TMA (the entry point name of TMA_GEMMS or NN_GEMMS): c (M, N) = a @ b.T (NN_GEMMS:
+    a @ b), 128 x BN tiles; maps: tma_maps, made once for a timing; a persistent one on `blocks` blocks (or one an
+    SM), at most one a tile"""
     BN, stages, persistent, boxes = {**TMA_GEMMS, **NN_GEMMS}[name]
     map_a, map_b, map_c = maps or tma_maps(name, c, a, b, M, N, K)
     shared = stages * (128 + BN) * 128 + 1024 + 16 * stages + (32768 if boxes else 0)
