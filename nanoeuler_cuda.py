@@ -757,7 +757,8 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, tma=N
 # the bf16 forward's products out = a @ b.T on compute capability 9.0 (H100, H200): flash_attn.cu's TMA product
 # (persistent blocks, wgmma fed by TMA, out through TMA stores: dev/variants/wgmma_probe.cu's
 # `_persistent_store_bn256`, 0.97-1.10x cuBLAS's time on the big model's four at batch 64 on an H100, dev/LOG.md),
-# False: cuBLAS everywhere (an A/B)
+# and w_gate_up's with SwiGLU in its epilogue (matmul_swiglu_forward: no swiglu_forward pass); False: cuBLAS and
+# swiglu_forward everywhere (an A/B)
 PRODUCT_TMA = True
 PRODUCT_BM, PRODUCT_BN, PRODUCT_STAGES = 128, 256, 4      # as in flash_attn.cu: a tile of out, and a's and b's stages
 # its dynamic shared memory: the stages, two 64 x 64 boxes of out a consumer, 1024 to align them, the mbarriers
@@ -781,6 +782,20 @@ def matmul_forward_tma(out, a, b, M, N, K):
     gpu.launch("matmul_forward_tma_kernel", min(tiles, gpu.sms), 384, *maps, int_arg(M), int_arg(N), int_arg(K),
                shared=PRODUCT_SHARED)
 
+
+def matmul_swiglu_forward(gu, s, a, w, M, F, K):
+    """gu (M, 2F) = a (M, K) @ w (2F, K).T (w_gate_up: gate then up) and s (M, F) = silu(gate) * up: one pass of
+    flash_attn.cu's matmul_swiglu_forward_tma_kernel where product_tma holds (tiles of 128 features, gate and up
+    side by side; s the same bits as swiglu_forward's from gu), else matmul then swiglu_forward"""
+    if not (product_tma(gu, a, w, 2 * F, K) and bf16(s) and s.ptr % 16 == 0):
+        matmul(gu, a, w, M, 2 * F, K, trans_b=True)
+        return swiglu_forward(s, gu, M, F)
+    w16 = w if bf16(w) else w.bf16
+    halves = [tensor_map(gu.view(f, (M, F)), M, F, 64, row_stride=2 * F) for f in (0, F)]   # gate's, up's
+    maps = tensor_map(a, M, K, PRODUCT_BM), tensor_map(w16, 2 * F, K, PRODUCT_BN // 2), *halves, tensor_map(s, M, F, 64)
+    tiles = ceil_div(M, PRODUCT_BM) * ceil_div(F, PRODUCT_BN // 2)
+    gpu.launch("matmul_swiglu_forward_tma_kernel", min(tiles, gpu.sms), 384, *maps, int_arg(M), int_arg(F), int_arg(K),
+               shared=PRODUCT_SHARED)
 
 
 # -----------------------------------------------------------------------------
@@ -1077,8 +1092,8 @@ class GPUModel:
             # x_mid = x + y @ wo.T (residual), and its norm for the MLP, in one pass
             residual_rmsnorm_forward(self.x_mid[l], self.mlp_in[l], self.rstd_mlp[l], self.x[l], self.branch_out,
                                      w("mlp_norm"), N, C)
-            matmul(self.gu[l], self.mlp_in[l], w("w_gate_up"), N, 2 * F, C, trans_b=True)
-            swiglu_forward(self.s[l], self.gu[l], N, F)
+            # gu = m @ w_gate_up.T and s = silu(gate) * up, in one pass where the TMA product runs
+            matmul_swiglu_forward(self.gu[l], self.s[l], self.mlp_in[l], w("w_gate_up"), N, F, C)
             matmul(self.branch_out, self.s[l], w("w_down"), N, C, F, trans_b=True)
             # x[l+1] = x_mid + s @ w_down.T (residual), and its norm: the next layer's, or the final one
             last = l == cfg.L - 1
@@ -2182,14 +2197,15 @@ def check_optimizer(rng, report):
 
 
 # check's TMA products: the big model's four forward products (M, N, K) at a ragged M (a row tile and 72 rows of
-# another)
+# another), w_gate_up's also with SwiGLU (F = N / 2)
 PRODUCT_CHECKS = {"wqkv": (200, 1280, 768), "wo": (200, 768, 768), "w_gate_up": (200, 4096, 768),
                   "w_down": (200, 768, 2048)}
 
 
 def check_products(rng, report):
     """flash_attn.cu's TMA products (compute capability 9.0; elsewhere none) against float64 of the same bf16
-    inputs, rounded as they round: PRODUCT_CHECKS"""
+    inputs, rounded as they round: PRODUCT_CHECKS, and w_gate_up's with SwiGLU: gu, s, and s against
+    swiglu_forward's from that gu, bit for bit (the same math on the same bf16 gate and up)"""
     f64 = lambda x: np.asarray(x, np.float64)
     for what, (M, N, K) in PRODUCT_CHECKS.items():
         a, b = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)))
@@ -2199,6 +2215,15 @@ def check_products(rng, report):
         matmul(out, a_g, b_g, M, N, K, trans_b=True)
         ref = bf16_round(f64(a) @ f64(b).T)                      # (M, K) @ (K, N) -> (M, N)
         report(f"product {what} {M}x{N}x{K} (TMA)", rel_diff(values(out), ref))
+        if what == "w_gate_up":
+            F = N // 2
+            gu, s, s_alone = poisoned((M, N), True), poisoned((M, F), True), poisoned((M, F), True)
+            matmul_swiglu_forward(gu, s, a_g, b_g, M, F, K)
+            swiglu_forward(s_alone, gu, M, F)
+            report(f"product {what} + swiglu: gu (TMA)", rel_diff(values(gu), ref))
+            report(f"product {what} + swiglu: s (TMA)", rel_diff(values(s), bf16_round(ne.swiglu_forward(f64(ref))[0])))
+            report(f"product {what} + swiglu: s == swiglu_forward's (bits)",
+                   float(not np.array_equal(s.download(), s_alone.download())))
 
 
 def check_attention(rng, report):

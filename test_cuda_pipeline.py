@@ -869,7 +869,7 @@ def test_training_checks_on_the_cpu_emulator(emulated, monkeypatch):
     # output is named to the part that printed it, as the device script's fallback reads it.
     # The emulator is compute capability 9.0: bf16 at D = 64 runs flash_attn.cu's TMA forward and
     # TMA dk/dv pass (their tensor maps through the stand-in driver), the mma.sync ones checked beside them, and
-    # the bf16 forward's products flash_attn.cu's TMA product.
+    # the bf16 forward's products flash_attn.cu's TMA product (w_gate_up's with SwiGLU in its epilogue).
     parts = check_parts_module()
     failed, misnamed, part, lines = [], [], None, []
     # check's TMA products at small shapes (the GPU's, the big model's, take minutes here): 2 SMs walking 6 tiles,
@@ -893,8 +893,9 @@ def test_training_checks_on_the_cpu_emulator(emulated, monkeypatch):
     assert emulated.replays == 2 * (3 + 1)
     assert "attention_forward_tma_kernel_64" in emulated.shared                 # it ran, its shared memory allowed
     assert "attention_backward_dkv_tma_kernel_64" in emulated.shared
-    assert "matmul_forward_tma_kernel" in emulated.shared
-    assert "product wqkv 200x528x136 (TMA)" in lines
+    assert {"matmul_forward_tma_kernel", "matmul_swiglu_forward_tma_kernel"} <= set(emulated.shared)
+    assert {f"product {what} (TMA)" for what in ("wqkv 200x528x136", "w_gate_up + swiglu: s")} <= set(lines)
+    assert "product w_gate_up + swiglu: s == swiglu_forward's (bits)" in lines
     assert {f"attention bf16 D=64 G=3 {what} ({kernel})" for what in ("forward", "dq", "dk", "dv")
             for kernel in ("TMA", "mma.sync")} <= set(lines)
     assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \

@@ -1,10 +1,11 @@
 """
 flash_attn.cu's bf16 product on Hopper (matmul_forward_tma_kernel: c = a @ b.T by TMA-fed warpgroup MMA, persistent
 blocks, c through TMA stores; dev/variants/wgmma_probe.cu's `_persistent_store_bn256`), launched by nanoeuler_cuda's
-matmul on tools/emulate_cuda.py's CPU emulator (compute capability 9.0, the stand-in driver's tensor maps), against
-numpy in float64: several tiles a persistent block, M, N and K that end inside a tile, the threads in order and
-reversed; nothing written past M rows or N columns; the switch off gives cuBLAS; ptxas keeps its wgmma asynchronous
-and spills nothing.
+matmul, and its SwiGLU version (matmul_swiglu_forward_tma_kernel: gu and s = silu(gate) * up in one pass) by
+matmul_swiglu_forward, on tools/emulate_cuda.py's CPU emulator (compute capability 9.0, the stand-in driver's tensor
+maps), against numpy in float64: several tiles a persistent block, M, N, K and F that end inside a tile, the threads
+in order and reversed; nothing written past M rows or N columns; s the same bits as swiglu_forward's from gu; the
+switch off gives cuBLAS (and swiglu_forward); ptxas keeps their wgmma asynchronous and spills nothing.
 
     python -m pytest -q test_matmul_tma.py
 """
@@ -89,6 +90,28 @@ def test_the_product_against_float64(driver, shape):
     assert driver.kernels == [("matmul_forward_tma_kernel", min(tiles, SMS), 384, SHARED)]
 
 
+# M, F, K: 3 x 3 tiles of 128 rows and 128 features on 2 blocks, F = 264 ending 8 features into its last tile (the
+# gate box there reads up rows, never stored: gu's halves stop at F), 2 k-steps; one tile of F 128 (no ragged edge)
+SWIGLU_SHAPES = [(300, 264, 72), (128, 128, 64)]
+
+
+@needs_gxx
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=lambda s: "M%d_F%d_K%d" % s)
+def test_the_swiglu_product_against_float64_and_swiglu_forward(driver, shape):
+    M, F, K = shape
+    a, w, ref = operands(M, 2 * F, K, seed=1)
+    gu, s, s_alone = padded(M, 2 * F), padded(M, F), padded(M, F)
+    nc.matmul_swiglu_forward(gu, s, a, w, M, F, K)
+    gu_ref = nc.bf16_round(ref)                                     # gate then up, as gu holds them
+    assert nc.rel_diff(written(gu, M), gu_ref) < 1e-4
+    s_ref, _ = ne.swiglu_forward(gu_ref.astype(np.float64))
+    assert nc.rel_diff(written(s, M), nc.bf16_round(s_ref)) < 1e-4
+    nc.swiglu_forward(s_alone, gu, M, F)                            # the same math on the same bf16 gate and up
+    assert np.array_equal(s.download()[:M], s_alone.download()[:M])
+    tiles = -(-M // 128) * -(-F // 128)
+    assert driver.kernels[0] == ("matmul_swiglu_forward_tma_kernel", min(tiles, SMS), 384, SHARED)
+
+
 @needs_gxx
 def test_the_switch_off_or_other_operands_run_cublas(driver, monkeypatch):
     M, N, K = 72, 256, 64
@@ -101,6 +124,17 @@ def test_the_switch_off_or_other_operands_run_cublas(driver, monkeypatch):
     nc.matmul(out, a, b, M, N, K, trans_b=True)
     assert driver.kernels == []                                         # cuBLAS's product
     assert nc.rel_diff(written(out, M), nc.bf16_round(ref)) < 1e-4
+
+
+@needs_gxx
+def test_the_swiglu_product_switched_off_is_cublas_and_swiglu_forward(driver, monkeypatch):
+    M, F, K = 72, 128, 64
+    a, w, ref = operands(M, 2 * F, K)
+    gu, s = padded(M, 2 * F), padded(M, F)
+    monkeypatch.setattr(nc, "PRODUCT_TMA", False)
+    nc.matmul_swiglu_forward(gu, s, a, w, M, F, K)
+    assert [name for name, *_ in driver.kernels] == ["swiglu_forward_kernel"]    # and cuBLAS's product
+    assert nc.rel_diff(written(gu, M), nc.bf16_round(ref)) < 1e-4
 
 
 def test_ptxas_keeps_the_products_wgmma_asynchronous_and_spills_nothing():
