@@ -1789,12 +1789,14 @@ __device__ __forceinline__ float bf16_rounded(float x) { return __uint_as_float(
 
 // box j of a consumer's 64 x 256 (registers 32 j .. 32 j + 31 of d: columns 64 j ..; or, SILU, silu(gate) * up of
 // registers 32 j .. (gate) and 64 + 32 j .. (up), rounded to bf16 first, as swiglu_forward_kernel reads them from
-// gu) into its buffer, then a TMA store of it at element (x, y) of map. Register i of a thread holds row 16 w + g
+// gu) into its buffer, then a TMA store of it at element (x, y) of map, unless the box lies wholly past the
+// tensor's end (inside false: its commit group stays, empty, so that the waits count as before; TMA would write none
+// of it, but the hardware's handling of such a box was never exercised here). Register i of a thread holds row 16 w + g
 // (+ 8 for i % 4 >= 2), column 8 (i / 4) + 2 q + i % 2 (wgmma's accumulator layout); row r's 16-byte chunk c
 // goes to 128 r + 16 (c ^ r % 8), the 128-byte swizzle, as a TMA load would lay the box
 template <bool SILU>
 __device__ __forceinline__ void store_box(unsigned char* box, const float* d, int j, const TensorMap* map, int x,
-                                          int y, int wg) {
+                                          int y, bool inside, int wg) {
     int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
     if (lead) bulk_wait_read<1>();                                // the store of two boxes ago has read it
     named_barrier_sync(1 + wg, 128);                              // before any thread writes it again
@@ -1811,7 +1813,8 @@ __device__ __forceinline__ void store_box(unsigned char* box, const float* d, in
     }
     fence_proxy_async();                                          // the writes, visible to the TMA store
     named_barrier_sync(1 + wg, 128);
-    if (lead) tma_store_2d(map, box, x, y), bulk_commit();
+    if (lead && inside) tma_store_2d(map, box, x, y);
+    if (lead) bulk_commit();
 }
 
 // c = a @ b.T (SWIGLU: gu and s), as the section's header says. map_a: a's, boxes of 64 k x 128 rows; map_b: b's,
@@ -1880,10 +1883,11 @@ __device__ void matmul_forward_tma(const TensorMap* map_a, const TensorMap* map_
 #pragma unroll
         for (int j = 0; j < 4; j++)                               // SWIGLU: gate 0, 1 then up 0, 1 (columns 128 on)
             store_box<false>(mine + j % 2 * 2 * PRODUCT_BOX, d, j, SWIGLU && j >= 2 ? map_up : map_c,
-                             x + 64 * (SWIGLU ? j % 2 : j), y, wg);
+                             x + 64 * (SWIGLU ? j % 2 : j), y, x + 64 * (SWIGLU ? j % 2 : j) < N && y < M, wg);
         if constexpr (SWIGLU)
 #pragma unroll
-            for (int j = 0; j < 2; j++) store_box<true>(mine + j * 2 * PRODUCT_BOX, d, j, map_s, x + 64 * j, y, wg);
+            for (int j = 0; j < 2; j++)
+                store_box<true>(mine + j * 2 * PRODUCT_BOX, d, j, map_s, x + 64 * j, y, x + 64 * j < N && y < M, wg);
     }
     if (lead) bulk_wait_read<0>();                                // the boxes are read before the block ends
 }
