@@ -34,6 +34,10 @@ Three versions of the three passes, read in this order:
   see "the bf16 forward on Hopper" below; and the backward's dk/dv pass in the
   same design (its dq pass the mma.sync one, on the same ds; not yet measured
   on a GPU): "the bf16 backward's dk/dv pass on Hopper".
+The file also holds the Hopper product of the bf16 forward (c = a @ b.T, and
+w_gate_up's with SwiGLU in its epilogue: "the bf16 product on Hopper", after
+the attention passes), not attention, but built on the same TMA, mbarrier and
+wgmma helpers, which live here and need this file's sm_90a build.
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
 without opting in).
@@ -1023,8 +1027,26 @@ template <int N, int A_MN, int B_MN>
 __device__ __forceinline__ void wgmma_bf16(float* d, unsigned long long a, unsigned long long b, int scale_d) {
 #define D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
               "+f"(d[i + 6]), "+f"(d[i + 7])
-    static_assert(N == 128 || N == 64, "wgmma_bf16: N is 128 (the forward) or 64 (the backward) here");
-    if constexpr (N == 128)
+    static_assert(N == 256 || N == 128 || N == 64, "wgmma_bf16: N is 256 (the product), 128 (the forward) or 64 "
+                  "(the backward) here");
+    if constexpr (N == 256)
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+                     "{"
+                     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                     "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                     "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                     "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                     "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                     "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "
+                     "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, "
+                     "%124, %125, %126, %127}, "
+                     "%128, %129, p, 1, 1, %131, %132;\n}\n"
+                     : D8(0), D8(8), D8(16), D8(24), D8(32), D8(40), D8(48), D8(56),
+                       D8(64), D8(72), D8(80), D8(88), D8(96), D8(104), D8(112), D8(120)
+                     : "l"(a), "l"(b), "r"(scale_d), "n"(A_MN), "n"(B_MN));
+    else if constexpr (N == 128)
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
                      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
                      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
@@ -1698,6 +1720,192 @@ __device__ void attention_backward_dkv_tma(unsigned short* dqkv16, unsigned shor
     }
     setmaxnreg_inc<DKV_CONSUMER_REGS>();
     consume_dkv(k, wg - 1, dqkv16, ds16, scale);
+}
+
+#endif
+
+// -----------------------------------------------------------------------------
+// the bf16 product on Hopper (sm_90a): c = a @ b.T by TMA and warpgroup MMA, and SwiGLU in its epilogue
+//
+// c (M, N) bf16 = a (M, K) @ b (N, K).T, every array row-major bf16, summed in fp32: the bf16 forward's products
+// x @ W.T (nanoeuler_cuda's matmul runs them here on compute capability 9.0; cuBLAS elsewhere and for the rest).
+// A copy of dev/variants/wgmma_probe.cu's wgmma_tma_persistent_store_bn256 (the same names), which an H100 timed at
+// cuBLAS's rate or past it on the big model's four products at batch 64 (dev/LOG.md, 2026-12-07), with one change:
+// any M, N and K (rows 16-byte aligned: N and K multiples of 8), since TMA fills what lies past a tensor's end with
+// zeros (a ragged tile's rows and columns, a ragged step's k: all add 0) and does not store what lies past it.
+//
+// The work: c in tiles of 128 x 256, tile t in row block t / columns and column block t % columns, so that the
+// blocks at work at once share a's rows (read from memory once; b, a weight of 6 MB at most here, stays in L2).
+// Persistent blocks, one an SM, each walking tiles blockIdx.x, + gridDim.x, ... A block is 3 warpgroups:
+// - warpgroup 0 the producer (its registers lowered by setmaxnreg): one thread copies, for each k-step of 64, a's
+//   128 x 64 and b's 256 x 64 into one of 4 stages by TMA (the 128-byte swizzle that wgmma reads), announcing the
+//   bytes on the stage's full mbarrier after waiting on its empty one;
+// - warpgroups 1 and 2 the consumers, rows 0 .. 63 and 64 .. 127 of the tile: 4 wgmma m64n256k16 a step, a step's
+//   group kept in flight (wait_group 1) while the next is issued, the stage before freed (empty's arrival), the
+//   last one after wait_group 0 at the tile's end. Steps are counted over the block's whole walk (stage it % 4,
+//   round it / 4), so the next tile's copies run under this one's epilogue.
+// - the epilogue: a consumer rounds its 64 x 256 to bf16 into 64 x 64 boxes of shared memory (128-byte swizzled:
+//   conflict-free 4-byte writes) and TMA stores each; two box buffers a consumer, so that it writes one while the
+//   other is stored; its first thread commits the stores and, before a buffer is written again, waits until the
+//   store of two boxes ago has read it (cp.async.bulk.wait_group.read 1); the warpgroup meets at named barrier
+//   1 + its number around the writes. Every element of c is summed by one thread in one order: the same bits
+//   every run.
+// SwiGLU (matmul_swiglu_forward_tma_kernel): gu = a @ w_gate_up.T and s = silu(gate) * up in one pass. A tile's
+// 256 columns of b are two boxes of 128 rows of w_gate_up, rows 128 j .. (gate) and F + 128 j .. (up), so that
+// the gate and the up of a feature sit in one thread's registers (i and i + 64); it stores gate and up to gu
+// (layout unchanged: gate then up, (M, 2F), through two maps of F columns a row of 2F, so that a ragged last tile
+// stops at F) and s = swiglu_forward_kernel's math on the same bf16-rounded gate and up (the same bits).
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || !defined(__CUDA_ARCH__)   // sm_90a, or the CPU emulator
+
+#define PRODUCT_BK 64                 // k a step: a 128-byte row of bf16 (the swizzle's width)
+#define PRODUCT_BM 128                // rows of a tile: two consumers of 64 (wgmma's M)
+#define PRODUCT_BN 256                // columns of a tile: wgmma's largest N
+#define PRODUCT_STAGES 4              // stages of a (128 x 64) and b (256 x 64): 48 KB each; 4 and the boxes fit 227 KB
+#define PRODUCT_BOX 4096              // bf16 of a 64 x 64 box of c (8 KB), 2 a consumer
+#define PRODUCT_PRODUCER_REGS 40      // setmaxnreg: 40 128 + 232 256 = 64512 of the SM's 65536
+#define PRODUCT_CONSUMER_REGS 232
+
+// make this thread's plain (generic proxy) writes to shared memory visible to the async proxy (a TMA store)
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// global <- shared: the box of the tensor map at element (x, y) from src (laid out as tma_load_2d lays it; what
+// lies past the tensor is not written), one of this thread's bulk copies (closed into a group by bulk_commit)
+__device__ __forceinline__ void tma_store_2d(const void* map, const void* src, int x, int y) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
+                 "r"(shared_address(src)), "r"(x), "r"(y) : "memory");
+}
+
+// close the group of the bulk copies this thread issued since the last commit
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+template <int N>   // wait until at most N of this thread's bulk groups are still reading shared memory
+__device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// x as bf16 holds it (rounded to nearest even), as the next kernel reads it back
+__device__ __forceinline__ float bf16_rounded(float x) { return __uint_as_float(pack_bf16(x, 0.0f) << 16); }
+
+// box j of a consumer's 64 x 256 (registers 32 j .. 32 j + 31 of d: columns 64 j ..; or, SILU, silu(gate) * up of
+// registers 32 j .. (gate) and 64 + 32 j .. (up), rounded to bf16 first, as swiglu_forward_kernel reads them from
+// gu) into its buffer, then a TMA store of it at element (x, y) of map, unless the box lies wholly past the
+// tensor's end (inside false: its commit group stays, empty, so that the waits count as before; TMA would write none
+// of it, but the hardware's handling of such a box was never exercised here). Register i of a thread holds row 16 w + g
+// (+ 8 for i % 4 >= 2), column 8 (i / 4) + 2 q + i % 2 (wgmma's accumulator layout); row r's 16-byte chunk c
+// goes to 128 r + 16 (c ^ r % 8), the 128-byte swizzle, as a TMA load would lay the box
+template <bool SILU>
+__device__ __forceinline__ void store_box(unsigned char* box, const float* d, int j, const TensorMap* map, int x,
+                                          int y, bool inside, int wg) {
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
+    if (lead) bulk_wait_read<1>();                                // the store of two boxes ago has read it
+    named_barrier_sync(1 + wg, 128);                              // before any thread writes it again
+#pragma unroll
+    for (int i = 32 * j; i < 32 * j + 32; i += 2) {
+        int row = 16 * w + g + 8 * (i / 2 % 2), chunk = i / 4 % 8;
+        float lo = d[i], hi = d[i + 1];
+        if constexpr (SILU) {                                     // kernels.cu's swiglu_forward_kernel, to the bit
+            float g0 = bf16_rounded(lo), g1 = bf16_rounded(hi), u0 = bf16_rounded(d[i + 64]),
+                  u1 = bf16_rounded(d[i + 65]);
+            lo = g0 / (1.0f + expf(-g0)) * u0, hi = g1 / (1.0f + expf(-g1)) * u1;
+        }
+        *(unsigned*)(box + row * 128 + (chunk ^ row % 8) * 16 + 4 * q) = pack_bf16(lo, hi);
+    }
+    fence_proxy_async();                                          // the writes, visible to the TMA store
+    named_barrier_sync(1 + wg, 128);
+    if (lead && inside) tma_store_2d(map, box, x, y);
+    if (lead) bulk_commit();
+}
+
+// c = a @ b.T (SWIGLU: gu and s), as the section's header says. map_a: a's, boxes of 64 k x 128 rows; map_b: b's,
+// 64 k x 256 rows (SWIGLU: w_gate_up's, 64 k x 128 rows); map_c: c's (SWIGLU: gu's gate half), boxes of 64 x 64;
+// SWIGLU: map_up gu's up half, map_s s's, the same boxes. N: columns of c (SWIGLU: F, of s)
+template <bool SWIGLU>
+__device__ void matmul_forward_tma(const TensorMap* map_a, const TensorMap* map_b, const TensorMap* map_c,
+                                   const TensorMap* map_up, const TensorMap* map_s, int M, int N, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;      // the swizzle's 1024-byte pattern
+    constexpr int STAGE = (PRODUCT_BM + PRODUCT_BN) * PRODUCT_BK;    // bf16 a stage: a's 128 rows, then b's 256
+    unsigned short* stages = (unsigned short*)base;
+    unsigned short* boxes = stages + PRODUCT_STAGES * STAGE;         // 2 a consumer
+    unsigned long long* full = (unsigned long long*)(boxes + 4 * PRODUCT_BOX);
+    unsigned long long* empty = full + PRODUCT_STAGES;
+    constexpr int TILE_N = SWIGLU ? PRODUCT_BN / 2 : PRODUCT_BN;      // columns of c (SWIGLU: of s) a tile
+    int wg = threadIdx.x / 128, steps = (K + PRODUCT_BK - 1) / PRODUCT_BK, columns = (N + TILE_N - 1) / TILE_N;
+    int tiles = (M + PRODUCT_BM - 1) / PRODUCT_BM * columns;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < PRODUCT_STAGES; s++) {
+            mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
+            mbarrier_init(&empty[s], 2);                          // a thread of each consumer, done with the stage
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {                                                // the producer
+        setmaxnreg_dec<PRODUCT_PRODUCER_REGS>();
+        if (threadIdx.x == 0)
+            for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x)
+                for (int kt = 0; kt < steps; kt++, it++) {
+                    int s = it % PRODUCT_STAGES, k0 = kt * PRODUCT_BK, n0 = tile % columns * TILE_N;
+                    unsigned short* stage = stages + s * STAGE;
+                    mbarrier_wait(&empty[s], (it / PRODUCT_STAGES + 1) % 2);
+                    mbarrier_arrive_expect_tx(&full[s], STAGE * 2);  // the whole boxes: TMA counts the zeros too
+                    tma_load_2d(stage, map_a, k0, tile / columns * PRODUCT_BM, &full[s]);
+                    tma_load_2d(stage + PRODUCT_BM * PRODUCT_BK, map_b, k0, n0, &full[s]);
+                    if (SWIGLU)                                   // the up rows of the same features, F rows on
+                        tma_load_2d(stage + (PRODUCT_BM + TILE_N) * PRODUCT_BK, map_b, k0, N + n0, &full[s]);
+                }
+        return;
+    }
+    setmaxnreg_inc<PRODUCT_CONSUMER_REGS>();
+    float d[PRODUCT_BN / 2];
+    int lead = threadIdx.x % 128 == 0;
+    for (int n = 0, tile = blockIdx.x; tile < tiles; n++, tile += gridDim.x) {
+        for (int kt = 0, it = n * steps; kt < steps; kt++, it++) {
+            int s = it % PRODUCT_STAGES;
+            mbarrier_wait(&full[s], it / PRODUCT_STAGES % 2);
+            unsigned as = shared_address(stages + s * STAGE + (wg - 1) * 64 * PRODUCT_BK);
+            unsigned bs = shared_address(stages + s * STAGE + PRODUCT_BM * PRODUCT_BK);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < PRODUCT_BK / 16; kk++)        // 16 k at byte 32 kk of each 128-byte row
+                wgmma_bf16<PRODUCT_BN, 0, 0>(d, sw128_descriptor(as + 32 * kk, 16), sw128_descriptor(bs + 32 * kk, 16),
+                                             kt > 0 || kk > 0);
+            wgmma_commit();
+            wgmma_wait<1>();                                      // the step before is done: its stage is free
+            if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % PRODUCT_STAGES]);
+        }
+        wgmma_wait<0>();
+        fence_registers<PRODUCT_BN / 2>(d);
+        if (lead) mbarrier_arrive(&empty[((n + 1) * steps - 1) % PRODUCT_STAGES]);   // the tile's last stage
+        int y = tile / columns * PRODUCT_BM + 64 * (wg - 1), x = tile % columns * TILE_N;   // this consumer's part
+        unsigned char* mine = (unsigned char*)(boxes + 2 * (wg - 1) * PRODUCT_BOX);
+#pragma unroll
+        for (int j = 0; j < 4; j++)                               // SWIGLU: gate 0, 1 then up 0, 1 (columns 128 on)
+            store_box<false>(mine + j % 2 * 2 * PRODUCT_BOX, d, j, SWIGLU && j >= 2 ? map_up : map_c,
+                             x + 64 * (SWIGLU ? j % 2 : j), y, x + 64 * (SWIGLU ? j % 2 : j) < N && y < M, wg);
+        if constexpr (SWIGLU)
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+                store_box<true>(mine + j * 2 * PRODUCT_BOX, d, j, map_s, x + 64 * j, y, x + 64 * j < N && y < M, wg);
+    }
+    if (lead) bulk_wait_read<0>();                                // the boxes are read before the block ends
+}
+
+// c (M, N) = a @ b.T: grid = min(SMs, tiles), 384 threads, dynamic shared memory 4 48 KB of stages + 32 KB of boxes
+// + 1024 (to align them) + 64 (mbarriers); the maps as matmul_forward_tma says (nanoeuler_cuda's matmul_tma_maps)
+extern "C" __global__ void __launch_bounds__(384, 1) matmul_forward_tma_kernel(
+    const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    matmul_forward_tma<false>(&map_a, &map_b, &map_c, &map_c, &map_c, M, N, K);
+}
+
+// gu (M, 2F) = a @ w_gate_up.T and s (M, F) = silu(gate) * up: the same geometry, tiles of 128 features
+extern "C" __global__ void __launch_bounds__(384, 1) matmul_swiglu_forward_tma_kernel(
+    const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_w,
+    const __grid_constant__ TensorMap map_gate, const __grid_constant__ TensorMap map_up,
+    const __grid_constant__ TensorMap map_s, int M, int F, int K) {
+    matmul_forward_tma<true>(&map_a, &map_w, &map_gate, &map_up, &map_s, M, F, K);
 }
 
 #endif

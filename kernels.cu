@@ -2,7 +2,8 @@
 NanoEuler's elementwise and reduction kernels, the GPU twins of the numpy layers
 in nanoeuler.py (same names: rmsnorm_forward there, rmsnorm_forward_kernel here,
 rmsnorm_forward the launcher in nanoeuler_cuda.py), and decoding's kernels (the
-last section). Training's matrix products are not here: they go through cuBLAS;
+last section). Training's matrix products are not here: they go through cuBLAS
+(the bf16 forward's on an H100 or H200 through flash_attn.cu's TMA product);
 decoding's matrix-vector products and its attention over the KV cache are.
 Training's attention is in flash_attn.cu.
 

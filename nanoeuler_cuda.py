@@ -1,7 +1,8 @@
 """
 NanoEuler on NVIDIA GPUs: the model of nanoeuler.py, with its kernels in
-kernels.cu and flash_attn.cu compiled at run time by NVRTC, and every matrix
-product in cuBLAS, called through ctypes. No framework.
+kernels.cu and flash_attn.cu compiled at run time by NVRTC, and its matrix
+products in cuBLAS, called through ctypes (on an H100 or H200, the bf16
+forward's in flash_attn.cu). No framework.
 
     python nanoeuler_cuda.py check        # every kernel against numpy, then the whole model
     python nanoeuler_cuda.py train big    # train the 116M model (SPEC big) on one GPU
@@ -642,19 +643,19 @@ def attention_tma(D, qkv, backward=False):
     return on and gpu.arch == "90" and D == 64 and bf16(qkv) and qkv.ptr % 16 == 0
 
 
-def tensor_map(a, rows, cols, box_rows, box_cols=64):
+def tensor_map(a, rows, cols, box_rows, box_cols=64, row_stride=None):
     """a TMA kernel's CUtensorMap over the first `rows` rows of `cols` elements of a, 128 bytes to pass by value:
-    boxes of box_cols x box_rows, zeros past the rows; bf16 rows of 2 cols bytes, 128-byte swizzled as wgmma reads
-    them, or fp32 unswizzled (the rows' stride rounded up to 16 bytes: one row of any length does). Made once per
-    buffer and shape (GPUModel makes its own when it allocates them: a CUDA graph keeps the values it was captured
-    with, and the buffers never move); a map is the same for the same address and sizes, so one left from a freed
-    buffer is still right for a new one there"""
-    key = (a.ptr, rows, cols, box_rows, box_cols, bf16(a))
+    boxes of box_cols x box_rows, zeros past the rows and columns (a store stops there); bf16 rows of 2 cols bytes
+    (or row_stride elements apart), 128-byte swizzled as wgmma reads them, or fp32 unswizzled (the rows' stride
+    rounded up to 16 bytes: one row of any length does). Made once per buffer and shape (GPUModel makes its own
+    when it allocates them: a CUDA graph keeps the values it was captured with, and the buffers never move); a map
+    is the same for the same address and sizes, so one left from a freed buffer is still right for a new one there"""
+    key = (a.ptr, rows, cols, box_rows, box_cols, bf16(a), row_stride)
     if key not in TENSOR_MAPS:
         u64, u32 = cu.cuuint64_t, cu.cuuint32_t                  # (cuda-python takes no plain ints)
         enum = lambda kind, name: getattr(getattr(cu, f"CUtensorMap{kind}"), f"CU_TENSOR_MAP_{name}")
         kind, size, swizzle = ("BFLOAT16", 2, "128B") if bf16(a) else ("FLOAT32", 4, "NONE")
-        stride = size * cols if rows > 1 else ceil_div(size * cols, 16) * 16
+        stride = size * (row_stride or cols) if rows > 1 else ceil_div(size * cols, 16) * 16
         m = check(cu.cuTensorMapEncodeTiled(
             enum("DataType", f"DATA_TYPE_{kind}"), 2, a.ptr, [u64(cols), u64(rows)], [u64(stride)],
             [u32(box_cols), u32(box_rows)], [u32(1), u32(1)], enum("Interleave", "INTERLEAVE_NONE"),
@@ -753,6 +754,50 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, tma=N
                    *sizes)
 
 
+# the bf16 forward's products out = a @ b.T on compute capability 9.0 (H100, H200): flash_attn.cu's TMA product
+# (persistent blocks, wgmma fed by TMA, out through TMA stores: dev/variants/wgmma_probe.cu's
+# `_persistent_store_bn256`, 0.97-1.10x cuBLAS's time on the big model's four at batch 64 on an H100, dev/LOG.md),
+# and w_gate_up's with SwiGLU in its epilogue (matmul_swiglu_forward: no swiglu_forward pass); False: cuBLAS and
+# swiglu_forward everywhere (an A/B)
+PRODUCT_TMA = True
+PRODUCT_BM, PRODUCT_BN, PRODUCT_STAGES = 128, 256, 4      # as in flash_attn.cu: a tile of out, and a's and b's stages
+# its dynamic shared memory: the stages, two 64 x 64 boxes of out a consumer, 1024 to align them, the mbarriers
+PRODUCT_SHARED = PRODUCT_STAGES * (PRODUCT_BM + PRODUCT_BN) * 64 * 2 + 4 * 8192 + 1024 + 8 * 2 * PRODUCT_STAGES
+
+
+def product_tma(out, a, b, N, K):
+    """does matmul run flash_attn.cu's TMA product for out = a @ b.T (N, K: b's shape): bf16 a and out, b bf16 or a
+    weight with a bf16 copy (a buffer that stays put: its tensor map is made once), rows 16-byte aligned"""
+    b16 = b if bf16(b) else b.bf16
+    return (PRODUCT_TMA and gpu.arch == "90" and bf16(out) and bf16(a) and b16 is not None and N % 8 == 0
+            and K % 8 == 0 and all(x.ptr % 16 == 0 for x in (out, a, b16)))
+
+
+def matmul_forward_tma(out, a, b, M, N, K):
+    """out (M, N) = a (M, K) @ b (N, K).T by flash_attn.cu's matmul_forward_tma_kernel: persistent blocks, one an
+    SM, of a producer warpgroup and two consumers on 128 x 256 tiles of out (any M, N, K: TMA's zeros and clipping)"""
+    b16 = b if bf16(b) else b.bf16
+    maps = tensor_map(a, M, K, PRODUCT_BM), tensor_map(b16, N, K, PRODUCT_BN), tensor_map(out, M, N, 64)
+    tiles = ceil_div(M, PRODUCT_BM) * ceil_div(N, PRODUCT_BN)
+    gpu.launch("matmul_forward_tma_kernel", min(tiles, gpu.sms), 384, *maps, int_arg(M), int_arg(N), int_arg(K),
+               shared=PRODUCT_SHARED)
+
+
+def matmul_swiglu_forward(gu, s, a, w, M, F, K):
+    """gu (M, 2F) = a (M, K) @ w (2F, K).T (w_gate_up: gate then up) and s (M, F) = silu(gate) * up: one pass of
+    flash_attn.cu's matmul_swiglu_forward_tma_kernel where product_tma holds (tiles of 128 features, gate and up
+    side by side; s the same bits as swiglu_forward's from gu), else matmul then swiglu_forward"""
+    if not (product_tma(gu, a, w, 2 * F, K) and bf16(s) and s.ptr % 16 == 0):
+        matmul(gu, a, w, M, 2 * F, K, trans_b=True)
+        return swiglu_forward(s, gu, M, F)
+    w16 = w if bf16(w) else w.bf16
+    halves = [tensor_map(gu.view(f, (M, F)), M, F, 64, row_stride=2 * F) for f in (0, F)]   # gate's, up's
+    maps = tensor_map(a, M, K, PRODUCT_BM), tensor_map(w16, 2 * F, K, PRODUCT_BN // 2), *halves, tensor_map(s, M, F, 64)
+    tiles = ceil_div(M, PRODUCT_BM) * ceil_div(F, PRODUCT_BN // 2)
+    gpu.launch("matmul_swiglu_forward_tma_kernel", min(tiles, gpu.sms), 384, *maps, int_arg(M), int_arg(F), int_arg(K),
+               shared=PRODUCT_SHARED)
+
+
 # -----------------------------------------------------------------------------
 # matmuls (cuBLAS)
 #
@@ -834,6 +879,10 @@ class Cublas:
 
 
 def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
+    """row-major out (M,N) = op(a) @ op(b) (+= with accumulate): the forward's x @ W.T by flash_attn.cu's TMA
+    product where product_tma holds, everything else by cuBLAS"""
+    if trans_b and not trans_a and not accumulate and product_tma(out, a, b, N, K):
+        return matmul_forward_tma(out, a, b, M, N, K)
     gpu.cublas.gemm(out, a, b, M, N, K, trans_a, trans_b, accumulate)
 
 
@@ -1043,8 +1092,8 @@ class GPUModel:
             # x_mid = x + y @ wo.T (residual), and its norm for the MLP, in one pass
             residual_rmsnorm_forward(self.x_mid[l], self.mlp_in[l], self.rstd_mlp[l], self.x[l], self.branch_out,
                                      w("mlp_norm"), N, C)
-            matmul(self.gu[l], self.mlp_in[l], w("w_gate_up"), N, 2 * F, C, trans_b=True)
-            swiglu_forward(self.s[l], self.gu[l], N, F)
+            # gu = m @ w_gate_up.T and s = silu(gate) * up, in one pass where the TMA product runs
+            matmul_swiglu_forward(self.gu[l], self.s[l], self.mlp_in[l], w("w_gate_up"), N, F, C)
             matmul(self.branch_out, self.s[l], w("w_down"), N, C, F, trans_b=True)
             # x[l+1] = x_mid + s @ w_down.T (residual), and its norm: the next layer's, or the final one
             last = l == cfg.L - 1
@@ -2147,6 +2196,36 @@ def check_optimizer(rng, report):
     report("clip_grad_norm of an infinite gradient: apply = 0", float(clip.download()[1] != 0))
 
 
+# check's TMA products: the big model's four forward products (M, N, K) at a ragged M (a row tile and 72 rows of
+# another), w_gate_up's also with SwiGLU (F = N / 2)
+PRODUCT_CHECKS = {"wqkv": (200, 1280, 768), "wo": (200, 768, 768), "w_gate_up": (200, 4096, 768),
+                  "w_down": (200, 768, 2048)}
+
+
+def check_products(rng, report):
+    """flash_attn.cu's TMA products (compute capability 9.0; elsewhere none) against float64 of the same bf16
+    inputs, rounded as they round: PRODUCT_CHECKS, and w_gate_up's with SwiGLU: gu, s, and s against
+    swiglu_forward's from that gu, bit for bit (the same math on the same bf16 gate and up)"""
+    f64 = lambda x: np.asarray(x, np.float64)
+    for what, (M, N, K) in PRODUCT_CHECKS.items():
+        a, b = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)))
+        a_g, b_g, out = activation(a, True), activation(b, True), poisoned((M, N), True)
+        if not product_tma(out, a_g, b_g, N, K):
+            return                                                 # cuBLAS: the model's checks cover it
+        matmul(out, a_g, b_g, M, N, K, trans_b=True)
+        ref = bf16_round(f64(a) @ f64(b).T)                      # (M, K) @ (K, N) -> (M, N)
+        report(f"product {what} {M}x{N}x{K} (TMA)", rel_diff(values(out), ref))
+        if what == "w_gate_up":
+            F = N // 2
+            gu, s, s_alone = poisoned((M, N), True), poisoned((M, F), True), poisoned((M, F), True)
+            matmul_swiglu_forward(gu, s, a_g, b_g, M, F, K)
+            swiglu_forward(s_alone, gu, M, F)
+            report(f"product {what} + swiglu: gu (TMA)", rel_diff(values(gu), ref))
+            report(f"product {what} + swiglu: s (TMA)", rel_diff(values(s), bf16_round(ne.swiglu_forward(f64(ref))[0])))
+            report(f"product {what} + swiglu: s == swiglu_forward's (bits)",
+                   float(not np.array_equal(s.download(), s_alone.download())))
+
+
 def check_attention(rng, report):
     """the attention path of gpu.precision at each head dim: CUDA cores in fp32, tensor
     cores in tf32, and in bf16 the bf16 passes, which read and write bf16 activations.
@@ -2549,6 +2628,7 @@ def cmd_check(args):
 
     check_kernels(rng, reporter(TOLERANCE["fp32"]), is_bf16=False)
     check_kernels(rng, reporter(KERNEL_BF16_TOLERANCE), is_bf16=True)
+    check_products(rng, reporter(KERNEL_BF16_TOLERANCE))
     check_optimizer(rng, reporter(TOLERANCE["fp32"]))
     for precision in ("fp32", "tf32", "bf16"):
         init_gpu(precision)

@@ -859,7 +859,7 @@ def test_the_decoding_profile_runs_on_the_cpu_emulator(emulated, capsys):
 
 @needs_nvrtc
 @needs_gxx
-def test_training_checks_on_the_cpu_emulator(emulated):
+def test_training_checks_on_the_cpu_emulator(emulated, monkeypatch):
     # check's training half on kernels.cu compiled for the CPU in both builds (floatX float
     # and bfloat16) and flash_attn.cu (its tensor-core passes too), part by part as
     # dev/gpu/check_parts.py runs it on a GPU: every kernel against numpy, attention in fp32,
@@ -868,9 +868,14 @@ def test_training_checks_on_the_cpu_emulator(emulated):
     # (per precision, and the NaN step) with the bits of kernel-by-kernel steps. Each line of
     # output is named to the part that printed it, as the device script's fallback reads it.
     # The emulator is compute capability 9.0: bf16 at D = 64 runs flash_attn.cu's TMA forward and
-    # TMA dk/dv pass (their tensor maps through the stand-in driver), the mma.sync ones checked beside them.
+    # TMA dk/dv pass (their tensor maps through the stand-in driver), the mma.sync ones checked beside them, and
+    # the bf16 forward's products flash_attn.cu's TMA product (w_gate_up's with SwiGLU in its epilogue).
     parts = check_parts_module()
     failed, misnamed, part, lines = [], [], None, []
+    # check's TMA products at small shapes (the GPU's, the big model's, take minutes here): 2 SMs walking 6 tiles,
+    # ragged M, N, F and K
+    monkeypatch.setattr(nc, "PRODUCT_CHECKS", {"wqkv": (200, 528, 136), "wo": (72, 256, 64),
+                                               "w_gate_up": (136, 528, 72), "w_down": (72, 264, 200)})
 
     def reporter(tol):
         def report(what, err):
@@ -888,10 +893,14 @@ def test_training_checks_on_the_cpu_emulator(emulated):
     assert emulated.replays == 2 * (3 + 1)
     assert "attention_forward_tma_kernel_64" in emulated.shared                 # it ran, its shared memory allowed
     assert "attention_backward_dkv_tma_kernel_64" in emulated.shared
+    assert {"matmul_forward_tma_kernel", "matmul_swiglu_forward_tma_kernel"} <= set(emulated.shared)
+    assert {f"product {what} (TMA)" for what in ("wqkv 200x528x136", "w_gate_up + swiglu: s")} <= set(lines)
+    assert "product w_gate_up + swiglu: s == swiglu_forward's (bits)" in lines
     assert {f"attention bf16 D=64 G=3 {what} ({kernel})" for what in ("forward", "dq", "dk", "dv")
             for kernel in ("TMA", "mma.sync")} <= set(lines)
     assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \
-        {f"{what} {p}" for what in ("step", "sft", "decoding", "kernels") for p in ("fp32", "bf16")} | {"optimizer"}
+        {f"{what} {p}" for what in ("step", "sft", "decoding", "kernels") for p in ("fp32", "bf16")} | \
+        {"optimizer", "products"}
 
 
 def test_the_device_fallback_reruns_the_failed_parts_of_check_or_all_after_a_crash(tmp_path):

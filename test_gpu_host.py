@@ -654,6 +654,7 @@ def emulated(monkeypatch):
     # (test_cuda_pipeline.py's training checks); here the mma.sync forward everywhere
     monkeypatch.setattr(nc, "ATTENTION_FORWARD_TMA", False)
     monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", False)                         # and the mma.sync dk/dv pass
+    monkeypatch.setattr(nc, "PRODUCT_TMA", False)                                    # and cuBLAS's products
     return driver
 
 

@@ -5,7 +5,7 @@ kernel that faults leaves its CUDA context unusable), so that one part's error
 hides no other, and the summary says which part broke. NAME=VALUE arguments set
 nanoeuler_cuda's switches first, to see whether a fallback mends the part:
 BF16_ACTIVATIONS=False, GRAPH_STEP=False, DECODE_ATTENTION="'single'",
-DECODE_PDL=False. Not part of NanoEuler.
+DECODE_PDL=False, PRODUCT_TMA=False. Not part of NanoEuler.
 
     python dev/gpu/check_parts.py --list
     python dev/gpu/check_parts.py --failed check.log     # the parts to run again, from check's output
@@ -33,6 +33,7 @@ def parts(rng, reporter):
 
     table = {"kernels fp32": lambda: nc.check_kernels(rng, fp32(), is_bf16=False),
              "kernels bf16": lambda: nc.check_kernels(rng, reporter(nc.KERNEL_BF16_TOLERANCE), is_bf16=True),
+             "products": lambda: nc.check_products(rng, reporter(nc.KERNEL_BF16_TOLERANCE)),
              "optimizer": lambda: nc.check_optimizer(rng, fp32())}
     for precision in ("fp32", "tf32", "bf16"):
         table[f"attention {precision}"] = lambda p=precision: attention(p)
@@ -50,6 +51,8 @@ def part_of(what):
     words = what.split()
     if words[0] in ("attention", "model", "sft", "step"):
         return f"{words[0]} {words[1].rstrip(':')}"
+    if words[0] == "product":
+        return "products"
     if words[0] == "decode":
         return f"decoding {words[1]}"
     if words[0] in ("to_bf16", "grad_norm", "adamw,", "clip_grad_norm"):

@@ -2,7 +2,8 @@
 Whole training steps of the big model in bf16 (issue 36), run three times from the same weights and batches: from
 its CUDA graph, the same again, and kernel by kernel (--no-graph). Prints each run's losses and a digest of the
 weights and moments after it, then whether all three are the same bits: the step has no atomics, so they must be.
-Says which attention forward and dk/dv pass ran (the TMA ones on an H100 or H200). From the repository root:
+Says which attention forward and dk/dv pass and which forward products ran (the TMA ones on an H100 or H200). From
+the repository root:
 
     python dev/gpu/step_bits.py [--batch 16] [--steps 3]
 """
@@ -37,7 +38,11 @@ def main():
         digest = hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in engine.host_weights()))
         forward = "TMA" if nc.attention_tma(cfg.D, engine.model.qkv[0]) else "mma.sync"
         dkv = "TMA" if nc.attention_tma(cfg.D, engine.model.qkv[0], backward=True) else "mma.sync"
-        print(f"{run:<17} ({forward} forward, {dkv} dk/dv): losses {' '.join(f'{x:.6f}' for x in losses)}, "
+        m = engine.model
+        products = "TMA" if nc.product_tma(m.gu[0], m.mlp_in[0], m.params["layers.0.w_gate_up"], 2 * cfg.F, cfg.C) \
+            else "cuBLAS"
+        print(f"{run:<17} ({forward} forward, {dkv} dk/dv, {products} products): "
+              f"losses {' '.join(f'{x:.6f}' for x in losses)}, "
               f"weights and moments {digest.hexdigest()[:16]}", flush=True)
         seen.append((losses, digest.hexdigest()))
         engine.close()

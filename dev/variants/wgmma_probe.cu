@@ -12,7 +12,9 @@ test_wgmma.py compares the emulator with numpy.
 
 Below the probe, two products of many tiles for a first timing against cuBLAS: wgmma_gemm_bn* fed by cp.async
 with a block barrier each step, and wgmma_tma_gemm_bn* fed by TMA through mbarriers (a producer warpgroup, two
-consumers, setmaxnreg, a named barrier), each opening with what it computes and how the work is split.
+consumers, setmaxnreg, a named barrier), each opening with what it computes and how the work is split. The product
+holds a copy of `wgmma_tma_persistent_store_bn256` (flash_attn.cu's matmul_forward_tma_kernel, any M, N and K, and
+matmul_swiglu_forward_tma_kernel with SwiGLU in its epilogue): a change here is not a change there.
 
 How the work is split: the 128 threads copy a and b into shared memory, 16 bytes at a time, in
 one of wgmma's layouts (tile_offset below); then each wgmma is the warpgroup's: every thread

@@ -1,0 +1,157 @@
+"""
+flash_attn.cu's bf16 product on Hopper (matmul_forward_tma_kernel: c = a @ b.T by TMA-fed warpgroup MMA, persistent
+blocks, c through TMA stores; dev/variants/wgmma_probe.cu's `_persistent_store_bn256`), launched by nanoeuler_cuda's
+matmul, and its SwiGLU version (matmul_swiglu_forward_tma_kernel: gu and s = silu(gate) * up in one pass) by
+matmul_swiglu_forward, on tools/emulate_cuda.py's CPU emulator (compute capability 9.0, the stand-in driver's tensor
+maps), against numpy in float64: several tiles a persistent block, M, N, K and F that end inside a tile, the threads
+in order and reversed; nothing written past M rows or N columns; s the same bits as swiglu_forward's from gu; the
+switch off gives cuBLAS (and swiglu_forward); ptxas keeps their wgmma asynchronous and spills nothing.
+
+    python -m pytest -q test_matmul_tma.py
+"""
+
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import nanoeuler as ne  # noqa: E402
+import nanoeuler_cuda as nc  # noqa: E402
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
+SMS = 2                 # persistent blocks: fewer than the tiles, so each walks several (and its stages' rounds)
+SHARED = 4 * (128 + 256) * 64 * 2 + 4 * 8192 + 1024 + 8 * 8     # 4 stages, 4 boxes, 1024 to align, 8 mbarriers
+
+
+def emulator_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("emulate_cuda", os.path.join(HERE, "tools", "emulate_cuda.py"))
+    emulator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(emulator)
+    return emulator
+
+
+@pytest.fixture(params=[False, True], ids=["in order", "threads in reverse"])
+def driver(request, monkeypatch):
+    """nanoeuler_cuda on the emulator, SMS SMs; its launches recorded (kernel, grid, threads, shared bytes)"""
+    pytest.importorskip("cuda.bindings")
+    monkeypatch.setattr(nc, "cu", nc.cu)
+    monkeypatch.setattr(nc, "gpu", nc.gpu)
+    monkeypatch.setattr(nc, "PRODUCT_TMA", True)                   # the product's default, pinned here
+    driver = emulator_module().install(nc, sms=SMS, reverse=request.param)
+    driver.kernels, launch = [], driver.cuLaunchKernel
+    monkeypatch.setattr(driver, "cuLaunchKernel", lambda f, gx, gy, gz, bx, *rest: (
+        driver.kernels.append((f.name, gx, bx, rest[2])), launch(f, gx, gy, gz, bx, *rest))[1])
+    return driver
+
+
+def operands(M, N, K, seed=0):
+    """a (M, K) and b (N, K) rounded to bf16 (float32), their bf16 copies on the GPU, and a @ b.T in float64"""
+    rng = np.random.default_rng(seed)
+    a, b = nc.bf16_round(rng.normal(size=(M, K))), nc.bf16_round(rng.normal(size=(N, K)))
+    return nc.activation(a, True), nc.activation(b, True), a.astype(np.float64) @ b.astype(np.float64).T
+
+
+def padded(M, N):
+    """an output of M rows of N bf16 with 8 rows past them, all NaN: what is not written stays NaN"""
+    return nc.DeviceArray((M + 8, N), np.uint16).fill_bits(0xFFFF)
+
+
+def written(out, M):
+    """out's first M rows as float64, after checking that the rows past them are still NaN"""
+    got = nc.values(out)
+    assert np.isnan(got[M:]).all(), "the product wrote past its M rows"
+    return got[:M]
+
+
+# M, N, K: 6 tiles of 128 x 256 on 2 blocks, the last row tile 72 rows, the last column tile 8 columns, 3 k-steps
+# (the last 8 k): every stage's mbarriers through both parities; one tile, one k-step; 3 tiles of 8 rows, 5
+# k-steps (the ring of 4 stages wraps within a tile)
+SHAPES = [(200, 520, 136), (64, 256, 64), (8, 768, 264)]
+
+
+@needs_gxx
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "M%d_N%d_K%d" % s)
+def test_the_product_against_float64(driver, shape):
+    M, N, K = shape
+    a, b, ref = operands(M, N, K)
+    out = padded(M, N)
+    assert nc.product_tma(out, a, b, N, K)
+    nc.matmul(out, a, b, M, N, K, trans_b=True)
+    got = written(out, M)
+    assert np.isfinite(got).all()
+    # the one rounding of each output to bf16, and fp32 sums: a relative 2^-9 at most, far less in the norm
+    assert nc.rel_diff(got, nc.bf16_round(ref)) < 1e-4
+    tiles = -(-M // 128) * -(-N // 256)
+    assert driver.kernels == [("matmul_forward_tma_kernel", min(tiles, SMS), 384, SHARED)]
+
+
+# M, F, K: 3 x 3 tiles of 128 rows and 128 features on 2 blocks, F = 264 ending 8 features into its last tile (the
+# gate box there reads up rows, never stored: gu's halves stop at F), 2 k-steps; one tile of F 128 (no ragged edge)
+SWIGLU_SHAPES = [(300, 264, 72), (128, 128, 64)]
+
+
+@needs_gxx
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=lambda s: "M%d_F%d_K%d" % s)
+def test_the_swiglu_product_against_float64_and_swiglu_forward(driver, shape):
+    M, F, K = shape
+    a, w, ref = operands(M, 2 * F, K, seed=1)
+    gu, s, s_alone = padded(M, 2 * F), padded(M, F), padded(M, F)
+    nc.matmul_swiglu_forward(gu, s, a, w, M, F, K)
+    gu_ref = nc.bf16_round(ref)                                     # gate then up, as gu holds them
+    assert nc.rel_diff(written(gu, M), gu_ref) < 1e-4
+    s_ref, _ = ne.swiglu_forward(gu_ref.astype(np.float64))
+    assert nc.rel_diff(written(s, M), nc.bf16_round(s_ref)) < 1e-4
+    nc.swiglu_forward(s_alone, gu, M, F)                            # the same math on the same bf16 gate and up
+    assert np.array_equal(s.download()[:M], s_alone.download()[:M])
+    tiles = -(-M // 128) * -(-F // 128)
+    assert driver.kernels[0] == ("matmul_swiglu_forward_tma_kernel", min(tiles, SMS), 384, SHARED)
+
+
+@needs_gxx
+def test_the_switch_off_or_other_operands_run_cublas(driver, monkeypatch):
+    M, N, K = 72, 256, 64
+    a, b, ref = operands(M, N, K)
+    out = padded(M, N)
+    assert not nc.product_tma(nc.DeviceArray((M, N)), a, b, N, K)      # an fp32 output: cuBLAS
+    assert not nc.product_tma(out, a, b, N, 60)                         # rows of K not 16-byte aligned
+    monkeypatch.setattr(nc, "PRODUCT_TMA", False)
+    assert not nc.product_tma(out, a, b, N, K)
+    nc.matmul(out, a, b, M, N, K, trans_b=True)
+    assert driver.kernels == []                                         # cuBLAS's product
+    assert nc.rel_diff(written(out, M), nc.bf16_round(ref)) < 1e-4
+
+
+@needs_gxx
+def test_the_swiglu_product_switched_off_is_cublas_and_swiglu_forward(driver, monkeypatch):
+    M, F, K = 72, 128, 64
+    a, w, ref = operands(M, 2 * F, K)
+    gu, s = padded(M, 2 * F), padded(M, F)
+    monkeypatch.setattr(nc, "PRODUCT_TMA", False)
+    nc.matmul_swiglu_forward(gu, s, a, w, M, F, K)
+    assert [name for name, *_ in driver.kernels] == ["swiglu_forward_kernel"]    # and cuBLAS's product
+    assert nc.rel_diff(written(gu, M), nc.bf16_round(ref)) < 1e-4
+
+
+def test_ptxas_keeps_the_products_wgmma_asynchronous_and_spills_nothing():
+    # as nanoeuler_cuda builds flash_attn.cu on an H100 or H200: ptxas serializes wgmma it cannot prove safe (C7514,
+    # C7519) or injects waits (C7517) without failing; a spill would put the 128 accumulators through local memory
+    pytest.importorskip("cuda.bindings")
+    _, nvrtc = nc.import_cuda()
+    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
+    source = open(os.path.join(HERE, "flash_attn.cu")).read().encode()
+    err, prog = nvrtc.nvrtcCreateProgram(source, b"flash_attn.cu", 0, [], [])
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = bytearray(size)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(prog)
+    log = log.decode(errors="replace")
+    assert not err and "C751" not in log, log
+    for entry in ("matmul_forward_tma_kernel", "matmul_swiglu_forward_tma_kernel"):
+        props = log.split(f"Function properties for {entry}\n")[1]
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in props.splitlines()[0], props[:300]
