@@ -758,8 +758,9 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, tma=N
 # (persistent blocks, wgmma fed by TMA, out through TMA stores: dev/variants/wgmma_probe.cu's
 # `_persistent_store_bn256`, 0.97-1.10x cuBLAS's time on the big model's four at batch 64 on an H100, dev/LOG.md),
 # and w_gate_up's with SwiGLU in its epilogue (matmul_swiglu_forward: no swiglu_forward pass); False: cuBLAS and
-# swiglu_forward everywhere (an A/B)
-PRODUCT_TMA = True
+# swiglu_forward everywhere (an A/B), and the default until check and bench have run it on an H100 or H200 (only
+# the CPU emulator has: dev/LOG.md)
+PRODUCT_TMA = False
 PRODUCT_BM, PRODUCT_BN, PRODUCT_STAGES = 128, 256, 4      # as in flash_attn.cu: a tile of out, and a's and b's stages
 # its dynamic shared memory: the stages, two 64 x 64 boxes of out a consumer, 1024 to align them, the mbarriers
 PRODUCT_SHARED = PRODUCT_STAGES * (PRODUCT_BM + PRODUCT_BN) * 64 * 2 + 4 * 8192 + 1024 + 8 * 2 * PRODUCT_STAGES
@@ -2205,7 +2206,17 @@ PRODUCT_CHECKS = {"wqkv": (200, 1280, 768), "wo": (200, 768, 768), "w_gate_up": 
 def check_products(rng, report):
     """flash_attn.cu's TMA products (compute capability 9.0; elsewhere none) against float64 of the same bf16
     inputs, rounded as they round: PRODUCT_CHECKS, and w_gate_up's with SwiGLU: gu, s, and s against
-    swiglu_forward's from that gu, bit for bit (the same math on the same bf16 gate and up)"""
+    swiglu_forward's from that gu, bit for bit (the same math on the same bf16 gate and up); with PRODUCT_TMA on
+    for the time, as check runs both attention passes whichever is the default"""
+    global PRODUCT_TMA
+    on, PRODUCT_TMA = PRODUCT_TMA, True
+    try:
+        check_products_tma(rng, report)
+    finally:
+        PRODUCT_TMA = on
+
+
+def check_products_tma(rng, report):
     f64 = lambda x: np.asarray(x, np.float64)
     for what, (M, N, K) in PRODUCT_CHECKS.items():
         a, b = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)))
