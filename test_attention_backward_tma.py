@@ -20,6 +20,8 @@ import sys
 import numpy as np
 import pytest
 
+from test_attention_tma import ptxas_log   # a .cu through NVRTC for sm_90a with ptxas -v: (error, its log)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNEL = os.path.join(HERE, "dev", "variants", "attention_backward_tma.cu")
 _spec = importlib.util.spec_from_file_location("attention_backward_tma",
@@ -199,17 +201,7 @@ def test_the_gpu_script_runs_on_the_emulator(variant, monkeypatch, capsys):
 def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
     # ptxas serializes wgmma it cannot prove safe (C7514, C7519) or injects waits (C7517) without failing
     pytest.importorskip("cuda.bindings")
-    sys.path.insert(0, HERE)
-    import nanoeuler_cuda as nc
-    _, nvrtc = nc.import_cuda()
-    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
-    err, prog = nvrtc.nvrtcCreateProgram(open(KERNEL).read().encode(), b"attention_backward_tma.cu", 0, [], [])
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = bytearray(size)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    nvrtc.nvrtcDestroyProgram(prog)
-    log = log.decode(errors="replace")
+    err, log = ptxas_log(KERNEL)
     entries = {entry for entry, _, _ in [*script.VERSIONS.values(), *script.DQ_VERSIONS.values()]}
     assert not err and "C751" not in log and log.count(" 0 bytes spill stores") == len(entries), log
 
@@ -266,18 +258,7 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
 def test_ptxas_keeps_the_products_copy_asynchronous_and_spills_nothing():
     # the same of flash_attn.cu's attention_backward_dkv_tma_kernel_64, as nanoeuler_cuda builds it on an H100 or H200
     pytest.importorskip("cuda.bindings")
-    sys.path.insert(0, HERE)
-    import nanoeuler_cuda as nc
-    _, nvrtc = nc.import_cuda()
-    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
-    source = open(os.path.join(HERE, "flash_attn.cu")).read().encode()
-    err, prog = nvrtc.nvrtcCreateProgram(source, b"flash_attn.cu", 0, [], [])
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = bytearray(size)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    nvrtc.nvrtcDestroyProgram(prog)
-    log = log.decode(errors="replace")
+    err, log = ptxas_log(os.path.join(HERE, "flash_attn.cu"))
     assert not err and "C751" not in log, log
     entry = log.split("Function properties for attention_backward_dkv_tma_kernel_64")[1]
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in entry.splitlines()[1], entry[:300]

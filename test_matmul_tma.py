@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import nanoeuler as ne  # noqa: E402
 import nanoeuler_cuda as nc  # noqa: E402
+from test_attention_tma import ptxas_log  # noqa: E402  (flash_attn.cu through NVRTC for sm_90a: the log)
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emulator needs g++")
 SMS = 2                 # persistent blocks: fewer than the tiles, so each walks several (and its stages' rounds)
@@ -141,16 +142,7 @@ def test_ptxas_keeps_the_products_wgmma_asynchronous_and_spills_nothing():
     # as nanoeuler_cuda builds flash_attn.cu on an H100 or H200: ptxas serializes wgmma it cannot prove safe (C7514,
     # C7519) or injects waits (C7517) without failing; a spill would put the 128 accumulators through local memory
     pytest.importorskip("cuda.bindings")
-    _, nvrtc = nc.import_cuda()
-    opts = [b"--gpu-architecture=sm_90a", b"-std=c++17", b"--use_fast_math", b"--ptxas-options=-v"]
-    source = open(os.path.join(HERE, "flash_attn.cu")).read().encode()
-    err, prog = nvrtc.nvrtcCreateProgram(source, b"flash_attn.cu", 0, [], [])
-    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    log = bytearray(size)
-    nvrtc.nvrtcGetProgramLog(prog, log)
-    nvrtc.nvrtcDestroyProgram(prog)
-    log = log.decode(errors="replace")
+    err, log = ptxas_log(os.path.join(HERE, "flash_attn.cu"))
     assert not err and "C751" not in log, log
     for entry in ("matmul_forward_tma_kernel", "matmul_swiglu_forward_tma_kernel"):
         props = log.split(f"Function properties for {entry}\n")[1]
