@@ -2211,30 +2211,27 @@ def check_products(rng, report):
     global PRODUCT_TMA
     on, PRODUCT_TMA = PRODUCT_TMA, True
     try:
-        check_products_tma(rng, report)
+        f64 = lambda x: np.asarray(x, np.float64)
+        for what, (M, N, K) in PRODUCT_CHECKS.items():
+            a, b = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)))
+            a_g, b_g, out = activation(a, True), activation(b, True), poisoned((M, N), True)
+            if not product_tma(out, a_g, b_g, N, K):
+                return                                             # cuBLAS: the model's checks cover it
+            matmul(out, a_g, b_g, M, N, K, trans_b=True)
+            ref = bf16_round(f64(a) @ f64(b).T)                    # (M, K) @ (K, N) -> (M, N)
+            report(f"product {what} {M}x{N}x{K} (TMA)", rel_diff(values(out), ref))
+            if what == "w_gate_up":
+                F = N // 2
+                gu, s, s_alone = poisoned((M, N), True), poisoned((M, F), True), poisoned((M, F), True)
+                matmul_swiglu_forward(gu, s, a_g, b_g, M, F, K)
+                swiglu_forward(s_alone, gu, M, F)
+                report(f"product {what} + swiglu: gu (TMA)", rel_diff(values(gu), ref))
+                s_ref = bf16_round(ne.swiglu_forward(f64(ref))[0])
+                report(f"product {what} + swiglu: s (TMA)", rel_diff(values(s), s_ref))
+                report(f"product {what} + swiglu: s == swiglu_forward's (bits)",
+                       float(not np.array_equal(s.download(), s_alone.download())))
     finally:
         PRODUCT_TMA = on
-
-
-def check_products_tma(rng, report):
-    f64 = lambda x: np.asarray(x, np.float64)
-    for what, (M, N, K) in PRODUCT_CHECKS.items():
-        a, b = bf16_round(rng.normal(size=(M, K))), bf16_round(rng.normal(size=(N, K)))
-        a_g, b_g, out = activation(a, True), activation(b, True), poisoned((M, N), True)
-        if not product_tma(out, a_g, b_g, N, K):
-            return                                                 # cuBLAS: the model's checks cover it
-        matmul(out, a_g, b_g, M, N, K, trans_b=True)
-        ref = bf16_round(f64(a) @ f64(b).T)                      # (M, K) @ (K, N) -> (M, N)
-        report(f"product {what} {M}x{N}x{K} (TMA)", rel_diff(values(out), ref))
-        if what == "w_gate_up":
-            F = N // 2
-            gu, s, s_alone = poisoned((M, N), True), poisoned((M, F), True), poisoned((M, F), True)
-            matmul_swiglu_forward(gu, s, a_g, b_g, M, F, K)
-            swiglu_forward(s_alone, gu, M, F)
-            report(f"product {what} + swiglu: gu (TMA)", rel_diff(values(gu), ref))
-            report(f"product {what} + swiglu: s (TMA)", rel_diff(values(s), bf16_round(ne.swiglu_forward(f64(ref))[0])))
-            report(f"product {what} + swiglu: s == swiglu_forward's (bits)",
-                   float(not np.array_equal(s.download(), s_alone.download())))
 
 
 def check_attention(rng, report):

@@ -138,6 +138,22 @@ def test_the_swiglu_product_switched_off_is_cublas_and_swiglu_forward(driver, mo
     assert nc.rel_diff(written(gu, M), nc.bf16_round(ref)) < 1e-4
 
 
+def test_check_runs_the_products_with_the_switch_off(driver, monkeypatch):
+    # check covers the TMA products whichever PRODUCT_TMA is, as it runs both attention passes; the switch is put back
+    monkeypatch.setattr(nc, "PRODUCT_TMA", False)
+    monkeypatch.setattr(nc, "PRODUCT_CHECKS", {"wo": (72, 256, 64), "w_gate_up": (72, 512, 64)})
+    lines = []
+    nc.check_products(np.random.default_rng(0), lambda what, err: lines.append((what, err)))
+    swiglu = "product w_gate_up + swiglu: "
+    assert [what for what, _ in lines] == ["product wo 72x256x64 (TMA)", "product w_gate_up 72x512x64 (TMA)",
+                                           swiglu + "gu (TMA)", swiglu + "s (TMA)",
+                                           swiglu + "s == swiglu_forward's (bits)"], lines
+    assert all(err < 1e-2 for _, err in lines[:-1]) and lines[-1][1] == 0.0, lines
+    assert {k for k, *_ in driver.kernels} == {"matmul_forward_tma_kernel", "matmul_swiglu_forward_tma_kernel",
+                                               "swiglu_forward_kernel"}, driver.kernels
+    assert nc.PRODUCT_TMA is False
+
+
 def test_ptxas_keeps_the_products_wgmma_asynchronous_and_spills_nothing():
     # as nanoeuler_cuda builds flash_attn.cu on an H100 or H200: ptxas serializes wgmma it cannot prove safe (C7514,
     # C7519) or injects waits (C7517) without failing; a spill would put the 128 accumulators through local memory
