@@ -757,10 +757,10 @@ def attention_backward(dqkv, dy, qkv, y, lse, delta, ds, B, T, Hq, Hkv, D, tma=N
 # the bf16 forward's products out = a @ b.T on compute capability 9.0 (H100, H200): flash_attn.cu's TMA product
 # (persistent blocks, wgmma fed by TMA, out through TMA stores: dev/variants/wgmma_probe.cu's
 # `_persistent_store_bn256`, 0.97-1.10x cuBLAS's time on the big model's four at batch 64 on an H100, dev/LOG.md),
-# and w_gate_up's with SwiGLU in its epilogue (matmul_swiglu_forward: no swiglu_forward pass); False: cuBLAS and
-# swiglu_forward everywhere (an A/B), and the default until check and bench have run it on an H100 or H200 (only
-# the CPU emulator has: dev/LOG.md)
-PRODUCT_TMA = False
+# and w_gate_up's with SwiGLU in its epilogue (matmul_swiglu_forward: no swiglu_forward pass). 1.0-1.1 ms of the
+# batch-64 step on an H100 (53.9-54.0 ms against 54.7-55.0, BENCHMARKS.md); False: cuBLAS and swiglu_forward
+# everywhere (an A/B)
+PRODUCT_TMA = True
 PRODUCT_BM, PRODUCT_BN, PRODUCT_STAGES = 128, 256, 4      # as in flash_attn.cu: a tile of out, and a's and b's stages
 # its dynamic shared memory: the stages, two 64 x 64 boxes of out a consumer, 1024 to align them, the mbarriers
 PRODUCT_SHARED = PRODUCT_STAGES * (PRODUCT_BM + PRODUCT_BN) * 64 * 2 + 4 * 8192 + 1024 + 8 * 2 * PRODUCT_STAGES

@@ -529,7 +529,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
     monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # the product's default, pinned here
-    monkeypatch.setattr(nc, "PRODUCT_TMA", True)                 # off in the product until a GPU has run it
+    monkeypatch.setattr(nc, "PRODUCT_TMA", True)                 # the product's default, pinned here
     return emulator_module().install(nc)
 
 

@@ -42,7 +42,7 @@ def driver(request, monkeypatch):
     pytest.importorskip("cuda.bindings")
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
-    monkeypatch.setattr(nc, "PRODUCT_TMA", True)                   # off in the product until a GPU has run it
+    monkeypatch.setattr(nc, "PRODUCT_TMA", True)                   # the product's default, pinned here
     driver = emulator_module().install(nc, sms=SMS, reverse=request.param)
     driver.kernels, launch = [], driver.cuLaunchKernel
     monkeypatch.setattr(driver, "cuLaunchKernel", lambda f, gx, gy, gz, bx, *rest: (
