@@ -61,7 +61,7 @@ import stat
 import threading
 import warnings
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 # one BLAS thread: training runs threads of its own ("a training step on every core"), and two layers
 # of threads on two cores made every step twice as slow; BLAS reads this as numpy loads, so it comes first
@@ -3030,7 +3030,7 @@ class Workers:
         self.line = (f"numpy {np.__version__}, {n} {kind}{('es' if procs else 's') * (n > 1)}{why}, "
                      f"{-(-batch // self.parts)}-row micro-batches, {blas} BLAS thread{'s' * (blas != '1')} each")
         if not procs:
-            self.flat, self.grad_bufs, self.map = flat, [np.zeros_like(flat) for _ in range(n)], self.threads.map
+            self.flat, self.grad_bufs = flat, [np.zeros_like(flat) for _ in range(n)]
             return
         self.memory = mmap.mmap(-1, (n + 1) * flat.nbytes)
         self.flat, *self.grad_bufs = np.frombuffer(self.memory, flat.dtype).reshape(n + 1, flat.size)
@@ -3075,12 +3075,23 @@ class Workers:
         return f.getvalue()
 
     def map(self, fn, *iterables):
-        """[fn(*args) for args in zip(*iterables)], item i on process i % n, in that order"""
+        """[fn(*args) for args in zip(*iterables)], in that order (item i on process i % n). Its waits are timed: in an
+        untimed one CPython misses a signal that lands while a handler runs (it waits again without looking)"""
         calls = list(zip(*iterables))
+        if not self.processes:
+            futures = [self.threads.submit(fn, *args) for args in calls]
+            while wait(futures, 0.5).not_done:
+                pass
+            return [f.result() for f in futures]
         try:
             for i, args in enumerate(calls):
                 self.conns[i % len(self.conns)].send_bytes(self._dump((fn, args)))
-            results = [self.conns[i % len(self.conns)].recv() for i in range(len(calls))]
+            results = []
+            for i in range(len(calls)):
+                conn = self.conns[i % len(self.conns)]
+                while not conn.poll(0.5):
+                    pass
+                results.append(conn.recv())
         except (EOFError, OSError):
             raise NanoEulerError("a training worker process died (out of memory?); free some memory, or "
                                  "lower --batch or --threads") from None

@@ -15,6 +15,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -252,6 +253,48 @@ def test_an_error_in_a_worker_process_is_raised_here_and_a_dead_one_is_one_sente
             ne.loss_and_grads(pool.flat, TINY, idx, targets, pool.grad_bufs, pool, 2)
     finally:
         pool.close()
+
+
+def held_step(pid, gate, timed_out):
+    """a step's work that (given a pid) signals that process once its main thread waits for the step, then holds until
+    the test opens the gate (at most 30 s: then it leaves the file timed_out)"""
+    asleep = 0
+    while pid and asleep < 50:         # asleep at 50 looks in a row, each letting the GIL go: not waiting for the GIL
+        asleep = asleep + 1 if open(f"/proc/{pid}/task/{pid}/stat").read().rsplit(") ", 1)[1][0] == "S" else 0
+    if pid:
+        os.kill(pid, signal.SIGUSR1)
+    if not select.select([gate], [], [], 30)[0]:
+        open(timed_out, "w").close()
+
+
+class Stop(Exception):
+    pass
+
+
+def test_a_signal_is_handled_while_the_main_thread_waits_for_the_step(tmp_path):
+    # the main thread blocks the signal, so the kernel gives it to another thread, which only sets CPython's flag:
+    # an untimed wait never looks at it until the step ends (as a second SIGTERM landing while the first one's
+    # handler ran, test_reliability's test_a_second_signal_quits_without_waiting_for_the_step_in_flight). (Worker
+    # processes' pipes wait the same way; under pytest a read there was woken anyway, so only threads are tested.)
+    pool = ne.Workers(ne.init_params(TINY), 2 * ne.MIN_ROWS, 2)
+    both = threading.Barrier(2)
+    list(pool.map(lambda _: both.wait(), range(2)))              # the two threads started (a start is a wait too)
+    r, w = os.pipe()
+    other = threading.Thread(target=select.select, args=([r], [], []))           # a thread the signal may go to
+    other.start()
+    old = signal.signal(signal.SIGUSR1, lambda *_: (_ for _ in ()).throw(Stop()))
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    try:
+        with pytest.raises(Stop):
+            list(pool.map(held_step, [os.getpid(), 0], [r] * 2, [str(tmp_path / "timed_out")] * 2))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGUSR1])
+        os.write(w, b"x")
+        other.join()
+        pool.close()
+        signal.signal(signal.SIGUSR1, old)
+        os.close(r), os.close(w)
+    assert not (tmp_path / "timed_out").exists()
 
 
 def test_worker_processes_end_when_the_main_process_is_killed():

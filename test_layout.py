@@ -29,11 +29,11 @@ import layout  # noqa: E402
 # 2,413, file 3,493, 31 names, 80 functions, comment share 0.280. The story's limit is the issue's (1,750);
 # the others are above the issue's targets because every guarantee stays (issue 30's closing notes say why):
 STORY_LINES = 1649                    # issue 30: 1,750; moves of guards and the run's log out of the story
-FILE_LINES = 3461                     # issue 30: 2,650; Workers +85; the --minutes methods +17; loop's saves +13
+FILE_LINES = 3472                     # issue 30: 2,650; Workers +96 (+11: map's timed waits); --minutes +17; saves +13
 STORY_NAMES_FROM_OPERATIONS = 12      # issue 30: 12
-OPERATIONS_LINES = 1575               # issue 30: 900; it holds what the story's moves took out of the story
-FUNCTIONS_TO_MODEL_FORWARD = 51       # issue 30: 25; what is left on train's path is real steps (parser, run
-                                      # folder, config and memory, data, model, workers, loop, step)
+OPERATIONS_LINES = 1586               # issue 30: 900; the story's moves out of it, Workers.map's timed waits (+11)
+FUNCTIONS_TO_MODEL_FORWARD = 52       # issue 30: 25; what is left on train's path is real steps (parser, run
+                                      # folder, config and memory, data, model, workers, loop, step; Workers.map)
 COMMENT_SHARE = 0.340                 # lines holding a comment or docstring; explanations are not cut to fit
 LINES_OVER_120 = 0
 
