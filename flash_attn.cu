@@ -1929,20 +1929,16 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul_swiglu_forward_tma_k
 // swiglu_backward in the epilogue (matmul_swiglu_backward_tma_kernel): ds = dx @ w_down (N = F), and instead of ds,
 // dgu (M, 2F) = (d gate, d up) of the tile's 256 features: for each 64 columns a consumer loads the gate and up of
 // its elements from gu (the forward's (M, 2F), 4 bytes a thread a pair, straight from global memory: there is no
-// shared memory left for them) while the stores before it drain, and writes d gate and d up into its two box
+// shared memory left for them) while it writes the 64 columns before, and writes d gate and d up into its two box
 // buffers with swiglu_backward_kernel's expression on the bf16-rounded ds (as that pass reads ds from memory), the
 // same compile options: the same bits as matmul + swiglu_backward (check and the tests compare them bit for bit).
 // 8 boxes a consumer a tile instead of 4; ds itself is not written (nothing else reads it).
 
-// box j of a consumer's 64 x 256 of ds (registers 32 j ..: columns 64 j ..) as d gate and d up into its two box
-// buffers (gate: mine, up: mine + 8 KB), stored at (x + 64 j, y) through map_gate and map_up (dgu's halves); gu's
-// gate and up loaded first (rows past M and features past F as 0: never stored), the buffers written once both
-// stores of the box before have read them (cp.async.bulk.wait_group.read 0)
-__device__ __forceinline__ void store_dgu_box(unsigned char* mine, const float* d, int j, const TensorMap* map_gate,
-                                              const TensorMap* map_up, const unsigned short* gu, int x, int y, int M,
-                                              int F, int wg) {
-    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
-    unsigned gate[16], up[16];                                    // bf16 pairs, register i's at (i - 32 j) / 2
+// gu's gate and up (bf16 pairs) of the elements of box j of a consumer's 64 x 256 of ds (registers 32 j ..:
+// columns 64 j ..), register i's pair at (i - 32 j) / 2; rows past M and features past F as 0 (never stored)
+__device__ __forceinline__ void load_gate_up(unsigned* gate, unsigned* up, int j, const unsigned short* gu, int x,
+                                             int y, int M, int F) {
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
 #pragma unroll
     for (int i = 32 * j; i < 32 * j + 32; i += 2) {
         int row = y + 16 * w + g + 8 * (i / 2 % 2), col = x + 8 * (i / 4) + 2 * q;   // F % 8 == 0: a pair is in or out
@@ -1950,6 +1946,15 @@ __device__ __forceinline__ void store_dgu_box(unsigned char* mine, const float* 
         bool in = row < M && col < F;
         gate[i / 2 % 16] = in ? *(const unsigned*)p : 0u, up[i / 2 % 16] = in ? *(const unsigned*)(p + F) : 0u;
     }
+}
+
+// box j of a consumer's 64 x 256 of ds as d gate and d up into its two box buffers (gate: mine, up: mine + 8 KB),
+// from load_gate_up's gate and up, stored at (x + 64 j, y) through map_gate and map_up (dgu's halves), the buffers
+// written once both stores of the box before have read them (cp.async.bulk.wait_group.read 0)
+__device__ __forceinline__ void store_dgu_box(unsigned char* mine, const float* d, int j, const unsigned* gate,
+                                              const unsigned* up, const TensorMap* map_gate, const TensorMap* map_up,
+                                              int x, int y, int M, int F, int wg) {
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
     if (lead) bulk_wait_read<0>();                                // both stores of the box before have read them
     named_barrier_sync(1 + wg, 128);
 #pragma unroll
@@ -2037,13 +2042,20 @@ __device__ void matmul_backward_tma(const TensorMap* map_a, const TensorMap* map
         if (lead) mbarrier_arrive(&empty[((n + 1) * steps - 1) % PRODUCT_STAGES]);   // the tile's last stage
         int y = tile / columns * PRODUCT_BM + 64 * (wg - 1), x = tile % columns * PRODUCT_BN;   // this consumer's part
         unsigned char* mine = (unsigned char*)(boxes + 2 * (wg - 1) * PRODUCT_BOX);
+        if constexpr (SWIGLU) {                                   // box j + 1's gate and up loaded under box j
+            unsigned gate[2][16], up[2][16];
+            load_gate_up(gate[0], up[0], 0, gu, x, y, M, N);
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            if constexpr (SWIGLU)
-                store_dgu_box(mine, d, j, map_c, map_up, gu, x, y, M, N, wg);
-            else
+            for (int j = 0; j < 4; j++) {
+                if (j < 3) load_gate_up(gate[(j + 1) % 2], up[(j + 1) % 2], j + 1, gu, x, y, M, N);
+                store_dgu_box(mine, d, j, gate[j % 2], up[j % 2], map_c, map_up, x, y, M, N, wg);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
                 store_box<false>(mine + j % 2 * 2 * PRODUCT_BOX, d, j, map_c, x + 64 * j, y, x + 64 * j < N && y < M,
                                  wg);
+        }
     }
     if (lead) bulk_wait_read<0>();                                // the boxes are read before the block ends
 }
