@@ -36,7 +36,9 @@ Three versions of the three passes, read in this order:
   on a GPU): "the bf16 backward's dk/dv pass on Hopper".
 The file also holds the Hopper product of the bf16 forward (c = a @ b.T, and
 w_gate_up's with SwiGLU in its epilogue: "the bf16 product on Hopper", after
-the attention passes), not attention, but built on the same TMA, mbarrier and
+the attention passes) and of the backward's data gradients (c = a @ b, and
+w_down's with swiglu_backward in its epilogue: "the backward's data gradients
+on Hopper", after it), not attention, but built on the same TMA, mbarrier and
 wgmma helpers, which live here and need this file's sm_90a build.
 D is a template parameter; the entry points at the bottom are written out for
 16, 32 and 64 (128 would need more than the 48 KB of shared memory a block gets
@@ -1906,6 +1908,172 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul_swiglu_forward_tma_k
     const __grid_constant__ TensorMap map_gate, const __grid_constant__ TensorMap map_up,
     const __grid_constant__ TensorMap map_s, int M, int F, int K) {
     matmul_forward_tma<true>(&map_a, &map_w, &map_gate, &map_up, &map_s, M, F, K);
+}
+
+// -----------------------------------------------------------------------------
+// the backward's data gradients on Hopper (sm_90a): c = a @ b, b row-major, and swiglu_backward in w_down's epilogue
+//
+// c (M, N) bf16 = a (M, K) @ b (K, N), b row-major (a weight W (K, N): dx = dy @ W, cuBLAS's "NN"), summed in fp32,
+// no accumulate: the bf16 backward's five data-gradient products (nanoeuler_cuda's matmul runs them here on compute
+// capability 9.0 when PRODUCT_TMA_BACKWARD is on). dev/variants/wgmma_probe.cu's wgmma_tma_persistent_store_nn_bn256
+// (1.02-1.10x cuBLAS's rate on the big model's four at batch 64, H100, dev/LOG.md), with the forward's one change:
+// any M, N, K with 16-byte-aligned rows (TMA's zeros past a tensor's end, its stores clipped there).
+//
+// The work: as the forward's product above (tiles of 128 x 256, persistent blocks, a producer warpgroup and two
+// consumers of 64 x 256, 4 stages, c through 64 x 64 TMA-stored boxes); only b's stage differs: b is read along its
+// rows, so a stage holds b's 256 columns as 4 TMA boxes of 64 columns x 64 k (a box row is 128 bytes of one k, the
+// most the 128-byte swizzle allows), each 8 KB, one after the other: wgmma's N-major layout (LBO 8 KB between the
+// groups of 64 columns, SBO 1024 between groups of 8 k, the 16 k of step kk at byte 2048 kk), read with its
+// transpose-b bit set. A box wholly past N is not loaded (its bytes not announced): the columns it would feed are
+// never stored, and no TMA then meets a box with no element inside the tensor.
+// swiglu_backward in the epilogue (matmul_swiglu_backward_tma_kernel): ds = dx @ w_down (N = F), and instead of ds,
+// dgu (M, 2F) = (d gate, d up) of the tile's 256 features: for each 64 columns a consumer loads the gate and up of
+// its elements from gu (the forward's (M, 2F), 4 bytes a thread a pair, straight from global memory: there is no
+// shared memory left for them) while it writes the 64 columns before, and writes d gate and d up into its two box
+// buffers with swiglu_backward_kernel's expression on the bf16-rounded ds (as that pass reads ds from memory), the
+// same compile options: the same bits as matmul + swiglu_backward (check and the tests compare them bit for bit).
+// 8 boxes a consumer a tile instead of 4; ds itself is not written (nothing else reads it).
+
+// gu's gate and up (bf16 pairs) of the elements of box j of a consumer's 64 x 256 of ds (registers 32 j ..:
+// columns 64 j ..), register i's pair at (i - 32 j) / 2; rows past M and features past F as 0 (never stored)
+__device__ __forceinline__ void load_gate_up(unsigned* gate, unsigned* up, int j, const unsigned short* gu, int x,
+                                             int y, int M, int F) {
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4;
+#pragma unroll
+    for (int i = 32 * j; i < 32 * j + 32; i += 2) {
+        int row = y + 16 * w + g + 8 * (i / 2 % 2), col = x + 8 * (i / 4) + 2 * q;   // F % 8 == 0: a pair is in or out
+        const unsigned short* p = gu + (long)row * 2 * F + col;
+        bool in = row < M && col < F;
+        gate[i / 2 % 16] = in ? *(const unsigned*)p : 0u, up[i / 2 % 16] = in ? *(const unsigned*)(p + F) : 0u;
+    }
+}
+
+// box j of a consumer's 64 x 256 of ds as d gate and d up into its two box buffers (gate: mine, up: mine + 8 KB),
+// from load_gate_up's gate and up, stored at (x + 64 j, y) through map_gate and map_up (dgu's halves), the buffers
+// written once both stores of the box before have read them (cp.async.bulk.wait_group.read 0)
+__device__ __forceinline__ void store_dgu_box(unsigned char* mine, const float* d, int j, const unsigned* gate,
+                                              const unsigned* up, const TensorMap* map_gate, const TensorMap* map_up,
+                                              int x, int y, int M, int F, int wg) {
+    int w = threadIdx.x % 128 / 32, g = threadIdx.x % 32 / 4, q = threadIdx.x % 4, lead = threadIdx.x % 128 == 0;
+    if (lead) bulk_wait_read<0>();                                // both stores of the box before have read them
+    named_barrier_sync(1 + wg, 128);
+#pragma unroll
+    for (int i = 32 * j; i < 32 * j + 32; i += 2) {
+        int row = 16 * w + g + 8 * (i / 2 % 2), chunk = i / 4 % 8, at = row * 128 + (chunk ^ row % 8) * 16 + 4 * q;
+        float dgate[2], dup[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {                             // kernels.cu's swiglu_backward_kernel, to the bit
+            unsigned gb = gate[i / 2 % 16], ub = up[i / 2 % 16];
+            float gt = __uint_as_float(h ? gb & 0xFFFF0000u : gb << 16);
+            float u = __uint_as_float(h ? ub & 0xFFFF0000u : ub << 16), ds = bf16_rounded(d[i + h]);
+            float sig = 1.0f / (1.0f + expf(-gt)), silu = gt * sig;
+            dgate[h] = ds * u * (sig + silu * (1.0f - sig));      // d silu / d gate
+            dup[h] = ds * silu;                                   // forward was: s = silu * up
+        }
+        *(unsigned*)(mine + at) = pack_bf16(dgate[0], dgate[1]);
+        *(unsigned*)(mine + 2 * PRODUCT_BOX + at) = pack_bf16(dup[0], dup[1]);
+    }
+    fence_proxy_async();                                          // the writes, visible to the TMA stores
+    named_barrier_sync(1 + wg, 128);
+    if (lead && x + 64 * j < F && y < M)
+        tma_store_2d(map_gate, mine, x + 64 * j, y), tma_store_2d(map_up, mine + 2 * PRODUCT_BOX, x + 64 * j, y);
+    if (lead) bulk_commit();
+}
+
+// c = a @ b (SWIGLU: dgu from ds = a @ b), as the section's header says. map_a: a's, boxes of 64 k x 128 rows;
+// map_b: b's (K rows of N), boxes of 64 columns x 64 k; map_c: c's (SWIGLU: dgu's gate half), boxes of 64 x 64;
+// SWIGLU: map_up dgu's up half, gu the forward's gate and up (M, 2F). N: columns of c (SWIGLU: F, of ds)
+template <bool SWIGLU>
+__device__ void matmul_backward_tma(const TensorMap* map_a, const TensorMap* map_b, const TensorMap* map_c,
+                                    const TensorMap* map_up, const unsigned short* gu, int M, int N, int K) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;      // the swizzle's 1024-byte pattern
+    constexpr int STAGE = (PRODUCT_BM + PRODUCT_BN) * PRODUCT_BK;    // bf16 a stage: a's 128 rows, then b's 256
+    unsigned short* stages = (unsigned short*)base;
+    unsigned short* boxes = stages + PRODUCT_STAGES * STAGE;         // 2 a consumer
+    unsigned long long* full = (unsigned long long*)(boxes + 4 * PRODUCT_BOX);
+    unsigned long long* empty = full + PRODUCT_STAGES;
+    int wg = threadIdx.x / 128, steps = (K + PRODUCT_BK - 1) / PRODUCT_BK, columns = (N + PRODUCT_BN - 1) / PRODUCT_BN;
+    int tiles = (M + PRODUCT_BM - 1) / PRODUCT_BM * columns;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < PRODUCT_STAGES; s++) {
+            mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
+            mbarrier_init(&empty[s], 2);                          // a thread of each consumer, done with the stage
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {                                                // the producer
+        setmaxnreg_dec<PRODUCT_PRODUCER_REGS>();
+        if (threadIdx.x == 0)
+            for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x)
+                for (int kt = 0; kt < steps; kt++, it++) {
+                    int s = it % PRODUCT_STAGES, k0 = kt * PRODUCT_BK, n0 = tile % columns * PRODUCT_BN;
+                    int nb = min(PRODUCT_BN / 64, (N - n0 + 63) / 64);   // b's boxes with a column inside N
+                    unsigned short* stage = stages + s * STAGE;
+                    mbarrier_wait(&empty[s], (it / PRODUCT_STAGES + 1) % 2);
+                    mbarrier_arrive_expect_tx(&full[s], (PRODUCT_BM + 64 * nb) * PRODUCT_BK * 2);   // zeros counted
+                    tma_load_2d(stage, map_a, k0, tile / columns * PRODUCT_BM, &full[s]);
+                    for (int j = 0; j < nb; j++)                  // box j: columns 64 j .. of the tile, 64 k
+                        tma_load_2d(stage + (PRODUCT_BM + 64 * j) * PRODUCT_BK, map_b, n0 + 64 * j, k0, &full[s]);
+                }
+        return;
+    }
+    setmaxnreg_inc<PRODUCT_CONSUMER_REGS>();
+    float d[PRODUCT_BN / 2];
+    int lead = threadIdx.x % 128 == 0;
+    for (int n = 0, tile = blockIdx.x; tile < tiles; n++, tile += gridDim.x) {
+        for (int kt = 0, it = n * steps; kt < steps; kt++, it++) {
+            int s = it % PRODUCT_STAGES;
+            mbarrier_wait(&full[s], it / PRODUCT_STAGES % 2);
+            unsigned as = shared_address(stages + s * STAGE + (wg - 1) * 64 * PRODUCT_BK);
+            unsigned bs = shared_address(stages + s * STAGE + PRODUCT_BM * PRODUCT_BK);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < PRODUCT_BK / 16; kk++)        // a: 16 k at byte 32 kk of a row; b: 16 k rows on
+                wgmma_bf16<PRODUCT_BN, 0, 1>(d, sw128_descriptor(as + 32 * kk, 16),
+                                             sw128_descriptor(bs + 2048 * kk, 8192), kt > 0 || kk > 0);
+            wgmma_commit();
+            wgmma_wait<1>();                                      // the step before is done: its stage is free
+            if (kt > 0 && lead) mbarrier_arrive(&empty[(it - 1) % PRODUCT_STAGES]);
+        }
+        wgmma_wait<0>();
+        fence_registers<PRODUCT_BN / 2>(d);
+        if (lead) mbarrier_arrive(&empty[((n + 1) * steps - 1) % PRODUCT_STAGES]);   // the tile's last stage
+        int y = tile / columns * PRODUCT_BM + 64 * (wg - 1), x = tile % columns * PRODUCT_BN;   // this consumer's part
+        unsigned char* mine = (unsigned char*)(boxes + 2 * (wg - 1) * PRODUCT_BOX);
+        if constexpr (SWIGLU) {                                   // box j + 1's gate and up loaded under box j
+            unsigned gate[2][16], up[2][16];
+            load_gate_up(gate[0], up[0], 0, gu, x, y, M, N);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                if (j < 3) load_gate_up(gate[(j + 1) % 2], up[(j + 1) % 2], j + 1, gu, x, y, M, N);
+                store_dgu_box(mine, d, j, gate[j % 2], up[j % 2], map_c, map_up, x, y, M, N, wg);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                store_box<false>(mine + j % 2 * 2 * PRODUCT_BOX, d, j, map_c, x + 64 * j, y, x + 64 * j < N && y < M,
+                                 wg);
+        }
+    }
+    if (lead) bulk_wait_read<0>();                                // the boxes are read before the block ends
+}
+
+// c (M, N) = a (M, K) @ b (K, N): grid = min(SMs, tiles), 384 threads, the forward's dynamic shared memory; the maps
+// as matmul_backward_tma says (nanoeuler_cuda's matmul_backward_tma)
+extern "C" __global__ void __launch_bounds__(384, 1) matmul_backward_tma_kernel(
+    const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_b,
+    const __grid_constant__ TensorMap map_c, int M, int N, int K) {
+    matmul_backward_tma<false>(&map_a, &map_b, &map_c, &map_c, nullptr, M, N, K);
+}
+
+// dgu (M, 2F) = swiglu_backward(ds = dx (M, K) @ w_down (K, F), gu): the same geometry, tiles of 256 features
+extern "C" __global__ void __launch_bounds__(384, 1) matmul_swiglu_backward_tma_kernel(
+    const __grid_constant__ TensorMap map_a, const __grid_constant__ TensorMap map_w,
+    const __grid_constant__ TensorMap map_gate, const __grid_constant__ TensorMap map_up, const unsigned short* gu,
+    int M, int F, int K) {
+    matmul_backward_tma<true>(&map_a, &map_w, &map_gate, &map_up, gu, M, F, K);
 }
 
 #endif

@@ -766,11 +766,21 @@ PRODUCT_BM, PRODUCT_BN, PRODUCT_STAGES = 128, 256, 4      # as in flash_attn.cu:
 PRODUCT_SHARED = PRODUCT_STAGES * (PRODUCT_BM + PRODUCT_BN) * 64 * 2 + 4 * 8192 + 1024 + 8 * 2 * PRODUCT_STAGES
 
 
-def product_tma(out, a, b, N, K):
-    """does matmul run flash_attn.cu's TMA product for out = a @ b.T (N, K: b's shape): bf16 a and out, b bf16 or a
-    weight with a bf16 copy (a buffer that stays put: its tensor map is made once), rows 16-byte aligned"""
+# the bf16 backward's data gradients out = a @ b, b a weight (K, N) row-major (dx = dy @ W: cuBLAS's "NN"), on
+# compute capability 9.0: flash_attn.cu's matmul_backward_tma_kernel (dev/variants/wgmma_probe.cu's
+# `_persistent_store_nn_bn256`, 1.02-1.10x cuBLAS's rate on the big model's four at batch 64 on an H100, dev/LOG.md),
+# and w_down's with swiglu_backward in its epilogue (matmul_swiglu_backward: no swiglu_backward pass, no ds). Off
+# until a GPU has timed it in a training step (dev/LOG.md's chapter says how); False: cuBLAS and swiglu_backward
+PRODUCT_TMA_BACKWARD = False
+
+
+def product_tma(out, a, b, N, K, backward=False):
+    """does matmul run flash_attn.cu's TMA product for out = a @ b.T (N, K: b's shape; backward: out = a @ b, b (K,
+    N), by PRODUCT_TMA_BACKWARD's switch): bf16 a and out, b bf16 or a weight with a bf16 copy (a buffer that stays
+    put: its tensor map is made once), rows 16-byte aligned"""
     b16 = b if bf16(b) else b.bf16
-    return (PRODUCT_TMA and gpu.arch == "90" and bf16(out) and bf16(a) and b16 is not None and N % 8 == 0
+    on = PRODUCT_TMA_BACKWARD if backward else PRODUCT_TMA
+    return (on and gpu.arch == "90" and bf16(out) and bf16(a) and b16 is not None and N % 8 == 0
             and K % 8 == 0 and all(x.ptr % 16 == 0 for x in (out, a, b16)))
 
 
@@ -797,6 +807,32 @@ def matmul_swiglu_forward(gu, s, a, w, M, F, K):
     tiles = ceil_div(M, PRODUCT_BM) * ceil_div(F, PRODUCT_BN // 2)
     gpu.launch("matmul_swiglu_forward_tma_kernel", min(tiles, gpu.sms), 384, *maps, int_arg(M), int_arg(F), int_arg(K),
                shared=PRODUCT_SHARED)
+
+
+def matmul_backward_tma(out, a, b, M, N, K):
+    """out (M, N) = a (M, K) @ b (K, N) (b row-major: a weight, dx = dy @ W) by flash_attn.cu's
+    matmul_backward_tma_kernel: the forward's geometry (128 x 256 tiles, any M, N, K), b's stage 4 boxes of 64
+    columns x 64 k"""
+    b16 = b if bf16(b) else b.bf16
+    maps = tensor_map(a, M, K, PRODUCT_BM), tensor_map(b16, K, N, 64), tensor_map(out, M, N, 64)
+    tiles = ceil_div(M, PRODUCT_BM) * ceil_div(N, PRODUCT_BN)
+    gpu.launch("matmul_backward_tma_kernel", min(tiles, gpu.sms), 384, *maps, int_arg(M), int_arg(N), int_arg(K),
+               shared=PRODUCT_SHARED)
+
+
+def matmul_swiglu_backward(dgu, ds, dx, w, gu, M, F, K):
+    """dgu (M, 2F) = swiglu_backward of ds = dx (M, K) @ w (K, F) (w_down) and gu (the forward's gate then up): one
+    pass of flash_attn.cu's matmul_swiglu_backward_tma_kernel where product_tma(backward) holds (ds not written;
+    dgu the same bits as matmul + swiglu_backward with that kernel's ds), else matmul into ds then swiglu_backward"""
+    if not (product_tma(dgu, dx, w, F, K, backward=True) and bf16(gu) and gu.ptr % 16 == 0):
+        matmul(ds, dx, w, M, F, K)
+        return swiglu_backward(dgu, ds, gu, M, F)
+    w16 = w if bf16(w) else w.bf16
+    halves = [tensor_map(dgu.view(f, (M, F)), M, F, 64, row_stride=2 * F) for f in (0, F)]   # d gate's, d up's
+    maps = tensor_map(dx, M, K, PRODUCT_BM), tensor_map(w16, K, F, 64), *halves
+    tiles = ceil_div(M, PRODUCT_BM) * ceil_div(F, PRODUCT_BN)
+    gpu.launch("matmul_swiglu_backward_tma_kernel", min(tiles, gpu.sms), 384, *maps, ptr_arg(gu), int_arg(M),
+               int_arg(F), int_arg(K), shared=PRODUCT_SHARED)
 
 
 # -----------------------------------------------------------------------------
@@ -880,10 +916,12 @@ class Cublas:
 
 
 def matmul(out, a, b, M, N, K, trans_a=False, trans_b=False, accumulate=False):
-    """row-major out (M,N) = op(a) @ op(b) (+= with accumulate): the forward's x @ W.T by flash_attn.cu's TMA
-    product where product_tma holds, everything else by cuBLAS"""
+    """row-major out (M,N) = op(a) @ op(b) (+= with accumulate): the forward's x @ W.T and the backward's dy @ W by
+    flash_attn.cu's TMA products where product_tma holds, everything else by cuBLAS"""
     if trans_b and not trans_a and not accumulate and product_tma(out, a, b, N, K):
         return matmul_forward_tma(out, a, b, M, N, K)
+    if not trans_b and not trans_a and not accumulate and product_tma(out, a, b, N, K, backward=True):
+        return matmul_backward_tma(out, a, b, M, N, K)
     gpu.cublas.gemm(out, a, b, M, N, K, trans_a, trans_b, accumulate)
 
 
@@ -1123,9 +1161,9 @@ class GPUModel:
             w = lambda name: p[f"layers.{l}.{name}"]
             dw = lambda name: g[f"layers.{l}.{name}"]
             # forward was: x[l+1] = x_mid + s @ w_down.T
-            matmul(self.ds, self.dx, w("w_down"), N, F, C)
+            # dgu = swiglu_backward(dx @ w_down), in one pass where the TMA product runs (ds then not written)
+            matmul_swiglu_backward(self.dgu, self.ds, self.dx, w("w_down"), self.gu[l], N, F, C)
             matmul(dw("w_down"), self.dx, self.s[l], C, F, N, trans_a=True, accumulate=True)
-            swiglu_backward(self.dgu, self.ds, self.gu[l], N, F)
             matmul(self.dnorm_out, self.dgu, w("w_gate_up"), N, C, 2 * F)
             matmul(dw("w_gate_up"), self.dgu, self.mlp_in[l], 2 * F, C, N, trans_a=True, accumulate=True)
             # dx += : the residual stream's gradient takes both paths
@@ -2198,7 +2236,8 @@ def check_optimizer(rng, report):
 
 
 # check's TMA products: the big model's four forward products (M, N, K) at a ragged M (a row tile and 72 rows of
-# another), w_gate_up's also with SwiGLU (F = N / 2)
+# another), w_gate_up's also with SwiGLU (F = N / 2); and the backward's data gradients of the same weights,
+# (M, K) = (M, N) @ b (N, K), w_down's also with swiglu_backward (F = K)
 PRODUCT_CHECKS = {"wqkv": (200, 1280, 768), "wo": (200, 768, 768), "w_gate_up": (200, 4096, 768),
                   "w_down": (200, 768, 2048)}
 
@@ -2206,10 +2245,12 @@ PRODUCT_CHECKS = {"wqkv": (200, 1280, 768), "wo": (200, 768, 768), "w_gate_up": 
 def check_products(rng, report):
     """flash_attn.cu's TMA products (compute capability 9.0; elsewhere none) against float64 of the same bf16
     inputs, rounded as they round: PRODUCT_CHECKS, and w_gate_up's with SwiGLU: gu, s, and s against
-    swiglu_forward's from that gu, bit for bit (the same math on the same bf16 gate and up); with PRODUCT_TMA on
-    for the time, as check runs both attention passes whichever is the default"""
-    global PRODUCT_TMA
-    on, PRODUCT_TMA = PRODUCT_TMA, True
+    swiglu_forward's from that gu, bit for bit (the same math on the same bf16 gate and up); each weight's data
+    gradient dy @ b, and w_down's with swiglu_backward: dgu, and dgu against swiglu_backward's from that product's
+    ds, bit for bit. With PRODUCT_TMA and PRODUCT_TMA_BACKWARD on for the time, as check runs both attention
+    passes whichever is the default"""
+    global PRODUCT_TMA, PRODUCT_TMA_BACKWARD
+    on, PRODUCT_TMA, on_backward, PRODUCT_TMA_BACKWARD = PRODUCT_TMA, True, PRODUCT_TMA_BACKWARD, True
     try:
         f64 = lambda x: np.asarray(x, np.float64)
         for what, (M, N, K) in PRODUCT_CHECKS.items():
@@ -2230,8 +2271,23 @@ def check_products(rng, report):
                 report(f"product {what} + swiglu: s (TMA)", rel_diff(values(s), s_ref))
                 report(f"product {what} + swiglu: s == swiglu_forward's (bits)",
                        float(not np.array_equal(s.download(), s_alone.download())))
+            dy = bf16_round(rng.normal(size=(M, N)))              # the data gradient: (M, N) @ b (N, K) -> (M, K)
+            dy_g, dx = activation(dy, True), poisoned((M, K), True)
+            matmul(dx, dy_g, b_g, M, K, N)
+            dx_ref = bf16_round(f64(dy) @ f64(b))
+            report(f"product {what} dx {M}x{K}x{N} (TMA)", rel_diff(values(dx), dx_ref))
+            if what == "w_down":                                   # ds = dy @ w_down, and swiglu_backward
+                F = K
+                gu = bf16_round(rng.normal(size=(M, 2 * F)))
+                gu_g, dgu, dgu_alone = activation(gu, True), poisoned((M, 2 * F), True), poisoned((M, 2 * F), True)
+                matmul_swiglu_backward(dgu, poisoned((M, F), True), dy_g, b_g, gu_g, M, F, N)
+                swiglu_backward(dgu_alone, dx, gu_g, M, F)         # dx: ds, from matmul_backward_tma_kernel
+                dgu_ref = bf16_round(ne.swiglu_backward(dx_ref, ne.swiglu_forward(f64(gu))[1]))
+                report(f"product {what} dx + swiglu_backward: dgu (TMA)", rel_diff(values(dgu), dgu_ref))
+                report(f"product {what} dx + swiglu_backward: dgu == swiglu_backward's (bits)",
+                       float(not np.array_equal(dgu.download(), dgu_alone.download())))
     finally:
-        PRODUCT_TMA = on
+        PRODUCT_TMA, PRODUCT_TMA_BACKWARD = on, on_backward
 
 
 def check_attention(rng, report):

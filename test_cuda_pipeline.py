@@ -530,6 +530,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(nc, "gpu", nc.gpu)
     monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # the product's default, pinned here
     monkeypatch.setattr(nc, "PRODUCT_TMA", True)                 # the product's default, pinned here
+    monkeypatch.setattr(nc, "PRODUCT_TMA_BACKWARD", True)        # off by default until timed; the checks run it
     return emulator_module().install(nc)
 
 
@@ -870,7 +871,8 @@ def test_training_checks_on_the_cpu_emulator(emulated, monkeypatch):
     # output is named to the part that printed it, as the device script's fallback reads it.
     # The emulator is compute capability 9.0: bf16 at D = 64 runs flash_attn.cu's TMA forward and
     # TMA dk/dv pass (their tensor maps through the stand-in driver), the mma.sync ones checked beside them, and
-    # the bf16 forward's products flash_attn.cu's TMA product (w_gate_up's with SwiGLU in its epilogue).
+    # the bf16 forward's products flash_attn.cu's TMA product (w_gate_up's with SwiGLU in its epilogue), and the
+    # backward's data gradients its NN product (w_down's with swiglu_backward in its epilogue).
     parts = check_parts_module()
     failed, misnamed, part, lines = [], [], None, []
     # check's TMA products at small shapes (the GPU's, the big model's, take minutes here): 2 SMs walking 6 tiles,
@@ -885,6 +887,9 @@ def test_training_checks_on_the_cpu_emulator(emulated, monkeypatch):
             misnamed.extend([] if parts.part_of(what) == part else [(part, what)])
         return report
 
+    launched, launch = set(), emulated.cuLaunchKernel                # (part, kernel) of each launch
+    monkeypatch.setattr(emulated, "cuLaunchKernel",
+                        lambda f, *rest: (launched.add((part, f.name)), launch(f, *rest))[1])
     table = parts.parts(np.random.default_rng(0), reporter)
     for part in table:
         if not part.startswith("decoding"):                       # the tests above and below
@@ -897,6 +902,13 @@ def test_training_checks_on_the_cpu_emulator(emulated, monkeypatch):
     assert {"matmul_forward_tma_kernel", "matmul_swiglu_forward_tma_kernel"} <= set(emulated.shared)
     assert {f"product {what} (TMA)" for what in ("wqkv 200x528x136", "w_gate_up + swiglu: s")} <= set(lines)
     assert "product w_gate_up + swiglu: s == swiglu_forward's (bits)" in lines
+    assert {"matmul_backward_tma_kernel", "matmul_swiglu_backward_tma_kernel"} <= set(emulated.shared)
+    # the bf16 model's gradients and steps through the backward's TMA products, swiglu_backward in w_down's
+    assert {(p, k) for p in ("model bf16", "step bf16", "sft bf16")
+            for k in ("matmul_backward_tma_kernel", "matmul_swiglu_backward_tma_kernel")} <= launched
+    assert ("step bf16", "swiglu_backward_kernel") not in launched
+    assert {"product wqkv dx 200x136x528 (TMA)", "product w_down dx + swiglu_backward: dgu (TMA)",
+            "product w_down dx + swiglu_backward: dgu == swiglu_backward's (bits)"} <= set(lines)
     assert {f"attention bf16 D=64 G=3 {what} ({kernel})" for what in ("forward", "dq", "dk", "dv")
             for kernel in ("TMA", "mma.sync")} <= set(lines)
     assert set(table) == {f"{what} {p}" for what in ("attention", "model") for p in ("fp32", "tf32", "bf16")} | \

@@ -655,6 +655,7 @@ def emulated(monkeypatch):
     monkeypatch.setattr(nc, "ATTENTION_FORWARD_TMA", False)
     monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", False)                         # and the mma.sync dk/dv pass
     monkeypatch.setattr(nc, "PRODUCT_TMA", False)                                    # and cuBLAS's products
+    monkeypatch.setattr(nc, "PRODUCT_TMA_BACKWARD", False)                           # in the backward too
     monkeypatch.setattr(nc, "check_products", lambda rng, report: None)   # TMA: test_matmul_tma runs it
     return driver
 

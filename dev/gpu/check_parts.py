@@ -5,7 +5,7 @@ kernel that faults leaves its CUDA context unusable), so that one part's error
 hides no other, and the summary says which part broke. NAME=VALUE arguments set
 nanoeuler_cuda's switches first, to see whether a fallback mends the part:
 BF16_ACTIVATIONS=False, GRAPH_STEP=False, DECODE_ATTENTION="'single'",
-DECODE_PDL=False, PRODUCT_TMA=False. Not part of NanoEuler.
+DECODE_PDL=False, PRODUCT_TMA=False, PRODUCT_TMA_BACKWARD=False. Not part of NanoEuler.
 
     python dev/gpu/check_parts.py --list
     python dev/gpu/check_parts.py --failed check.log     # the parts to run again, from check's output

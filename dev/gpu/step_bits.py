@@ -41,7 +41,9 @@ def main():
         m = engine.model
         products = "TMA" if nc.product_tma(m.gu[0], m.mlp_in[0], m.params["layers.0.w_gate_up"], 2 * cfg.F, cfg.C) \
             else "cuBLAS"
-        print(f"{run:<17} ({forward} forward, {dkv} dk/dv, {products} products): "
+        dx = "TMA" if nc.product_tma(m.dgu, m.dx, m.params["layers.0.w_down"], cfg.F, cfg.C, backward=True) \
+            else "cuBLAS"
+        print(f"{run:<17} ({forward} forward, {dkv} dk/dv, {products} products, {dx} data gradients): "
               f"losses {' '.join(f'{x:.6f}' for x in losses)}, "
               f"weights and moments {digest.hexdigest()[:16]}", flush=True)
         seen.append((losses, digest.hexdigest()))

@@ -5,8 +5,8 @@
 # model's bf16 steps the same bits from the graph twice and kernel by kernel (dev/gpu/step_bits.py;
 # stops before the timings if not); bench big at batch 64 and 16, the trees in turn, twice; each
 # tree's attention, product and SwiGLU timing (bench --profile at 64); PyTorch (torch.compile with
-# CUDA graphs) at 64 and 16 unless PYTORCH=0. (For a change of the products: PRODUCT_TMA = True in
-# the working tree.)
+# CUDA graphs) at 64 and 16 unless PYTORCH=0. (For a change of the products: PRODUCT_TMA = True, or
+# PRODUCT_TMA_BACKWARD = True, in the working tree.)
 source "$(dirname "$0")/common.sh"
 trees=". ${*:-ab_base}"
 run_check
