@@ -974,12 +974,16 @@ def test_check_runs_both_bf16_attention_forwards_and_both_dkv_passes(emulated, m
 
 @needs_nvrtc
 @needs_gxx
-def test_the_attention_passes_with_copies_landing_at_their_waits(emulated):
+@pytest.mark.parametrize("ahead", [0, 1], ids=["warps in turn", "warps ahead"])
+def test_the_attention_passes_with_copies_landing_at_their_waits(emulated, ahead):
     # flash_attn.cu's passes (fp32 CUDA cores, tf32 and bf16 tensor cores) with each cp.async held until the
     # cp.async.wait_group that covers it, the latest the PTX ISA allows (the emulator's default lands it at issue,
-    # the earliest): a tile read before its wait would read what the buffer held before
+    # the earliest): a tile read before its wait would read what the buffer held before; and with each warp running
+    # as far as it can before the next (a missing block barrier: a warp reads a tile before the others' copies into
+    # it landed, or overwrites one they have still to read)
     for lib in nc.gpu.modules.values():
         lib.emu_set_late_copies(1)
+        lib.emu_set_warps_ahead(ahead)
     errors = []
     try:
         for precision in ("fp32", "tf32", "bf16"):
@@ -988,5 +992,6 @@ def test_the_attention_passes_with_copies_landing_at_their_waits(emulated):
     finally:
         for lib in nc.gpu.modules.values():
             lib.emu_set_late_copies(0)
+            lib.emu_set_warps_ahead(0)
     bad = [(what, err) for what, err, precision in errors if not err < nc.TOLERANCE[precision]]
     assert errors and not bad, bad
