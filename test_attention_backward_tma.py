@@ -223,8 +223,8 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
 
 
 @needs_gxx
-@pytest.mark.parametrize("reverse, ahead", [(False, False), (True, False), (False, True)],
-                         ids=["in order", "threads in reverse", "warps ahead"])
+@pytest.mark.parametrize("reverse, ahead", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["in order", "threads in reverse", "warps ahead", "warps ahead, reversed"])
 def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse, ahead):
     # flash_attn.cu's attention_backward_dkv_tma_kernel_64 (this file's `_turns_64`, persistent) through the
     # product's own launch: nanoeuler_cuda.attention_backward on the emulator's stand-in driver (compute capability
@@ -232,7 +232,8 @@ def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse, a
     # from its delta kernel, dq from its mma.sync dq pass on the ds stored) at each shape and at T 150 (lse's and
     # delta's rows of T floats no multiple of 16 bytes: the emulator refuses a copy that starts unaligned, as an
     # H100 does with CUDA_ERROR_ILLEGAL_INSTRUCTION) against float64, every element written; the warps of a block in
-    # order, reversed, and each running as far as it can before the next (a missing barrier shows)
+    # order, reversed, and each running as far as it can before the next (a missing barrier shows), in order and
+    # reversed
     pytest.importorskip("cuda.bindings")
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc

@@ -4,9 +4,9 @@ blocks, c through TMA stores; dev/variants/wgmma_probe.cu's `_persistent_store_b
 matmul, and its SwiGLU version (matmul_swiglu_forward_tma_kernel: gu and s = silu(gate) * up in one pass) by
 matmul_swiglu_forward, on tools/emulate_cuda.py's CPU emulator (compute capability 9.0, the stand-in driver's tensor
 maps), against numpy in float64: several tiles a persistent block, M, N, K and F that end inside a tile, the threads
-in order, reversed, and each warp ahead of the next (--warps-ahead); nothing written past M rows or N columns; s the
-same bits as swiglu_forward's from gu; the switch off gives cuBLAS (and swiglu_forward); ptxas keeps their wgmma
-asynchronous and spills nothing.
+in order, reversed, and each warp ahead of the next (--warps-ahead, in order and reversed); nothing written past M
+rows or N columns; s the same bits as swiglu_forward's from gu; the switch off gives cuBLAS (and swiglu_forward);
+ptxas keeps their wgmma asynchronous and spills nothing.
 
     python -m pytest -q test_matmul_tma.py
 """
@@ -38,9 +38,10 @@ def emulator_module():
 
 
 # the emulator's schedules: the warps of a block a barrier at a time in order, in reverse, and each warp as far as it
-# can before the next (warps ahead: a missing barrier lets a warp overwrite a box another has still to store)
-@pytest.fixture(params=[(False, False), (True, False), (False, True)],
-                ids=["in order", "threads in reverse", "warps ahead"])
+# can before the next (warps ahead: a missing barrier lets a warp overwrite a box another has still to store), in
+# order and reversed (the last warps first: a barrier after what the first warp sets up)
+@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["in order", "threads in reverse", "warps ahead", "warps ahead, reversed"])
 def driver(request, monkeypatch):
     """nanoeuler_cuda on the emulator, SMS SMs; its launches recorded (kernel, grid, threads, shared bytes)"""
     pytest.importorskip("cuda.bindings")
