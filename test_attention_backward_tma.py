@@ -1,13 +1,14 @@
 """
 dev/variants/attention_backward_tma.cu (the dk/dv and dq passes of the bf16 attention backward at D = 64 with
 warpgroup MMA fed by TMA, issue 36) on tools/emulate_cuda.py's CPU emulator: dk, dv and the ds tiles it stores for
-the dq pass (in flash_attn.cu's order), and dq from them, against numpy in float64 at small shapes (causal, GQA,
-a T that ends inside a key tile, an odd number of key tiles: a block's second consumer with no keys), its tensor
-maps made by the emulator's stand-in driver as the GPU script makes them; the same kernel with its causal mask
-taken out is off by far more; NVRTC compiles it for sm_90a, and ptxas keeps its wgmma asynchronous with no
-spills. `python dev/variants/attention_backward_tma.py` checks and times it on a GPU. The product's copy of the
-dk/dv pass's turns version (flash_attn.cu's attention_backward_dkv_tma_kernel_64) too, launched by
-nanoeuler_cuda.attention_backward with its tensor maps (the dq pass the product's mma.sync one), and through ptxas.
+the dq pass (in flash_attn.cu's order), and dq from them, against numpy in float64 at small shapes (causal, GQA, a T
+that ends inside a key tile, an odd number of key tiles: a block's second consumer with no keys), its tensor maps
+made by the emulator's stand-in driver as the GPU script makes them; the same kernel with its causal mask taken out
+is off by far more; each version again with the emulator's warps ahead (--warps-ahead); NVRTC compiles it for
+sm_90a, and ptxas keeps its wgmma asynchronous with no spills. `python dev/variants/attention_backward_tma.py`
+checks and times it on a GPU. The product's copy of the dk/dv pass's turns version (flash_attn.cu's
+attention_backward_dkv_tma_kernel_64) too, launched by nanoeuler_cuda.attention_backward with its tensor maps (the
+dq pass the product's mma.sync one), and through ptxas.
 """
 
 import ctypes
@@ -158,6 +159,21 @@ def test_the_dq_pass_on_the_emulator_against_float64(variant, dq_name, shape):
 
 
 @needs_gxx
+def test_each_version_and_dq_pass_with_each_warp_ahead(variant):
+    # the emulator's warps ahead (each warp of a block runs as far as it can before the next, where they take turns a
+    # barrier at a time): a missing barrier or mbarrier wait lets a warp read a stage before it is filled, or refill
+    # one the others still read; at the shape whose persistent blocks walk several units (and the stages' rounds)
+    variant.emu_set_warps_ahead(1)
+    try:
+        for name in script.VERSIONS:
+            assert max(run(variant, name, *SHAPES[2])) <= script.DKV_BOUND, name
+        for dq_name in script.DQ_VERSIONS:
+            assert run(variant, "tma dkv", *SHAPES[2], dq_name=dq_name) <= script.DKV_BOUND, dq_name
+    finally:
+        variant.emu_set_warps_ahead(0)
+
+
+@needs_gxx
 def test_the_check_sees_a_broken_mask(tmp_path):
     text = open(KERNEL).read()
     old = "            if (edge && (query < key || query >= k.T)) p = 0.0f;\n"
@@ -207,20 +223,23 @@ def test_ptxas_keeps_every_wgmma_asynchronous_and_spills_nothing():
 
 
 @needs_gxx
-@pytest.mark.parametrize("reverse", [False, True], ids=["in order", "threads in reverse"])
-def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse):
+@pytest.mark.parametrize("reverse, ahead", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["in order", "threads in reverse", "warps ahead", "warps ahead, reversed"])
+def test_the_products_copy_as_nanoeuler_cuda_launches_it(monkeypatch, reverse, ahead):
     # flash_attn.cu's attention_backward_dkv_tma_kernel_64 (this file's `_turns_64`, persistent) through the
     # product's own launch: nanoeuler_cuda.attention_backward on the emulator's stand-in driver (compute capability
     # 9.0: its tensor maps, shared memory allowed, SMS persistent blocks; y and lse from the product's forward, delta
     # from its delta kernel, dq from its mma.sync dq pass on the ds stored) at each shape and at T 150 (lse's and
     # delta's rows of T floats no multiple of 16 bytes: the emulator refuses a copy that starts unaligned, as an
-    # H100 does with CUDA_ERROR_ILLEGAL_INSTRUCTION) against float64, every element written
+    # H100 does with CUDA_ERROR_ILLEGAL_INSTRUCTION) against float64, every element written; the warps of a block in
+    # order, reversed, and each running as far as it can before the next (a missing barrier shows), in order and
+    # reversed
     pytest.importorskip("cuda.bindings")
     sys.path.insert(0, HERE)
     import nanoeuler_cuda as nc
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
-    driver = emulator_module().install(nc, sms=SMS, reverse=reverse)
+    driver = emulator_module().install(nc, sms=SMS, reverse=reverse, warps_ahead=ahead)
     nc.gpu.precision = "bf16"
     monkeypatch.setattr(nc, "ATTENTION_BACKWARD_TMA", True)      # the product's default, pinned here
     calls, launch = [], nc.attention_backward_dkv_tma

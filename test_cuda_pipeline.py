@@ -986,12 +986,22 @@ def test_check_runs_both_bf16_attention_forwards_and_both_dkv_passes(emulated, m
 
 @needs_nvrtc
 @needs_gxx
-def test_the_attention_passes_with_copies_landing_at_their_waits(emulated):
+# the emulator's harsher schedules: each cp.async held until the wait that covers it (late copies); each warp of a block
+# running as far as it can before the next (warps ahead), copies landing at issue; and that with the warps reversed
+@pytest.mark.parametrize("late, ahead, reverse", [(1, 0, 0), (0, 1, 0), (0, 1, 1)],
+                         ids=["late copies", "warps ahead", "warps ahead, reversed"])
+def test_the_attention_passes_with_copies_landing_at_their_waits(emulated, late, ahead, reverse):
     # flash_attn.cu's passes (fp32 CUDA cores, tf32 and bf16 tensor cores) with each cp.async held until the
     # cp.async.wait_group that covers it, the latest the PTX ISA allows (the emulator's default lands it at issue,
-    # the earliest): a tile read before its wait would read what the buffer held before
+    # the earliest): a tile read before its wait would read what the buffer held before; or with each warp running
+    # as far as it can before the next, where they take turns a barrier at a time: a missing block barrier lets a
+    # warp read a tile before the others copied or wrote their part of it, or overwrite one they have still to read
+    # (with copies landing at issue: held to their waits, the overwrite would land too late to show), and reversed,
+    # the last warps first (a value the first warps write and the last read)
     for lib in nc.gpu.modules.values():
-        lib.emu_set_late_copies(1)
+        lib.emu_set_late_copies(late)
+        lib.emu_set_warps_ahead(ahead)
+        lib.emu_set_reverse(reverse)
     errors = []
     try:
         for precision in ("fp32", "tf32", "bf16"):
@@ -1000,5 +1010,7 @@ def test_the_attention_passes_with_copies_landing_at_their_waits(emulated):
     finally:
         for lib in nc.gpu.modules.values():
             lib.emu_set_late_copies(0)
+            lib.emu_set_warps_ahead(0)
+            lib.emu_set_reverse(0)
     bad = [(what, err) for what, err, precision in errors if not err < nc.TOLERANCE[precision]]
     assert errors and not bad, bad

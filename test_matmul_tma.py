@@ -4,11 +4,12 @@ blocks, c through TMA stores; dev/variants/wgmma_probe.cu's `_persistent_store_b
 matmul, and its SwiGLU version (matmul_swiglu_forward_tma_kernel: gu and s = silu(gate) * up in one pass) by
 matmul_swiglu_forward, on tools/emulate_cuda.py's CPU emulator (compute capability 9.0, the stand-in driver's tensor
 maps), against numpy in float64: several tiles a persistent block, M, N, K and F that end inside a tile, the threads
-in order and reversed; nothing written past M rows or N columns; s the same bits as swiglu_forward's from gu; the
-switch off gives cuBLAS (and swiglu_forward); ptxas keeps their wgmma asynchronous and spills nothing. Likewise the
-backward's data gradients (matmul_backward_tma_kernel: c = a @ b, b row-major, `_persistent_store_nn_bn256`) and
-w_down's with swiglu_backward in its epilogue (matmul_swiglu_backward_tma_kernel: dgu the same bits as matmul +
-swiglu_backward), by PRODUCT_TMA_BACKWARD's switch.
+in order, reversed, and each warp ahead of the next (--warps-ahead, in order and reversed); nothing written past M
+rows or N columns; s the same bits as swiglu_forward's from gu; the switch off gives cuBLAS (and swiglu_forward);
+ptxas keeps their wgmma asynchronous and spills nothing. Likewise the backward's data gradients
+(matmul_backward_tma_kernel: c = a @ b, b row-major, `_persistent_store_nn_bn256`) and w_down's with swiglu_backward
+in its epilogue (matmul_swiglu_backward_tma_kernel: dgu the same bits as matmul + swiglu_backward), by
+PRODUCT_TMA_BACKWARD's switch.
 
     python -m pytest -q test_matmul_tma.py
 """
@@ -39,15 +40,20 @@ def emulator_module():
     return emulator
 
 
-@pytest.fixture(params=[False, True], ids=["in order", "threads in reverse"])
+# the emulator's schedules: the warps of a block a barrier at a time in order, in reverse, and each warp as far as it
+# can before the next (warps ahead: a missing barrier lets a warp overwrite a box another has still to store), in
+# order and reversed (the last warps first: a barrier after what the first warp sets up)
+@pytest.fixture(params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["in order", "threads in reverse", "warps ahead", "warps ahead, reversed"])
 def driver(request, monkeypatch):
     """nanoeuler_cuda on the emulator, SMS SMs; its launches recorded (kernel, grid, threads, shared bytes)"""
     pytest.importorskip("cuda.bindings")
     monkeypatch.setattr(nc, "cu", nc.cu)
     monkeypatch.setattr(nc, "gpu", nc.gpu)
     monkeypatch.setattr(nc, "PRODUCT_TMA", True)                   # the product's default, pinned here
-    monkeypatch.setattr(nc, "PRODUCT_TMA_BACKWARD", True)          # on here (the default until a GPU has timed it)
-    driver = emulator_module().install(nc, sms=SMS, reverse=request.param)
+    monkeypatch.setattr(nc, "PRODUCT_TMA_BACKWARD", True)          # on here (off by default until a GPU times it)
+    reverse, ahead = request.param
+    driver = emulator_module().install(nc, sms=SMS, reverse=reverse, warps_ahead=ahead)
     driver.kernels, launch = [], driver.cuLaunchKernel
     monkeypatch.setattr(driver, "cuLaunchKernel", lambda f, gx, gy, gz, bx, *rest: (
         driver.kernels.append((f.name, gx, bx, rest[2])), launch(f, gx, gy, gz, bx, *rest))[1])

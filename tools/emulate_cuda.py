@@ -10,6 +10,14 @@ bookkeeping). Not part of NanoEuler: nothing imports it but the tests.
     python tools/emulate_cuda.py decoding      # nanoeuler_cuda.check_decoding, fp32 and bf16 (~5 min)
     python tools/emulate_cuda.py fast          # check_decode_logits on rows of up to 3 chunks (~5 s)
     python tools/emulate_cuda.py check         # `nanoeuler_cuda.py check`, all of it, as on a GPU (~6 min)
+    python tools/emulate_cuda.py --late-copies --warps-ahead training    # (any of them) a harsher schedule:
+
+--reverse runs blocks, and a block's threads between barriers, in reverse order;
+--late-copies lands each cp.async at the cp.async.wait_group that covers it, not at
+issue; --warps-ahead runs each warp of a block as far as it can before the next (up
+to a barrier that waits for another warp), not a barrier at a time, so a missing
+__syncthreads shows (a warp reads a tile others have still to copy, or overwrites
+one they have still to read). install(nc, reverse=, warps_ahead=) sets two of them.
 
 How: each module of nanoeuler_cuda.MODULES (kernels.cu as it stands and with
 -DFLOATX=bfloat16, flash_attn.cu) is compiled as C++ with g++ against a small
@@ -19,7 +27,8 @@ barriers the fibers meet at, __shared__ becomes static, and inline PTX becomes
 C++: the conversions to bf16 and tf32 (PTX), and flash_attn.cu's tensor-core
 helpers (TENSOR_CORE_HELPERS: mma.sync, whose fragments the warp's lanes trade
 as the PTX ISA lays them out; ldmatrix; cp.async, done at once, or with
---late-copies at the wait that covers it), and Hopper's
+--late-copies at the wait that covers it; with --warps-ahead each warp runs as far as
+it can before the next, where they take turns a barrier at a time), and Hopper's
 warpgroup MMA for kernels to come (WGMMA_HELPERS: wgmma.mma_async reading
 shared memory through matrix descriptors, every layout and swizzle, done at
 wgmma.wait_group; dev/variants/wgmma_probe.cu, test_wgmma.py) and what feeds it
@@ -225,6 +234,13 @@ static void fiber_main() {
 // whose result depends on it (a missing barrier, a last block that sums in its own order) shows
 static int emu_reverse;
 extern "C" void emu_set_reverse(int r) { emu_reverse = r; }
+// warps ahead: each warp in turn runs as far as it can (until its threads all wait for another warp's, at
+// __syncthreads or the like) before the next warp runs. Taking turns a barrier at a time, the warps of a block keep
+// together through their shuffles, ldmatrix and mma.sync (each a barrier of the warp), which hides a missing block
+// barrier; this way a warp reads a shared tile before the other warps' copies into it landed (late copies), or
+// overwrites one that they have still to read
+static int emu_warps_ahead;
+extern "C" void emu_set_warps_ahead(int ahead) { emu_warps_ahead = ahead; }
 
 // body(arg) in every thread of every block of the grid, the threads of a block as fibers
 static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
@@ -252,17 +268,22 @@ static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
             running = 0;
             unsigned long long events = emu_events;
             bool started = false;
+            unsigned long long warp_events = 0;                  // (warps ahead: when the warp's pass began)
             for (int k = 0; k < block; k++) {
+                if (k % 32 == 0) warp_events = emu_events;
                 int t = emu_reverse ? block - 1 - k : k;
                 Fiber& f = fibers[t];
-                if (f.done) continue;
-                cur = t, threadIdx = dim3e{f.tid, 0, 0};
-                if (!_setjmp(scheduler)) {
-                    if (!f.started) f.started = started = true, setcontext(&f.uc);
-                    else _longjmp(f.jb, 1);
+                if (!f.done) {
+                    cur = t, threadIdx = dim3e{f.tid, 0, 0};
+                    if (!_setjmp(scheduler)) {
+                        if (!f.started) f.started = started = true, setcontext(&f.uc);
+                        else _longjmp(f.jb, 1);
+                    }
                 }
-                running += !f.done;
+                // warps ahead: after the warp's last fiber, its fibers again while one of them got anywhere
+                if (emu_warps_ahead && k % 32 == 31 && emu_events != warp_events) k -= 32;
             }
+            for (int t = 0; t < block; t++) running += !fibers[t].done;
             if (running && !started && events == emu_events) {    // every live thread waits: for TMA copies, or
                 if (!emu_tma_pending()) emu_deadlock();              // for what no one will do
                 emu_tma_complete();
@@ -941,7 +962,7 @@ def load(path, defines=(), select=None, **build_options):
     lib.emu_launch.argtypes, lib.emu_launch.restype = [ctypes.c_int] * 5 + [ctypes.c_void_p], ctypes.c_void_p
     lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
     lib.emu_run.restype = ctypes.c_void_p
-    lib.emu_set_late_copies.argtypes = [ctypes.c_int]
+    lib.emu_set_late_copies.argtypes = lib.emu_set_warps_ahead.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -1264,9 +1285,10 @@ class Cublas:
             o[...] = o + A @ B if accumulate else A @ B
 
 
-def install(nc, sms=2, arch="90", reverse=False):
+def install(nc, sms=2, arch="90", reverse=False, warps_ahead=False):
     """nanoeuler_cuda (the module nc) on the emulator: its driver and its GPU, with the
-    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; -> the driver"""
+    modules of nc.MODULES; reverse: blocks and fibers run in reverse order; warps_ahead:
+    each warp of a block runs as far as it can before the next; -> the driver"""
     from cuda.bindings import driver as real
     root = os.path.dirname(os.path.abspath(nc.__file__))
     nc.cu = driver = Driver(real, sms)
@@ -1276,6 +1298,7 @@ def install(nc, sms=2, arch="90", reverse=False):
                    for name, (file, defines, select) in SOURCES.items()}
     for lib in gpu.modules.values():
         lib.emu_set_reverse(int(reverse))
+        lib.emu_set_warps_ahead(int(warps_ahead))
     gpu.functions, gpu.last_kernel, gpu.precision, gpu.profile, gpu.shared_allowed = {}, None, "fp32", None, {}
     gpu.cublas = Cublas(nc)
     nc.gpu = gpu
@@ -1317,6 +1340,9 @@ def parse_args(argv=None):
     p.add_argument("--late-copies", action="store_true",
                    help="cp.async lands at the cp.async.wait_group that covers it, not at once (a read before its "
                         "wait shows)")
+    p.add_argument("--warps-ahead", action="store_true",
+                   help="each warp of a block runs as far as it can before the next, not a barrier at a time (a "
+                        "missing __syncthreads shows)")
     args = p.parse_args(argv)
     if bad := [w for w in args.what if w not in WHAT]:
         p.error(f"{bad[0]!r} is not a check this emulator runs; give some of {', '.join(WHAT)}, or none")
@@ -1329,7 +1355,7 @@ def main():
     sys.path.insert(0, HERE)
     import nanoeuler as ne
     import nanoeuler_cuda as nc
-    driver = install(nc, reverse=args.reverse)
+    driver = install(nc, reverse=args.reverse, warps_ahead=args.warps_ahead)
     for lib in nc.gpu.modules.values():
         lib.emu_set_late_copies(int(args.late_copies))
     if "check" in args.what:
