@@ -1431,9 +1431,11 @@ def read_turn(interactive, out):
         except EOFError:
             out.write("\n")                                   # Ctrl-D: "bye" on a line of its own
             return None
-    line = sys.stdin.buffer.readline()
+    line = sys.stdin.buffer.readline(1 << 20)                # a turn a line, held to 1 MB (`chat < /dev/zero`)
     if not line:
         return None
+    if len(line) == 1 << 20 and not line.endswith(b"\n"):
+        raise NanoEulerError("a line of chat's input is over 1 MB; chat reads one turn a line")
     text = line.decode("utf-8", errors="replace").strip()
     if text:
         out.write(f"you> {text}\n")

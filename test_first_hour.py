@@ -90,6 +90,16 @@ def chat_model(tmp_path_factory):
     return path
 
 
+def test_a_line_of_input_past_1_mb_is_one_sentence_not_all_memory(chat_model):
+    # /dev/zero has no newline: readline alone would hold it all
+    r = subprocess.run([sys.executable, os.path.join(HERE, "nanoeuler.py"), "chat", "--model", chat_model],
+                       stdin=open("/dev/zero", "rb"), capture_output=True, cwd=HERE)
+    assert r.returncode == 2 and r.stderr.decode().strip().splitlines() == [
+        "error: a line of chat's input is over 1 MB; chat reads one turn a line"], r.stderr.decode()[-2000:]
+    ok = run_cli("chat", "--model", chat_model, "--max-new-tokens", "1", stdin=b"x" * ((1 << 20) - 1) + b"\n/quit\n")
+    assert ok.returncode == 0, ok.stderr.decode()[-2000:]           # 1 MB with its newline is a turn
+
+
 def test_chat_commands_are_answered_not_sent(chat_model):
     r = run_cli("chat", "--model", chat_model, "--max-new-tokens", "3", "--temperature", "0",
                 stdin=b"/help\n/whatever\n/quit\n")

@@ -28,8 +28,8 @@ import layout  # noqa: E402
 # step by step and why, is in `git log -p test_layout.py`: the first figures (2026-12-04 morning) were story
 # 2,413, file 3,493, 31 names, 80 functions, comment share 0.280. The story's limit is the issue's (1,750);
 # the others are above the issue's targets because every guarantee stays (issue 30's closing notes say why):
-STORY_LINES = 1649                    # issue 30: 1,750; moves of guards and the run's log out of the story
-FILE_LINES = 3472                     # issue 30: 2,650; Workers +96 (+11: map's timed waits); --minutes +17; saves +13
+STORY_LINES = 1651                    # issue 30: 1,750; moves of guards and the run's log out; chat's 1 MB line +2
+FILE_LINES = 3474                     # issue 30: 2,650; Workers +96 (+11: map's timed waits); --minutes +17; saves +13
 STORY_NAMES_FROM_OPERATIONS = 12      # issue 30: 12
 OPERATIONS_LINES = 1586               # issue 30: 900; the story's moves out of it, Workers.map's timed waits (+11)
 FUNCTIONS_TO_MODEL_FORWARD = 52       # issue 30: 25; what is left on train's path is real steps (parser, run
