@@ -482,7 +482,7 @@ def test_the_emulator_run_bare_runs_its_default_checks(monkeypatch, capsys):
     class Started(Exception):
         pass
 
-    def install(nc, reverse):
+    def install(nc, **schedule):
         raise Started
     monkeypatch.setattr(emulator, "install", install)
     monkeypatch.setattr(sys, "argv", ["emulate_cuda.py"])
