@@ -1819,39 +1819,54 @@ __device__ __forceinline__ void store_box(unsigned char* box, const float* d, in
     if (lead) bulk_commit();
 }
 
+// a product block's dynamic shared memory, aligned to the swizzle's 1024-byte pattern: PRODUCT_STAGES stages (a's
+// 128 rows, then b's 256, 64 k each), 4 boxes of c (2 a consumer), then the stages' full and empty mbarriers, which
+// thread 0 sets up before the block's first barrier
+constexpr int PRODUCT_STAGE = (PRODUCT_BM + PRODUCT_BN) * PRODUCT_BK;
+struct ProductShared {
+    unsigned short *stages, *boxes;
+    unsigned long long *full, *empty;
+};
+
+__device__ ProductShared product_shared() {
+    extern __shared__ __align__(16) unsigned char smem[];
+    ProductShared p;
+    p.stages = (unsigned short*)(smem + (1024 - shared_address(smem) % 1024) % 1024);
+    p.boxes = p.stages + PRODUCT_STAGES * PRODUCT_STAGE;
+    p.full = (unsigned long long*)(p.boxes + 4 * PRODUCT_BOX);
+    p.empty = p.full + PRODUCT_STAGES;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < PRODUCT_STAGES; s++) {
+            mbarrier_init(&p.full[s], 1);                         // the producer's arrival, and the bytes
+            mbarrier_init(&p.empty[s], 2);                        // a thread of each consumer, done with the stage
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+    return p;
+}
+
 // c = a @ b.T (SWIGLU: gu and s), as the section's header says. map_a: a's, boxes of 64 k x 128 rows; map_b: b's,
 // 64 k x 256 rows (SWIGLU: w_gate_up's, 64 k x 128 rows); map_c: c's (SWIGLU: gu's gate half), boxes of 64 x 64;
 // SWIGLU: map_up gu's up half, map_s s's, the same boxes. N: columns of c (SWIGLU: F, of s)
 template <bool SWIGLU>
 __device__ void matmul_forward_tma(const TensorMap* map_a, const TensorMap* map_b, const TensorMap* map_c,
                                    const TensorMap* map_up, const TensorMap* map_s, int M, int N, int K) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;      // the swizzle's 1024-byte pattern
-    constexpr int STAGE = (PRODUCT_BM + PRODUCT_BN) * PRODUCT_BK;    // bf16 a stage: a's 128 rows, then b's 256
-    unsigned short* stages = (unsigned short*)base;
-    unsigned short* boxes = stages + PRODUCT_STAGES * STAGE;         // 2 a consumer
-    unsigned long long* full = (unsigned long long*)(boxes + 4 * PRODUCT_BOX);
-    unsigned long long* empty = full + PRODUCT_STAGES;
+    ProductShared p = product_shared();
+    unsigned short *stages = p.stages, *boxes = p.boxes;
+    unsigned long long *full = p.full, *empty = p.empty;
     constexpr int TILE_N = SWIGLU ? PRODUCT_BN / 2 : PRODUCT_BN;      // columns of c (SWIGLU: of s) a tile
     int wg = threadIdx.x / 128, steps = (K + PRODUCT_BK - 1) / PRODUCT_BK, columns = (N + TILE_N - 1) / TILE_N;
     int tiles = (M + PRODUCT_BM - 1) / PRODUCT_BM * columns;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < PRODUCT_STAGES; s++) {
-            mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
-            mbarrier_init(&empty[s], 2);                          // a thread of each consumer, done with the stage
-        }
-        fence_mbarrier_init();
-    }
-    __syncthreads();
     if (wg == 0) {                                                // the producer
         setmaxnreg_dec<PRODUCT_PRODUCER_REGS>();
         if (threadIdx.x == 0)
             for (int tile = blockIdx.x, it = 0; tile < tiles; tile += gridDim.x)
                 for (int kt = 0; kt < steps; kt++, it++) {
                     int s = it % PRODUCT_STAGES, k0 = kt * PRODUCT_BK, n0 = tile % columns * TILE_N;
-                    unsigned short* stage = stages + s * STAGE;
+                    unsigned short* stage = stages + s * PRODUCT_STAGE;
                     mbarrier_wait(&empty[s], (it / PRODUCT_STAGES + 1) % 2);
-                    mbarrier_arrive_expect_tx(&full[s], STAGE * 2);  // the whole boxes: TMA counts the zeros too
+                    mbarrier_arrive_expect_tx(&full[s], PRODUCT_STAGE * 2); // whole boxes: TMA counts the zeros too
                     tma_load_2d(stage, map_a, k0, tile / columns * PRODUCT_BM, &full[s]);
                     tma_load_2d(stage + PRODUCT_BM * PRODUCT_BK, map_b, k0, n0, &full[s]);
                     if (SWIGLU)                                   // the up rows of the same features, F rows on
@@ -1866,8 +1881,8 @@ __device__ void matmul_forward_tma(const TensorMap* map_a, const TensorMap* map_
         for (int kt = 0, it = n * steps; kt < steps; kt++, it++) {
             int s = it % PRODUCT_STAGES;
             mbarrier_wait(&full[s], it / PRODUCT_STAGES % 2);
-            unsigned as = shared_address(stages + s * STAGE + (wg - 1) * 64 * PRODUCT_BK);
-            unsigned bs = shared_address(stages + s * STAGE + PRODUCT_BM * PRODUCT_BK);
+            unsigned as = shared_address(stages + s * PRODUCT_STAGE + (wg - 1) * 64 * PRODUCT_BK);
+            unsigned bs = shared_address(stages + s * PRODUCT_STAGE + PRODUCT_BM * PRODUCT_BK);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < PRODUCT_BK / 16; kk++)        // 16 k at byte 32 kk of each 128-byte row
@@ -1986,23 +2001,11 @@ __device__ __forceinline__ void store_dgu_box(unsigned char* mine, const float* 
 template <bool SWIGLU>
 __device__ void matmul_backward_tma(const TensorMap* map_a, const TensorMap* map_b, const TensorMap* map_c,
                                     const TensorMap* map_up, const unsigned short* gu, int M, int N, int K) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    unsigned char* base = smem + (1024 - shared_address(smem) % 1024) % 1024;      // the swizzle's 1024-byte pattern
-    constexpr int STAGE = (PRODUCT_BM + PRODUCT_BN) * PRODUCT_BK;    // bf16 a stage: a's 128 rows, then b's 256
-    unsigned short* stages = (unsigned short*)base;
-    unsigned short* boxes = stages + PRODUCT_STAGES * STAGE;         // 2 a consumer
-    unsigned long long* full = (unsigned long long*)(boxes + 4 * PRODUCT_BOX);
-    unsigned long long* empty = full + PRODUCT_STAGES;
+    ProductShared p = product_shared();
+    unsigned short *stages = p.stages, *boxes = p.boxes;
+    unsigned long long *full = p.full, *empty = p.empty;
     int wg = threadIdx.x / 128, steps = (K + PRODUCT_BK - 1) / PRODUCT_BK, columns = (N + PRODUCT_BN - 1) / PRODUCT_BN;
     int tiles = (M + PRODUCT_BM - 1) / PRODUCT_BM * columns;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < PRODUCT_STAGES; s++) {
-            mbarrier_init(&full[s], 1);                           // the producer's arrival, and the bytes
-            mbarrier_init(&empty[s], 2);                          // a thread of each consumer, done with the stage
-        }
-        fence_mbarrier_init();
-    }
-    __syncthreads();
     if (wg == 0) {                                                // the producer
         setmaxnreg_dec<PRODUCT_PRODUCER_REGS>();
         if (threadIdx.x == 0)
@@ -2010,7 +2013,7 @@ __device__ void matmul_backward_tma(const TensorMap* map_a, const TensorMap* map
                 for (int kt = 0; kt < steps; kt++, it++) {
                     int s = it % PRODUCT_STAGES, k0 = kt * PRODUCT_BK, n0 = tile % columns * PRODUCT_BN;
                     int nb = min(PRODUCT_BN / 64, (N - n0 + 63) / 64);   // b's boxes with a column inside N
-                    unsigned short* stage = stages + s * STAGE;
+                    unsigned short* stage = stages + s * PRODUCT_STAGE;
                     mbarrier_wait(&empty[s], (it / PRODUCT_STAGES + 1) % 2);
                     mbarrier_arrive_expect_tx(&full[s], (PRODUCT_BM + 64 * nb) * PRODUCT_BK * 2);   // zeros counted
                     tma_load_2d(stage, map_a, k0, tile / columns * PRODUCT_BM, &full[s]);
@@ -2026,8 +2029,8 @@ __device__ void matmul_backward_tma(const TensorMap* map_a, const TensorMap* map
         for (int kt = 0, it = n * steps; kt < steps; kt++, it++) {
             int s = it % PRODUCT_STAGES;
             mbarrier_wait(&full[s], it / PRODUCT_STAGES % 2);
-            unsigned as = shared_address(stages + s * STAGE + (wg - 1) * 64 * PRODUCT_BK);
-            unsigned bs = shared_address(stages + s * STAGE + PRODUCT_BM * PRODUCT_BK);
+            unsigned as = shared_address(stages + s * PRODUCT_STAGE + (wg - 1) * 64 * PRODUCT_BK);
+            unsigned bs = shared_address(stages + s * PRODUCT_STAGE + PRODUCT_BM * PRODUCT_BK);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < PRODUCT_BK / 16; kk++)        // a: 16 k at byte 32 kk of a row; b: 16 k rows on
