@@ -697,6 +697,36 @@ __device__ __forceinline__ void decode_launch_next() {
 #endif
 }
 
+// decode_layers' stages (below) meet through counters in global memory, one a stage: a block adds 1 to a stage's
+// counter once its part of the stage is written (stage_arrive), and a block that reads a stage's output waits until
+// its counter holds every block of the grid (stage_wait): cooperative groups' grid sync, a counter a stage, so none
+// is reset within a pass. The __syncthreads before the release orders the block's writes before thread 0's; the
+// acquire, then __syncthreads, orders every thread's reads after the other blocks' writes (an acquire at gpu scope
+// drops what the SM's L1 holds). Every block of the grid must be resident at once: the host launches no more blocks
+// than fit (cuOccupancyMaxActiveBlocksPerMultiprocessor). Both are called by every thread of the block.
+__device__ __forceinline__ void stage_arrive(int* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counter) : "memory");
+}
+
+__device__ __forceinline__ void stage_wait(const int* counter, int target) {
+    if (threadIdx.x == 0) {
+        int seen;
+        do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        while (seen < target);
+    }
+    __syncthreads();
+}
+
+// how a decode function waits for what it reads: a kernel launched on its own waits for the kernel before it
+// (decode_wait; `ready` null), a stage of decode_layers for `ready` (the stage before's counter) to reach `blocks`
+struct DecodeSync {
+    const int* ready;
+    int blocks;
+    __device__ __forceinline__ void launch_next() const { if (!ready) decode_launch_next(); }
+    __device__ __forceinline__ void wait() const { if (!ready) decode_wait(); else stage_wait(ready, blocks); }
+};
+
 __device__ __forceinline__ float4 load4(const float* p) { return *(const float4*)p; }
 
 // elements d0 .. d0+N-1 (N = 1 or 4) of query head slot g of one row's attention, from the `chunks`
@@ -905,19 +935,19 @@ __device__ __forceinline__ void warp_sums(float (*part_sum)[DECODE_MAX_ROWS], fl
 // rows they spilled 12-16 bytes: the accumulators are DECODE_OUTS x DECODE_MAX_ROWS registers whatever R)
 template <typename W, int MODE>
 __device__ void decode_matvec(float* out, const float* in, const W* w, const float* norm_w, int R, int In, int Out,
-                              int ld_out, int accumulate, int splits, const int* pos = nullptr, int Hq = 0,
-                              int Hkv = 0, int gz = 0) {
+                              int ld_out, int accumulate, int splits, int block, DecodeSync sync,
+                              const int* pos = nullptr, int Hq = 0, int Hkv = 0, int gz = 0) {
     __shared__ float part_sum[8][DECODE_OUTS][DECODE_MAX_ROWS], part_ss[8][DECODE_MAX_ROWS];
     const int E = 16 / sizeof(W);                                  // weights per 16-byte load
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, groups = 8 / splits;   // groups of outputs a block
-    int o0 = (blockIdx.x * groups + warp / splits) * DECODE_OUTS, part = warp % splits;
+    int o0 = (block * groups + warp / splits) * DECODE_OUTS, part = warp % splits;
     int chunks = In / E, per_part = (chunks + splits - 1) / splits;
     int c0 = part * per_part, c1 = o0 < Out ? min(chunks, c0 + per_part) : c0;   // c1 <= c0: no work
     const uint4* rows[DECODE_OUTS];
     uint4 raw[DECODE_OUTS][DECODE_LOADS];
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) rows[j] = (const uint4*)(w + (long)min(o0 + j, Out - 1) * In);
-    decode_launch_next();
+    sync.launch_next();
 #pragma unroll
     for (int j = 0; j < DECODE_OUTS; j++) matvec_load(raw[j], rows[j], c0 + lane, c1);
     int p0 = MODE == IN_ATTENTION ? *pos : 0;                      // no kernel of a pass writes *pos
@@ -926,14 +956,14 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     // (a one-row pass 213.1 -> 211.0 us, a 4-row pass 356.2 -> 348.6 us on an H200); both before the
     // combine (after it, the division t % R and this load waited for the combine and its barrier)
     int t = threadIdx.x, r = t % R, k = t / R, g = k / DECODE_OUTS, j = k % DECODE_OUTS;
-    int o = (blockIdx.x * groups + g) * DECODE_OUTS + j;
+    int o = (block * groups + g) * DECODE_OUTS + j;
     bool writes = k < groups * DECODE_OUTS && o < Out;
     // combine_rows' first item a thread (at one row its only one, In <= 1024): its place worked out now, from
     // the launch's arguments and *pos, and kept in shared memory: ptxas moves arithmetic past the wait as it
     // likes (it put these 200 instructions between the wait and the records' loads), but not a store
     __shared__ CombineItem first[256];                             // block 256
     if (MODE == IN_ATTENTION && t < R * In / 4) first[t] = combine_item(t, in, In, p0, Hq, Hkv, gz);
-    decode_wait();
+    sync.wait();
     float old = accumulate && writes ? out[(long)r * ld_out + o] : 0.0f;
     if (MODE == IN_ATTENTION) {                                    // the input, combined once a block
         extern __shared__ float attention_rows[];                  // R x In floats
@@ -990,45 +1020,49 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
-    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    decode_matvec<float, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, blockIdx.x, {});
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
-    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    decode_matvec<float, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, blockIdx.x, {});
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_f32_kernel(
     float* out, const float* in, const float* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
-    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    decode_matvec<float, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, blockIdx.x, {});
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_plain_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
-    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    decode_matvec<unsigned short, IN_PLAIN>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, blockIdx.x,
+                                            {});
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_rmsnorm_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
-    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    decode_matvec<unsigned short, IN_RMSNORM>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, blockIdx.x,
+                                              {});
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_swiglu_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const float* norm_w, int R, int In, int Out, int ld_out,
     int accumulate, int splits) {
-    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits);
+    decode_matvec<unsigned short, IN_SWIGLU>(out, in, w, norm_w, R, In, Out, ld_out, accumulate, splits, blockIdx.x,
+                                             {});
 }
 
 // and attention's output combined on the way in (the wo product of a step), written out too
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_attention_f32_kernel(
     float* out, const float* in, const float* w, const int* pos, int R, int In, int Out, int ld_out, int accumulate,
     int splits, int Hq, int Hkv, int gz) {
-    decode_matvec<float, IN_ATTENTION>(out, in, w, nullptr, R, In, Out, ld_out, accumulate, splits, pos, Hq, Hkv, gz);
+    decode_matvec<float, IN_ATTENTION>(out, in, w, nullptr, R, In, Out, ld_out, accumulate, splits, blockIdx.x, {},
+                                       pos, Hq, Hkv, gz);
 }
 extern "C" __global__ void __launch_bounds__(256, 2) decode_matvec_attention_bf16_kernel(
     float* out, const float* in, const unsigned short* w, const int* pos, int R, int In, int Out, int ld_out,
     int accumulate, int splits, int Hq, int Hkv, int gz) {
-    decode_matvec<unsigned short, IN_ATTENTION>(out, in, w, nullptr, R, In, Out, ld_out, accumulate, splits, pos, Hq,
-                                                Hkv, gz);
+    decode_matvec<unsigned short, IN_ATTENTION>(out, in, w, nullptr, R, In, Out, ld_out, accumulate, splits,
+                                                blockIdx.x, {}, pos, Hq, Hkv, gz);
 }
 
 // rope's rotation of one pair (a, b) = (x[i], x[i + D/2]) by the angle with cosine c and sine s,
@@ -1194,26 +1228,28 @@ extern "C" __global__ void attention_decode_kernel(float* y, float* k_cache, flo
 // block 256; grid = (Hkv * ceil(G / DECODE_HEADS), rows, at least ceil((*pos + row0 + rows) /
 // DECODE_CHUNK) (blocks past a row's keys return)); D = 8, 16, 32, 64 or 128 (the entry
 // points); partial: rows * gridDim.x * gridDim.z records of DECODE_HEADS * (D + 2) floats;
-// count: rows * gridDim.x ints, 0 before the first launch
+// count: rows * gridDim.x ints, 0 before the first launch. (bx, by, bz) is the block, gx and gz
+// the grid's x and z (in decode_layers, a block of this grid that a block of its own grid takes)
 template <int D>
 __device__ void attention_decode_split(float* y, float* partial, int* count, float* k_cache, float* v_cache,
                                        const float* qkv, const float* cos, const float* sin, const int* pos, int row0,
-                                       int Hq, int Hkv, float scale, int combine) {
+                                       int Hq, int Hkv, float scale, int combine, int bx, int by, int bz, int gx,
+                                       int gz, DecodeSync sync) {
     constexpr int S = D / 4, HALF = D / 2, KEYS = 256 / S, SWEEPS = (DECODE_CHUNK + KEYS - 1) / KEYS;
     constexpr int REC = DECODE_HEADS * (D + 2);                    // a record: acc (heads x D), m, l (heads)
     __shared__ float sh_m[8][DECODE_HEADS], sh_l[8][DECODE_HEADS];
     __shared__ __align__(16) float sh_acc[8][DECODE_HEADS][D];     // written as float4
     __shared__ int sh_last;
-    int G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS, group = blockIdx.x % groups;
-    int kvh = blockIdx.x / groups, h0 = kvh * G + group * DECODE_HEADS, nh = min(DECODE_HEADS, G - group * DECODE_HEADS);
-    int b = blockIdx.y, r = row0 + b, first = blockIdx.z * DECODE_CHUNK, H = Hq + 2 * Hkv;   // b: row in the launch
+    int G = Hq / Hkv, groups = (G + DECODE_HEADS - 1) / DECODE_HEADS, group = bx % groups;
+    int kvh = bx / groups, h0 = kvh * G + group * DECODE_HEADS, nh = min(DECODE_HEADS, G - group * DECODE_HEADS);
+    int b = by, r = row0 + b, first = bz * DECODE_CHUNK, H = Hq + 2 * Hkv;   // b: row in the launch
     int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, s = tid % S, jj = tid / S;
     bool lo = s < S / 2;                                           // elements 4s.. are in the first half
     int other = 4 * (s ^ (S / 2)), pair = 4 * (s % (S / 2));       // the other half's 4; rope's pair index
-    decode_launch_next();
+    sync.launch_next();
     int p0 = *pos, t_row = p0 + r, n = t_row + 1;                  // n: keys this row sees
     if (first >= n) {                                              // a chunk after the row's keys
-        decode_wait();
+        sync.wait();
         return;
     }
     int chunks = (n + DECODE_CHUNK - 1) / DECODE_CHUNK;
@@ -1229,7 +1265,7 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
             v[i] = load4(v_cache + e);
         }
     }
-    decode_wait();
+    sync.wait();
 #pragma unroll
     for (int i = 0; i < SWEEPS; i++) {                             // this pass's keys
         int j = first + jj + KEYS * i;
@@ -1343,7 +1379,7 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
         if (lane == 0) sh_l[warp][g] = l[g];
     }
     __syncthreads();
-    float* rec = partial + (((long)b * gridDim.x + blockIdx.x) * gridDim.z + blockIdx.z) * REC;
+    float* rec = partial + (((long)b * gx + bx) * gz + bz) * REC;
     for (int e = tid; e < nh * D; e += blockDim.x) {               // over the warps, in order
         int g = e / D, d = e % D;
         float a = 0.0f, den = 0.0f, mg = sh_m[0][g];
@@ -1360,13 +1396,13 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
     __threadfence();                                               // the record, before the count
     __syncthreads();
     if (tid == 0) {
-        sh_last = atomicAdd(count + b * gridDim.x + blockIdx.x, 1) == chunks - 1;
+        sh_last = atomicAdd(count + b * gx + bx, 1) == chunks - 1;
         __threadfence();                                           // the count, before the records
     }
     __syncthreads();
     if (!sh_last) return;
-    if (tid == 0) count[b * gridDim.x + blockIdx.x] = 0;
-    const float* recs = partial + ((long)b * gridDim.x + blockIdx.x) * gridDim.z * REC;
+    if (tid == 0) count[b * gx + bx] = 0;
+    const float* recs = partial + ((long)b * gx + bx) * gz * REC;
     for (int e = tid; e < nh * D; e += blockDim.x)                 // the chunks, in order (__ldcg: from L2)
         combine_chunks<1>(y + ((long)r * Hq + h0) * D + e, recs, chunks, D, e / D, e % D);
 }
@@ -1375,27 +1411,125 @@ __device__ void attention_decode_split(float* y, float* partial, int* count, flo
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_8(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
-    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
+    attention_decode_split<8>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine,
+                                blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, {});
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_16(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
-    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
+    attention_decode_split<16>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine,
+                                 blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, {});
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_32(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
-    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
+    attention_decode_split<32>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine,
+                                 blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, {});
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_64(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
-    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
+    attention_decode_split<64>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine,
+                                 blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, {});
 }
 extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_128(
     float* y, float* partial, int* count, float* k_cache, float* v_cache, const float* qkv, const float* cos,
     const float* sin, const int* pos, int row0, int Hq, int Hkv, float scale, int combine) {
-    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine);
+    attention_decode_split<128>(y, partial, count, k_cache, v_cache, qkv, cos, sin, pos, row0, Hq, Hkv, scale, combine,
+                                  blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.z, {});
+}
+
+// The layers of a decoding pass in one kernel (nanoeuler_cuda.DECODE_PERSISTENT), where a pass of kernels
+// launched one by one spends about 1.6 us of each kernel's 2.4 starting and ending it (83 kernels a pass on an
+// H100, dev/LOG.md): the same five stages a layer as those kernels, in the same order (wqkv's product with the
+// norm, the split attention's records, wo's product combining them += into x, w_gate_up's product with the norm,
+// w_down's with SwiGLU += into x), each stage's blocks (of the grid its kernel would have) taken in turn by this
+// grid's blocks: block b takes b, b + gridDim.x, ... The stages meet at counters (stage_arrive, stage_wait), and
+// a block issues its first weight loads of a stage before it waits for the stage before (decode_matvec loads
+// before sync.wait): the weights stream while the grid meets. The same functions with the same sums: the bits of
+// the kernels one by one. (Each block taken waits at stage_wait, a block barrier, before its threads write shared
+// memory that another thread reads: the block taken before it is done with it.)
+// block 256 (launch bounds (256, 2), as decode_matvec's); grid: no more blocks than are resident at once (the
+// host's occupancy query); ready: 5 L counters, 0 when the pass starts (a memset before it in the graph);
+// dynamic shared memory R * Hq * D floats (wo's input, combined)
+struct DecodeBuffers {                          // layer 0's weights and cache; layer l's lie l strides on
+    float *x, *qkv, *gu, *partial;              // the step's: GPUDecoder's x, qkv, gu and split records
+    const void *wqkv, *attn_norm, *wo, *w_gate_up, *mlp_norm, *w_down;    // the norms fp32, the rest W
+    float *k_cache, *v_cache;
+    const float *cos, *sin;
+    const int* pos;
+    int* ready;
+};
+struct DecodeShape {
+    long long stride, cache_stride;             // elements from a layer's weights (cache) to the next layer's
+    int R, C, F, L, Hq, Hkv, gz, splits[4];     // gz: chunks of keys, ceil(T / DECODE_CHUNK); splits: of wqkv's,
+    float scale;                                // wo's, w_gate_up's and w_down's products (matvec_splits)
+};
+
+template <typename W, int D>
+__device__ void decode_layers(const DecodeBuffers& a, const DecodeShape& s) {
+    int G = gridDim.x, QKV = (s.Hq + 2 * s.Hkv) * D;
+    int gx = s.Hkv * ((s.Hq / s.Hkv + DECODE_HEADS - 1) / DECODE_HEADS);      // the split attention's grid x
+    auto blocks = [](int Out, int splits) { return (Out + 8 * DECODE_OUTS / splits - 1) / (8 * DECODE_OUTS / splits); };
+    decode_wait();                                                 // for the embedding's x
+    for (int k = 0; k < 5 * s.L; k++) {                            // stage k: layer k / 5, its part k % 5
+        int i = k % 5;
+        long long w0 = k / 5 * s.stride, c0 = k / 5 * s.cache_stride;
+        DecodeSync sync{a.ready + (k ? k - 1 : 0), k ? G : 0};
+        int n = i == 0 ? blocks(QKV, s.splits[0]) : i == 1 ? gx * s.R * s.gz : i == 2 ? blocks(s.C, s.splits[1])
+              : i == 3 ? blocks(2 * s.F, s.splits[2]) : blocks(s.C, s.splits[3]);
+        for (int b = blockIdx.x; b < n; b += G) {
+            if (i == 0)
+                decode_matvec<W, IN_RMSNORM>(a.qkv, a.x, (const W*)a.wqkv + w0, (const float*)a.attn_norm + w0, s.R,
+                                             s.C, QKV, QKV, 0, s.splits[0], b, sync);
+            else if (i == 1)
+                attention_decode_split<D>(nullptr, a.partial, nullptr, a.k_cache + c0, a.v_cache + c0, a.qkv, a.cos,
+                                          a.sin, a.pos, 0, s.Hq, s.Hkv, s.scale, 0, b % gx, b / gx % s.R,
+                                          b / (gx * s.R), gx, s.gz, sync);
+            else if (i == 2)
+                decode_matvec<W, IN_ATTENTION>(a.x, a.partial, (const W*)a.wo + w0, nullptr, s.R, s.Hq * D, s.C, s.C,
+                                               1, s.splits[1], b, sync, a.pos, s.Hq, s.Hkv, s.gz);
+            else if (i == 3)
+                decode_matvec<W, IN_RMSNORM>(a.gu, a.x, (const W*)a.w_gate_up + w0, (const float*)a.mlp_norm + w0,
+                                             s.R, s.C, 2 * s.F, 2 * s.F, 0, s.splits[2], b, sync);
+            else
+                decode_matvec<W, IN_SWIGLU>(a.x, a.gu, (const W*)a.w_down + w0, nullptr, s.R, s.F, s.C, s.C, 1,
+                                            s.splits[3], b, sync);
+        }
+        stage_arrive(a.ready + k);
+    }
+}
+
+// the entry points: {fp32, bf16} weights x the split attention's head dims, written out
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_f32_8(DecodeBuffers a, DecodeShape s) {
+    decode_layers<float, 8>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_f32_16(DecodeBuffers a, DecodeShape s) {
+    decode_layers<float, 16>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_f32_32(DecodeBuffers a, DecodeShape s) {
+    decode_layers<float, 32>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_f32_64(DecodeBuffers a, DecodeShape s) {
+    decode_layers<float, 64>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_f32_128(DecodeBuffers a, DecodeShape s) {
+    decode_layers<float, 128>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_bf16_8(DecodeBuffers a, DecodeShape s) {
+    decode_layers<unsigned short, 8>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_bf16_16(DecodeBuffers a, DecodeShape s) {
+    decode_layers<unsigned short, 16>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_bf16_32(DecodeBuffers a, DecodeShape s) {
+    decode_layers<unsigned short, 32>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_bf16_64(DecodeBuffers a, DecodeShape s) {
+    decode_layers<unsigned short, 64>(a, s);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) decode_layers_bf16_128(DecodeBuffers a, DecodeShape s) {
+    decode_layers<unsigned short, 128>(a, s);
 }
 
 // the argmax of every row of logits (R * n_heads, V) (the first index on ties, as np.argmax)

@@ -1416,6 +1416,10 @@ DECODE_ATTENTION = "split"
 # 3,300 tokens/s against 2,768 without (BENCHMARKS.md); `check` compares it with plain
 # launches bit for bit
 DECODE_PDL = True
+# a pass's layers as one kernel (kernels.cu's decode_layers: the split attention's five stages a layer, met at
+# counters in global memory, not 5 L kernels): where the split attention runs. Off until a GPU has timed it against
+# the kernels one by one (dev/LOG.md); `check` compares its bits with theirs
+DECODE_PERSISTENT = False
 RING = 64                       # entries of the ring of chosen ids, each (count, ids...)
 LOOKAHEAD = 8                   # greedy: steps queued before the host reads the first one's ids
 DEFAULT_DRAFTS = 1              # --drafts: head 1 alone, the best at SPEC's weight (1.00x, 2 drafts 0.98x: H100,
@@ -1472,6 +1476,20 @@ def decode_matvec(out, x, w, norm_w, R, In, Out, mode="plain", accumulate=False,
                   ptr_arg(x), ptr_arg(w), ptr_arg(norm_w), int_arg(R), int_arg(In), int_arg(Out),
                   int_arg(ld_out or Out), int_arg(int(accumulate)), int_arg(splits), *map(int_arg, records),
                   shared=4 * R * In if mode == "attention" else 0)            # attention: its rows, combined
+
+
+class DecodeBuffers(ctypes.Structure):
+    """kernels.cu's DecodeBuffers: decode_layers' buffers, layer 0's weights and cache"""
+    _fields_ = [(name, ctypes.c_void_p) for name in ("x", "qkv", "gu", "partial", "wqkv", "attn_norm", "wo",
+                                                      "w_gate_up", "mlp_norm", "w_down", "k_cache", "v_cache", "cos",
+                                                      "sin", "pos", "ready")]
+
+
+class DecodeShape(ctypes.Structure):
+    """kernels.cu's DecodeShape: decode_layers' sizes"""
+    _fields_ = [("stride", ctypes.c_longlong), ("cache_stride", ctypes.c_longlong),
+                *[(name, ctypes.c_int) for name in ("R", "C", "F", "L", "Hq", "Hkv", "gz")],
+                ("splits", ctypes.c_int * 4), ("scale", ctypes.c_float)]
 
 
 def attention_kernel(D, attention=None):
@@ -1545,9 +1563,10 @@ def decode_check_sizes(cfg):
 class GPUDecoder:
     """weights, KV cache and step buffers for decoding one sequence on the GPU (see above);
     attention: "split" or "single" (default DECODE_ATTENTION), pdl: programmatic dependent
-    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only)"""
+    launch of the step's kernels (default DECODE_PDL; on sm_90 and later only), persistent: the layers as one
+    kernel (default DECODE_PERSISTENT; with the split attention only)"""
 
-    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None):
+    def __init__(self, cfg, flat, precision="bf16", attention=None, pdl=None, persistent=None):
         decode_check_sizes(cfg)
         init_gpu(precision)
         self.cfg, self.precision = cfg, precision
@@ -1570,8 +1589,9 @@ class GPUDecoder:
         self.head_splits = matvec_splits(C, V, 8 if precision == "bf16" else 4, gpu.sms)
         cos, sin = ne.rope_table(T, D, 0, np.float32)
         self.cos, self.sin = to_gpu(cos), to_gpu(sin)
-        self.k_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
-        self.v_cache = [DeviceArray((T, cfg.Hkv, D)) for _ in range(cfg.L)]
+        caches = DeviceArray((cfg.L, T, cfg.Hkv, D)), DeviceArray((cfg.L, T, cfg.Hkv, D))     # a layer's T Hkv D on
+        self.k_cache, self.v_cache = ([c.view(l * T * cfg.Hkv * D, (T, cfg.Hkv, D)) for l in range(cfg.L)]
+                                      for c in caches)
         partial, count = split_scratch(cfg)
         self.split = (DeviceArray((partial,)), DeviceArray((count,), np.int32).zero())   # counts reset themselves
         # the prefill's activations (T rows; p_norm_out: h, then m) and the step's (R rows)
@@ -1588,6 +1608,32 @@ class GPUDecoder:
         self.events = [check(cu.cuEventCreate(no_timing), "cuEventCreate") for _ in range(RING)]
         self.graphs = {}                                               # (R, n_heads) -> executable graph
         self.costs = {}                                                # pass_cost's, by R
+        self.persistent = self.attention == "split" and bool(DECODE_PERSISTENT if persistent is None else persistent)
+        if self.persistent:
+            self.ready = DeviceArray((5 * cfg.L,), np.int32)           # decode_layers' stage counters
+            self.layer_kernel = f"decode_layers_{'bf16' if precision == 'bf16' else 'f32'}_{D}"
+            self.layer_splits = [matvec_splits(In, Out, 8 if precision == "bf16" else 4, gpu.sms)
+                                 for In, Out in ((C, QKV), (HD, C), (C, 2 * F), (F, C))]
+            stages = [ceil_div(Out, 8 * DECODE_OUTS // k) for Out, k in zip((QKV, C, 2 * F, C), self.layer_splits)]
+            stages.append(cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS) * R * ceil_div(T, DECODE_CHUNK))
+            fit = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(gpu.function(self.layer_kernel), 256,
+                                                                       4 * R * HD), "the occupancy query")
+            self.layer_blocks = min(fit * gpu.sms, max(stages))     # all resident at once: they wait on each other
+
+    def decode_layers(self, x, R):
+        """layers() as one kernel, kernels.cu's decode_layers (self.persistent)"""
+        cfg, w, p = self.cfg, self.weights, self.params
+        stride = sum(math.prod(shape) for name, shape in param_shapes(cfg) if name.startswith("layers.0."))
+        first = lambda name, t=w: t[f"layers.0.{name}"].ptr
+        buffers = DecodeBuffers(x.ptr, self.qkv.ptr, self.gu.ptr, self.split[0].ptr, first("wqkv"),
+                                first("attn_norm", p), first("wo"), first("w_gate_up"), first("mlp_norm", p),
+                                first("w_down"), self.k_cache[0].ptr, self.v_cache[0].ptr, self.cos.ptr, self.sin.ptr,
+                                self.pos.ptr, self.ready.ptr)
+        shape = DecodeShape(stride, cfg.T * cfg.Hkv * cfg.D, R, cfg.C, cfg.F, cfg.L, cfg.Hq, cfg.Hkv,
+                            ceil_div(cfg.T, DECODE_CHUNK), (ctypes.c_int * 4)(*self.layer_splits), 1 / math.sqrt(cfg.D))
+        self.ready.zero()                                              # a memset in the graph: every pass
+        decode_launch(self.layer_kernel, self.layer_blocks, 256, self.pdl, buffers, shape,
+                      shared=4 * R * cfg.Hq * cfg.D)
 
     def attend(self, l, y, qkv, R, prefill=False, pdl=False, combine=True):
         """attention of layer l over R rows of qkv at *pos (and their cache write) into y (or,
@@ -1605,6 +1651,8 @@ class GPUDecoder:
         """the blocks over R rows of x in place, rows at *pos..: decode kernels (R small)"""
         cfg, w, pdl = self.cfg, self.weights, self.pdl
         C, F, QKV, HD = cfg.C, cfg.F, (cfg.Hq + 2 * cfg.Hkv) * cfg.D, cfg.Hq * cfg.D
+        if self.persistent:
+            return self.decode_layers(x, R)
         for l in range(cfg.L):
             lw = lambda name: w[f"layers.{l}.{name}"]
             norm = lambda name: self.params[f"layers.{l}.{name}"]
@@ -2621,7 +2669,8 @@ def check_decoding(rng, report, precision):
     whose rows see one chunk of keys and on one (D = 64 as the big model's, G = 8 query
     heads per kv head: two blocks each) whose rows see up to three, the 3-row pass
     straddling a chunk's end; on sm_90 the step's kernels with programmatic
-    dependent launch give the bits of plain launches; then check_speculative"""
+    dependent launch give the bits of plain launches, and decode_layers those of the
+    layers' kernels one by one (or the other way round); then check_speculative"""
     cfg = Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
     wide = Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
     other = "single" if attention_kernel(cfg.D) == "split" else "split"
@@ -2634,6 +2683,8 @@ def check_decoding(rng, report, precision):
         seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)
         check_decode_logits(report, f"{what} {other}", c, flat, params, precision, ids, n0, attention=other)
         variants = [("without PDL" if DECODE_PDL else "PDL launches", dict(pdl=not DECODE_PDL))] * (int(gpu.arch) >= 90)
+        variants.append(("kernels one by one" if DECODE_PERSISTENT else "persistent layers",
+                         dict(persistent=not DECODE_PERSISTENT)))
         for name, options in variants:
             try:
                 got = check_decode_logits(lambda *_: None, what, c, flat, params, precision, ids, n0, **options)

@@ -540,7 +540,8 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
     # kernels.cu run on the CPU against nanoeuler.model_forward with a KV cache: rows that see
     # one to three chunks of keys (D = 64, 8 query heads per kv head), both attention kernels,
     # fp32 and bf16; a 3-row pass == one-row steps; PDL launches, and a prefill's attention
-    # launched over slices of its rows, give the same bits as plain launches of all rows
+    # launched over slices of its rows, and the layers as one kernel (decode_layers, its blocks
+    # at once), give the same bits as plain launches of all rows
     cfg = ne.Config(V=96, C=512, Hq=8, Hkv=1, L=1, T=160, F=176, K=2)
     rng = np.random.default_rng(0)
     flat = ne.init_params(cfg, seed=1) + rng.normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
@@ -548,7 +549,9 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
     failed, seen = [], {}
     for precision, attention, extra, slice_rows in (("fp32", "split", {}, 512), ("fp32", "single", {}, 512),
                                                     ("fp32", "split", {"pdl": True}, 512),
-                                                    ("fp32", "split", {}, 48), ("bf16", "split", {}, 512)):
+                                                    ("fp32", "split", {}, 48), ("bf16", "split", {}, 512),
+                                                    ("fp32", "split", {"persistent": True}, 512),
+                                                    ("bf16", "split", {"persistent": True}, 512)):
         monkeypatch.setattr(nc, "DECODE_PREFILL_ROWS", slice_rows)            # 126 rows: 48 + 48 + 30
         params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
         report = lambda what, err: failed.extend([] if err < nc.DECODE_TOLERANCE[precision] else [(what, err)])
@@ -557,9 +560,36 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
                                             attention=attention, **extra)
     assert not failed, failed
     plain = seen["fp32 split [] slices of 512"]
-    for what in ("fp32 split ['pdl'] slices of 512", "fp32 split [] slices of 48"):
+    for what in ("fp32 split ['pdl'] slices of 512", "fp32 split [] slices of 48",
+                 "fp32 split ['persistent'] slices of 512"):
         assert all(np.array_equal(a, b) for a, b in zip(seen[what], plain)), what
+    bf16 = seen["bf16 split [] slices of 512"]
+    assert all(np.array_equal(a, b) for a, b in zip(seen["bf16 split ['persistent'] slices of 512"], bf16))
     assert emulated.programmatic > 0
+
+
+@needs_nvrtc
+@needs_gxx
+def test_the_layers_as_one_kernel_give_the_bits_of_their_kernels_on_the_cpu_emulator(emulated, monkeypatch):
+    # decode_layers over two layers (the weights and caches of layer 1 a stride on from layer 0's), its 4 blocks
+    # at once (the emulator's processes), every stage's blocks taken in turns: the logits of a prefill, one-row
+    # steps and 3-row passes within the bar of float64's, and the bits of the layers' kernels launched one by one
+    cfg = ne.Config(V=96, C=64, Hq=4, Hkv=2, L=2, T=40, F=176, K=4)
+    rng = np.random.default_rng(5)
+    flat = ne.init_params(cfg, seed=2) + rng.normal(0, 0.05, nc.num_params(cfg)).astype(np.float32)
+    ids = rng.integers(0, cfg.V, 20).tolist()
+    launched, launch = [], nc.decode_launch
+    monkeypatch.setattr(nc, "decode_launch", lambda name, *a, **k: launched.append(name) or launch(name, *a, **k))
+    for precision in ("fp32", "bf16"):
+        params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
+        errors = []
+        report = lambda what, err: errors.append((what, err))
+        one_by_one = nc.check_decode_logits(lambda *_: None, precision, cfg, flat, params, precision, ids, 12,
+                                            persistent=False)
+        persistent = nc.check_decode_logits(report, precision, cfg, flat, params, precision, ids, 12, persistent=True)
+        assert [e for e in errors if not e[1] < nc.DECODE_TOLERANCE[precision]] == [], errors
+        assert all(np.array_equal(a, b) for a, b in zip(persistent, one_by_one)), precision
+        assert f"decode_layers_{'bf16' if precision == 'bf16' else 'f32'}_16" in launched
 
 
 @needs_nvrtc

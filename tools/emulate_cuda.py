@@ -37,17 +37,25 @@ through a tensor map that the stand-in driver's cuTensorMapEncodeTiled makes,
 swizzled as they land, done when every thread of the block waits; TMA stores
 in bulk groups, done at the wait_group.read that lets them be; named
 barriers; setmaxnreg, a no-op); a block whose threads all wait for what none of
-them will do is a deadlock, named with what each waits at. install() then
+them will do is a deadlock, named with what each waits at. A persistent kernel
+(named as CONCURRENT says: decode_layers_...) has blocks that wait on each other
+through kernels.cu's stage counters (KERNELS_HELPERS: stage_arrive, stage_wait),
+which one block after another would never get past (that fails at once, named):
+each block of its grid runs in a process of its own (fork), all at once, device
+memory shared (MAP_SHARED), the rest (fibers, shared memory) the block's own; a
+block that faults or fails fails the launch and ends the others' waits, and a wait
+that sees no block arrive anywhere for 60 s is a deadlock, named. install() then
 puts a stand-in driver into nanoeuler_cuda (memory is host memory, filled with
 NaN bits when allocated, after a guard of NaN bytes that is read after every
 kernel and right before a page no one may touch, so a write before the start is
 named, a read before it spreads NaN, and a read or write past the end fails the
-launch with the kernel's name; a launch, a memset or a cuBLAS product runs at
+launch with the kernel's name; a grid that waits on itself may have no more
+blocks than fit at once, two an SM; a launch, a memset or a cuBLAS product runs at
 once or, during stream capture, joins the graph that a graph launch replays;
 what a capture may not do fails) and a GPU object with cuBLAS done by numpy,
 so GPUModel, GPUEngine, GPUDecoder and the checks run unchanged.
 
-What it cannot tell: speed, memory order (fences and atomics are plain), and the
+What it cannot tell: speed, memory order (fences and atomics are x86's), and the
 GPU's exact bits (expf is libm's, not --use_fast_math's), so it compares with
 numpy at the same bars as `check` does and pins equalities between two runs of
 the emulator (speculative == plain, graph == one by one), not GPU bits; a tensor
@@ -89,6 +97,10 @@ EMULATOR = r"""
 #include <ucontext.h>
 #include <signal.h>
 #include <unistd.h>
+#include <sched.h>
+#include <time.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 using std::min;
 using std::max;
 // CUDA's min and max of an int and an unsigned compare as unsigned
@@ -126,8 +138,9 @@ static inline float __fmul_rn(float a, float b) { volatile float r = a * b; retu
 static inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 static inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 template <class T> static inline T __ldcg(const T* p) { return *p; }
-static inline void __threadfence() {}
-static inline int atomicAdd(int* p, int v) { int o = *p; *p = o + v; return o; }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// real atomics: the blocks of a concurrent grid (run_grid_concurrent) are processes sharing device memory
+static inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 
 // cvt.rn.bf16.f32 (what __float2bfloat16 does): round to nearest even, a NaN the canonical NaN
 static inline unsigned short emu_bf16_bits(float x) {
@@ -242,55 +255,170 @@ extern "C" void emu_set_reverse(int r) { emu_reverse = r; }
 static int emu_warps_ahead;
 extern "C" void emu_set_warps_ahead(int ahead) { emu_warps_ahead = ahead; }
 
-// body(arg) in every thread of every block of the grid, the threads of a block as fibers
-static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
+// the grid's shape and body, the fibers and their stacks allocated once (before any fork: no malloc in a child)
+static void start_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
     if (block > 1024 || block % 32) { fprintf(stderr, "emulator: block of %d threads\n", block); abort(); }
     if (!fibers) fibers = new Fiber[1024], stacks = (char*)malloc(1024 * STACK);
     gridDim = grid, blockDim = dim3e{(unsigned)block, 1, 1}, body = fn, body_arg = arg;
-    long blocks = (long)grid.x * grid.y * grid.z;
-    for (long i = 0; i < blocks; i++) {
-        long b = emu_reverse ? blocks - 1 - i : i;
-        blockIdx = dim3e{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
-        live = block, bar_arrived = 0;
-        for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
-        emu_wgmma_block();
-        emu_copies_block();
-        for (int t = 0; t < block; t++) {
-            Fiber& f = fibers[t];
-            f.started = f.done = false, f.tid = t;
-            getcontext(&f.uc);
-            f.uc.uc_stack.ss_sp = stacks + (size_t)t * STACK;
-            f.uc.uc_stack.ss_size = STACK;
-            f.uc.uc_link = nullptr;
-            makecontext(&f.uc, fiber_main, 0);
-        }
-        for (int running = block; running;) {
-            running = 0;
-            unsigned long long events = emu_events;
-            bool started = false;
-            unsigned long long warp_events = 0;                  // (warps ahead: when the warp's pass began)
-            for (int k = 0; k < block; k++) {
-                if (k % 32 == 0) warp_events = emu_events;
-                int t = emu_reverse ? block - 1 - k : k;
-                Fiber& f = fibers[t];
-                if (!f.done) {
-                    cur = t, threadIdx = dim3e{f.tid, 0, 0};
-                    if (!_setjmp(scheduler)) {
-                        if (!f.started) f.started = started = true, setcontext(&f.uc);
-                        else _longjmp(f.jb, 1);
-                    }
-                }
-                // warps ahead: after the warp's last fiber, its fibers again while one of them got anywhere
-                if (emu_warps_ahead && k % 32 == 31 && emu_events != warp_events) k -= 32;
-            }
-            for (int t = 0; t < block; t++) running += !fibers[t].done;
-            if (running && !started && events == emu_events) {    // every live thread waits: for TMA copies, or
-                if (!emu_tma_pending()) emu_deadlock();              // for what no one will do
-                emu_tma_complete();
-            }
-        }
-        if (emu_tma_pending()) emu_fail("a block ends with TMA copies in flight");
+}
+// block b of the grid: body(arg) in each of its threads, as fibers
+static void run_block(long b) {
+    dim3e grid = gridDim;
+    int block = blockDim.x;
+    blockIdx = dim3e{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
+    live = block, bar_arrived = 0;
+    for (int w = 0; w < block / 32; w++) warp_live[w] = 32, warp_arrived[w] = 0;
+    emu_wgmma_block();
+    emu_copies_block();
+    for (int t = 0; t < block; t++) {
+        Fiber& f = fibers[t];
+        f.started = f.done = false, f.tid = t;
+        getcontext(&f.uc);
+        f.uc.uc_stack.ss_sp = stacks + (size_t)t * STACK;
+        f.uc.uc_stack.ss_size = STACK;
+        f.uc.uc_link = nullptr;
+        makecontext(&f.uc, fiber_main, 0);
     }
+    for (int running = block; running;) {
+        running = 0;
+        unsigned long long events = emu_events;
+        bool started = false;
+        unsigned long long warp_events = 0;                  // (warps ahead: when the warp's pass began)
+        for (int k = 0; k < block; k++) {
+            if (k % 32 == 0) warp_events = emu_events;
+            int t = emu_reverse ? block - 1 - k : k;
+            Fiber& f = fibers[t];
+            if (!f.done) {
+                cur = t, threadIdx = dim3e{f.tid, 0, 0};
+                if (!_setjmp(scheduler)) {
+                    if (!f.started) f.started = started = true, setcontext(&f.uc);
+                    else _longjmp(f.jb, 1);
+                }
+            }
+            // warps ahead: after the warp's last fiber, its fibers again while one of them got anywhere
+            if (emu_warps_ahead && k % 32 == 31 && emu_events != warp_events) k -= 32;
+        }
+        for (int t = 0; t < block; t++) running += !fibers[t].done;
+        if (running && !started && events == emu_events) {    // every live thread waits: for TMA copies, or
+            if (!emu_tma_pending()) emu_deadlock();              // for what no one will do
+            emu_tma_complete();
+        }
+    }
+    if (emu_tma_pending()) emu_fail("a block ends with TMA copies in flight");
+}
+// body(arg) in every thread of every block of the grid, one block after another
+static void run_grid(dim3e grid, int block, void (*fn)(void*), void* arg) {
+    start_grid(grid, block, fn, arg);
+    long blocks = (long)grid.x * grid.y * grid.z;
+    for (long i = 0; i < blocks; i++) run_block(emu_reverse ? blocks - 1 - i : i);
+}
+
+// A concurrent grid (a kernel named as emulate_cuda.CONCURRENT says: its blocks wait on each other at stage_wait):
+// each block runs in a process of its own, forked, all at once. Device memory is Driver.alloc's MAP_SHARED mmap,
+// so they share it; each keeps its own copy of the rest (fibers, static and dynamic shared memory): a block's
+// private state. A block that faults or fails (emu_fail) ends its process with a code (EMU_FAULTED, EMU_FAILED)
+// and marks the grid failed, at which the blocks still waiting at stage_wait end too (EMU_ABANDONED).
+static const int EMU_FAULTED = 70, EMU_FAILED = 71, EMU_ABANDONED = 72;
+static void* const EMU_BLOCK_FAILED = (void*)-2;        // emu_run's answer when a block of such a grid failed
+// what the grid's processes share (mmap MAP_SHARED, made before the fork): progress counts every stage_arrive and
+// block that ends, for the deadlock at stage_wait; fault: each block's faulting address
+struct EmuGridShared { unsigned long long progress; int failed; void* fault[]; };
+static EmuGridShared* emu_grid;                           // in a block's process (null elsewhere)
+static long emu_block_slot;                               // which block's, in fork order
+static double emu_stall_seconds = 60;                     // no block arrived anywhere for this long: a deadlock
+extern "C" void emu_set_stall_seconds(double seconds) { emu_stall_seconds = seconds; }
+static void emu_grid_failed() { if (emu_grid) __atomic_store_n(&emu_grid->failed, 1, __ATOMIC_SEQ_CST); }
+static void* run_grid_concurrent(dim3e grid, int block, void (*fn)(void*), void* arg) {
+    start_grid(grid, block, fn, arg);
+    long blocks = (long)grid.x * grid.y * grid.z;
+    size_t bytes = sizeof(EmuGridShared) + blocks * sizeof(void*);
+    void* shared = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED) { perror("emulator: mmap"); abort(); }
+    memset(shared, 0, bytes);
+    EmuGridShared* g = (EmuGridShared*)shared;
+    pid_t* pids = new pid_t[blocks];
+    fflush(stdout), fflush(stderr);
+    for (long i = 0; i < blocks; i++) {
+        pids[i] = fork();
+        if (pids[i] < 0) {                                // those forked already give up at their first wait
+            perror("emulator: fork");
+            __atomic_store_n(&g->failed, 1, __ATOMIC_SEQ_CST);
+            blocks = i;
+            break;
+        }
+        if (pids[i] == 0) {
+            emu_grid = g, emu_block_slot = i;
+            run_block(emu_reverse ? blocks - 1 - i : i);
+            __atomic_fetch_add(&g->progress, 1, __ATOMIC_SEQ_CST);
+            fflush(stdout);
+            _exit(0);
+        }
+    }
+    void* result = g->failed ? EMU_BLOCK_FAILED : nullptr;  // (a fork that failed)
+    for (long left = blocks; left;) {                       // each child, as it ends; one that failed ends the rest
+        bool reaped = false;
+        for (long i = 0; i < blocks; i++) {
+            int status;
+            if (!pids[i] || waitpid(pids[i], &status, WNOHANG) != pids[i]) continue;
+            pids[i] = 0, left--, reaped = true;
+            if (WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == EMU_ABANDONED)) continue;
+            __atomic_store_n(&g->failed, 1, __ATOMIC_SEQ_CST);      // (a signal, say, that did not mark it)
+            if (!result || (result == EMU_BLOCK_FAILED && g->fault[i]))
+                result = WIFEXITED(status) && WEXITSTATUS(status) == EMU_FAULTED && g->fault[i] ? g->fault[i]
+                                                                                                 : EMU_BLOCK_FAILED;
+        }
+        if (left && !reaped) usleep(1000);
+    }
+    delete[] pids;
+    munmap(shared, bytes);
+    return result;
+}
+
+// decode_layers' stage counters (kernels.cu's stage_arrive and stage_wait, KERNELS_HELPERS), both called by every
+// thread of the block: arrive, the block's threads met, then thread 0 adds 1; wait, thread 0 loads until the
+// counter reaches the target, then the block's threads meet. One block after another, a target not met yet never
+// is: that fails at once; in a concurrent grid a wait that sees no block arrive anywhere for emu_stall_seconds is a
+// deadlock, named (it turns a hang into a failure; nothing passes on timing). A waiting thread 0 yields the CPU
+// between its first 64 loads, then sleeps 200 us between loads: the blocks at work have the cores
+static void stage_arrive(int* counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __atomic_fetch_add(counter, 1, __ATOMIC_SEQ_CST);
+        if (emu_grid) __atomic_fetch_add(&emu_grid->progress, 1, __ATOMIC_SEQ_CST);
+    }
+}
+static double emu_seconds() {
+    timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+static void stage_wait(const int* counter, int target) {
+    if (threadIdx.x == 0) {
+        int seen = __atomic_load_n(counter, __ATOMIC_ACQUIRE);
+        char what[320];
+        if (seen < target && !emu_grid) {
+            snprintf(what, sizeof what, "a block waits at stage_wait for other blocks, which run one after another "
+                     "here (counter at %d, waiting for %d): name the kernel as emulate_cuda.CONCURRENT says "
+                     "(decode_layers_...) to run its blocks at once", seen, target);
+            emu_fail(what);
+        }
+        unsigned long long progress = 0;
+        double since = 0;
+        for (int tries = 0; seen < target; tries++, seen = __atomic_load_n(counter, __ATOMIC_ACQUIRE)) {
+            if (__atomic_load_n(&emu_grid->failed, __ATOMIC_SEQ_CST)) _exit(EMU_ABANDONED);  // another block failed
+            unsigned long long now = __atomic_load_n(&emu_grid->progress, __ATOMIC_SEQ_CST);
+            if (!tries || now != progress) progress = now, since = emu_seconds();
+            else if (emu_seconds() - since > emu_stall_seconds) {
+                if (__atomic_exchange_n(&emu_grid->failed, 1, __ATOMIC_SEQ_CST)) _exit(EMU_ABANDONED);   // told
+                snprintf(what, sizeof what, "a deadlock at stage_wait: counter at %d, waiting for %d (no block of "
+                         "the grid arrived anywhere for %g s)", seen, target, emu_stall_seconds);
+                emu_fail(what);
+            }
+            if (tries < 64) sched_yield();
+            else usleep(200);                               // (the blocks still at work get the CPUs)
+        }
+    }
+    __syncthreads();
 }
 
 // ---- flash_attn.cu's tensor-core helpers (TENSOR_CORE_HELPERS), as the PTX ISA defines them
@@ -407,6 +535,7 @@ template <int N> static void cp_async_wait() { emu_copies_land(emu_copy_groups[t
 // that exits with a wgmma in flight.
 static void emu_fail(const char* what) {
     fprintf(stderr, "emulator: %s (thread %u of block %u)\n", what, threadIdx.x, blockIdx.x);
+    if (emu_grid) emu_grid_failed(), fflush(stdout), _exit(EMU_FAILED);     // a block of a concurrent grid
     abort();
 }
 // shared addresses: dynamic shared memory alone has them, from EMU_SHARED_START (16-byte aligned, not more: a
@@ -803,7 +932,7 @@ static void emu_deadlock() {                             // each different wait,
 """
 
 API = r"""
-struct Kernel { const char* name; int n; size_t sizes[16]; void (*thunk)(void**); };
+struct Kernel { const char* name; int n; size_t sizes[16]; void (*thunk)(void**); bool concurrent; };
 %(thunks)s
 static Kernel table[] = {
 %(table)s
@@ -823,20 +952,28 @@ extern "C" void* emu_launch(int k, int gx, int gy, int gz, int block, void** par
 static void launch_body(void* p) { Launch* l = (Launch*)p; table[l->k].thunk(l->args); }
 // A read or write past the end of an allocation meets the page after it, which no one may touch
 // (Driver.alloc): the SIGSEGV jumps out of the kernel, and emu_run returns its address (the
-// grid's fibers are set up afresh by the next launch). A fault outside a kernel goes on to the
-// handler that was there before.
+// grid's fibers are set up afresh by the next launch); in a block's process of a concurrent grid
+// it ends the process, the address left for run_grid_concurrent. A fault outside a kernel goes on
+// to the handler that was there before.
 static bool emu_running = false;
 static void* emu_fault_address;
 static sigjmp_buf emu_fault_jb;
 static struct sigaction emu_before;
 static void emu_fault(int sig, siginfo_t* info, void* context) {
+    if (emu_running && emu_grid) {
+        emu_grid->fault[emu_block_slot] = info->si_addr;
+        emu_grid_failed();
+        _exit(EMU_FAULTED);
+    }
     if (emu_running) {
         emu_fault_address = info->si_addr;
         siglongjmp(emu_fault_jb, 1);
     }
     sigaction(SIGSEGV, &emu_before, nullptr);            // the faulting access, run again, reaches it
 }
-extern "C" void* emu_run(void* p) {                    // -> nullptr, or the address a kernel may not touch
+// -> nullptr, or the address a kernel may not touch, or EMU_BLOCK_FAILED (a block of a concurrent grid failed,
+// its message on stderr)
+extern "C" void* emu_run(void* p) {
     static bool installed = false;
     if (!installed) {
         struct sigaction act = {};
@@ -851,9 +988,11 @@ extern "C" void* emu_run(void* p) {                    // -> nullptr, or the add
         return emu_fault_address ? emu_fault_address : (void*)-1;
     }
     emu_running = true;
-    run_grid(l->grid, l->block, launch_body, l);
+    void* result = nullptr;
+    if (table[l->k].concurrent) result = run_grid_concurrent(l->grid, l->block, launch_body, l);
+    else run_grid(l->grid, l->block, launch_body, l);
     emu_running = false;
-    return nullptr;
+    return result;
 }
 extern "C" void emu_free(void* p) { delete (Launch*)p; }
 """
@@ -865,6 +1004,11 @@ PTX = [(r'asm\("cvt\.rn\.bf16\.f32 %0, %1;" : "=h"\((\w+)\) : "f"\(([^()]+)\)\);
        (r'asm\("cvt\.rn\.bf16x2\.f32 %0, %1, %2;" : "=r"\((\w+)\) : "f"\(([^()]+)\), "f"\(([^()]+)\)\);',
         r"\1 = (unsigned)emu_bf16_bits(\2) << 16 | emu_bf16_bits(\3);"),
        (r'asm\("cvt\.rna\.tf32\.f32 %0, %1;" : "=r"\((\w+)\) : "f"\(([^()]+)\)\);', r"\1 = emu_tf32_bits(\2);")]
+
+
+# kernels whose grid runs all at once (run_grid_concurrent: a block a process), by the start of their names: a
+# persistent kernel's blocks wait on each other at stage_wait, which one block after another would never get past
+CONCURRENT = ("decode_layers_",)
 
 
 def emulator_source(kernels, defines=()):
@@ -882,7 +1026,8 @@ def emulator_source(kernels, defines=()):
         types = [re.sub(r"\s*\b\w+$", "", " ".join(p.split())) for p in params.split(",")]
         args = ", ".join(f"*({t}*)a[{j}]" for j, t in enumerate(types))
         thunks.append(f"static void thunk_{i}(void** a) {{ {name}({args}); }}")
-        rows.append(f'  {{"{name}", {len(types)}, {{{", ".join(f"sizeof({t})" for t in types)}}}, thunk_{i}}}')
+        rows.append(f'  {{"{name}", {len(types)}, {{{", ".join(f"sizeof({t})" for t in types)}}}, thunk_{i}, '
+                    f'{str(name.startswith(CONCURRENT)).lower()}}}')
     return EMULATOR + head + src + API % {"thunks": "\n".join(thunks), "table": ",\n".join(rows)}
 
 
@@ -924,9 +1069,16 @@ TMA_HELPERS = ("mbarrier_init", "fence_mbarrier_init", "mbarrier_expect_tx", "mb
                "bulk_wait_read")
 
 
-# the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it (flash_attn.cu's
-# helpers of mma.sync, and of its TMA forward's wgmma and TMA, in C++)
-SOURCES = {"kernels.cu": ("kernels.cu", (), None), "kernels.cu bf16": ("kernels.cu", ("-DFLOATX=bfloat16",), None),
+# kernels.cu's helpers for decode_layers' stage counters, whose inline PTX (red.release, ld.acquire) the emulator's
+# header defines in C++ instead
+KERNELS_HELPERS = ("stage_arrive", "stage_wait")
+
+
+# the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it (kernels.cu's stage
+# counters, flash_attn.cu's helpers of mma.sync, and of its TMA forward's wgmma and TMA, in C++)
+SOURCES = {"kernels.cu": ("kernels.cu", (), lambda text: without_helpers(text, KERNELS_HELPERS)),
+           "kernels.cu bf16": ("kernels.cu", ("-DFLOATX=bfloat16",),
+                               lambda text: without_helpers(text, KERNELS_HELPERS)),
            "flash_attn.cu": ("flash_attn.cu", (), lambda text: without_helpers(
                text, TENSOR_CORE_HELPERS + WGMMA_HELPERS + TMA_HELPERS))}
 
@@ -963,6 +1115,7 @@ def load(path, defines=(), select=None, **build_options):
     lib.emu_run.argtypes = lib.emu_free.argtypes = [ctypes.c_void_p]
     lib.emu_run.restype = ctypes.c_void_p
     lib.emu_set_late_copies.argtypes = lib.emu_set_warps_ahead.argtypes = [ctypes.c_int]
+    lib.emu_set_stall_seconds.argtypes = [ctypes.c_double]
     return lib
 
 
@@ -1067,7 +1220,7 @@ class Driver:
         n = max(n, 4)
         span = (n + 63) // 64 * 64
         body = (self.GUARD + span + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
-        pages = mmap.mmap(-1, body + mmap.PAGESIZE)
+        pages = mmap.mmap(-1, body + mmap.PAGESIZE, flags=mmap.MAP_SHARED)   # a concurrent grid's blocks share it
         base = ctypes.addressof(ctypes.c_char.from_buffer(pages))
         if LIBC.mprotect(ctypes.c_void_p(base + body), mmap.PAGESIZE, 0):     # PROT_NONE
             raise OSError(ctypes.get_errno(), "mprotect")
@@ -1175,12 +1328,25 @@ class Driver:
         return (self.real.CUresult.CUDA_ERROR_NOT_FOUND, None) if index < 0 else (0, Function(module, index,
                                                                                              name.decode()))
 
+    OCCUPANCY = 2                                 # blocks an SM holds at once, for any kernel (a persistent grid's)
+    BLOCK_FAILED = ctypes.c_void_p(-2).value      # emu_run's EMU_BLOCK_FAILED: a block of a concurrent grid failed
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, f, block, shared):
+        return (0, self.OCCUPANCY)
+
     def launch(self, f, grid, block, params):
+        blocks = grid[0] * grid[1] * grid[2]
+        if f.name.startswith(CONCURRENT) and blocks > self.sms * self.OCCUPANCY:
+            raise AssertionError(f"{f.name}: a grid of {blocks} blocks, more than are resident at once ({self.sms} "
+                                 f"SMs x {self.OCCUPANCY}): its blocks wait on each other, so on a GPU it would hang")
         launch = f.lib.emu_launch(f.index, *grid, block, params)       # the arguments' values, copied now
         self.launches += 1
 
         def run():
             fault = f.lib.emu_run(launch)
+            if fault == self.BLOCK_FAILED:
+                raise AssertionError(f"{f.name} failed in a block of its concurrent grid (the emulator's message is "
+                                     f"on stderr)")
             if fault:
                 raise AssertionError(f"{f.name} read or wrote memory past the end of an allocation, or none of "
                                      f"them (address {fault:#x}{self.where(fault)})")
