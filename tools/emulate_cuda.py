@@ -1100,9 +1100,10 @@ def build(path, defines=(), select=None, cache_dir=CACHE_DIR, flags=()):
         cpp = lib[:-3] + f".{os.getpid()}.cpp"
         with open(cpp, "w") as f:
             f.write(source)
+        tmp = lib[:-3] + f".{os.getpid()}.so"         # the process's own: two test runs may build the same library
         subprocess.run(["g++", "-O1", "-std=c++20", "-ffp-contract=off", "-fPIC", "-shared", "-w", *flags, "-o",
-                        lib + ".tmp", cpp], check=True)
-        os.replace(lib + ".tmp", lib)
+                        tmp, cpp], check=True)
+        os.replace(tmp, lib)
         os.remove(cpp)
     return lib
 
