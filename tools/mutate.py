@@ -161,7 +161,7 @@ INPUT_MUTATIONS = [
 
 # bugs in the kernels, which test_cuda_pipeline.py runs on tools/emulate_cuda.py's CPU emulator:
 # (name, file, its exact text, what it becomes, pytest -k: the tests that run that kernel)
-TRAINING, DECODING = "training_checks", "test_decode_"
+TRAINING, DECODING, LAYERS = "training_checks", "test_decode_", "layers_as_one_kernel"
 KERNEL_MUTATIONS = [
     ("attention fp32: a query does not see itself", "flash_attn.cu", "s[r] = k0 + r <= i ? dot : -INFINITY;",
      "s[r] = k0 + r < i ? dot : -INFINITY;", TRAINING),
@@ -213,6 +213,10 @@ KERNEL_MUTATIONS = [
     ("adamw: decay ignores the decay mask", "kernels.cu", "(1.0f - lr * weight_decay * d[j])",
      "(1.0f - lr * weight_decay)", TRAINING),
     ("grad norm: |g|, not g^2", "kernels.cu", "s += grads[i] * grads[i];", "s += fabsf(grads[i]);", TRAINING),
+    ("decode layers: a block takes every other block of work of its stage", "kernels.cu",
+     "for (int b = blockIdx.x; b < n; b += G) {", "for (int b = blockIdx.x; b < n; b += 2 * G) {", LAYERS),
+    ("decode layers: every layer's attention reads and writes layer 0's cache", "kernels.cu",
+     "c0 = k / 5 * s.cache_stride;", "c0 = 0;", LAYERS),
     ("decode attention: a row sees the next key", "kernels.cu", "DECODE_CHUNK && first + jj + KEYS * i < n;",
      "DECODE_CHUNK && first + jj + KEYS * i <= n;", DECODING),
     ("decode attention: a row sees the next key (scores reduce-scattered)", "kernels.cu",
