@@ -25,7 +25,7 @@ rows_probe() {   # rows_probe TREE...: dev/variants/decode_rows_probe.py in each
 decode_round() {   # decode_round ROUND TREE...: bench --decode-only (round 1 with --profile) in each tree (main:
   # the repository, else .carry/TREE), the whole output into $R/bench_ROUND.log, its figures into the summary
   local round=$1 tree dir opts; shift
-  local keep="tok/s|a pass over [1-4] rows? and 1 head|one step at|prefill|rror|attention_decode|decode_matvec"
+  local keep="tok/s|a pass over [1-4] rows? and 1 head|one step at|prefill|rror|attention_decode|decode_matvec|decode_layers"
   for tree in "$@"; do
     [ "$tree" = main ] && dir=$PWD || dir=$PWD/.carry/$tree
     opts=$([ "$round" = 1 ] && echo --profile)
