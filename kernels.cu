@@ -701,9 +701,10 @@ __device__ __forceinline__ void decode_launch_next() {
 // counter once its part of the stage is written (stage_arrive), and a block that reads a stage's output waits until
 // its counter holds every block of the grid (stage_wait): cooperative groups' grid sync, a counter a stage, so none
 // is reset within a pass. The __syncthreads before the release orders the block's writes before thread 0's; the
-// acquire, then __syncthreads, orders every thread's reads after the other blocks' writes (an acquire at gpu scope
-// drops what the SM's L1 holds). Every block of the grid must be resident at once: the host launches no more blocks
-// than fit (cuOccupancyMaxActiveBlocksPerMultiprocessor). Both are called by every thread of the block.
+// acquire (relaxed loads until the count is there, then a fence), then __syncthreads, orders every thread's reads
+// after the other blocks' writes (an acquire at gpu scope empties the SM's L1, CCTL.IVALL: once, not every poll).
+// Every block of the grid must be resident at once: the host launches no more blocks than fit
+// (cuOccupancyMaxActiveBlocksPerMultiprocessor). Both are called by every thread of the block.
 __device__ __forceinline__ void stage_arrive(int* counter) {
     __syncthreads();
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counter) : "memory");
@@ -712,8 +713,9 @@ __device__ __forceinline__ void stage_arrive(int* counter) {
 __device__ __forceinline__ void stage_wait(const int* counter, int target) {
     if (threadIdx.x == 0) {
         int seen;
-        do asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        do asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
         while (seen < target);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");          // the acquire, once: each one empties the L1
     }
     __syncthreads();
 }
@@ -966,7 +968,7 @@ __device__ void decode_matvec(float* out, const float* in, const W* w, const flo
     sync.wait();
     float old = accumulate && writes ? out[(long)r * ld_out + o] : 0.0f;
     if (MODE == IN_ATTENTION) {                                    // the input, combined once a block
-        extern __shared__ float attention_rows[];                  // R x In floats
+        extern __shared__ __align__(16) float attention_rows[];    // R x In floats, read 16 bytes at a time
         combine_rows(attention_rows, first[t], in, R, In, p0, Hq, Hkv, gz);
         __syncthreads();
         in = attention_rows;

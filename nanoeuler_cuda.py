@@ -1616,8 +1616,11 @@ class GPUDecoder:
                                  for In, Out in ((C, QKV), (HD, C), (C, 2 * F), (F, C))]
             stages = [ceil_div(Out, 8 * DECODE_OUTS // k) for Out, k in zip((QKV, C, 2 * F, C), self.layer_splits)]
             stages.append(cfg.Hkv * ceil_div(cfg.Hq // cfg.Hkv, DECODE_HEADS) * R * ceil_div(T, DECODE_CHUNK))
-            fit = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(gpu.function(self.layer_kernel), 256,
-                                                                       4 * R * HD), "the occupancy query")
+            kernel, shared = gpu.function(self.layer_kernel), 4 * R * HD     # dynamic shared memory: wo's rows
+            # allowed whatever its size: with the kernel's static shared memory it may pass the default 48 KB
+            allow = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(kernel, allow, shared), f"allowing {self.layer_kernel} {shared} bytes")
+            fit = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel, 256, shared), "the occupancy query")
             self.layer_blocks = min(fit * gpu.sms, max(stages))     # all resident at once: they wait on each other
 
     def decode_layers(self, x, R):
