@@ -161,7 +161,7 @@ INPUT_MUTATIONS = [
 
 # bugs in the kernels, which test_cuda_pipeline.py runs on tools/emulate_cuda.py's CPU emulator:
 # (name, file, its exact text, what it becomes, pytest -k: the tests that run that kernel)
-TRAINING, DECODING, LAYERS = "training_checks", "test_decode_", "layers_as_one_kernel"
+TRAINING, DECODING, LAYERS = "training_checks", "test_decode_", "test_the_layers_as_one_kernel"
 KERNEL_MUTATIONS = [
     ("attention fp32: a query does not see itself", "flash_attn.cu", "s[r] = k0 + r <= i ? dot : -INFINITY;",
      "s[r] = k0 + r < i ? dot : -INFINITY;", TRAINING),
