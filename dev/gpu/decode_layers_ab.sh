@@ -12,7 +12,8 @@ for n in $VARIANTS; do
   tar -c --exclude=./.carry --exclude=./data --exclude=./dev/logs --exclude=./out . | tar -x -C ".carry/$n"
   sed -i 's/^DECODE_PERSISTENT = False/DECODE_PERSISTENT = True/' ".carry/$n/nanoeuler_cuda.py"
 done
-[ -d .carry/pers1 ] && sed -i 's/__launch_bounds__(256, 2) decode_layers_/__launch_bounds__(256, 1) decode_layers_/' .carry/pers1/kernels.cu
+[ -d .carry/pers1 ] &&
+  sed -i 's/__launch_bounds__(256, 2) decode_layers_/__launch_bounds__(256, 1) decode_layers_/' .carry/pers1/kernels.cu
 for n in $VARIANTS; do
   (cd ".carry/$n" && t "check_decoding_$n.log" timeout 150 python dev/gpu/check_decoding.py)
   grep -E "NOT OK|one by one|overall" "$R/check_decoding_$n.log" | tee -a "$S"

@@ -8,7 +8,8 @@ R=${1:?usage: bash $0 OUTDIR}; mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 [ "$LIGHT" = 1 ] && export VARIANTS=pers2 ROUNDS=1 TORCH_BATCHES=64
 timeout 280 bash dev/gpu/decode_layers_ab.sh "$R/dec"
-{ timeout 100 python tools/pytorch_reference.py --decode --compile reduce-overhead 2>&1 | grep -E "tok/s|rror" | tail -3; } | tee "$R/dec/torch_decode.log"
+timeout 100 python tools/pytorch_reference.py --decode --compile reduce-overhead 2>&1 | grep -E "tok/s|rror" |
+  tail -3 | tee "$R/dec/torch_decode.log"
 timeout 270 bash dev/gpu/train_ab.sh "$R/train" .carry/ab_base
 cp "$R/dec/summary.log" "$R/dec_summary.log"; cp "$R/train/summary.log" "$R/train_summary.log"
 (cd "$R" && tar -czf logs.tgz dec train && rm -rf dec train)
