@@ -710,6 +710,19 @@ __device__ __forceinline__ void stage_arrive(int* counter) {
     if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(counter) : "memory");
 }
 
+// The pass's last stage: thread 0 adds 1 and reads what was there (acquire and release: after every other
+// block's arrival, which followed its last read of any counter); the block that brings the count to the grid's
+// size, when every block is past every wait, zeroes the n counters for the next pass (stream order shows them).
+__device__ __forceinline__ void stage_arrive_last(int* counters, int n) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int before;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(counters + n - 1) : "memory");
+        if (before == gridDim.x - 1)
+            for (int i = 0; i < n; i++) counters[i] = 0;
+    }
+}
+
 __device__ __forceinline__ void stage_wait(const int* counter, int target) {
     if (threadIdx.x == 0) {
         int seen;
@@ -1452,7 +1465,8 @@ extern "C" __global__ void __launch_bounds__(256) attention_decode_split_kernel_
 // the kernels one by one. (Each block taken waits at stage_wait, a block barrier, before its threads write shared
 // memory that another thread reads: the block taken before it is done with it.)
 // block 256 (launch bounds (256, 2), as decode_matvec's); grid: no more blocks than are resident at once (the
-// host's occupancy query); ready: 5 L counters, 0 when the pass starts (a memset before it in the graph);
+// host's occupancy query); ready: 5 L counters, 0 when the pass starts (allocated so, and zeroed again by the
+// pass's last block: stage_arrive_last; no memset node in the graph);
 // dynamic shared memory R * Hq * D floats (wo's input, combined)
 struct DecodeBuffers {                          // layer 0's weights and cache; layer l's lie l strides on
     float *x, *qkv, *gu, *partial;              // the step's: GPUDecoder's x, qkv, gu and split records
@@ -1498,7 +1512,8 @@ __device__ void decode_layers(const DecodeBuffers& a, const DecodeShape& s) {
                 decode_matvec<W, IN_SWIGLU>(a.x, a.gu, (const W*)a.w_down + w0, nullptr, s.R, s.F, s.C, s.C, 1,
                                             s.splits[3], b, sync);
         }
-        stage_arrive(a.ready + k);
+        if (k < 5 * s.L - 1) stage_arrive(a.ready + k);
+        else stage_arrive_last(a.ready, 5 * s.L);
     }
 }
 

@@ -1610,7 +1610,8 @@ class GPUDecoder:
         self.costs = {}                                                # pass_cost's, by R
         self.persistent = self.attention == "split" and bool(DECODE_PERSISTENT if persistent is None else persistent)
         if self.persistent:
-            self.ready = DeviceArray((5 * cfg.L,), np.int32)           # decode_layers' stage counters
+            self.ready = DeviceArray((5 * cfg.L,), np.int32).zero()    # decode_layers' stage counters (a pass
+                                                                           # leaves them 0: stage_arrive_last)
             self.layer_kernel = f"decode_layers_{'bf16' if precision == 'bf16' else 'f32'}_{D}"
             self.layer_splits = [matvec_splits(In, Out, 8 if precision == "bf16" else 4, gpu.sms)
                                  for In, Out in ((C, QKV), (HD, C), (C, 2 * F), (F, C))]
@@ -1634,7 +1635,6 @@ class GPUDecoder:
                                 self.pos.ptr, self.ready.ptr)
         shape = DecodeShape(stride, cfg.T * cfg.Hkv * cfg.D, R, cfg.C, cfg.F, cfg.L, cfg.Hq, cfg.Hkv,
                             ceil_div(cfg.T, DECODE_CHUNK), (ctypes.c_int * 4)(*self.layer_splits), 1 / math.sqrt(cfg.D))
-        self.ready.zero()                                              # a memset in the graph: every pass
         decode_launch(self.layer_kernel, self.layer_blocks, 256, self.pdl, buffers, shape,
                       shared=4 * R * cfg.Hq * cfg.D)
 

@@ -37,10 +37,10 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the CUDA emu
 
 
 def kernels_cu_definitions():
-    """kernels.cu's definitions of stage_arrive and stage_wait, as they stand there"""
-    found = re.findall(r"^__device__ __forceinline__ void (?:stage_arrive|stage_wait)\(.*?\n}\n", open(KERNELS).read(),
-                       re.S | re.M)
-    assert len(found) == 2, found
+    """kernels.cu's definitions of stage_arrive, stage_arrive_last and stage_wait, as they stand there"""
+    found = re.findall(r"^__device__ __forceinline__ void (?:stage_arrive|stage_arrive_last|stage_wait)\(.*?\n}\n",
+                       open(KERNELS).read(), re.S | re.M)
+    assert len(found) == 3, found
     return found
 
 
@@ -128,8 +128,23 @@ def test_the_emulators_builds_of_kernels_cu_drop_its_stage_helpers():
         kept = emulator.SOURCES[module][2](text)
         lines = sum(d.count("\n") for d in kernels_cu_definitions())
         assert text.count("\n") - kept.count("\n") == lines, module
-        assert not re.search(r"void stage_(arrive|wait)\(", kept) and "red.release" not in kept, module
+        assert not re.search(r"void stage_(arrive|arrive_last|wait)\(", kept) and "red.release" not in kept, module
+        assert "atom.acq_rel" not in kept, module
         assert "stage_wait(ready, blocks)" in kept, module
+
+
+@needs_gxx
+@pytest.mark.parametrize("reverse", [0, 1])
+def test_the_last_arrival_zeroes_the_counters_for_the_next_pass(cache, reverse):
+    # decode_layers' last stage (stage_arrive_last): the block that arrives last, when every block is past every
+    # wait, sets the stage counters to 0; the one they skip (counters[stages], which every block added 1 to) stays
+    last = KERNEL.replace("        stage_arrive(counters + s);\n",
+                          "        if (s < stages - 1) stage_arrive(counters + s);\n"
+                          "        else stage_arrive_last(counters, stages);\n")
+    assert last != KERNEL
+    out, counters = run_stages(build(cache, last), blocks=4, reverse=reverse)
+    assert np.array_equal(out, want(4, 3)), out
+    assert counters.tolist() == [0, 0, 0, 4]
 
 
 @needs_gxx

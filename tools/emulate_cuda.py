@@ -387,6 +387,15 @@ static void stage_arrive(int* counter) {
         if (emu_grid) __atomic_fetch_add(&emu_grid->progress, 1, __ATOMIC_SEQ_CST);
     }
 }
+static void stage_arrive_last(int* counters, int n) {             // the last arrival zeroes the counters
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int before = __atomic_fetch_add(counters + n - 1, 1, __ATOMIC_SEQ_CST);
+        if (emu_grid) __atomic_fetch_add(&emu_grid->progress, 1, __ATOMIC_SEQ_CST);
+        if (before == (int)gridDim.x - 1)
+            for (int i = 0; i < n; i++) __atomic_store_n(counters + i, 0, __ATOMIC_SEQ_CST);
+    }
+}
 static double emu_seconds() {
     timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -1071,7 +1080,7 @@ TMA_HELPERS = ("mbarrier_init", "fence_mbarrier_init", "mbarrier_expect_tx", "mb
 
 # kernels.cu's helpers for decode_layers' stage counters, whose inline PTX (red.release, ld.acquire) the emulator's
 # header defines in C++ instead
-KERNELS_HELPERS = ("stage_arrive", "stage_wait")
+KERNELS_HELPERS = ("stage_arrive", "stage_arrive_last", "stage_wait")
 
 
 # the modules of nanoeuler_cuda.MODULES, as the emulator builds them: file, defines, what of it (kernels.cu's stage

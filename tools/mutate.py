@@ -217,6 +217,8 @@ KERNEL_MUTATIONS = [
      "for (int b = blockIdx.x; b < n; b += G) {", "for (int b = blockIdx.x; b < n; b += 2 * G) {", LAYERS),
     ("decode layers: every layer's attention reads and writes layer 0's cache", "kernels.cu",
      "c0 = k / 5 * s.cache_stride;", "c0 = 0;", LAYERS),
+    ("decode layers: the pass's last stage leaves its counters for the next pass to find", "kernels.cu",
+     "if (k < 5 * s.L - 1) stage_arrive(a.ready + k);", "if (true) stage_arrive(a.ready + k);", LAYERS),
     ("decode attention: a row sees the next key", "kernels.cu", "DECODE_CHUNK && first + jj + KEYS * i < n;",
      "DECODE_CHUNK && first + jj + KEYS * i <= n;", DECODING),
     ("decode attention: a row sees the next key (scores reduce-scattered)", "kernels.cu",
