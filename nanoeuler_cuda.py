@@ -2618,6 +2618,12 @@ def bf16_matrices(flat, cfg):
     return out
 
 
+def reference_params(flat, cfg, precision):
+    """the float64 reference's parameters (carved) for a decoder of precision: in bf16, its matrices rounded as the
+    decoder holds them"""
+    return ne.carve(bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
+
+
 def margin_model(cfg, rng):
     """nanoeuler's speculative test model: the next token depends mostly on the current one
     (head k maps t to f^(k+1)(t) with large margins, the blocks add a little noise), so
@@ -2680,7 +2686,7 @@ def check_decoding(rng, report, precision):
     for c, n0 in ((cfg, 12), (wide, 126)):
         flat = ne.init_params(c, seed=int(rng.integers(1 << 30)))
         flat += rng.normal(0, 0.05, flat.size).astype(np.float32)
-        params = ne.carve(bf16_matrices(flat, c) if precision == "bf16" else flat.astype(np.float64), c)
+        params = reference_params(flat, c, precision)
         ids = rng.integers(0, c.V, n0 + 8).tolist()
         what = f"decode {precision}" + (f" D={c.D} G={c.Hq // c.Hkv}" if c is wide else "")
         seen = check_decode_logits(report, what, c, flat, params, precision, ids, n0)

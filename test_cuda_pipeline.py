@@ -553,7 +553,7 @@ def test_decode_kernels_on_the_cpu_emulator(emulated, monkeypatch):
                                                     ("fp32", "split", {"persistent": True}, 512),
                                                     ("bf16", "split", {"persistent": True}, 512)):
         monkeypatch.setattr(nc, "DECODE_PREFILL_ROWS", slice_rows)            # 126 rows: 48 + 48 + 30
-        params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
+        params = nc.reference_params(flat, cfg, precision)
         report = lambda what, err: failed.extend([] if err < nc.DECODE_TOLERANCE[precision] else [(what, err)])
         what = f"{precision} {attention} {sorted(extra)} slices of {slice_rows}"
         seen[what] = nc.check_decode_logits(report, what, cfg, flat, params, precision, ids, 126,
@@ -581,7 +581,7 @@ def test_the_layers_as_one_kernel_give_the_bits_of_their_kernels_on_the_cpu_emul
     launched, launch = [], nc.decode_launch
     monkeypatch.setattr(nc, "decode_launch", lambda name, *a, **k: launched.append(name) or launch(name, *a, **k))
     for precision in ("fp32", "bf16"):
-        params = ne.carve(nc.bf16_matrices(flat, cfg) if precision == "bf16" else flat.astype(np.float64), cfg)
+        params = nc.reference_params(flat, cfg, precision)
         errors = []
         report = lambda what, err: errors.append((what, err))
         one_by_one = nc.check_decode_logits(lambda *_: None, precision, cfg, flat, params, precision, ids, 12,

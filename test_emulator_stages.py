@@ -1,11 +1,12 @@
 """
 tools/emulate_cuda.py's concurrent grids: a kernel named as emulate_cuda.CONCURRENT says (decode_layers_...) runs
 each block of its grid in a process of its own, all at once, so blocks that wait on each other through kernels.cu's
-stage counters (stage_arrive, stage_wait: their definitions taken from kernels.cu, dropped for the emulator's as its
-builds of kernels.cu drop them) get past their waits. A small kernel of stages checks it: the right rows in any
-order; a wait with a target one too low, or none, reads a row before it is written (a block held back makes that
-certain); a wait never met is a named deadlock; a kernel run one block after another that waits on another block
-fails at once, named; a fault in one block fails the launch, named, and the rest of the grid ends with it.
+stage counters (stage_arrive, stage_wait, stage_arrive_last: their definitions taken from kernels.cu, dropped for
+the emulator's as its builds of kernels.cu drop them) get past their waits. A small kernel of stages checks it: the
+right rows in any order; a wait with a target one too low, or none, reads a row before it is written (a block held
+back makes that certain); a wait never met is a named deadlock; a kernel run one block after another that waits on
+another block fails at once, named; a fault in one block fails the launch, named, and the rest of the grid ends
+with it; the last stage's last arrival zeroes the counters.
 """
 
 import ctypes

@@ -39,8 +39,8 @@ in bulk groups, done at the wait_group.read that lets them be; named
 barriers; setmaxnreg, a no-op); a block whose threads all wait for what none of
 them will do is a deadlock, named with what each waits at. A persistent kernel
 (named as CONCURRENT says: decode_layers_...) has blocks that wait on each other
-through kernels.cu's stage counters (KERNELS_HELPERS: stage_arrive, stage_wait),
-which one block after another would never get past (that fails at once, named):
+through kernels.cu's stage counters (KERNELS_HELPERS: stage_arrive, stage_wait,
+stage_arrive_last), which one block after another would never get past (that fails at once, named):
 each block of its grid runs in a process of its own (fork), all at once, device
 memory shared (MAP_SHARED), the rest (fibers, shared memory) the block's own; a
 block that faults or fails fails the launch and ends the others' waits, and a wait
@@ -374,27 +374,26 @@ static void* run_grid_concurrent(dim3e grid, int block, void (*fn)(void*), void*
     return result;
 }
 
-// decode_layers' stage counters (kernels.cu's stage_arrive and stage_wait, KERNELS_HELPERS), both called by every
-// thread of the block: arrive, the block's threads met, then thread 0 adds 1; wait, thread 0 loads until the
+// decode_layers' stage counters (kernels.cu's stage_arrive, stage_arrive_last and stage_wait, KERNELS_HELPERS),
+// each called by every thread of the block: arrive, the block's threads met, then thread 0 adds 1 (the last
+// stage's arrival that completes the grid then zeroes the counters for the next pass); wait, thread 0 loads until the
 // counter reaches the target, then the block's threads meet. One block after another, a target not met yet never
 // is: that fails at once; in a concurrent grid a wait that sees no block arrive anywhere for emu_stall_seconds is a
 // deadlock, named (it turns a hang into a failure; nothing passes on timing). A waiting thread 0 yields the CPU
 // between its first 64 loads, then sleeps 200 us between loads: the blocks at work have the cores
-static void stage_arrive(int* counter) {
+static int emu_arrive(int* counter) {                            // -> the count before thread 0's 1 (0 elsewhere)
     __syncthreads();
+    int before = 0;
     if (threadIdx.x == 0) {
-        __atomic_fetch_add(counter, 1, __ATOMIC_SEQ_CST);
+        before = __atomic_fetch_add(counter, 1, __ATOMIC_SEQ_CST);
         if (emu_grid) __atomic_fetch_add(&emu_grid->progress, 1, __ATOMIC_SEQ_CST);
     }
+    return before;
 }
+static void stage_arrive(int* counter) { emu_arrive(counter); }
 static void stage_arrive_last(int* counters, int n) {             // the last arrival zeroes the counters
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int before = __atomic_fetch_add(counters + n - 1, 1, __ATOMIC_SEQ_CST);
-        if (emu_grid) __atomic_fetch_add(&emu_grid->progress, 1, __ATOMIC_SEQ_CST);
-        if (before == (int)gridDim.x - 1)
-            for (int i = 0; i < n; i++) __atomic_store_n(counters + i, 0, __ATOMIC_SEQ_CST);
-    }
+    if (emu_arrive(counters + n - 1) == (int)gridDim.x - 1 && threadIdx.x == 0)
+        for (int i = 0; i < n; i++) __atomic_store_n(counters + i, 0, __ATOMIC_SEQ_CST);
 }
 static double emu_seconds() {
     timespec t;
